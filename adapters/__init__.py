@@ -1,0 +1,3 @@
+"""Agent-framework adapters. Framework imports stay inside `langchain` and `crewai`."""
+
+__all__: list[str] = []

@@ -1,0 +1,71 @@
+"""agent_sandbox: run an LLM agent's Python in a sandboxed worker under a per-tool policy.
+
+Layout: this package is the core (public API, orchestration, worker pool, transport, CLI);
+`agent_sandbox.policies` is the policy model, `agent_sandbox.providers` the OS sandboxes,
+`agent_sandbox.guards` the Python-level guards that run inside the worker, and
+`agent_sandbox.adapters` the LangChain and CrewAI tools.
+"""
+
+from agent_sandbox._denial import RULES as RULES
+from agent_sandbox._denial import Denial as Denial
+from agent_sandbox._errors import CallDenied as CallDenied
+from agent_sandbox._errors import CodeRejected as CodeRejected
+from agent_sandbox._errors import EnvDenied as EnvDenied
+from agent_sandbox._errors import FileAccessDenied as FileAccessDenied
+from agent_sandbox._errors import HiddenPathDenied as HiddenPathDenied
+from agent_sandbox._errors import ImportDenied as ImportDenied
+from agent_sandbox._errors import LimitExceeded as LimitExceeded
+from agent_sandbox._errors import MessageTooLarge as MessageTooLarge
+from agent_sandbox._errors import NetworkDenied as NetworkDenied
+from agent_sandbox._errors import PolicyError as PolicyError
+from agent_sandbox._errors import PolicyNotFound as PolicyNotFound
+from agent_sandbox._errors import ProviderUnavailable as ProviderUnavailable
+from agent_sandbox._errors import SandboxClosed as SandboxClosed
+from agent_sandbox._errors import SandboxDenied as SandboxDenied
+from agent_sandbox._errors import SandboxError as SandboxError
+from agent_sandbox._errors import TransportError as TransportError
+from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
+from agent_sandbox._errors import WorkerError as WorkerError
+from agent_sandbox._errors import WorkerStartError as WorkerStartError
+from agent_sandbox._result import Image as Image
+from agent_sandbox._result import RunError as RunError
+from agent_sandbox._result import RunResult as RunResult
+from agent_sandbox._sandbox import Sandbox as Sandbox
+from agent_sandbox._sandbox import Session as Session
+from agent_sandbox.policies import Policy as Policy
+from agent_sandbox.policies import load_policy as load_policy
+from agent_sandbox.policies import resolve_policy as resolve_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RULES",
+    "CallDenied",
+    "CodeRejected",
+    "Denial",
+    "EnvDenied",
+    "FileAccessDenied",
+    "HiddenPathDenied",
+    "Image",
+    "ImportDenied",
+    "LimitExceeded",
+    "MessageTooLarge",
+    "NetworkDenied",
+    "Policy",
+    "PolicyError",
+    "PolicyNotFound",
+    "ProviderUnavailable",
+    "RunError",
+    "RunResult",
+    "Sandbox",
+    "SandboxClosed",
+    "SandboxDenied",
+    "SandboxError",
+    "Session",
+    "TransportError",
+    "WorkerCrashed",
+    "WorkerError",
+    "WorkerStartError",
+    "load_policy",
+    "resolve_policy",
+]

@@ -1,0 +1,65 @@
+"""The worker's denial recorder: every guard records here before it raises.
+
+Recording first means a denial reaches the result even when user code swallows the
+exception. The recorder also streams each denial to the parent as it happens, through the
+sink the worker server installs for the duration of a call.
+
+Standard library only (the worker imports it before arming).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from agent_sandbox._denial import Denial
+
+__all__ = ["record", "set_policy_name", "set_sink", "take"]
+
+_lock = threading.Lock()
+_denials: list[Denial] = []
+_sink: Callable[[Denial], None] | None = None
+_policy_name = ""
+_MAX_RECORDED = 1000
+
+
+def set_policy_name(name: str) -> None:
+    """The policy name stamped on denials that do not name one."""
+    global _policy_name
+    _policy_name = name
+
+
+def set_sink(sink: Callable[[Denial], None] | None) -> None:
+    """Install (or remove) the live sink that streams denials to the parent."""
+    global _sink
+    _sink = sink
+
+
+def record(denial: Denial) -> Denial:
+    """Record one denial (stamped with the policy name) and stream it; returns the record."""
+    if not denial.policy and _policy_name:
+        denial = Denial(
+            rule=denial.rule,
+            action=denial.action,
+            target=denial.target,
+            policy=_policy_name,
+            hint=denial.hint,
+            detail=denial.detail,
+            learned=denial.learned,
+        )
+    with _lock:
+        if len(_denials) >= _MAX_RECORDED:
+            return denial
+        _denials.append(denial)
+        sink = _sink
+    if sink is not None:
+        sink(denial)
+    return denial
+
+
+def take() -> list[Denial]:
+    """Return and clear the denials recorded since the last call."""
+    with _lock:
+        out = list(_denials)
+        _denials.clear()
+    return out

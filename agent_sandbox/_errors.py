@@ -1,0 +1,240 @@
+"""Every exception agent_sandbox raises, in one place.
+
+The tree, host side first (what the agent's process may see), then the denials raised
+inside the worker while user code runs:
+
+* SandboxError                      - base of everything below
+  * PolicyError (ValueError)        - a policy is malformed; names file, key, line, expected
+    * PolicyNotFound (FileNotFoundError) - the policy file or preset does not exist
+  * ProviderUnavailable             - a requested OS provider cannot run on this machine
+  * WorkerError                     - the worker process misbehaved
+    * WorkerStartError              - the worker did not become ready
+    * WorkerCrashed                 - the worker died while a call ran
+  * TransportError                  - the parent/worker channel broke or sent garbage
+    * MessageTooLarge               - one event or a result exceeded its cap
+  * SandboxClosed                   - the sandbox or session was closed
+  * SandboxDenied                   - a policy refused an operation (carries a Denial)
+    * FileAccessDenied (PermissionError)
+    * HiddenPathDenied (FileNotFoundError)
+    * NetworkDenied (ConnectionRefusedError)
+    * ImportDenied (ModuleNotFoundError)
+    * EnvDenied (KeyError)
+    * CallDenied (PermissionError)
+    * CodeRejected (SyntaxError)
+    * LimitExceeded                 - a budget or resource limit was hit
+
+This module is imported by the worker before anything else, so it uses the standard
+library only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent_sandbox._denial import Denial
+
+__all__ = [
+    "CallDenied",
+    "CodeRejected",
+    "EnvDenied",
+    "FileAccessDenied",
+    "HiddenPathDenied",
+    "ImportDenied",
+    "LimitExceeded",
+    "MessageTooLarge",
+    "NetworkDenied",
+    "PolicyError",
+    "PolicyNotFound",
+    "ProviderUnavailable",
+    "SandboxClosed",
+    "SandboxDenied",
+    "SandboxError",
+    "TransportError",
+    "WorkerCrashed",
+    "WorkerError",
+    "WorkerStartError",
+]
+
+
+class SandboxError(Exception):
+    """Base class of every agent_sandbox error, so callers can catch ours and only ours."""
+
+
+class PolicyError(SandboxError, ValueError):
+    """A policy could not be built; the message names the file, the key and what was expected.
+
+    It is a ValueError because a bad policy is bad input, and code that validates
+    configuration generally catches ValueError.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        key: str | None = None,
+        line: int | None = None,
+        expected: str | None = None,
+    ) -> None:
+        self.source = source
+        self.key = key
+        self.line = line
+        self.expected = expected
+        where = source or "<policy>"
+        if line is not None:
+            where = f"{where}:{line}"
+        parts = [f"{where}: {message}"]
+        if key:
+            parts[0] = f"{where}: [{key}] {message}"
+        if expected:
+            parts.append(f"expected {expected}")
+        super().__init__("; ".join(parts))
+
+
+class PolicyNotFound(PolicyError, FileNotFoundError):
+    """The policy file or the named preset does not exist."""
+
+
+class ProviderUnavailable(SandboxError):
+    """The provider named in the policy cannot run here; it is never replaced silently.
+
+    The message names the provider and what is missing, so the user can install it or
+    name another provider explicitly.
+    """
+
+    def __init__(self, provider: str, reason: str) -> None:
+        self.provider = provider
+        self.reason = reason
+        super().__init__(
+            f"provider {provider!r} is not available on this machine: {reason}. "
+            f"Install what is missing, or name another provider in the policy "
+            f"(`provider = \"auto\"` picks the strongest one that works)."
+        )
+
+
+class WorkerError(SandboxError):
+    """The worker process failed in a way that is not a policy decision."""
+
+
+class WorkerStartError(WorkerError):
+    """The worker did not answer its start-up handshake in time, or answered wrongly."""
+
+    def __init__(self, reason: str, *, log_tail: str = "") -> None:
+        self.reason = reason
+        self.log_tail = log_tail
+        msg = f"the sandbox worker failed to start: {reason}"
+        if log_tail:
+            msg += f"\n--- worker log (last lines) ---\n{log_tail}"
+        super().__init__(msg)
+
+
+class WorkerCrashed(WorkerError):
+    """The worker died while a call was running (signal, os._exit, out of memory)."""
+
+    def __init__(self, returncode: int | None, *, log_tail: str = "") -> None:
+        self.returncode = returncode
+        self.log_tail = log_tail
+        super().__init__(f"the sandbox worker crashed ({describe_exit(returncode)})")
+
+
+class TransportError(SandboxError):
+    """The channel between parent and worker broke or carried a malformed message."""
+
+
+class MessageTooLarge(TransportError):
+    """One event or the result exceeded its size cap; the cap is a refusal, not a truncation."""
+
+    def __init__(self, what: str, size: int, cap: int, setting: str) -> None:
+        self.what = what
+        self.size = size
+        self.cap = cap
+        self.setting = setting
+        super().__init__(
+            f"{what} of {size} bytes exceeds the cap of {cap} bytes; "
+            f"raise `{setting}` in the policy to allow it"
+        )
+
+
+class SandboxClosed(SandboxError):
+    """The sandbox or the session was closed; open a new one."""
+
+
+class SandboxDenied(SandboxError):
+    """A policy refused an operation; `.denial` holds the structured record.
+
+    Inside the worker the guard records the denial before raising, so user code that
+    swallows the exception still leaves the denial in the result.
+    """
+
+    def __init__(self, denial: Denial, *args: Any) -> None:
+        self.denial = denial
+        super().__init__(denial.message(), *args)
+
+    def __str__(self) -> str:
+        return self.denial.message()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.denial,))
+
+
+class FileAccessDenied(SandboxDenied, PermissionError):
+    """A file operation outside the policy; a PermissionError so ordinary code handles it."""
+
+
+class HiddenPathDenied(SandboxDenied, FileNotFoundError):
+    """A hidden name (`.env`, `*.pem`, ...) looks absent, so code that probes for it moves on."""
+
+
+class NetworkDenied(SandboxDenied, ConnectionRefusedError):
+    """A connect, bind or lookup outside the policy; a ConnectionRefusedError like a closed port."""
+
+
+class ImportDenied(SandboxDenied, ModuleNotFoundError):
+    """An import the policy does not allow; a ModuleNotFoundError so `try: import x` falls back."""
+
+    def __init__(self, denial: Denial, *args: Any) -> None:
+        super().__init__(denial, *args)
+        self.name = denial.target
+
+
+class EnvDenied(SandboxDenied, KeyError):
+    """A host variable the policy does not pass; a KeyError, distinguishable from "not set"."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.denial.message()
+
+
+class CallDenied(SandboxDenied, PermissionError):
+    """A sensitive call (process, native code, dynamic code, ...) the policy does not grant."""
+
+
+class CodeRejected(SandboxDenied, SyntaxError):
+    """The code uses syntax, names or attributes outside the policy's sub-language."""
+
+    def __init__(self, denial: Denial, *args: Any) -> None:
+        super().__init__(denial, *args)
+        self.msg = denial.message()
+
+
+class LimitExceeded(SandboxDenied):
+    """A budget or resource limit was reached (time, memory, output, loop iterations, ...).
+
+    It does not subclass a builtin error on purpose: ordinary `except Exception` handlers in
+    user code must not be able to retry past a limit, and the worker re-raises it at the end.
+    """
+
+
+def describe_exit(returncode: int | None) -> str:
+    """A human phrase for a process exit status (negative means killed by a signal)."""
+    import signal
+
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exit status {returncode}"

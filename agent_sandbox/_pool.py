@@ -1,0 +1,139 @@
+"""Warm workers per policy fingerprint: acquiring one is a pop, not a process start.
+
+A pool keeps `warm` started, handshaken workers for one (policy, provider) pair and refills
+in a background thread after each acquire. Pools are shared between sandboxes with the same
+policy through `PoolRegistry`, and closed when the last sandbox using one is closed.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from agent_sandbox._errors import SandboxClosed, WorkerStartError
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox.policies import Policy
+from agent_sandbox.providers import Provider
+
+__all__ = ["PoolRegistry", "WorkerPool"]
+
+
+class WorkerPool:
+    """Started workers for one policy and provider, ready to be handed out."""
+
+    def __init__(
+        self, policy: Policy, provider: Provider, *, warm: int = 1, start_timeout: float = 15.0
+    ) -> None:
+        self.policy = policy
+        self.provider = provider
+        self.warm = max(0, warm)
+        self.start_timeout = start_timeout
+        self._ready: collections.deque[WorkerProcess] = collections.deque()
+        self._lock = threading.Lock()
+        self._refilling = False
+        self._closed = False
+        self.started = 0
+        self.last_error: BaseException | None = None
+
+    def _start(self) -> WorkerProcess:
+        worker = WorkerProcess.start(self.policy, self.provider, start_timeout=self.start_timeout)
+        self.started += 1
+        return worker
+
+    def acquire(self) -> WorkerProcess:
+        """A ready worker: a warm one if there is one, otherwise a freshly started one."""
+        if self._closed:
+            raise SandboxClosed("the worker pool is closed")
+        worker = None
+        with self._lock:
+            while self._ready:
+                candidate = self._ready.popleft()
+                if candidate.alive():
+                    worker = candidate
+                    break
+                candidate.discard()
+        if worker is None:
+            worker = self._start()
+        self._schedule_refill()
+        return worker
+
+    def fill(self) -> None:
+        """Start workers until `warm` are ready (blocking; used to pre-warm)."""
+        while not self._closed:
+            with self._lock:
+                if len(self._ready) >= self.warm:
+                    return
+            worker = self._start()
+            with self._lock:
+                if self._closed:
+                    worker.discard()
+                    return
+                self._ready.append(worker)
+
+    def _schedule_refill(self) -> None:
+        with self._lock:
+            if self._refilling or self._closed or len(self._ready) >= self.warm:
+                return
+            self._refilling = True
+        threading.Thread(target=self._refill, name="agent-sandbox-refill", daemon=True).start()
+
+    def _refill(self) -> None:
+        try:
+            self.fill()
+            self.last_error = None
+        except (WorkerStartError, OSError) as exc:
+            # Reported on the next acquire, which starts a worker in the caller's thread.
+            self.last_error = exc
+        except SandboxClosed:
+            pass
+        finally:
+            with self._lock:
+                self._refilling = False
+
+    def ready_count(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+    def close(self) -> None:
+        """Stop refilling and end every warm worker."""
+        with self._lock:
+            self._closed = True
+            ready = list(self._ready)
+            self._ready.clear()
+        for worker in ready:
+            worker.discard()
+
+
+class PoolRegistry:
+    """Pools shared by fingerprint and provider, reference-counted by the sandboxes using them."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[str, str, int], tuple[WorkerPool, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, policy: Policy, provider: Provider, *, warm: int, start_timeout: float) -> WorkerPool:
+        key = (policy.fingerprint(), provider.name, warm)
+        with self._lock:
+            entry = self._pools.get(key)
+            if entry is None:
+                pool = WorkerPool(policy, provider, warm=warm, start_timeout=start_timeout)
+                self._pools[key] = (pool, 1)
+                return pool
+            pool, refs = entry
+            self._pools[key] = (pool, refs + 1)
+            return pool
+
+    def release(self, pool: WorkerPool) -> None:
+        with self._lock:
+            for key, (candidate, refs) in list(self._pools.items()):
+                if candidate is pool:
+                    if refs <= 1:
+                        del self._pools[key]
+                        pool.close()
+                    else:
+                        self._pools[key] = (candidate, refs - 1)
+                    return
+
+
+#: The process-wide registry used by `Sandbox`.
+REGISTRY = PoolRegistry()

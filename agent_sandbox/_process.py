@@ -1,0 +1,478 @@
+"""One worker process, seen from the parent: start, handshake, calls, and a certain end.
+
+Start-up, in order:
+
+1. Create a private 0700 control directory holding the listening socket, the worker log
+   and the scratch directory (the worker's working directory).
+2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
+   no path to the socket, and the parent connects by path.
+3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
+4. Write the boot configuration (policy, token, import roots) into an inherited pipe.
+5. Handshake (`GET /hello`): the worker must answer in time and run the same interpreter
+   version and base prefix as the parent (this catches a silently swapped libpython).
+
+A call has a wall-clock deadline; on expiry the whole process group gets SIGTERM, then
+SIGKILL. A worker that dies is reported with its exit status, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import (
+    MessageTooLarge,
+    TransportError,
+    WorkerStartError,
+    describe_exit,
+)
+from agent_sandbox._result import ResultBuilder, RunError, RunResult
+from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox.policies import Policy
+from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
+
+__all__ = ["WorkerProcess", "import_roots", "package_dirs", "worker_env"]
+
+OnEvent = Callable[[str, Any], None]
+
+_BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_boot.py")
+_PACKAGES = (
+    "agent_sandbox",
+    "agent_sandbox.guards",
+    "agent_sandbox.policies",
+    "agent_sandbox.providers",
+)
+_TERM_GRACE = 0.5
+_EVENT_SLACK = 256 * 1024
+
+
+def package_dirs() -> dict[str, str]:
+    """Where each `agent_sandbox` package lives on disk (works for editable installs too)."""
+    out = {}
+    for name in _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise WorkerStartError(f"cannot locate the package {name}")
+        out[name] = os.path.realpath(list(spec.submodule_search_locations)[0])
+    return out
+
+
+def import_roots() -> tuple[str, ...]:
+    """The worker's `sys.path`: the standard library, then this environment's site-packages.
+
+    No `.pth` file is processed in the worker, so nothing in site-packages runs at start-up.
+    """
+    paths = sysconfig.get_paths()
+    dynload = [p for p in sys.path if os.path.basename(p) == "lib-dynload"]
+    roots = [
+        paths["stdlib"],
+        *(dynload or [os.path.join(paths["stdlib"], "lib-dynload")]),
+        paths["purelib"],
+        paths["platlib"],
+    ]
+    seen: dict[str, None] = {}
+    for root in roots:
+        seen.setdefault(os.path.realpath(root), None)
+    return tuple(seen)
+
+
+def worker_env(policy: Policy, host: Mapping[str, str]) -> dict[str, str]:
+    """The worker's environment: only host variables the policy passes, plus its `set` values."""
+    env = {}
+    patterns = policy.env.passthrough
+    for name, value in host.items():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            env[name] = value
+    env.update(policy.env.set)
+    return env
+
+
+class WorkerProcess:
+    """A started, handshaken worker; use `start()` to make one."""
+
+    def __init__(self) -> None:
+        self.id = "w-" + secrets.token_hex(4)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.control_dir = ""
+        self.scratch = ""
+        self.plan: LaunchPlan | None = None
+        self.hello: dict[str, Any] = {}
+        self.policy: Policy | None = None
+        self.token = secrets.token_urlsafe(32)
+        self.client: WorkerClient | None = None
+        self.started_at = 0.0
+        self.calls = 0
+        self.dead = False
+        self.death_reason = ""
+        self._log = None
+        self._reaped = False
+        self._lock = threading.Lock()
+
+    # -- start ---------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls, policy: Policy, provider: Provider, *, start_timeout: float = 15.0
+    ) -> WorkerProcess:
+        """Start a worker for `policy` under `provider` and wait for its handshake."""
+        self = cls()
+        self.policy = policy
+        t0 = time.monotonic()
+        self.control_dir = tempfile.mkdtemp(prefix="agent-sandbox-")
+        os.chmod(self.control_dir, 0o700)
+        self.scratch = os.path.join(self.control_dir, "scratch")
+        os.mkdir(self.scratch, 0o700)
+        sock_path = os.path.join(self.control_dir, "ctl.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        boot_r, boot_w = os.pipe()
+        try:
+            listener.bind(sock_path)
+            listener.listen(8)
+            listener.set_inheritable(True)
+            os.set_inheritable(boot_r, True)
+            spec = WorkerSpec(
+                python=os.path.realpath(sys.executable) if _venv_safe() else sys.executable,
+                boot_script=_BOOT_SCRIPT,
+                scratch=self.scratch,
+                control_dir=self.control_dir,
+                listen_fd=listener.fileno(),
+                boot_fd=boot_r,
+                sys_path=import_roots(),
+                package_dirs=package_dirs(),
+                env=worker_env(policy, os.environ),
+                prefix=sys.prefix,
+                base_prefix=sys.base_prefix,
+            )
+            self.plan = provider.build(policy, spec)
+            self._log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
+            self.proc = provider.launch(self.plan, self._log)
+        except BaseException:
+            listener.close()
+            os.close(boot_r)
+            os.close(boot_w)
+            self._cleanup_dirs()
+            raise
+        finally:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.close(boot_r)
+        boot = {
+            "token": self.token,
+            "worker_id": self.id,
+            "listen_fd": spec.listen_fd,
+            "policy": policy.to_wire(),
+            "sys_path": list(spec.sys_path),
+            "package_dirs": dict(spec.package_dirs),
+            "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
+            "worker_setup": dict(self.plan.worker_setup),
+            "host_env_names": sorted(os.environ),
+        }
+        try:
+            _write_all(boot_w, json.dumps(boot).encode())
+        except OSError as exc:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(f"could not send the boot configuration ({exc})",
+                                   log_tail=tail) from None
+        finally:
+            os.close(boot_w)
+        max_event = policy.limits.result_bytes + _EVENT_SLACK
+        self.client = WorkerClient(sock_path, self.token, max_event)
+        try:
+            remaining = start_timeout - (time.monotonic() - t0)
+            self.hello = self.client.hello(max(0.05, remaining))
+        except (TimeoutError, TransportError) as exc:
+            status = self.proc.poll()
+            tail = self.log_tail()
+            self.kill()
+            reason = (
+                f"it exited early ({describe_exit(status)})"
+                if status is not None
+                else f"no handshake within {start_timeout:g} s ({exc})"
+            )
+            raise WorkerStartError(reason, log_tail=tail) from None
+        self._verify_hello()
+        self.started_at = time.monotonic()
+        return self
+
+    def _verify_hello(self) -> None:
+        version = tuple(self.hello.get("version", ()))
+        if version != tuple(sys.version_info[:3]):
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the worker runs Python {'.'.join(map(str, version))}, the parent "
+                f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)",
+                log_tail=tail,
+            )
+        if os.path.realpath(str(self.hello.get("base_prefix", ""))) != os.path.realpath(
+            sys.base_prefix
+        ) and not self.plan_hides_prefix():
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the worker's interpreter prefix {self.hello.get('base_prefix')!r} is not "
+                f"the parent's {sys.base_prefix!r}",
+                log_tail=tail,
+            )
+
+    def plan_hides_prefix(self) -> bool:
+        return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
+
+    # -- calls ---------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    def alive(self) -> bool:
+        return not self.dead and self.proc is not None and self.proc.poll() is None
+
+    def run(self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None,
+            session: str | None = None) -> RunResult:
+        """Run one call; never raises for the code's own failures (they are in the result)."""
+        assert self.client is not None and self.policy is not None
+        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
+        builder = ResultBuilder()
+        t0 = time.monotonic()
+        self.calls += 1
+
+        def forward(event: tuple[str, Any]) -> None:
+            builder.add(*event)
+            if on_event is not None:
+                on_event(*event)
+
+        try:
+            self.client.run(code, t0 + wall, forward)
+        except TimeoutError:
+            self._on_timeout(builder, wall)
+        except ConnectionLost:
+            self._on_lost(builder)
+        except MessageTooLarge as exc:
+            self._on_too_large(builder, exc)
+        except TransportError as exc:
+            self._on_transport_error(builder, exc)
+        return self._finish(builder, t0, session)
+
+    async def arun(self, code: str, *, timeout: float | None = None,
+                   on_event: OnEvent | None = None, session: str | None = None) -> RunResult:
+        """The async twin of `run()` (an asyncio connection; no thread)."""
+        assert self.client is not None and self.policy is not None
+        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
+        builder = ResultBuilder()
+        t0 = time.monotonic()
+        self.calls += 1
+        client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
+
+        def forward(event: tuple[str, Any]) -> None:
+            builder.add(*event)
+            if on_event is not None:
+                on_event(*event)
+
+        try:
+            await client.run(code, t0 + wall, forward)
+        except TimeoutError:
+            self._on_timeout(builder, wall)
+        except ConnectionLost:
+            self._on_lost(builder)
+        except MessageTooLarge as exc:
+            self._on_too_large(builder, exc)
+        except TransportError as exc:
+            self._on_transport_error(builder, exc)
+        return self._finish(builder, t0, session)
+
+    def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
+        assert self.policy is not None
+        if builder.discard:
+            self.death_reason = "a guard was tampered with"
+            self.discard()
+        if not builder.done and not self.dead:
+            # The stream ended without `done`: the worker is in an unknown state.
+            self.death_reason = "the call ended without completing its stream"
+            self.discard()
+        return builder.build(
+            duration=time.monotonic() - t0,
+            worker_id=self.id,
+            session=session,
+            policy=self.policy.name,
+            fingerprint=self.policy.fingerprint(),
+            provider=self.plan.provider if self.plan else "",
+        )
+
+    def _limit(self, builder: ResultBuilder, rule: str, target: str, detail: str, hint: str,
+               error_type: str) -> None:
+        assert self.policy is not None
+        denial = Denial(rule=rule, action="run", target=target, policy=self.policy.name,
+                        detail=detail, hint=hint)
+        builder.denials.append(denial)
+        builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
+
+    def _on_timeout(self, builder: ResultBuilder, wall: float) -> None:
+        self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
+        self.kill()
+        self._limit(
+            builder, "limits.timeout", "the call",
+            f"it ran longer than {wall:g} s and its process group was killed; "
+            "the session's variables are lost",
+            f"[limits] wall_seconds = {max(wall * 2, 1):g}", "TimeoutError",
+        )
+
+    def _on_lost(self, builder: ResultBuilder) -> None:
+        assert self.policy is not None
+        status = self.wait_exit(1.0)
+        self.dead = True
+        self.kill()
+        if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
+            cpu = self.policy.limits.cpu_seconds
+            self.death_reason = "it used up its CPU time"
+            self._limit(builder, "limits.cpu", "the call",
+                        f"it used more than {cpu} s of CPU time and was killed",
+                        f"[limits] cpu_seconds = {cpu * 2}", "LimitExceeded")
+            return
+        self.death_reason = f"it crashed ({describe_exit(status)})"
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerCrashed",
+            message=f"the sandbox worker died during the call ({describe_exit(status)}); "
+            "the session's variables are lost and the next call starts a fresh interpreter",
+            traceback=self.log_tail(),
+            rule="worker.crashed",
+        )
+
+    def _cpu_exhausted(self) -> bool:
+        return False
+
+    def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
+        self.death_reason = "it sent an oversized message"
+        self.kill()
+        self._limit(builder, "limits.result", "the result", str(exc),
+                    f"[limits] result_bytes = {exc.cap * 2}", "MessageTooLarge")
+
+    def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
+        self.death_reason = f"its channel broke ({exc})"
+        self.kill()
+        builder.error = RunError(kind="internal", type=type(exc).__name__, message=str(exc))
+
+    # -- end -----------------------------------------------------------------------------
+
+    def wait_exit(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """TERM the whole process group, then KILL it; reap and remove the directories."""
+        with self._lock:
+            self.dead = True
+            if self.client is not None:
+                self.client.close()
+            proc = self.proc
+            if proc is not None and not self._reaped:
+                _signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(_TERM_GRACE)
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(proc.pid, signal.SIGKILL)
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._reaped = True
+            self._cleanup_dirs()
+
+    def discard(self) -> None:
+        """End the worker without waiting in the caller's thread (KILL, reap in background)."""
+        with self._lock:
+            self.dead = True
+            if self.client is not None:
+                self.client.close()
+            proc = self.proc
+            if proc is not None and not self._reaped:
+                _signal_group(proc.pid, signal.SIGKILL)
+                self._reaped = True
+                threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
+            else:
+                self._cleanup_dirs()
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self._cleanup_dirs()
+
+    def close(self) -> None:
+        """Ask the worker to exit, then make sure it did."""
+        if self.alive() and self.client is not None:
+            self.client.shutdown(0.5)
+        self.kill()
+
+    def _cleanup_dirs(self) -> None:
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                self._log.close()
+        if self.plan is not None:
+            for path in self.plan.cleanup_paths:
+                shutil.rmtree(path, ignore_errors=True)
+        if self.control_dir:
+            shutil.rmtree(self.control_dir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 20) -> str:
+        path = os.path.join(self.control_dir, "worker.log")
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()[-8192:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def _venv_safe() -> bool:
+    """Whether resolving sys.executable keeps the environment (it does not inside a venv)."""
+    return sys.prefix == sys.base_prefix
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                time.sleep(0.001)
+                continue
+            raise
+        view = view[n:]

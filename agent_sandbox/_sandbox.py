@@ -1,0 +1,286 @@
+"""The public entry point: `Sandbox(policy)` runs code in sandboxed workers.
+
+* `sandbox.run(code)` is stateless: a fresh worker from the warm pool, discarded after.
+* `sandbox.session(key)` returns a `Session` whose worker keeps its variables between
+  calls. Calls on one session are serialized; calls on different sessions run in parallel.
+  Sessions idle longer than `session_ttl` are closed, and beyond `max_sessions` the least
+  recently used one is closed.
+* `await sandbox.arun(code)` and `await session.arun(code)` are the async twins.
+
+A worker that dies (timeout, crash, tampering) is replaced on the next call of its
+session, and that call's result says the state was lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from agent_sandbox._errors import SandboxClosed
+from agent_sandbox._pool import REGISTRY, WorkerPool
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox._result import RunError, RunResult
+from agent_sandbox.policies import Policy, resolve_policy
+from agent_sandbox.providers import Provider, select_provider
+
+__all__ = ["Sandbox", "Session"]
+
+OnEvent = Callable[[str, Any], None]
+
+
+class Session:
+    """One interpreter that persists between calls; get one from `Sandbox.session()`."""
+
+    def __init__(self, sandbox: Sandbox, key: str) -> None:
+        self.sandbox = sandbox
+        self.key = key
+        self._worker: WorkerProcess | None = None
+        self._had_worker = False
+        self._lost_reason = ""
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_used = time.monotonic()
+
+    @property
+    def worker(self) -> WorkerProcess | None:
+        return self._worker
+
+    def _prepare(self) -> tuple[WorkerProcess, list[str], bool]:
+        if self._closed or self.sandbox.closed:
+            raise SandboxClosed(f"session {self.key!r} is closed")
+        notices: list[str] = []
+        lost = False
+        if self._worker is not None and not self._worker.alive():
+            self._lost_reason = self._worker.death_reason or "it ended"
+            self._worker.discard()
+            self._worker = None
+        if self._worker is None:
+            if self._had_worker:
+                lost = True
+                notices.append(
+                    f"the previous interpreter of this session ended ({self._lost_reason}); "
+                    "its variables and imports were lost, so define them again"
+                )
+            self._worker = self.sandbox._pool.acquire()
+            self._had_worker = True
+        return self._worker, notices, lost
+
+    def _after(self, worker: WorkerProcess, result: RunResult, notices: list[str],
+               lost: bool) -> RunResult:
+        self.last_used = time.monotonic()
+        if not worker.alive():
+            self._lost_reason = worker.death_reason or "it ended"
+        if self._closed or self.sandbox.closed:
+            if result.error is not None and result.error.kind in ("crashed", "internal"):
+                result = _replace(result, error=RunError(
+                    kind="internal", type="SandboxClosed",
+                    message="the sandbox was closed while the call was running"))
+        if notices or lost:
+            result = _replace(result, notices=tuple(notices) + result.notices, state_lost=lost)
+        return result
+
+    def run(self, code: str, *, timeout: float | None = None,
+            on_event: OnEvent | None = None) -> RunResult:
+        """Run `code` in this session's interpreter; variables persist across calls."""
+        with self._lock:
+            worker, notices, lost = self._prepare()
+            result = worker.run(code, timeout=timeout, on_event=on_event, session=self.key)
+            return self._after(worker, result, notices, lost)
+
+    async def arun(self, code: str, *, timeout: float | None = None,
+                   on_event: OnEvent | None = None) -> RunResult:
+        """The async twin of `run()`."""
+        if not self._lock.acquire(blocking=False):
+            await asyncio.to_thread(self._lock.acquire)
+        try:
+            if self._worker is None or not self._worker.alive():
+                worker, notices, lost = await asyncio.to_thread(self._prepare)
+            else:
+                worker, notices, lost = self._prepare()
+            result = await worker.arun(code, timeout=timeout, on_event=on_event, session=self.key)
+            return self._after(worker, result, notices, lost)
+        finally:
+            self._lock.release()
+
+    def reset(self) -> None:
+        """Drop this session's interpreter; the next call starts from a clean one."""
+        with self._lock:
+            if self._worker is not None:
+                self._worker.discard()
+            self._worker = None
+            self._had_worker = False
+
+    def close(self) -> None:
+        """End the session's worker; further calls raise `SandboxClosed`."""
+        self._closed = True
+        worker = self._worker
+        if worker is not None:
+            worker.discard()
+        self.sandbox._forget(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Sandbox:
+    """Runs code under one policy; see the module docstring for sessions and the pool.
+
+    `policy` is a `Policy`, the name of a shipped policy, or a TOML path. `provider`
+    overrides the policy's provider. An explicitly named provider that cannot run here
+    raises `ProviderUnavailable`; nothing is downgraded silently.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | None = None,
+        *,
+        provider: str | None = None,
+        warm: int = 1,
+        max_sessions: int = 16,
+        session_ttl: float = 1800.0,
+        start_timeout: float = 15.0,
+    ) -> None:
+        resolved = resolve_policy(policy)
+        if provider is not None and provider != resolved.provider:
+            resolved = resolved.model_copy(update={"provider": provider})
+        self.policy = resolved
+        self.provider: Provider = select_provider(resolved.provider)
+        self.max_sessions = max(1, max_sessions)
+        self.session_ttl = session_ttl
+        self._pool: WorkerPool = REGISTRY.get(
+            resolved, self.provider, warm=warm, start_timeout=start_timeout
+        )
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._active: set[WorkerProcess] = set()
+        self.closed = False
+        self._counter = 0
+
+    # -- stateless calls -----------------------------------------------------------------
+
+    def run(self, code: str, *, timeout: float | None = None,
+            on_event: OnEvent | None = None) -> RunResult:
+        """Run `code` in a fresh worker that is discarded afterwards."""
+        if self.closed:
+            raise SandboxClosed("the sandbox is closed")
+        worker = self._pool.acquire()
+        with self._lock:
+            self._active.add(worker)
+        try:
+            result = worker.run(code, timeout=timeout, on_event=on_event)
+        finally:
+            with self._lock:
+                self._active.discard(worker)
+            worker.discard()
+        if self.closed and result.error is not None and result.error.kind in ("crashed", "internal"):
+            result = _replace(result, error=RunError(
+                kind="internal", type="SandboxClosed",
+                message="the sandbox was closed while the call was running"))
+        return result
+
+    async def arun(self, code: str, *, timeout: float | None = None,
+                   on_event: OnEvent | None = None) -> RunResult:
+        """The async twin of `run()`."""
+        if self.closed:
+            raise SandboxClosed("the sandbox is closed")
+        if self._pool.ready_count():
+            worker = self._pool.acquire()
+        else:
+            worker = await asyncio.to_thread(self._pool.acquire)
+        with self._lock:
+            self._active.add(worker)
+        try:
+            return await worker.arun(code, timeout=timeout, on_event=on_event)
+        finally:
+            with self._lock:
+                self._active.discard(worker)
+            worker.discard()
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def session(self, key: str | None = None) -> Session:
+        """The session called `key` (created on first use); a new unique one if `key` is None."""
+        if self.closed:
+            raise SandboxClosed("the sandbox is closed")
+        evicted: list[Session] = []
+        with self._lock:
+            if key is None:
+                self._counter += 1
+                key = f"session-{self._counter}"
+            now = time.monotonic()
+            for other_key, other in list(self._sessions.items()):
+                if other_key != key and now - other.last_used > self.session_ttl:
+                    evicted.append(self._sessions.pop(other_key))
+            session = self._sessions.get(key)
+            if session is None or session._closed:
+                session = Session(self, key)
+                self._sessions[key] = session
+            self._sessions.move_to_end(key)
+            while len(self._sessions) > self.max_sessions:
+                _, oldest = self._sessions.popitem(last=False)
+                evicted.append(oldest)
+        for old in evicted:
+            old._closed = True
+            if old._worker is not None:
+                old._worker.discard()
+        return session
+
+    def sessions(self) -> list[str]:
+        """Keys of the live sessions, least recently used first."""
+        with self._lock:
+            return list(self._sessions)
+
+    def _forget(self, session: Session) -> None:
+        with self._lock:
+            if self._sessions.get(session.key) is session:
+                del self._sessions[session.key]
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Start the pool's warm workers now (blocking) instead of on first use."""
+        self._pool.fill()
+
+    def close(self) -> None:
+        """End every session and worker of this sandbox; running calls end with an error."""
+        if self.closed:
+            return
+        self.closed = True
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+            active = list(self._active)
+        for session in sessions:
+            session._closed = True
+            if session._worker is not None:
+                session._worker.discard()
+        for worker in active:
+            worker.discard()
+        REGISTRY.release(self._pool)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _replace(result: RunResult, **changes: Any) -> RunResult:
+    import dataclasses
+
+    return dataclasses.replace(result, **changes)

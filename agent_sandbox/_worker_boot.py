@@ -1,0 +1,56 @@
+"""The worker's entry point: the first code that runs in the sandboxed process.
+
+Started as `python -I -S -B _worker_boot.py <boot-fd>`. The order matters:
+
+1. Read the boot configuration (JSON) from the inherited pipe and close it.
+2. Set `sys.path` to the explicit import roots and map the `agent_sandbox` packages to
+   their folders (no `site`, no `.pth` file is processed).
+3. Apply the policy's rlimits and the provider's in-worker restrictions (Landlock,
+   seccomp, ...) while the process still has a single thread.
+4. Install the guards, then serve calls on the inherited socket until told to stop.
+
+Only the standard library is used before step 2 completes.
+"""
+
+import json
+import os
+import sys
+
+
+def _read_boot(fd: int) -> dict:  # type: ignore[type-arg]
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return json.loads(b"".join(chunks))  # type: ignore[no-any-return]
+
+
+def _map_packages(package_dirs: dict) -> None:  # type: ignore[type-arg]
+    # Bare package objects: the packages' __init__ files (the host-side public API, which
+    # imports pydantic) are not executed in the worker; only the modules it needs load.
+    import types
+
+    for name in sorted(package_dirs, key=len):
+        module = types.ModuleType(name)
+        module.__path__ = [package_dirs[name]]
+        module.__package__ = name
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+
+
+def main() -> None:
+    boot = _read_boot(int(sys.argv[1]))
+    sys.path[:] = list(boot["sys_path"])
+    _map_packages(boot["package_dirs"])
+    from agent_sandbox._worker_server import serve
+
+    serve(boot)
+
+
+if __name__ == "__main__":
+    main()

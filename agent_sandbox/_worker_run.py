@@ -1,0 +1,367 @@
+"""Running one call of user code inside the worker, and turning its outcome into events.
+
+The runner owns the session namespace (variables persist between calls on one worker),
+compiles the code so the value of a last expression is returned, captures `sys.stdout` and
+`sys.stderr` as live, coalesced event streams with an output cap, and encodes the value as
+JSON-safe data. Output written straight to file descriptor 1 or 2 by native code is not
+captured here; it goes to the worker log.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import errno
+import io
+import linecache
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from agent_sandbox import _audit
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import LimitExceeded, SandboxDenied
+
+__all__ = ["Runner", "to_data"]
+
+Emit = Callable[[str, Any], None]
+
+_FLUSH_BYTES = 8192
+_FLUSH_SECONDS = 0.02
+_MAX_DEPTH = 20
+_MAX_ITEMS = 10_000
+_MAX_IMAGES = 8
+_MAX_IMAGE_BYTES = 4_000_000
+
+
+class _Output(io.TextIOBase):
+    """A text stream that sends coalesced chunks as events and enforces the output cap."""
+
+    def __init__(self, kind: str, emit: Emit, budget: _Budget) -> None:
+        self._kind = kind
+        self._emit = emit
+        self._budget = budget
+        self._buf: list[str] = []
+        self._size = 0
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        if not text:
+            return 0
+        allowed = self._budget.take(len(text.encode("utf-8", "replace")))
+        if not allowed:
+            raise LimitExceeded(self._budget.denial())
+        with self._lock:
+            self._buf.append(text)
+            self._size += len(text)
+            now = time.monotonic()
+            if self._size >= _FLUSH_BYTES or now - self._last >= _FLUSH_SECONDS:
+                self._flush_locked(now)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked(time.monotonic())
+
+    def _flush_locked(self, now: float) -> None:
+        if self._buf:
+            chunk = "".join(self._buf)
+            self._buf.clear()
+            self._size = 0
+            self._emit(self._kind, chunk)
+        self._last = now
+
+
+class _Budget:
+    """The shared stdout+stderr byte budget of one call."""
+
+    def __init__(self, cap: int, policy: str) -> None:
+        self.cap = cap
+        self.used = 0
+        self.policy = policy
+        self.exceeded = False
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.cap:
+                if not self.exceeded:
+                    self.exceeded = True
+                    _audit.record(self.denial())
+                return False
+            self.used += n
+            return True
+
+    def denial(self) -> Denial:
+        return Denial(
+            rule="limits.output",
+            action="write",
+            target="stdout/stderr",
+            policy=self.policy,
+            detail=f"the call printed more than {self.cap} bytes; further output was refused",
+            hint=f"[limits] output_bytes = {self.cap * 4}",
+        )
+
+
+class Runner:
+    """Executes calls in one persistent namespace; one runner per worker."""
+
+    def __init__(self, policy: dict[str, Any], scratch: str) -> None:
+        self.policy = policy
+        self.policy_name = str(policy.get("name", ""))
+        self.scratch = scratch
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        self.calls = 0
+        self.code_check: Callable[[str, ast.Module], None] | None = None
+        self.arming: Callable[[], Any] | None = None
+
+    def run(self, code: str, emit: Emit) -> None:
+        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`)."""
+        self.calls += 1
+        filename = f"<cell-{self.calls}>"
+        limits = self.policy.get("limits", {})
+        budget = _Budget(int(limits.get("output_bytes", 1_000_000)), self.policy_name)
+        out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)
+        started = time.time()
+        try:
+            compiled = self._compile(code, filename)
+        except SyntaxError as exc:
+            emit("error", _syntax_error(exc))
+            return
+        except SandboxDenied as exc:
+            emit("error", _error_info(exc, filename))
+            return
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = out, err
+        value: Any = None
+        failure: BaseException | None = None
+        try:
+            arming = self.arming() if self.arming is not None else None
+            if arming is not None:
+                arming.__enter__()
+            try:
+                value = self._execute(compiled)
+            finally:
+                if arming is not None:
+                    arming.__exit__(None, None, None)
+        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+            failure = exc
+        finally:
+            sys.stdout, sys.stderr = saved
+            for stream in (out, err):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a broken pipe is reported by the server
+                    pass
+        if failure is not None:
+            if isinstance(failure, SystemExit) and failure.code in (None, 0):
+                emit("result", {"value": None})
+            else:
+                emit("error", _error_info(failure, filename))
+        else:
+            try:
+                emit("result", {"value": to_data(value)})
+            except Exception as exc:  # noqa: BLE001 - an encoding failure becomes the error
+                emit("error", _error_info(exc, filename))
+        self._collect_outputs(emit, started)
+
+    def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        tree = ast.parse(code, filename, "exec")
+        if self.code_check is not None:
+            self.code_check(code, tree)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+        tail = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+        return body, tail
+
+    def _execute(self, compiled: tuple[Any, Any]) -> Any:
+        body, tail = compiled
+        ns = self.namespace
+        if _is_async(body) or (tail is not None and _is_async(tail)):
+            import asyncio  # only for code that uses top-level await
+
+            return asyncio.run(_run_async(body, tail, ns))
+        exec(body, ns)
+        return eval(tail, ns) if tail is not None else None
+
+    def _collect_outputs(self, emit: Emit, started: float) -> None:
+        """Send matplotlib figures and PNG files written to scratch during the call."""
+        images = 0
+        plt = sys.modules.get("matplotlib.pyplot")
+        if plt is not None:
+            try:
+                for num in list(plt.get_fignums())[:_MAX_IMAGES]:
+                    buf = io.BytesIO()
+                    plt.figure(num).savefig(buf, format="png")
+                    data = buf.getvalue()
+                    if len(data) <= _MAX_IMAGE_BYTES:
+                        emit("image", _image(f"figure-{num}.png", data))
+                        images += 1
+                plt.close("all")
+            except Exception:  # noqa: BLE001 - figures are a convenience, never an error
+                pass
+        changed = []
+        try:
+            for entry in os.scandir(self.scratch):
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime >= started - 1:
+                    changed.append((entry.name, entry.stat().st_size))
+                    if (
+                        entry.name.lower().endswith(".png")
+                        and images < _MAX_IMAGES
+                        and entry.stat().st_size <= _MAX_IMAGE_BYTES
+                    ):
+                        with open(entry.path, "rb") as fh:
+                            emit("image", _image(entry.name, fh.read()))
+                        images += 1
+        except OSError:
+            pass
+        if changed:
+            emit("files", [{"name": n, "size": s} for n, s in sorted(changed)[:100]])
+
+
+_CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect at start-up
+
+
+def _is_async(code: Any) -> bool:
+    return bool(code.co_flags & _CO_COROUTINE)
+
+
+async def _run_async(body: Any, tail: Any, ns: dict[str, Any]) -> Any:
+    import types
+
+    result = eval(body, ns)
+    if isinstance(result, types.CoroutineType):
+        await result
+    if tail is None:
+        return None
+    value = eval(tail, ns)
+    if isinstance(value, types.CoroutineType):
+        value = await value
+    return value
+
+
+def _image(name: str, data: bytes) -> dict[str, str]:
+    return {"name": name, "mime": "image/png", "data": base64.b64encode(data).decode()}
+
+
+def _syntax_error(exc: SyntaxError) -> dict[str, Any]:
+    text = (exc.text or "").rstrip("\n")
+    where = f"line {exc.lineno}, column {exc.offset}" if exc.lineno else "unknown position"
+    message = f"{exc.msg} ({where})"
+    tb = "".join(traceback.format_exception_only(type(exc), exc))
+    return {
+        "kind": "syntax",
+        "type": "SyntaxError",
+        "message": message,
+        "traceback": tb,
+        "line": exc.lineno,
+        "column": exc.offset,
+        "text": text,
+    }
+
+
+def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "kind": "exception",
+        "type": _qualname(type(exc)),
+        "message": _safe_str(exc),
+        "traceback": _user_traceback(exc),
+    }
+    if isinstance(exc, SandboxDenied):
+        info["kind"] = "limit" if isinstance(exc, LimitExceeded) else "denied"
+        info["rule"] = exc.denial.rule
+        info["denial"] = exc.denial.to_dict()
+    elif isinstance(exc, MemoryError):
+        info["kind"] = "limit"
+        info["rule"] = "limits.memory"
+    elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+        info["kind"] = "limit"
+        info["rule"] = "limits.file-size"
+    elif isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+        info["kind"] = "limit"
+        info["rule"] = "limits.open-files"
+    elif isinstance(exc, BlockingIOError | OSError) and exc.errno == errno.EAGAIN:
+        info["kind"] = "limit"
+        info["rule"] = "limits.processes"
+    if isinstance(exc, SyntaxError) and not isinstance(exc, SandboxDenied):
+        info.update({"line": exc.lineno, "column": exc.offset})
+    return info
+
+
+def _qualname(cls: type) -> str:
+    module = getattr(cls, "__module__", "builtins")
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a hostile __str__ must not break reporting
+        return f"<{type(exc).__name__}: unprintable>"
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback with the worker's own frames removed (user cells and libraries remain)."""
+    try:
+        te = traceback.TracebackException.from_exception(exc, capture_locals=False)
+        here = os.path.dirname(os.path.abspath(__file__))
+        te.stack = traceback.StackSummary.from_list(
+            [f for f in te.stack if not f.filename.startswith(here)]
+        )
+        return "".join(te.format())
+    except Exception:  # noqa: BLE001
+        return f"{type(exc).__name__}: {_safe_str(exc)}\n"
+
+
+def to_data(value: Any, depth: int = 0) -> Any:
+    """Convert a value to JSON-safe data; anything else becomes a marked repr.
+
+    Lists, tuples and dicts with string keys are converted element by element; other
+    objects become `{"__repr__": "...", "__type__": "module.Class"}`.
+    """
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 2**63 else _marked(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _marked(value)
+    if depth >= _MAX_DEPTH:
+        return _marked(value)
+    if isinstance(value, list | tuple) and type(value) in (list, tuple) and len(value) <= _MAX_ITEMS:
+        return [to_data(v, depth + 1) for v in value]
+    if type(value) is dict and len(value) <= _MAX_ITEMS and all(isinstance(k, str) for k in value):
+        return {k: to_data(v, depth + 1) for k, v in value.items()}
+    return _marked(value)
+
+
+def _marked(value: Any) -> dict[str, str]:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ must not break the result
+        text = f"<unrepresentable {type(value).__name__}>"
+    if len(text) > 10_000:
+        text = text[:10_000] + "...<truncated repr>"
+    return {"__repr__": text, "__type__": _qualname(type(value))}

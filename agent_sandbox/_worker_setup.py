@@ -1,0 +1,77 @@
+"""Preparing the worker before it serves: limits, kernel restrictions, guards, code layer.
+
+The order is fixed, and each step runs while the worker still has a single thread:
+
+1. Stamp the policy name on denials.
+2. Apply the policy's rlimits (both soft and hard, so user code cannot raise them).
+3. Apply the provider's in-worker restrictions (`worker_setup` of the launch plan).
+4. Build the runner (the session namespace).
+5. Install the code-layer check and the Python guards; from here on, user code runs armed.
+
+`prepare()` returns the runner, the checks reported in the handshake, and the hooks the
+server calls (`tamper_check` after every call).
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+from agent_sandbox import _audit
+from agent_sandbox._worker_run import Runner
+
+__all__ = ["apply_rlimits", "prepare", "rlimits_for"]
+
+_MB = 1024 * 1024
+
+
+def rlimits_for(limits: dict[str, Any]) -> dict[int, int]:
+    """The rlimits (resource id -> value) a policy's `limits` section asks for."""
+    cpu = int(limits.get("cpu_seconds", 60))
+    return {
+        resource.RLIMIT_CPU: cpu,
+        resource.RLIMIT_AS: int(limits.get("memory_mb", 2048)) * _MB,
+        resource.RLIMIT_FSIZE: int(limits.get("file_size_mb", 256)) * _MB,
+        resource.RLIMIT_NOFILE: int(limits.get("open_files", 256)),
+        resource.RLIMIT_CORE: 0,
+    }
+
+
+def apply_rlimits(limits: dict[str, Any]) -> dict[str, int]:
+    """Lower each rlimit to the policy's value (never raise one); return what was applied."""
+    applied = {}
+    for res, value in rlimits_for(limits).items():
+        soft, hard = resource.getrlimit(res)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        if res == resource.RLIMIT_CPU:
+            # SIGXCPU at the soft limit, SIGKILL one second later at the hard limit.
+            resource.setrlimit(res, (value, value + 1 if hard == resource.RLIM_INFINITY else hard))
+        else:
+            resource.setrlimit(res, (value, value))
+        applied[_RLIMIT_NAMES.get(res, str(res))] = value
+    return applied
+
+
+_RLIMIT_NAMES = {
+    resource.RLIMIT_CPU: "cpu",
+    resource.RLIMIT_AS: "as",
+    resource.RLIMIT_FSIZE: "fsize",
+    resource.RLIMIT_NOFILE: "nofile",
+    resource.RLIMIT_CORE: "core",
+}
+
+
+def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any]]:
+    """Run the set-up steps above; see the module docstring for the order."""
+    policy: dict[str, Any] = boot["policy"]
+    _audit.set_policy_name(str(policy.get("name", "")))
+    checks: dict[str, Any] = {"rlimits": apply_rlimits(policy.get("limits", {}))}
+    setup = boot.get("worker_setup") or {}
+    if setup:
+        from agent_sandbox.providers._inworker import apply_worker_setup
+
+        checks.update(apply_worker_setup(setup))
+    runner = Runner(policy, boot["scratch"])
+    hooks: dict[str, Any] = {}
+    return runner, checks, hooks

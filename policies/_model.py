@@ -1,0 +1,338 @@
+"""The policy model: one frozen, deny-by-default declaration per tool.
+
+Every section is a pydantic model with `extra="forbid"` and `frozen=True`: an unknown key
+is an error, and a loaded policy cannot be mutated. Anything not allowed is denied; a
+DENY beats an ALLOW wherever a section has both.
+
+The worker never imports pydantic: it receives `Policy.to_wire()`, a plain JSON dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "PROVIDERS",
+    "SENSITIVE_CATEGORIES",
+    "ApiPolicy",
+    "CodeBudgets",
+    "CodePolicy",
+    "EnvPolicy",
+    "FilesPolicy",
+    "ImportsPolicy",
+    "LimitsPolicy",
+    "NetPolicy",
+    "NetRule",
+    "Policy",
+]
+
+#: Provider names a policy may request. `auto` is the only one that chooses.
+PROVIDERS = frozenset(
+    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu"}
+)
+
+#: Sensitive-call categories (see `agent_sandbox.guards`); a function rule names a
+#: dotted function instead, e.g. `subprocess.run`.
+SENSITIVE_CATEGORIES = frozenset(
+    {
+        "deserialization",
+        "dynamic-code",
+        "introspection",
+        "native-code",
+        "process-control",
+        "process-exec",
+    }
+)
+
+#: Categories that print a warning when granted, because they open the layer wide.
+DANGEROUS_CATEGORIES = frozenset({"deserialization", "dynamic-code", "native-code"})
+
+_FUNCTION_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
+_MODULE_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*(\.\*)?$")
+_ENV_RE = re.compile(r"^[A-Za-z_*?][A-Za-z0-9_*?]*$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class FilesPolicy(_Section):
+    """Paths the code may read and write, and names that look absent.
+
+    Entries are absolute paths or globs (`/data/**`, `*.csv` under a directory). `$SCRATCH`
+    stands for the worker's private scratch directory, which is always readable and
+    writable. A write grant implies read. `deny` beats both.
+    """
+
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    hide: tuple[str, ...] = (".env", ".env.*", "*.pem", "*.key", "id_rsa*", "id_ed25519*", ".netrc")
+
+    @field_validator("read", "write", "deny")
+    @classmethod
+    def _paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not entry:
+                raise ValueError("an empty path")
+            if not (entry.startswith(("/", "$SCRATCH", "~"))):
+                raise ValueError(
+                    f"{entry!r} is not absolute; use an absolute path, `~/...` or `$SCRATCH/...`"
+                )
+            if "\x00" in entry:
+                raise ValueError(f"{entry!r} contains a NUL byte")
+        return value
+
+
+class NetRule(_Section):
+    """One network rule. Hosts are names (resolved once at load) or IP/CIDR."""
+
+    action: Literal["allow", "deny"] = "allow"
+    protocol: Literal["tcp", "udp", "any"] = "tcp"
+    host: str
+    ports: str = "1-65535"
+    direction: Literal["connect", "bind", "any"] = "connect"
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("an empty host; use a name, an IP address or a CIDR like 10.0.0.0/8")
+        if "/" in value:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{value!r} is not a valid CIDR") from exc
+        return value
+
+    @field_validator("ports", mode="before")
+    @classmethod
+    def _ports(cls, value: Any) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value)
+        if not isinstance(value, str):
+            raise ValueError("ports must be a number, a list of numbers or a range like '8000-8080'")
+        for part in value.split(","):
+            part = part.strip()
+            lo, _, hi = part.partition("-")
+            try:
+                a = int(lo)
+                b = int(hi) if hi else a
+            except ValueError:
+                raise ValueError(f"{part!r} is not a port or a port range") from None
+            if not (0 <= a <= b <= 65535):
+                raise ValueError(f"port range {part!r} is outside 0-65535")
+        return value
+
+    def port_ranges(self) -> list[tuple[int, int]]:
+        """The ports as inclusive (low, high) ranges."""
+        out = []
+        for part in self.ports.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.append((int(lo), int(hi) if hi else int(lo)))
+        return out
+
+
+class NetPolicy(_Section):
+    """Network rules; no rule means no network. A deny rule beats an allow rule."""
+
+    rules: tuple[NetRule, ...] = ()
+
+    def allows_any(self) -> bool:
+        """Whether any allow rule exists (the description says "network off" otherwise)."""
+        return any(rule.action == "allow" for rule in self.rules)
+
+
+class ImportsPolicy(_Section):
+    """Top-level modules the code may import (`pkg` allows `pkg.*`). `deny` beats `allow`.
+
+    `allow = ["*"]` allows every module and makes the policy a `danger` one.
+    """
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if entry != "*" and not _MODULE_RE.match(entry):
+                raise ValueError(f"{entry!r} is not a module name")
+        return value
+
+
+class EnvPolicy(_Section):
+    """Host variables passed to the worker (names or `*` patterns) and values set for it."""
+
+    passthrough: tuple[str, ...] = Field(default=(), alias="pass")
+    set: dict[str, str] = Field(default_factory=dict)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("passthrough")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not _ENV_RE.match(entry):
+                raise ValueError(f"{entry!r} is not a variable name or pattern")
+        return value
+
+
+class ApiPolicy(_Section):
+    """Sensitive calls granted by category or by dotted function; a function rule beats its
+    category, and DENY beats ALLOW."""
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @field_validator("allow", "deny")
+    @classmethod
+    def _entries(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if entry in SENSITIVE_CATEGORIES or _FUNCTION_RE.match(entry):
+                continue
+            known = ", ".join(sorted(SENSITIVE_CATEGORIES))
+            raise ValueError(
+                f"{entry!r} is neither a sensitive-call category ({known}) "
+                f"nor a dotted function name like 'subprocess.run'"
+            )
+        return value
+
+
+class CodeBudgets(_Section):
+    """Budgets the rewritten code counts against (0 means unlimited)."""
+
+    max_iterations: int = Field(default=10_000_000, ge=0)
+    max_call_depth: int = Field(default=200, ge=0)
+    max_allocation: int = Field(default=100_000_000, ge=0)
+
+
+class CodePolicy(_Section):
+    """The sub-language the code string must stay within (checked before it runs).
+
+    `enabled = false` skips the check (the other layers still apply).
+    """
+
+    enabled: bool = True
+    syntax: tuple[str, ...] = (
+        "arithmetic",
+        "comparisons",
+        "conditionals",
+        "loops",
+        "comprehensions",
+        "assignment",
+        "functions",
+        "classes",
+        "exceptions",
+        "context-managers",
+        "imports",
+        "f-strings",
+        "async",
+        "assert",
+        "delete",
+        "global",
+        "lambda",
+        "generators",
+        "pattern-matching",
+    )
+    names: tuple[str, ...] = ()
+    deny_names: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ("*",)
+    dunders: tuple[str, ...] = ("__name__", "__doc__", "__init__", "__class__", "__len__")
+    budgets: CodeBudgets = Field(default_factory=CodeBudgets)
+
+
+class LimitsPolicy(_Section):
+    """Resource limits; each one hit is a `limits.<name>` denial and the worker is replaced."""
+
+    wall_seconds: float = Field(default=30.0, gt=0, le=86_400)
+    cpu_seconds: int = Field(default=60, ge=1)
+    memory_mb: int = Field(default=2048, ge=32)
+    processes: int = Field(default=64, ge=1)
+    output_bytes: int = Field(default=1_000_000, ge=1024)
+    result_bytes: int = Field(default=4_000_000, ge=1024)
+    file_size_mb: int = Field(default=256, ge=1)
+    open_files: int = Field(default=256, ge=16)
+
+
+class Policy(_Section):
+    """A tool's whole policy. Build it in Python or load it with `load_policy()`."""
+
+    name: str = "unnamed"
+    description: str = ""
+    provider: str = "subprocess"
+    result_mode: Literal["data-only", "objects"] = "data-only"
+    mode: Literal["enforce", "learn"] = "enforce"
+    files: FilesPolicy = Field(default_factory=FilesPolicy)
+    net: NetPolicy = Field(default_factory=NetPolicy)
+    imports: ImportsPolicy = Field(default_factory=ImportsPolicy)
+    env: EnvPolicy = Field(default_factory=EnvPolicy)
+    api: ApiPolicy = Field(default_factory=ApiPolicy)
+    code: CodePolicy = Field(default_factory=CodePolicy)
+    limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
+    #: Where the policy was loaded from (not part of the fingerprint).
+    source: Annotated[str | None, Field(exclude=True)] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$", value):
+            raise ValueError(f"{value!r} is not a policy name (letters, digits, -, _, ., :)")
+        return value
+
+    @field_validator("provider")
+    @classmethod
+    def _provider(cls, value: str) -> str:
+        if value not in PROVIDERS:
+            raise ValueError(f"unknown provider {value!r}; known: {', '.join(sorted(PROVIDERS))}")
+        return value
+
+    @model_validator(mode="after")
+    def _danger_named(self) -> Policy:
+        if self.is_permissive() and "danger" not in self.name.lower():
+            raise ValueError(
+                "this policy allows every import or grants dynamic or native code; "
+                "a permissive policy must carry 'danger' in its name"
+            )
+        return self
+
+    def is_permissive(self) -> bool:
+        """Whether the policy opens the Python layer wide (all imports, eval/exec, ctypes)."""
+        return "*" in self.imports.allow or bool(
+            {"dynamic-code", "native-code"} & set(self.api.allow)
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON dict the worker receives (no pydantic needed to read it)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        return data
+
+    def fingerprint(self) -> str:
+        """A stable hash: the same policy always gives the same fingerprint."""
+        canonical = json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def merged(self, overrides: dict[str, Any]) -> Policy:
+        """A new policy: this one with `overrides` (nested dicts) applied section by section.
+
+        Lists replace lists; a nested table merges key by key. The result is validated again.
+        """
+        from agent_sandbox.policies._load import merge_dicts, policy_from_dict
+
+        base = self.model_dump(mode="json", by_alias=True)
+        return policy_from_dict(merge_dicts(base, overrides), source=self.source)
+
+    def explain(self) -> str:
+        """A readable summary of what the policy allows, section by section."""
+        from agent_sandbox.policies._explain import explain_policy
+
+        return explain_policy(self)

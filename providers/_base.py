@@ -1,0 +1,144 @@
+"""The provider interface: a pure builder from (policy, worker spec) to a launch plan.
+
+A provider decides how the worker process is started and which kernel restrictions it
+runs under. It has three parts:
+
+1. `probe()` says whether it works on this machine and, if not, why (no side effects
+   beyond harmless checks; results may be cached).
+2. `build(policy, spec)` is a pure function returning a `LaunchPlan`: the argv, the
+   environment, the inherited descriptors and the in-worker setup (for example a
+   Landlock ruleset the worker applies to itself before serving). Tests compare plans
+   exactly.
+3. `launch(plan)` is the thin applier: one `subprocess.Popen` in a new session.
+
+A provider named explicitly that cannot run raises `ProviderUnavailable`; only `auto`
+chooses among providers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from collections.abc import Mapping
+from typing import IO, Any, ClassVar
+
+from agent_sandbox._errors import ProviderUnavailable
+
+__all__ = ["LaunchPlan", "ProbeResult", "Provider", "WorkerSpec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """Everything about one worker that does not come from the policy.
+
+    `scratch` is the worker's private, writable working directory; `control_dir` is the
+    parent's 0700 directory holding the socket and the log (never visible to user code
+    as writable); `listen_fd` is the inherited listening socket; `boot_fd` is the read end
+    of the pipe that carries the boot configuration; `python` is the absolute interpreter
+    (never `python3` from PATH); `boot_script` is the worker entry point; `sys_path` are the
+    import roots the worker needs (standard library first); `package_dirs` maps each
+    `agent_sandbox` package to its folder on disk; `env` is the environment already filtered
+    by the policy.
+    """
+
+    python: str
+    boot_script: str
+    scratch: str
+    control_dir: str
+    listen_fd: int
+    boot_fd: int
+    sys_path: tuple[str, ...]
+    package_dirs: Mapping[str, str]
+    env: Mapping[str, str]
+    prefix: str
+    base_prefix: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """How to start one worker: the result of a provider's pure `build()`.
+
+    `worker_setup` is JSON-safe data the worker applies to itself before it serves (for
+    example `{"landlock": {...}}`); `cleanup_paths` are host paths the parent removes when
+    the worker is gone.
+    """
+
+    provider: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    pass_fds: tuple[int, ...]
+    cwd: str
+    worker_setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    stack: tuple[str, ...] = ()
+    cleanup_paths: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """Whether a provider works here; `reason` says why not, `version` what was found."""
+
+    name: str
+    available: bool
+    reason: str = ""
+    version: str = ""
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Provider:
+    """Base class: subclasses set `name`, `strength` and implement `probe` and `build`."""
+
+    name: ClassVar[str] = ""
+    #: Higher is stronger; `auto` picks the strongest available stack.
+    strength: ClassVar[int] = 0
+    #: Whether the provider is a kernel boundary against hostile code.
+    is_boundary: ClassVar[bool] = False
+
+    def probe(self) -> ProbeResult:
+        """Say whether this provider works on this machine, and why not."""
+        raise NotImplementedError
+
+    def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        """Turn (policy, spec) into a launch plan. Must be pure: no I/O, no side effects."""
+        raise NotImplementedError
+
+    def require(self) -> ProbeResult:
+        """Probe and raise `ProviderUnavailable` naming what is missing when it cannot run."""
+        result = self.probe()
+        if not result.available:
+            raise ProviderUnavailable(self.name, result.reason or "probe failed")
+        return result
+
+    def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        """Start the worker: one Popen in a new session (its own process group)."""
+        return subprocess.Popen(
+            list(plan.argv),
+            env=dict(plan.env),
+            cwd=plan.cwd,
+            pass_fds=plan.pass_fds,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def worker_argv(spec: WorkerSpec) -> tuple[str, ...]:
+    """The interpreter command line every provider ends with: isolated, no site."""
+    return (spec.python, "-I", "-S", "-B", spec.boot_script, str(spec.boot_fd))
+
+
+def base_env(spec: WorkerSpec, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The worker environment: the policy-filtered variables plus the fixed ones."""
+    env = dict(spec.env)
+    env.setdefault("HOME", spec.scratch)
+    env["TMPDIR"] = spec.scratch
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("MPLCONFIGDIR", os.path.join(spec.scratch, ".mpl"))
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PATH", "/usr/bin:/bin")
+    if extra:
+        env.update(extra)
+    return env

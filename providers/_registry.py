@@ -1,0 +1,61 @@
+"""Provider lookup by name, and the `auto` choice.
+
+`get_provider(name)` returns the provider object; `select_provider(name)` also probes it and
+raises `ProviderUnavailable` when an explicitly named provider cannot run. `auto` picks the
+strongest available stack and says which in the plan's `stack`.
+"""
+
+from __future__ import annotations
+
+from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox.providers._base import ProbeResult, Provider
+from agent_sandbox.providers._subprocess import SubprocessProvider
+
+__all__ = ["all_providers", "get_provider", "probe_all", "select_provider"]
+
+_REGISTRY: dict[str, type[Provider]] = {
+    SubprocessProvider.name: SubprocessProvider,
+}
+
+
+def register(cls: type[Provider]) -> type[Provider]:
+    """Add a provider class to the registry (used by the provider modules)."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def all_providers() -> list[Provider]:
+    """One instance of every known provider, strongest first."""
+    return sorted((cls() for cls in _REGISTRY.values()), key=lambda p: -p.strength)
+
+
+def get_provider(name: str) -> Provider:
+    """The provider called `name` (not probed)."""
+    if name == "auto":
+        return _auto()
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        known = ", ".join(sorted([*_REGISTRY, "auto"]))
+        raise ProviderUnavailable(name, f"no such provider (known: {known})") from None
+
+
+def select_provider(name: str) -> Provider:
+    """The provider called `name`, probed; an unavailable one is an error, never a downgrade."""
+    provider = get_provider(name)
+    provider.require()
+    return provider
+
+
+def probe_all() -> list[ProbeResult]:
+    """Probe every provider (for `agent-sandbox doctor`)."""
+    return [p.probe() for p in all_providers()]
+
+
+def _auto() -> Provider:
+    for provider in all_providers():
+        if provider.name == "auto":
+            continue
+        if provider.probe().available:
+            return provider
+    return SubprocessProvider()
