@@ -1,2 +1,215 @@
-def main() -> int:
-    return 0
+"""The `agent-sandbox` command line (also `python -m agent_sandbox`).
+
+Commands:
+
+* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S]`: run code in a
+  sandboxed worker; output streams live; denials print in a block; the exit status is 0
+  only when the code completed and nothing was denied (1 for an error, 2 for a denial).
+* `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
+* further commands register themselves through `_COMMAND_MODULES` (each module exposes
+  `add_parser(subparsers)` and sets `func` on its parser).
+
+Colour is used only when stdout is a terminal and `NO_COLOR` is unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from agent_sandbox._errors import SandboxError
+
+__all__ = ["Style", "main"]
+
+#: Modules that add their own sub-commands (`add_parser(subparsers)`).
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_DENIED = 2
+EXIT_USAGE = 64
+
+
+class Style:
+    """ANSI styling that switches itself off when the stream is not a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.enabled = stream.isatty() and "NO_COLOR" not in os.environ
+
+    def _wrap(self, code: str, text: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.enabled else text
+
+    def red(self, text: str) -> str:
+        return self._wrap("31", text)
+
+    def yellow(self, text: str) -> str:
+        return self._wrap("33", text)
+
+    def green(self, text: str) -> str:
+        return self._wrap("32", text)
+
+    def bold(self, text: str) -> str:
+        return self._wrap("1", text)
+
+    def dim(self, text: str) -> str:
+        return self._wrap("2", text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agent-sandbox",
+        description="Run Python in a sandboxed worker under a declared policy.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run code in a sandboxed worker")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("-c", dest="code", metavar="CODE", help="the code to run")
+    src.add_argument("file", nargs="?", help="a Python file to run ('-' for stdin)")
+    run.add_argument("--policy", "-p", default=None,
+                     help="a shipped policy name or a TOML file (default: pure-computation)")
+    run.add_argument("--provider", default=None, help="override the policy's provider")
+    run.add_argument("--timeout", type=float, default=None, help="wall-clock seconds")
+    run.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    run.set_defaults(func=_cmd_run)
+
+    policy = sub.add_parser("policy", help="check or explain a policy")
+    psub = policy.add_subparsers(dest="policy_command", metavar="ACTION")
+    check = psub.add_parser("check", help="validate a policy file")
+    check.add_argument("file")
+    check.set_defaults(func=_cmd_policy_check)
+    explain = psub.add_parser("explain", help="summarise what a policy allows")
+    explain.add_argument("file")
+    explain.set_defaults(func=_cmd_policy_explain)
+    lst = psub.add_parser("list", help="list the shipped policies")
+    lst.set_defaults(func=_cmd_policy_list)
+    policy.set_defaults(func=lambda args: _usage(policy))
+
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(func(args))
+    except SandboxError as exc:
+        style = Style(sys.stderr)
+        print(style.red(f"error: {exc}"), file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- run ---------------------------------------------------------------------------------
+
+
+def _read_source(args: argparse.Namespace) -> str:
+    if args.code is not None:
+        return str(args.code)
+    if args.file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.file, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise SandboxError(f"cannot read {args.file}: {exc.strerror}") from None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from agent_sandbox._sandbox import Sandbox
+
+    code = _read_source(args)
+    out, err = sys.stdout, sys.stderr
+
+    def live(kind: str, data: Any) -> None:
+        if args.json:
+            return
+        if kind == "stdout":
+            out.write(data)
+            out.flush()
+        elif kind == "stderr":
+            err.write(data)
+            err.flush()
+
+    with Sandbox(args.policy, provider=args.provider, warm=0) as sandbox:
+        result = sandbox.run(code, timeout=args.timeout, on_event=live)
+    if args.json:
+        print(result.to_json())
+    else:
+        print_result_tail(result, sys.stderr)
+    if result.denials:
+        return EXIT_DENIED
+    return EXIT_OK if result.error is None else EXIT_ERROR
+
+
+def print_result_tail(result: Any, stream: TextIO) -> None:
+    """Print the value, the error and a block of denials after the live output."""
+    style = Style(stream)
+    if result.value is not None:
+        print(style.dim("value: ") + result.value_text(), file=stream)
+    for notice in result.notices:
+        print(style.yellow(f"note: {notice}"), file=stream)
+    if result.error is not None:
+        err = result.error
+        if err.traceback and err.kind in ("exception", "syntax"):
+            stream.write(err.traceback if err.traceback.endswith("\n") else err.traceback + "\n")
+        else:
+            label = f"{err.kind}" + (f" [{err.rule}]" if err.rule else "")
+            print(style.red(f"{label}: {err.message}"), file=stream)
+    if result.denials:
+        print(style.bold(style.red(f"denied ({len(result.denials)}):")), file=stream)
+        for d in result.denials:
+            print(style.red(f"  [{d.rule}] ") + f"{d.action} {d.target}", file=stream)
+            if d.detail:
+                print(style.dim(f"      {d.detail}"), file=stream)
+            if d.hint:
+                print(style.green(f"      to allow: {d.hint}"), file=stream)
+
+
+# -- policy ------------------------------------------------------------------------------
+
+
+def _cmd_policy_check(args: argparse.Namespace) -> int:
+    from agent_sandbox.policies import resolve_policy
+
+    policy = resolve_policy(args.file)
+    style = Style(sys.stdout)
+    print(style.green("ok: ") + f"{policy.name} (fingerprint {policy.fingerprint()})")
+    return EXIT_OK
+
+
+def _cmd_policy_explain(args: argparse.Namespace) -> int:
+    from agent_sandbox.policies import resolve_policy
+
+    print(resolve_policy(args.file).explain())
+    return EXIT_OK
+
+
+def _cmd_policy_list(args: argparse.Namespace) -> int:
+    from agent_sandbox.policies import list_presets, resolve_policy
+
+    for name in list_presets():
+        policy = resolve_policy(name)
+        print(f"{name:24} {policy.description}")
+    return EXIT_OK
+
+
+def dump_json(data: Any) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False)

@@ -74,4 +74,7 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
         checks.update(apply_worker_setup(setup))
     runner = Runner(policy, boot["scratch"])
     hooks: dict[str, Any] = {}
+    # 5a. The code layer: `runner.code_check(code, tree)` raises CodeRejected before a call runs.
+    # 5b. The guards: `runner.arming()` arms them around each call; `hooks["tamper_check"]()`
+    #     returns the reasons the guards are no longer intact (each becomes `guard.tampered`).
     return runner, checks, hooks
