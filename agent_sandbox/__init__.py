@@ -39,7 +39,6 @@ from agent_sandbox.policies import resolve_policy as resolve_policy
 __version__ = "0.1.0"
 
 __all__ = [
-    "RULES",
     "CallDenied",
     "CodeRejected",
     "Denial",
@@ -55,6 +54,7 @@ __all__ = [
     "PolicyError",
     "PolicyNotFound",
     "ProviderUnavailable",
+    "RULES",
     "RunError",
     "RunResult",
     "Sandbox",

@@ -12,7 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["RULES", "Denial", "rule_doc"]
+__all__ = [
+    "Denial",
+    "RULES",
+    "rule_doc",
+]
 
 #: Every rule name a denial can carry, with what it means. Keep sorted.
 RULES: dict[str, str] = {

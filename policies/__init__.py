@@ -20,8 +20,6 @@ from agent_sandbox.policies._model import NetRule as NetRule
 from agent_sandbox.policies._model import Policy as Policy
 
 __all__ = [
-    "PROVIDERS",
-    "SENSITIVE_CATEGORIES",
     "ApiPolicy",
     "CodeBudgets",
     "CodePolicy",
@@ -31,7 +29,9 @@ __all__ = [
     "LimitsPolicy",
     "NetPolicy",
     "NetRule",
+    "PROVIDERS",
     "Policy",
+    "SENSITIVE_CATEGORIES",
     "list_presets",
     "load_policy",
     "merge_dicts",

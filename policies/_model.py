@@ -18,8 +18,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
-    "PROVIDERS",
-    "SENSITIVE_CATEGORIES",
     "ApiPolicy",
     "CodeBudgets",
     "CodePolicy",
@@ -29,7 +27,9 @@ __all__ = [
     "LimitsPolicy",
     "NetPolicy",
     "NetRule",
+    "PROVIDERS",
     "Policy",
+    "SENSITIVE_CATEGORIES",
 ]
 
 #: Provider names a policy may request. `auto` is the only one that chooses.

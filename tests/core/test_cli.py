@@ -1,0 +1,95 @@
+"""The agent-sandbox command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "agent_sandbox"]
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, input=stdin, timeout=60)
+
+
+def test_run_streams_output_and_prints_the_value() -> None:
+    """It prints the code's output and its value, and exits 0."""
+    out = run_cli("run", "-c", "print('hi')\n40 + 2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "hi\n"
+    assert "value: 42" in out.stderr
+
+
+def test_run_json_prints_one_object() -> None:
+    """It prints the RunResult as one JSON object with --json."""
+    out = run_cli("run", "--json", "-c", "print('a')\n[1, 2]")
+    assert out.returncode == 0
+    data = json.loads(out.stdout)
+    assert data["stdout"] == "a\n" and data["value"] == [1, 2] and data["ok"] is True
+
+
+def test_run_file_and_stdin(tmp_path: Path) -> None:
+    """It runs a file, or code from stdin with '-'."""
+    script = tmp_path / "s.py"
+    script.write_text("print(sum(range(5)))\n")
+    assert run_cli("run", str(script)).stdout == "10\n"
+    assert run_cli("run", "-", stdin="print('x')").stdout == "x\n"
+
+
+def test_run_error_exits_non_zero_with_traceback() -> None:
+    """It exits 1 and prints the traceback when the code raises."""
+    out = run_cli("run", "-c", "1/0")
+    assert out.returncode == 1
+    assert "ZeroDivisionError" in out.stderr
+
+
+def test_run_denial_exits_2_and_prints_a_block() -> None:
+    """It exits 2 and prints the denials in a readable block."""
+    out = run_cli("run", "--timeout", "1", "-c", "while True: pass")
+    assert out.returncode == 2
+    assert "denied (1):" in out.stderr and "[limits.timeout]" in out.stderr
+    assert "to allow:" in out.stderr
+
+
+def test_run_syntax_error() -> None:
+    """It reports a syntax error with its position."""
+    out = run_cli("run", "-c", "def (")
+    assert out.returncode == 1
+    assert "SyntaxError" in out.stderr
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    """It names a missing script or policy file."""
+    out = run_cli("run", str(tmp_path / "none.py"))
+    assert out.returncode == 1 and "cannot read" in out.stderr
+    out = run_cli("run", "--policy", str(tmp_path / "none.toml"), "-c", "1")
+    assert out.returncode == 1 and "none.toml" in out.stderr
+
+
+def test_policy_check_and_explain(tmp_path: Path) -> None:
+    """It validates and explains a policy, and reports a bad one with file and line."""
+    good = tmp_path / "good.toml"
+    good.write_text('name = "good"\n[imports]\nallow = ["json"]\n')
+    out = run_cli("policy", "check", str(good))
+    assert out.returncode == 0 and "ok: good" in out.stdout
+    out = run_cli("policy", "explain", str(good))
+    assert "json" in out.stdout and "network:" in out.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\n[limits]\nwal = 1\n')
+    out = run_cli("policy", "check", str(bad))
+    assert out.returncode == 1
+    assert f"{bad}:3" in out.stderr and "limits.wal" in out.stderr
+
+
+def test_policy_list_shows_presets() -> None:
+    """It lists the shipped policies."""
+    out = run_cli("policy", "list")
+    assert "pure-computation" in out.stdout and "data-analysis" in out.stdout
+
+
+def test_no_command_prints_usage() -> None:
+    """It prints usage and exits 64 without a command."""
+    out = run_cli()
+    assert out.returncode == 64 and "usage" in out.stderr
