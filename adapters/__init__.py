@@ -1,3 +1,12 @@
-"""Agent-framework adapters. Framework imports stay inside `langchain` and `crewai`."""
+"""Agent-framework adapters.
 
-__all__: list[str] = []
+Framework imports stay inside `agent_sandbox.adapters.langchain` and
+`agent_sandbox.adapters.crewai`: importing this package (and `sandboxed`) needs neither.
+"""
+
+from agent_sandbox._errors import SandboxedCallError as SandboxedCallError
+from agent_sandbox.adapters._common import describe_policy as describe_policy
+from agent_sandbox.adapters._sandboxed import SandboxedFunction as SandboxedFunction
+from agent_sandbox.adapters._sandboxed import sandboxed as sandboxed
+
+__all__ = ["SandboxedCallError", "SandboxedFunction", "describe_policy", "sandboxed"]

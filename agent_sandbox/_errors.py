@@ -13,6 +13,7 @@ inside the worker while user code runs:
   * TransportError                  - the parent/worker channel broke or sent garbage
     * MessageTooLarge               - one event or a result exceeded its cap
   * SandboxClosed                   - the sandbox or session was closed
+  * SandboxedCallError              - a `sandboxed()` function raised; carries the RunResult
   * SandboxDenied                   - a policy refused an operation (carries a Denial)
     * FileAccessDenied (PermissionError)
     * HiddenPathDenied (FileNotFoundError)
@@ -50,6 +51,7 @@ __all__ = [
     "SandboxClosed",
     "SandboxDenied",
     "SandboxError",
+    "SandboxedCallError",
     "TransportError",
     "WorkerCrashed",
     "WorkerError",
@@ -109,7 +111,7 @@ class ProviderUnavailable(SandboxError):
         super().__init__(
             f"provider {provider!r} is not available on this machine: {reason}. "
             f"Install what is missing, or name another provider in the policy "
-            f"(`provider = \"auto\"` picks the strongest one that works)."
+            f'(`provider = "auto"` picks the strongest one that works).'
         )
 
 
@@ -158,6 +160,24 @@ class MessageTooLarge(TransportError):
 
 class SandboxClosed(SandboxError):
     """The sandbox or the session was closed; open a new one."""
+
+
+class SandboxedCallError(SandboxError):
+    """A function run by `sandboxed()` failed and its exception cannot be rebuilt as its own type.
+
+    `.result` is the call's `RunResult`; `.error_type`, `.message`, `.remote_traceback` and
+    `.denials` describe what happened in the worker. It is not a SandboxDenied: a refusal is
+    raised as the matching SandboxDenied subclass instead.
+    """
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        error = result.error
+        self.error_type = error.type if error is not None else "Error"
+        self.message = error.message if error is not None else ""
+        self.remote_traceback = error.traceback if error is not None else ""
+        self.denials = tuple(result.denials)
+        super().__init__(f"{self.error_type}: {self.message}")
 
 
 class SandboxDenied(SandboxError):

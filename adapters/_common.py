@@ -1,0 +1,329 @@
+"""Framework-free logic shared by the LangChain and CrewAI tools.
+
+* `describe_policy()` writes the tool description a model reads before its first call: what it
+  may import, whether it has network, where it may write, the time limit, whether variables
+  persist, the main code-layer restrictions, and that a refusal names its rule.
+* `ToolRunner` owns the tool's `Sandbox` (started lazily), picks the session for a call and
+  turns every failure of agent_sandbox itself into a `RunResult` instead of an exception, so an
+  adapter has exactly one thing to translate.
+* `outcome()` classifies a `RunResult` into what the model reads and whether it is an error for
+  the framework (refusals, limits, crashes, internal failures) or ordinary output (a traceback
+  from the model's own code, unless configured otherwise).
+* `image_blocks()` turns `RunResult.images` into LangChain-style image content blocks.
+
+Nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Literal
+
+from agent_sandbox._result import RunError, RunResult
+from agent_sandbox._sandbox import OnEvent, Sandbox
+from agent_sandbox.policies import Policy, resolve_policy
+
+__all__ = [
+    "FAILURE_KINDS",
+    "CodeErrorsAs",
+    "Outcome",
+    "PolicySpec",
+    "SessionMode",
+    "ToolRunner",
+    "describe_policy",
+    "image_blocks",
+    "internal_failure",
+    "outcome",
+]
+
+PolicySpec = Policy | str | os.PathLike[str] | None
+SessionMode = Literal["thread", "tool", "none"]
+CodeErrorsAs = Literal["output", "error"]
+
+#: `RunError.kind`s that are a refusal or a failure of the sandbox, never ordinary output.
+FAILURE_KINDS = frozenset({"denied", "limit", "crashed", "internal"})
+
+_RETRY_NOTE = (
+    "Running the same code again will be refused again: change the approach, or tell the "
+    "user which policy line would allow it."
+)
+_MAX_LISTED_IMPORTS = 40
+
+
+def describe_policy(
+    policy: Policy, *, session: SessionMode | str = "thread", intro: str | None = None
+) -> str:
+    """The tool description a model reads, generated from `policy` (kept short: it costs tokens)."""
+    lines = [
+        intro
+        or "Run Python 3 code in a sandboxed interpreter. Returns what the code prints and the "
+        "value of its last expression; print() what you need to see."
+    ]
+    head = f"Policy '{policy.name}'"
+    if policy.description:
+        head += f": {policy.description.strip().rstrip('.')}."
+    lines.append(head)
+    allow = policy.imports.allow
+    if "*" in allow:
+        imports = "any module"
+    elif allow:
+        listed = list(allow[:_MAX_LISTED_IMPORTS])
+        more = len(allow) - len(listed)
+        imports = ", ".join(listed) + (f" and {more} more" if more > 0 else "")
+    else:
+        imports = "none (builtins only)"
+    if policy.imports.deny:
+        imports += f"; never {', '.join(policy.imports.deny)}"
+    lines.append(f"- Imports allowed: {imports}. Any other import is refused.")
+    if policy.net.allows_any():
+        targets = [
+            f"{r.host}:{r.ports}" for r in policy.net.rules if r.action == "allow"
+        ]
+        lines.append(f"- Network: only {', '.join(targets)}.")
+    else:
+        lines.append("- Network: off.")
+    writable = ["the scratch directory (the working directory)", *policy.files.write]
+    lines.append(f"- Files: write only to {', '.join(writable)}.")
+    if policy.files.read:
+        lines.append(f"  Read also: {', '.join(policy.files.read)}.")
+    lim = policy.limits
+    lines.append(
+        f"- Limits: {lim.wall_seconds:g} s per call, {lim.memory_mb} MB memory, "
+        f"{lim.output_bytes} bytes of output."
+    )
+    if session == "none":
+        lines.append("- State: every call starts in a fresh interpreter; variables do not persist.")
+    else:
+        lines.append(
+            "- State: variables and imports persist between calls"
+            + (" of this conversation." if session == "thread" else ".")
+        )
+    granted = ", ".join(policy.api.allow) or "none"
+    lines.append(
+        f"- Subprocesses, eval/exec, ctypes and similar sensitive calls are refused "
+        f"(granted: {granted})."
+    )
+    code = policy.code
+    if code.enabled:
+        b = code.budgets
+        dunders = ", ".join(code.dunders) or "none"
+        checks = [f"dunder names refused except {dunders}"]
+        if b.max_iterations:
+            checks.append(f"at most {b.max_iterations} loop iterations")
+        if b.max_call_depth:
+            checks.append(f"call depth {b.max_call_depth}")
+        if code.deny_names:
+            checks.append(f"names never allowed: {', '.join(code.deny_names)}")
+        lines.append(f"- The code is checked before it runs: {'; '.join(checks)}.")
+    lines.append(
+        "- A refusal names its rule (for example [imports]) and what would allow it; "
+        "retrying the same thing is useless."
+    )
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an adapter should present one `RunResult`.
+
+    `is_error` means: report it to the framework as a failed tool call (a refusal, a limit, a
+    crash, an internal failure, or the code's own exception when `code_errors_as="error"`).
+    `kind` is `ok`, `exception`, `denied`, `limit`, `crashed` or `internal`; `rule` is the
+    first rule involved (the CrewAI `ToolFailure.code`), `rules` all of them.
+    """
+
+    text: str
+    is_error: bool
+    kind: str
+    rule: str | None
+    rules: tuple[str, ...]
+
+
+def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Outcome:
+    """Classify `result` and write the text the model reads."""
+    error = result.error
+    rules = tuple(result.rules())
+    parts: list[str] = []
+    for notice in result.notices:
+        parts.append(f"[notice] {notice}")
+    if error is not None and error.kind in FAILURE_KINDS:
+        parts.append(_failure_text(result, error))
+        if result.stdout or result.stderr:
+            parts.append("Output before it stopped:\n" + _output_text(result))
+        rule = error.rule or (rules[0] if rules else None)
+        return Outcome("\n".join(parts), True, error.kind, rule, rules)
+    out = _output_text(result)
+    if out:
+        parts.append(out)
+    if error is not None:
+        # The model's own code raised (or does not parse): show the traceback like a REPL.
+        parts.append((error.traceback or f"{error.type}: {error.message}").rstrip())
+    else:
+        value = result.value_text()
+        if value:
+            parts.append(value)
+    caught = [d for d in result.denials if not d.learned]
+    if caught:
+        parts.append(
+            "Refused during this call (the code caught the error and went on):\n"
+            + "\n".join(f"- {d.message()}" for d in caught)
+        )
+    learned = [d for d in result.denials if d.learned]
+    if learned:
+        parts.append(
+            "Learning mode recorded would-be refusals:\n"
+            + "\n".join(f"- {d.message()}" for d in learned)
+        )
+    if result.images:
+        names = ", ".join(i.name for i in result.images)
+        parts.append(f"[{len(result.images)} image(s) attached: {names}]")
+    text = "\n".join(parts) or "(no output)"
+    if error is not None:
+        is_error = code_errors_as == "error"
+        return Outcome(text, is_error, "exception", error.rule or (rules[0] if rules else None),
+                       rules)
+    return Outcome(text, False, "ok", rules[0] if rules else None, rules)
+
+
+def _output_text(result: RunResult) -> str:
+    text = result.stdout
+    if result.stderr:
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += "[stderr]\n" + result.stderr
+    return text.rstrip("\n")
+
+
+def _failure_text(result: RunResult, error: RunError) -> str:
+    if error.kind == "denied":
+        lines = ["REFUSED by the sandbox policy."]
+        denials = [d for d in result.denials if not d.learned]
+        if denials:
+            lines.extend(d.message() for d in denials)
+        else:
+            lines.append(error.message)
+        lines.append(_RETRY_NOTE)
+        return "\n".join(lines)
+    if error.kind == "limit":
+        msgs = [d.message() for d in result.denials if d.rule == error.rule] or [error.message]
+        return "\n".join(
+            ["STOPPED by a sandbox limit.", *msgs,
+             "Make the code do less (smaller input, fewer iterations, less output) "
+             "rather than running it again unchanged."]
+        )
+    if error.kind == "crashed":
+        return (
+            f"The sandbox worker crashed ([{error.rule or 'worker.crashed'}]): {error.message}. "
+            "The next call starts a fresh interpreter: define your variables again."
+        )
+    return (
+        f"The sandbox failed internally ({error.type}: {error.message}). This was not caused "
+        "by your code's logic; you may try once more."
+    )
+
+
+def internal_failure(exc: BaseException, policy: Policy | None = None) -> RunResult:
+    """A `RunResult` standing for a failure of agent_sandbox itself (never raised to the agent)."""
+    return RunResult(
+        error=RunError(kind="internal", type=type(exc).__name__, message=str(exc) or repr(exc)),
+        policy=policy.name if policy else "",
+        fingerprint=policy.fingerprint() if policy else "",
+    )
+
+
+def image_blocks(result: RunResult) -> list[dict[str, Any]]:
+    """LangChain-style image content blocks, one per image the code produced."""
+    return [
+        {"type": "image", "base64": img.data_base64, "mime_type": img.mime or "image/png"}
+        for img in result.images
+    ]
+
+
+SessionKeyFn = Callable[[dict[str, Any]], "str | None"]
+
+
+class ToolRunner:
+    """The sandbox side of a tool: one lazily started `Sandbox`, sessions, and no exceptions.
+
+    `session` is `"thread"` (one interpreter per conversation thread; falls back to the tool's
+    own session when the call carries no thread id), `"tool"` (one interpreter for the tool
+    instance) or `"none"` (a fresh interpreter per call).
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        *,
+        session: SessionMode = "thread",
+        provider: str | None = None,
+        warm: int = 1,
+        timeout: float | None = None,
+    ) -> None:
+        if session not in ("thread", "tool", "none"):
+            raise ValueError(f"session must be 'thread', 'tool' or 'none', not {session!r}")
+        self.policy = resolve_policy(policy)
+        self.session_mode: SessionMode = session
+        self.provider = provider
+        self.warm = warm
+        self.timeout = timeout
+        self._sandbox: Sandbox | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def sandbox(self) -> Sandbox:
+        with self._lock:
+            if self._sandbox is None or self._sandbox.closed:
+                self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
+            return self._sandbox
+
+    def session_key(self, thread_id: str | None) -> str | None:
+        """The session a call runs in (None: stateless)."""
+        if self.session_mode == "none":
+            return None
+        if self.session_mode == "thread" and thread_id:
+            return f"thread:{thread_id}"
+        return "tool"
+
+    def run(self, code: str, *, thread_id: str | None = None,
+            on_event: OnEvent | None = None) -> RunResult:
+        key = self.session_key(thread_id)
+        try:
+            sandbox = self.sandbox
+            if key is None:
+                return sandbox.run(code, timeout=self.timeout, on_event=on_event)
+            return sandbox.session(key).run(code, timeout=self.timeout, on_event=on_event)
+        except Exception as exc:  # every failure of ours reaches the agent as data
+            return internal_failure(exc, self.policy)
+
+    async def arun(self, code: str, *, thread_id: str | None = None,
+                   on_event: OnEvent | None = None) -> RunResult:
+        key = self.session_key(thread_id)
+        try:
+            sandbox = self.sandbox
+            if key is None:
+                return await sandbox.arun(code, timeout=self.timeout, on_event=on_event)
+            return await sandbox.session(key).arun(code, timeout=self.timeout, on_event=on_event)
+        except Exception as exc:
+            return internal_failure(exc, self.policy)
+
+    def sessions(self) -> list[str]:
+        """Keys of the live sessions (`thread:<id>` or `tool`)."""
+        with self._lock:
+            return self._sandbox.sessions() if self._sandbox is not None else []
+
+    def reset(self, thread_id: str | None = None) -> None:
+        """Forget the interpreter of `thread_id`'s session (or the tool's own session)."""
+        key = self.session_key(thread_id) or "tool"
+        with self._lock:
+            sandbox = self._sandbox
+        if sandbox is not None and key in sandbox.sessions():
+            sandbox.session(key).reset()
+
+    def close(self) -> None:
+        with self._lock:
+            sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            sandbox.close()

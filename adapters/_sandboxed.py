@@ -1,0 +1,326 @@
+"""`sandboxed()`: run the body of any tool or plain function in a worker under a policy.
+
+How a call crosses (data only, nothing is pickled):
+
+1. At wrap time the function's source is taken with `inspect.getsource`, dedented, and its
+   decorators are stripped. The module-level imports and literal constants it refers to are
+   copied in front of it, so a function defined in a script (`__main__`), a notebook or a module
+   works the same way: nothing is imported by module name in the worker.
+2. At call time the arguments must be JSON data; they are written into the call as Python
+   literals (`f(*[...], **{...})`) and the call is the last expression, whose value comes back
+   as data (`RunResult.value`).
+3. The result is mapped back: the return value; a policy refusal or limit raises the matching
+   `SandboxDenied` subclass (`ImportDenied`, `NetworkDenied`, `LimitExceeded`, ...) with
+   `.result` attached; an exception of a builtin type is raised as that type (chained from a
+   `SandboxedCallError` holding the worker's traceback); anything else raises
+   `SandboxedCallError`.
+
+What is NOT carried: closures, helpers defined elsewhere in the module (define them inside the
+function), non-literal globals, and `self` beyond the tool's own JSON-safe fields (a tool's
+`_run` method gets a plain object holding those fields as its `self`).
+
+LangChain and CrewAI tools are wrapped by helpers in `adapters.langchain` / `adapters.crewai`
+(imported only when such a tool is passed), which return a tool of the same framework whose
+refusals are handled tool errors / `ToolFailure`s.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import inspect
+import json
+import textwrap
+import threading
+import types
+from typing import Any
+
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import (
+    CallDenied,
+    CodeRejected,
+    EnvDenied,
+    FileAccessDenied,
+    HiddenPathDenied,
+    ImportDenied,
+    LimitExceeded,
+    NetworkDenied,
+    SandboxDenied,
+    SandboxedCallError,
+)
+from agent_sandbox._result import RunResult
+from agent_sandbox._sandbox import Sandbox
+from agent_sandbox.adapters._common import PolicySpec, internal_failure
+from agent_sandbox.policies import resolve_policy
+
+__all__ = ["SandboxedFunction", "denial_exception", "function_program", "sandboxed"]
+
+_SELF_CLASS = "SandboxedToolSelf"
+
+
+def sandboxed(
+    target: Any,
+    *,
+    policy: PolicySpec = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> Any:
+    """Run `target` in a sandboxed worker under `policy` on every call.
+
+    `target` is a plain function (returns a `SandboxedFunction`, called like the original), a
+    LangChain tool (returns a LangChain tool) or a CrewAI tool (returns a CrewAI tool). The
+    policy is a `Policy`, a shipped policy name or a TOML path (default `pure-computation`).
+    """
+    framework = _framework_of(target)
+    options = {"policy": policy, "provider": provider, "timeout": timeout, "warm": warm}
+    if framework == "langchain":
+        from agent_sandbox.adapters.langchain import sandboxed_langchain_tool
+
+        return sandboxed_langchain_tool(target, **options)
+    if framework == "crewai":
+        from agent_sandbox.adapters.crewai import sandboxed_crewai_tool
+
+        return sandboxed_crewai_tool(target, **options)
+    if isinstance(target, types.FunctionType):
+        return SandboxedFunction(target, **options)
+    raise TypeError(
+        f"sandboxed() takes a function or a LangChain/CrewAI tool, not {type(target).__name__}"
+    )
+
+
+def _framework_of(obj: Any) -> str | None:
+    for cls in type(obj).__mro__:
+        module = cls.__module__ or ""
+        if module.startswith("langchain_core."):
+            return "langchain"
+        if module.startswith("crewai."):
+            return "crewai"
+    return None
+
+
+def tool_body(tool: Any, base: type) -> tuple[types.FunctionType, dict[str, Any] | None]:
+    """The function to ship for a framework tool, and the `self` fields for a method body.
+
+    A tool built from a function (`@tool`, `StructuredTool`, CrewAI `Tool`) ships `.func`;
+    a subclass ships its `_run` method with its own JSON-safe fields as `self`.
+    """
+    func = getattr(tool, "func", None)
+    if isinstance(func, types.FunctionType):
+        return func, None
+    run = getattr(type(tool), "_run", None)
+    if not isinstance(run, types.FunctionType) or run is getattr(base, "_run", None):
+        raise TypeError(f"cannot find the body of tool {getattr(tool, 'name', tool)!r}")
+    own = set(type(tool).model_fields) - set(base.model_fields)
+    fields: dict[str, Any] = {}
+    for name in sorted(own):
+        value = getattr(tool, name, None)
+        try:
+            fields[name] = json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError):
+            continue  # not data: the body cannot use it in the worker
+    return run, fields
+
+
+def function_program(func: types.FunctionType, self_fields: dict[str, Any] | None = None) -> str:
+    """The source shipped to the worker: needed imports and constants, then the function."""
+    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        raise TypeError(f"{func.__qualname__} is async; sandboxed() takes a sync function")
+    if func.__closure__:
+        raise TypeError(
+            f"{func.__qualname__} uses variables of an enclosing function (a closure); "
+            "define it at module level so its source is self-contained"
+        )
+    try:
+        source = textwrap.dedent(inspect.getsource(func))
+    except (OSError, TypeError) as exc:
+        raise TypeError(f"the source of {func.__qualname__} is not available: {exc}") from exc
+    tree = ast.parse(source)
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if not defs:
+        raise TypeError(f"{func.__qualname__} is not a plain `def` function (a lambda?)")
+    node = defs[0]
+    node.decorator_list = []
+    node.name = func.__name__
+    parts = _module_context(func)
+    if self_fields is not None:
+        body = [f"    {k} = {v!r}" for k, v in self_fields.items() if k.isidentifier()]
+        parts.append(f"class {_SELF_CLASS}:\n" + ("\n".join(body) or "    pass"))
+    parts.append(ast.unparse(node))
+    return "\n".join(parts) + "\n"
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _module_context(func: types.FunctionType) -> list[str]:
+    """Top-level imports and literal constants of `func`'s module that `func` refers to."""
+    module = inspect.getmodule(func)
+    if module is None:
+        return []
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    wanted = _global_names(func.__code__)
+    out: list[str] = []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Import):
+            aliases = [a for a in stmt.names if (a.asname or a.name.split(".")[0]) in wanted]
+            if aliases:
+                out.append(ast.unparse(ast.Import(names=aliases)))
+        elif isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and stmt.module != "__future__":
+            aliases = [a for a in stmt.names if (a.asname or a.name) in wanted]
+            if aliases:
+                out.append(ast.unparse(ast.ImportFrom(module=stmt.module, names=aliases, level=0)))
+        elif (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id in wanted
+        ):
+            try:
+                ast.literal_eval(stmt.value)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                continue
+            out.append(ast.unparse(stmt))
+    return out
+
+
+def call_expression(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    *, method: bool = False) -> str:
+    """`name(*[...], **{...})` with the arguments as literals; refuses non-JSON arguments."""
+    try:
+        data = json.loads(json.dumps([list(args), kwargs], allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"sandboxed() arguments must be JSON data: {exc}") from exc
+    lead = f"{_SELF_CLASS}(), " if method else ""
+    return f"{name}({lead}*{data[0]!r}, **{data[1]!r})"
+
+
+#: Rule family -> the exception class a refusal is raised as on the caller's side.
+_DENIAL_CLASSES: tuple[tuple[str, type[SandboxDenied]], ...] = (
+    ("files.hidden", HiddenPathDenied),
+    ("files.", FileAccessDenied),
+    ("net.", NetworkDenied),
+    ("imports", ImportDenied),
+    ("env", EnvDenied),
+    ("api.", CallDenied),
+    ("code.", CodeRejected),
+    ("limits.", LimitExceeded),
+)
+
+
+def denial_exception(denial: Denial) -> SandboxDenied:
+    """The `SandboxDenied` subclass matching `denial.rule`, built from the denial."""
+    for prefix, cls in _DENIAL_CLASSES:
+        if denial.rule == prefix or (prefix.endswith(".") and denial.rule.startswith(prefix)):
+            return cls(denial)
+    return SandboxDenied(denial)
+
+
+def raise_for_result(result: RunResult) -> None:
+    """Raise what the sandboxed function's failure should look like in the caller; else None."""
+    error = result.error
+    if error is None:
+        return
+    if error.kind in ("denied", "limit"):
+        denials = [d for d in result.denials if d.rule == error.rule] or list(result.denials)
+        if denials:
+            exc = denial_exception(denials[0])
+            exc.result = result  # type: ignore[attr-defined]
+            raise exc
+    remote = SandboxedCallError(result)
+    if error.kind == "exception" and "." not in error.type:
+        cls = getattr(builtins, error.type, None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            try:
+                rebuilt = cls(error.message)
+            except Exception:
+                raise remote from None
+            raise rebuilt from remote
+    raise remote
+
+
+class SandboxedFunction:
+    """A function that runs in a sandboxed worker on every call (see the module docstring)."""
+
+    def __init__(
+        self,
+        func: types.FunctionType,
+        *,
+        policy: PolicySpec = None,
+        provider: str | None = None,
+        timeout: float | None = None,
+        warm: int = 0,
+        self_fields: dict[str, Any] | None = None,
+    ) -> None:
+        self.func = func
+        self.policy = resolve_policy(policy)
+        self.provider = provider
+        self.timeout = timeout
+        self.warm = warm
+        self.program = function_program(func, self_fields)
+        self._method = self_fields is not None
+        self._sandbox: Sandbox | None = None
+        self._lock = threading.Lock()
+        self.last_result: RunResult | None = None
+        functools.update_wrapper(self, func)
+
+    def code_for(self, *args: Any, **kwargs: Any) -> str:
+        """The exact code one call runs in the worker."""
+        call = call_expression(self.func.__name__, args, kwargs, method=self._method)
+        return self.program + call + "\n"
+
+    def _get_sandbox(self) -> Sandbox:
+        with self._lock:
+            if self._sandbox is None or self._sandbox.closed:
+                self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
+            return self._sandbox
+
+    def run(self, *args: Any, **kwargs: Any) -> RunResult:
+        """Call the function in a fresh worker and return the whole `RunResult` (never raises
+        for a failure in the worker; raises TypeError for arguments that are not data)."""
+        code = self.code_for(*args, **kwargs)
+        try:
+            result = self._get_sandbox().run(code, timeout=self.timeout)
+        except Exception as exc:
+            result = internal_failure(exc, self.policy)
+        self.last_result = result
+        return result
+
+    async def arun(self, *args: Any, **kwargs: Any) -> RunResult:
+        """The async twin of `run()`."""
+        code = self.code_for(*args, **kwargs)
+        try:
+            result = await self._get_sandbox().arun(code, timeout=self.timeout)
+        except Exception as exc:
+            result = internal_failure(exc, self.policy)
+        self.last_result = result
+        return result
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.run(*args, **kwargs)
+        raise_for_result(result)
+        return result.value
+
+    def close(self) -> None:
+        with self._lock:
+            sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            sandbox.close()
+
+    def __enter__(self) -> SandboxedFunction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<sandboxed {self.func.__qualname__} policy={self.policy.name!r}>"

@@ -1,0 +1,194 @@
+"""`SandboxedPythonTool` for CrewAI (`crewai.tools.BaseTool`); the only module importing crewai.
+
+* Refusals, limits, crashes and internal failures are RETURNED as CrewAI's `ToolFailure`
+  (`code` = the rule, `details` = the denials), never raised: a raised error makes CrewAI's
+  text-mode (ReAct) agent run the tool up to three times, and it would be recorded as an
+  exception rather than a reported failure. The agent reads `"<text> (code: <rule>)"`; the
+  operator finds the failure in `TaskOutput.tool_failures` and as a `ToolFailureDetectedEvent`.
+  `tool_failure_policy=ToolFailurePolicy.RAISE` on the tool aborts the crew instead.
+* A traceback from the model's own code is ordinary output (`code_errors_as="error"` makes it a
+  `ToolFailure` too).
+* Results are never served from CrewAI's tool cache: the interpreter has state, so the same
+  code can give a different answer.
+* Sessions: `session="tool"` (default) keeps one interpreter per tool instance; `"none"` starts
+  a fresh one per call. (CrewAI has no conversation thread id; `"thread"` means `"tool"` here.)
+
+CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain string.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from crewai.tools import BaseTool
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+
+from agent_sandbox._result import RunResult
+from agent_sandbox.adapters._common import (
+    CodeErrorsAs,
+    SessionMode,
+    ToolRunner,
+    describe_policy,
+    outcome,
+)
+from agent_sandbox.policies import Policy, resolve_policy
+
+try:
+    from crewai.tools.tool_failure import ToolFailure
+except ImportError:  # pragma: no cover - CrewAI before ToolFailure existed
+    ToolFailure = None
+
+__all__ = ["RunPythonInput", "SandboxedPythonTool", "never_cache"]
+
+
+class RunPythonInput(BaseModel):
+    """The tool's only argument."""
+
+    code: str = Field(
+        description=(
+            "Python 3 source to run. Use print() for what you want to see; the value of the "
+            "last expression is returned too."
+        )
+    )
+
+
+def never_cache(_args: Any = None, _result: Any = None) -> bool:
+    """CrewAI cache predicate: a stateful interpreter's results are never reused."""
+    return False
+
+
+class SandboxedPythonTool(BaseTool):
+    """Run the agent's Python in a sandboxed worker under this tool's policy."""
+
+    name: str = "run_python"
+    description: str = ""
+    args_schema: type[BaseModel] = RunPythonInput
+    cache_function: Any = never_cache
+
+    policy: Policy = Field(default_factory=lambda: resolve_policy(None))
+    """A `Policy`, the name of a shipped policy, or a TOML path."""
+    session: SessionMode = "tool"
+    code_errors_as: CodeErrorsAs = "output"
+    provider: str | None = None
+    warm: int = 1
+    timeout: float | None = None
+
+    _runner: ToolRunner = PrivateAttr()
+    #: The last `RunResult` (for inspection in notebooks and tests).
+    _last: RunResult | None = PrivateAttr(default=None)
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _resolve(cls, value: Any) -> Policy:
+        if isinstance(value, Policy):
+            return value
+        if value is None or isinstance(value, str | os.PathLike):
+            return resolve_policy(value)
+        raise TypeError("policy must be a Policy, a shipped policy name or a TOML path")
+
+    @field_validator("cache_function", mode="after")
+    @classmethod
+    def _no_cache(cls, value: Any) -> Any:
+        return never_cache
+
+    @model_validator(mode="after")
+    def _setup(self) -> SandboxedPythonTool:
+        if not self.description:
+            self.description = describe_policy(self.policy, session=self.session)
+        mode: SessionMode = "none" if self.session == "none" else "tool"
+        self._runner = ToolRunner(
+            self.policy, session=mode, provider=self.provider, warm=self.warm,
+            timeout=self.timeout,
+        )
+        return self
+
+    @property
+    def last_result(self) -> RunResult | None:
+        """The `RunResult` of the most recent call."""
+        return self._last
+
+    def sessions(self) -> list[str]:
+        return self._runner.sessions()
+
+    def reset(self) -> None:
+        """Forget the tool's interpreter; the next call starts from a clean one."""
+        self._runner.reset(None)
+
+    def close(self) -> None:
+        """Stop every worker of this tool; a later call starts new ones."""
+        self._runner.close()
+
+    def _run(self, code: str) -> Any:
+        return self._present(self._runner.run(code))
+
+    async def _arun(self, code: str) -> Any:
+        return self._present(await self._runner.arun(code))
+
+    def _present(self, result: RunResult) -> Any:
+        self._last = result
+        out = outcome(result, code_errors_as=self.code_errors_as)
+        if not out.is_error:
+            return out.text
+        if ToolFailure is None:  # pragma: no cover
+            return out.text
+        return ToolFailure(
+            message=out.text,
+            code=out.rule or out.kind,
+            retryable=out.kind in ("crashed", "internal"),
+            details={
+                "kind": out.kind,
+                "rules": list(out.rules),
+                "denials": [d.to_dict() for d in result.denials],
+                "policy": self.policy.name,
+                "fingerprint": self.policy.fingerprint(),
+                "error": result.error.to_dict() if result.error else None,
+            },
+        )
+
+
+def sandboxed_crewai_tool(
+    tool: BaseTool,
+    *,
+    policy: Any = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> BaseTool:
+    """A CrewAI tool running `tool`'s body in a sandboxed worker under `policy`.
+
+    Refusals, limits and exceptions from the body are returned as `ToolFailure` (code = rule,
+    or the exception type); results are never cached. The return value must be JSON data.
+    """
+    from crewai.tools.base_tool import Tool
+
+    from agent_sandbox.adapters._sandboxed import SandboxedFunction, tool_body
+
+    func, fields = tool_body(tool, BaseTool)
+    body = SandboxedFunction(
+        func, policy=policy, provider=provider, timeout=timeout, warm=warm, self_fields=fields
+    )
+
+    def call(**kwargs: Any) -> Any:
+        result = body.run(**kwargs)
+        out = outcome(result, code_errors_as="error")
+        if not out.is_error:
+            return result.value
+        if ToolFailure is None:  # pragma: no cover
+            return out.text
+        code = out.rule or (result.error.type if result.error else out.kind)
+        return ToolFailure(
+            message=out.text,
+            code=code,
+            details={"kind": out.kind, "rules": list(out.rules),
+                     "denials": [d.to_dict() for d in result.denials],
+                     "policy": body.policy.name, "fingerprint": body.policy.fingerprint()},
+        )
+
+    return Tool(
+        name=tool.name,
+        description=tool.description,
+        args_schema=tool.args_schema,
+        func=call,
+        cache_function=never_cache,
+    )

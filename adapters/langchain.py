@@ -1,0 +1,337 @@
+"""`SandboxedPythonTool` for LangChain and LangGraph (`langchain_core.tools.BaseTool`).
+
+What the model sees and what the operator sees:
+
+* The model reads a description generated from the tool's policy, and after each call the
+  output (stdout, the last value, a traceback from its own code) or, for a refusal, a limit, a
+  crash or an internal failure, a handled tool error (`ToolMessage.status == "error"`) whose
+  text names the rule, the target and what would allow it. Nothing the sandbox does raises out
+  of the tool, so `create_agent` never aborts because of it.
+* The artifact of a successful call is `RunResult.to_dict()`. LangChain drops artifacts on the
+  error path, so refusals are mirrored elsewhere: LangSmith tags and metadata on the tool run
+  (`sandbox:denied`, `sandbox.rule:<rule>`, the policy's name and fingerprint), a custom event
+  `sandbox_refusal` for `astream_events` users, and the exception's `.result`.
+* Live stdout/stderr goes through LangGraph's stream writer (`stream_mode="custom"`) when the
+  tool runs inside a graph. Images the code produces come back as image content blocks.
+
+Sessions: `session="thread"` (default) gives each LangGraph `thread_id` its own interpreter,
+`"tool"` one interpreter per tool instance, `"none"` a fresh interpreter per call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool, ToolException
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+
+from agent_sandbox._result import RunResult
+from agent_sandbox.adapters._common import (
+    CodeErrorsAs,
+    Outcome,
+    SessionMode,
+    ToolRunner,
+    describe_policy,
+    image_blocks,
+    outcome,
+)
+from agent_sandbox.policies import Policy, resolve_policy
+
+__all__ = ["RunPythonInput", "SandboxToolError", "SandboxedPythonTool"]
+
+#: The name of the custom event dispatched for every refusal, limit or failure.
+REFUSAL_EVENT = "sandbox_refusal"
+
+
+class RunPythonInput(BaseModel):
+    """The tool's only argument."""
+
+    code: str = Field(
+        description=(
+            "Python 3 source to run. Use print() for what you want to see; the value of the "
+            "last expression is returned too."
+        )
+    )
+
+
+class SandboxToolError(ToolException):
+    """A refusal, limit, crash or internal failure, reported as a handled tool error.
+
+    `.result` is the full `RunResult` (LangChain drops the artifact on the error path),
+    `.outcome` the classified text and rules.
+    """
+
+    def __init__(self, out: Outcome, result: RunResult) -> None:
+        super().__init__(out.text)
+        self.outcome = out
+        self.result = result
+        self.rule = out.rule
+
+
+def _error_text(exc: ToolException) -> str:
+    return str(exc.args[0]) if exc.args else "the sandbox tool failed"
+
+
+class SandboxedPythonTool(BaseTool):
+    """Run the model's Python in a sandboxed worker under this tool's policy."""
+
+    name: str = "run_python"
+    description: str = ""
+    args_schema: type[BaseModel] = RunPythonInput
+    response_format: Literal["content", "content_and_artifact"] = "content_and_artifact"
+    handle_tool_error: bool | str | Callable[[ToolException], str] | None = _error_text
+
+    policy: Policy = Field(default_factory=lambda: resolve_policy(None))
+    """A `Policy`, the name of a shipped policy, or a TOML path."""
+    session: SessionMode = "thread"
+    code_errors_as: CodeErrorsAs = "output"
+    """`"output"`: a traceback from the model's code is ordinary output; `"error"`: status error."""
+    provider: str | None = None
+    warm: int = 1
+    timeout: float | None = None
+    """Per-call wall-time override in seconds (default: the policy's `limits.wall_seconds`)."""
+    stream_output: bool = True
+    """Send live stdout/stderr through LangGraph's stream writer when there is one."""
+
+    _runner: ToolRunner = PrivateAttr()
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _resolve(cls, value: Any) -> Policy:
+        if isinstance(value, Policy):
+            return value
+        if value is None or isinstance(value, str | os.PathLike):
+            return resolve_policy(value)
+        raise TypeError("policy must be a Policy, a shipped policy name or a TOML path")
+
+    @model_validator(mode="after")
+    def _setup(self) -> SandboxedPythonTool:
+        if not self.description:
+            self.description = describe_policy(self.policy, session=self.session)
+        self._runner = ToolRunner(
+            self.policy, session=self.session, provider=self.provider, warm=self.warm,
+            timeout=self.timeout,
+        )
+        return self
+
+    # -- the public extras -------------------------------------------------------------
+
+    def sessions(self) -> list[str]:
+        """Keys of the live sessions (`thread:<id>`, or `tool`)."""
+        return self._runner.sessions()
+
+    def reset(self, thread_id: str | None = None) -> None:
+        """Forget the interpreter of a conversation thread (or of the tool's own session)."""
+        self._runner.reset(thread_id)
+
+    def close(self) -> None:
+        """Stop every worker of this tool; a later call starts new ones."""
+        self._runner.close()
+
+    # -- running -----------------------------------------------------------------------
+
+    def _run(
+        self,
+        code: str,
+        run_manager: CallbackManagerForToolRun | None = None,
+        config: RunnableConfig | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        result = self._runner.run(
+            code, thread_id=_thread_id(config), on_event=self._live_writer()
+        )
+        return self._finish(result, _dispatch_sync)
+
+    async def _arun(
+        self,
+        code: str,
+        run_manager: AsyncCallbackManagerForToolRun | None = None,
+        config: RunnableConfig | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        result = await self._runner.arun(
+            code, thread_id=_thread_id(config), on_event=self._live_writer()
+        )
+        out, payload = self._classify(result)
+        if payload is not None:
+            await _dispatch_async(payload)
+        return self._respond(out, result)
+
+    def _finish(
+        self, result: RunResult, dispatch: Callable[[dict[str, Any]], None]
+    ) -> tuple[Any, dict[str, Any]]:
+        out, payload = self._classify(result)
+        if payload is not None:
+            dispatch(payload)
+        return self._respond(out, result)
+
+    def _classify(self, result: RunResult) -> tuple[Outcome, dict[str, Any] | None]:
+        out = outcome(result, code_errors_as=self.code_errors_as)
+        _annotate_trace(self.policy, result, out)
+        payload = None
+        if out.is_error or result.denials:
+            payload = {
+                "tool": self.name,
+                "kind": out.kind,
+                "rule": out.rule,
+                "rules": list(out.rules),
+                "denials": [d.to_dict() for d in result.denials],
+                "policy": self.policy.name,
+                "fingerprint": self.policy.fingerprint(),
+                "session": result.session,
+            }
+        return out, payload
+
+    def _respond(self, out: Outcome, result: RunResult) -> tuple[Any, dict[str, Any]]:
+        if out.is_error:
+            raise SandboxToolError(out, result)
+        images = image_blocks(result)
+        content: Any = out.text
+        if images:
+            content = [{"type": "text", "text": out.text}, *images]
+        return content, result.to_dict()
+
+    def _live_writer(self) -> Callable[[str, Any], None] | None:
+        if not self.stream_output:
+            return None
+        writer = _stream_writer()
+        if writer is None:
+            return None
+        name = self.name
+
+        def on_event(kind: str, data: Any) -> None:
+            if kind in ("stdout", "stderr") and isinstance(data, str):
+                try:
+                    writer({f"sandbox_{kind}": data, "tool": name})
+                except Exception:
+                    pass  # live output is best effort; the result carries everything
+
+        return on_event
+
+
+def _thread_id(config: RunnableConfig | None) -> str | None:
+    if not config:
+        return None
+    configurable = config.get("configurable") or {}
+    tid = configurable.get("thread_id")
+    return str(tid) if tid is not None else None
+
+
+def _stream_writer() -> Callable[[Any], None] | None:
+    try:
+        from langgraph.config import get_stream_writer
+    except ImportError:
+        return None
+    try:
+        return get_stream_writer()
+    except Exception:  # outside a graph: "Called get_config outside of a runnable context"
+        return None
+
+
+def _annotate_trace(policy: Policy, result: RunResult, out: Outcome) -> None:
+    """Tags and metadata on the current LangSmith run (a no-op when tracing is off)."""
+    try:
+        from langsmith import get_current_run_tree
+
+        run = get_current_run_tree()
+    except Exception:
+        return
+    if run is None:
+        return
+    tags: list[str] = []
+    if out.kind == "denied" or result.denials:
+        tags.append("sandbox:denied")
+    if out.kind in ("limit", "crashed", "internal", "exception"):
+        tags.append(f"sandbox:{out.kind}")
+    tags.extend(f"sandbox.rule:{rule}" for rule in out.rules)
+    metadata: dict[str, Any] = {
+        "sandbox.policy": policy.name,
+        "sandbox.fingerprint": policy.fingerprint(),
+        "sandbox.outcome": out.kind,
+    }
+    if out.rules:
+        metadata["sandbox.rules"] = list(out.rules)
+    if result.denials:
+        metadata["sandbox.denials"] = [d.to_dict() for d in result.denials]
+    try:
+        if tags:
+            run.add_tags(tags)
+        run.add_metadata(metadata)
+    except Exception:
+        pass  # tracing must never break a tool call
+
+
+def _dispatch_sync(payload: dict[str, Any]) -> None:
+    try:
+        from langchain_core.callbacks.manager import dispatch_custom_event
+
+        dispatch_custom_event(REFUSAL_EVENT, payload)
+    except Exception:
+        pass  # no parent run (plain invoke outside a runnable): nothing to dispatch to
+
+
+async def _dispatch_async(payload: dict[str, Any]) -> None:
+    try:
+        from langchain_core.callbacks.manager import adispatch_custom_event
+
+        await adispatch_custom_event(REFUSAL_EVENT, payload)
+    except Exception:
+        pass
+
+
+def sandboxed_langchain_tool(
+    tool: BaseTool,
+    *,
+    policy: Any = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> BaseTool:
+    """A copy of `tool` whose body runs in a sandboxed worker under `policy` (see `sandboxed`).
+
+    Refusals and limits become handled tool errors naming the rule; an exception raised by the
+    body becomes a handled tool error with its traceback. The return value must be JSON data.
+    """
+    from langchain_core.tools import StructuredTool
+
+    from agent_sandbox.adapters._sandboxed import SandboxedFunction, tool_body
+
+    func, fields = tool_body(tool, BaseTool)
+    body = SandboxedFunction(
+        func, policy=policy, provider=provider, timeout=timeout, warm=warm, self_fields=fields
+    )
+
+    def present(result: RunResult) -> Any:
+        out = outcome(result, code_errors_as="error")
+        _annotate_trace(body.policy, result, out)
+        if out.is_error:
+            if out.kind != "exception":
+                _dispatch_sync({"tool": tool.name, "kind": out.kind, "rule": out.rule,
+                                "rules": list(out.rules),
+                                "denials": [d.to_dict() for d in result.denials],
+                                "policy": body.policy.name,
+                                "fingerprint": body.policy.fingerprint()})
+            raise SandboxToolError(out, result)
+        return result.value
+
+    def call(**kwargs: Any) -> Any:
+        return present(body.run(**kwargs))
+
+    async def acall(**kwargs: Any) -> Any:
+        return present(await body.arun(**kwargs))
+
+    wrapped = StructuredTool(
+        name=tool.name,
+        description=tool.description,
+        args_schema=tool.args_schema,
+        func=call,
+        coroutine=acall,
+        handle_tool_error=_error_text,
+        tags=tool.tags,
+        metadata={**(tool.metadata or {}), "sandbox.policy": body.policy.name,
+                  "sandbox.fingerprint": body.policy.fingerprint()},
+    )
+    wrapped.__dict__["_sandboxed_body"] = body
+    return wrapped
