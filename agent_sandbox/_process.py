@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import IO, Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
@@ -70,7 +70,7 @@ def package_dirs() -> dict[str, str]:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
             raise WorkerStartError(f"cannot locate the package {name}")
-        out[name] = os.path.realpath(list(spec.submodule_search_locations)[0])
+        out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
     return out
 
 
@@ -121,7 +121,7 @@ class WorkerProcess:
         self.calls = 0
         self.dead = False
         self.death_reason = ""
-        self._log = None
+        self._log: IO[bytes] | None = None
         self._reaped = False
         self._lock = threading.Lock()
 
@@ -161,8 +161,9 @@ class WorkerProcess:
                 base_prefix=sys.base_prefix,
             )
             self.plan = provider.build(policy, spec)
-            self._log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
-            self.proc = provider.launch(self.plan, self._log)
+            log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
+            self._log = log
+            self.proc = provider.launch(self.plan, log)
         except BaseException:
             listener.close()
             os.close(boot_r)
@@ -189,8 +190,9 @@ class WorkerProcess:
         except OSError as exc:
             tail = self.log_tail()
             self.kill()
-            raise WorkerStartError(f"could not send the boot configuration ({exc})",
-                                   log_tail=tail) from None
+            raise WorkerStartError(
+                f"could not send the boot configuration ({exc})", log_tail=tail
+            ) from None
         finally:
             os.close(boot_w)
         max_event = policy.limits.result_bytes + _EVENT_SLACK
@@ -222,9 +224,11 @@ class WorkerProcess:
                 f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)",
                 log_tail=tail,
             )
-        if os.path.realpath(str(self.hello.get("base_prefix", ""))) != os.path.realpath(
-            sys.base_prefix
-        ) and not self.plan_hides_prefix():
+        if (
+            os.path.realpath(str(self.hello.get("base_prefix", "")))
+            != os.path.realpath(sys.base_prefix)
+            and not self.plan_hides_prefix()
+        ):
             tail = self.log_tail()
             self.kill()
             raise WorkerStartError(
@@ -245,8 +249,14 @@ class WorkerProcess:
     def alive(self) -> bool:
         return not self.dead and self.proc is not None and self.proc.poll() is None
 
-    def run(self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None,
-            session: str | None = None) -> RunResult:
+    def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        session: str | None = None,
+    ) -> RunResult:
         """Run one call; never raises for the code's own failures (they are in the result)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
@@ -271,8 +281,14 @@ class WorkerProcess:
             self._on_transport_error(builder, exc)
         return self._finish(builder, t0, session)
 
-    async def arun(self, code: str, *, timeout: float | None = None,
-                   on_event: OnEvent | None = None, session: str | None = None) -> RunResult:
+    async def arun(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        session: str | None = None,
+    ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
@@ -316,11 +332,24 @@ class WorkerProcess:
             provider=self.plan.provider if self.plan else "",
         )
 
-    def _limit(self, builder: ResultBuilder, rule: str, target: str, detail: str, hint: str,
-               error_type: str) -> None:
+    def _limit(
+        self,
+        builder: ResultBuilder,
+        rule: str,
+        target: str,
+        detail: str,
+        hint: str,
+        error_type: str,
+    ) -> None:
         assert self.policy is not None
-        denial = Denial(rule=rule, action="run", target=target, policy=self.policy.name,
-                        detail=detail, hint=hint)
+        denial = Denial(
+            rule=rule,
+            action="run",
+            target=target,
+            policy=self.policy.name,
+            detail=detail,
+            hint=hint,
+        )
         builder.denials.append(denial)
         builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
 
@@ -328,10 +357,13 @@ class WorkerProcess:
         self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
         self.kill()
         self._limit(
-            builder, "limits.timeout", "the call",
+            builder,
+            "limits.timeout",
+            "the call",
             f"it ran longer than {wall:g} s and its process group was killed; "
             "the session's variables are lost",
-            f"[limits] wall_seconds = {max(wall * 2, 1):g}", "TimeoutError",
+            f"[limits] wall_seconds = {max(wall * 2, 1):g}",
+            "TimeoutError",
         )
 
     def _on_lost(self, builder: ResultBuilder) -> None:
@@ -342,9 +374,14 @@ class WorkerProcess:
         if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
             cpu = self.policy.limits.cpu_seconds
             self.death_reason = "it used up its CPU time"
-            self._limit(builder, "limits.cpu", "the call",
-                        f"it used more than {cpu} s of CPU time and was killed",
-                        f"[limits] cpu_seconds = {cpu * 2}", "LimitExceeded")
+            self._limit(
+                builder,
+                "limits.cpu",
+                "the call",
+                f"it used more than {cpu} s of CPU time and was killed",
+                f"[limits] cpu_seconds = {cpu * 2}",
+                "LimitExceeded",
+            )
             return
         self.death_reason = f"it crashed ({describe_exit(status)})"
         builder.error = RunError(
@@ -362,8 +399,14 @@ class WorkerProcess:
     def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
         self.death_reason = "it sent an oversized message"
         self.kill()
-        self._limit(builder, "limits.result", "the result", str(exc),
-                    f"[limits] result_bytes = {exc.cap * 2}", "MessageTooLarge")
+        self._limit(
+            builder,
+            "limits.result",
+            "the result",
+            str(exc),
+            f"[limits] result_bytes = {exc.cap * 2}",
+            "MessageTooLarge",
+        )
 
     def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
         self.death_reason = f"its channel broke ({exc})"

@@ -70,30 +70,30 @@ class Session:
             self._had_worker = True
         return self._worker, notices, lost
 
-    def _after(self, worker: WorkerProcess, result: RunResult, notices: list[str],
-               lost: bool) -> RunResult:
+    def _after(
+        self, worker: WorkerProcess, result: RunResult, notices: list[str], lost: bool
+    ) -> RunResult:
         self.last_used = time.monotonic()
         if not worker.alive():
             self._lost_reason = worker.death_reason or "it ended"
         if self._closed or self.sandbox.closed:
-            if result.error is not None and result.error.kind in ("crashed", "internal"):
-                result = _replace(result, error=RunError(
-                    kind="internal", type="SandboxClosed",
-                    message="the sandbox was closed while the call was running"))
+            result = _closed_error(result)
         if notices or lost:
             result = _replace(result, notices=tuple(notices) + result.notices, state_lost=lost)
         return result
 
-    def run(self, code: str, *, timeout: float | None = None,
-            on_event: OnEvent | None = None) -> RunResult:
+    def run(
+        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+    ) -> RunResult:
         """Run `code` in this session's interpreter; variables persist across calls."""
         with self._lock:
             worker, notices, lost = self._prepare()
             result = worker.run(code, timeout=timeout, on_event=on_event, session=self.key)
             return self._after(worker, result, notices, lost)
 
-    async def arun(self, code: str, *, timeout: float | None = None,
-                   on_event: OnEvent | None = None) -> RunResult:
+    async def arun(
+        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+    ) -> RunResult:
         """The async twin of `run()`."""
         if not self._lock.acquire(blocking=False):
             await asyncio.to_thread(self._lock.acquire)
@@ -166,8 +166,9 @@ class Sandbox:
 
     # -- stateless calls -----------------------------------------------------------------
 
-    def run(self, code: str, *, timeout: float | None = None,
-            on_event: OnEvent | None = None) -> RunResult:
+    def run(
+        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+    ) -> RunResult:
         """Run `code` in a fresh worker that is discarded afterwards."""
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
@@ -180,14 +181,13 @@ class Sandbox:
             with self._lock:
                 self._active.discard(worker)
             worker.discard()
-        if self.closed and result.error is not None and result.error.kind in ("crashed", "internal"):
-            result = _replace(result, error=RunError(
-                kind="internal", type="SandboxClosed",
-                message="the sandbox was closed while the call was running"))
+        if self.closed:
+            result = _closed_error(result)
         return result
 
-    async def arun(self, code: str, *, timeout: float | None = None,
-                   on_event: OnEvent | None = None) -> RunResult:
+    async def arun(
+        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+    ) -> RunResult:
         """The async twin of `run()`."""
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
@@ -269,8 +269,12 @@ class Sandbox:
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     async def __aenter__(self) -> Sandbox:
@@ -278,6 +282,20 @@ class Sandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+def _closed_error(result: RunResult) -> RunResult:
+    """Report a call cut short by close() as SandboxClosed rather than as a crash."""
+    if result.error is None or result.error.kind not in ("crashed", "internal"):
+        return result
+    return _replace(
+        result,
+        error=RunError(
+            kind="internal",
+            type="SandboxClosed",
+            message="the sandbox was closed while the call was running",
+        ),
+    )
 
 
 def _replace(result: RunResult, **changes: Any) -> RunResult:

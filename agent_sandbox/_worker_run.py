@@ -191,7 +191,9 @@ class Runner:
             self.code_check(code, tree)
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            tail_stmt = tree.body.pop()
+            assert isinstance(tail_stmt, ast.Expr)
+            last = ast.Expression(tail_stmt.value)
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
         tail = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None

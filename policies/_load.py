@@ -133,6 +133,7 @@ def _map_validation_errors(source: str | None, text: str | None) -> Iterator[Non
         for err in exc.errors():
             loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
             key = ".".join(loc) or "<root>"
+            expected: str | None
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
                 expected = "one of the documented keys (see `agent-sandbox policy explain`)"
@@ -143,7 +144,9 @@ def _map_validation_errors(source: str | None, text: str | None) -> Iterator[Non
             first_key = first_key or key
             first_line = first_line or line
             where = f"line {line}: " if line else ""
-            problems.append(f"{where}[{key}] {msg}" + (f" (expected {expected})" if expected else ""))
+            problems.append(
+                f"{where}[{key}] {msg}" + (f" (expected {expected})" if expected else "")
+            )
         message = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)
         raise PolicyError(
             f"invalid policy: {message}", source=source, key=first_key, line=first_line

@@ -19,7 +19,9 @@ def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
 
 def test_loads_a_full_policy_from_toml(tmp_path: Path) -> None:
     """It loads every section from TOML."""
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 name = "reader"
 provider = "subprocess"
 [files]
@@ -38,7 +40,8 @@ set = { A = "1" }
 allow = ["subprocess.run"]
 [limits]
 wall_seconds = 5
-""")
+""",
+    )
     policy = load_policy(path)
     assert policy.name == "reader"
     assert policy.files.read == ("/data/**",)
@@ -182,7 +185,7 @@ def test_directory_as_policy_file_is_an_error(tmp_path: Path) -> None:
 def test_non_utf8_policy_file_is_an_error(tmp_path: Path) -> None:
     """It refuses a file that is not UTF-8 text."""
     path = tmp_path / "bin.toml"
-    path.write_bytes(b"name = \"\xff\"\n")
+    path.write_bytes(b'name = "\xff"\n')
     with pytest.raises(PolicyError, match="UTF-8"):
         load_policy(path)
     assert os.path.exists(path)

@@ -26,7 +26,8 @@ def test_all_is_sorted_and_complete(name: str) -> None:
     exported = list(module.__all__)
     assert exported == sorted(exported), f"{name}.__all__ is not sorted"
     public = {
-        n for n, v in vars(module).items()
+        n
+        for n, v in vars(module).items()
         if not n.startswith("_") and not isinstance(v, type(importlib))
     }
     public.discard("annotations")
@@ -35,8 +36,11 @@ def test_all_is_sorted_and_complete(name: str) -> None:
 
 def _private_modules(package: str) -> list[str]:
     module = importlib.import_module(package)
-    return [f"{package}.{m.name}" for m in pkgutil.iter_modules(module.__path__)
-            if m.name.startswith("_") and not m.name.startswith("__")]
+    return [
+        f"{package}.{m.name}"
+        for m in pkgutil.iter_modules(module.__path__)
+        if m.name.startswith("_") and not m.name.startswith("__")
+    ]
 
 
 @pytest.mark.parametrize("name", [m for p in PUBLIC_PACKAGES for m in _private_modules(p)])
@@ -85,8 +89,10 @@ def test_core_import_does_not_pull_frameworks() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, agent_sandbox, agent_sandbox.adapters\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('crewai', 'langchain_core', 'langchain')]\n"
-            "print(bad)")
+    code = (
+        "import sys, agent_sandbox, agent_sandbox.adapters\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('crewai', 'langchain_core', 'langchain')]\n"
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -91,8 +91,9 @@ def test_timeout_kills_the_whole_process_group(sandbox: Sandbox, tmp_path: Path)
         f"open({str(pidfile)!r}, 'w').write(str(pid))\n"
         "time.sleep(60)\n"
     )
-    policy = sandbox.policy.merged({"files": {"write": [str(tmp_path)]},
-                                    "api": {"allow": ["process-control"]}})
+    policy = sandbox.policy.merged(
+        {"files": {"write": [str(tmp_path)]}, "api": {"allow": ["process-control"]}}
+    )
     with Sandbox(policy, warm=0) as sb:
         result = sb.run(code, timeout=1.5)
     assert result.error is not None and result.error.rule == "limits.timeout"
@@ -164,8 +165,11 @@ def test_policy_env_set_and_pass(tmp_path: Path) -> None:
     """It passes named host variables and sets the policy's values."""
     os.environ["AGENT_SANDBOX_PASS_ME"] = "yes"
     try:
-        policy = Policy(name="env", imports={"allow": ["os"]},
-                        env={"pass": ["AGENT_SANDBOX_PASS_*"], "set": {"FIXED": "1"}})
+        policy = Policy(
+            name="env",
+            imports={"allow": ["os"]},
+            env={"pass": ["AGENT_SANDBOX_PASS_*"], "set": {"FIXED": "1"}},
+        )
         with Sandbox(policy, warm=0) as sb:
             result = sb.run("import os\n[os.environ['AGENT_SANDBOX_PASS_ME'], os.environ['FIXED']]")
     finally:
@@ -217,10 +221,15 @@ def test_request_without_the_right_token_is_refused(sandbox: Sandbox, auth: byte
     session.run("1")
     worker = session.worker
     assert worker is not None and worker.client is not None
-    body = b'{"code": "open(\'/tmp/pwned\', \'w\')"}'
-    raw = (b"POST /run HTTP/1.1\r\nhost: w\r\n" + auth +
-           b"content-type: application/json\r\ncontent-length: " + str(len(body)).encode() +
-           b"\r\n\r\n" + body)
+    body = b"{\"code\": \"open('/tmp/pwned', 'w')\"}"
+    raw = (
+        b"POST /run HTTP/1.1\r\nhost: w\r\n"
+        + auth
+        + b"content-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     reply = _request(worker.client.path, raw)
     assert reply.startswith(b"HTTP/1.1 403")
     assert session.run("2").value == 2  # the worker keeps serving its parent
@@ -238,14 +247,23 @@ def test_socket_directory_is_private(sandbox: Sandbox) -> None:
 def test_two_sessions_run_at_once(tmp_path: Path) -> None:
     """It runs calls on different sessions in parallel (one waits for the other's file)."""
     flag = tmp_path / "flag"
-    policy = Policy(name="par", imports={"allow": ["os", "time"]},
-                    files={"read": [str(tmp_path)], "write": [str(tmp_path)]},
-                    limits={"wall_seconds": 20})
+    policy = Policy(
+        name="par",
+        imports={"allow": ["os", "time"]},
+        files={"read": [str(tmp_path)], "write": [str(tmp_path)]},
+        limits={"wall_seconds": 20},
+    )
     with Sandbox(policy, warm=0) as sb:
         a, b = sb.session("a"), sb.session("b")
         out = {}
-        waiter = threading.Thread(target=lambda: out.setdefault("a", a.run(
-            f"import os, time\nwhile not os.path.exists({str(flag)!r}):\n    time.sleep(0.01)\n'seen'")))
+        waiter = threading.Thread(
+            target=lambda: out.setdefault(
+                "a",
+                a.run(
+                    f"import os, time\nwhile not os.path.exists({str(flag)!r}):\n    time.sleep(0.01)\n'seen'"
+                ),
+            )
+        )
         waiter.start()
         out["b"] = b.run(f"open({str(flag)!r}, 'w').close()\n'made'")
         waiter.join(20)
@@ -271,7 +289,9 @@ def test_closing_the_sandbox_while_a_call_runs(sandbox: Sandbox) -> None:
     session = sandbox.session()
     session.run("1")
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", session.run("while True: pass", timeout=30)))
+    t = threading.Thread(
+        target=lambda: out.setdefault("r", session.run("while True: pass", timeout=30))
+    )
     t.start()
     threading.Event().wait(0.5)
     sandbox.close()
@@ -337,8 +357,10 @@ async def test_async_timeout(policy: Policy) -> None:
 def test_live_events_arrive_during_the_call(sandbox: Sandbox) -> None:
     """It streams stdout while the code runs."""
     seen: list[tuple[str, object]] = []
-    result = sandbox.run("import time\nprint('a', flush=True)\ntime.sleep(0.1)\nprint('b')",
-                         on_event=lambda kind, data: seen.append((kind, data)))
+    result = sandbox.run(
+        "import time\nprint('a', flush=True)\ntime.sleep(0.1)\nprint('b')",
+        on_event=lambda kind, data: seen.append((kind, data)),
+    )
     kinds = [k for k, _ in seen]
     assert kinds[0] == "stdout" and kinds[-1] == "done"
     assert result.stdout == "a\nb\n"
@@ -352,7 +374,7 @@ def test_top_level_await(sandbox: Sandbox) -> None:
 
 def test_png_written_to_scratch_comes_back_as_an_image(sandbox: Sandbox) -> None:
     """It returns PNG files the code wrote to its scratch directory."""
-    png = (b"\x89PNG\r\n\x1a\n" + b"\x00" * 16)
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
     result = sandbox.run(f"open('plot.png', 'wb').write({png!r})\n1")
     assert [i.name for i in result.images] == ["plot.png"]
     assert any(f["name"] == "plot.png" for f in result.files)

@@ -41,4 +41,4 @@ def test_oversized_event_is_refused_before_it_completes() -> None:
     """It refuses an event larger than the cap even before its end arrives."""
     parser = SSEParser(100)
     with pytest.raises(MessageTooLarge):
-        parser.feed(b"event: stdout\ndata: \"" + b"x" * 200)
+        parser.feed(b'event: stdout\ndata: "' + b"x" * 200)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Quality gates: ruff lint, ruff format check, mypy --strict over every folder.
+# mypy cannot follow the package-dir mapping of an editable install, so it checks a tree of
+# symlinks that lays the folders out under their import name (agent_sandbox/guards -> guards/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+"$PY" -m ruff check agent_sandbox adapters guards providers policies tests benchmarks
+"$PY" -m ruff format --check agent_sandbox adapters guards providers policies tests benchmarks
+tree=$(mktemp -d)
+trap 'rm -rf "$tree"' EXIT
+mkdir "$tree/agent_sandbox"
+for f in agent_sandbox/*.py agent_sandbox/py.typed; do ln -s "$PWD/$f" "$tree/agent_sandbox/"; done
+for d in adapters guards providers policies; do ln -s "$PWD/$d" "$tree/agent_sandbox/$d"; done
+(cd "$tree" && "$OLDPWD/$PY" -m mypy --config-file "$OLDPWD/pyproject.toml" -p agent_sandbox)
