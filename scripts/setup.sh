@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up everything agent_sandbox's demo and tests need on a fresh Debian 12 machine:
+# the OS sandboxes (bubblewrap, firejail, libseccomp) when running as root, and a
+# virtualenv at .venv with the package and its extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  need=()
+  command -v bwrap >/dev/null || need+=(bubblewrap)
+  command -v firejail >/dev/null || need+=(firejail firejail-profiles)
+  ldconfig -p | grep -q libseccomp.so.2 || need+=(libseccomp2)
+  if [ ${#need[@]} -gt 0 ]; then
+    echo "setup: installing ${need[*]} with apt-get" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+fi
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+# Resolve pyenv shims to the real interpreter (the worker must never start through a shim).
+PY=$("$PY" -c 'import sys; print(sys.executable)')
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.agent-sandbox-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
+  touch "$stamp"
+fi
