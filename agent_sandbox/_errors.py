@@ -13,6 +13,7 @@ inside the worker while user code runs:
   * TransportError                  - the parent/worker channel broke or sent garbage
     * MessageTooLarge               - one event or a result exceeded its cap
   * SandboxClosed                   - the sandbox or session was closed
+  * LearningError                   - a learning proposal could not be made, written or applied
   * SandboxedCallError              - a `sandboxed()` function raised; carries the RunResult
   * SandboxDenied                   - a policy refused an operation (carries a Denial)
     * FileAccessDenied (PermissionError)
@@ -42,6 +43,7 @@ __all__ = [
     "FileAccessDenied",
     "HiddenPathDenied",
     "ImportDenied",
+    "LearningError",
     "LimitExceeded",
     "MessageTooLarge",
     "NetworkDenied",
@@ -178,6 +180,19 @@ class SandboxedCallError(SandboxError):
         self.remote_traceback = error.traceback if error is not None else ""
         self.denials = tuple(result.denials)
         super().__init__(f"{self.error_type}: {self.message}")
+
+
+class LearningError(SandboxError):
+    """Learning mode could not propose, write or apply a policy; names the path and the reason.
+
+    It is not a PolicyError: the policy itself may be fine, what failed is the step around it
+    (an unwritable directory, a target that is a symlink, a policy edited during the run).
+    """
+
+    def __init__(self, reason: str, *, path: str | None = None) -> None:
+        self.reason = reason
+        self.path = path
+        super().__init__(f"{path}: {reason}" if path else reason)
 
 
 class SandboxDenied(SandboxError):
