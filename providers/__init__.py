@@ -8,6 +8,7 @@ from agent_sandbox.providers._base import LaunchPlan as LaunchPlan
 from agent_sandbox.providers._base import ProbeResult as ProbeResult
 from agent_sandbox.providers._base import Provider as Provider
 from agent_sandbox.providers._base import WorkerSpec as WorkerSpec
+from agent_sandbox.providers._landlock import LandlockProvider as LandlockProvider
 from agent_sandbox.providers._registry import all_providers as all_providers
 from agent_sandbox.providers._registry import get_provider as get_provider
 from agent_sandbox.providers._registry import probe_all as probe_all
@@ -15,6 +16,7 @@ from agent_sandbox.providers._registry import select_provider as select_provider
 from agent_sandbox.providers._subprocess import SubprocessProvider as SubprocessProvider
 
 __all__ = [
+    "LandlockProvider",
     "LaunchPlan",
     "ProbeResult",
     "Provider",

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import ProbeResult, Provider
+from agent_sandbox.providers._bwrap import BwrapProvider
+from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._subprocess import SubprocessProvider
 
 __all__ = ["all_providers", "get_provider", "probe_all", "select_provider"]
 
 _REGISTRY: dict[str, type[Provider]] = {
     SubprocessProvider.name: SubprocessProvider,
+    LandlockProvider.name: LandlockProvider,
+    BwrapProvider.name: BwrapProvider,
 }
 
 

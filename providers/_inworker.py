@@ -1,0 +1,197 @@
+"""The worker's own kernel set-up: what a provider's `worker_setup` asks it to apply.
+
+Called by `_worker_setup.prepare` before any user code runs and before any thread exists.
+The order is fixed, and every step fails closed (an exception ends the worker before it
+serves, and the parent reports a start error with the worker's log):
+
+1. Check that the process has exactly one thread (`/proc/self/task`): Landlock and
+   seccomp apply to the calling thread only on this kernel, so an earlier thread would stay
+   unrestricted.
+2. Set NO_NEW_PRIVS (no set-uid or file-capability gain across exec; Landlock and seccomp
+   need it for an unprivileged process, and a root test run would not notice its absence).
+3. Empty the capability bounding set and the ambient set (an exec can regain nothing).
+4. Apply Landlock (`_landlock.restrict_self`).
+5. Clear the effective, permitted and inheritable capabilities: uid 0 keeps owning its
+   files, but loses CAP_DAC_OVERRIDE, CAP_SYS_ADMIN, CAP_NET_RAW, CAP_MKNOD, ...
+6. Load the seccomp BPF program the parent built (`_seccomp.build_bpf`).
+7. Report what holds, read back from the kernel: NoNewPrivs, CapEff, the Landlock ABI and
+   the seccomp mode. The parent refuses a worker whose report does not match its plan.
+
+What it does NOT do: choose the rules (the pure builders do) or limit resources (rlimits
+are applied just before this by `_worker_setup.apply_rlimits`; cgroups by the parent).
+Standard library only; `ctypes` is imported here, never pyseccomp.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["apply_worker_setup", "kernel_status"]
+
+_PR_CAPBSET_DROP = 24
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_GET_NO_NEW_PRIVS = 39
+_PR_GET_SECCOMP = 21
+_PR_SET_SECCOMP = 22
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_SECCOMP_MODE_FILTER = 2
+_CAP_VERSION_3 = 0x20080522
+
+
+class SetupError(RuntimeError):
+    """A kernel restriction could not be applied; the worker must not serve."""
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg2: int = 0, arg3: Any = 0) -> int:
+    import ctypes
+
+    libc = _libc()
+    libc.prctl.restype = ctypes.c_int
+    arg = arg3 if not isinstance(arg3, int) else ctypes.c_ulong(arg3)
+    rc = int(
+        libc.prctl(
+            ctypes.c_int(option), ctypes.c_ulong(arg2), arg, ctypes.c_ulong(0), ctypes.c_ulong(0)
+        )
+    )
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+    return rc
+
+
+def _caps(op: str, eff: int = 0, prm: int = 0, inh: int = 0) -> int:
+    """capget (returns CapEff as a 64-bit mask) or capset (sets all three sets)."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
+
+    header = Header(_CAP_VERSION_3, 0)
+    data = (Data * 2)()
+    libc = _libc()
+    if op == "get":
+        rc = libc.capget(ctypes.byref(header), data)
+    else:
+        for i in range(2):
+            data[i].effective = (eff >> (32 * i)) & 0xFFFFFFFF
+            data[i].permitted = (prm >> (32 * i)) & 0xFFFFFFFF
+            data[i].inheritable = (inh >> (32 * i)) & 0xFFFFFFFF
+        rc = libc.capset(ctypes.byref(header), data)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cap{op}: {os.strerror(err)}")
+    return int(data[0].effective) | (int(data[1].effective) << 32)
+
+
+def _drop_bounding_set() -> int:
+    """Drop every capability from the bounding set; return how many were dropped."""
+    dropped = 0
+    for cap in range(64):
+        try:
+            _prctl(_PR_CAPBSET_DROP, cap)
+        except OSError as exc:
+            import errno
+
+            if exc.errno == errno.EINVAL:  # past the last capability the kernel knows
+                break
+            if exc.errno == errno.EPERM and _caps("get") == 0:
+                break  # an unprivileged process: nothing to drop, exec gains nothing (NNP)
+            raise
+        dropped += 1
+    try:
+        _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+    except OSError:
+        pass  # kernels before 4.3 have no ambient set
+    return dropped
+
+
+def _load_seccomp(bpf: bytes) -> None:
+    import ctypes
+
+    if not bpf or len(bpf) % 8:
+        raise SetupError(f"the seccomp program has a bad size ({len(bpf)} bytes)")
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def kernel_status() -> dict[str, Any]:
+    """What the kernel says about this process (no /proc needed): NNP, CapEff, seccomp."""
+    return {
+        "no_new_privs": _prctl(_PR_GET_NO_NEW_PRIVS),
+        "cap_eff": f"{_caps('get'):016x}",
+        "seccomp": _prctl(_PR_GET_SECCOMP),
+    }
+
+
+def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply `setup` (a launch plan's `worker_setup`) to this process; return the checks.
+
+    Keys understood: `no_new_privs`, `drop_caps`, `landlock` (a `landlock_setup()`
+    fragment) and `seccomp` (`{"bpf": base64}`). Unknown keys are ignored (they belong to
+    the provider's launcher). Raises SetupError or OSError when any step fails.
+    """
+    checks: dict[str, Any] = {}
+    wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
+    if not wants_kernel:
+        return checks
+    # 1. One thread only.
+    threads = _thread_count()
+    if threads != 1:
+        raise SetupError(
+            f"the worker has {threads} threads before its restrictions; "
+            "they would stay unrestricted"
+        )
+    checks["threads"] = threads
+    # 2. NO_NEW_PRIVS (always when anything kernel-side is asked: Landlock/seccomp need it).
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    # 3. Bounding and ambient sets.
+    if setup.get("drop_caps"):
+        checks["caps_dropped"] = _drop_bounding_set()
+    # 4. Landlock.
+    landlock = setup.get("landlock")
+    if landlock:
+        from agent_sandbox.providers._landlock import restrict_self
+
+        checks["landlock"] = restrict_self(landlock)
+    # 5. Effective/permitted/inheritable capabilities.
+    if setup.get("drop_caps"):
+        _caps("set", 0, 0, 0)
+    # 6. seccomp.
+    seccomp = setup.get("seccomp")
+    if seccomp:
+        _load_seccomp(base64.b64decode(seccomp["bpf"]))
+    # 7. Read back.
+    checks.update(kernel_status())
+    if checks["no_new_privs"] != 1:
+        raise SetupError("NO_NEW_PRIVS did not stick")
+    if setup.get("drop_caps") and checks["cap_eff"] != "0" * 16:
+        raise SetupError(f"capabilities remain after the drop (CapEff {checks['cap_eff']})")
+    if seccomp and checks["seccomp"] != _SECCOMP_MODE_FILTER:
+        raise SetupError(f"seccomp mode is {checks['seccomp']}, not filter")
+    return checks

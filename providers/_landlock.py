@@ -1,0 +1,541 @@
+"""The `landlock` provider: the worker restricts itself with Landlock before it serves.
+
+What it enforces (kernel, against hostile native code too), applied by the worker to itself
+while it still has a single thread (see `_inworker.py` for the order):
+
+* Files: read-only access to what the interpreter needs (its executable, the standard
+  library, the site-packages in use, the `agent_sandbox` package folders, libpython,
+  `/usr/lib` with ld.so) and to the policy's `files.read`; write access only to the scratch
+  directory and the policy's `files.write`. Not `/etc`, not `/tmp`, never `/proc` or `/sys`.
+  Only `/dev/null` (read-write) and `/dev/zero`, `/dev/urandom`, `/dev/random` (read) of
+  `/dev`.
+* Execution: EXECUTE only on the interpreter and its ELF loader, unless the policy grants
+  `process-exec` (then also `/usr/bin` and `/usr/local/bin`). `posix.system`, a ctypes
+  `execve` of `/bin/sh` and `_posixsubprocess.fork_exec` fail with EACCES.
+* TCP bind and connect only to the ports the policy's `net.rules` allow (ABI 4 and later).
+* Abstract Unix sockets and signals scoped to the worker's own domain (ABI 6 and later).
+
+What it does NOT enforce (see `docs/providers.md` for what covers each):
+
+* UDP, raw and netlink sockets: Landlock has no right for them (seccomp denies the
+  families the policy does not need).
+* Connecting to a pathname Unix socket outside the policy, and `stat()` of any path:
+  names, sizes and existence of files leak.
+* Host names: the TCP rules name ports, not hosts (the Python guards name hosts; a
+  namespace provider with no network removes them).
+* Memory, CPU and processes (see `_limits.py`), and a `files.deny` entry inside a granted
+  directory (the Python guards only).
+
+The module has three parts: the pure builder `landlock_setup()`, the probe
+`probe_landlock()`, and the thin syscall layer (`landlock_abi()`, `restrict_self()`) that
+the worker calls through `_inworker.apply_worker_setup`. The syscall layer imports `ctypes`
+lazily so the parent pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import sysconfig
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+from agent_sandbox.providers._base import (
+    LaunchPlan,
+    ProbeResult,
+    Provider,
+    WorkerSpec,
+    base_env,
+    worker_argv,
+)
+
+__all__ = [
+    "ACCESS_SETS",
+    "LandlockProvider",
+    "landlock_abi",
+    "landlock_setup",
+    "probe_landlock",
+    "restrict_self",
+]
+
+# -- kernel constants (include/uapi/linux/landlock.h) -------------------------------------
+
+_SYS_CREATE_RULESET = 444  # the same number on every architecture (generic syscall table)
+_SYS_ADD_RULE = 445
+_SYS_RESTRICT_SELF = 446
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_RULE_NET_PORT = 2
+
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_READ_FILE = 1 << 2
+FS_READ_DIR = 1 << 3
+FS_REMOVE_DIR = 1 << 4
+FS_REMOVE_FILE = 1 << 5
+FS_MAKE_CHAR = 1 << 6
+FS_MAKE_DIR = 1 << 7
+FS_MAKE_REG = 1 << 8
+FS_MAKE_SOCK = 1 << 9
+FS_MAKE_FIFO = 1 << 10
+FS_MAKE_BLOCK = 1 << 11
+FS_MAKE_SYM = 1 << 12
+FS_REFER = 1 << 13  # ABI 2
+FS_TRUNCATE = 1 << 14  # ABI 3
+FS_IOCTL_DEV = 1 << 15  # ABI 5
+NET_BIND_TCP = 1 << 0  # ABI 4
+NET_CONNECT_TCP = 1 << 1  # ABI 4
+SCOPE_ABSTRACT_UNIX = 1 << 0  # ABI 6
+SCOPE_SIGNAL = 1 << 1  # ABI 6
+
+#: The filesystem rights each ABI knows; a right the kernel does not know is not handled.
+_FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
+_FS_ALL = (1 << 16) - 1  # ABI 5 and later
+#: Rights a rule on a file (not a directory) may carry; anything else gives EINVAL.
+_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+
+#: Named access sets used in the setup fragment (the wire form stays readable).
+ACCESS_SETS: Mapping[str, int] = {
+    "ro": FS_READ_FILE | FS_READ_DIR,
+    "rx": FS_READ_FILE | FS_READ_DIR | FS_EXECUTE,
+    # NOTE: MAKE_CHAR/MAKE_BLOCK stay off (root holds CAP_MKNOD until the caps are dropped)
+    # and so does IOCTL_DEV; REFER is on so renames between scratch subfolders work.
+    "rw": _FS_ALL & ~(FS_EXECUTE | FS_MAKE_CHAR | FS_MAKE_BLOCK | FS_IOCTL_DEV),
+    "dev-rw": FS_READ_FILE | FS_WRITE_FILE,
+    "dev-ro": FS_READ_FILE,
+}
+
+#: The lowest ABI the provider accepts: below 4 the TCP rules would silently not apply.
+MIN_ABI = 4
+#: Above this many ports a TCP right is left unhandled (one rule per port), and reported.
+MAX_PORT_RULES = 1024
+
+# NOTE: each entry below is granted read-only because a plain interpreter needs it.
+_DEVICES: tuple[tuple[str, str], ...] = (
+    ("/dev/null", "dev-rw"),
+    ("/dev/random", "dev-ro"),
+    ("/dev/urandom", "dev-ro"),
+    ("/dev/zero", "dev-ro"),
+)
+# NOTE: granted only when the policy allows some network: name resolution and CA bundles.
+_NET_FILES = (
+    "/etc/ca-certificates",
+    "/etc/gai.conf",
+    "/etc/host.conf",
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/protocols",
+    "/etc/resolv.conf",
+    "/etc/services",
+    "/etc/ssl/certs",
+    "/usr/share/ca-certificates",
+)
+# NOTE: granted read+execute only when the policy grants `process-exec`.
+_EXEC_DIRS = ("/usr/bin", "/usr/local/bin")
+_ANY_HOST = frozenset({"*", "0.0.0.0/0", "::/0", "any"})
+
+
+# -- the pure builder ---------------------------------------------------------------------
+
+
+def landlock_setup(
+    policy: Any, spec: WorkerSpec, *, view: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The JSON-safe `worker_setup["landlock"]` fragment for `policy` and `spec`.
+
+    Paths are as the worker sees them: `view` maps host path prefixes to in-sandbox paths
+    when a namespace provider remaps them (the longest matching prefix wins; a path no
+    prefix covers is kept as is). The applier skips paths that do not exist in the worker.
+
+    Keys: `min_abi`; `paths`, a sorted list of `[path, access]` with access one of
+    `ACCESS_SETS`; `tcp_connect` / `tcp_bind`, sorted port lists, or None when the right is
+    left unhandled (too many ports); `scope`, the scoped IPC kinds; `notes`, why anything
+    was left unhandled.
+    """
+    notes: list[str] = []
+    rules: dict[str, str] = {}
+
+    def grant(path: str, access: str) -> None:
+        inside = _map_view(os.path.normpath(path), view)
+        if _rank(access) > _rank(rules.get(inside, "")):
+            rules[inside] = access
+
+    python = os.path.realpath(spec.python)
+    grant(python, "rx")
+    loader = _elf_interpreter(python)
+    if loader:
+        grant(os.path.realpath(loader), "rx")
+    libpython = _libpython()
+    if libpython:
+        grant(libpython, "ro")
+    for root in spec.sys_path:
+        grant(os.path.realpath(root), "ro")
+    for folder in spec.package_dirs.values():
+        grant(folder, "ro")
+    grant(os.path.dirname(os.path.realpath(spec.boot_script)), "ro")
+    grant("/usr/lib", "ro")
+    for device, access in _DEVICES:
+        grant(device, access)
+
+    api_allow = set(_get(policy, "api", "allow", default=()))
+    if "process-exec" in api_allow:
+        for folder in _EXEC_DIRS:
+            grant(folder, "rx")
+
+    rules_net = list(_get(policy, "net", "rules", default=()))
+    if any(_field(rule, "action") == "allow" for rule in rules_net):
+        for name in _NET_FILES:
+            grant(name, "ro")
+
+    for entry in _get(policy, "files", "read", default=()):
+        grant(_policy_path(entry, spec.scratch), "ro")
+    for entry in _get(policy, "files", "write", default=()):
+        grant(_policy_path(entry, spec.scratch), "rw")
+    grant(spec.scratch, "rw")
+
+    connect = _tcp_ports(rules_net, "connect")
+    bind = _tcp_ports(rules_net, "bind")
+    for kind, ports in (("connect", connect), ("bind", bind)):
+        if ports is None:
+            notes.append(
+                f"TCP {kind} is not filtered by Landlock: the policy allows more than "
+                f"{MAX_PORT_RULES} ports"
+            )
+    return {
+        "min_abi": MIN_ABI,
+        "paths": [[path, rules[path]] for path in sorted(rules)],
+        "tcp_connect": connect,
+        "tcp_bind": bind,
+        "scope": ["abstract_unix", "signal"],
+        "notes": notes,
+    }
+
+
+def _rank(access: str) -> int:
+    return {"": 0, "dev-ro": 1, "ro": 2, "dev-rw": 3, "rx": 4, "rw": 5}[access]
+
+
+def _map_view(path: str, view: Mapping[str, str] | None) -> str:
+    if not view:
+        return path
+    best = ""
+    for host in view:
+        h = host.rstrip("/") or "/"
+        if (path == h or path.startswith(h.rstrip("/") + "/")) and len(h) > len(best):
+            best = h
+    if not best:
+        return path
+    inside = view[best] if best in view else view[best + "/"]
+    rest = path[len(best) :].lstrip("/")
+    return os.path.join(inside, rest) if rest else inside
+
+
+def _policy_path(entry: str, scratch: str) -> str:
+    """The directory (or file) a policy path grants: the part before the first glob."""
+    if entry.startswith("$SCRATCH"):
+        entry = scratch + entry[len("$SCRATCH") :]
+    entry = os.path.expanduser(entry)
+    parts = entry.split("/")
+    for i, part in enumerate(parts):
+        if any(ch in part for ch in "*?["):
+            return "/".join(parts[:i]) or "/"
+    return entry
+
+
+def _get(policy: Any, section: str, key: str, *, default: Any) -> Any:
+    part = policy.get(section, {}) if isinstance(policy, dict) else getattr(policy, section, None)
+    if part is None:
+        return default
+    if isinstance(part, dict):
+        return part.get(key, default)
+    return getattr(part, key, default)
+
+
+def _field(rule: Any, key: str) -> Any:
+    return rule.get(key) if isinstance(rule, dict) else getattr(rule, key)
+
+
+def _port_ranges(ports: str) -> list[tuple[int, int]]:
+    out = []
+    for part in str(ports).split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.append((int(lo), int(hi) if hi else int(lo)))
+    return out
+
+
+def _tcp_ports(rules: Iterable[Any], direction: str) -> list[int] | None:
+    """Ports an allow rule opens for TCP `direction`, minus those a deny-any-host rule closes.
+
+    None when there are more than `MAX_PORT_RULES` (the right is then left unhandled).
+    """
+    allowed: set[int] = set()
+    denied: set[int] = set()
+    for rule in rules:
+        if _field(rule, "protocol") not in ("tcp", "any"):
+            continue
+        if _field(rule, "direction") not in (direction, "any"):
+            continue
+        ranges = _port_ranges(_field(rule, "ports"))
+        if _field(rule, "action") == "allow":
+            if sum(hi - lo + 1 for lo, hi in ranges) > MAX_PORT_RULES:
+                return None
+            for lo, hi in ranges:
+                allowed.update(range(lo, hi + 1))
+        elif str(_field(rule, "host")).strip().lower() in _ANY_HOST:
+            for lo, hi in ranges:
+                denied.update(range(lo, hi + 1))
+    ports = sorted(allowed - denied)
+    return ports if len(ports) <= MAX_PORT_RULES else None
+
+
+@functools.lru_cache(maxsize=8)
+def _elf_interpreter(path: str) -> str:
+    """The PT_INTERP (ELF loader) of an executable; "" when it has none or is not ELF."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit only
+                return ""
+            endian = "<" if head[5] == 1 else ">"
+            (phoff,) = struct.unpack_from(endian + "Q", head, 0x20)
+            phentsize, phnum = struct.unpack_from(endian + "HH", head, 0x36)
+            fh.seek(phoff)
+            table = fh.read(phentsize * phnum)
+            for i in range(phnum):
+                (p_type,) = struct.unpack_from(endian + "I", table, i * phentsize)
+                if p_type == 3:  # PT_INTERP
+                    (offset,) = struct.unpack_from(endian + "Q", table, i * phentsize + 8)
+                    (size,) = struct.unpack_from(endian + "Q", table, i * phentsize + 32)
+                    fh.seek(offset)
+                    return fh.read(size).rstrip(b"\0").decode()
+    except (OSError, struct.error, UnicodeDecodeError):
+        return ""
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def _libpython() -> str:
+    """The shared libpython this interpreter maps (from its build configuration), or ""."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    soname = sysconfig.get_config_var("INSTSONAME")
+    if not libdir or not soname or not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return ""
+    return os.path.realpath(os.path.join(str(libdir), str(soname)))
+
+
+# -- the syscall layer (thin; ctypes imported lazily) -------------------------------------
+
+
+def _syscall() -> Any:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.syscall
+    fn.restype = ctypes.c_long
+    return fn
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; raises OSError (ENOSYS, EOPNOTSUPP) without it."""
+    import ctypes
+
+    rc = _syscall()(
+        ctypes.c_long(_SYS_CREATE_RULESET),
+        ctypes.c_void_p(None),
+        ctypes.c_size_t(0),
+        ctypes.c_uint32(_CREATE_RULESET_VERSION),
+    )
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"landlock_create_ruleset(version): {os.strerror(err)}")
+    return int(rc)
+
+
+def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply a `landlock_setup()` fragment to the calling thread (and its future children).
+
+    The caller must already have set NO_NEW_PRIVS and must be single-threaded. Raises
+    OSError when the kernel refuses any step (fail closed: the worker must not serve).
+    Returns what was enforced: the ABI, the handled rights, the rules added and the paths
+    skipped because they do not exist here.
+    """
+    import ctypes
+
+    syscall = _syscall()
+    abi = landlock_abi()
+    if abi < int(setup.get("min_abi", MIN_ABI)):
+        raise OSError(0, f"Landlock ABI {abi} is below the required {setup.get('min_abi')}")
+
+    class RulesetAttr(ctypes.Structure):
+        _fields_ = [
+            ("fs", ctypes.c_uint64),
+            ("net", ctypes.c_uint64),
+            ("scoped", ctypes.c_uint64),
+        ]
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    class NetPort(ctypes.Structure):
+        _fields_ = [("allowed", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+    def check(rc: int, what: str) -> int:
+        if rc < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+        return rc
+
+    handled_fs = _FS_BY_ABI.get(abi, _FS_ALL)
+    handled_net = 0
+    if abi >= 4:
+        if setup.get("tcp_connect") is not None:
+            handled_net |= NET_CONNECT_TCP
+        if setup.get("tcp_bind") is not None:
+            handled_net |= NET_BIND_TCP
+    scoped = 0
+    if abi >= 6:
+        names = set(setup.get("scope", ()))
+        scoped = (SCOPE_ABSTRACT_UNIX if "abstract_unix" in names else 0) | (
+            SCOPE_SIGNAL if "signal" in names else 0
+        )
+    attr = RulesetAttr(handled_fs, handled_net, scoped)
+    size = ctypes.sizeof(RulesetAttr) if abi >= 6 else 16 if abi >= 4 else 8
+    ruleset = check(
+        syscall(
+            ctypes.c_long(_SYS_CREATE_RULESET),
+            ctypes.byref(attr),
+            ctypes.c_size_t(size),
+            ctypes.c_uint32(0),
+        ),
+        "landlock_create_ruleset",
+    )
+    added = 0
+    skipped: list[str] = []
+    try:
+        for path, access in setup.get("paths", ()):
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                skipped.append(path)
+                continue
+            try:
+                rights = ACCESS_SETS[access] & handled_fs
+                if not _is_dir(fd):
+                    rights &= _FILE_RIGHTS
+                rule = PathBeneath(rights, fd)
+                check(
+                    syscall(
+                        ctypes.c_long(_SYS_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    ),
+                    f"landlock_add_rule({path!r})",
+                )
+                added += 1
+            finally:
+                os.close(fd)
+        for right, key in ((NET_CONNECT_TCP, "tcp_connect"), (NET_BIND_TCP, "tcp_bind")):
+            if not handled_net & right:
+                continue
+            for port in setup.get(key) or ():
+                net = NetPort(right, int(port))
+                check(
+                    syscall(
+                        ctypes.c_long(_SYS_ADD_RULE),
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(_RULE_NET_PORT),
+                        ctypes.byref(net),
+                        ctypes.c_uint32(0),
+                    ),
+                    f"landlock_add_rule(port {port})",
+                )
+                added += 1
+        check(
+            syscall(ctypes.c_long(_SYS_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+            "landlock_restrict_self",
+        )
+    finally:
+        os.close(ruleset)
+    return {
+        "abi": abi,
+        "enforced": True,
+        "handled_fs": handled_fs,
+        "handled_net": handled_net,
+        "scoped": scoped,
+        "rules": added,
+        "skipped": skipped,
+    }
+
+
+def _is_dir(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISDIR(os.fstat(fd).st_mode)
+
+
+# -- the probe and the provider -----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def probe_landlock() -> ProbeResult:
+    """Whether Landlock (ABI >= 4, for the TCP rules) works here; the ABI as the version."""
+    try:
+        abi = landlock_abi()
+    except OSError as exc:
+        import errno
+
+        why = {
+            errno.ENOSYS: "the kernel has no Landlock (CONFIG_SECURITY_LANDLOCK is off)",
+            errno.EOPNOTSUPP: "Landlock is built in but disabled (add landlock to the lsm= boot "
+            "parameter)",
+        }.get(exc.errno or 0, f"landlock_create_ruleset failed: {exc}")
+        return ProbeResult("landlock", False, reason=why)
+    details = {
+        "abi": abi,
+        "tcp_rules": abi >= 4,
+        "scoped_ipc": abi >= 6,
+        "boundary": True,
+    }
+    if abi < MIN_ABI:
+        return ProbeResult(
+            "landlock",
+            False,
+            reason=f"Landlock ABI {abi} lacks TCP port rules (ABI {MIN_ABI} needed, Linux 6.7)",
+            version=f"ABI {abi}",
+            details=details,
+        )
+    return ProbeResult("landlock", True, version=f"ABI {abi}", details=details)
+
+
+class LandlockProvider(Provider):
+    """A plain child process that applies Landlock and seccomp to itself before serving."""
+
+    name: ClassVar[str] = "landlock"
+    strength: ClassVar[int] = 20
+    is_boundary: ClassVar[bool] = True
+
+    def probe(self) -> ProbeResult:
+        return probe_landlock()
+
+    def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        from agent_sandbox.providers._seccomp import seccomp_setup
+
+        setup: dict[str, Any] = {
+            "no_new_privs": True,
+            "drop_caps": True,
+            "landlock": landlock_setup(policy, spec),
+        }
+        setup.update(seccomp_setup(policy))
+        return LaunchPlan(
+            provider=self.name,
+            argv=worker_argv(spec),
+            env=base_env(spec),
+            pass_fds=(spec.listen_fd, spec.boot_fd),
+            cwd=spec.scratch,
+            worker_setup=setup,
+            stack=(self.name,),
+        )

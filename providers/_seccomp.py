@@ -1,0 +1,263 @@
+"""A seccomp filter for the worker: deny the kernel surface a Python tool never needs.
+
+What it enforces (kernel, against hostile native code too): the default action is ALLOW,
+and each rule of `seccomp_rules(policy)` makes one syscall (or one argument pattern of it)
+fail with EPERM:
+
+* socket families the policy does not need: only AF_UNIX, plus AF_INET/AF_INET6 when the
+  policy allows some network, and then only SOCK_STREAM unless a rule allows UDP;
+* ptrace and cross-process memory access, io_uring, bpf, perf_event_open, the key
+  ring, userfaultfd, kernel modules, kexec, reboot, swap, accounting;
+* namespace creation and mount changes: unshare, setns, clone with any CLONE_NEW* flag,
+  mount, the new mount API, pivot_root, chroot;
+* `clone3` gives ENOSYS (its flags are in memory, out of the filter's reach), so glibc
+  falls back to `clone`, whose flags the filter checks;
+* TIOCSTI and TIOCLINUX ioctls (pushing keystrokes into a terminal).
+
+A syscall of another ABI (x32, i386) kills the process (libseccomp's bad-arch action).
+
+What it does NOT enforce: anything about paths, ports or hosts (Landlock and the namespace
+providers do that), and `execve` (a launcher such as `bwrap --seccomp FD` must still exec
+the worker after loading it; Landlock's EXECUTE right covers exec).
+
+The filter is built in the PARENT with pyseccomp and exported as raw BPF bytes. The worker
+loads those bytes itself with one `prctl` (see `_inworker.py`), so it never imports
+pyseccomp (which cannot find libseccomp under Landlock). `bwrap --seccomp FD` takes the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import functools
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+__all__ = [
+    "DENIED_SYSCALLS",
+    "SeccompRule",
+    "build_bpf",
+    "probe_seccomp",
+    "seccomp_rules",
+    "seccomp_setup",
+]
+
+
+class SeccompRule(NamedTuple):
+    """One rule: `syscall` fails with `errno` when every `(arg, op, value, mask)` matches.
+
+    `op` is "eq", "ge" or "masked_eq" (then `(arg & mask) == value`).
+    """
+
+    syscall: str
+    errno: int
+    args: tuple[tuple[int, str, int, int], ...] = ()
+
+
+#: Syscalls denied outright. Each has a reason; none is needed by a Python tool.
+DENIED_SYSCALLS: tuple[str, ...] = (
+    "acct",
+    "add_key",
+    "bpf",  # kernel attack surface; also reads other processes' maps
+    "chroot",
+    "delete_module",
+    "finit_module",
+    "fsconfig",
+    "fsmount",
+    "fsopen",
+    "fspick",
+    "init_module",
+    "io_uring_enter",  # io_uring bypasses seccomp for the operations it queues
+    "io_uring_register",
+    "io_uring_setup",
+    "kcmp",
+    "kexec_file_load",
+    "kexec_load",
+    "keyctl",
+    "mount",
+    "mount_setattr",
+    "move_mount",
+    "name_to_handle_at",
+    "open_by_handle_at",  # opens files by handle, around path-based rules
+    "open_tree",
+    "perf_event_open",
+    "pidfd_getfd",
+    "pivot_root",
+    "process_vm_readv",
+    "process_vm_writev",
+    "ptrace",
+    "quotactl",
+    "reboot",
+    "request_key",
+    "setns",
+    "swapoff",
+    "swapon",
+    "syslog",
+    "umount2",
+    "unshare",
+    "userfaultfd",  # stalls the kernel at a chosen point: an exploit primitive
+)
+
+# NOTE: libseccomp 2.5.4 does not know these names; they are denied by x86_64 number.
+_RAW_X86_64 = {"statmount": 457, "listmount": 458, "open_tree_attr": 467}
+
+_CLONE_NEW_FLAGS = (
+    0x00020000,  # CLONE_NEWNS
+    0x02000000,  # CLONE_NEWCGROUP
+    0x04000000,  # CLONE_NEWUTS
+    0x08000000,  # CLONE_NEWIPC
+    0x10000000,  # CLONE_NEWUSER
+    0x20000000,  # CLONE_NEWPID
+    0x40000000,  # CLONE_NEWNET
+)
+_TIOCSTI = 0x5412
+_TIOCLINUX = 0x541C
+_AF_MAX = 46
+_SOCK_TYPE_MASK = 0xF
+_SOCK_TYPES = (2, 3, 4, 5, 6, 10)  # DGRAM, RAW, RDM, SEQPACKET, DCCP, PACKET
+
+
+def _allowed_families(policy: Any) -> tuple[set[int], bool]:
+    """(families the policy needs, whether UDP is needed)."""
+    rules = _net_rules(policy)
+    allows = [r for r in rules if _field(r, "action") == "allow"]
+    families = {int(socket.AF_UNIX)}
+    if allows:
+        families |= {int(socket.AF_INET), int(socket.AF_INET6)}
+    udp = any(_field(r, "protocol") in ("udp", "any") for r in allows)
+    return families, udp
+
+
+def _net_rules(policy: Any) -> list[Any]:
+    net = policy.get("net", {}) if isinstance(policy, dict) else getattr(policy, "net", None)
+    if net is None:
+        return []
+    rules = net.get("rules", ()) if isinstance(net, dict) else getattr(net, "rules", ())
+    return list(rules)
+
+
+def _field(rule: Any, key: str) -> Any:
+    return rule.get(key) if isinstance(rule, dict) else getattr(rule, key)
+
+
+def seccomp_rules(policy: Any) -> list[SeccompRule]:
+    """The whole rule table for `policy` (pure: nothing is built or applied)."""
+    eperm = errno.EPERM
+    rules = [SeccompRule(name, eperm) for name in DENIED_SYSCALLS]
+    rules += [SeccompRule(name, eperm) for name in sorted(_RAW_X86_64)]
+    rules += [SeccompRule("clone", eperm, ((0, "masked_eq", f, f),)) for f in _CLONE_NEW_FLAGS]
+    rules.append(SeccompRule("clone3", errno.ENOSYS))
+    rules += [SeccompRule("ioctl", eperm, ((1, "eq", op, 0),)) for op in (_TIOCSTI, _TIOCLINUX)]
+    families, udp = _allowed_families(policy)
+    for family in range(_AF_MAX):
+        if family not in families:
+            rules.append(SeccompRule("socket", eperm, ((0, "eq", family, 0),)))
+    rules.append(SeccompRule("socket", eperm, ((0, "ge", _AF_MAX, 0),)))
+    if not udp:
+        for family in sorted(families - {int(socket.AF_UNIX)}):
+            for kind in _SOCK_TYPES:
+                rules.append(
+                    SeccompRule(
+                        "socket",
+                        eperm,
+                        ((0, "eq", family, 0), (1, "masked_eq", kind, _SOCK_TYPE_MASK)),
+                    )
+                )
+    return rules
+
+
+def build_bpf(policy: Any) -> bytes:
+    """The rule table compiled to a raw BPF program (for prctl or `bwrap --seccomp FD`)."""
+    return _compile(tuple(seccomp_rules(policy)))
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(rules: tuple[SeccompRule, ...]) -> bytes:
+    import pyseccomp as sc
+
+    ops = {"eq": sc.EQ, "ge": sc.GE, "masked_eq": sc.MASKED_EQ}
+    filt = sc.SyscallFilter(sc.ALLOW)
+    for rule in rules:
+        args = []
+        for index, op, value, mask in rule.args:
+            if op == "masked_eq":
+                args.append(sc.Arg(index, ops[op], mask, value))
+            else:
+                args.append(sc.Arg(index, ops[op], value))
+        target: str | int = rule.syscall
+        if rule.syscall in _RAW_X86_64:
+            if sc.resolve_syscall(sc.system_arch(), rule.syscall) >= 0:
+                target = rule.syscall
+            elif os.uname().machine == "x86_64":
+                target = _RAW_X86_64[rule.syscall]
+            else:
+                continue
+        filt.add_rule(sc.ERRNO(rule.errno), target, *args)
+    read_fd, write_fd = os.pipe()
+    try:
+        with os.fdopen(write_fd, "wb", closefd=True) as sink:
+            filt.export_bpf(sink)
+        return _read_all(read_fd)
+    finally:
+        os.close(read_fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def seccomp_setup(policy: Any) -> dict[str, Any]:
+    """The `worker_setup` fragment: `{"seccomp": {"bpf": <base64>, "rules": n}}`."""
+    bpf = build_bpf(policy)
+    return {"seccomp": {"bpf": base64.b64encode(bpf).decode(), "rules": len(seccomp_rules(policy))}}
+
+
+def describe(rules: Iterable[SeccompRule]) -> list[str]:
+    """One readable line per rule (for docs and `doctor`)."""
+    out = []
+    for rule in rules:
+        conds = " and ".join(
+            f"arg{i} & {mask:#x} == {value:#x}" if op == "masked_eq" else f"arg{i} {op} {value}"
+            for i, op, value, mask in rule.args
+        )
+        out.append(
+            f"{rule.syscall}{' if ' + conds if conds else ''} -> {errno.errorcode[rule.errno]}"
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def probe_seccomp() -> tuple[bool, str]:
+    """(whether a filter can be built here, the libseccomp version or the reason not)."""
+    try:
+        import pyseccomp as sc
+
+        build_bpf({})
+        version = getattr(sc, "_libseccomp", None)
+        ver = ""
+        if version is not None and hasattr(version, "seccomp_version"):
+            import ctypes
+
+            class _V(ctypes.Structure):
+                _fields_ = [
+                    ("major", ctypes.c_uint),
+                    ("minor", ctypes.c_uint),
+                    ("micro", ctypes.c_uint),
+                ]
+
+            version.seccomp_version.restype = ctypes.POINTER(_V)
+            v = version.seccomp_version().contents
+            ver = f"libseccomp {v.major}.{v.minor}.{v.micro}"
+        return True, ver
+    except Exception as exc:  # any failure means "not here", with the reason
+        return (
+            False,
+            f"cannot build a seccomp filter ({type(exc).__name__}: {exc}); "
+            "install the `seccomp` extra (pyseccomp) and libseccomp2",
+        )
