@@ -1,0 +1,237 @@
+"""The filesystem view a namespace provider (`bwrap`, `unshare`) builds for the worker.
+
+What it decides: the ordered list of mounts that make up the worker's root: a read-only
+`/usr` and the interpreter closure, a minimal `/dev`, a fresh `/proc`, a private `/tmp`
+tmpfs, the worker's scratch directory writable, and only the paths the policy names. Every
+host path appears at the same path inside, so no path translation is needed (the parent's
+handshake, `$SCRATCH` and reported files all agree).
+
+What it does not decide: how the mounts are made (each provider turns the list into its own
+argv or set-up script), and fine-grained rules inside a bound tree: a glob in the policy binds
+its fixed leading directory, and names in `files.hide` are left to the Python guards and to
+Landlock when it is stacked. `files.deny` entries without a glob are masked (an empty
+read-only tmpfs over a directory, `/dev/null` over a file).
+
+`network_mode(policy)` says whether the worker gets no network or only loopback; a policy
+that allows other hosts cannot be served by a namespace without network, and that is an
+error naming the rule, never a silent cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import stat
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+__all__ = [
+    "HostLayout",
+    "Mount",
+    "host_layout",
+    "mounts_for",
+    "network_mode",
+    "path_view",
+    "policy_paths",
+    "unsupported_network",
+]
+
+#: Size of the private tmpfs mounts (bytes); without a size a tmpfs may take half the RAM.
+TMPFS_BYTES = 64 * 1024 * 1024
+#: Top-level names that are symlinks into /usr on a merged-/usr system.
+_TOP_LEVEL = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
+#: Host files the interpreter may read when present. NOTE: allowed because ld.so and the
+#: `time` module read them; neither holds secrets.
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_GLOB = set("*?[")
+
+Kind = Literal[
+    "ro", "rw", "ro-try", "rw-try", "tmpfs", "symlink", "dev", "proc", "mask-dir", "mask-file"
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    """One step of the view, applied in list order (a later mount covers an earlier one).
+
+    `ro`/`rw` bind `src` at `dst` and fail when `src` is missing; the `-try` forms skip a
+    missing source. `symlink` creates `dst` pointing at `src`. `tmpfs`, `dev` and `proc`
+    create fresh file systems at `dst`; `mask-dir`/`mask-file` hide a host path.
+    """
+
+    kind: Kind
+    dst: str
+    src: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLayout:
+    """Facts about the host that the pure builders need: read once, passed in."""
+
+    #: Top-level paths that are symlinks, with their targets (e.g. `/lib` -> `usr/lib`).
+    symlinks: Mapping[str, str]
+    #: Top-level paths that are real directories outside /usr (bound read-only).
+    dirs: tuple[str, ...] = ()
+    #: Kind of each path named in `files.deny`: "dir", "file" or "" (absent).
+    kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def host_layout(deny: Iterable[str] = ()) -> HostLayout:
+    """Read the host's top-level layout and the kind of each denied path (small, cached I/O)."""
+    links: dict[str, str] = {}
+    dirs: list[str] = []
+    for path in _TOP_LEVEL:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            links[path] = os.readlink(path)
+        elif stat.S_ISDIR(st.st_mode):
+            dirs.append(path)
+    kinds: dict[str, str] = {}
+    for path in deny:
+        try:
+            st = os.stat(path)
+        except OSError:
+            kinds[path] = ""
+            continue
+        kinds[path] = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+    return HostLayout(symlinks=links, dirs=tuple(dirs), kinds=kinds)
+
+
+def _static_prefix(path: str) -> str:
+    """The leading part of a path before its first glob component."""
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if _GLOB & set(part):
+            return "/".join(parts[:i]) or "/"
+    return path
+
+
+def policy_paths(
+    policy: Any, spec: Any
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The policy's read, write and deny paths as absolute host paths.
+
+    `$SCRATCH` becomes the worker's scratch directory, `~` the parent's home; a glob becomes
+    its fixed leading directory for read and write (the finer rule is the guards' and
+    Landlock's job) and is dropped from deny (masking needs a concrete path).
+    """
+
+    def expand(entry: str) -> str:
+        if entry.startswith("$SCRATCH"):
+            entry = spec.scratch + entry[len("$SCRATCH") :]
+        return os.path.normpath(os.path.expanduser(entry))
+
+    files = policy.files
+    read = tuple(_static_prefix(expand(p)) for p in files.read)
+    write = tuple(_static_prefix(expand(p)) for p in files.write)
+    deny = tuple(expand(p) for p in files.deny if not (_GLOB & set(p)))
+    return read, write, deny
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _coalesce(paths: Iterable[str]) -> list[str]:
+    """Drop duplicates and paths already inside another path of the list."""
+    out: list[str] = []
+    for path in sorted(set(paths), key=lambda p: (p.count("/"), p)):
+        if not any(_under(path, kept) for kept in out):
+            out.append(path)
+    return out
+
+
+def _depth(path: str) -> int:
+    return 0 if path == "/" else path.rstrip("/").count("/")
+
+
+def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
+    """The ordered mount list for one worker (pure: depends only on its arguments).
+
+    Order, shallow destinations first so nothing is covered by a later parent mount:
+    1. `/usr` read-only, the merged-/usr symlinks, other top-level system dirs read-only;
+    2. `/dev` (minimal device set), `/proc` (fresh, this pid namespace), `/tmp` (tmpfs);
+    3. read-only: the interpreter prefix, the virtualenv, the import roots, the
+       `agent_sandbox` packages, the optional /etc files and the policy's read paths;
+    4. writable: the scratch directory and the policy's write paths;
+    5. masks over the policy's denied paths that fall inside something bound.
+    """
+    read, write, deny = policy_paths(policy, spec)
+    system: list[Mount] = [Mount("ro", "/usr", "/usr")]
+    for path, target in sorted(host.symlinks.items()):
+        system.append(Mount("symlink", path, target))
+    for path in host.dirs:
+        system.append(Mount("ro", path, path))
+    system += [Mount("dev", "/dev"), Mount("proc", "/proc"), Mount("tmpfs", "/tmp")]
+
+    needed = [
+        spec.base_prefix,
+        spec.prefix,
+        *spec.sys_path,
+        *spec.package_dirs.values(),
+        os.path.dirname(spec.boot_script),
+    ]
+    writable = _coalesce([spec.scratch, *write])
+    ro_needed = [p for p in _coalesce(needed) if not any(_under(p, w) for w in writable)]
+    ro_policy = [
+        p for p in _coalesce(read) if not any(_under(p, k) for k in [*ro_needed, *writable, "/usr"])
+    ]
+    binds: list[Mount] = [Mount("ro", p, p) for p in ro_needed]
+    binds += [Mount("ro-try", p, p) for p in _ETC_FILES]
+    binds += [Mount("ro-try", p, p) for p in ro_policy]
+    binds += [Mount("rw", spec.scratch, spec.scratch)]
+    binds += [Mount("rw-try", p, p) for p in writable if p != spec.scratch]
+    binds.sort(key=lambda m: _depth(m.dst))  # stable: keeps the order above within a depth
+
+    bound = [m.dst for m in system + binds if m.kind in ("ro", "rw", "ro-try", "rw-try")]
+    masks: list[Mount] = []
+    for path in deny:
+        kind = host.kinds.get(path, "")
+        if kind and any(_under(path, b) for b in bound):
+            masks.append(Mount("mask-dir" if kind == "dir" else "mask-file", path))
+    masks.sort(key=lambda m: _depth(m.dst))
+    return system + binds + masks
+
+
+def path_view(mounts: Iterable[Mount]) -> dict[str, str]:
+    """Host path -> in-sandbox path for every bound path (the identity here, by design)."""
+    return {m.src: m.dst for m in mounts if m.kind in ("ro", "rw", "ro-try", "rw-try")}
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        net = ipaddress.ip_network(host, strict=False)
+    except ValueError:
+        return False
+    return net.network_address.is_loopback and net.broadcast_address.is_loopback
+
+
+def unsupported_network(policy: Any) -> list[str]:
+    """The allowed hosts a namespace without network cannot serve (empty when all is fine)."""
+    return [
+        rule.host
+        for rule in policy.net.rules
+        if rule.action == "allow" and not _is_loopback(rule.host)
+    ]
+
+
+def network_mode(policy: Any) -> Literal["none", "loopback"]:
+    """`loopback` when the policy allows only loopback hosts, else `none` (no interface up)."""
+    allowed = [r for r in policy.net.rules if r.action == "allow"]
+    return "loopback" if allowed and not unsupported_network(policy) else "none"
+
+
+def check_paths(
+    mounts: Iterable[Mount], exists: Callable[[str], bool] = os.path.exists
+) -> list[str]:
+    """Required bind sources that are missing on the host (for error messages)."""
+    return [m.src for m in mounts if m.kind in ("ro", "rw") and not exists(m.src)]
