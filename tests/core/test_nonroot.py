@@ -1,0 +1,71 @@
+"""The sandbox works for an unprivileged user, not only for root.
+
+Everything else in the suite runs as root, where file permissions never refuse anything. This
+module runs the core as uid 65534 through `setpriv`, using the environment that
+`scripts/setup.sh` builds on Debian's Python outside root's home.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+NONROOT_PY = Path("/opt/agent-sandbox-nonroot/bin/python")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to switch to uid 65534"
+    if not shutil.which("setpriv"):
+        return "setpriv is not installed"
+    if not NONROOT_PY.exists():
+        return f"{NONROOT_PY} is missing (run scripts/setup.sh as root)"
+    probe = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         str(NONROOT_PY), "-c", "import agent_sandbox; print(agent_sandbox.__file__)"],
+        capture_output=True, text=True, cwd="/tmp",
+    )
+    if probe.returncode != 0:
+        return f"uid 65534 cannot import agent_sandbox from {REPO}: {probe.stderr.strip()[-200:]}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "")
+
+SCRIPT = r"""
+import json, os
+from agent_sandbox import Policy, Sandbox
+out = {"uid": os.getuid()}
+policy = Policy(name="nonroot", imports={"allow": ["os"]}, limits={"wall_seconds": 5})
+with Sandbox(policy, warm=0) as sb:
+    s = sb.session()
+    r = s.run("import os\nx = 2\n(os.getuid(), x * 21)")
+    out["value"] = r.value
+    out["again"] = s.run("x").value
+    t = s.run("while True: pass", timeout=1)
+    out["timeout"] = t.error.rule if t.error else None
+    out["after"] = s.run("1").state_lost
+print(json.dumps(out))
+"""
+
+
+def test_runs_as_an_unprivileged_user() -> None:
+    """It starts workers, keeps sessions and enforces timeouts as uid 65534."""
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         "env", "HOME=/tmp", str(NONROOT_PY), "-c", SCRIPT],
+        capture_output=True, text=True, timeout=60, cwd="/tmp",
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["uid"] == 65534
+    assert out["value"] == [65534, 42]
+    assert out["again"] == 2
+    assert out["timeout"] == "limits.timeout"
+    assert out["after"] is True
