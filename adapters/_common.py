@@ -51,6 +51,8 @@ _RETRY_NOTE = (
     "user which policy line would allow it."
 )
 _MAX_LISTED_IMPORTS = 40
+#: How much of the output printed before a refusal the model reads (the artifact has it all).
+_PARTIAL_CHARS = 400
 
 
 def describe_policy(
@@ -79,9 +81,7 @@ def describe_policy(
         imports += f"; never {', '.join(policy.imports.deny)}"
     lines.append(f"- Imports allowed: {imports}. Any other import is refused.")
     if policy.net.allows_any():
-        targets = [
-            f"{r.host}:{r.ports}" for r in policy.net.rules if r.action == "allow"
-        ]
+        targets = [f"{r.host}:{r.ports}" for r in policy.net.rules if r.action == "allow"]
         lines.append(f"- Network: only {', '.join(targets)}.")
     else:
         lines.append("- Network: off.")
@@ -152,7 +152,11 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
     if error is not None and error.kind in FAILURE_KINDS:
         parts.append(_failure_text(result, error))
         if result.stdout or result.stderr:
-            parts.append("Output before it stopped:\n" + _output_text(result))
+            partial = _output_text(result)
+            if len(partial) > _PARTIAL_CHARS:
+                cut = len(partial) - _PARTIAL_CHARS
+                partial = partial[:_PARTIAL_CHARS] + f"\n[... {cut} more characters not shown]"
+            parts.append("Output before it stopped:\n" + partial)
         rule = error.rule or (rules[0] if rules else None)
         return Outcome("\n".join(parts), True, error.kind, rule, rules)
     out = _output_text(result)
@@ -183,8 +187,9 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
     text = "\n".join(parts) or "(no output)"
     if error is not None:
         is_error = code_errors_as == "error"
-        return Outcome(text, is_error, "exception", error.rule or (rules[0] if rules else None),
-                       rules)
+        return Outcome(
+            text, is_error, "exception", error.rule or (rules[0] if rules else None), rules
+        )
     return Outcome(text, False, "ok", rules[0] if rules else None, rules)
 
 
@@ -210,9 +215,12 @@ def _failure_text(result: RunResult, error: RunError) -> str:
     if error.kind == "limit":
         msgs = [d.message() for d in result.denials if d.rule == error.rule] or [error.message]
         return "\n".join(
-            ["STOPPED by a sandbox limit.", *msgs,
-             "Make the code do less (smaller input, fewer iterations, less output) "
-             "rather than running it again unchanged."]
+            [
+                "STOPPED by a sandbox limit.",
+                *msgs,
+                "Make the code do less (smaller input, fewer iterations, less output) "
+                "rather than running it again unchanged.",
+            ]
         )
     if error.kind == "crashed":
         return (
@@ -287,8 +295,9 @@ class ToolRunner:
             return f"thread:{thread_id}"
         return "tool"
 
-    def run(self, code: str, *, thread_id: str | None = None,
-            on_event: OnEvent | None = None) -> RunResult:
+    def run(
+        self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
+    ) -> RunResult:
         key = self.session_key(thread_id)
         try:
             sandbox = self.sandbox
@@ -298,8 +307,9 @@ class ToolRunner:
         except Exception as exc:  # every failure of ours reaches the agent as data
             return internal_failure(exc, self.policy)
 
-    async def arun(self, code: str, *, thread_id: str | None = None,
-                   on_event: OnEvent | None = None) -> RunResult:
+    async def arun(
+        self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
+    ) -> RunResult:
         key = self.session_key(thread_id)
         try:
             sandbox = self.sandbox

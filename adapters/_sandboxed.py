@@ -193,8 +193,9 @@ def _module_context(func: types.FunctionType) -> list[str]:
     return out
 
 
-def call_expression(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    *, method: bool = False) -> str:
+def call_expression(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, method: bool = False
+) -> str:
     """`name(*[...], **{...})` with the arguments as literals; refuses non-JSON arguments."""
     try:
         data = json.loads(json.dumps([list(args), kwargs], allow_nan=False))

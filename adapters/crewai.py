@@ -98,7 +98,10 @@ class SandboxedPythonTool(BaseTool):
             self.description = describe_policy(self.policy, session=self.session)
         mode: SessionMode = "none" if self.session == "none" else "tool"
         self._runner = ToolRunner(
-            self.policy, session=mode, provider=self.provider, warm=self.warm,
+            self.policy,
+            session=mode,
+            provider=self.provider,
+            warm=self.warm,
             timeout=self.timeout,
         )
         return self
@@ -180,9 +183,13 @@ def sandboxed_crewai_tool(
         return ToolFailure(
             message=out.text,
             code=code,
-            details={"kind": out.kind, "rules": list(out.rules),
-                     "denials": [d.to_dict() for d in result.denials],
-                     "policy": body.policy.name, "fingerprint": body.policy.fingerprint()},
+            details={
+                "kind": out.kind,
+                "rules": list(out.rules),
+                "denials": [d.to_dict() for d in result.denials],
+                "policy": body.policy.name,
+                "fingerprint": body.policy.fingerprint(),
+            },
         )
 
     return Tool(

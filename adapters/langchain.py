@@ -113,7 +113,10 @@ class SandboxedPythonTool(BaseTool):
         if not self.description:
             self.description = describe_policy(self.policy, session=self.session)
         self._runner = ToolRunner(
-            self.policy, session=self.session, provider=self.provider, warm=self.warm,
+            self.policy,
+            session=self.session,
+            provider=self.provider,
+            warm=self.warm,
             timeout=self.timeout,
         )
         return self
@@ -134,22 +137,21 @@ class SandboxedPythonTool(BaseTool):
 
     # -- running -----------------------------------------------------------------------
 
+    # `config` must be annotated exactly `RunnableConfig` for LangChain to inject it.
     def _run(
         self,
         code: str,
+        config: RunnableConfig,
         run_manager: CallbackManagerForToolRun | None = None,
-        config: RunnableConfig | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        result = self._runner.run(
-            code, thread_id=_thread_id(config), on_event=self._live_writer()
-        )
+        result = self._runner.run(code, thread_id=_thread_id(config), on_event=self._live_writer())
         return self._finish(result, _dispatch_sync)
 
     async def _arun(
         self,
         code: str,
+        config: RunnableConfig,
         run_manager: AsyncCallbackManagerForToolRun | None = None,
-        config: RunnableConfig | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         result = await self._runner.arun(
             code, thread_id=_thread_id(config), on_event=self._live_writer()
@@ -308,11 +310,17 @@ def sandboxed_langchain_tool(
         _annotate_trace(body.policy, result, out)
         if out.is_error:
             if out.kind != "exception":
-                _dispatch_sync({"tool": tool.name, "kind": out.kind, "rule": out.rule,
-                                "rules": list(out.rules),
-                                "denials": [d.to_dict() for d in result.denials],
-                                "policy": body.policy.name,
-                                "fingerprint": body.policy.fingerprint()})
+                _dispatch_sync(
+                    {
+                        "tool": tool.name,
+                        "kind": out.kind,
+                        "rule": out.rule,
+                        "rules": list(out.rules),
+                        "denials": [d.to_dict() for d in result.denials],
+                        "policy": body.policy.name,
+                        "fingerprint": body.policy.fingerprint(),
+                    }
+                )
             raise SandboxToolError(out, result)
         return result.value
 
@@ -330,8 +338,11 @@ def sandboxed_langchain_tool(
         coroutine=acall,
         handle_tool_error=_error_text,
         tags=tool.tags,
-        metadata={**(tool.metadata or {}), "sandbox.policy": body.policy.name,
-                  "sandbox.fingerprint": body.policy.fingerprint()},
+        metadata={
+            **(tool.metadata or {}),
+            "sandbox.policy": body.policy.name,
+            "sandbox.fingerprint": body.policy.fingerprint(),
+        },
     )
     wrapped.__dict__["_sandboxed_body"] = body
     return wrapped

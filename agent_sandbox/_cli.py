@@ -27,7 +27,7 @@ from agent_sandbox._errors import SandboxError
 __all__ = ["Style", "main"]
 
 #: Modules that add their own sub-commands (`add_parser(subparsers)`).
-_COMMAND_MODULES: tuple[str, ...] = ()
+_COMMAND_MODULES: tuple[str, ...] = ("agent_sandbox._cli_demo",)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -71,8 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("-c", dest="code", metavar="CODE", help="the code to run")
     src.add_argument("file", nargs="?", help="a Python file to run ('-' for stdin)")
-    run.add_argument("--policy", "-p", default=None,
-                     help="a shipped policy name or a TOML file (default: pure-computation)")
+    run.add_argument(
+        "--policy",
+        "-p",
+        default=None,
+        help="a shipped policy name or a TOML file (default: pure-computation)",
+    )
     run.add_argument("--provider", default=None, help="override the policy's provider")
     run.add_argument("--timeout", type=float, default=None, help="wall-clock seconds")
     run.add_argument("--json", action="store_true", help="print the result as one JSON object")
