@@ -1,0 +1,386 @@
+"""LangChain `SandboxedPythonTool`: agent loops, sessions, failures, traces, standard suites."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langchain.agents", reason="the langchain extra is not installed")
+
+from langchain.agents import create_agent
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_tests.integration_tests import ToolsIntegrationTests
+from langchain_tests.unit_tests import ToolsUnitTests
+
+from agent_sandbox import Policy
+from agent_sandbox._demo import scripted_chat_model, tool_call
+from agent_sandbox.adapters.langchain import SandboxedPythonTool, SandboxToolError
+
+# A tiny valid PNG (1x1, grey): code that writes it to scratch produces an image.
+PNG_1X1 = (
+    b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x00\x00\x00"
+    b"\x00:~\x9bU\x00\x00\x00\nIDATx\x9cc\xb8\x0e\x00\x00\x82\x00\x81\x1c\x0c\x1b\x0e\x00"
+    b"\x00\x00\x00IEND\xaeB`\x82"
+)
+
+
+def small_policy(**limits: Any) -> Policy:
+    return Policy(
+        name="lc-test",
+        imports={"allow": ["math", "json", "time"]},
+        limits={"wall_seconds": 10, "output_bytes": 2048, **limits},
+    )
+
+
+@pytest.fixture
+def tool():
+    t = SandboxedPythonTool(policy=small_policy(), warm=0)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+class EventRecorder(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.custom: list[tuple[str, Any]] = []
+
+    def on_custom_event(self, name: str, data: Any, **kwargs: Any) -> None:
+        self.custom.append((name, data))
+
+
+def tool_messages(state: dict[str, Any]) -> list[ToolMessage]:
+    return [m for m in state["messages"] if isinstance(m, ToolMessage)]
+
+
+def run_agent(
+    tool: SandboxedPythonTool,
+    steps: list[Any],
+    *,
+    thread_id: str = "t1",
+    callbacks: list[Any] | None = None,
+) -> dict[str, Any]:
+    agent = create_agent(scripted_chat_model(steps), tools=[tool])
+    config: dict[str, Any] = {"configurable": {"thread_id": thread_id}}
+    if callbacks:
+        config["callbacks"] = callbacks
+    return agent.invoke({"messages": [HumanMessage("go")]}, config=config)
+
+
+def test_agent_loop_allowed_refused_corrected(tool):
+    """An allowed call, a refused one (handled, status=error, rule named), a corrected one."""
+    recorder = EventRecorder()
+    state = run_agent(
+        tool,
+        [
+            [tool_call("x = 6 * 7\nprint(x)", call_id="c1")],
+            [tool_call("for i in range(10_000):\n    print('row', i)", call_id="c2")],
+            [tool_call("print(sum(range(10_000)))", call_id="c3")],
+            "done",
+        ],
+        callbacks=[recorder],
+    )
+    ok, refused, fixed = tool_messages(state)
+    assert ok.status == "success" and ok.content == "42"
+    assert ok.artifact["ok"] is True and ok.artifact["stdout"] == "42\n"
+    assert refused.status == "error"
+    assert "[limits.output]" in refused.content and "output_bytes" in refused.content
+    assert "again" in refused.content  # tells the model not to retry unchanged
+    assert fixed.status == "success" and fixed.content == "49995000"
+    assert state["messages"][-1].content == "done"
+    events = [data for name, data in recorder.custom if name == "sandbox_refusal"]
+    assert [e["rule"] for e in events] == ["limits.output"]
+    assert events[0]["policy"] == "lc-test" and events[0]["session"] == "thread:t1"
+
+
+def test_import_outside_allowlist_is_refused(tool):
+    """It denies an import outside imports.allow, naming the rule and the module."""
+    msg = tool.invoke(tool_call("import socket", call_id="c1"))
+    if msg.status != "error":
+        pytest.skip("the import guard is not in this build yet")
+    assert "[imports]" in msg.content and "socket" in msg.content
+
+
+def test_code_exception_is_ordinary_output_by_default(tool):
+    msg = tool.invoke(tool_call("print('before')\n1/0", call_id="c1"))
+    assert msg.status == "success"
+    assert "before" in msg.content and "ZeroDivisionError" in msg.content
+    assert msg.artifact["error"]["type"] == "ZeroDivisionError"
+
+
+def test_code_exception_as_error_when_configured():
+    t = SandboxedPythonTool(policy=small_policy(), warm=0, code_errors_as="error")
+    try:
+        msg = t.invoke(tool_call("1/0", call_id="c1"))
+    finally:
+        t.close()
+    assert msg.status == "error" and "ZeroDivisionError" in msg.content
+
+
+def test_two_threads_get_two_sessions(tool):
+    def call(code: str, thread: str) -> Any:
+        return tool.invoke(
+            tool_call(code, call_id="c"), config={"configurable": {"thread_id": thread}}
+        )
+
+    call("x = 'alpha'", "a")
+    call("x = 'beta'", "b")
+    assert call("x", "a").content == "'alpha'"
+    assert call("x", "b").content == "'beta'"
+    assert sorted(tool.sessions()) == ["thread:a", "thread:b"]
+
+
+def test_stateless_and_per_tool_sessions():
+    stateless = SandboxedPythonTool(policy=small_policy(), warm=0, session="none")
+    try:
+        stateless.invoke({"code": "y = 1"})
+        assert "NameError" in stateless.invoke({"code": "y"})
+        assert "do not persist" in stateless.description
+    finally:
+        stateless.close()
+
+
+def test_session_reset_forgets_variables(tool):
+    cfg = {"configurable": {"thread_id": "r"}}
+    tool.invoke(tool_call("z = 5", call_id="c"), config=cfg)
+    assert tool.invoke(tool_call("z", call_id="c"), config=cfg).content == "5"
+    tool.reset("r")
+    msg = tool.invoke(tool_call("z", call_id="c"), config=cfg)
+    assert msg.status == "success" and "NameError" in msg.content
+
+
+def test_worker_crash_mid_conversation_then_next_call_works(tool):
+    """A worker killed during a call: the agent reads a clear error, the next call works."""
+
+    def killer() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            sandbox = tool._runner._sandbox
+            if sandbox is not None and "thread:t1" in sandbox.sessions():
+                session = sandbox.session("thread:t1")
+                worker = session.worker
+                if worker is not None and marker.is_set():
+                    os.kill(worker.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    marker = threading.Event()
+
+    class Marker(BaseCallbackHandler):
+        def on_tool_start(self, serialized: Any, input_str: str, **kw: Any) -> None:
+            if "sleep" in input_str:
+                marker.set()
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    state = run_agent(
+        tool,
+        [
+            [tool_call("v = 1\nprint(v)", call_id="c1")],
+            [tool_call("import time\ntime.sleep(8)", call_id="c2")],
+            [tool_call("print('alive')", call_id="c3")],
+            "done",
+        ],
+        callbacks=[Marker()],
+    )
+    thread.join(5)
+    first, crashed, after = tool_messages(state)
+    assert first.content == "1"
+    assert crashed.status == "error"
+    assert "worker.crashed" in crashed.content and "fresh interpreter" in crashed.content
+    assert after.status == "success" and "alive" in after.content
+    assert after.artifact["state_lost"] is True
+
+
+def test_timeout_is_a_handled_error_and_the_next_call_works():
+    t = SandboxedPythonTool(policy=small_policy(wall_seconds=1), warm=0)
+    try:
+        msg = t.invoke(tool_call("while True:\n    pass", call_id="c1"))
+        assert msg.status == "error" and "[limits.timeout]" in msg.content
+        assert "wall_seconds" in msg.content
+        after = t.invoke(tool_call("print(1)", call_id="c2"))
+        assert after.status == "success" and after.content.endswith("1")
+        assert "variables and imports were lost" in after.content
+    finally:
+        t.close()
+
+
+def test_missing_code_field_reaches_the_model_as_a_helpful_message(tool):
+    state = run_agent(
+        tool,
+        [
+            [tool_call(call_id="c1", args={"cod": "print(1)"})],
+            "done",
+        ],
+    )
+    (msg,) = tool_messages(state)
+    assert msg.status == "error"
+    assert "code" in msg.content and "Field required" in msg.content
+
+
+def test_internal_failure_is_a_handled_error(tool, monkeypatch):
+    from agent_sandbox import WorkerStartError
+    from agent_sandbox.adapters._common import ToolRunner
+
+    def broken(self: Any) -> Any:
+        raise WorkerStartError("simulated: no worker")
+
+    monkeypatch.setattr(ToolRunner, "sandbox", property(broken))
+    state = run_agent(tool, [[tool_call("print(1)", call_id="c1")], "done"])
+    (msg,) = tool_messages(state)
+    assert msg.status == "error" and "failed internally" in msg.content
+    assert "WorkerStartError" in msg.content
+
+
+def test_plain_invoke_raises_nothing_and_exposes_the_result(tool):
+    """Outside an agent the error is still handled; SandboxToolError carries the RunResult."""
+    text = tool.invoke({"code": "print('x' * 5000)"})
+    assert "[limits.output]" in text
+    with pytest.raises(SandboxToolError) as info:
+        tool._run("print('y' * 5000)", config={})
+    assert info.value.rule == "limits.output"
+    assert info.value.result.denials[0].rule == "limits.output"
+
+
+def test_description_is_generated_from_the_policy(tool):
+    d = tool.description
+    assert "math, json, time" in d and "Network: off" in d
+    assert "10 s per call" in d and "persist" in d and "retrying the same thing" in d
+    assert "dunder" in d
+
+
+def test_policy_by_preset_name_and_toml_path(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('name = "from-file"\n[imports]\nallow = ["math"]\n')
+    for spec, name in (("pure-computation", "pure-computation"), (str(path), "from-file")):
+        t = SandboxedPythonTool(policy=spec, warm=0)
+        assert t.policy.name == name and name in t.description
+
+
+def test_png_written_by_the_code_comes_back_as_an_image_block(tool):
+    code = f"with open('plot.png', 'wb') as fh:\n    fh.write({PNG_1X1!r})\nprint('saved')"
+    msg = tool.invoke(tool_call(code, call_id="c1"))
+    assert msg.status == "success"
+    assert isinstance(msg.content, list)
+    kinds = [block["type"] for block in msg.content]
+    assert kinds == ["text", "image"]
+    assert msg.content[1]["mime_type"] == "image/png" and msg.content[1]["base64"]
+    assert msg.artifact["images"][0]["name"] == "plot.png"
+
+
+async def test_async_path_streams_events_and_custom_refusal_event():
+    t = SandboxedPythonTool(policy=small_policy(), warm=0)
+    agent = create_agent(
+        scripted_chat_model(
+            [
+                [tool_call("print('hello')", call_id="c1")],
+                [tool_call("print('z' * 5000)", call_id="c2")],
+                "done",
+            ]
+        ),
+        tools=[t],
+    )
+    seen: list[tuple[str, str]] = []
+    try:
+        async for ev in agent.astream_events(
+            {"messages": [HumanMessage("go")]},
+            config={"configurable": {"thread_id": "async"}},
+            version="v2",
+        ):
+            if ev["event"] in ("on_tool_end", "on_custom_event"):
+                seen.append((ev["event"], ev["name"]))
+    finally:
+        t.close()
+    assert ("on_custom_event", "sandbox_refusal") in seen
+    assert seen.count(("on_tool_end", "run_python")) == 2
+
+
+def test_live_stdout_goes_through_the_graph_stream_writer(tool):
+    agent = create_agent(
+        scripted_chat_model([[tool_call("print('live line')", call_id="c1")], "done"]), tools=[tool]
+    )
+    chunks = list(
+        agent.stream(
+            {"messages": [HumanMessage("go")]},
+            config={"configurable": {"thread_id": "s"}},
+            stream_mode=["custom", "updates"],
+        )
+    )
+    custom = [data for mode, data in chunks if mode == "custom"]
+    assert {"sandbox_stdout": "live line\n", "tool": "run_python"} in custom or any(
+        "live line" in c.get("sandbox_stdout", "") for c in custom
+    )
+
+
+def test_langsmith_run_gets_refusal_tags_and_metadata(tool, monkeypatch):
+    """With tracing on, the tool run carries sandbox:denied, the rule, policy and fingerprint."""
+    from langchain_core.tracers.langchain import LangChainTracer
+    from langsmith import Client
+
+    class RecordingClient(Client):
+        def __init__(self) -> None:
+            super().__init__(
+                api_key="test-key", api_url="http://127.0.0.1:9", auto_batch_tracing=False
+            )
+            self.payloads: list[dict[str, Any]] = []
+
+        def create_run(self, *args: Any, **kwargs: Any) -> None:
+            self.payloads.append(dict(kwargs))
+
+        def update_run(self, run_id: Any, **kwargs: Any) -> None:
+            self.payloads.append(dict(kwargs))
+
+    monkeypatch.setenv("LANGSMITH_TRACING", "true")
+    client = RecordingClient()
+    tracer = LangChainTracer(client=client, project_name="offline")
+    tool.invoke(tool_call("print('q' * 5000)", call_id="c1"), config={"callbacks": [tracer]})
+    tracer.wait_for_futures()
+    tags = [t for p in client.payloads for t in (p.get("tags") or [])]
+    metadata: dict[str, Any] = {}
+    for p in client.payloads:
+        extra = p.get("extra") or {}
+        metadata.update(extra.get("metadata") or {})
+    assert "sandbox:limit" in tags and "sandbox:denied" in tags
+    assert "sandbox.rule:limits.output" in tags
+    assert metadata["sandbox.policy"] == "lc-test"
+    assert metadata["sandbox.fingerprint"] == tool.policy.fingerprint()
+    assert metadata["sandbox.rules"] == ["limits.output"]
+
+
+# -- langchain-tests standard suites ------------------------------------------------------
+
+_STD_PARAMS = {"policy": "pure-computation", "warm": 0, "session": "none"}
+
+
+class TestStandardUnit(ToolsUnitTests):
+    @property
+    def tool_constructor(self) -> type[SandboxedPythonTool]:
+        return SandboxedPythonTool
+
+    @property
+    def tool_constructor_params(self) -> dict[str, Any]:
+        return dict(_STD_PARAMS)
+
+    @property
+    def tool_invoke_params_example(self) -> dict[str, Any]:
+        return {"code": "print(1 + 1)"}
+
+
+class TestStandardIntegration(ToolsIntegrationTests):
+    @property
+    def tool_constructor(self) -> type[SandboxedPythonTool]:
+        return SandboxedPythonTool
+
+    @property
+    def tool_constructor_params(self) -> dict[str, Any]:
+        return dict(_STD_PARAMS)
+
+    @property
+    def tool_invoke_params_example(self) -> dict[str, Any]:
+        return {"code": "print(1 + 1)"}
