@@ -12,6 +12,7 @@ from agent_sandbox.providers._base import ProbeResult, Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._subprocess import SubprocessProvider
+from agent_sandbox.providers._unshare import UnshareProvider
 
 __all__ = ["all_providers", "get_provider", "probe_all", "select_provider"]
 
@@ -19,6 +20,7 @@ _REGISTRY: dict[str, type[Provider]] = {
     SubprocessProvider.name: SubprocessProvider,
     LandlockProvider.name: LandlockProvider,
     BwrapProvider.name: BwrapProvider,
+    UnshareProvider.name: UnshareProvider,
 }
 
 

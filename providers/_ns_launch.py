@@ -1,0 +1,315 @@
+"""The `unshare` provider's launcher: builds the namespaces and the mount view, then execs.
+
+Run as `python -I -S -B _ns_launch.py <config-json>` (standard library only: it runs
+before and outside the package). The configuration comes from `_unshare.launcher_config`
+(a pure function); this file only applies it. Three processes, in order:
+
+1. L (this process, started by the parent): asks for SIGKILL when its parent dies, creates
+   a user and a PID namespace (`unshare(CLONE_NEWUSER | CLONE_NEWPID)`), maps uid and gid 0
+   to itself (the parent's uid; no other uid exists inside), forks B, waits for it and exits
+   with the worker's status (a signal is re-raised, so the parent sees `-SIGXCPU` etc.).
+2. B (PID 1 of the new PID namespace, root inside the user namespace only):
+   a. SIGKILL when L dies (and thus when the parent dies: the namespace dies with B);
+   b. new mount, network, IPC, UTS and cgroup namespaces;
+   c. makes every mount private, mounts a tmpfs as the new root and builds the view in the
+      configuration's order; read-only binds (and every mount below them) are remounted
+      read-only, and every bind gets nosuid (and nodev, except the device nodes);
+   d. remounts the new root read-only, `pivot_root`s into it and detaches the old root;
+   e. sets the host name, brings `lo` up only for a loopback-only policy, forbids nested
+      user namespaces (`user.max_user_namespaces = 0` in this namespace);
+   f. drops every capability for good: bounding set, securebits (no root privilege on
+      exec, locked), ambient set, no-new-privileges, then its own sets;
+   g. forks C and reaps every process of the namespace until C exits, then reports C's
+      status to L through a pipe and exits (which kills anything left in the namespace).
+3. C: a new session (no controlling terminal to push input into), the working directory,
+   then `execve` of the worker with the environment L received.
+
+What it does not do: seccomp and Landlock (the worker applies them to itself when the plan
+stacks them), rlimits (the worker's own set-up), and any uid change: the worker is uid 0
+mapped to the parent's uid, without capabilities; the view is the boundary.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+MNT_DETACH = 2
+
+PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_SECUREBITS = 28
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+# NOROOT, NO_SETUID_FIXUP and NO_CAP_AMBIENT_RAISE, each locked, and KEEP_CAPS_LOCKED
+SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
+SYS_PIVOT_ROOT = 155  # x86_64
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# statvfs flag -> mount flag, for the flags a user namespace may not clear on remount.
+_LOCKED = (
+    (os.ST_RDONLY, MS_RDONLY),
+    (os.ST_NOSUID, MS_NOSUID),
+    (os.ST_NODEV, MS_NODEV),
+    (os.ST_NOEXEC, MS_NOEXEC),
+    (os.ST_NOATIME, MS_NOATIME),
+    (os.ST_NODIRATIME, MS_NODIRATIME),
+    (os.ST_RELATIME, MS_RELATIME),
+)
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+class SetupFailed(Exception):
+    """One set-up step failed; the message names it."""
+
+
+def check(rc: int, what: str) -> int:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise SetupFailed(f"{what}: {os.strerror(err)}")
+    return rc
+
+
+def prctl(option: int, arg: int = 0) -> int:
+    return libc.prctl(option, arg, 0, 0, 0)
+
+
+def mount(src, dst, fstype, flags, data=None):
+    def enc(s):
+        return s.encode() if isinstance(s, str) else s
+
+    check(
+        libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)),
+        f"mount {src or fstype} on {dst}",
+    )
+
+
+def write_file(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def locked_flags(path: str) -> int:
+    have = os.statvfs(path).f_flag
+    return sum(ms for st, ms in _LOCKED if have & st)
+
+
+def submounts(path: str) -> list:
+    """Mount points strictly below `path` in this mount namespace."""
+    out = []
+    prefix = path.rstrip("/") + "/"
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point.startswith(prefix):
+                out.append(point)
+    return out
+
+
+def remount(path: str, extra: int) -> None:
+    mount(None, path, None, MS_REMOUNT | MS_BIND | locked_flags(path) | extra)
+
+
+def make_point(target: str, like_dir: bool) -> None:
+    if like_dir:
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.lexists(target):
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+
+
+def bind(src: str, target: str, readonly: bool, device: bool = False) -> None:
+    make_point(target, os.path.isdir(src))
+    mount(src, target, None, MS_BIND | MS_REC)
+    extra = MS_NOSUID | (0 if device else MS_NODEV) | (MS_RDONLY if readonly else 0)
+    for point in [target, *submounts(target)]:
+        remount(point, extra)
+
+
+def tmpfs(target: str, size: int, mode: str, flags: int = MS_NOSUID | MS_NODEV) -> None:
+    os.makedirs(target, exist_ok=True)
+    mount("tmpfs", target, "tmpfs", flags, f"size={size},mode={mode}")
+
+
+def build_view(cfg: dict) -> None:
+    """Step 2c-2d: the new root, in the configuration's order, then pivot into it."""
+    root = cfg["root"]
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    tmpfs(root, 1024 * 1024, "0755")
+    for kind, dst, src in cfg["mounts"]:
+        target = root + dst
+        if kind in ("ro", "rw", "ro-try", "rw-try"):
+            if kind.endswith("-try") and not os.path.exists(src):
+                continue
+            bind(src, target, readonly=kind.startswith("ro"))
+        elif kind == "symlink":
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(src, target)
+        elif kind == "tmpfs":
+            tmpfs(target, cfg["tmpfs_bytes"], "1777")
+        elif kind == "proc":
+            os.makedirs(target, exist_ok=True)
+            mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        elif kind == "dev":
+            tmpfs(target, 64 * 1024, "0755", MS_NOSUID | MS_NOEXEC)
+            for name in _DEVICES:
+                if os.path.exists("/dev/" + name):
+                    bind("/dev/" + name, f"{target}/{name}", readonly=False, device=True)
+            for name, link in (
+                ("fd", "/proc/self/fd"),
+                ("stdin", "/proc/self/fd/0"),
+                ("stdout", "/proc/self/fd/1"),
+                ("stderr", "/proc/self/fd/2"),
+            ):
+                os.symlink(link, f"{target}/{name}")
+            tmpfs(target + "/shm", cfg["tmpfs_bytes"], "1777", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            remount(target, MS_RDONLY)
+        elif kind == "mask-dir":
+            tmpfs(target, 4096, "0000")
+            remount(target, MS_RDONLY)
+        elif kind == "mask-file":
+            bind("/dev/null", target, readonly=True, device=True)
+        else:
+            raise SetupFailed(f"unknown mount kind {kind!r}")
+    remount(root, MS_RDONLY)
+    os.chdir(root)
+    check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "detach the old root")
+    os.chdir("/")
+
+
+def loopback_up() -> None:
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        req = struct.pack("16sh14x", b"lo", 0)
+        flags = struct.unpack("16sh14x", fcntl.ioctl(sock, 0x8913, req))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
+
+
+def drop_privileges() -> None:
+    """Step 2f: nothing can give a process of this namespace a capability again."""
+    cap = 0
+    while prctl(PR_CAPBSET_DROP, cap) == 0:
+        cap += 1
+    check(prctl(PR_SET_SECUREBITS, SECUREBITS), "securebits")
+    check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL), "clear the ambient set")
+    check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()
+    check(libc.capset(header, data), "capset")
+
+
+def init(cfg: dict, report: int) -> None:
+    """Process B: set up, start the worker, reap until it exits, report its status."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    check(
+        libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP),
+        "unshare",
+    )
+    build_view(cfg)
+    name = cfg["hostname"].encode()
+    check(libc.sethostname(name, len(name)), "sethostname")
+    if cfg["net"] == "loopback":
+        loopback_up()
+    write_file("/proc/sys/user/max_user_namespaces", "0")
+    drop_privileges()
+    worker = os.fork()
+    if worker == 0:
+        try:
+            os.close(report)
+            os.setsid()
+            os.chdir(cfg["cwd"])
+            os.execve(cfg["argv"][0], cfg["argv"], os.environ)
+        except BaseException as exc:
+            os.write(2, f"agent-sandbox unshare: exec failed: {exc}\n".encode())
+        os._exit(127)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == worker:
+            os.write(report, str(status).encode())
+            os._exit(0)
+
+
+def relay(status: int) -> None:
+    """Exit L the way the worker exited."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)  # the parent is already gone
+    os.makedirs(cfg["root"], exist_ok=True)
+    uid, gid = os.getuid(), os.getgid()  # before unshare: unmapped ids read as 65534
+    try:
+        check(libc.unshare(CLONE_NEWUSER | CLONE_NEWPID), "unshare user and pid namespaces")
+        write_file("/proc/self/setgroups", "deny")
+        write_file("/proc/self/uid_map", f"0 {uid} 1\n")
+        write_file("/proc/self/gid_map", f"0 {gid} 1\n")
+    except (SetupFailed, OSError) as exc:
+        os.write(2, f"agent-sandbox unshare: {exc}\n".encode())
+        os._exit(1)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        try:
+            init(cfg, write_end)
+        except BaseException as exc:
+            os.write(2, f"agent-sandbox unshare: set-up failed: {exc}\n".encode())
+        os._exit(1)
+    os.close(write_end)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    _, own = os.waitpid(child, 0)
+    data = os.read(read_end, 64)
+    relay(int(data) if data else own)
+
+
+if __name__ == "__main__":
+    main()

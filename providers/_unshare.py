@@ -1,0 +1,169 @@
+"""The `unshare` provider: the worker in new namespaces built by a small Python launcher.
+
+What it enforces, for native code too (the steps are in `_ns_launch.py`):
+
+* new user, PID, mount, network, IPC, UTS and cgroup namespaces; the worker is not PID 1
+  (a tiny init reaps orphans) and dies with its parent;
+* a read-only view of the system: a tmpfs root holding only `/usr`, the interpreter prefix
+  and virtualenv, the import roots and the `agent_sandbox` packages (read-only), the
+  policy's read paths (read-only), the scratch directory and the policy's write paths
+  (writable), a minimal `/dev`, a fresh `/proc`, a size-capped `/tmp`; nothing else of the
+  host exists inside (see `_view.py`);
+* no network: `lo` stays down unless the policy allows only loopback hosts, then it is up
+  and only the namespace's own ports exist;
+* no capabilities, for good: the bounding and ambient sets are emptied, securebits lock
+  out root's privileges on exec, no-new-privileges is set; nested user namespaces are
+  refused (`user.max_user_namespaces = 0`), so read-only binds cannot be remounted;
+* Landlock and the seccomp filter applied by the worker itself when both are available
+  (see `LaunchPlan.stack`).
+
+What it does not enforce: the worker is uid 0 mapped to the parent's uid (0 here), without
+capabilities: files it can see that the parent's uid owns are readable as owner; the view
+is the boundary, not the uid. Globs and hidden names inside a bound tree are left to the
+guards and Landlock. Resource limits are the worker's rlimits. It needs unprivileged user
+namespaces (or root) and the `x86_64` `pivot_root` syscall number.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from typing import Any, ClassVar
+
+from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox.providers._base import (
+    LaunchPlan,
+    ProbeResult,
+    Provider,
+    WorkerSpec,
+    base_env,
+    worker_argv,
+)
+from agent_sandbox.providers._view import (
+    TMPFS_BYTES,
+    HostLayout,
+    host_layout,
+    mounts_for,
+    network_mode,
+    path_view,
+    policy_paths,
+    unsupported_network,
+)
+
+__all__ = ["LAUNCHER", "UnshareProvider", "launcher_config", "unshare_argv"]
+
+#: The launcher script (standard library only; run with `-I -S -B`).
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ns_launch.py")
+
+
+def launcher_config(policy: Any, spec: WorkerSpec, host: HostLayout) -> dict[str, Any]:
+    """What the launcher applies, as JSON-safe data (pure; tests compare it exactly)."""
+    return {
+        "root": os.path.join(spec.control_dir, "nsroot"),
+        "mounts": [[m.kind, m.dst, m.src] for m in mounts_for(policy, spec, host)],
+        "tmpfs_bytes": TMPFS_BYTES,
+        "net": network_mode(policy),
+        "hostname": "sandbox",
+        "cwd": spec.scratch,
+        "argv": list(worker_argv(spec)),
+    }
+
+
+def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, ...]:
+    """The launcher's command line: the interpreter, isolated, and the configuration."""
+    config = json.dumps(launcher_config(policy, spec, host), separators=(",", ":"))
+    return (spec.python, "-I", "-S", "-B", LAUNCHER, config)
+
+
+@functools.cache
+def _probe(python: str) -> ProbeResult:
+    """Create the namespaces once (cached) and report why that fails, if it does."""
+    trial = (
+        "import ctypes,os;l=ctypes.CDLL(None,use_errno=True);"
+        "r=l.unshare(0x10000000|0x20000000);"
+        "e=ctypes.get_errno();"
+        "r==0 or print(os.strerror(e));"
+        "os._exit(0 if r==0 else 1)"
+    )
+    try:
+        out = subprocess.run(
+            [python, "-I", "-S", "-c", trial], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return ProbeResult("unshare", False, f"running {python} failed: {exc}")
+    if out.returncode != 0:
+        why = out.stdout.strip() or out.stderr.strip()[-200:]
+        return ProbeResult(
+            "unshare",
+            False,
+            f"cannot create user and PID namespaces ({why}); unprivileged user namespaces "
+            "may be disabled (user.max_user_namespaces, kernel.unprivileged_userns_clone) "
+            "or blocked by seccomp in a container runtime",
+        )
+    if os.uname().machine != "x86_64":
+        return ProbeResult("unshare", False, "the launcher knows pivot_root only on x86_64")
+    return ProbeResult(
+        "unshare",
+        True,
+        version=os.uname().release,
+        details={"launcher": LAUNCHER, "boundary": True},
+    )
+
+
+class UnshareProvider(Provider):
+    """Start the worker in fresh namespaces with a minimal read-only view of the system."""
+
+    name: ClassVar[str] = "unshare"
+    strength: ClassVar[int] = 30
+    is_boundary: ClassVar[bool] = True
+
+    def __init__(self, *, stack: bool = True) -> None:
+        self.stack = stack
+
+    def probe(self) -> ProbeResult:
+        return _probe(os.path.realpath(sys.executable))
+
+    def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        hosts = unsupported_network(policy)
+        if hosts:
+            raise ProviderUnavailable(
+                self.name,
+                f"the policy allows network to {', '.join(hosts)} [net], but unshare gives "
+                "the worker no network (loopback only); use the landlock provider for TCP rules",
+            )
+        host = host_layout(policy_paths(policy, spec)[2])
+        setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
+        layers: tuple[str, ...] = ()
+        if self.stack:
+            setup_more, layers = _stack_in_worker(policy, spec, host)
+            setup.update(setup_more)
+        return LaunchPlan(
+            provider=self.name,
+            argv=unshare_argv(policy, spec, host),
+            env=base_env(spec),
+            pass_fds=(spec.listen_fd, spec.boot_fd),
+            cwd=spec.scratch,
+            worker_setup=setup,
+            stack=(self.name, *layers),
+        )
+
+
+def _stack_in_worker(
+    policy: Any, spec: WorkerSpec, host: HostLayout
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Landlock and seccomp as `worker_setup` fragments, each only when it works here."""
+    from agent_sandbox.providers import _landlock, _seccomp
+
+    setup: dict[str, Any] = {}
+    layers: list[str] = []
+    if _landlock.probe_landlock().available:
+        view = path_view(mounts_for(policy, spec, host))
+        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view)
+        layers.append("landlock")
+    if _seccomp.probe_seccomp()[0]:
+        setup.update(_seccomp.seccomp_setup(policy))
+        layers.append("seccomp")
+    return setup, tuple(layers)
