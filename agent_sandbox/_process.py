@@ -47,6 +47,8 @@ from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
+from agent_sandbox.providers._inworker import verify_checks
+from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
 
 __all__ = ["WorkerProcess", "import_roots", "package_dirs", "worker_env"]
 
@@ -124,6 +126,7 @@ class WorkerProcess:
         self._log: IO[bytes] | None = None
         self._reaped = False
         self._lock = threading.Lock()
+        self.cgroups: WorkerCgroups | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -161,9 +164,12 @@ class WorkerProcess:
                 base_prefix=sys.base_prefix,
             )
             self.plan = provider.build(policy, spec)
+            self.cgroups = start_cgroups(self.id, policy, self.plan.argv, spec.python)
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
             self._log = log
             self.proc = provider.launch(self.plan, log)
+            if self.cgroups is not None:
+                self.cgroups.attach(self.proc.pid)
         except BaseException:
             listener.close()
             os.close(boot_r)
@@ -211,6 +217,9 @@ class WorkerProcess:
             )
             raise WorkerStartError(reason, log_tail=tail) from None
         self._verify_hello()
+        if self.cgroups is not None:
+            # Launchers may have forked before the first attach; nothing forks while idle.
+            self.cgroups.attach_tree(self.proc.pid)
         self.started_at = time.monotonic()
         return self
 
@@ -234,6 +243,17 @@ class WorkerProcess:
             raise WorkerStartError(
                 f"the worker's interpreter prefix {self.hello.get('base_prefix')!r} is not "
                 f"the parent's {sys.base_prefix!r}",
+                log_tail=tail,
+            )
+
+        problems = verify_checks(
+            self.plan.worker_setup if self.plan else {}, self.hello.get("checks") or {}
+        )
+        if problems:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                "the worker's kernel restrictions do not match its plan: " + "; ".join(problems),
                 log_tail=tail,
             )
 
@@ -316,6 +336,9 @@ class WorkerProcess:
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
+        if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
+            self.death_reason = "it hit a resource limit"
+            self.discard()
         if builder.discard:
             self.death_reason = "a guard was tampered with"
             self.discard()
@@ -453,6 +476,8 @@ class WorkerProcess:
             proc = self.proc
             if proc is not None and not self._reaped:
                 _signal_group(proc.pid, signal.SIGKILL)
+                if self.cgroups is not None:
+                    self.cgroups.kill()
                 self._reaped = True
                 threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
             else:
@@ -472,6 +497,9 @@ class WorkerProcess:
         self.kill()
 
     def _cleanup_dirs(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.kill()
+            self.cgroups.remove()
         if self._log is not None:
             with contextlib.suppress(OSError):
                 self._log.close()

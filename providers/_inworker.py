@@ -10,7 +10,7 @@ serves, and the parent reports a start error with the worker's log):
 2. Set NO_NEW_PRIVS (no set-uid or file-capability gain across exec; Landlock and seccomp
    need it for an unprivileged process, and a root test run would not notice its absence).
 3. Empty the capability bounding set and the ambient set (an exec can regain nothing).
-4. Apply Landlock (`_landlock.restrict_self`).
+4. Apply Landlock (`_landlock_sys.restrict_self`).
 5. Clear the effective, permitted and inheritable capabilities: uid 0 keeps owning its
    files, but loses CAP_DAC_OVERRIDE, CAP_SYS_ADMIN, CAP_NET_RAW, CAP_MKNOD, ...
 6. Load the seccomp BPF program the parent built (`_seccomp.build_bpf`).
@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["apply_worker_setup", "kernel_status"]
+__all__ = ["apply_worker_setup", "kernel_status", "verify_checks"]
 
 _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
@@ -46,10 +46,16 @@ class SetupError(RuntimeError):
     """A kernel restriction could not be applied; the worker must not serve."""
 
 
-def _libc() -> Any:
-    import ctypes
+_LIBC: Any = None
 
-    return ctypes.CDLL(None, use_errno=True)
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
 
 
 def _prctl(option: int, arg2: int = 0, arg3: Any = 0) -> int:
@@ -176,7 +182,7 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     # 4. Landlock.
     landlock = setup.get("landlock")
     if landlock:
-        from agent_sandbox.providers._landlock import restrict_self
+        from agent_sandbox.providers._landlock_sys import restrict_self
 
         checks["landlock"] = restrict_self(landlock)
     # 5. Effective/permitted/inheritable capabilities.
@@ -195,3 +201,25 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     if seccomp and checks["seccomp"] != _SECCOMP_MODE_FILTER:
         raise SetupError(f"seccomp mode is {checks['seccomp']}, not filter")
     return checks
+
+
+def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]:
+    """What the worker's handshake `checks` lack compared with its plan's `setup` (parent side).
+
+    An empty list means the worker reported every restriction its plan asked for.
+    """
+    problems = []
+    wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
+    if wants_kernel and checks.get("no_new_privs") != 1:
+        problems.append("NO_NEW_PRIVS is not set")
+    if wants_kernel and checks.get("threads") != 1:
+        problems.append("it was not single-threaded when it restricted itself")
+    if setup.get("drop_caps") and checks.get("cap_eff") != "0" * 16:
+        problems.append(f"it kept capabilities (CapEff {checks.get('cap_eff')})")
+    if setup.get("landlock"):
+        landlock = checks.get("landlock")
+        if not isinstance(landlock, Mapping) or landlock.get("enforced") is not True:
+            problems.append("Landlock is not enforced")
+    if setup.get("seccomp") and checks.get("seccomp") != _SECCOMP_MODE_FILTER:
+        problems.append(f"seccomp mode is {checks.get('seccomp')!r}, not a filter")
+    return problems

@@ -1,0 +1,433 @@
+"""Resource limits for every provider: per-worker cgroups made by the parent, and the report.
+
+What it enforces, on top of the rlimits the worker applies to itself
+(`_worker_setup.apply_rlimits`: CPU, address space, file size, open files, no core):
+
+* memory: a cgroup v1 `memory` group per worker (`memory.limit_in_bytes` and the memsw
+  limit at `limits.memory_mb`), or `memory.max` on a unified (v2) host that delegates the
+  controller. It bounds the worker and every child together, which an rlimit cannot.
+* processes: a cgroup v1 `pids` group (`pids.max`), or `pids.max` on v2; `RLIMIT_NPROC` is
+  no bound for uid 0, which the kernel exempts.
+* a certain end: a cgroup v2 group per worker, whose `cgroup.kill` ends the worker and every
+  descendant, including setsid and double-forked ones a process-group kill misses.
+
+How a hit is reported: after every call the parent reads the groups' event counters
+(`memory.oom_control` oom_kill, `pids.events` max); a new event, a worker killed by the
+memory cgroup, or a limit error the worker reported becomes a `limits.<name>` denial in
+the result, and the worker is replaced.
+
+What it does NOT enforce: anything on a host where the parent cannot write the cgroupfs
+(no cgroup, or not delegated): then only the rlimits and the wall-clock timeout hold, and
+`doctor` says so. A worker that can write the cgroupfs can leave its groups: the kernel
+providers never expose it (Landlock grants no `/sys`; bwrap does not mount it), the
+`subprocess` provider does not hide it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = [
+    "REPLACING_RULES",
+    "WorkerCgroups",
+    "cgroup_support",
+    "limit_denial_rule",
+    "record_limit_hits",
+    "start_cgroups",
+]
+
+_MB = 1024 * 1024
+_PREFIX = "agent-sandbox-"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hierarchy:
+    kind: str  # "memory-v1", "pids-v1", "unified"
+    mount: str  # where the hierarchy is mounted
+    path: str  # this process's cgroup inside it ("/..." )
+
+    @property
+    def base(self) -> str:
+        return os.path.join(self.mount, self.path.lstrip("/"))
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    """(mount point, fstype, super options) of every cgroup mount, from mountinfo."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            for line in fh:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                rfields = right.split()
+                if len(fields) < 5 or len(rfields) < 3:
+                    continue
+                if rfields[0] in ("cgroup", "cgroup2"):
+                    out.append((fields[4], rfields[0], set(rfields[2].split(","))))
+    except OSError:
+        pass
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    out = {}
+    try:
+        with open("/proc/self/cgroup") as fh:
+            for line in fh:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if not controllers:
+                    out[""] = path
+                for c in controllers.split(","):
+                    out[c] = path
+    except OSError:
+        pass
+    return out
+
+
+def _hierarchies() -> dict[str, _Hierarchy]:
+    own = _own_cgroups()
+    found: dict[str, _Hierarchy] = {}
+    for mount, fstype, opts in _mounts():
+        if fstype == "cgroup" and "memory" in opts and "memory" in own:
+            found.setdefault("memory-v1", _Hierarchy("memory-v1", mount, own["memory"]))
+        elif fstype == "cgroup" and "pids" in opts and "pids" in own:
+            found.setdefault("pids-v1", _Hierarchy("pids-v1", mount, own["pids"]))
+        elif fstype == "cgroup2" and "" in own:
+            found.setdefault("unified", _Hierarchy("unified", mount, own[""]))
+    return {k: h for k, h in found.items() if os.access(h.base, os.W_OK)}
+
+
+def _unified_controllers(h: _Hierarchy) -> set[str]:
+    try:
+        with open(os.path.join(h.base, "cgroup.subtree_control")) as fh:
+            return set(fh.read().split())
+    except OSError:
+        return set()
+
+
+def cgroup_support() -> dict[str, Any]:
+    """What this machine offers for per-worker limits (for `doctor` and the tests)."""
+    hs = _hierarchies()
+    unified = hs.get("unified")
+    delegated = _unified_controllers(unified) if unified else set()
+    return {
+        "memory": "memory-v1" in hs or "memory" in delegated,
+        "processes": "pids-v1" in hs or "pids" in delegated,
+        "kill": unified is not None,
+        "hierarchies": {k: h.base for k, h in sorted(hs.items())},
+    }
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _counter(text: str, key: str) -> int:
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+class WorkerCgroups:
+    """The cgroups of one worker: created before launch, joined right after, removed at end.
+
+    `create()` returns None when the parent cannot make any group here. Every method
+    tolerates a group that disappeared.
+    """
+
+    def __init__(self, dirs: Mapping[str, str]) -> None:
+        self.dirs = dict(dirs)
+        self._final: dict[str, int] | None = None
+        self._seen = self.events()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    @classmethod
+    def create(
+        cls, worker_id: str, limits: Any, *, extra_processes: int = 0
+    ) -> WorkerCgroups | None:
+        """Make the groups for one worker with `limits` (a `LimitsPolicy` or its dict)."""
+        memory_mb = int(_limit(limits, "memory_mb", 2048))
+        processes = int(_limit(limits, "processes", 64)) + extra_processes
+        name = _PREFIX + worker_id
+        dirs: dict[str, str] = {}
+        hs = _hierarchies()
+        try:
+            unified = hs.get("unified")
+            if unified is not None:
+                path = os.path.join(unified.base, name)
+                os.mkdir(path, 0o755)
+                dirs["unified"] = path
+                delegated = _unified_controllers(unified)
+                if "memory" in delegated:
+                    _write(os.path.join(path, "memory.max"), str(memory_mb * _MB))
+                    with contextlib.suppress(OSError):
+                        _write(os.path.join(path, "memory.swap.max"), "0")
+                    dirs["memory-v2"] = path
+                if "pids" in delegated:
+                    _write(os.path.join(path, "pids.max"), str(processes))
+                    dirs["pids-v2"] = path
+            memory = hs.get("memory-v1")
+            if memory is not None and "memory-v2" not in dirs:
+                path = os.path.join(memory.base, name)
+                os.mkdir(path, 0o755)
+                dirs["memory-v1"] = path
+                _write(os.path.join(path, "memory.limit_in_bytes"), str(memory_mb * _MB))
+                with contextlib.suppress(OSError):  # absent without swap accounting
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(memory_mb * _MB))
+            pids = hs.get("pids-v1")
+            if pids is not None and "pids-v2" not in dirs:
+                path = os.path.join(pids.base, name)
+                os.mkdir(path, 0o755)
+                dirs["pids-v1"] = path
+                _write(os.path.join(path, "pids.max"), str(processes))
+        except OSError:
+            WorkerCgroups(dirs).remove(timeout=0)
+            raise
+        return cls(dirs) if dirs else None
+
+    # -- membership -------------------------------------------------------------------------
+
+    def attach(self, pid: int) -> None:
+        """Move `pid` into every group (its later children follow it)."""
+        for path in sorted(set(self.dirs.values())):
+            _write(os.path.join(path, "cgroup.procs"), str(pid))
+
+    def attach_tree(self, pid: int) -> int:
+        """Move `pid` and all its current descendants (a launcher may have forked already)."""
+        moved = 0
+        for child in [pid, *_descendants(pid)]:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                self.attach(child)
+                moved += 1
+        return moved
+
+    def pids(self) -> list[int]:
+        out: set[int] = set()
+        for path in set(self.dirs.values()):
+            for word in _read(os.path.join(path, "cgroup.procs")).split():
+                out.add(int(word))
+        return sorted(out)
+
+    # -- events -----------------------------------------------------------------------------
+
+    def events(self) -> dict[str, int]:
+        """Counters of limit hits so far: `memory` (OOM kills), `processes` (fork refusals).
+
+        After `kill()` the counters are the ones read just before the groups were emptied.
+        """
+        if self._final is not None:
+            return dict(self._final)
+        out = {"memory": 0, "processes": 0}
+        if "memory-v1" in self.dirs:
+            text = _read(os.path.join(self.dirs["memory-v1"], "memory.oom_control"))
+            out["memory"] = _counter(text, "oom_kill")
+        if "memory-v2" in self.dirs:
+            text = _read(os.path.join(self.dirs["memory-v2"], "memory.events"))
+            out["memory"] = _counter(text, "oom_kill")
+        for key in ("pids-v1", "pids-v2"):
+            if key in self.dirs:
+                out["processes"] = _counter(
+                    _read(os.path.join(self.dirs[key], "pids.events")), "max"
+                )
+        return out
+
+    def new_events(self) -> list[str]:
+        """The limit names hit since the last call of this method (`memory`, `processes`)."""
+        now = self.events()
+        hit = [name for name, count in sorted(now.items()) if count > self._seen.get(name, 0)]
+        self._seen = now
+        return hit
+
+    # -- end --------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """Kill every process in the groups (cgroup.kill on v2, else SIGKILL each pid)."""
+        if self._final is None:
+            self._final = self.events()
+        unified = self.dirs.get("unified")
+        if unified is not None:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(unified, "cgroup.kill"), "1")
+        for _ in range(50):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    def remove(self, *, timeout: float = 2.0) -> bool:
+        """Remove the groups (they must be empty: call `kill()` first); True when all went."""
+        deadline = time.monotonic() + timeout
+        left = sorted(set(self.dirs.values()), key=len, reverse=True)
+        while left:
+            remaining = []
+            for path in left:
+                try:
+                    os.rmdir(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        raise
+                    remaining.append(path)
+            left = remaining
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        if not left:
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
+        return not left
+
+
+_LIVE: weakref.WeakSet[WorkerCgroups] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _remove_left_over() -> None:
+    """At exit, end and remove the groups of workers discarded in the background."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for groups in live:
+        with contextlib.suppress(OSError):
+            groups.kill()
+            groups.remove(timeout=1.0)
+
+
+def _limit(limits: Any, key: str, default: int) -> Any:
+    if isinstance(limits, Mapping):
+        return limits.get(key, default)
+    return getattr(limits, key, default)
+
+
+def _descendants(pid: int) -> Iterator[int]:
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            for word in _read(f"/proc/{current}/task/{tid}/children").split():
+                child = int(word)
+                yield child
+                stack.append(child)
+
+
+#: The limit name a cgroup event maps to, and the policy setting that raises it.
+_EVENT_RULES = {
+    "memory": ("limits.memory", "memory_mb"),
+    "processes": ("limits.processes", "processes"),
+}
+
+
+def limit_denial_rule(event: str) -> tuple[str, str]:
+    """(rule, policy setting) for a cgroup event name (`memory`, `processes`)."""
+    return _EVENT_RULES[event]
+
+
+#: Limit rules after which the worker is replaced (its state is suspect or exhausted).
+REPLACING_RULES = frozenset(
+    {"limits.cpu", "limits.file-size", "limits.memory", "limits.open-files", "limits.processes"}
+)
+_SETTINGS = {
+    "limits.cpu": "cpu_seconds",
+    "limits.file-size": "file_size_mb",
+    "limits.memory": "memory_mb",
+    "limits.open-files": "open_files",
+    "limits.processes": "processes",
+}
+
+
+def start_cgroups(
+    worker_id: str, policy: Any, argv: tuple[str, ...], python: str
+) -> WorkerCgroups | None:
+    """Create the worker's groups before launch (None when the machine offers none).
+
+    A launcher in front of the interpreter (bwrap, unshare, firejail) gets two processes
+    of slack in `pids.max`, since it and its init count too.
+    """
+    from agent_sandbox._errors import WorkerStartError
+
+    extra = 0 if argv and argv[0] == python else 2
+    try:
+        return WorkerCgroups.create(worker_id, policy.limits, extra_processes=extra)
+    except OSError as exc:
+        raise WorkerStartError(f"could not create the worker's cgroups ({exc})") from None
+
+
+def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) -> bool:
+    """Turn every limit hit of the call into a `limits.<name>` denial in `builder`.
+
+    Sources: new cgroup events (an OOM kill, a refused fork) and a limit error the worker
+    reported (MemoryError, EFBIG, EMFILE, EAGAIN). A worker killed by the memory cgroup is
+    reported as `limits.memory`, not as a crash. Returns True when the worker must be
+    replaced.
+    """
+    from agent_sandbox._denial import Denial
+    from agent_sandbox._result import RunError
+
+    hits: list[str] = []
+    if cgroups is not None:
+        hits += [limit_denial_rule(event)[0] for event in cgroups.new_events()]
+    error = builder.error
+    if error is not None and error.kind == "limit" and error.rule in REPLACING_RULES:
+        hits.append(error.rule)
+    have = {d.rule for d in builder.denials}
+    limits = policy.limits
+    for rule in dict.fromkeys(hits):
+        if rule in have:
+            continue
+        setting = _SETTINGS[rule]
+        value = getattr(limits, setting)
+        denial = Denial(
+            rule=rule,
+            action="use",
+            target=setting,
+            policy=policy.name,
+            detail=f"the call went over `{setting} = {value}`; the worker is replaced and "
+            "its variables are lost",
+            hint=f"[limits] {setting} = {value * 2}",
+        )
+        builder.denials.append(denial)
+        # A call that completed keeps its value; the denial says what was hit.
+        if error is not None and error.kind in ("crashed", "exception"):
+            builder.error = RunError(
+                kind="limit",
+                type="LimitExceeded",
+                message=denial.message(),
+                traceback=error.traceback if error is not None else "",
+                rule=rule,
+            )
+            error = builder.error
+    return any(rule in REPLACING_RULES for rule in hits)
