@@ -192,6 +192,7 @@ def sandboxed_crewai_tool(
             },
         )
 
+    call.sandbox = body  # type: ignore[attr-defined]  # so callers can close it
     return Tool(
         name=tool.name,
         description=tool.description,

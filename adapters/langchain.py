@@ -344,5 +344,5 @@ def sandboxed_langchain_tool(
             "sandbox.fingerprint": body.policy.fingerprint(),
         },
     )
-    wrapped.__dict__["_sandboxed_body"] = body
+    call.sandbox = body  # type: ignore[attr-defined]  # so callers can close it
     return wrapped

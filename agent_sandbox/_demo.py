@@ -187,8 +187,18 @@ def scripted_crewai_llm(steps: Sequence[dict[str, Any]], *, native: bool = True)
                 content = str(last.get("content") or "")
                 if last.get("role") == "tool":
                     self.seen.append(content)
-                elif not self.native and "Observation:" in content:
-                    self.seen.append(content.rsplit("Observation:", 1)[1].strip())
+            if not self.native and isinstance(messages, list):
+                observed = [
+                    str(m.get("content") or "")
+                    .split("Observation:", 1)[1]
+                    .split("\n\n\nYou ONLY have access", 1)[0]
+                    .strip()
+                    for m in messages
+                    if isinstance(m, dict)
+                    and m.get("role") == "assistant"
+                    and "Observation:" in str(m.get("content") or "")
+                ]
+                self.seen[:] = observed
             step = self.script[self.calls] if self.calls < len(self.script) else {"final": "done"}
             self.calls += 1
             if "final" in step:

@@ -1,0 +1,230 @@
+"""CrewAI `SandboxedPythonTool` (all CrewAI tests live here: importing crewai takes ~6 s).
+
+CrewAI is imported inside a module fixture with telemetry and tracing off and HOME /
+CREWAI_STORAGE_DIR pointed at a temp dir (it writes there on import and on kickoff).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy
+from agent_sandbox._demo import CREWAI_OFFLINE_ENV, scripted_crewai_llm
+
+pytestmark = [
+    pytest.mark.crewai,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("crewai") is None,
+        reason="crewai is not installed (pip install 'agent-sandbox[crewai]')",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def crew(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("crewai-home")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in CREWAI_OFFLINE_ENV.items():
+            mp.setenv(key, value)
+        mp.setenv("CREWAI_STORAGE_DIR", str(home / "storage"))
+        mp.setenv("HOME", str(home))
+        try:
+            import crewai
+            from crewai.tools.tool_failure import ToolFailure
+        except ImportError as exc:  # pragma: no cover
+            pytest.skip(f"crewai cannot be imported: {exc}")
+        from agent_sandbox.adapters import crewai as adapter
+
+        yield SimpleNamespace(crewai=crewai, ToolFailure=ToolFailure, adapter=adapter)
+
+
+def policy(**limits: Any) -> Policy:
+    return Policy(
+        name="crew-test",
+        imports={"allow": ["math", "time"]},
+        limits={"wall_seconds": 10, "output_bytes": 2048, **limits},
+    )
+
+
+@pytest.fixture
+def tool(crew):
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def kickoff(
+    crew, tool, steps: list[dict[str, Any]], *, native: bool = True, cache: bool = False
+) -> tuple[Any, Any]:
+    c = crew.crewai
+    llm = scripted_crewai_llm(steps, native=native)
+    agent = c.Agent(
+        role="Analyst",
+        goal="compute",
+        backstory="terse",
+        llm=llm,
+        tools=[tool],
+        allow_delegation=False,
+        max_iter=8,
+        verbose=False,
+    )
+    task = c.Task(description="Compute with run_python.", expected_output="a number", agent=agent)
+    out = c.Crew(
+        agents=[agent], tasks=[task], process=c.Process.sequential, verbose=False, cache=cache
+    ).kickoff()
+    return out, llm
+
+
+def counting(crew, t):
+    calls: list[str] = []
+    original = t._runner.run
+
+    def run(code: str, **kw: Any) -> Any:
+        calls.append(code)
+        return original(code, **kw)
+
+    t._runner.run = run  # type: ignore[method-assign]
+    return calls
+
+
+STEPS = [
+    {"tool": "run_python", "args": {"code": "x = 6 * 7\nprint(x)"}},
+    {"tool": "run_python", "args": {"code": "for i in range(10_000):\n    print('row', i)"}},
+    {"tool": "run_python", "args": {"code": "print(sum(range(10)))"}},
+    {"final": "45"},
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-tools", "react-text"])
+def test_crew_loop_refusal_is_a_tool_failure_run_once(crew, tool, native):
+    """Allowed, refused (returned as ToolFailure, code = rule, executed once), corrected."""
+    calls = counting(crew, tool)
+    out, llm = kickoff(crew, tool, STEPS, native=native)
+    assert out.raw == "45"
+    assert len(calls) == 3  # a returned failure is not retried by the ReAct path
+    assert "42" in llm.seen[0]
+    assert "[limits.output]" in llm.seen[1] and "(code: limits.output)" in llm.seen[1]
+    assert "45" in llm.seen[2]
+    failures = out.tasks_output[0].tool_failures
+    assert [(f.tool_name, f.failure.code) for f in failures] == [("run_python", "limits.output")]
+    assert failures[0].failure.details["denials"][0]["rule"] == "limits.output"
+
+
+def test_denials_and_limits_are_returned_never_raised(crew):
+    t = crew.adapter.SandboxedPythonTool(policy=policy(wall_seconds=1), warm=0)
+    try:
+        timed_out = t.run(code="while True:\n    pass")
+        assert isinstance(timed_out, crew.ToolFailure)
+        assert timed_out.code == "limits.timeout" and not timed_out.retryable
+        assert "wall_seconds" in timed_out.message
+        loud = t.run(code="print('x' * 5000)")
+        assert isinstance(loud, crew.ToolFailure) and loud.code == "limits.output"
+        assert t.run(code="print('ok')").endswith("ok")
+    finally:
+        t.close()
+
+
+def test_code_exception_is_output_unless_configured(crew, tool):
+    assert "ZeroDivisionError" in tool.run(code="1/0")
+    strict = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0, code_errors_as="error")
+    try:
+        failure = strict.run(code="1/0")
+        assert isinstance(failure, crew.ToolFailure) and failure.code == "exception"
+    finally:
+        strict.close()
+
+
+def test_results_are_never_cached(crew, tool):
+    """Even with Crew(cache=True), the same code runs each time (the interpreter has state)."""
+    code = "try:\n    n += 1\nexcept NameError:\n    n = 1\nprint(n)"
+    steps = [{"tool": "run_python", "args": {"code": code}}] * 3 + [{"final": "3"}]
+    out, llm = kickoff(crew, tool, steps, cache=True)
+    assert [s.strip() for s in llm.seen] == ["1", "2", "3"]
+    assert tool.cache_function({"code": code}, "1") is False
+
+
+def test_session_reset_and_stateless_mode(crew, tool):
+    tool.run(code="v = 3")
+    assert tool.run(code="v") == "3"
+    tool.reset()
+    assert "NameError" in tool.run(code="v")
+    stateless = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0, session="none")
+    try:
+        stateless.run(code="w = 1")
+        assert "NameError" in stateless.run(code="w")
+    finally:
+        stateless.close()
+
+
+def test_worker_crash_then_next_call_works(crew, tool):
+    tool.run(code="v = 1")
+    worker = tool._runner.sandbox.session("tool").worker
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.proc.wait(5)
+    text = tool.run(code="print('alive')")
+    assert "alive" in text and "variables and imports were lost" in text
+    assert tool.last_result.state_lost
+
+
+def test_missing_code_field_reaches_the_agent(crew, tool):
+    steps = [{"tool": "run_python", "args": {"cod": "print(1)"}}, {"final": "gave up"}]
+    out, llm = kickoff(crew, tool, steps)
+    assert out.raw == "gave up"
+    assert llm.seen and "code" in llm.seen[0].lower()
+
+
+def test_sandboxed_crewai_tool_runs_its_body_under_the_policy(crew):
+    from crewai.tools import tool as crew_tool
+
+    from agent_sandbox.adapters import sandboxed
+
+    @crew_tool("hypot")
+    def hypot(a: float, b: float) -> float:
+        """Length of the hypotenuse."""
+        import math
+
+        return math.hypot(a, b)
+
+    @crew_tool("chatty")
+    def chatty(n: int) -> int:
+        """Print a lot."""
+        for i in range(n):
+            print("line", i)
+        return n
+
+    ok = sandboxed(hypot, policy=policy())
+    loud = sandboxed(chatty, policy=policy())
+    try:
+        assert ok.run(a=3, b=4) == 5.0
+        failure = loud.run(n=10_000)
+        assert isinstance(failure, crew.ToolFailure) and failure.code == "limits.output"
+        assert loud.cache_function({}, None) is False
+    finally:
+        for t in (ok, loud):
+            t.func.sandbox.close()
+
+
+def test_adapter_package_works_without_crewai_imported():
+    """It keeps crewai out of `agent_sandbox.adapters` (sandboxed works without it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from agent_sandbox.adapters import sandboxed, describe_policy\n"
+        "assert 'crewai' not in sys.modules and 'langchain_core' not in sys.modules\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/"
+    )
+    assert out.stdout.strip() == "clean", out.stderr
