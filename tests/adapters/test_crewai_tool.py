@@ -147,7 +147,7 @@ def test_results_are_never_cached(crew, tool):
     """Even with Crew(cache=True), the same code runs each time (the interpreter has state)."""
     code = "try:\n    n += 1\nexcept NameError:\n    n = 1\nprint(n)"
     steps = [{"tool": "run_python", "args": {"code": code}}] * 3 + [{"final": "3"}]
-    out, llm = kickoff(crew, tool, steps, cache=True)
+    _out, llm = kickoff(crew, tool, steps, cache=True)
     assert [s.strip() for s in llm.seen] == ["1", "2", "3"]
     assert tool.cache_function({"code": code}, "1") is False
 
