@@ -27,7 +27,7 @@ from agent_sandbox._errors import SandboxError
 __all__ = ["Style", "main"]
 
 #: Modules that add their own sub-commands (`add_parser(subparsers)`).
-_COMMAND_MODULES: tuple[str, ...] = ("agent_sandbox._cli_demo",)
+_COMMAND_MODULES: tuple[str, ...] = ("agent_sandbox._cli_demo", "agent_sandbox._cli_doctor")
 
 EXIT_OK = 0
 EXIT_ERROR = 1
