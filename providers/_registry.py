@@ -10,6 +10,7 @@ from __future__ import annotations
 from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import ProbeResult, Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
+from agent_sandbox.providers._firejail import FirejailProvider
 from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._subprocess import SubprocessProvider
 from agent_sandbox.providers._unshare import UnshareProvider
@@ -21,6 +22,7 @@ _REGISTRY: dict[str, type[Provider]] = {
     LandlockProvider.name: LandlockProvider,
     BwrapProvider.name: BwrapProvider,
     UnshareProvider.name: UnshareProvider,
+    FirejailProvider.name: FirejailProvider,
 }
 
 

@@ -53,7 +53,7 @@ from agent_sandbox.providers._view import (
     unsupported_network,
 )
 
-__all__ = ["LAUNCHER", "UnshareProvider", "launcher_config", "unshare_argv"]
+__all__ = ["LAUNCHER", "UnshareProvider", "launcher_config", "stack_in_worker", "unshare_argv"]
 
 #: The launcher script (standard library only; run with `-I -S -B`).
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ns_launch.py")
@@ -138,7 +138,7 @@ class UnshareProvider(Provider):
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:
-            setup_more, layers = _stack_in_worker(policy, spec, host)
+            setup_more, layers = stack_in_worker(policy, spec, host)
             setup.update(setup_more)
         return LaunchPlan(
             provider=self.name,
@@ -151,7 +151,7 @@ class UnshareProvider(Provider):
         )
 
 
-def _stack_in_worker(
+def stack_in_worker(
     policy: Any, spec: WorkerSpec, host: HostLayout
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Landlock and seccomp as `worker_setup` fragments, each only when it works here."""

@@ -32,6 +32,7 @@ __all__ = [
     "host_layout",
     "mounts_for",
     "network_mode",
+    "bound_paths",
     "path_view",
     "policy_paths",
     "unsupported_network",
@@ -75,6 +76,9 @@ class HostLayout:
     dirs: tuple[str, ...] = ()
     #: Kind of each path named in `files.deny`: "dir", "file" or "" (absent).
     kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Every entry of the host's `/` and of `/run` (firejail hides those not needed).
+    top: tuple[str, ...] = ()
+    run: tuple[str, ...] = ()
 
 
 def host_layout(deny: Iterable[str] = ()) -> HostLayout:
@@ -98,7 +102,16 @@ def host_layout(deny: Iterable[str] = ()) -> HostLayout:
             kinds[path] = ""
             continue
         kinds[path] = "dir" if stat.S_ISDIR(st.st_mode) else "file"
-    return HostLayout(symlinks=links, dirs=tuple(dirs), kinds=kinds)
+    return HostLayout(
+        symlinks=links, dirs=tuple(dirs), kinds=kinds, top=_listing("/"), run=_listing("/run")
+    )
+
+
+def _listing(folder: str) -> tuple[str, ...]:
+    try:
+        return tuple(sorted(os.path.join(folder, name) for name in os.listdir(folder)))
+    except OSError:
+        return ()
 
 
 def _static_prefix(path: str) -> str:
@@ -149,25 +162,16 @@ def _depth(path: str) -> int:
     return 0 if path == "/" else path.rstrip("/").count("/")
 
 
-def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
-    """The ordered mount list for one worker (pure: depends only on its arguments).
+def bound_paths(policy: Any, spec: Any) -> tuple[list[str], list[str], list[str]]:
+    """The host paths a worker needs: (read-only for the interpreter, read-only for the
+    policy, writable), each without duplicates or paths nested in another of its kind.
 
-    Order, shallow destinations first so nothing is covered by a later parent mount:
-    1. `/usr` read-only, the merged-/usr symlinks, other top-level system dirs read-only;
-    2. `/dev` (minimal device set), `/proc` (fresh, this pid namespace), `/tmp` (tmpfs);
-    3. read-only: the interpreter prefix, the virtualenv, the import roots, the
-       `agent_sandbox` packages, the optional /etc files and the policy's read paths;
-    4. writable: the scratch directory and the policy's write paths;
-    5. masks over the policy's denied paths that fall inside something bound.
+    Read-only for the interpreter: its prefix, the virtualenv, the import roots, the
+    `agent_sandbox` packages and the boot script's folder. Writable: the scratch directory
+    first, then the policy's write paths. A read path inside `/usr` or inside something
+    already bound is dropped.
     """
-    read, write, deny = policy_paths(policy, spec)
-    system: list[Mount] = [Mount("ro", "/usr", "/usr")]
-    for path, target in sorted(host.symlinks.items()):
-        system.append(Mount("symlink", path, target))
-    for path in host.dirs:
-        system.append(Mount("ro", path, path))
-    system += [Mount("dev", "/dev"), Mount("proc", "/proc"), Mount("tmpfs", "/tmp")]
-
+    read, write, _ = policy_paths(policy, spec)
     needed = [
         spec.base_prefix,
         spec.prefix,
@@ -180,6 +184,29 @@ def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
     ro_policy = [
         p for p in _coalesce(read) if not any(_under(p, k) for k in [*ro_needed, *writable, "/usr"])
     ]
+    return ro_needed, ro_policy, writable
+
+
+def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
+    """The ordered mount list for one worker (pure: depends only on its arguments).
+
+    Order, shallow destinations first so nothing is covered by a later parent mount:
+    1. `/usr` read-only, the merged-/usr symlinks, other top-level system dirs read-only;
+    2. `/dev` (minimal device set), `/proc` (fresh, this pid namespace), `/tmp` (tmpfs);
+    3. read-only: the interpreter prefix, the virtualenv, the import roots, the
+       `agent_sandbox` packages, the optional /etc files and the policy's read paths;
+    4. writable: the scratch directory and the policy's write paths;
+    5. masks over the policy's denied paths that fall inside something bound.
+    """
+    deny = policy_paths(policy, spec)[2]
+    system: list[Mount] = [Mount("ro", "/usr", "/usr")]
+    for path, target in sorted(host.symlinks.items()):
+        system.append(Mount("symlink", path, target))
+    for path in host.dirs:
+        system.append(Mount("ro", path, path))
+    system += [Mount("dev", "/dev"), Mount("proc", "/proc"), Mount("tmpfs", "/tmp")]
+
+    ro_needed, ro_policy, writable = bound_paths(policy, spec)
     binds: list[Mount] = [Mount("ro", p, p) for p in ro_needed]
     binds += [Mount("ro-try", p, p) for p in _ETC_FILES]
     binds += [Mount("ro-try", p, p) for p in ro_policy]
