@@ -27,7 +27,11 @@ from agent_sandbox._errors import SandboxError
 __all__ = ["Style", "main"]
 
 #: Modules that add their own sub-commands (`add_parser(subparsers)`).
-_COMMAND_MODULES: tuple[str, ...] = ("agent_sandbox._cli_demo", "agent_sandbox._cli_doctor")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "agent_sandbox._cli_demo",
+    "agent_sandbox._cli_doctor",
+    "agent_sandbox._cli_learn",
+)
 
 EXIT_OK = 0
 EXIT_ERROR = 1

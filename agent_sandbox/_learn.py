@@ -58,12 +58,15 @@ __all__ = [
     "DIR_MIN_FILES",
     "Finding",
     "Learner",
+    "LearningRun",
     "Proposal",
     "ProposalFiles",
     "apply_proposal",
+    "diff_files",
     "diff_policies",
     "envelope_report",
     "file_digest",
+    "learn_run",
     "learning_envelope",
     "proposal_paths",
     "propose",
@@ -1393,6 +1396,54 @@ def _write_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise LearningError(f"cannot write it ({_reason(exc)})", path=str(path)) from None
+
+
+# -- one learning run -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRun:
+    """One learning run: its result, the proposal, the envelope it ran in and its report."""
+
+    result: RunResult
+    proposal: Proposal
+    envelope: Policy
+    report: tuple[str, ...]
+    #: The policy file's digest before the run (`""` for a policy without a file).
+    digest: str = ""
+
+
+def learn_run(
+    code: str,
+    policy: Policy | str | os.PathLike[str],
+    *,
+    provider: str | None = None,
+    timeout: float | None = None,
+    on_event: Any = None,
+) -> LearningRun:
+    """Run `code` once in the learning envelope of `policy` and propose from what it needed.
+
+    Nothing is written: pass the result's proposal and digest to `write_proposal`. Raises
+    `LearningError` when the policy file changed during the run.
+    """
+    from agent_sandbox._sandbox import Sandbox
+    from agent_sandbox.policies import resolve_policy
+
+    current = resolve_policy(policy)
+    path = _source_path(current)
+    digest = file_digest(path) if path else ""
+    envelope = learning_envelope(current, provider=provider)
+    report = tuple(envelope_report(current, envelope))
+    with Sandbox(envelope, warm=0) as sandbox:
+        result = sandbox.run(code, timeout=timeout, on_event=on_event)
+    if path and file_digest(path) != digest:
+        raise LearningError(
+            "the policy file changed while the learning run ran; no proposal was made. "
+            "Check the file: the run may have edited it",
+            path=path,
+        )
+    proposal = propose(current, [result])
+    return LearningRun(result, proposal, envelope, report, digest)
 
 
 # -- the adapter hook -------------------------------------------------------------------
