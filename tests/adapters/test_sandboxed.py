@@ -1,0 +1,185 @@
+"""`sandboxed()`: plain functions (also from `__main__`) and LangChain tools under a policy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from agent_sandbox import LimitExceeded, Policy
+from agent_sandbox.adapters import SandboxedCallError, sandboxed
+
+BASE = 7
+
+
+def policy(**limits: Any) -> Policy:
+    return Policy(
+        name="fn-test",
+        imports={"allow": ["math", "json"]},
+        limits={"wall_seconds": 5, "output_bytes": 2048, **limits},
+    )
+
+
+def add_base(x: int) -> int:
+    return x + BASE
+
+
+def divide(a: float, b: float) -> float:
+    return a / b
+
+
+def custom_failure() -> None:
+    class Oops(Exception):
+        pass
+
+    raise Oops("custom")
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def chatty(n: int) -> int:
+    for i in range(n):
+        print("line", i)
+    return n
+
+
+def where() -> str:
+    import os
+
+    return os.getcwd()
+
+
+@pytest.fixture
+def wrap():
+    made: list[Any] = []
+
+    def make(func: Any, **kw: Any) -> Any:
+        w = sandboxed(func, policy=kw.pop("policy", policy()), **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def test_module_constants_and_return_values_cross(wrap):
+    f = wrap(add_base)
+    assert f(5) == 12
+    assert f.__name__ == "add_base" and "BASE = 7" in f.program
+
+
+def test_builtin_exceptions_come_back_as_their_type(wrap):
+    f = wrap(divide)
+    with pytest.raises(ZeroDivisionError) as info:
+        f(1, 0)
+    assert isinstance(info.value.__cause__, SandboxedCallError)
+    assert "ZeroDivisionError" in info.value.__cause__.remote_traceback
+
+
+def test_other_exceptions_come_back_as_a_stand_in(wrap):
+    with pytest.raises(SandboxedCallError) as info:
+        wrap(custom_failure)()
+    assert info.value.error_type.endswith("Oops") and info.value.message == "custom"
+
+
+def test_limits_raise_limit_exceeded_with_the_denial(wrap):
+    """It denies running past the wall-time limit (the function's process is killed)."""
+    with pytest.raises(LimitExceeded) as info:
+        wrap(spin, policy=policy(wall_seconds=1))()
+    assert info.value.denial.rule == "limits.timeout"
+    assert info.value.result.error.kind == "limit"
+    with pytest.raises(LimitExceeded) as info2:
+        wrap(chatty)(10_000)
+    assert info2.value.denial.rule == "limits.output"
+
+
+def test_runs_in_the_worker_not_the_host(wrap):
+    import os
+
+    assert wrap(where, policy=Policy(name="fn-os", imports={"allow": ["os"]}))() != os.getcwd()
+
+
+def test_arguments_must_be_data(wrap):
+    f = wrap(add_base)
+    with pytest.raises(TypeError, match="JSON"):
+        f(object())
+
+
+def test_closures_and_lambdas_are_refused():
+    y = 3
+
+    def inner() -> int:
+        return y
+
+    with pytest.raises(TypeError, match="closure"):
+        sandboxed(inner)
+    with pytest.raises(TypeError):
+        sandboxed(lambda: 1)
+
+
+def test_function_defined_in_main_works(tmp_path):
+    """A function defined in a script (`__main__`) runs: its source ships, not its module name."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent("""
+        import math
+        from agent_sandbox import Policy
+        from agent_sandbox.adapters import sandboxed
+
+        FACTOR = 2
+
+        def register(f):
+            return f
+
+        @register
+        def area(r):
+            return round(math.pi * r * r * FACTOR, 3)
+
+        with sandboxed(area, policy=Policy(name="s", imports={"allow": ["math"]})) as f:
+            print(f(1))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "6.283"
+
+
+def test_sandboxed_langchain_tools():
+    pytest.importorskip("langchain_core")
+    from langchain_core.tools import BaseTool, tool
+
+    @tool
+    def hypot(a: float, b: float) -> float:
+        """Length of the hypotenuse."""
+        import math
+
+        return math.hypot(a, b)
+
+    class Chatty(BaseTool):
+        name: str = "chatty"
+        description: str = "print n lines"
+        prefix: str = "line"
+
+        def _run(self, n: int) -> int:
+            for i in range(n):
+                print(self.prefix, i)
+            return n
+
+    safe = sandboxed(hypot, policy=policy())
+    loud = sandboxed(Chatty(), policy=policy())
+    try:
+        assert safe.invoke({"a": 3, "b": 4}) == 5.0
+        assert loud.invoke({"n": 2}) == 2
+        msg = loud.invoke({"type": "tool_call", "id": "c1", "name": "chatty",
+                           "args": {"n": 10_000}})
+        assert msg.status == "error" and "[limits.output]" in msg.content
+        assert safe.metadata["sandbox.policy"] == "fn-test"
+    finally:
+        safe.func.sandbox.close()
+        loud.func.sandbox.close()
