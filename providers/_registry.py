@@ -8,6 +8,7 @@ strongest available stack and says which in the plan's `stack`.
 from __future__ import annotations
 
 from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox.providers._auto import AutoProvider
 from agent_sandbox.providers._base import ProbeResult, Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._firejail import FirejailProvider
@@ -61,9 +62,5 @@ def probe_all() -> list[ProbeResult]:
 
 
 def _auto() -> Provider:
-    for provider in all_providers():
-        if provider.name == "auto":
-            continue
-        if provider.probe().available:
-            return provider
-    return SubprocessProvider()
+    # Chooses per policy, at build time: the deepest stack that works (see `_auto.py`).
+    return AutoProvider()

@@ -1,0 +1,88 @@
+"""The `auto` provider: the deepest stack of kernel boundaries that works here for a policy.
+
+What it does: for each policy it builds the plan of every candidate that its probe says
+works (`bwrap`, `unshare`, `landlock`, then `subprocess`), drops those that cannot serve the
+policy (a namespace without network cannot serve a policy that allows a remote host), and
+takes the deepest stack, the provider's strength breaking ties. The chosen stack is in the
+plan: `LaunchPlan.stack`, e.g. `("bwrap", "landlock", "seccomp")`, and the provider's name
+in `LaunchPlan.provider` (so results say what really ran).
+
+What it does not do: choose `firejail` (a setuid program with a history of escalations;
+only a policy that names it gets it), or hide a fallback: when no kernel boundary works,
+the plan says `("subprocess",)` and the probe's `details` say why each boundary is missing.
+A provider named explicitly never goes through here: it runs or raises.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import IO, Any, ClassVar
+
+from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec
+from agent_sandbox.providers._bwrap import BwrapProvider
+from agent_sandbox.providers._landlock import LandlockProvider
+from agent_sandbox.providers._subprocess import SubprocessProvider
+from agent_sandbox.providers._unshare import UnshareProvider
+
+__all__ = ["AUTO_CANDIDATES", "AutoProvider", "choose_plan"]
+
+#: The providers `auto` considers, strongest first. NOTE: firejail is left out on purpose.
+AUTO_CANDIDATES: tuple[type[Provider], ...] = (
+    BwrapProvider,
+    UnshareProvider,
+    LandlockProvider,
+    SubprocessProvider,
+)
+
+
+def choose_plan(plans: list[tuple[Provider, LaunchPlan]]) -> tuple[Provider, LaunchPlan]:
+    """The deepest stack among candidate plans; the stronger provider wins a tie (pure)."""
+    if not plans:
+        raise ProviderUnavailable("auto", "no provider can serve this policy here")
+    return max(plans, key=lambda pair: (len(pair[1].stack), pair[0].strength))
+
+
+class AutoProvider(Provider):
+    """Choose, per policy, the deepest provider stack that works on this machine."""
+
+    name: ClassVar[str] = "auto"
+    strength: ClassVar[int] = 0
+    is_boundary: ClassVar[bool] = False
+
+    def __init__(self, candidates: tuple[Provider, ...] | None = None) -> None:
+        self.candidates = candidates or tuple(cls() for cls in AUTO_CANDIDATES)
+
+    def available(self) -> list[Provider]:
+        return [p for p in self.candidates if p.probe().available]
+
+    def probe(self) -> ProbeResult:
+        usable = self.available()
+        why = {p.name: p.probe().reason for p in self.candidates if p not in usable}
+        names = [p.name for p in usable]
+        return ProbeResult(
+            self.name,
+            bool(usable),
+            reason="" if usable else "no candidate provider works here",
+            version=" > ".join(names),
+            details={"candidates": names, "unavailable": why},
+        )
+
+    def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        plans: list[tuple[Provider, LaunchPlan]] = []
+        refused: list[str] = []
+        for provider in self.available():
+            try:
+                plans.append((provider, provider.build(policy, spec)))
+            except ProviderUnavailable as exc:
+                refused.append(f"{provider.name}: {exc.reason}")
+        if not plans:
+            raise ProviderUnavailable("auto", "; ".join(refused) or "no provider works here")
+        return choose_plan(plans)[1]
+
+    def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        """Launch with the provider that built the plan (its launcher may be special)."""
+        for provider in self.candidates:
+            if provider.name == plan.provider:
+                return provider.launch(plan, log)
+        raise ProviderUnavailable("auto", f"the plan names an unknown provider {plan.provider!r}")
