@@ -1,0 +1,193 @@
+"""Fixtures for provider tests: probes that skip with the reason, hostile code helpers.
+
+`KERNEL_PROVIDERS` lists the providers the containment matrix runs against; each one is
+skipped with its probe's reason where this machine cannot run it. Hostile snippets use
+ctypes (`NATIVE`, prepended to the code) so that the Python guards are not what stops them:
+only the kernel boundary can.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, Sandbox
+from agent_sandbox.providers import get_provider
+
+#: Kernel providers the containment matrix runs against (strongest last).
+KERNEL_PROVIDERS: tuple[str, ...] = ("landlock",)
+
+#: Native helpers for hostile code: libc through ctypes, no Python-level API involved.
+NATIVE = r"""
+import ctypes, os, struct
+_libc = ctypes.CDLL(None, use_errno=True)
+def _err():
+    return -ctypes.get_errno()
+def nopen(path, flags=os.O_RDONLY, mode=0o644):
+    fd = _libc.open(path.encode(), flags, mode)
+    return fd if fd >= 0 else _err()
+def nread(path):
+    fd = nopen(path)
+    if fd < 0:
+        return fd
+    buf = ctypes.create_string_buffer(65536)
+    n = _libc.read(fd, buf, 65536)
+    _libc.close(fd)
+    return buf.raw[:max(n, 0)].decode("latin-1")
+def nwrite(path, data=b"pwned"):
+    fd = nopen(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if fd < 0:
+        return fd
+    _libc.write(fd, data, len(data))
+    _libc.close(fd)
+    return 0
+def nconnect_tcp(port, host=b"\x7f\x00\x00\x01"):
+    s = _libc.socket(2, 1, 0)
+    if s < 0:
+        return ("socket", _err())
+    addr = struct.pack("!HH4s8x", 2, port, host)
+    addr = struct.pack("=H", 2) + addr[2:]
+    rc = _libc.connect(s, addr, len(addr))
+    e = _err()
+    _libc.close(s)
+    return ("connect", 0 if rc == 0 else e)
+def nconnect_abstract(name):
+    s = _libc.socket(1, 1, 0)
+    if s < 0:
+        return ("socket", _err())
+    path = b"\0" + name.encode()
+    addr = struct.pack("=H", 1) + path
+    rc = _libc.connect(s, addr, len(addr))
+    e = _err()
+    _libc.close(s)
+    return ("connect", 0 if rc == 0 else e)
+"""
+
+
+def skip_unless_available(name: str) -> None:
+    """Skip the test with the provider's probe reason when it cannot run here."""
+    try:
+        result = get_provider(name).probe()
+    except Exception as exc:  # an unknown provider name: not registered on this branch
+        pytest.skip(f"provider {name!r} unavailable: {exc}")
+    if not result.available:
+        pytest.skip(f"provider {name!r} unavailable here: {result.reason}")
+
+
+@pytest.fixture(params=KERNEL_PROVIDERS)
+def kernel_provider(request: pytest.FixtureRequest) -> str:
+    """Each kernel provider in turn (skipped with its probe's reason)."""
+    name = str(request.param)
+    skip_unless_available(name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def canary() -> str:
+    return "canary-" + secrets.token_hex(8)
+
+
+@pytest.fixture
+def arena(tmp_path: Path, canary: str) -> dict[str, Path]:
+    """Host paths for one test: a read-only dir, a writable dir, a canary outside both.
+
+    The directories are mode 0777 so that a denial cannot come from file permissions
+    (the tests run as root, which bypasses them anyway).
+    """
+    ro = tmp_path / "ro"
+    rw = tmp_path / "rw"
+    ro.mkdir()
+    rw.mkdir()
+    for d in (ro, rw, tmp_path):
+        d.chmod(0o777)
+    (ro / "data.txt").write_text("readable data\n")
+    outside = tmp_path / "outside-canary.txt"
+    outside.write_text(canary + "\n")
+    outside.chmod(0o666)
+    return {"ro": ro, "rw": rw, "outside": outside, "root": tmp_path}
+
+
+def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
+    """A policy that opens the Python layer (ctypes, fork) so only the kernel can refuse."""
+    data: dict[str, Any] = {
+        "name": "danger-hostile-test",
+        "imports": {"allow": ["*"]},
+        "api": {"allow": ["native-code", "process-control", "introspection"]},
+        "code": {"enabled": False},
+        "files": {"read": [str(arena["ro"])], "write": [str(arena["rw"])]},
+        "limits": {"wall_seconds": 20, "memory_mb": 512, "processes": 16},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return Policy(**data)
+
+
+@pytest.fixture
+def tcp_listener() -> Iterator[tuple[socket.socket, int]]:
+    """A loopback TCP listener; the test asserts it received no connection."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    sock.setblocking(False)
+    try:
+        yield sock, sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def abstract_listener() -> Iterator[tuple[socket.socket, str]]:
+    """An abstract Unix socket another process listens on."""
+    name = "agent-sandbox-test-" + secrets.token_hex(6)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + name)
+    sock.listen(8)
+    sock.setblocking(False)
+    try:
+        yield sock, name
+    finally:
+        sock.close()
+
+
+def received_connection(sock: socket.socket) -> bool:
+    """Whether a non-blocking listener has a pending connection."""
+    try:
+        conn, _ = sock.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
+
+
+def run_hostile(provider: str, policy: Policy, code: str) -> Any:
+    """Run `NATIVE + code` once under `provider` and return the result."""
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        return sb.run(NATIVE + code)
+
+
+@pytest.fixture
+def hostile() -> Any:
+    return run_hostile
+
+
+@pytest.fixture
+def is_received() -> Any:
+    return received_connection
+
+
+@pytest.fixture
+def make_policy() -> Any:
+    return hostile_policy
+
+
+def own_pid() -> int:
+    return os.getpid()

@@ -1,0 +1,255 @@
+"""The containment matrix: hostile native code against every kernel provider.
+
+Each attack uses ctypes (or a raw `posix`/`_posixsubprocess` entry point) so the Python
+guards are not what stops it; the verdict comes from effects only: a canary must not
+appear in the output, a listener must receive no connection, a file must not exist. The
+control test at the end shows the same attacks succeed without a kernel boundary, so a
+pass here is not an artefact of the harness.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox.providers._limits import cgroup_support
+
+HOST_ENV_CANARY = os.environ["AGENT_SANDBOX_TEST_CANARY"]
+
+
+def _output(result: Any) -> str:
+    return f"{result.stdout}\n{result.stderr}\n{result.value!r}\n{result.error!r}"
+
+
+def test_blocks_native_read_of_a_tmp_canary_outside_scratch(
+    kernel_provider: str, arena: dict[str, Path], canary: str, hostile: Any, make_policy: Any
+) -> None:
+    """It denies a ctypes read of a canary file in /tmp outside scratch and the policy."""
+    result = hostile(
+        kernel_provider, make_policy(arena), f"print(nread({str(arena['outside'])!r}))"
+    )
+    assert canary not in _output(result)
+    assert result.error is None, result.error  # the attack ran; only the kernel refused it
+
+
+def test_allows_native_read_inside_the_policy(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It allows a ctypes read of a file under `files.read` (the rules are not all-deny)."""
+    result = hostile(
+        kernel_provider, make_policy(arena), f"print(nread({str(arena['ro'] / 'data.txt')!r}))"
+    )
+    assert "readable data" in result.stdout
+
+
+def test_blocks_reading_etc_shadow(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies a ctypes read of /etc/shadow (root owns it, so permissions do not stop root)."""
+    first = Path("/etc/shadow").read_text().split(":", 1)[0] + ":"
+    result = hostile(kernel_provider, make_policy(arena), "print(repr(nread('/etc/shadow')))")
+    assert result.error is None, result.error
+    assert first not in result.stdout
+
+
+def test_blocks_reading_the_parents_environ(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies reading /proc/<parent pid>/environ, where the host's secrets live."""
+    code = (
+        f"print(repr(nread('/proc/{os.getpid()}/environ')))\nprint(repr(nread('/proc/1/environ')))"
+    )
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert result.error is None, result.error
+    assert HOST_ENV_CANARY not in _output(result)
+
+
+def test_blocks_writing_into_a_read_only_directory(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies a ctypes write into a directory the policy declares read-only."""
+    target = arena["ro"] / "planted.py"
+    result = hostile(kernel_provider, make_policy(arena), f"print(nwrite({str(target)!r}))")
+    assert result.error is None, result.error
+    assert not target.exists()
+
+
+def test_blocks_writing_outside_the_policy(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies a ctypes write into /tmp outside scratch and the policy's write paths."""
+    target = arena["root"] / "planted.txt"
+    result = hostile(kernel_provider, make_policy(arena), f"print(nwrite({str(target)!r}))")
+    assert result.error is None, result.error
+    assert not target.exists()
+
+
+def test_allows_writing_scratch_and_policy_write_paths(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It allows writes into scratch and into `files.write` (the rules are not all-deny)."""
+    target = arena["rw"] / "ok.txt"
+    code = f"print(nwrite('in-scratch.txt'), nwrite({str(target)!r}))"
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert result.stdout.split() == ["0", "0"], _output(result)
+    assert target.read_bytes() == b"pwned"
+
+
+def test_blocks_ctypes_tcp_connect(
+    kernel_provider: str,
+    arena: dict[str, Path],
+    hostile: Any,
+    make_policy: Any,
+    tcp_listener: Any,
+    is_received: Any,
+) -> None:
+    """It denies a ctypes TCP connect to a loopback listener when the policy has no network."""
+    sock, port = tcp_listener
+    result = hostile(kernel_provider, make_policy(arena), f"print(nconnect_tcp({port}))")
+    assert result.error is None, result.error
+    assert not is_received(sock)
+
+
+def test_blocks_another_processes_abstract_unix_socket(
+    kernel_provider: str,
+    arena: dict[str, Path],
+    hostile: Any,
+    make_policy: Any,
+    abstract_listener: Any,
+    is_received: Any,
+) -> None:
+    """It denies connecting to an abstract Unix socket another process listens on."""
+    sock, name = abstract_listener
+    result = hostile(kernel_provider, make_policy(arena), f"print(nconnect_abstract({name!r}))")
+    assert result.error is None, result.error
+    assert not is_received(sock)
+
+
+def test_blocks_posix_system(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies `posix.system` (no exec of /bin/sh) when process-exec is not granted."""
+    marker = arena["rw"] / "system-ran"
+    code = f"import posix\nprint(posix.system('echo ran > {marker}'))"
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert not marker.exists(), _output(result)
+
+
+def test_blocks_ctypes_execve(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies a ctypes execv of /bin/sh in a forked child."""
+    marker = arena["rw"] / "execve-ran"
+    code = f"""
+pid = os.fork()
+if pid == 0:
+    argv = (ctypes.c_char_p * 4)(b"sh", b"-c", b"echo ran > {marker}", None)
+    _libc.execv(b"/bin/sh", argv)
+    os._exit(42)
+print(os.waitpid(pid, 0)[1] >> 8)
+"""
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert not marker.exists(), _output(result)
+    assert result.stdout.strip() == "42", _output(result)
+
+
+def test_blocks_posixsubprocess_fork_exec(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It denies `_posixsubprocess.fork_exec` (what subprocess uses) of /bin/sh."""
+    marker = arena["rw"] / "fork-exec-ran"
+    code = f"""
+import subprocess
+try:
+    print(subprocess.run(["/bin/sh", "-c", "echo ran > {marker}"]).returncode)
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert not marker.exists(), _output(result)
+
+
+def test_bounded_fork_bomb_ends_within_the_limit(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It ends a fork bomb at `limits.processes`, reports it, and leaves no process behind."""
+    if not cgroup_support()["processes"]:
+        pytest.skip("no pids cgroup here: RLIMIT_NPROC does not bound uid 0")
+    code = """
+import time
+pids = []
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    pids.append(pid)
+pids
+"""
+    result = hostile(kernel_provider, make_policy(arena, limits={"processes": 8}), code)
+    pids = result.value or []
+    assert 0 < len(pids) <= 8
+    assert "limits.processes" in [d.rule for d in result.denials]
+    # The worker was replaced and its whole cgroup killed: none of the children remain.
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and _not_zombie(pid)]
+    assert alive == [], alive
+    assert subprocess.run(["true"], check=False).returncode == 0  # the machine still forks
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+
+
+def test_memory_balloon_ends_within_the_limit(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It stops a memory balloon spread over children at `limits.memory` and reports it."""
+    if not cgroup_support()["memory"]:
+        pytest.skip("no memory cgroup here: only RLIMIT_AS bounds each process alone")
+    code = """
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            hold = [bytearray(16 * 1024 * 1024) for _ in range(12)]
+            import time; time.sleep(5)
+        finally:
+            os._exit(0)
+    kids.append(pid)
+[os.waitpid(pid, 0)[1] for pid in kids]
+"""
+    result = hostile(kernel_provider, make_policy(arena, limits={"memory_mb": 256}), code)
+    assert "limits.memory" in [d.rule for d in result.denials], _output(result)
+    assert 9 in (result.value or [9]) or result.error is not None  # a child was OOM-killed
+
+
+def test_in_process_memory_balloon_is_a_limit_denial(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It stops an in-process balloon at `limits.memory` and replaces the worker."""
+    code = "hold = []\nwhile True:\n    hold.append(bytearray(32 * 1024 * 1024))"
+    result = hostile(kernel_provider, make_policy(arena, limits={"memory_mb": 256}), code)
+    assert result.error is not None and result.error.rule == "limits.memory"
+    assert "limits.memory" in [d.rule for d in result.denials]
+
+
+def test_native_attacks_reach_the_host_without_a_kernel_boundary(
+    arena: dict[str, Path], canary: str, hostile: Any, make_policy: Any
+) -> None:
+    """Control: the same helpers do read the canary under `subprocess` (no kernel boundary)."""
+    result = hostile("subprocess", make_policy(arena), f"print(nread({str(arena['outside'])!r}))")
+    assert canary in result.stdout
+    target = arena["ro"] / "planted.py"
+    hostile("subprocess", make_policy(arena), f"nwrite({str(target)!r})")
+    assert target.exists()
