@@ -1,0 +1,301 @@
+"""The Landlock provider: the pure ruleset builder, compared exactly, and the kernel effects."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, ProviderUnavailable
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox.providers import ProbeResult, WorkerSpec, select_provider
+from agent_sandbox.providers._inworker import verify_checks
+from agent_sandbox.providers._landlock import (
+    LandlockProvider,
+    _elf_interpreter,
+    _libpython,
+    landlock_setup,
+    probe_landlock,
+)
+
+PY = os.path.realpath(sys.executable)
+LOADER = os.path.realpath(_elf_interpreter(PY))
+LIBPY = _libpython()
+
+
+def _spec(**changes: Any) -> WorkerSpec:
+    fields: dict[str, Any] = {
+        "python": PY,
+        "boot_script": "/src/agent_sandbox/_worker_boot.py",
+        "scratch": "/run/ctl/scratch",
+        "control_dir": "/run/ctl",
+        "listen_fd": 5,
+        "boot_fd": 6,
+        "sys_path": ("/opt/py/lib/python3.11", "/opt/py/lib/python3.11/lib-dynload"),
+        "package_dirs": {"agent_sandbox": "/src/agent_sandbox", "agent_sandbox.guards": "/src/g"},
+        "env": {},
+        "prefix": "/opt/py",
+        "base_prefix": "/opt/py",
+    }
+    fields.update(changes)
+    return WorkerSpec(**fields)
+
+
+def _base_paths() -> dict[str, str]:
+    paths = {
+        PY: "rx",
+        LOADER: "rx",
+        "/opt/py/lib/python3.11": "ro",
+        "/opt/py/lib/python3.11/lib-dynload": "ro",
+        "/src/agent_sandbox": "ro",
+        "/src/g": "ro",
+        "/usr/lib": "ro",
+        "/dev/null": "dev-rw",
+        "/dev/random": "dev-ro",
+        "/dev/urandom": "dev-ro",
+        "/dev/zero": "dev-ro",
+        "/run/ctl/scratch": "rw",
+    }
+    if LIBPY:
+        paths[LIBPY] = "ro"
+    return paths
+
+
+def _as_rules(paths: dict[str, str]) -> list[list[str]]:
+    return [[p, paths[p]] for p in sorted(paths)]
+
+
+def test_builder_output_for_a_pure_computation_policy_is_exact() -> None:
+    """It grants the interpreter's closure, the devices and scratch, and nothing else."""
+    setup = landlock_setup(Policy(name="p"), _spec())
+    assert setup == {
+        "min_abi": 4,
+        "paths": _as_rules(_base_paths()),
+        "tcp_connect": [],
+        "tcp_bind": [],
+        "scope": ["abstract_unix", "signal"],
+        "notes": [],
+    }
+
+
+def test_builder_adds_policy_paths_globs_and_scratch_aliases() -> None:
+    """It grants a glob's directory, maps $SCRATCH, and gives write paths rw."""
+    policy = Policy(
+        name="p",
+        files={
+            "read": ["/data/**", "/srv/in/*.csv", "/etc/app.toml"],
+            "write": ["$SCRATCH/out", "/srv/out"],
+        },
+    )
+    paths = _base_paths()
+    paths.update(
+        {
+            "/data": "ro",
+            "/srv/in": "ro",
+            "/etc/app.toml": "ro",
+            "/run/ctl/scratch/out": "rw",
+            "/srv/out": "rw",
+        }
+    )
+    assert landlock_setup(policy, _spec())["paths"] == _as_rules(paths)
+
+
+def test_builder_never_grants_all_of_etc_tmp_proc_or_sys() -> None:
+    """It grants no broad system directory even with network and process-exec granted."""
+    policy = Policy(
+        name="p",
+        api={"allow": ["process-exec"]},
+        net={"rules": [{"host": "127.0.0.1", "ports": "8000"}]},
+    )
+    granted = [p for p, _ in landlock_setup(policy, _spec())["paths"]]
+    for broad in ("/", "/etc", "/tmp", "/proc", "/sys", "/dev", "/usr", "/root", "/home"):
+        assert broad not in granted
+    assert not any(p.startswith(("/proc", "/sys", "/dev/shm")) for p in granted)
+    etc = sorted(p for p in granted if p.startswith("/etc/"))
+    assert "/etc/hosts" in etc and "/etc/shadow" not in etc and "/etc/passwd" not in etc
+
+
+def test_execute_only_on_the_interpreter_and_its_loader_by_default() -> None:
+    """It grants EXECUTE on the interpreter and ld.so only, unless process-exec is granted."""
+    rx = {p for p, a in landlock_setup(Policy(name="p"), _spec())["paths"] if a == "rx"}
+    assert rx == {PY, LOADER}
+    granted = Policy(name="p", api={"allow": ["process-exec"]})
+    rx = {p for p, a in landlock_setup(granted, _spec())["paths"] if a == "rx"}
+    assert rx == {PY, LOADER, "/usr/bin", "/usr/local/bin"}
+
+
+def test_tcp_ports_follow_allow_and_deny_rules() -> None:
+    """It opens the allowed TCP ports per direction, minus a deny for any host."""
+    policy = Policy(
+        name="p",
+        net={
+            "rules": [
+                {"host": "127.0.0.1", "ports": "8000-8002"},
+                {"host": "10.0.0.0/8", "ports": "9000", "direction": "bind"},
+                {"host": "*", "ports": "8001", "action": "deny"},
+                {"host": "127.0.0.1", "ports": "53", "protocol": "udp"},
+            ]
+        },
+    )
+    setup = landlock_setup(policy, _spec())
+    assert (setup["tcp_connect"], setup["tcp_bind"]) == ([8000, 8002], [9000])
+
+
+def test_a_huge_port_range_leaves_tcp_unhandled_and_says_so() -> None:
+    """It leaves TCP connect unfiltered (and notes why) rather than add 65535 rules."""
+    policy = Policy(name="p", net={"rules": [{"host": "example.org", "ports": "1-65535"}]})
+    setup = landlock_setup(policy, _spec())
+    assert setup["tcp_connect"] is None and setup["tcp_bind"] == []
+    assert setup["notes"] == [
+        "TCP connect is not filtered by Landlock: the policy allows more than 1024 ports"
+    ]
+
+
+def test_view_maps_host_paths_to_in_sandbox_paths() -> None:
+    """It rewrites paths through a namespace provider's view (longest prefix wins)."""
+    view = {"/run/ctl/scratch": "/scratch", "/opt/py": "/opt/py", "/data": "/mnt/data"}
+    policy = Policy(name="p", files={"read": ["/data/sub"]})
+    paths = dict(map(tuple, landlock_setup(policy, _spec(), view=view)["paths"]))
+    assert paths["/scratch"] == "rw" and "/run/ctl/scratch" not in paths
+    assert paths["/mnt/data/sub"] == "ro"
+
+
+def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
+    """It plans NO_NEW_PRIVS, the capability drop, Landlock and a seccomp program."""
+    plan = LandlockProvider().build(Policy(name="p"), _spec())
+    assert plan.provider == "landlock" and plan.stack == ("landlock",)
+    assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "6")
+    assert sorted(plan.worker_setup) == ["drop_caps", "landlock", "no_new_privs", "seccomp"]
+    assert plan.pass_fds == (5, 6)
+
+
+def test_verify_checks_refuses_a_worker_whose_report_lacks_a_restriction() -> None:
+    """It names each restriction the worker's handshake does not confirm."""
+    setup = {"no_new_privs": True, "drop_caps": True, "landlock": {"x": 1}, "seccomp": {"bpf": ""}}
+    good = {
+        "no_new_privs": 1,
+        "threads": 1,
+        "cap_eff": "0" * 16,
+        "landlock": {"enforced": True},
+        "seccomp": 2,
+    }
+    assert verify_checks(setup, good) == []
+    bad = {"no_new_privs": 0, "threads": 2, "cap_eff": "000001fffeffffff", "seccomp": 0}
+    assert verify_checks(setup, bad) == [
+        "NO_NEW_PRIVS is not set",
+        "it was not single-threaded when it restricted itself",
+        "it kept capabilities (CapEff 000001fffeffffff)",
+        "Landlock is not enforced",
+        "seccomp mode is 0, not a filter",
+    ]
+
+
+def test_explicit_landlock_that_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It raises ProviderUnavailable naming the reason, never a silent downgrade."""
+    monkeypatch.setattr(
+        LandlockProvider, "probe", lambda self: ProbeResult("landlock", False, reason="no ABI 4")
+    )
+    with pytest.raises(ProviderUnavailable, match="no ABI 4"):
+        select_provider("landlock")
+
+
+def test_setup_refuses_a_process_that_already_has_a_thread(tmp_path: Path) -> None:
+    """It refuses to restrict a process with a second thread (that thread would stay free)."""
+    code = (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+        "from agent_sandbox.providers._inworker import apply_worker_setup\n"
+        "apply_worker_setup({'no_new_privs': True})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode != 0 and "2 threads" in proc.stderr
+
+
+# -- kernel effects ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def landlock() -> ProbeResult:
+    result = probe_landlock()
+    if not result.available:
+        pytest.skip(f"landlock unavailable here: {result.reason}")
+    return result
+
+
+def test_handshake_reports_what_the_kernel_enforces(landlock: ProbeResult) -> None:
+    """It reports NoNewPrivs, an empty CapEff, the Landlock ABI and seccomp filter mode."""
+    worker = WorkerProcess.start(Policy(name="p"), LandlockProvider())
+    try:
+        checks = worker.hello["checks"]
+    finally:
+        worker.close()
+    assert checks["no_new_privs"] == 1 and checks["threads"] == 1
+    assert checks["cap_eff"] == "0" * 16
+    assert checks["landlock"]["enforced"] is True
+    assert checks["landlock"]["abi"] == landlock.details["abi"]
+    assert checks["seccomp"] == 2
+
+
+def test_tcp_connect_only_to_the_policys_port(
+    landlock: ProbeResult, arena: Any, hostile: Any, make_policy: Any, is_received: Any
+) -> None:
+    """It lets ctypes connect to the allowed port and denies the neighbouring one."""
+    socks = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+        s.setblocking(False)
+        socks.append(s)
+    allowed, other = (s.getsockname()[1] for s in socks)
+    policy = make_policy(arena, net={"rules": [{"host": "127.0.0.1", "ports": str(allowed)}]})
+    try:
+        result = hostile(
+            "landlock", policy, f"print(nconnect_tcp({allowed}), nconnect_tcp({other}))"
+        )
+        assert result.error is None, result.error
+        assert is_received(socks[0]) and not is_received(socks[1])
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_blocks_signalling_a_process_outside_the_sandbox(
+    landlock: ProbeResult, arena: Any, hostile: Any, make_policy: Any
+) -> None:
+    """It denies kill() of a host process (Landlock signal scope, ABI 6)."""
+    if landlock.details["abi"] < 6:
+        pytest.skip("Landlock ABI < 6: signals are not scoped")
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        code = f"print(_libc.kill({victim.pid}, {int(signal.SIGKILL)}), _err())"
+        hostile("landlock", make_policy(arena), code)
+        time.sleep(0.05)
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_denies_root_capability_tricks(
+    landlock: ProbeResult, arena: Any, hostile: Any, make_policy: Any
+) -> None:
+    """It denies mknod of a block device in scratch, chroot and a raw packet socket."""
+    node = arena["rw"] / "sda"
+    code = f"""
+import stat
+print(_libc.mknod({str(node).encode()!r}, stat.S_IFBLK | 0o600, os.makedev(8, 0)), _err())
+print(_libc.chroot(b"/"), _err())
+print(_libc.socket(17, 3, 0), _err())
+"""
+    result = hostile("landlock", make_policy(arena), code)
+    assert not node.exists()
+    lines = [line.split()[0] for line in result.stdout.splitlines()]
+    assert lines == ["-1", "-1", "-1"], result.stdout
