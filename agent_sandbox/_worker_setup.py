@@ -75,6 +75,17 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     runner = Runner(policy, boot["scratch"])
     hooks: dict[str, Any] = {}
     # 5a. The code layer: `runner.code_check(code, tree)` raises CodeRejected before a call runs.
+    code_policy = policy.get("code") or {}
+    if code_policy.get("enabled", True):
+        from agent_sandbox.guards._code_budget import make_code_check
+
+        runner.code_check = make_code_check(code_policy, runner.namespace, runner.policy_name)
     # 5b. The guards: `runner.arming()` arms them around each call; `hooks["tamper_check"]()`
     #     returns the reasons the guards are no longer intact (each becomes `guard.tampered`).
+    from agent_sandbox.guards._install import install_guards, summary
+
+    guards = install_guards(boot, runner.namespace)
+    runner.arming = guards.arming
+    hooks["tamper_check"] = guards.tamper_check
+    checks["guards"] = summary()
     return runner, checks, hooks

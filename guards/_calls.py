@@ -1,0 +1,239 @@
+"""The sensitive-call guard: a registry of dangerous functions by category, denied by default.
+
+What it enforces, while armed:
+
+1. Every function in `REGISTRY` is refused (`CallDenied`, a PermissionError) unless the
+   policy's `[api]` grants it, even where its module may be imported. Categories:
+   `process-exec`, `process-control`, `native-code`, `dynamic-code`, `deserialization`,
+   `introspection`. C twins (`posix.system`, `_pickle.loads`, `_posixsubprocess.fork_exec`,
+   `_ctypes.dlopen`, `_signal.signal`) are in the registry too.
+2. Precedence: a function rule (`subprocess.run`) beats its category; at the same level a
+   DENY beats an ALLOW; nothing granted means refused.
+3. Inside a granted call, nested registry calls of the same category pass (a granted
+   `subprocess.run` may create its `Popen`); other categories are still judged (a granted
+   `pickle.loads` whose stream calls `os.system` is refused).
+4. Some entries are judged only when user code calls them directly (`user_only`): the
+   standard library and packages use them routinely (`exec` in `dataclasses` and
+   `namedtuple`, `sys._getframe` in `logging`, `signal.signal` in `asyncio.run`).
+5. `eval`/`exec`/`compile` are judged for source text and ASTs, not for code objects.
+   When `dynamic-code` is granted and the policy's code layer is enabled, the string is
+   checked by the code layer (`guards._code_check.check_code`) before it runs.
+
+What it does NOT stop: the immutable C type `pickle.Unpickler` (its `load` cannot be
+patched without breaking subclassing), `ctypes.pythonapi` and other objects created before
+arming, the originals kept in each wrapper (`__wrapped__`) and reachable through the class
+hierarchy, and anything a C extension does. The OS providers are the boundary.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import CallDenied
+from agent_sandbox.guards import _patch
+from agent_sandbox.guards._state import is_user_frame, refuse, state
+
+__all__ = ["REGISTRY", "ApiRules", "Entry", "configure", "install"]
+
+_st = state
+_getframe = sys._getframe
+
+
+class Entry(NamedTuple):
+    """One registry entry: the category, where the function lives, and how it is judged."""
+
+    category: str
+    module: str
+    attr: str
+    label: str = ""
+    user_only: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.module}.{self.attr}"
+
+
+def _entries(category: str, module: str, attrs: str, *, user_only: bool = False) -> list[Entry]:
+    return [Entry(category, module, a, user_only=user_only) for a in attrs.split()]
+
+
+_EXEC_OS = (
+    "system execv execve execl execle execlp execlpe execvp execvpe spawnv spawnve spawnvp "
+    "spawnvpe spawnl spawnle spawnlp spawnlpe posix_spawn posix_spawnp"
+)
+
+#: Every sensitive function, by category. C twins are listed beside their Python names.
+REGISTRY: tuple[Entry, ...] = (
+    # process-exec
+    Entry("process-exec", "subprocess", "Popen.__init__", "subprocess.Popen"),
+    *_entries(
+        "process-exec", "subprocess", "run call check_call check_output getoutput getstatusoutput"
+    ),
+    *_entries("process-exec", "os", _EXEC_OS + " popen"),
+    *_entries("process-exec", "posix", "system execv execve posix_spawn posix_spawnp"),
+    Entry("process-exec", "pty", "spawn"),
+    Entry("process-exec", "_posixsubprocess", "fork_exec"),
+    # process-control
+    *_entries("process-control", "os", "fork forkpty kill killpg abort"),
+    *_entries("process-control", "posix", "fork forkpty kill killpg abort"),
+    *_entries("process-control", "signal", "pthread_kill raise_signal alarm setitimer"),
+    *_entries("process-control", "_signal", "pthread_kill raise_signal alarm setitimer"),
+    # NOTE: judged for user code only, because asyncio.run installs a SIGINT handler.
+    Entry("process-control", "signal", "signal", user_only=True),
+    Entry("process-control", "_signal", "signal", user_only=True),
+    # native-code
+    Entry("native-code", "ctypes", "CDLL.__init__", "ctypes.CDLL"),
+    Entry("native-code", "ctypes", "LibraryLoader.LoadLibrary", "ctypes.cdll.LoadLibrary"),
+    Entry("native-code", "_ctypes", "dlopen"),
+    *_entries("native-code", "ctypes", "string_at wstring_at memmove memset cast", user_only=True),
+    Entry("native-code", "cffi", "FFI.dlopen", "cffi.FFI.dlopen"),
+    # dynamic-code (only source text and ASTs are judged; see _dynamic_wrapper)
+    *_entries("dynamic-code", "builtins", "eval exec compile", user_only=True),
+    # deserialization
+    *_entries("deserialization", "pickle", "loads load _loads _load"),
+    Entry("deserialization", "pickle", "_Unpickler.load", "pickle._Unpickler.load"),
+    *_entries("deserialization", "_pickle", "loads load"),
+    *_entries("deserialization", "marshal", "loads load"),
+    Entry("deserialization", "shelve", "open"),
+    # introspection (libraries use these all the time: judged for user code only)
+    *_entries(
+        "introspection", "sys", "_getframe _current_frames settrace setprofile", user_only=True
+    ),
+    *_entries("introspection", "gc", "get_referrers get_referents get_objects", user_only=True),
+    *_entries("introspection", "inspect", "currentframe stack", user_only=True),
+)
+
+
+class ApiRules:
+    """The `[api]` section: grants and denials by category or dotted function name."""
+
+    def __init__(self, api: dict[str, Any], policy_name: str = "") -> None:
+        self.allow = frozenset(api.get("allow", ()))
+        self.deny = frozenset(api.get("deny", ()))
+        self.policy_name = policy_name
+
+    def granted(self, name: str, category: str) -> bool:
+        if name in self.deny:
+            return False
+        if name in self.allow:
+            return True
+        if category in self.deny:
+            return False
+        return category in self.allow
+
+    def denial(self, name: str, category: str) -> Denial:
+        if name in self.deny or (name not in self.allow and category in self.deny):
+            entry = name if name in self.deny else category
+            return Denial(
+                f"api.{category}",
+                "call",
+                name,
+                self.policy_name,
+                detail=f"{entry!r} is listed in [api] deny, which beats [api] allow",
+                hint=f"remove {entry!r} from [api] deny",
+            )
+        return Denial(
+            f"api.{category}",
+            "call",
+            name,
+            self.policy_name,
+            detail=f"{name} is a sensitive call ({category}) the policy does not grant",
+            hint=f'[api] allow = ["{name}"]',
+        )
+
+
+_rules = ApiRules({})
+_local = threading.local()
+_code_check: Callable[..., Any] | None = None
+_code_policy: dict[str, Any] = {}
+
+
+def configure(rules: ApiRules, code_policy: dict[str, Any] | None = None) -> None:
+    global _rules, _code_policy
+    _rules = rules
+    _code_policy = dict(code_policy or {})
+
+
+def _inside() -> dict[str, int]:
+    depth: dict[str, int] | None = getattr(_local, "depth", None)
+    if depth is None:
+        depth = _local.depth = {}
+    return depth
+
+
+def _run_granted(category: str, wrapped: Any, args: Any, kwargs: Any) -> Any:
+    depth = _inside()
+    depth[category] = depth.get(category, 0) + 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        depth[category] -= 1
+
+
+def _make_wrapper(entry: Entry) -> Any:
+    category, name, user_only = entry.category, entry.name, entry.user_only
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (_st.armed or (_st.user_threads and threading.get_ident() in _st.user_threads)):
+            return wrapped(*args, **kwargs)
+        if user_only and not is_user_frame(_getframe(1).f_code.co_filename):
+            return wrapped(*args, **kwargs)
+        if _inside().get(category):
+            return wrapped(*args, **kwargs)
+        if _rules.granted(name, category):
+            return _run_granted(category, wrapped, args, kwargs)
+        refuse(CallDenied, _rules.denial(name, category))
+        return _run_granted(category, wrapped, args, kwargs)  # learning mode
+
+    return wrapper
+
+
+def _dynamic_wrapper(entry: Entry) -> Any:
+    name = entry.name
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (_st.armed or (_st.user_threads and threading.get_ident() in _st.user_threads)):
+            return wrapped(*args, **kwargs)
+        source = args[0] if args else kwargs.get("source")
+        if not isinstance(source, str | bytes | bytearray | ast.AST):
+            return wrapped(*args, **kwargs)
+        caller = _getframe(1).f_code.co_filename
+        if not is_user_frame(caller):
+            return wrapped(*args, **kwargs)
+        if not _rules.granted(name, "dynamic-code"):
+            refuse(CallDenied, _rules.denial(name, "dynamic-code"))
+            return wrapped(*args, **kwargs)
+        if _code_check is not None and _code_policy.get("enabled", False):
+            text = (
+                source
+                if isinstance(source, str)
+                else (
+                    ast.unparse(source)
+                    if isinstance(source, ast.AST)
+                    else bytes(source).decode("utf-8", "replace")
+                )
+            )
+            filename = args[1] if name == "builtins.compile" and len(args) > 1 else "<string>"
+            _code_check(text, _code_policy, str(filename))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def install() -> None:
+    """Wrap every registry entry (deferred for modules not imported yet)."""
+    global _code_check
+    try:
+        from agent_sandbox.guards._code_check import check_code
+    except ImportError:  # the code layer is optional here
+        _code_check = None
+    else:
+        _code_check = check_code
+    for entry in REGISTRY:
+        factory = _dynamic_wrapper if entry.category == "dynamic-code" else _make_wrapper
+        _patch.wrap_later(entry.module, entry.attr, factory(entry), label=entry.name)

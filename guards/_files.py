@@ -1,0 +1,636 @@
+"""The file guard: every ordinary route to read, write, list, stat, create, delete, rename or
+link a path is judged against the policy's `[files]` section while armed.
+
+What it enforces:
+
+1. The decision is taken on the resolved path (symlinks followed unless the call does not
+   follow them, `..` applied after each link, `dir_fd` resolved through `/proc/self/fd`),
+   while the call itself receives the unresolved path, so link semantics are kept. A
+   `PathLike` is converted once (`os.fspath`) and the converted value is what the call gets,
+   so an object cannot answer one path to the guard and another to the call.
+2. Order of the rules: a hidden name (`files.hide`) looks absent (`HiddenPathDenied`, a
+   FileNotFoundError); the worker's control directory (socket, log) and the policy file are
+   never writable; `files.deny` beats every grant; writes need `files.write` (or the scratch
+   directory, always read/write); reads need `files.read` or a write grant. A stat-only
+   call is also allowed on the parents of a readable root, so `os.path.exists('/data')`
+   works when `/data/in` is readable.
+3. Always readable (never writable): the interpreter's import roots (the standard library,
+   site-packages, this package), because importing and tracebacks read them; the time-zone
+   database; `/dev/null`, `/dev/zero`, `/dev/urandom` (and `/dev/null` writable).
+4. The routes: `open`/`io.open`/`_io.open`/`io.open_code`, the `os` path functions and their
+   `posix` twins (so `os.path`, `pathlib`, `shutil`, `glob`, `tempfile`, `fileinput`,
+   `gzip`/`bz2`/`lzma`/`zipfile`/`tarfile` and `codecs.open`, which call them, are judged
+   too), `tokenize`'s private `open` (used by `linecache`), and `sqlite3.connect`.
+
+What it does NOT stop: a file descriptor obtained before arming or passed in; C code that
+calls the C library directly (`_io.FileIO(path)` constructed from the immutable C type,
+extension modules, ctypes); races where a path changes between the decision and the call
+(the OS providers hold the boundary). Decisions on paths outside the writable roots are
+cached; paths below a writable root are re-resolved on every call, because user code can
+change the links there.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import posix
+import re
+import stat as _stat_mod
+from _thread import get_ident
+from collections.abc import Iterable
+from typing import Any
+
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
+from agent_sandbox.guards import _patch
+from agent_sandbox.guards._state import refuse, state
+
+__all__ = ["FileRules", "check", "configure", "install", "rules"]
+
+# The originals the resolver uses: bound before any patch, so judging never re-enters a guard.
+_lstat = posix.lstat
+_readlink = posix.readlink
+_getcwd = posix.getcwd
+_S_ISLNK = _stat_mod.S_ISLNK
+
+READ, WRITE, META = "read", "write", "meta"
+
+#: Read-only roots every policy grants implicitly.
+IMPLICIT_READ: frozenset[str] = frozenset(
+    {
+        # NOTE: allowed because `zoneinfo`, `time` and `datetime` read the tz database.
+        "/usr/share/zoneinfo",
+        "/etc/localtime",
+        # NOTE: allowed because they hold no data; `os.devnull` is used by many libraries.
+        "/dev/null",
+        "/dev/zero",
+        "/dev/urandom",
+        "/dev/random",
+    }
+)
+#: Writable paths every policy grants implicitly (besides the scratch directory).
+IMPLICIT_WRITE: frozenset[str] = frozenset({"/dev/null"})  # NOTE: a sink, holds nothing
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """`**` crosses `/`, `*` and `?` do not; a match also covers everything below it."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            end = pattern.find("]", i + 1)
+            if end == -1:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1 : end].replace("\\", "\\\\")
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + "(?:/.*)?", re.DOTALL)
+
+
+class _Roots:
+    """A set of path grants: plain prefixes (a directory and all below it) and globs."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.entries = tuple(dict.fromkeys(e for e in entries if e))
+        self.prefixes = tuple(
+            e.rstrip("/") or "/" for e in self.entries if not _GLOB_CHARS.search(e)
+        )
+        self.globs = tuple(
+            (e, _glob_regex(e.rstrip("/"))) for e in self.entries if _GLOB_CHARS.search(e)
+        )
+
+    def match(self, path: str) -> str | None:
+        """The entry that covers `path`, or None."""
+        for prefix in self.prefixes:
+            if prefix == "/" or path == prefix or path.startswith(prefix + "/"):
+                return prefix
+        for entry, regex in self.globs:
+            if regex.fullmatch(path):
+                return entry
+        return None
+
+    def strictly_below(self, path: str) -> bool:
+        for prefix in self.prefixes:
+            if prefix == "/" or path.startswith(prefix + "/"):
+                return True
+        return any(regex.fullmatch(path) for _, regex in self.globs)
+
+    def has_descendant(self, path: str) -> bool:
+        """Whether some plain root lies below `path` (so `path` is one of its parents)."""
+        base = path.rstrip("/") + "/"
+        return any(p.startswith(base) for p in self.prefixes) or path == "/"
+
+
+class FileRules:
+    """The policy's `[files]` section compiled for fast decisions on resolved paths."""
+
+    def __init__(
+        self,
+        files: dict[str, Any],
+        *,
+        scratch: str,
+        policy_name: str = "",
+        policy_file: str = "",
+        import_roots: Iterable[str] = (),
+    ) -> None:
+        self.policy_name = policy_name
+        self.scratch = os.path.realpath(scratch) if scratch else ""
+        self.control_dir = os.path.dirname(self.scratch) if self.scratch else ""
+        self.policy_file = os.path.realpath(policy_file) if policy_file else ""
+        expand = self._expander()
+        write = [expand(p) for p in files.get("write", ())]
+        read = [expand(p) for p in files.get("read", ())]
+        deny = [expand(p) for p in files.get("deny", ())]
+        self.write = _Roots([*write, *([self.scratch] if self.scratch else []), *IMPLICIT_WRITE])
+        roots = [os.path.realpath(r) for r in import_roots if r]
+        self.read = _Roots(
+            [*read, *write, *([self.scratch] if self.scratch else []), *IMPLICIT_READ, *roots]
+        )
+        self.import_roots = _Roots(roots)
+        self.deny = _Roots(deny)
+        self.hide = tuple(files.get("hide", ()))
+        self._hide_names = tuple(h for h in self.hide if "/" not in h)
+        self._hide_paths = tuple((h, _glob_regex(h)) for h in self.hide if "/" in h)
+
+    def _expander(self) -> Any:
+        scratch = self.scratch
+
+        def expand(entry: str) -> str:
+            if entry.startswith("$SCRATCH"):
+                entry = scratch + entry[len("$SCRATCH") :]
+            elif entry.startswith("~"):
+                entry = os.path.expanduser(entry)
+            if not _GLOB_CHARS.search(entry):
+                entry = os.path.realpath(entry)
+            return entry
+
+        return expand
+
+    # -- decisions on resolved paths ---------------------------------------------------------
+
+    def hidden_by(self, path: str) -> str | None:
+        """The `files.hide` pattern that hides `path` (any component), or None."""
+        if not self.hide or self.import_roots.match(path):
+            # NOTE: package data under the import roots (certifi's cacert.pem) is not a secret.
+            return None
+        for part in path.split("/"):
+            if part:
+                for pattern in self._hide_names:
+                    if fnmatch.fnmatchcase(part, pattern):
+                        return pattern
+        for pattern, regex in self._hide_paths:
+            if regex.fullmatch(path):
+                return pattern
+        return None
+
+    def _in_control_dir(self, path: str) -> bool:
+        """Inside the worker's control directory but not in its scratch directory."""
+        control, scratch = self.control_dir, self.scratch
+        if not control or not (path == control or path.startswith(control + "/")):
+            return False
+        return not (scratch and (path == scratch or path.startswith(scratch + "/")))
+
+    def decide(self, op: str, path: str) -> tuple[type[BaseException], Denial] | None:
+        """None when `op` on the resolved `path` is allowed, else the exception and denial."""
+        pattern = self.hidden_by(path)
+        if pattern is not None:
+            return HiddenPathDenied, Denial(
+                rule="files.hidden",
+                action=op if op != META else "stat",
+                target=path,
+                policy=self.policy_name,
+                detail=f"the name matches {pattern!r} in [files] hide, so it looks absent",
+                hint=f"remove {pattern!r} from [files] hide",
+            )
+        rule = "files.write" if op == WRITE else "files.read"
+        action = {READ: "read", WRITE: "write", META: "stat"}[op]
+        if self._in_control_dir(path):
+            return FileAccessDenied, Denial(
+                rule=rule,
+                action=action,
+                target=path,
+                policy=self.policy_name,
+                detail="the worker's control directory (its socket and log) is never "
+                "reachable from user code",
+            )
+        if op == WRITE and self.policy_file and path == self.policy_file:
+            return FileAccessDenied, Denial(
+                rule=rule,
+                action=action,
+                target=path,
+                policy=self.policy_name,
+                detail="the policy file is never writable from inside the sandbox",
+            )
+        denied_by = self.deny.match(path)
+        if denied_by is not None:
+            return FileAccessDenied, Denial(
+                rule=rule,
+                action=action,
+                target=path,
+                policy=self.policy_name,
+                detail=f"{denied_by!r} is listed in [files] deny, which beats every grant",
+                hint=f"remove {denied_by!r} from [files] deny",
+            )
+        if op == WRITE:
+            if self.write.match(path) is not None:
+                return None
+            return FileAccessDenied, Denial(
+                rule=rule,
+                action=action,
+                target=path,
+                policy=self.policy_name,
+                detail="the path is outside [files] write (only the scratch directory is "
+                "writable unless the policy says more)",
+                hint=f'[files] write = ["{_grant_for(path)}"]',
+            )
+        if self.read.match(path) is not None:
+            return None
+        if op == META and self.read.has_descendant(path):
+            return None
+        return FileAccessDenied, Denial(
+            rule=rule,
+            action=action,
+            target=path,
+            policy=self.policy_name,
+            detail="the path is outside [files] read",
+            hint=f'[files] read = ["{_grant_for(path)}"]',
+        )
+
+
+def _grant_for(path: str) -> str:
+    return path
+
+
+# -- the resolver ------------------------------------------------------------------------------
+
+_MAX_LINKS = 40
+
+
+class _Resolver:
+    """Resolves paths like `realpath`, with the originals, and says whether the result may
+    change under user code (a link or a component below a writable root)."""
+
+    def __init__(self, rules: FileRules) -> None:
+        self.rules = rules
+        self.dirs: dict[str, str] = {}
+        self.cwd = _getcwd()
+
+    def volatile(self, resolved: str) -> bool:
+        return self.rules.write.strictly_below(resolved)
+
+    def realpath(self, path: str) -> tuple[str, bool]:
+        """(resolved absolute path, volatile). `path` must be absolute."""
+        volatile = False
+        resolved = ""
+        pending = path.split("/")
+        pending.reverse()
+        links = 0
+        while pending:
+            name = pending.pop()
+            if not name or name == ".":
+                continue
+            if name == "..":
+                resolved = resolved.rpartition("/")[0]
+                continue
+            candidate = resolved + "/" + name
+            try:
+                st = _lstat(candidate)
+            except OSError:
+                resolved = candidate
+                continue
+            if not _S_ISLNK(st.st_mode):
+                resolved = candidate
+                continue
+            if self.volatile(candidate):
+                volatile = True
+            links += 1
+            if links > _MAX_LINKS:
+                # A loop: the call itself fails with ELOOP; judge the lexical path.
+                return os.path.normpath(path), True
+            target = _readlink(candidate)
+            if target.startswith("/"):
+                resolved = ""
+            parts = target.split("/")
+            parts.reverse()
+            pending.extend(parts)
+        resolved = resolved or "/"
+        return resolved, volatile or self.volatile(resolved)
+
+    def resolve(self, path: str, follow: bool, dir_fd: int | None) -> tuple[str, bool]:
+        if not path.startswith("/"):
+            if dir_fd is not None:
+                try:
+                    base = _readlink(f"/proc/self/fd/{dir_fd}")
+                except OSError:
+                    base = f"/proc/self/fd/{dir_fd}"
+            else:
+                base = self.cwd
+            path = base + "/" + path
+        head, _, tail = path.rstrip("/").rpartition("/") if path.rstrip("/") else ("", "", "")
+        if tail in ("", ".", ".."):
+            resolved, volatile = self.realpath(path)
+            return resolved, volatile
+        cached = self.dirs.get(head)
+        if cached is None:
+            rdir, vol = self.realpath(head or "/")
+            if not vol:
+                if len(self.dirs) > 4096:
+                    self.dirs.clear()
+                self.dirs[head] = rdir
+        else:
+            rdir, vol = cached, False
+        candidate = (rdir.rstrip("/") or "") + "/" + tail
+        if follow:
+            try:
+                st = _lstat(candidate)
+            except OSError:
+                st = None
+            if st is not None and _S_ISLNK(st.st_mode):
+                return self.realpath(candidate)
+        return candidate, vol or self.volatile(candidate)
+
+
+# -- the checking entry point ----------------------------------------------------------------
+
+_rules: FileRules | None = None
+_resolver: _Resolver | None = None
+#: (op, follow) -> raw absolute str path -> decision, for paths that cannot change under us.
+_fast: dict[tuple[str, bool], dict[str, Any]] = {
+    (op, follow): {} for op in (READ, WRITE, META) for follow in (True, False)
+}
+_decisions: dict[tuple[str, str], Any] = {}
+
+
+def configure(rules: FileRules) -> None:
+    """Use `rules` for every later decision (clears the caches)."""
+    global _rules, _resolver
+    _rules = rules
+    _resolver = _Resolver(rules)
+    for table in _fast.values():
+        table.clear()
+    _decisions.clear()
+
+
+def rules() -> FileRules | None:
+    return _rules
+
+
+def _apply(decision: Any) -> None:
+    if decision is not None:
+        refuse(decision[0], decision[1])
+
+
+def check(op: str, path: Any, dir_fd: int | None = None, follow: bool = True) -> Any:
+    """Judge `op` on `path`; returns the path to hand to the call (fspath applied once).
+
+    Integers (file descriptors) pass: they were judged when opened.
+    """
+    if isinstance(path, int) or path is None or _rules is None or _resolver is None:
+        return path
+    path = os.fspath(path)
+    text = path if type(path) is str else os.fsdecode(path)
+    if "\x00" in text:
+        return path  # the call raises ValueError itself
+    fast = _fast[(op, follow)]
+    if dir_fd is None and text in fast:
+        _apply(fast[text])
+        return path
+    resolved, volatile = _resolver.resolve(text, follow, dir_fd)
+    key = (op, resolved)
+    decision = _decisions.get(key, _decisions)
+    if decision is _decisions:
+        decision = _rules.decide(op, resolved)
+        if len(_decisions) > 8192:
+            _decisions.clear()
+        _decisions[key] = decision
+    if not volatile and dir_fd is None and text.startswith("/"):
+        if len(fast) > 8192:
+            fast.clear()
+        fast[text] = decision
+    _apply(decision)
+    return path
+
+
+# -- wrappers ----------------------------------------------------------------------------------
+
+_st = state
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _active() -> bool:
+    return _st.armed or (bool(_st.user_threads) and get_ident() in _st.user_threads)
+
+
+def _one_path(op: str, follow_default: bool = True, default: Any = None) -> Any:
+    """A wrapper for `f(path, ..., dir_fd=None, follow_symlinks=True)`."""
+    table = _fast[(op, follow_default)]
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
+            if not kwargs and args and type(args[0]) is str and args[0] in table:
+                _apply(table[args[0]])
+                return wrapped(*args)
+            follow = kwargs.get("follow_symlinks", follow_default)
+            dir_fd = kwargs.get("dir_fd")
+            if args:
+                args = (check(op, args[0], dir_fd, follow), *args[1:])
+            elif "path" in kwargs:
+                kwargs = dict(kwargs, path=check(op, kwargs["path"], dir_fd, follow))
+            elif default is not None:
+                check(op, default, dir_fd, follow)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _two_paths(op1: str, op2: str) -> Any:
+    """A wrapper for `f(src, dst, *, src_dir_fd=None, dst_dir_fd=None, ...)`."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _active():
+            args = list(args)  # type: ignore[assignment]
+            names = ("src", "dst")
+            for i, (name, op) in enumerate(zip(names, (op1, op2), strict=True)):
+                dir_fd = kwargs.get(f"{name}_dir_fd")
+                if len(args) > i:
+                    args[i] = check(op, args[i], dir_fd, False)  # type: ignore[index]
+                elif name in kwargs:
+                    kwargs = dict(kwargs, **{name: check(op, kwargs[name], dir_fd, False)})
+            args = tuple(args)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _symlink_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # os.symlink(src, dst): only the new link is written; what it points to is judged at use.
+    if _active():
+        dir_fd = kwargs.get("dir_fd")
+        if len(args) > 1:
+            args = (args[0], check(WRITE, args[1], dir_fd, False), *args[2:])
+        elif "dst" in kwargs:
+            kwargs = dict(kwargs, dst=check(WRITE, kwargs["dst"], dir_fd, False))
+    return wrapped(*args, **kwargs)
+
+
+def _os_open_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if _active():
+        flags = args[1] if len(args) > 1 else kwargs.get("flags", 0)
+        op = WRITE if flags & _WRITE_FLAGS else READ
+        dir_fd = kwargs.get("dir_fd")
+        if args:
+            args = (check(op, args[0], dir_fd, True), *args[1:])
+        elif "path" in kwargs:
+            kwargs = dict(kwargs, path=check(op, kwargs["path"], dir_fd, True))
+    return wrapped(*args, **kwargs)
+
+
+def _open_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
+        mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
+        op = (
+            WRITE
+            if isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)
+            else READ
+        )
+        if args:
+            target = args[0]
+            if type(target) is str and not kwargs.get("opener"):
+                table = _fast[(op, True)]
+                if target in table:
+                    _apply(table[target])
+                    return wrapped(*args, **kwargs)
+            args = (check(op, target), *args[1:])
+        elif "file" in kwargs:
+            kwargs = dict(kwargs, file=check(op, kwargs["file"]))
+    return wrapped(*args, **kwargs)
+
+
+def _open_code_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if _active() and args:
+        args = (check(READ, args[0]), *args[1:])
+    return wrapped(*args, **kwargs)
+
+
+def _chdir_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if _active() and args:
+        args = (check(READ, args[0]), *args[1:])
+    result = wrapped(*args, **kwargs)
+    if _resolver is not None:
+        _resolver.cwd = _getcwd()
+    return result
+
+
+def _sqlite_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if _active():
+        database = args[0] if args else kwargs.get("database")
+        if database is not None and not isinstance(database, int):
+            text = os.fsdecode(os.fspath(database))
+            uri = kwargs.get("uri", False) or (len(args) > 7 and args[7])
+            op = WRITE
+            if uri and text.startswith("file:"):
+                text, _, query = text[5:].partition("?")
+                if "mode=memory" in query or not text:
+                    text = ""
+                elif "mode=ro" in query:
+                    op = READ
+                if text.startswith("//"):
+                    text = "/" + text[2:].partition("/")[2]
+            if text and text != ":memory:":
+                check(op, text)
+    return wrapped(*args, **kwargs)
+
+
+#: os/posix functions taking one path: name -> (operation, follows symlinks by default).
+ONE_PATH: dict[str, tuple[str, bool]] = {
+    "stat": (META, True),
+    "lstat": (META, False),
+    "access": (META, True),
+    "statvfs": (META, True),
+    "pathconf": (META, True),
+    "readlink": (META, False),
+    "listdir": (READ, True),
+    "scandir": (READ, True),
+    "getxattr": (READ, True),
+    "listxattr": (READ, True),
+    "mkdir": (WRITE, False),
+    "rmdir": (WRITE, False),
+    "remove": (WRITE, False),
+    "unlink": (WRITE, False),
+    "chmod": (WRITE, True),
+    "chown": (WRITE, True),
+    "lchown": (WRITE, False),
+    "chflags": (WRITE, True),
+    "lchflags": (WRITE, False),
+    "lchmod": (WRITE, False),
+    "utime": (WRITE, True),
+    "truncate": (WRITE, True),
+    "mkfifo": (WRITE, False),
+    "mknod": (WRITE, False),
+    "setxattr": (WRITE, True),
+    "removexattr": (WRITE, True),
+    "chroot": (WRITE, True),
+}
+#: Functions whose path defaults to "." when omitted.
+_DEFAULT_DOT = frozenset({"listdir", "scandir"})
+TWO_PATHS: dict[str, tuple[str, str]] = {
+    "rename": (WRITE, WRITE),
+    "replace": (WRITE, WRITE),
+    "link": (WRITE, WRITE),
+}
+
+
+def install() -> None:
+    """Patch every route above (call once, before arming)."""
+    import _io
+    import builtins
+    import io
+
+    for module in (os, posix):
+        for name, (op, follow) in ONE_PATH.items():
+            if hasattr(module, name):
+                default = "." if name in _DEFAULT_DOT else None
+                _patch.wrap(module, name, _one_path(op, follow, default))
+        for name, (op1, op2) in TWO_PATHS.items():
+            if hasattr(module, name):
+                _patch.wrap(module, name, _two_paths(op1, op2))
+        _patch.wrap(module, "symlink", _symlink_wrapper)
+        _patch.wrap(module, "open", _os_open_wrapper)
+        _patch.wrap(module, "chdir", _chdir_wrapper)
+    for module in (builtins, io, _io):
+        _patch.wrap(module, "open", _open_wrapper)
+    for module in (io, _io):
+        _patch.wrap(module, "open_code", _open_code_wrapper)
+    _patch.wrap_later("tokenize", "_builtin_open", _open_wrapper)
+    _patch.wrap_later("sqlite3", "connect", _sqlite_wrapper)
+    _patch.wrap_later("_sqlite3", "connect", _sqlite_wrapper)

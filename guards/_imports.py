@@ -1,0 +1,290 @@
+"""The import guard: user code imports only what `[imports]` allows.
+
+What it enforces:
+
+1. Only imports made directly by user code are judged: the `<cell-N>` cells and strings they
+   compile. Imports made by the standard library, installed packages and the worker itself
+   (a granted package's own internals, `numpy` importing `pickle`) are not charged to the
+   policy; the other guards still judge what that code then does.
+2. Two hooks judge, so that both fresh and already-loaded modules are covered:
+   * the user namespace gets its own `__builtins__` whose `__import__` judges every import
+     statement of user code, including modules loaded before arming (`socket`, which the
+     worker's transport uses) and relative imports (judged by their absolute name);
+   * a finder at the head of `sys.meta_path` judges imports that reach the import system by
+     another route (`importlib.import_module`, which is also wrapped, or `__import__` reached
+     through the real `builtins`), by looking at the frame that started the import.
+3. A PEP 578 audit hook keeps the finder at index 0: before each import that reaches the
+   import system, it moves the finder back if another one overtook it (setuptools'
+   `DistutilsMetaFinder`, wrapt's post-import `ImportHookFinder`, crewai's CLI shim) or
+   re-inserts it if it was removed. Overtaking is the ordinary case, so it is repaired, not
+   refused.
+4. `allow = ["pkg"]` allows `pkg` and `pkg.*`; `deny` beats `allow`; `"*"` allows all.
+   `from pkg import sub` is allowed when `pkg` is, or when every `pkg.sub` named is.
+
+What it does NOT stop: reaching an already-loaded module through the object graph
+(`sys.modules`, a module attribute such as `os.sys`, the class hierarchy); a granted package
+that re-exports a forbidden one. The audit hook cannot be removed, but it only repairs the
+finder; it is not a boundary either.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import sys
+import types
+from _thread import get_ident
+from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
+from typing import Any
+
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import ImportDenied
+from agent_sandbox.guards import _patch
+from agent_sandbox.guards._state import is_user_frame, refuse, state
+
+__all__ = [
+    "GuardFinder",
+    "ImportRules",
+    "configure",
+    "finder",
+    "guarded_import",
+    "install",
+    "make_user_builtins",
+    "restore_finder",
+]
+
+_st = state
+_orig_import = builtins.__import__
+_modules = sys.modules
+_getframe = sys._getframe
+
+
+class ImportRules:
+    """The `[imports]` section: which module names user code may import."""
+
+    def __init__(self, imports: dict[str, Any], policy_name: str = "") -> None:
+        self.allow = tuple(imports.get("allow", ()))
+        self.deny = tuple(imports.get("deny", ()))
+        self.policy_name = policy_name
+
+    @staticmethod
+    def _covers(entry: str, name: str) -> bool:
+        if entry == "*":
+            return True
+        if entry.endswith(".*"):
+            return name.startswith(entry[:-1])
+        return name == entry or name.startswith(entry + ".")
+
+    def denied_by(self, name: str) -> str | None:
+        for entry in self.deny:
+            if self._covers(entry, name):
+                return entry
+        return None
+
+    def allows(self, name: str) -> bool:
+        if self.denied_by(name) is not None:
+            return False
+        return any(self._covers(entry, name) for entry in self.allow)
+
+    def denial(self, name: str) -> Denial:
+        entry = self.denied_by(name)
+        if entry is not None:
+            return Denial(
+                rule="imports",
+                action="import",
+                target=name,
+                policy=self.policy_name,
+                detail=f"{entry!r} is listed in [imports] deny, which beats [imports] allow",
+                hint=f"remove {entry!r} from [imports] deny",
+            )
+        top = name.split(".")[0]
+        return Denial(
+            rule="imports",
+            action="import",
+            target=name,
+            policy=self.policy_name,
+            detail="the module is not in [imports] allow",
+            hint=f'[imports] allow = ["{top}"]',
+        )
+
+
+_rules = ImportRules({})
+#: Top-level names user code already imported with the policy's blessing (fast path).
+_ok: set[str] = set()
+
+
+def configure(rules: ImportRules) -> None:
+    global _rules
+    _rules = rules
+    _ok.clear()
+
+
+def _judge(name: str) -> None:
+    if not _rules.allows(name):
+        refuse(ImportDenied, _rules.denial(name))
+
+
+def _absolute(name: str, globals_: Any, level: int) -> str:
+    """The absolute name of a relative import, as the import system would compute it."""
+    package = None
+    if isinstance(globals_, dict):
+        package = globals_.get("__package__")
+        if not package:
+            spec = globals_.get("__spec__")
+            package = getattr(spec, "parent", None)
+    if not package or not isinstance(package, str):
+        return name  # the import itself raises "no known parent package"
+    bits = package.rsplit(".", level - 1)
+    if len(bits) < level:
+        return name
+    base = bits[0]
+    return f"{base}.{name}" if name else base
+
+
+def guarded_import(
+    name: str,
+    globals: Any = None,
+    locals: Any = None,
+    fromlist: Any = (),
+    level: int = 0,
+) -> Any:
+    """`__import__` for user code: judge the module, then import it the ordinary way."""
+    if not level and not fromlist and name in _ok:
+        module = _modules.get(name)
+        if module is not None:
+            return module
+    if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
+        absolute = _absolute(name, globals, level) if level else name
+        if _rules.allows(absolute):
+            if not level and not fromlist and "." not in name:
+                _ok.add(name)
+        elif fromlist and all(
+            isinstance(item, str) and item != "*" and _rules.allows(f"{absolute}.{item}")
+            for item in fromlist
+        ):
+            pass  # `from pkg import sub` where each `pkg.sub` is allowed
+        else:
+            _judge(absolute)
+    return _orig_import(name, globals, locals, fromlist, level)
+
+
+_SKIP_PREFIXES: tuple[str, ...] = ("<frozen importlib",)
+
+
+def _importer_is_user() -> bool:
+    """Whether the frame that started this import (import machinery skipped) is user code."""
+    frame: Any = _getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIP_PREFIXES):
+            return is_user_frame(filename)
+        frame = frame.f_back
+    return False
+
+
+class GuardFinder:
+    """The meta-path finder that judges imports started by user code; it never loads."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        active = _st.armed or (_st.user_threads and get_ident() in _st.user_threads)
+        if active and _importer_is_user():
+            _judge(fullname)
+        return None
+
+    def invalidate_caches(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "<agent_sandbox import guard>"
+
+
+_finder = GuardFinder()
+_finder_on = False
+_displaced: list[str] = []
+
+
+def finder() -> GuardFinder:
+    return _finder
+
+
+def restore_finder() -> bool:
+    """Put the finder back at the head of `sys.meta_path`; False when that failed."""
+    try:
+        meta = sys.meta_path
+        if not isinstance(meta, list):
+            sys.meta_path = [_finder, BuiltinImporter, FrozenImporter, PathFinder]
+            return True
+        while _finder in meta:
+            meta.remove(_finder)
+        meta.insert(0, _finder)
+        return True
+    except Exception:
+        return False
+
+
+def _audit_hook(event: str, args: tuple[Any, ...]) -> None:
+    if event == "import" and _finder_on:
+        meta = sys.meta_path
+        if (not meta or meta[0] is not _finder) and not restore_finder():
+            _displaced.append("the import finder could not be put back at sys.meta_path[0]")
+
+
+_hook_added = False
+
+
+def _import_module_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
+        frame = _getframe(1)
+        if is_user_frame(frame.f_code.co_filename):
+            name = args[0] if args else kwargs.get("name", "")
+            package = args[1] if len(args) > 1 else kwargs.get("package")
+            if isinstance(name, str):
+                if name.startswith("."):
+                    level = len(name) - len(name.lstrip("."))
+                    name = _absolute(name[level:], {"__package__": package}, level)
+                _judge(name)
+    return wrapped(*args, **kwargs)
+
+
+def make_user_builtins() -> types.ModuleType:
+    """A copy of `builtins` for the user namespace, with the judging `__import__`."""
+    module = types.ModuleType("builtins", builtins.__doc__)
+    module.__dict__.update(builtins.__dict__)
+    module.__dict__["__import__"] = guarded_import
+    return module
+
+
+def install() -> None:
+    """Insert the finder, add the audit hook (once per process) and wrap import_module."""
+    global _finder_on, _hook_added
+    _patch.wrap(importlib, "import_module", _import_module_wrapper)
+    _finder_on = True
+    restore_finder()
+    if not _hook_added:
+        sys.addaudithook(_audit_hook)
+        _hook_added = True
+
+
+def uninstall() -> None:
+    """Take the finder out (the audit hook stays, inert, for the life of the process)."""
+    global _finder_on
+    _finder_on = False
+    while _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def problems() -> list[str]:
+    """Why the import guard is not intact (after trying to repair the finder's place)."""
+    out = list(_displaced)
+    _displaced.clear()
+    if _finder_on:
+        meta = sys.meta_path
+        if not (isinstance(meta, list) and meta and meta[0] is _finder) and not restore_finder():
+            out.append("the import finder was displaced from sys.meta_path and not restorable")
+    return out
+
+
+def importer_is_user() -> bool:
+    return _importer_is_user()

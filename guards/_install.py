@@ -1,0 +1,178 @@
+"""Installing the guards in a worker, arming them around each call, and checking them after.
+
+The order, at worker start (hook 5b of `_worker_setup.prepare`):
+
+1. Configure every guard from the boot configuration (the wire policy, the scratch
+   directory, the host's variable names, the import roots whose code is not user code).
+2. Point temporary files at the scratch directory (`TMPDIR`, `MPLCONFIGDIR`), so libraries
+   do not knock on `/tmp` first.
+3. Patch: files, sockets, environment, sensitive calls, thread start, then the import finder
+   and its audit hook (last, so it sits ahead of wrapt's post-import finder).
+4. Build the user namespace's own `__builtins__` (with the judging `__import__`).
+
+Per call, `arming()` puts that `__builtins__` back into the namespace and sets the armed
+flag; threads started while armed stay armed. After the call, `tamper_check()` returns the
+reasons the guards are no longer intact: a wrapper replaced or removed, the import finder
+displaced and not restorable, the flag cleared during the call, the namespace's
+`__builtins__` swapped. Each reason becomes a `guard.tampered` denial and the worker is
+discarded.
+
+What it does NOT do: detect a flag that was cleared and set back within one call, or
+anything done through the originals; see the escape matrix in docs/guards.md.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+from agent_sandbox.guards import _calls, _env, _files, _imports, _net, _patch
+from agent_sandbox.guards._state import configure as configure_state
+from agent_sandbox.guards._state import state
+
+__all__ = ["Guards", "install_guards"]
+
+
+def _thread_start_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    if not (state.armed or (state.user_threads and _thread.get_ident() in state.user_threads)):
+        return wrapped(*args, **kwargs)
+    function = args[0] if args else kwargs.get("function")
+
+    def armed_thread(*a: Any, **k: Any) -> Any:
+        ident = _thread.get_ident()
+        state.user_threads.add(ident)
+        try:
+            return function(*a, **k)
+        finally:
+            state.user_threads.discard(ident)
+
+    return wrapped(armed_thread, *args[1:], **kwargs)
+
+
+class _Arming:
+    """The context manager the runner enters around one call."""
+
+    __slots__ = ("guards",)
+
+    def __init__(self, guards: Guards) -> None:
+        self.guards = guards
+
+    def __enter__(self) -> None:
+        self.guards.enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.guards.exit()
+
+
+class Guards:
+    """The installed guards of one process (a worker, or a test)."""
+
+    def __init__(self, namespace: dict[str, Any] | None, user_builtins: ModuleType) -> None:
+        self.namespace = namespace
+        self.user_builtins = user_builtins
+        self.installed = True
+        self.reasons: list[str] = []
+        self.calls = 0
+
+    def arming(self) -> _Arming:
+        """The context manager that arms the guards for one call."""
+        return _Arming(self)
+
+    def enter(self) -> None:
+        if not self.installed:
+            raise RuntimeError("the guards were uninstalled; this worker cannot run user code")
+        if self.namespace is not None:
+            self.namespace["__builtins__"] = self.user_builtins
+        resolver = _files._resolver
+        if resolver is not None:
+            resolver.cwd = os.getcwd()
+        self.calls += 1
+        state.armed = True
+
+    def exit(self) -> None:
+        if not state.armed:
+            self.reasons.append("the guards were disarmed during the call")
+        state.armed = False
+
+    def tamper_check(self) -> list[str]:
+        """Why the guards are no longer intact (empty when they are)."""
+        reasons = list(self.reasons)
+        self.reasons.clear()
+        if not self.installed:
+            reasons.append("the guards were uninstalled")
+            return reasons
+        reasons.extend(
+            f"the wrapper of {label} was replaced or removed" for label in _patch.broken()
+        )
+        reasons.extend(_imports.problems())
+        if self.user_builtins.__dict__.get("__import__") is not _imports.guarded_import:
+            reasons.append("__import__ of the user namespace's builtins was replaced")
+        if (
+            self.namespace is not None
+            and self.namespace.get("__builtins__") is not self.user_builtins
+        ):
+            reasons.append("the user namespace's __builtins__ was replaced or deleted")
+        return reasons
+
+    def uninstall(self) -> None:
+        """Restore every original (tests use this; a worker never does)."""
+        state.armed = False
+        state.user_threads.clear()
+        _imports.uninstall()
+        _patch.uninstall()
+        _files.configure(_files.FileRules({}, scratch=""))
+        self.installed = False
+
+
+def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None) -> Guards:
+    """Install every guard for the boot configuration `boot`; see the module docstring."""
+    policy: dict[str, Any] = boot.get("policy") or {}
+    name = str(policy.get("name", ""))
+    scratch = str(boot.get("scratch") or "")
+    roots = [*boot.get("sys_path", ()), *dict(boot.get("package_dirs") or {}).values()]
+    configure_state(
+        learn=policy.get("mode") == "learn", policy_name=name, trusted_roots=tuple(roots)
+    )
+    # 1. configure
+    _files.configure(
+        _files.FileRules(
+            policy.get("files") or {},
+            scratch=scratch,
+            policy_name=name,
+            policy_file=str(policy.get("source_file") or ""),
+            import_roots=roots,
+        )
+    )
+    _imports.configure(_imports.ImportRules(policy.get("imports") or {}, name))
+    _net.configure(_net.NetRules(policy.get("net") or {}, name))
+    _env.configure(boot.get("host_env_names") or (), name)
+    _calls.configure(_calls.ApiRules(policy.get("api") or {}, name), policy.get("code") or {})
+    # 2. temporary files go to scratch
+    if scratch:
+        os.environ.setdefault("TMPDIR", scratch)
+        os.environ.setdefault("MPLCONFIGDIR", os.path.join(scratch, ".matplotlib"))
+    # 3. patch
+    _files.install()
+    _net.install()
+    _env.install()
+    _calls.install()
+    _patch.wrap(_thread, "start_new_thread", _thread_start_wrapper)
+    if getattr(threading, "_start_new_thread", None) is not None:
+        _patch.wrap(threading, "_start_new_thread", _thread_start_wrapper)
+    _imports.install()
+    # 4. the user namespace's builtins (after the builtins were wrapped)
+    guards = Guards(namespace, _imports.make_user_builtins())
+    if namespace is not None:
+        namespace["__builtins__"] = guards.user_builtins
+    return guards
+
+
+def summary() -> dict[str, Any]:
+    """What was installed, for the handshake's checks."""
+    return {"patches": len(_patch.patches()), "finder": sys.meta_path[:1] == [_imports.finder()]}

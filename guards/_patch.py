@@ -1,0 +1,160 @@
+"""The one module that monkey-patches: every guard installs its wrappers through here.
+
+What it does:
+
+1. `wrap(owner, name, wrapper)` replaces `owner.name` with a wrapt `FunctionWrapper` that
+   calls `wrapper(wrapped, instance, args, kwargs)`, and records the original.
+2. `wrap_later(module, name, wrapper)` does the same for a module that may not be imported
+   yet: the patch is applied by a wrapt post-import hook when the module loads.
+3. `set_attr(owner, name, value)` is the rare plain replacement (a class swap, a module
+   attribute that must stay a class); it records the original too.
+4. `uninstall()` restores every original, newest first; `broken()` lists the patches whose
+   attribute no longer holds what was installed (a guard replaced or removed).
+
+What it does NOT do: it cannot patch immutable C types (`_io.FileIO`, `_pickle.Unpickler`,
+the methods of `_socket.socket`), and it cannot hide the originals, which stay reachable from
+the wrappers (`__wrapped__`) and the class hierarchy. It is a guardrail's plumbing, not a
+boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+__all__ = ["Patch", "broken", "patches", "set_attr", "uninstall", "wrap", "wrap_later"]
+
+Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
+_MISSING = object()
+
+
+@dataclass
+class Patch:
+    """One applied patch: where, what was there before, what we put there."""
+
+    owner: Any
+    name: str
+    original: Any
+    installed: Any
+    label: str
+
+
+_lock = threading.RLock()
+_patches: list[Patch] = []
+_pending: dict[str, list[tuple[str, Wrapper, str]]] = {}
+_hooked: set[str] = set()
+_generation = 0
+
+
+def _label(owner: Any, name: str) -> str:
+    base = getattr(owner, "__name__", None) or type(owner).__name__
+    return f"{base}.{name}"
+
+
+def _own_value(owner: Any, name: str) -> Any:
+    """The attribute as stored on `owner` itself (not found through the MRO)."""
+    try:
+        return vars(owner).get(name, _MISSING)
+    except TypeError:
+        return _MISSING
+
+
+def wrap(owner: Any, name: str, wrapper: Wrapper, *, label: str = "") -> Any:
+    """Wrap `owner.name` with `wrapper` and record the original; returns the installed wrapper."""
+    with _lock:
+        original = _own_value(owner, name)
+        installed = wrapt.wrap_function_wrapper(owner, name, wrapper)
+        _patches.append(Patch(owner, name, original, installed, label or _label(owner, name)))
+        return installed
+
+
+def set_attr(owner: Any, name: str, value: Any, *, label: str = "") -> None:
+    """Replace `owner.name` with `value` (no wrapper) and record the original."""
+    with _lock:
+        original = _own_value(owner, name)
+        if original is _MISSING and name == "__class__":
+            original = type(owner)
+        setattr(owner, name, value)
+        _patches.append(Patch(owner, name, original, value, label or _label(owner, name)))
+
+
+def wrap_later(module: str, name: str, wrapper: Wrapper, *, label: str = "") -> None:
+    """Wrap `module.name` now if the module is loaded, else when it is first imported.
+
+    `name` may be dotted (`Popen.__init__`). A missing attribute (an optional C twin,
+    a platform-only function) is skipped.
+    """
+    with _lock:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            _wrap_dotted(loaded, name, wrapper, label or f"{module}.{name}")
+            return
+        _pending.setdefault(module, []).append((name, wrapper, label or f"{module}.{name}"))
+        if module not in _hooked:
+            _hooked.add(module)
+            wrapt.register_post_import_hook(_make_hook(module, _generation), module)
+
+
+def _wrap_dotted(module: Any, dotted: str, wrapper: Wrapper, label: str) -> None:
+    owner = module
+    *parents, name = dotted.split(".")
+    for part in parents:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return
+    if hasattr(owner, name):
+        wrap(owner, name, wrapper, label=label)
+
+
+def _make_hook(module: str, generation: int) -> Callable[[Any], None]:
+    def hook(loaded: Any) -> None:
+        with _lock:
+            if generation != _generation:
+                return  # uninstalled since: a stale hook does nothing
+            for name, wrapper, label in _pending.pop(module, []):
+                _wrap_dotted(loaded, name, wrapper, label)
+
+    return hook
+
+
+def patches() -> list[Patch]:
+    """The patches applied so far, oldest first."""
+    with _lock:
+        return list(_patches)
+
+
+def broken() -> list[str]:
+    """Labels of the patches whose attribute no longer holds the installed object."""
+    out = []
+    with _lock:
+        for patch in _patches:
+            current = _own_value(patch.owner, patch.name)
+            if patch.name == "__class__":
+                current = type(patch.owner)
+            if current is not patch.installed:
+                out.append(patch.label)
+    return out
+
+
+def uninstall() -> None:
+    """Restore every original, newest first, and forget pending (deferred) patches."""
+    global _generation
+    with _lock:
+        _generation += 1
+        _pending.clear()
+        _hooked.clear()
+        while _patches:
+            patch = _patches.pop()
+            if patch.original is _MISSING:
+                try:
+                    delattr(patch.owner, patch.name)
+                except (AttributeError, TypeError):
+                    pass
+            else:
+                setattr(patch.owner, patch.name, patch.original)
