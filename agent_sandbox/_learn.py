@@ -268,7 +268,7 @@ class Proposal:
             f" (current: {source}).",
             "Nothing here is in force. Review every line, then apply it explicitly:",
             "  agent-sandbox policy apply <this file> --to <the current policy>",
-            f"{self.records} would-be denials observed: {len(proposed)} entries proposed "
+            f"{self.records} distinct would-be denials observed: {len(proposed)} entries proposed "
             f"({len(self.risky)} RISKY, marked on their line), "
             f"{len(self.flagged)} FLAGGED and not proposed.",
         ]
@@ -554,7 +554,7 @@ def propose(
         current=current,
         proposed=proposed.model_copy(update={"source": None}),
         findings=tuple(findings),
-        records=len(denials),
+        records=len(unique),
     )
 
 
