@@ -144,27 +144,34 @@ class Runner:
         started = time.time()
         try:
             compiled = self._compile(code, filename)
+        except SandboxDenied as exc:  # before SyntaxError: CodeRejected is both
+            emit("error", _error_info(exc, filename))
+            return
         except SyntaxError as exc:
             emit("error", _syntax_error(exc))
-            return
-        except SandboxDenied as exc:
-            emit("error", _error_info(exc, filename))
             return
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = out, err
         value: Any = None
         failure: BaseException | None = None
+        outcome: tuple[str, Any] | None = None
         try:
             arming = self.arming() if self.arming is not None else None
             if arming is not None:
                 arming.__enter__()
             try:
-                value = self._execute(compiled)
+                try:
+                    value = self._execute(compiled)
+                except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                    failure = exc
+                # Encoded while still armed: pickling, repr() and str() run user methods.
+                outcome = self._outcome(value, failure, filename)
             finally:
                 if arming is not None:
                     arming.__exit__(None, None, None)
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything
             failure = exc
+            outcome = None
         finally:
             sys.stdout, sys.stderr = saved
             for stream in (out, err):

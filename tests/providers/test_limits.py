@@ -1,0 +1,179 @@
+"""Resource limits in every provider: per-worker cgroups, limit denials, worker replacement."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, Sandbox
+from agent_sandbox._denial import RULES
+from agent_sandbox._result import ResultBuilder, RunError
+from agent_sandbox.providers._limits import (
+    REPLACING_RULES,
+    WorkerCgroups,
+    cgroup_support,
+    record_limit_hits,
+)
+
+SUPPORT = cgroup_support()
+needs_cgroups = pytest.mark.skipif(
+    not (SUPPORT["memory"] or SUPPORT["processes"] or SUPPORT["kill"]),
+    reason="the parent cannot create cgroups here",
+)
+
+
+class _FakeGroups:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def new_events(self) -> list[str]:
+        out, self.events = self.events, []
+        return out
+
+
+def test_every_limit_rule_is_in_the_catalogue() -> None:
+    """It only emits rule names documented in RULES."""
+    assert set(RULES) >= REPLACING_RULES
+
+
+def test_worker_limit_error_becomes_a_denial_and_replaces_the_worker() -> None:
+    """It turns a limit error the worker reported into a denial naming the setting."""
+    builder = ResultBuilder()
+    builder.error = RunError(kind="limit", type="OSError", message="EFBIG", rule="limits.file-size")
+    policy = Policy(name="p", limits={"file_size_mb": 3})
+    assert record_limit_hits(builder, None, policy) is True
+    [denial] = builder.denials
+    assert (denial.rule, denial.target, denial.hint) == (
+        "limits.file-size",
+        "file_size_mb",
+        "[limits] file_size_mb = 6",
+    )
+
+
+def test_an_oom_kill_is_reported_as_memory_not_as_a_crash() -> None:
+    """It reports a worker killed by its memory cgroup as limits.memory."""
+    builder = ResultBuilder()
+    builder.error = RunError(kind="crashed", type="WorkerCrashed", message="SIGKILL")
+    assert record_limit_hits(builder, _FakeGroups(["memory"]), Policy(name="p")) is True  # type: ignore[arg-type]
+    assert builder.error is not None and builder.error.rule == "limits.memory"
+    assert [d.rule for d in builder.denials] == ["limits.memory"]
+
+
+def test_a_completed_call_keeps_its_value_and_gets_the_denial() -> None:
+    """It lists a swallowed limit hit (a refused fork) without inventing an error."""
+    builder = ResultBuilder()
+    assert record_limit_hits(builder, _FakeGroups(["processes"]), Policy(name="p")) is True  # type: ignore[arg-type]
+    assert builder.error is None and [d.rule for d in builder.denials] == ["limits.processes"]
+
+
+def test_no_hit_no_denial() -> None:
+    """It adds nothing for a call that stayed within its limits."""
+    builder = ResultBuilder()
+    assert record_limit_hits(builder, _FakeGroups([]), Policy(name="p")) is False  # type: ignore[arg-type]
+    assert builder.denials == []
+
+
+@needs_cgroups
+def test_cgroups_are_created_joined_killed_and_removed() -> None:
+    """It kills every member, including a setsid grandchild, and removes the groups."""
+    groups = WorkerCgroups.create("w-test" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
+    assert groups is not None
+    proc = subprocess.Popen(["sh", "-c", "setsid sleep 60 & sleep 60"], start_new_session=True)
+    try:
+        groups.attach(proc.pid)
+        deadline = time.monotonic() + 5
+        while len(groups.pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The grandchild was forked before the attach? Then attach_tree catches it.
+        groups.attach_tree(proc.pid)
+        members = groups.pids()
+        assert proc.pid in members
+        groups.kill()
+        proc.wait(5)
+        assert groups.pids() == []
+        assert groups.remove() is True
+        assert not any(os.path.exists(d) for d in groups.dirs.values())
+        assert not any(Path(f"/proc/{pid}").exists() and _running(pid) for pid in members)
+    finally:
+        proc.kill()
+        groups.kill()
+        groups.remove()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+
+
+@needs_cgroups
+def test_a_detached_grandchild_does_not_outlive_its_worker() -> None:
+    """It ends a double-forked, setsid process the worker left behind (subprocess provider)."""
+    policy = Policy(
+        name="danger-p",
+        imports={"allow": ["*"]},
+        api={"allow": ["process-control"]},
+        code={"enabled": False},
+    )
+    code = """
+import os, time
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode()); time.sleep(60); os._exit(0)
+    os._exit(0)
+int(os.read(r, 32))
+"""
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run(code)
+        worker_id = result.worker_id
+    grandchild = int(result.value)
+    time.sleep(0.05)
+    assert not _running(grandchild)
+    for base in SUPPORT["hierarchies"].values():
+        assert not os.path.exists(os.path.join(base, f"agent-sandbox-{worker_id}"))
+
+
+def test_file_size_limit_is_a_denial_and_the_worker_is_replaced() -> None:
+    """It reports limits.file-size and starts the next session call in a fresh worker."""
+    policy = Policy(name="p", imports={"allow": ["os"]}, limits={"file_size_mb": 1})
+    with Sandbox(policy, warm=0) as sb, sb.session("s") as session:
+        first = session.run("x = 1\nopen('big', 'wb').write(b'x' * 2_000_000)")
+        assert "limits.file-size" in [d.rule for d in first.denials]
+        second = session.run("1 + 1")
+        assert second.value == 2 and second.state_lost
+
+
+def test_open_files_limit_is_a_denial() -> None:
+    """It reports limits.open-files when the code runs out of descriptors."""
+    policy = Policy(name="p", limits={"open_files": 16})
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run("fs = [open('f%d' % i, 'w') for i in range(40)]")
+    assert "limits.open-files" in [d.rule for d in result.denials]
+
+
+def test_cpu_limit_is_a_denial() -> None:
+    """It ends a busy loop at limits.cpu_seconds and reports limits.cpu."""
+    policy = Policy(
+        name="p", code={"enabled": False}, limits={"cpu_seconds": 1, "wall_seconds": 20}
+    )
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run("while True:\n    pass")
+    assert result.error is not None and result.error.rule == "limits.cpu"
+    assert "limits.cpu" in [d.rule for d in result.denials]
+
+
+def test_memory_limit_holds_for_every_provider(
+    kernel_provider: str, arena: Any, hostile: Any, make_policy: Any
+) -> None:
+    """It reports limits.memory for an in-process balloon under each kernel provider."""
+    code = "hold = []\nwhile True:\n    hold.append(bytearray(16 * 1024 * 1024))"
+    result = hostile(kernel_provider, make_policy(arena, limits={"memory_mb": 200}), code)
+    assert "limits.memory" in [d.rule for d in result.denials]
