@@ -23,6 +23,7 @@ inside the worker while user code runs:
     * EnvDenied (KeyError)
     * CallDenied (PermissionError)
     * CodeRejected (SyntaxError)
+    * AttributeDenied (AttributeError)
     * LimitExceeded                 - a budget or resource limit was hit
 
 This module is imported by the worker before anything else, so it uses the standard
@@ -31,12 +32,14 @@ library only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agent_sandbox._denial import Denial
 
 __all__ = [
+    "AttributeDenied",
     "CallDenied",
     "CodeRejected",
     "EnvDenied",
@@ -245,11 +248,22 @@ class CallDenied(SandboxDenied, PermissionError):
 
 
 class CodeRejected(SandboxDenied, SyntaxError):
-    """The code uses syntax, names or attributes outside the policy's sub-language."""
+    """The code uses syntax, names or attributes outside the policy's sub-language.
 
-    def __init__(self, denial: Denial, *args: Any) -> None:
+    Raised before the code runs; `.violations` lists every place at once (each with line,
+    column, text and the policy line that would allow it), so a model fixes them in one round.
+    """
+
+    def __init__(self, denial: Denial, *args: Any, violations: Sequence[Any] = ()) -> None:
         super().__init__(denial, *args)
         self.msg = denial.message()
+        self.violations = tuple(violations)
+
+
+class AttributeDenied(SandboxDenied, AttributeError):
+    """An attribute name computed at run time (getattr, format fields, attrgetter) that the
+    policy's sub-language refuses; an AttributeError so `getattr(x, name, default)` and
+    `hasattr` treat it like a missing attribute (the denial is still recorded)."""
 
 
 class LimitExceeded(SandboxDenied):

@@ -43,6 +43,7 @@ class Patch:
     original: Any
     installed: Any
     label: str
+    where: Any = None  # vars(owner), kept so the tamper check is one dict lookup per patch
 
 
 _lock = threading.RLock()
@@ -55,6 +56,13 @@ _generation = 0
 def _label(owner: Any, name: str) -> str:
     base = getattr(owner, "__name__", None) or type(owner).__name__
     return f"{base}.{name}"
+
+
+def _where(owner: Any) -> Any:
+    try:
+        return vars(owner)
+    except TypeError:
+        return None
 
 
 def _own_value(owner: Any, name: str) -> Any:
@@ -70,7 +78,9 @@ def wrap(owner: Any, name: str, wrapper: Wrapper, *, label: str = "") -> Any:
     with _lock:
         original = _own_value(owner, name)
         installed = wrapt.wrap_function_wrapper(owner, name, wrapper)
-        _patches.append(Patch(owner, name, original, installed, label or _label(owner, name)))
+        _patches.append(
+            Patch(owner, name, original, installed, label or _label(owner, name), _where(owner))
+        )
         return installed
 
 
@@ -134,10 +144,13 @@ def broken() -> list[str]:
     out = []
     with _lock:
         for patch in _patches:
-            current = _own_value(patch.owner, patch.name)
-            if patch.name == "__class__":
-                current = type(patch.owner)
-            if current is not patch.installed:
+            if patch.where is not None:
+                if patch.where.get(patch.name, _MISSING) is not patch.installed:
+                    out.append(patch.label)
+            elif patch.name == "__class__":
+                if type(patch.owner) is not patch.installed:
+                    out.append(patch.label)
+            elif _own_value(patch.owner, patch.name) is not patch.installed:
                 out.append(patch.label)
     return out
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import os
 import re
+import socket
+import warnings
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 __all__ = [
     "ApiPolicy",
@@ -264,6 +267,28 @@ class LimitsPolicy(_Section):
     open_files: int = Field(default=256, ge=16)
 
 
+def _is_ip_or_cidr(host: str) -> bool:
+    try:
+        ipaddress.ip_network(host, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve_host(host: str) -> tuple[str, ...]:
+    """The addresses `host` resolves to now (the pin), or () with a warning."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        warnings.warn(
+            f"the host {host!r} in [net] rules does not resolve; its rules match nothing",
+            UserWarning,
+            stacklevel=3,
+        )
+        return ()
+    return tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
 class Policy(_Section):
     """A tool's whole policy. Build it in Python or load it with `load_policy()`."""
 
@@ -281,6 +306,7 @@ class Policy(_Section):
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
     #: Where the policy was loaded from (not part of the fingerprint).
     source: Annotated[str | None, Field(exclude=True)] = None
+    _pins: dict[str, tuple[str, ...]] | None = PrivateAttr(default=None)
 
     @field_validator("name")
     @classmethod
@@ -303,6 +329,15 @@ class Policy(_Section):
                 "this policy allows every import or grants dynamic or native code; "
                 "a permissive policy must carry 'danger' in its name"
             )
+        granted = sorted(DANGEROUS_CATEGORIES & set(self.api.allow))
+        if granted:
+            warnings.warn(
+                f"policy {self.name!r} grants {', '.join(granted)}: code can then run "
+                "arbitrary Python (eval/exec, unpickled streams, native calls) that the "
+                "Python guards cannot follow; rely on an OS provider",
+                UserWarning,
+                stacklevel=2,
+            )
         return self
 
     def is_permissive(self) -> bool:
@@ -312,13 +347,44 @@ class Policy(_Section):
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON dict the worker receives (no pydantic needed to read it)."""
+        """The JSON dict the worker receives (no pydantic needed to read it).
+
+        Besides the fields it carries, for the guards: `net.rules[i].addresses`, the
+        addresses a rule's host name resolved to (once per policy object, in the parent:
+        the worker answers name lookups from this pin and never asks DNS), and
+        `source_file`, the policy file the worker must never write.
+        """
         data = self.model_dump(mode="json", by_alias=True)
+        pins = self.pinned_addresses()
+        for rule in data.get("net", {}).get("rules", []):
+            rule["addresses"] = list(pins.get(rule["host"], ()))
+        if self.source and not self.source.startswith("preset:") and self.source != "<string>":
+            data["source_file"] = os.path.realpath(self.source)
         return data
 
+    def pinned_addresses(self) -> dict[str, tuple[str, ...]]:
+        """Host name -> the addresses it resolved to; resolved once, then kept.
+
+        A name that does not resolve pins no address: its rules then match nothing (a
+        warning says so).
+        """
+        pins = self.__pydantic_private__.get("_pins") if self.__pydantic_private__ else None
+        if pins is None:
+            pins = {}
+            for rule in self.net.rules:
+                if rule.host in pins or _is_ip_or_cidr(rule.host):
+                    continue
+                pins[rule.host] = _resolve_host(rule.host)
+            self._pins = pins
+        return pins
+
     def fingerprint(self) -> str:
-        """A stable hash: the same policy always gives the same fingerprint."""
-        canonical = json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":"))
+        """A stable hash: the same policy always gives the same fingerprint.
+
+        It covers the declared fields only (not the pinned addresses or the file path).
+        """
+        data = self.model_dump(mode="json", by_alias=True)
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def merged(self, overrides: dict[str, Any]) -> Policy:
