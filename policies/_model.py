@@ -212,46 +212,91 @@ class ApiPolicy(_Section):
 
 
 class CodeBudgets(_Section):
-    """Budgets the rewritten code counts against (0 means unlimited)."""
+    """Budgets the rewritten code counts against while it runs (0 means unlimited).
 
+    Each one exceeded is a `code.<budget>` denial (`code.iterations`, `code.call-depth`,
+    `code.allocation`); see `agent_sandbox.guards._code_budget` for what is counted.
+    """
+
+    #: Loop iterations per call, over all `for`/`while` loops and comprehensions together.
     max_iterations: int = Field(default=10_000_000, ge=0)
-    max_call_depth: int = Field(default=200, ge=0)
+    #: Python frames above the cell (user functions and the library code they call).
+    #: Capped at 10000 so deep recursion cannot overflow the C stack.
+    max_call_depth: int = Field(default=1000, ge=0, le=10_000)
+    #: Bytes one checked allocation may produce (`'x' * n`, `2 ** n`, `1 << n`, format widths).
     max_allocation: int = Field(default=100_000_000, ge=0)
+
+
+def _code_tables() -> Any:
+    # Imported lazily: the tables live with the checker (standard library only, worker-side).
+    from agent_sandbox.guards import _code_check
+
+    return _code_check
+
+
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class CodePolicy(_Section):
     """The sub-language the code string must stay within (checked before it runs).
 
-    `enabled = false` skips the check (the other layers still apply).
+    `enabled = false` skips the check and the budgets (the other layers still apply).
+    `syntax` lists syntax groups; `names` is `"*"` (any name except `globals`, `locals`,
+    `vars`, `breakpoint`, which must be listed) or an allowlist of names and name groups;
+    `deny_names` beats `names`; `attributes` is `"*"` or attribute names and groups
+    (`string-methods`, `list-methods`, ...); `dunders` grants dunder names and groups
+    (`common`, `protocol`). Frame, code, generator and class-hierarchy internals
+    (`f_globals`, `gi_frame`, `tb_frame`, `__code__`, `__globals__`, `__subclasses__`, ...)
+    can never be granted: listing one is a load error.
     """
 
     enabled: bool = True
-    syntax: tuple[str, ...] = (
-        "arithmetic",
-        "comparisons",
-        "conditionals",
-        "loops",
-        "comprehensions",
-        "assignment",
-        "functions",
-        "classes",
-        "exceptions",
-        "context-managers",
-        "imports",
-        "f-strings",
-        "async",
-        "assert",
-        "delete",
-        "global",
-        "lambda",
-        "generators",
-        "pattern-matching",
-    )
-    names: tuple[str, ...] = ()
+    syntax: tuple[str, ...] = Field(default_factory=lambda: _code_tables().DEFAULT_SYNTAX)
+    names: tuple[str, ...] = ("*",)
     deny_names: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ("*",)
-    dunders: tuple[str, ...] = ("__name__", "__doc__", "__init__", "__class__", "__len__")
+    dunders: tuple[str, ...] = Field(default_factory=lambda: _code_tables().DEFAULT_DUNDERS)
     budgets: CodeBudgets = Field(default_factory=CodeBudgets)
+
+    @field_validator("syntax")
+    @classmethod
+    def _syntax(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        groups = _code_tables().SYNTAX_GROUPS
+        for entry in value:
+            if entry not in groups:
+                raise ValueError(
+                    f"{entry!r} is not a syntax group; known: {', '.join(sorted(groups))}"
+                )
+        return value
+
+    @field_validator("names", "deny_names", "attributes", "dunders")
+    @classmethod
+    def _grants(cls, value: tuple[str, ...], info: Any) -> tuple[str, ...]:
+        tables = _code_tables()
+        field = info.field_name
+        groups = {
+            "names": tables.NAME_GROUPS,
+            "attributes": tables.ATTRIBUTE_GROUPS,
+            "dunders": tables.DUNDER_GROUPS,
+        }.get(field, {})
+        for entry in value:
+            if entry in tables.NEVER_GRANTABLE or entry.startswith(tables.RESERVED_PREFIX):
+                raise ValueError(
+                    f"{entry!r} reaches interpreter internals (frames, code objects, "
+                    f"generators, the class hierarchy) and can never be granted"
+                )
+            if entry in groups or (entry == "*" and field in ("names", "attributes")):
+                continue
+            if not _IDENT_RE.match(entry):
+                raise ValueError(f"{entry!r} is not a name or a group of `{field}`")
+            if field == "dunders" and not tables.is_dunder(entry):
+                known = ", ".join(sorted(groups))
+                raise ValueError(
+                    f"{entry!r} is not a dunder name (`__x__`) or a dunder group ({known})"
+                )
+            if field == "attributes" and tables.is_dunder(entry):
+                raise ValueError(f"{entry!r} is a dunder; grant it in `dunders` instead")
+        return value
 
 
 class LimitsPolicy(_Section):
@@ -296,6 +341,12 @@ class Policy(_Section):
     description: str = ""
     provider: str = "subprocess"
     result_mode: Literal["data-only", "objects"] = "data-only"
+    #: Extra globals the host's restricted unpickler may rebuild in `objects` mode:
+    #: `"pkg.models.*"` admits the pydantic models, dataclasses, enums, named tuples and
+    #: exception classes defined in `pkg.models`; `"pkg.mod.Name"` admits that one global,
+    #: trusted as given (its arguments are not checked). The modules must be loaded in the
+    #: host; nothing is imported to decode. See docs/objects.md.
+    result_types: tuple[str, ...] = ()
     mode: Literal["enforce", "learn"] = "enforce"
     files: FilesPolicy = Field(default_factory=FilesPolicy)
     net: NetPolicy = Field(default_factory=NetPolicy)
@@ -313,6 +364,24 @@ class Policy(_Section):
     def _name(cls, value: str) -> str:
         if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$", value):
             raise ValueError(f"{value!r} is not a policy name (letters, digits, -, _, ., :)")
+        return value
+
+    @field_validator("result_types")
+    @classmethod
+    def _result_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from agent_sandbox._unpickle import denied_name
+
+        for entry in value:
+            name = entry.removesuffix(".*")
+            wildcard = entry.endswith(".*") and _MODULE_RE.match(entry)
+            if not _FUNCTION_RE.match(name) and not wildcard:
+                raise ValueError(f"{entry!r} is neither `module.Name` nor `module.*`")
+            if name == "__main__" or name.startswith("__main__."):
+                raise ValueError(
+                    f"{entry!r}: `__main__` is the host's own script, never a source of types"
+                )
+            if denied_name(name):
+                raise ValueError(f"{entry!r} names a known unpickling gadget; never allowed")
         return value
 
     @field_validator("provider")
