@@ -234,7 +234,10 @@ def raise_for_result(result: RunResult) -> None:
     if error.kind in ("denied", "limit"):
         denials = [d for d in result.denials if d.rule == error.rule] or list(result.denials)
         if denials:
-            exc = denial_exception(denials[0])
+            # A budget (`code.iterations`, `limits.*`) is a limit whatever its rule family.
+            exc = (
+                LimitExceeded(denials[0]) if error.kind == "limit" else denial_exception(denials[0])
+            )
             exc.result = result  # type: ignore[attr-defined]
             raise exc
     remote = SandboxedCallError(result)

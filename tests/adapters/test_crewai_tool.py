@@ -122,7 +122,7 @@ def test_crew_loop_refusal_is_a_tool_failure_run_once(crew, tool, native):
 def test_denials_and_limits_are_returned_never_raised(crew):
     t = crew.adapter.SandboxedPythonTool(policy=policy(wall_seconds=1), warm=0)
     try:
-        timed_out = t.run(code="while True:\n    pass")
+        timed_out = t.run(code="import time\ntime.sleep(5)")
         assert isinstance(timed_out, crew.ToolFailure)
         assert timed_out.code == "limits.timeout" and not timed_out.retryable
         assert "wall_seconds" in timed_out.message
@@ -228,3 +228,20 @@ def test_adapter_package_works_without_crewai_imported():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/"
     )
     assert out.stdout.strip() == "clean", out.stderr
+
+
+def test_failure_policy_raise_aborts_the_crew(crew):
+    from crewai.tools.tool_failure import ToolFailurePolicy
+
+    t = crew.adapter.SandboxedPythonTool(
+        policy=policy(), warm=0, tool_failure_policy=ToolFailurePolicy.RAISE
+    )
+    try:
+        with pytest.raises(Exception, match=r"limits\.output"):
+            kickoff(
+                crew,
+                t,
+                [{"tool": "run_python", "args": {"code": "print('x' * 5000)"}}, {"final": "never"}],
+            )
+    finally:
+        t.close()

@@ -18,7 +18,7 @@ BASE = 7
 def policy(**limits: Any) -> Policy:
     return Policy(
         name="fn-test",
-        imports={"allow": ["math", "json"]},
+        imports={"allow": ["math", "json", "time"]},
         limits={"wall_seconds": 5, "output_bytes": 2048, **limits},
     )
 
@@ -39,8 +39,9 @@ def custom_failure() -> None:
 
 
 def spin() -> None:
-    while True:
-        pass
+    import time
+
+    time.sleep(5)
 
 
 def chatty(n: int) -> int:
@@ -127,7 +128,8 @@ def test_closures_and_lambdas_are_refused():
 def test_function_defined_in_main_works(tmp_path):
     """A function defined in a script (`__main__`) runs: its source ships, not its module name."""
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import math
         from agent_sandbox import Policy
         from agent_sandbox.adapters import sandboxed
@@ -143,9 +145,11 @@ def test_function_defined_in_main_works(tmp_path):
 
         with sandboxed(area, policy=Policy(name="s", imports={"allow": ["math"]})) as f:
             print(f(1))
-    """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "6.283"
 
@@ -176,8 +180,9 @@ def test_sandboxed_langchain_tools():
     try:
         assert safe.invoke({"a": 3, "b": 4}) == 5.0
         assert loud.invoke({"n": 2}) == 2
-        msg = loud.invoke({"type": "tool_call", "id": "c1", "name": "chatty",
-                           "args": {"n": 10_000}})
+        msg = loud.invoke(
+            {"type": "tool_call", "id": "c1", "name": "chatty", "args": {"n": 10_000}}
+        )
         assert msg.status == "error" and "[limits.output]" in msg.content
         assert safe.metadata["sandbox.policy"] == "fn-test"
     finally:

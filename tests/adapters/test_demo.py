@@ -1,0 +1,40 @@
+"""`agent-sandbox demo`: offline, both frameworks, refusal visible in the transcript and records."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.crewai,
+    pytest.mark.skipif(
+        importlib.util.find_spec("crewai") is None or importlib.util.find_spec("langchain") is None,
+        reason="the demo needs both the langchain and crewai extras",
+    ),
+]
+
+
+def test_demo_command_runs_offline_and_shows_the_refusal(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.endswith(("_API_KEY", "_TOKEN"))}
+    env.update(HOME=str(tmp_path), NO_COLOR="1", CREWAI_STORAGE_DIR=str(tmp_path / "crewai"))
+    out = subprocess.run(
+        [sys.executable, "-m", "agent_sandbox", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "=== LangChain (create_agent) ===" in text and "=== CrewAI (Crew.kickoff) ===" in text
+    assert text.count("tool  ! REFUSED") == 2
+    rule = "imports" if "rule [imports]" in text else "limits.output"
+    assert f'"rule": "{rule}"' in text  # LangChain custom event recorded
+    assert f'"code": "{rule}"' in text  # CrewAI TaskOutput.tool_failures
+    assert text.count("The mean is 5.5 and the standard deviation is 3.03.") >= 2
