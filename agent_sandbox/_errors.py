@@ -12,6 +12,8 @@ inside the worker while user code runs:
     * WorkerCrashed                 - the worker died while a call ran
   * TransportError                  - the parent/worker channel broke or sent garbage
     * MessageTooLarge               - one event or a result exceeded its cap
+    * UnpickleRefused               - the host's restricted unpickler refused a payload
+  * ChildException                  - stand-in for a worker exception the host cannot rebuild
   * SandboxClosed                   - the sandbox or session was closed
   * LearningError                   - a learning proposal could not be made, written or applied
   * SandboxedCallError              - a `sandboxed()` function raised; carries the RunResult
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttributeDenied",
     "CallDenied",
+    "ChildException",
     "CodeRejected",
     "EnvDenied",
     "FileAccessDenied",
@@ -58,6 +61,7 @@ __all__ = [
     "SandboxError",
     "SandboxedCallError",
     "TransportError",
+    "UnpickleRefused",
     "WorkerCrashed",
     "WorkerError",
     "WorkerStartError",
@@ -161,6 +165,44 @@ class MessageTooLarge(TransportError):
             f"{what} of {size} bytes exceeds the cap of {cap} bytes; "
             f"raise `{setting}` in the policy to allow it"
         )
+
+
+class UnpickleRefused(TransportError):
+    """A pickle from the worker was refused before it was built (`agent_sandbox._unpickle`).
+
+    It names the opcode, the global or the budget at fault, and for a global outside the
+    allowlist the policy line that would admit it. A TransportError because the bytes on the
+    channel, not the user's code, are what failed; nothing from the stream ran in the host.
+    """
+
+    def __init__(
+        self, reason: str, *, target: str = "", budget: str | None = None, hint: str = ""
+    ) -> None:
+        self.reason = reason
+        self.target = target
+        self.budget = budget
+        self.hint = hint
+        text = f"the host refused a pickled value from the worker: {reason}"
+        if hint:
+            text += f"; to allow it, add to the policy: {hint}"
+        super().__init__(text)
+
+
+class ChildException(SandboxError):
+    """Stand-in for an exception raised in the worker whose class the host does not have (or
+    may not rebuild, such as SystemExit); the class is never imported to find it.
+
+    `.child_type` is the dotted class path in the worker, `.child_message` its message and
+    `.denials` the policy refusals it carried. Subclasses made for one class path are named
+    `ChildException[<module:Class>]` and also derive from the nearest builtin exception the worker
+    reported (so `except KeyError` still catches a stand-in for a KeyError subclass).
+    """
+
+    def __init__(self, message: str = "", *, child_type: str = "", denials: Any = ()) -> None:
+        self.child_type = child_type
+        self.child_message = message
+        self.denials = tuple(denials)
+        super().__init__(f"{child_type}: {message}" if child_type else message)
 
 
 class SandboxClosed(SandboxError):

@@ -45,6 +45,7 @@ from agent_sandbox._errors import (
 )
 from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox._unpickle import Decoder
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 from agent_sandbox.providers._inworker import verify_checks
@@ -117,6 +118,7 @@ class WorkerProcess:
         self.plan: LaunchPlan | None = None
         self.hello: dict[str, Any] = {}
         self.policy: Policy | None = None
+        self.decoder: Decoder | None = None
         self.token = secrets.token_urlsafe(32)
         self.client: WorkerClient | None = None
         self.started_at = 0.0
@@ -137,6 +139,7 @@ class WorkerProcess:
         """Start a worker for `policy` under `provider` and wait for its handshake."""
         self = cls()
         self.policy = policy
+        self.decoder = Decoder.from_policy(policy)
         t0 = time.monotonic()
         self.control_dir = tempfile.mkdtemp(prefix="agent-sandbox-")
         os.chmod(self.control_dir, 0o700)
@@ -280,7 +283,7 @@ class WorkerProcess:
         """Run one call; never raises for the code's own failures (they are in the result)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder()
+        builder = ResultBuilder(self.decoder)
         t0 = time.monotonic()
         self.calls += 1
 
@@ -312,7 +315,7 @@ class WorkerProcess:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder()
+        builder = ResultBuilder(self.decoder)
         t0 = time.monotonic()
         self.calls += 1
         client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import Denial
+
+if TYPE_CHECKING:
+    from agent_sandbox._unpickle import Decoder
 
 __all__ = ["Image", "RunError", "RunResult", "ResultBuilder"]
 
@@ -28,9 +31,17 @@ class RunError:
     rule: str | None = None
     line: int | None = None
     column: int | None = None
+    #: The worker's exception rebuilt in the host (objects mode: with its attributes), and
+    #: the worker's traceback to splice in when it is raised; see `RunResult.raise_error()`.
+    exception: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
+    child_traceback: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("exception", "child_traceback")
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +60,10 @@ class Image:
 class RunResult:
     """The outcome of one call: output, value, error, denials, timings and worker identity.
 
-    `value` is JSON-safe data (objects that are not become `{"__repr__", "__type__"}`).
+    `value` is JSON-safe data (objects that are not become `{"__repr__", "__type__"}`); in
+    the `objects` result mode it is the object itself, rebuilt by the restricted unpickler
+    (`to_dict()` stays JSON-safe by turning such objects into the same marked repr).
+    `unwrap()` returns the value or raises the worker's exception as its own type.
     `ok` is true when the code completed and nothing was denied. `state_lost` says that the
     session's previous worker died and this call ran in a fresh interpreter.
     """
@@ -94,7 +108,7 @@ class RunResult:
             "ok": self.ok,
             "stdout": self.stdout,
             "stderr": self.stderr,
-            "value": self.value,
+            "value": _json_safe(self.value),
             "error": self.error.to_dict() if self.error else None,
             "denials": [d.to_dict() for d in self.denials],
             "duration": round(self.duration, 6),
@@ -105,7 +119,9 @@ class RunResult:
             "provider": self.provider,
             "state_lost": self.state_lost,
             "notices": list(self.notices),
-            "images": [i.to_dict() for i in self.images] if images else [i.name for i in self.images],
+            "images": [i.to_dict() for i in self.images]
+            if images
+            else [i.name for i in self.images],
             "files": list(self.files),
         }
 
@@ -120,13 +136,39 @@ class RunResult:
             return str(self.value["__repr__"])
         if isinstance(self.value, str):
             return repr(self.value)
-        return json.dumps(self.value, ensure_ascii=False)
+        try:
+            return json.dumps(self.value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            return _safe_repr(self.value)
+
+    def raise_error(self) -> None:
+        """Raise the call's failure in the host, as the type the worker raised; else return.
+
+        The worker's traceback is spliced in, so the stack trace reads like a direct call:
+        the host's frames, then the worker's (`<cell-N>` for the call's code). A class the
+        host does not have becomes a `ChildException[<path>]` stand-in; a refusal or a limit
+        raises its `SandboxDenied` subclass; a crash raises `WorkerCrashed`; a broken
+        channel `TransportError`. Denials the code caught are not errors (see `denials`).
+        """
+        if self.error is None:
+            return
+        exc = self.error.exception
+        if exc is None:
+            exc = _error_exception(self.error, self.denials)
+            raise exc
+        raise exc.with_traceback(self.error.child_traceback)
+
+    def unwrap(self) -> Any:
+        """The value, or raise the call's failure as `raise_error()` does."""
+        self.raise_error()
+        return self.value
 
 
 class ResultBuilder:
     """Accumulates events from the worker into a `RunResult` (and forwards them live)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decoder: Decoder | None = None) -> None:
+        self.decoder = decoder
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.value: Any = None
@@ -146,12 +188,17 @@ class ResultBuilder:
         elif kind == "denial" and isinstance(data, dict):
             self.denials.append(Denial.from_dict(data))
         elif kind == "result" and isinstance(data, dict):
-            self.value = data.get("value")
+            if "pickle" in data:
+                self._decode_value(data)
+            else:
+                self.value = data.get("value")
         elif kind == "error" and isinstance(data, dict):
-            self.error = error_from_wire(data)
+            self.error = error_from_wire(data, self.decoder, self.notices)
         elif kind == "image" and isinstance(data, dict):
             self.images.append(
-                Image(str(data.get("name", "")), str(data.get("mime", "")), str(data.get("data", "")))
+                Image(
+                    str(data.get("name", "")), str(data.get("mime", "")), str(data.get("data", ""))
+                )
             )
         elif kind == "files" and isinstance(data, list):
             self.files = [f for f in data if isinstance(f, dict)]
@@ -161,6 +208,35 @@ class ResultBuilder:
             self.done = True
             if isinstance(data, dict):
                 self.discard = bool(data.get("discard"))
+
+    def _decode_value(self, data: dict[str, Any]) -> None:
+        """Decode an objects-mode value; a refusal becomes the call's error and a denial."""
+        from agent_sandbox._errors import UnpickleRefused
+        from agent_sandbox._unpickle import Decoder
+
+        decoder = self.decoder or Decoder(objects=False)
+        try:
+            self.value = decoder.decode_value(data)
+        except UnpickleRefused as exc:
+            too_big = exc.budget == "max_bytes"
+            denial = Denial(
+                rule="limits.result" if too_big else "result.refused",
+                action="unpickle",
+                target=exc.target or "the result",
+                policy=decoder.policy,
+                detail=exc.reason,
+                hint=f"[limits] result_bytes = {decoder.budgets.max_bytes * 2}"
+                if too_big
+                else exc.hint,
+            )
+            self.value = None
+            self.denials.append(denial)
+            self.error = RunError(
+                kind="limit" if too_big else "denied",
+                type="UnpickleRefused",
+                message=denial.message(),
+                rule=denial.rule,
+            )
 
     def build(self, **fields: Any) -> RunResult:
         return RunResult(
@@ -176,8 +252,14 @@ class ResultBuilder:
         )
 
 
-def error_from_wire(data: dict[str, Any]) -> RunError:
-    """Build a RunError from the worker's `error` event, tolerating missing fields."""
+def error_from_wire(
+    data: dict[str, Any], decoder: Decoder | None = None, notices: list[str] | None = None
+) -> RunError:
+    """Build a RunError from the worker's `error` event, tolerating missing fields.
+
+    The `exception` entry (see `agent_sandbox._objects`) is rebuilt into a host exception by
+    the decoder: its rich form only in objects mode, else from the primitive descriptor.
+    """
 
     def opt_int(v: Any) -> int | None:
         return v if isinstance(v, int) and not isinstance(v, bool) else None
@@ -191,4 +273,98 @@ def error_from_wire(data: dict[str, Any]) -> RunError:
         rule=str(rule) if rule else None,
         line=opt_int(data.get("line")),
         column=opt_int(data.get("column")),
+        **_rebuild(data.get("exception"), decoder, notices),
     )
+
+
+def _rebuild(payload: Any, decoder: Decoder | None, notices: list[str] | None) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        return {}
+    from agent_sandbox._errors import UnpickleRefused
+    from agent_sandbox._unpickle import Decoder
+
+    try:
+        rebuilt = (decoder or Decoder(objects=False)).rebuild_exception(payload)
+    except UnpickleRefused as exc:
+        if notices is not None:
+            notices.append(f"the worker's exception could not be rebuilt: {exc.reason}")
+        return {}
+    for note in rebuilt.notes:
+        if notices is not None:
+            notices.append(note)
+        try:
+            rebuilt.exception.add_note(f"agent_sandbox: {note}")
+        except Exception:  # noqa: BLE001 - notes are a convenience
+            pass
+    return {"exception": rebuilt.exception, "child_traceback": rebuilt.traceback}
+
+
+def _error_exception(error: RunError, denials: tuple[Denial, ...]) -> BaseException:
+    """An exception for a RunError that carries no rebuilt one (made by the host itself)."""
+    from agent_sandbox import _errors
+
+    denial = next((d for d in denials if d.rule == error.rule), None)
+    if error.kind in ("denied", "limit") and denial is not None:
+        family = error.rule or ""
+        for prefix, cls in _DENIAL_TYPES:
+            if family == prefix or (prefix.endswith(".") and family.startswith(prefix)):
+                return cls(denial)  # type: ignore[no-any-return]
+        return _errors.SandboxDenied(denial)
+    if error.kind == "crashed":
+        return _errors.WorkerCrashed(None, log_tail=error.traceback)
+    if error.kind == "internal" or error.type == "UnpickleRefused":
+        return _errors.TransportError(error.message)
+    if error.kind == "syntax":
+        exc = SyntaxError(error.message)
+        exc.lineno, exc.offset = error.line, error.column
+        return exc
+    return _errors.ChildException(error.message, child_type=error.type)
+
+
+def _denial_types() -> tuple[tuple[str, type], ...]:
+    from agent_sandbox import _errors
+
+    return (
+        ("files.hidden", _errors.HiddenPathDenied),
+        ("files.", _errors.FileAccessDenied),
+        ("net.", _errors.NetworkDenied),
+        ("imports", _errors.ImportDenied),
+        ("env", _errors.EnvDenied),
+        ("api.", _errors.CallDenied),
+        ("code.", _errors.CodeRejected),
+        ("limits.", _errors.LimitExceeded),
+    )
+
+
+_DENIAL_TYPES = _denial_types()
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` as JSON-safe data: objects (objects mode) become `{"__repr__", "__type__"}`."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int) and type(value) is int:
+        return value if abs(value) < 2**63 else _marked(value)
+    if isinstance(value, float) and type(value) is float:
+        return value if value == value and abs(value) != float("inf") else _marked(value)
+    if depth < 20 and type(value) in (list, tuple) and len(value) <= 10_000:
+        return [_json_safe(v, depth + 1) for v in value]
+    if (depth < 20 and type(value) is dict and len(value) <= 10_000
+            and all(type(k) is str for k in value)):
+        return {k: _json_safe(v, depth + 1) for k, v in value.items()}
+    return _marked(value)
+
+
+def _marked(value: Any) -> dict[str, str]:
+    cls = type(value)
+    module = getattr(cls, "__module__", "builtins")
+    name = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+    return {"__repr__": _safe_repr(value), "__type__": name}
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a value's own __repr__ must not break a report
+        text = f"<unrepresentable {type(value).__name__}>"
+    return text if len(text) <= 10_000 else text[:10_000] + "...<truncated repr>"

@@ -14,6 +14,7 @@ import base64
 import builtins
 import errno
 import io
+import json
 import linecache
 import math
 import os
@@ -24,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from agent_sandbox import _audit
+from agent_sandbox import _audit, _objects
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
 
@@ -133,6 +134,7 @@ class Runner:
         self.calls = 0
         self.code_check: Callable[[str, ast.Module], None] | None = None
         self.arming: Callable[[], Any] | None = None
+        self.objects = policy.get("result_mode") == "objects"
 
     def run(self, code: str, emit: Emit) -> None:
         """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`)."""
@@ -179,17 +181,52 @@ class Runner:
                     stream.flush()
                 except Exception:  # noqa: BLE001 - a broken pipe is reported by the server
                     pass
-        if failure is not None:
-            if isinstance(failure, SystemExit) and failure.code in (None, 0):
-                emit("result", {"value": None})
-            else:
-                emit("error", _error_info(failure, filename))
-        else:
-            try:
-                emit("result", {"value": to_data(value)})
-            except Exception as exc:  # noqa: BLE001 - an encoding failure becomes the error
-                emit("error", _error_info(exc, filename))
+        if outcome is None:
+            outcome = "error", _error_info(failure or RuntimeError("no outcome"), filename)
+        emit(*outcome)
         self._collect_outputs(emit, started)
+
+    def _outcome(
+        self, value: Any, failure: BaseException | None, filename: str
+    ) -> tuple[str, Any]:
+        """The `result` or `error` event of a call (see `agent_sandbox._objects`).
+
+        An encoded result larger than `limits.result_bytes` is refused here with a
+        `limits.result` error, so the worker survives and nothing is truncated.
+        """
+        cap = int(self.policy.get("limits", {}).get("result_bytes", 4_000_000))
+        try:
+            if failure is not None:
+                if isinstance(failure, SystemExit) and failure.code in (None, 0):
+                    return self._outcome(None, None, filename)
+                return "error", self._failure(failure, filename, cap)
+            if self.objects:
+                return "result", _objects.encode_value(value, cap)
+            data = {"value": to_data(value)}
+            size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
+            if size > cap:
+                raise _objects.TooLarge(size, cap)
+            return "result", data
+        except _objects.TooLarge as big:
+            denial = _audit.record(_objects.result_too_large(big.size, big.cap, self.policy_name))
+            return "error", {
+                "kind": "limit",
+                "type": "LimitExceeded",
+                "message": denial.message(),
+                "rule": denial.rule,
+                "denial": denial.to_dict(),
+            }
+        except BaseException as exc:  # noqa: BLE001 - an encoding failure becomes the error
+            try:
+                return "error", self._failure(exc, filename, cap)
+            except BaseException:  # noqa: BLE001 - even the report of it failed
+                return "error", {"kind": "internal", "type": "EncodingError",
+                                 "message": "the value or exception could not be encoded"}
+
+    def _failure(self, exc: BaseException, filename: str, cap: int) -> dict[str, Any]:
+        info = _error_info(exc, filename)
+        info["exception"] = _objects.exception_payload(exc, objects=self.objects, cap=cap // 8)
+        return info
 
     def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
