@@ -377,7 +377,7 @@ def _checked_getattr(obj: Any, name: Any, *default: Any) -> Any:
         _vet(name, "getattr")
         value = _orig_getattr(obj, name, *default)
         special = _SPECIAL_ATTR.get(name)
-        return value if special is None else special(obj, value)
+        return value if special is None else special(_owner(obj), value)
     return _orig_getattr(obj, name, *default)
 
 
@@ -620,9 +620,17 @@ for _n in ("getattr", "setattr", "delattr", "hasattr", "pow", "attrgetter", "met
     _SPECIAL_ATTR[_n] = _swapper(_n)
 
 
+def _owner(obj: Any) -> Any:
+    # `super().get_field` is bound to the instance (or class) behind the super object.
+    if type(obj) is super:
+        inner = obj.__self__
+        return obj if inner is None else inner
+    return obj
+
+
 def _sbx_attr(obj: Any, name: str) -> Any:
     value = _orig_getattr(obj, name)
-    return _SPECIAL_ATTR[name](obj, value)
+    return _SPECIAL_ATTR[name](_owner(obj), value)
 
 
 def _int_bits(value: Any) -> int | None:
