@@ -86,6 +86,8 @@ def _cmd_learn(args: argparse.Namespace) -> int:
         print(f"  {line}", file=err)
     run = learn_run(code, current, provider=envelope.provider, timeout=args.timeout, on_event=live)
     print_result_tail(run.result, err)
+    if run.result.provider:
+        print(style.bold("learning envelope: ") + run.report[-1], file=err)
     files = write_proposal(run.proposal, out_dir=args.out, expect_digest=run.digest or None)
     print(run.proposal.diff(), end="")
     print(style.green("proposal written: ") + f"{files.toml}", file=err)

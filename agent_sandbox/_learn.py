@@ -301,11 +301,13 @@ def learning_envelope(policy: Policy, *, provider: str | None = None) -> Policy:
     """The policy to run a learning session under: `policy` in mode `learn`, contained.
 
     The provider is `provider` when given (an error if it is unavailable), else the policy's
-    own provider when it is a kernel one, else `auto`, resolved here to the concrete provider
-    so the choice is visible (see `envelope_report`). Files, network, imports and calls stay
-    as declared: the guards record what they would refuse, and the kernel provider still
-    holds writes to the scratch directory and the declared write paths. Secret-looking and
-    loader variables are dropped from `env.pass`; nothing is added anywhere.
+    own provider when it names one other than `subprocess`, else `auto`, which picks the
+    deepest kernel stack that serves the policy and names it in the result (see
+    `envelope_report`). Files, network, imports and calls stay as declared: the guards record
+    what they would refuse, and the kernel provider still holds writes to the scratch
+    directory and the declared write paths. Secret-looking and loader variables are dropped
+    from `env.pass`, and the policy file and its proposal files are added to `files.deny`;
+    nothing is widened.
     """
     from agent_sandbox.providers import get_provider, select_provider
 
@@ -313,14 +315,14 @@ def learning_envelope(policy: Policy, *, provider: str | None = None) -> Policy:
     if requested is None:
         requested = policy.provider if policy.provider != "subprocess" else "auto"
     if requested == "auto":
-        chosen = get_provider("auto")
-        chosen.require()
+        get_provider("auto").require()
+        name = "auto"
     else:
-        chosen = select_provider(requested)
+        name = select_provider(requested).name
     passthrough = tuple(p for p in policy.env.passthrough if not _env_pattern_unsafe(p))
     overrides: dict[str, Any] = {
         "mode": "learn",
-        "provider": chosen.name,
+        "provider": name,
         "env": {"pass": list(passthrough)},
     }
     path = _source_path(policy)
@@ -331,19 +333,43 @@ def learning_envelope(policy: Policy, *, provider: str | None = None) -> Policy:
     return policy.merged(overrides)
 
 
-def envelope_report(policy: Policy, envelope: Policy) -> list[str]:
-    """What the learning run is allowed, in lines a person reads before trusting the result."""
+def _boundary_names() -> list[str]:
+    """The kernel providers `auto` can use here, strongest first."""
     from agent_sandbox.providers import get_provider
 
-    provider = get_provider(envelope.provider)
+    details = get_provider("auto").probe().details
+    names = [str(n) for n in details.get("candidates", ())]
+    return [n for n in names if get_provider(n).is_boundary]
+
+
+def envelope_report(policy: Policy, envelope: Policy, ran_under: str = "") -> list[str]:
+    """What the learning run is allowed, in lines a person reads before trusting the result.
+
+    `ran_under` is `RunResult.provider` after the run (what `auto` really chose).
+    """
+    from agent_sandbox.providers import get_provider
+
     lines = []
-    if provider.is_boundary:
-        lines.append(f"provider: {envelope.provider} (a kernel boundary holds the run)")
+    unbounded = (
+        "NO kernel boundary: operations the guards record also take effect; "
+        "learn only on code you trust"
+    )
+    if ran_under:
+        bounded = get_provider(ran_under).is_boundary
+        lines.append(f"ran under: {ran_under}" + ("" if bounded else f" ({unbounded})"))
+    elif envelope.provider == "auto":
+        kernels = _boundary_names()
+        if kernels:
+            lines.append(
+                f"provider: auto, the deepest kernel stack that serves this policy "
+                f"(kernel boundary; candidates here: {', '.join(kernels)})"
+            )
+        else:
+            lines.append(f"provider: auto, and no kernel provider works here ({unbounded})")
+    elif get_provider(envelope.provider).is_boundary:
+        lines.append(f"provider: {envelope.provider} (kernel boundary)")
     else:
-        lines.append(
-            f"provider: {envelope.provider} (NO kernel boundary: no kernel provider is available, "
-            "so operations the guards record also take effect; learn only on code you trust)"
-        )
+        lines.append(f"provider: {envelope.provider} ({unbounded})")
     writes = [w for w in envelope.files.write if not w.startswith("$SCRATCH")]
     lines.append("writes: the scratch directory" + (f" and {', '.join(writes)}" if writes else ""))
     allowed = [_rule_text(r) for r in envelope.net.rules]
@@ -493,11 +519,10 @@ def propose(
     writes = sorted({t for _, t, _ in by_rule.get("files.write", [])})
     ctx.run_written = tuple(_lexical(t) for t in writes if t.startswith("/"))
     updates: dict[str, Any] = {}
-    read_new, f1 = _learn_paths(
-        ctx, "files.read", sorted({t for _, t, _ in by_rule.pop("files.read", [])})
+    read_new, f1 = _learn_paths(ctx, "files.read", _with_requested(by_rule.pop("files.read", [])))
+    write_new, f2 = _learn_paths(
+        ctx, "files.write", _with_requested(by_rule.pop("files.write", []))
     )
-    write_new, f2 = _learn_paths(ctx, "files.write", sorted(set(writes)))
-    by_rule.pop("files.write", None)
     findings += f1 + f2
     for _, target, _ in by_rule.pop("files.hidden", []):
         findings.append(
@@ -549,6 +574,7 @@ def propose(
     except PolicyError as exc:
         raise LearningError(f"the proposed policy does not validate: {exc}") from exc
     order = {"risky": 0, "flagged": 1, "proposed": 2}
+    findings = list(dict.fromkeys(findings))
     findings.sort(key=lambda f: (order[f.status], f.field, f.value))
     return Proposal(
         current=current,
@@ -715,13 +741,60 @@ def _judge_path(ctx: _Context, path: str, field: str) -> str | None:
     return None
 
 
-def _learn_paths(ctx: _Context, field: str, targets: list[str]) -> tuple[list[str], list[Finding]]:
+#: How a file denial names the path as the code asked for it, before links were resolved.
+_REQUESTED_RE = re.compile(r"requested as '([^']*)'")
+
+
+def _with_requested(items: list[tuple[str, str, str]]) -> list[tuple[str, tuple[str, ...]]]:
+    """(resolved target, the paths the code asked for that led there), sorted."""
+    out: dict[str, set[str]] = {}
+    for _, target, detail in items:
+        requested = out.setdefault(target, set())
+        match = _REQUESTED_RE.search(detail)
+        if match and match.group(1) != target:
+            requested.add(match.group(1))
+    return [(t, tuple(sorted(r))) for t, r in sorted(out.items())]
+
+
+def _via_planted_link(ctx: _Context, requested: str) -> str | None:
+    """Why the path the code asked for may run through a link the run planted (or None)."""
+    if not requested.startswith("/"):
+        return "a relative path, resolved from the worker's scratch directory"
+    literal = _lexical(requested)
+    if _in_scratch(ctx, literal):
+        return "in a worker's scratch directory"
+    parent = os.path.dirname(literal)
+    for root in (*ctx.run_written, *ctx.current.files.write):
+        if root.startswith("$SCRATCH"):
+            continue
+        if _covers(root, parent, ctx.home):
+            return "in a path the run could write"
+    return None
+
+
+def _learn_paths(
+    ctx: _Context, field: str, targets: list[tuple[str, tuple[str, ...]]]
+) -> tuple[list[str], list[Finding]]:
     rule = field
     findings: list[Finding] = []
     files: dict[str, set[str]] = {}
-    for target in targets:
+    for target, requested in targets:
         if not target.startswith("/"):
             findings.append(Finding(field, target, "flagged", "not an absolute path", rule))
+            continue
+        via = [(r, why) for r in requested if (why := _via_planted_link(ctx, r))]
+        if via:
+            asked, why = via[0]
+            findings.append(
+                Finding(
+                    field,
+                    f"{asked} -> {target}",
+                    "flagged",
+                    f"reached through a link the run could plant ({why}); "
+                    "a planted link is never followed into a proposal",
+                    rule,
+                )
+            )
             continue
         literal = _lexical(target)
         if _in_scratch(ctx, literal):
@@ -730,9 +803,8 @@ def _learn_paths(ctx: _Context, field: str, targets: list[str]) -> tuple[list[st
                     field,
                     target,
                     "flagged",
-                    "inside the worker's scratch directory, which is always "
-                    "allowed: it was refused because it led outside (a link "
-                    "the run made); not proposed",
+                    "inside a worker's control or scratch directory, which vanishes "
+                    "with the worker",
                     rule,
                 )
             )
@@ -1442,6 +1514,8 @@ def learn_run(
             "Check the file: the run may have edited it",
             path=path,
         )
+    if result.provider:
+        report = (*report, envelope_report(current, envelope, ran_under=result.provider)[0])
     proposal = propose(current, [result])
     return LearningRun(result, proposal, envelope, report, digest)
 

@@ -234,6 +234,26 @@ def test_a_trusted_link_is_judged_on_its_real_target(policy, learned, tmp_path, 
     assert len(proposal.flagged) == 1
 
 
+@pytest.mark.parametrize(
+    "requested", ["x/etc/hostname", "/tmp/agent-sandbox-abc/scratch/x/etc/hostname"]
+)
+def test_a_path_requested_through_scratch_is_flagged(policy, learned, home, requested) -> None:
+    """It flags a resolved path whose record says the code asked for it through scratch."""
+    record = learned("files.read", "/etc/hostname",
+                     detail=f"the path is outside [files] read (requested as '{requested}')")
+    proposal = propose(policy, [record], home=str(home))
+    assert proposal.proposed.files.read == ()
+    assert "link the run could plant" in proposal.flagged[0].reason
+
+
+def test_a_path_requested_through_a_declared_write_dir_is_flagged(learned, tmp_path, home):
+    """It flags a path the code reached through a directory the policy lets it write."""
+    current = Policy(name="tool", files={"write": [str(tmp_path / "out")]})
+    record = learned("files.read", "/etc/hostname",
+                     detail=f"outside (requested as '{tmp_path}/out/lnk/hostname')")
+    assert propose(current, [record], home=str(home)).proposed.files.read == ()
+
+
 # -- start-up files and imports ---------------------------------------------------------
 
 
