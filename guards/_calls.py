@@ -87,9 +87,31 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("process-control", "signal", "signal", user_only=True),
     Entry("process-control", "_signal", "signal", user_only=True),
     # native-code
-    Entry("native-code", "ctypes", "CDLL.__init__", "ctypes.CDLL"),
-    Entry("native-code", "ctypes", "LibraryLoader.LoadLibrary", "ctypes.cdll.LoadLibrary"),
-    Entry("native-code", "_ctypes", "dlopen"),
+    # NOTE: judged for user code only, because importing ctypes (numpy does) builds
+    # `ctypes.pythonapi` through CDLL.__init__ and dlopen.
+    Entry("native-code", "ctypes", "CDLL.__init__", "ctypes.CDLL", user_only=True),
+    Entry(
+        "native-code",
+        "ctypes",
+        "LibraryLoader.LoadLibrary",
+        "ctypes.cdll.LoadLibrary",
+        user_only=True,
+    ),
+    Entry(
+        "native-code",
+        "ctypes",
+        "LibraryLoader.__getattr__",
+        "ctypes.cdll.__getattr__",
+        user_only=True,
+    ),
+    Entry(
+        "native-code",
+        "ctypes",
+        "LibraryLoader.__getitem__",
+        "ctypes.cdll.__getitem__",
+        user_only=True,
+    ),
+    Entry("native-code", "_ctypes", "dlopen", user_only=True),
     *_entries("native-code", "ctypes", "string_at wstring_at memmove memset cast", user_only=True),
     Entry("native-code", "cffi", "FFI.dlopen", "cffi.FFI.dlopen"),
     # dynamic-code (only source text and ASTs are judged; see _dynamic_wrapper)
@@ -98,7 +120,8 @@ REGISTRY: tuple[Entry, ...] = (
     *_entries("deserialization", "pickle", "loads load _loads _load"),
     Entry("deserialization", "pickle", "_Unpickler.load", "pickle._Unpickler.load"),
     *_entries("deserialization", "_pickle", "loads load"),
-    *_entries("deserialization", "marshal", "loads load"),
+    # NOTE: judged for user code only, because the import system loads every .pyc with it.
+    *_entries("deserialization", "marshal", "loads load", user_only=True),
     Entry("deserialization", "shelve", "open"),
     # introspection (libraries use these all the time: judged for user code only)
     *_entries(

@@ -37,6 +37,7 @@ import os
 import posix
 import re
 import stat as _stat_mod
+import sys
 from _thread import get_ident
 from collections.abc import Iterable
 from typing import Any
@@ -62,6 +63,11 @@ IMPLICIT_READ: frozenset[str] = frozenset(
         # NOTE: allowed because `zoneinfo`, `time` and `datetime` read the tz database.
         "/usr/share/zoneinfo",
         "/etc/localtime",
+        # NOTE: allowed because numeric libraries read the CPU and memory limits there to
+        # size their thread pools; it holds no user data.
+        "/sys/fs/cgroup",
+        "/proc/cpuinfo",
+        "/proc/meminfo",
         # NOTE: allowed because they hold no data; `os.devnull` is used by many libraries.
         "/dev/null",
         "/dev/zero",
@@ -160,7 +166,10 @@ class FileRules:
         read = [expand(p) for p in files.get("read", ())]
         deny = [expand(p) for p in files.get("deny", ())]
         self.write = _Roots([*write, *([self.scratch] if self.scratch else []), *IMPLICIT_WRITE])
-        roots = [os.path.realpath(r) for r in import_roots if r]
+        # NOTE: the interpreter's own folders (its executable, `pyvenv.cfg`) are read by
+        # `sysconfig` and `platform` when packages import; they hold no user data.
+        interpreter = {sys.prefix, sys.base_prefix, os.path.dirname(sys.executable)}
+        roots = [os.path.realpath(r) for r in [*import_roots, *interpreter] if r]
         self.read = _Roots(
             [*read, *write, *([self.scratch] if self.scratch else []), *IMPLICIT_READ, *roots]
         )
