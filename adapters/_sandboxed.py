@@ -74,17 +74,22 @@ def sandboxed(
     policy is a `Policy`, a shipped policy name or a TOML path (default `pure-computation`).
     """
     framework = _framework_of(target)
-    options = {"policy": policy, "provider": provider, "timeout": timeout, "warm": warm}
     if framework == "langchain":
         from agent_sandbox.adapters.langchain import sandboxed_langchain_tool
 
-        return sandboxed_langchain_tool(target, **options)
+        return sandboxed_langchain_tool(
+            target, policy=policy, provider=provider, timeout=timeout, warm=warm
+        )
     if framework == "crewai":
         from agent_sandbox.adapters.crewai import sandboxed_crewai_tool
 
-        return sandboxed_crewai_tool(target, **options)
+        return sandboxed_crewai_tool(
+            target, policy=policy, provider=provider, timeout=timeout, warm=warm
+        )
     if isinstance(target, types.FunctionType):
-        return SandboxedFunction(target, **options)
+        return SandboxedFunction(
+            target, policy=policy, provider=provider, timeout=timeout, warm=warm
+        )
     raise TypeError(
         f"sandboxed() takes a function or a LangChain/CrewAI tool, not {type(target).__name__}"
     )
@@ -112,7 +117,7 @@ def tool_body(tool: Any, base: type) -> tuple[types.FunctionType, dict[str, Any]
     run = getattr(type(tool), "_run", None)
     if not isinstance(run, types.FunctionType) or run is getattr(base, "_run", None):
         raise TypeError(f"cannot find the body of tool {getattr(tool, 'name', tool)!r}")
-    own = set(type(tool).model_fields) - set(base.model_fields)
+    own = set(type(tool).model_fields) - set(getattr(base, "model_fields", {}))
     fields: dict[str, Any] = {}
     for name in sorted(own):
         value = getattr(tool, name, None)

@@ -34,10 +34,12 @@ from agent_sandbox.adapters._common import (
 )
 from agent_sandbox.policies import Policy, resolve_policy
 
+_ToolFailure: Any
 try:
-    from crewai.tools.tool_failure import ToolFailure
+    from crewai.tools.tool_failure import ToolFailure as _ToolFailure
 except ImportError:  # pragma: no cover - CrewAI before ToolFailure existed
-    ToolFailure = None
+    _ToolFailure = None
+ToolFailure = _ToolFailure
 
 __all__ = ["RunPythonInput", "SandboxedPythonTool", "never_cache"]
 

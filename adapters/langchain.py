@@ -333,7 +333,7 @@ def sandboxed_langchain_tool(
     wrapped = StructuredTool(
         name=tool.name,
         description=tool.description,
-        args_schema=tool.args_schema,
+        args_schema=tool.args_schema or tool.get_input_schema(),
         func=call,
         coroutine=acall,
         handle_tool_error=_error_text,

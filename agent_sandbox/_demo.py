@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from agent_sandbox.policies import Policy
+from agent_sandbox.policies._model import ImportsPolicy, LimitsPolicy
 
 __all__ = [
     "DemoScript",
@@ -61,8 +62,8 @@ def demo_policy() -> Policy:
     return Policy(
         name="demo-analyst",
         description="Small statistics on numbers the user gives; no network, no files",
-        imports={"allow": ["math", "statistics", "json"]},
-        limits={"wall_seconds": 10, "output_bytes": 2048},
+        imports=ImportsPolicy(allow=("math", "statistics", "json")),
+        limits=LimitsPolicy(wall_seconds=10, output_bytes=2048),
     )
 
 
@@ -372,7 +373,7 @@ def run_crewai_demo(script: DemoScript | None = None, policy: Policy | None = No
         )
         task = Task(description=script.question, expected_output="two numbers", agent=agent)
         crew = Crew(agents=[agent], tasks=[task], process=Process.sequential, verbose=False)
-        output = crew.kickoff()
+        output: Any = crew.kickoff()
     finally:
         tool.close()
     t = Transcript("CrewAI (Crew.kickoff)")
