@@ -7,7 +7,9 @@ profile and spells out every option.
 
 What it enforces, for native code too:
 
-* new PID, mount and network namespaces (`--net=none`: only a loopback interface);
+* new PID, mount and network namespaces (`--net=none`: only a loopback interface), and
+  death with the parent (`setpriv --pdeathsig KILL` in front of firejail, which has no such
+  option: without it the sandbox outlives a killed parent);
 * no capabilities (`--caps.drop=all`), no-new-privileges, firejail's default seccomp
   filter (`--seccomp`);
 * the whole file system read-only (`--read-only=/`), a private `/dev`, `/tmp` and `/etc`
@@ -82,14 +84,21 @@ def _top(path: str) -> str:
 
 
 def firejail_argv(
-    policy: Any, spec: WorkerSpec, host: HostLayout, *, firejail: str = "firejail"
+    policy: Any,
+    spec: WorkerSpec,
+    host: HostLayout,
+    *,
+    firejail: str = "firejail",
+    setpriv: str = "setpriv",
 ) -> tuple[str, ...]:
     """The whole firejail command line for one worker (pure; tests compare it exactly).
 
+    0. `setpriv --pdeathsig KILL`: firejail has no die-with-parent of its own, and its
+       sandbox outlives a killed parent; killing firejail takes the sandbox down with it;
     1. no profile, then every protection spelled out (caps, nonewprivs, seccomp, network);
     2. private `/dev`, `/tmp`, `/etc`; everything read-only;
     3. top-level entries the worker does not need, and /run's entries: blacklisted;
-    4. whitelisted (read-only): the interpreter closure and the policy's read paths outside
+    4. whitelisted and read-only: the interpreter closure and the policy's read paths outside
        `/usr` and `/etc`; whitelisted and writable: scratch and the policy's write paths;
     5. the policy's denied paths blacklisted; the transport descriptors kept;
     6. `--` and the worker's own command line.
@@ -100,6 +109,10 @@ def firejail_argv(
     visible = [p for p in [*ro_needed, *ro_policy] if _top(p) not in ("/usr", "/etc")]
     needed_top = _SYSTEM_TOP | {_top(p) for p in [*visible, *writable]}
     argv = [
+        setpriv,
+        "--pdeathsig",
+        "KILL",
+        "--",
         firejail,
         "--noprofile",
         "--quiet",
@@ -114,7 +127,9 @@ def firejail_argv(
     ]
     argv += [f"--blacklist={p}" for p in host.top if p not in needed_top]
     argv += [f"--blacklist={p}" for p in host.run if p != "/run/firejail"]
-    argv += [f"--whitelist={p}" for p in visible]
+    for path in visible:
+        # NOTE: `--read-only=/` does not cover a path whitelisted under a private /tmp.
+        argv += [f"--whitelist={path}", f"--read-only={path}"]
     for path in writable:
         argv += [f"--whitelist={path}", f"--read-write={path}"]
     argv += [f"--blacklist={p}" for p in deny]
@@ -133,6 +148,11 @@ def _probe(firejail: str) -> ProbeResult:
     path = shutil.which(firejail)
     if path is None:
         return ProbeResult("firejail", False, "the `firejail` executable is not on PATH")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ProbeResult(
+            "firejail", False, "`setpriv` (util-linux) is needed to end firejail with its parent"
+        )
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
         first = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
@@ -195,7 +215,9 @@ class FirejailProvider(Provider):
                 f"the policy allows network to {', '.join(hosts)} [net], but firejail runs "
                 "the worker with --net=none; use the landlock provider for TCP rules",
             )
-        exe = str(self.probe().details.get("path", self.firejail))
+        details = self.probe().details
+        exe = str(details.get("path", self.firejail))
+        setpriv = str(details.get("setpriv", "setpriv"))
         host = host_layout(policy_paths(policy, spec)[2])
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
@@ -206,7 +228,7 @@ class FirejailProvider(Provider):
             setup.update(more)
         return LaunchPlan(
             provider=self.name,
-            argv=firejail_argv(policy, spec, host, firejail=exe),
+            argv=firejail_argv(policy, spec, host, firejail=exe, setpriv=setpriv),
             env=base_env(spec),
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,

@@ -46,6 +46,8 @@ _TOP_LEVEL = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
 #: `time` module read them; neither holds secrets.
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _GLOB = set("*?[")
+#: Mounted fresh in every view; never bound from the host.
+_FRESH = ("/proc", "/dev")
 
 Kind = Literal[
     "ro", "rw", "ro-try", "rw-try", "tmpfs", "symlink", "dev", "proc", "mask-dir", "mask-file"
@@ -169,9 +171,13 @@ def bound_paths(policy: Any, spec: Any) -> tuple[list[str], list[str], list[str]
     Read-only for the interpreter: its prefix, the virtualenv, the import roots, the
     `agent_sandbox` packages and the boot script's folder. Writable: the scratch directory
     first, then the policy's write paths. A read path inside `/usr` or inside something
-    already bound is dropped.
+    already bound is dropped, and so is any path under `/proc` or `/dev` (mounted fresh).
     """
     read, write, _ = policy_paths(policy, spec)
+    # NOTE: a policy path under /proc or /dev is not bound: the view's own fresh /proc and
+    # minimal /dev stand for them (binding the host's would expose host processes).
+    read = tuple(p for p in read if not any(_under(p, f) for f in _FRESH))
+    write = tuple(p for p in write if not any(_under(p, f) for f in _FRESH))
     needed = [
         spec.base_prefix,
         spec.prefix,
@@ -221,7 +227,8 @@ def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
         if kind and any(_under(path, b) for b in bound):
             masks.append(Mount("mask-dir" if kind == "dir" else "mask-file", path))
     masks.sort(key=lambda m: _depth(m.dst))
-    return system + binds + masks
+    # One stable sort by depth, so a shallow policy path cannot cover the fresh /proc or /dev.
+    return sorted(system + binds, key=lambda m: _depth(m.dst)) + masks
 
 
 def path_view(mounts: Iterable[Mount]) -> dict[str, str]:

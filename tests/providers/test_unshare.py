@@ -1,0 +1,202 @@
+"""The unshare provider: the exact launcher configuration, and effects of real runs.
+
+The real runs use `UnshareProvider(stack=False)` so that the namespace layer alone is judged
+(Landlock and seccomp, stacked by default, are judged in test_containment.py); one test
+checks the default stack. Every test that starts a worker closes it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, ProviderUnavailable
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox.providers._base import WorkerSpec
+from agent_sandbox.providers._unshare import (
+    LAUNCHER,
+    UnshareProvider,
+    launcher_config,
+    unshare_argv,
+)
+from agent_sandbox.providers._view import HostLayout
+
+HOST = HostLayout(
+    symlinks={"/bin": "usr/bin", "/lib": "usr/lib", "/lib64": "usr/lib64", "/sbin": "usr/sbin"},
+    kinds={"/data/in/secret.csv": "file"},
+)
+SPEC = WorkerSpec(
+    python="/opt/venv/bin/python",
+    boot_script="/src/agent_sandbox/_worker_boot.py",
+    scratch="/tmp/as-1/scratch",
+    control_dir="/tmp/as-1",
+    listen_fd=3,
+    boot_fd=4,
+    sys_path=(
+        "/py/lib/python3.11",
+        "/py/lib/python3.11/lib-dynload",
+        "/opt/venv/lib/python3.11/site-packages",
+    ),
+    package_dirs={
+        "agent_sandbox": "/src/agent_sandbox",
+        "agent_sandbox.guards": "/src/guards",
+        "agent_sandbox.policies": "/src/policies",
+        "agent_sandbox.providers": "/src/providers",
+    },
+    env={},
+    prefix="/opt/venv",
+    base_prefix="/py",
+)
+POLICY = Policy(
+    name="t",
+    files={
+        "read": ["/data/in/*.csv", "/usr/share/dict"],
+        "write": ["$SCRATCH/out", "/srv/out"],
+        "deny": ["/data/in/secret.csv", "/srv/out/*.key"],
+    },
+)
+WORKER = ["/opt/venv/bin/python", "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "4"]
+MOUNTS = [
+    ["ro", "/usr", "/usr"],
+    ["symlink", "/bin", "usr/bin"],
+    ["symlink", "/lib", "usr/lib"],
+    ["symlink", "/lib64", "usr/lib64"],
+    ["symlink", "/sbin", "usr/sbin"],
+    ["dev", "/dev", ""],
+    ["proc", "/proc", ""],
+    ["tmpfs", "/tmp", ""],
+    ["ro", "/py", "/py"],
+    ["ro", "/opt/venv", "/opt/venv"],
+    ["ro", "/src/agent_sandbox", "/src/agent_sandbox"],
+    ["ro", "/src/guards", "/src/guards"],
+    ["ro", "/src/policies", "/src/policies"],
+    ["ro", "/src/providers", "/src/providers"],
+    ["ro-try", "/etc/ld.so.cache", "/etc/ld.so.cache"],
+    ["ro-try", "/etc/localtime", "/etc/localtime"],
+    ["ro-try", "/data/in", "/data/in"],
+    ["rw-try", "/srv/out", "/srv/out"],
+    ["rw", "/tmp/as-1/scratch", "/tmp/as-1/scratch"],
+    ["mask-file", "/data/in/secret.csv", ""],
+]
+
+
+# -- the pure builder ----------------------------------------------------------------------
+
+
+def test_launcher_config_is_exact_for_a_policy_with_paths() -> None:
+    """It builds the whole view: system first, then binds shallow-first, then masks."""
+    assert launcher_config(POLICY, SPEC, HOST) == {
+        "root": "/tmp/as-1/nsroot",
+        "mounts": MOUNTS,
+        "tmpfs_bytes": 67108864,
+        "net": "none",
+        "hostname": "sandbox",
+        "cwd": "/tmp/as-1/scratch",
+        "argv": WORKER,
+    }
+
+
+def test_argv_runs_the_launcher_isolated_with_the_config() -> None:
+    """It starts the stdlib launcher with `-I -S -B` and the configuration as one argument."""
+    argv = unshare_argv(POLICY, SPEC, HOST)
+    assert argv[:5] == ("/opt/venv/bin/python", "-I", "-S", "-B", LAUNCHER)
+    assert json.loads(argv[5]) == launcher_config(POLICY, SPEC, HOST)
+    assert len(argv) == 6
+
+
+def test_loopback_only_policy_gets_lo_up() -> None:
+    """It brings `lo` up only when every allowed host is a loopback address."""
+    loop = Policy(name="t", net={"rules": [{"host": "127.0.0.1", "ports": 8000}]})
+    assert launcher_config(loop, SPEC, HOST)["net"] == "loopback"
+    assert launcher_config(Policy(name="t"), SPEC, HOST)["net"] == "none"
+
+
+def test_refuses_a_policy_that_allows_a_remote_host() -> None:
+    """It refuses, naming the rule, a policy it cannot serve (no silent network cut)."""
+    policy = Policy(name="t", net={"rules": [{"host": "example.org", "ports": 443}]})
+    with pytest.raises(ProviderUnavailable, match=r"example\.org \[net\]"):
+        UnshareProvider().build(policy, SPEC)
+
+
+# -- real runs (the namespace effects are in test_namespaces.py) ---------------------
+
+
+def _require() -> None:
+    probe = UnshareProvider().probe()
+    if not probe.available:
+        pytest.skip(f"unshare unavailable here: {probe.reason}")
+
+
+def _danger_policy(**files: Any) -> Policy:
+    return Policy(
+        name="danger-unshare-test",
+        imports={"allow": ["*"]},
+        api={"allow": ["native-code", "process-control", "introspection", "deserialization"]},
+        code={"enabled": False},
+        files=files,
+        limits={"wall_seconds": 20},
+    )
+
+
+def test_default_stack_adds_landlock_and_seccomp(tmp_path: Path) -> None:
+    """It stacks Landlock and seccomp (applied by the worker) when both work here."""
+    _require()
+    w = WorkerProcess.start(Policy(name="t"), UnshareProvider())
+    try:
+        checks = w.hello.get("checks", {})
+        assert w.plan is not None and w.plan.stack[0] == "unshare"
+        assert checks["cap_eff"] == "0" * 16 and checks["no_new_privs"] == 1
+        if "seccomp" in w.plan.stack:
+            assert checks["seccomp"] == 2
+        if "landlock" in w.plan.stack:
+            assert checks["landlock"]["enforced"] is True
+        assert w.run("2 + 3").value == 5
+    finally:
+        w.close()
+
+
+def test_loopback_policy_reaches_its_own_ports_but_not_the_hosts(tmp_path: Path) -> None:
+    """It denies the host's loopback even when the policy allows loopback (own `lo` only)."""
+    _require()
+    policy = _danger_policy().model_copy(
+        update={
+            "net": Policy(name="t", net={"rules": [{"host": "127.0.0.1", "direction": "any"}]}).net
+        }
+    )
+    code = textwrap.dedent("""
+        import ctypes, struct
+        libc = ctypes.CDLL(None, use_errno=True)
+        def addr(port):
+            return struct.pack("=H", 2) + struct.pack("!H4s8x", port, b"\\x7f\\0\\0\\1")
+        srv = libc.socket(2, 1, 0)
+        a = addr(0)
+        print("listen", libc.bind(srv, a, len(a)), libc.listen(srv, 1))
+        buf = ctypes.create_string_buffer(16)
+        n = ctypes.c_uint32(16)
+        libc.getsockname(srv, buf, ctypes.byref(n))
+        c = libc.socket(2, 1, 0)
+        a = addr(struct.unpack("!H", buf.raw[2:4])[0])
+        print("own", libc.connect(c, a, len(a)))
+        h = libc.socket(2, 1, 0)
+        a = addr(PORT)
+        print("host", libc.connect(h, a, len(a)))
+    """)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.setblocking(False)
+        w = WorkerProcess.start(policy, UnshareProvider(stack=False))
+        try:
+            result = w.run(code.replace("PORT", str(listener.getsockname()[1])))
+        finally:
+            w.close()
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert result.error is None, result.error
+    assert "listen 0 0" in result.stdout and "own 0" in result.stdout, result.stdout
+    assert "host -1" in result.stdout
