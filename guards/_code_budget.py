@@ -455,7 +455,7 @@ def _vet_spec(spec: Any) -> None:
         _too_big(_max_number(text), f"format width {text!r}")
 
 
-def _vet_format_string(fmt: Any, depth: int = 0) -> None:
+def _vet_format_string(fmt: Any, depth: int = 0, args: Any = (), kwargs: Any = None) -> None:
     if not isinstance(fmt, str) or "{" not in fmt:
         return
     try:
@@ -475,6 +475,11 @@ def _vet_format_string(fmt: Any, depth: int = 0) -> None:
         if spec:
             if "{" in spec and depth < 2:
                 _vet_format_string(spec, depth + 1)
+                # A nested `{}` takes the width from the arguments: vet the integer ones.
+                values = [*args, *(kwargs.values() if isinstance(kwargs, dict) else ())]
+                for item in values:
+                    if isinstance(item, int):
+                        _too_big(int(item), f"format width {item}")
             else:
                 _vet_spec(spec)
 
@@ -538,7 +543,7 @@ def _wrap_format(obj: Any, value: Any) -> Any:
     if isinstance(obj, str):
 
         def bound(*args: Any, **kwargs: Any) -> Any:
-            _vet_format_string(obj)
+            _vet_format_string(obj, args=args, kwargs=kwargs)
             return value(*args, **kwargs)
 
         return bound
@@ -549,7 +554,7 @@ def _wrap_format(obj: Any, value: Any) -> Any:
 
         def checked(*args: Any, **kwargs: Any) -> Any:
             if len(args) > skip:
-                _vet_format_string(args[skip])
+                _vet_format_string(args[skip], args=args[skip + 1 :], kwargs=kwargs)
             return value(*args, **kwargs)
 
         return checked
@@ -795,15 +800,26 @@ _HELPERS: dict[str, Any] = {
 }
 
 
-def _new_budget(rules: Rules) -> None:
+def _new_budget(rules: Rules, namespace: dict[str, Any] | None = None) -> None:
     n = rules.max_iterations
     budget: Iterator[Any] = (
         itertools.chain(itertools.repeat(None, n), _Exhausted(n))
         if n > 0
         else itertools.repeat(None)
     )
-    builtins.__sbx_budget__ = budget  # type: ignore[attr-defined]
-    builtins.__sbx_tick__ = budget.__next__  # type: ignore[attr-defined]
+    fresh = {_BUDGET: budget, _TICK: budget.__next__}
+    targets: list[dict[str, Any]] = [builtins.__dict__]
+    # The guards give the user namespace its own copy of builtins: refresh that one too.
+    own = namespace.get("__builtins__") if namespace is not None else None
+    if isinstance(own, dict):
+        targets.append(own)
+    elif own is not None and own is not builtins:
+        targets.append(own.__dict__)
+    for target in targets:
+        for key, value in _HELPERS.items():
+            if target.get(key) is not value:
+                target[key] = value
+        target.update(fresh)
 
 
 def ensure_installed(rules: Rules) -> None:
@@ -817,7 +833,9 @@ def ensure_installed(rules: Rules) -> None:
         _new_budget(rules)
 
 
-def start_call(rules: Rules, *, set_depth: bool = True) -> None:
+def start_call(
+    rules: Rules, *, set_depth: bool = True, namespace: dict[str, Any] | None = None
+) -> None:
     """Begin one call: a fresh iteration budget, and the recursion limit for the call depth.
 
     The recursion limit becomes the current depth plus `max_call_depth` plus a margin for the
@@ -825,7 +843,7 @@ def start_call(rules: Rules, *, set_depth: bool = True) -> None:
     """
     ensure_installed(rules)
     _recorded.clear()
-    _new_budget(rules)
+    _new_budget(rules, namespace)
     if set_depth and rules.max_call_depth > 0:
         depth = 0
         frame = sys._getframe()
@@ -850,7 +868,7 @@ def make_code_check(
     ensure_installed(rules)
 
     def code_check(code: str, tree: ast.Module) -> None:
-        start_call(rules)
+        start_call(rules, namespace=namespace)
         check_tree(tree, rules, "<cell>", source=code, known_names=namespace.keys())
         _Rewriter(rules).visit(tree)
 
