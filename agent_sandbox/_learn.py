@@ -778,6 +778,7 @@ def _learn_paths(
     rule = field
     findings: list[Finding] = []
     files: dict[str, set[str]] = {}
+    dirs: set[str] = set()
     for target, requested in targets:
         if not target.startswith("/"):
             findings.append(Finding(field, target, "flagged", "not an absolute path", rule))
@@ -844,9 +845,40 @@ def _learn_paths(
         )
         if any(_covers(entry, real, ctx.home) for entry in allowed):
             continue
+        if os.path.isdir(real):
+            # A listed or opened directory: a grant on it covers everything below it.
+            why_not = _collapse_refusal(ctx, real, field)
+            if why_not:
+                findings.append(
+                    Finding(
+                        field,
+                        real,
+                        "flagged",
+                        f"a directory ({why_not}); a grant on it would cover every file below it",
+                        rule,
+                    )
+                )
+                continue
+            dirs.add(real)
+            continue
         files.setdefault(os.path.dirname(real), set()).add(real)
 
     proposed: list[str] = []
+    for directory in sorted(dirs):
+        if any(_under(directory, other) and directory != other for other in dirs):
+            continue
+        proposed.append(directory)
+        findings.append(
+            Finding(
+                field,
+                directory,
+                "risky",
+                "a whole directory: covers every file below it",
+                rule,
+                (directory,),
+            )
+        )
+    files = {d: names for d, names in files.items() if not any(_under(d, k) for k in dirs)}
     for directory in sorted(files):
         group = sorted(files[directory])
         why_not = _collapse_refusal(ctx, directory, field)

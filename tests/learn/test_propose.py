@@ -81,11 +81,28 @@ def test_top_level_directories_are_never_proposed(policy, learned, home) -> None
     assert proposal.proposed.files.read == tuple(sorted(names))
 
 
+def test_a_listed_directory_is_risky_and_never_a_system_one(policy, learned, tmp_path, home):
+    """It proposes a listed data directory marked RISKY, and flags a listing of /etc or /."""
+    folder = tmp_path / "data" / "in"
+    inside = _files(folder, "a.csv")
+    records = [
+        learned("files.read", str(folder)),
+        learned("files.read", inside[0]),
+        learned("files.read", "/etc"),
+        learned("files.read", "/usr"),
+    ]
+    proposal = propose(policy, records, home=str(home))
+    assert proposal.proposed.files.read == (str(folder),)
+    assert _status(proposal, "files.read", str(folder)) == "risky"
+    assert _status(proposal, "files.read", "/etc") == "flagged"
+
+
 def test_writes_imply_reads_and_are_proposed_as_writes(policy, learned, tmp_path, home) -> None:
     """It proposes a written file under files.write and does not repeat it under files.read."""
     (path,) = _files(tmp_path / "out", "result.csv")
-    proposal = propose(policy, [learned("files.write", path), learned("files.read", path)],
-                       home=str(home))
+    proposal = propose(
+        policy, [learned("files.write", path), learned("files.read", path)], home=str(home)
+    )
     assert proposal.proposed.files.write == (path,)
     assert proposal.proposed.files.read == (path,) or path not in proposal.proposed.files.read
 
@@ -104,8 +121,17 @@ def test_already_allowed_paths_are_not_proposed_again(learned, tmp_path, home) -
 
 @pytest.mark.parametrize(
     "target",
-    ["/", "/proc/self/environ", "/proc/1/mem", "/sys/kernel/notes", "/dev/sda", "/run/docker.sock",
-     "/etc/shadow", "/etc/sudoers", "/etc/ssh/ssh_host_ed25519_key"],
+    [
+        "/",
+        "/proc/self/environ",
+        "/proc/1/mem",
+        "/sys/kernel/notes",
+        "/dev/sda",
+        "/run/docker.sock",
+        "/etc/shadow",
+        "/etc/sudoers",
+        "/etc/ssh/ssh_host_ed25519_key",
+    ],
 )
 def test_system_secrets_and_kernel_trees_are_flagged(policy, learned, home, target) -> None:
     """It never proposes the root, /proc, /sys, /dev, /run or secret system files."""
@@ -116,8 +142,11 @@ def test_system_secrets_and_kernel_trees_are_flagged(policy, learned, home, targ
 
 def test_harmless_devices_are_proposed(policy, learned, home) -> None:
     """It proposes /dev/null and /dev/urandom, which hold no host state."""
-    proposal = propose(policy, [learned("files.write", "/dev/null"),
-                                learned("files.read", "/dev/urandom")], home=str(home))
+    proposal = propose(
+        policy,
+        [learned("files.write", "/dev/null"), learned("files.read", "/dev/urandom")],
+        home=str(home),
+    )
     assert proposal.proposed.files.write == ("/dev/null",)
     assert proposal.proposed.files.read == ("/dev/urandom",)
 
@@ -126,8 +155,7 @@ def test_the_home_directory_and_its_parents_are_never_proposed(policy, learned, 
     """It never proposes the home directory or a parent of it, even when many files in it were read."""
     in_home = _files(home, "a", "b", "c")
     beside = _files(home.parent, "x", "y", "z")
-    proposal = propose(policy, [learned("files.read", p) for p in in_home + beside],
-                       home=str(home))
+    proposal = propose(policy, [learned("files.read", p) for p in in_home + beside], home=str(home))
     read = proposal.proposed.files.read
     assert str(home) not in read and str(home.parent) not in read
     for path in in_home:
@@ -138,10 +166,12 @@ def test_the_home_directory_and_its_parents_are_never_proposed(policy, learned, 
 
 def test_credentials_locations_are_flagged(policy, learned, home) -> None:
     """It flags ~/.ssh, ~/.aws and names hidden by the policy, wherever they are."""
-    records = [learned("files.read", str(home / ".ssh" / "id_rsa")),
-               learned("files.read", str(home / ".aws" / "credentials")),
-               learned("files.read", "/srv/app/.env"),
-               learned("files.hidden", "/srv/app/server.pem")]
+    records = [
+        learned("files.read", str(home / ".ssh" / "id_rsa")),
+        learned("files.read", str(home / ".aws" / "credentials")),
+        learned("files.read", "/srv/app/.env"),
+        learned("files.hidden", "/srv/app/server.pem"),
+    ]
     proposal = propose(policy, records, home=str(home))
     assert proposal.proposed.files.read == ()
     assert len(proposal.flagged) == 4
@@ -149,9 +179,11 @@ def test_credentials_locations_are_flagged(policy, learned, home) -> None:
 
 def test_the_policy_file_and_its_proposal_are_never_proposed(policy, policy_file, learned, home):
     """It flags reads and writes of the policy file itself and of its proposal files."""
-    records = [learned("files.read", str(policy_file)),
-               learned("files.write", str(policy_file)),
-               learned("files.write", str(policy_file.with_name("tool.proposed.toml")))]
+    records = [
+        learned("files.read", str(policy_file)),
+        learned("files.write", str(policy_file)),
+        learned("files.write", str(policy_file.with_name("tool.proposed.toml"))),
+    ]
     proposal = propose(policy, records, home=str(home))
     assert proposal.proposed.files == policy.files
     assert len(proposal.flagged) == 3
@@ -162,8 +194,10 @@ def test_worker_control_and_scratch_directories_are_never_proposed(policy, learn
     import tempfile
 
     control = os.path.join(os.path.realpath(tempfile.gettempdir()), "agent-sandbox-abc123")
-    records = [learned("files.read", f"{control}/worker.log"),
-               learned("files.read", f"{control}/scratch/x/etc/passwd")]
+    records = [
+        learned("files.read", f"{control}/worker.log"),
+        learned("files.read", f"{control}/scratch/x/etc/passwd"),
+    ]
     proposal = propose(policy, records, home=str(home))
     assert proposal.proposed.files.read == ()
     assert len(proposal.flagged) == 2
@@ -172,12 +206,19 @@ def test_worker_control_and_scratch_directories_are_never_proposed(policy, learn
 def test_an_explicit_deny_is_never_overridden(learned, tmp_path, home) -> None:
     """It flags what the current policy denies explicitly instead of proposing it."""
     (path,) = _files(tmp_path / "data", "secret.csv")
-    current = Policy(name="tool", files={"deny": [path]}, imports={"deny": ["pickle"]},
-                     api={"deny": ["process-exec"]},
-                     net={"rules": [{"action": "deny", "host": "10.0.0.0/8"}]})
-    records = [learned("files.read", path), learned("imports", "pickle"),
-               learned("api.process-exec", "subprocess.run"),
-               learned("net.connect", "10.1.2.3:443")]
+    current = Policy(
+        name="tool",
+        files={"deny": [path]},
+        imports={"deny": ["pickle"]},
+        api={"deny": ["process-exec"]},
+        net={"rules": [{"action": "deny", "host": "10.0.0.0/8"}]},
+    )
+    records = [
+        learned("files.read", path),
+        learned("imports", "pickle"),
+        learned("api.process-exec", "subprocess.run"),
+        learned("net.connect", "10.1.2.3:443"),
+    ]
     proposal = propose(current, records, home=str(home))
     assert not proposal.changed
     assert len(proposal.flagged) == 4
@@ -192,8 +233,9 @@ def test_a_link_in_a_writable_directory_is_flagged_not_followed(learned, tmp_pat
     out.mkdir()
     (out / "link").symlink_to("/")
     current = Policy(name="tool", files={"write": [str(out)]})
-    proposal = propose(current, [learned("files.read", str(out / "link" / "etc" / "hostname"))],
-                       home=str(home))
+    proposal = propose(
+        current, [learned("files.read", str(out / "link" / "etc" / "hostname"))], home=str(home)
+    )
     assert proposal.proposed.files.read == ()
     assert proposal.flagged and "symlink" in proposal.flagged[0].reason
 
@@ -203,8 +245,10 @@ def test_a_link_the_run_itself_wrote_is_flagged(policy, learned, tmp_path, home)
     spot = tmp_path / "spot"
     spot.mkdir()
     (spot / "x").symlink_to("/etc")
-    records = [learned("files.write", str(spot / "x")),
-               learned("files.read", str(spot / "x" / "hostname"))]
+    records = [
+        learned("files.write", str(spot / "x")),
+        learned("files.read", str(spot / "x" / "hostname")),
+    ]
     proposal = propose(policy, records, home=str(home))
     assert proposal.proposed.files.read == ()
 
@@ -215,8 +259,9 @@ def test_a_link_in_a_world_writable_directory_is_flagged(policy, learned, tmp_pa
     shared.mkdir()
     shared.chmod(0o1777)
     (shared / "x").symlink_to("/etc")
-    proposal = propose(policy, [learned("files.read", str(shared / "x" / "hostname"))],
-                       home=str(home))
+    proposal = propose(
+        policy, [learned("files.read", str(shared / "x" / "hostname"))], home=str(home)
+    )
     assert proposal.proposed.files.read == ()
 
 
@@ -227,9 +272,14 @@ def test_a_trusted_link_is_judged_on_its_real_target(policy, learned, tmp_path, 
     real = _files(tmp_path / "real", "data.csv")[0]
     (ro / "alias.csv").symlink_to(real)
     (ro / "proc").symlink_to("/proc")
-    proposal = propose(policy, [learned("files.read", str(ro / "alias.csv")),
-                                learned("files.read", str(ro / "proc" / "1" / "environ"))],
-                       home=str(home))
+    proposal = propose(
+        policy,
+        [
+            learned("files.read", str(ro / "alias.csv")),
+            learned("files.read", str(ro / "proc" / "1" / "environ")),
+        ],
+        home=str(home),
+    )
     assert proposal.proposed.files.read == (real,)
     assert len(proposal.flagged) == 1
 
@@ -239,8 +289,11 @@ def test_a_trusted_link_is_judged_on_its_real_target(policy, learned, tmp_path, 
 )
 def test_a_path_requested_through_scratch_is_flagged(policy, learned, home, requested) -> None:
     """It flags a resolved path whose record says the code asked for it through scratch."""
-    record = learned("files.read", "/etc/hostname",
-                     detail=f"the path is outside [files] read (requested as '{requested}')")
+    record = learned(
+        "files.read",
+        "/etc/hostname",
+        detail=f"the path is outside [files] read (requested as '{requested}')",
+    )
     proposal = propose(policy, [record], home=str(home))
     assert proposal.proposed.files.read == ()
     assert "link the run could plant" in proposal.flagged[0].reason
@@ -249,8 +302,11 @@ def test_a_path_requested_through_scratch_is_flagged(policy, learned, home, requ
 def test_a_path_requested_through_a_declared_write_dir_is_flagged(learned, tmp_path, home):
     """It flags a path the code reached through a directory the policy lets it write."""
     current = Policy(name="tool", files={"write": [str(tmp_path / "out")]})
-    record = learned("files.read", "/etc/hostname",
-                     detail=f"outside (requested as '{tmp_path}/out/lnk/hostname')")
+    record = learned(
+        "files.read",
+        "/etc/hostname",
+        detail=f"outside (requested as '{tmp_path}/out/lnk/hostname')",
+    )
     assert propose(current, [record], home=str(home)).proposed.files.read == ()
 
 
@@ -260,8 +316,9 @@ def test_a_path_requested_through_a_declared_write_dir_is_flagged(learned, tmp_p
 @pytest.mark.parametrize("name", ["evil.pth", "sitecustomize.py", "usercustomize.py"])
 def test_startup_files_are_never_proposed_for_writing(policy, learned, tmp_path, home, name):
     """It flags writes of files an interpreter runs at start-up, wherever they are."""
-    proposal = propose(policy, [learned("files.write", str(tmp_path / "out" / name))],
-                       home=str(home))
+    proposal = propose(
+        policy, [learned("files.write", str(tmp_path / "out" / name))], home=str(home)
+    )
     assert proposal.proposed.files.write == ()
 
 
@@ -270,8 +327,10 @@ def test_writes_into_import_roots_are_never_proposed(policy, learned, home) -> N
     import json
     import sysconfig
 
-    targets = [os.path.join(os.path.dirname(os.path.dirname(json.__file__)), "json2.py"),
-               os.path.join(sysconfig.get_paths()["purelib"], "json.py")]
+    targets = [
+        os.path.join(os.path.dirname(os.path.dirname(json.__file__)), "json2.py"),
+        os.path.join(sysconfig.get_paths()["purelib"], "json.py"),
+    ]
     proposal = propose(policy, [learned("files.write", t) for t in targets], home=str(home))
     assert proposal.proposed.files.write == ()
     assert len(proposal.flagged) == 2
@@ -279,8 +338,10 @@ def test_writes_into_import_roots_are_never_proposed(policy, learned, home) -> N
 
 def test_risky_modules_are_proposed_with_a_mark(policy, learned, home) -> None:
     """It marks ctypes, subprocess, pickle, importlib and (without network) socket RISKY."""
-    records = [learned("imports", m) for m in
-               ("ctypes", "subprocess", "pickle", "importlib.util", "socket", "csv")]
+    records = [
+        learned("imports", m)
+        for m in ("ctypes", "subprocess", "pickle", "importlib.util", "socket", "csv")
+    ]
     proposal = propose(policy, records, home=str(home))
     for module in ("ctypes", "subprocess", "pickle", "importlib.util", "socket"):
         assert _status(proposal, "imports.allow", module) == "risky", module
@@ -290,16 +351,19 @@ def test_risky_modules_are_proposed_with_a_mark(policy, learned, home) -> None:
 
 def test_a_parent_module_covers_its_submodules(policy, learned, home) -> None:
     """It proposes `xml` once when `xml` and `xml.etree` were both imported."""
-    proposal = propose(policy, [learned("imports", "xml.etree"), learned("imports", "xml")],
-                       home=str(home))
+    proposal = propose(
+        policy, [learned("imports", "xml.etree"), learned("imports", "xml")], home=str(home)
+    )
     assert proposal.proposed.imports.allow == ("math", "json", "xml")
 
 
 def test_native_and_dynamic_code_calls_are_never_proposed(policy, learned, home) -> None:
     """It flags native-code and dynamic-code calls and marks other sensitive calls RISKY."""
-    records = [learned("api.native-code", "ctypes.CDLL"),
-               learned("api.dynamic-code", "builtins.eval"),
-               learned("api.process-exec", "subprocess.run")]
+    records = [
+        learned("api.native-code", "ctypes.CDLL"),
+        learned("api.dynamic-code", "builtins.eval"),
+        learned("api.process-exec", "subprocess.run"),
+    ]
     proposal = propose(policy, records, home=str(home))
     assert proposal.proposed.api.allow == ("subprocess.run",)
     assert _status(proposal, "api.allow", "subprocess.run") == "risky"
@@ -320,14 +384,22 @@ def test_env_names_secrets_and_loader_variables(policy, learned, home) -> None:
 
 def test_net_rules_name_host_and_ports(policy, learned, home) -> None:
     """It proposes one rule per host and direction with the ports used, and flags metadata hosts."""
-    records = [learned("net.connect", "203.0.113.5:443"), learned("net.connect", "203.0.113.5:80"),
-               learned("net.connect", "127.0.0.1:8080"), learned("net.bind", "127.0.0.1:9000"),
-               learned("net.connect", "169.254.169.254:80"),
-               learned("net.resolve", "api.example.com:443")]
+    records = [
+        learned("net.connect", "203.0.113.5:443"),
+        learned("net.connect", "203.0.113.5:80"),
+        learned("net.connect", "127.0.0.1:8080"),
+        learned("net.bind", "127.0.0.1:9000"),
+        learned("net.connect", "169.254.169.254:80"),
+        learned("net.resolve", "api.example.com:443"),
+    ]
     proposal = propose(policy, records, home=str(home))
     rules = {(r.direction, r.host, r.ports) for r in proposal.proposed.net.rules}
-    assert rules == {("connect", "203.0.113.5", "80,443"), ("connect", "127.0.0.1", "8080"),
-                     ("bind", "127.0.0.1", "9000"), ("connect", "api.example.com", "443")}
+    assert rules == {
+        ("connect", "203.0.113.5", "80,443"),
+        ("connect", "127.0.0.1", "8080"),
+        ("bind", "127.0.0.1", "9000"),
+        ("connect", "api.example.com", "443"),
+    }
     assert any("metadata" in f.reason for f in proposal.flagged)
 
 
@@ -336,8 +408,11 @@ def test_net_rules_name_host_and_ports(policy, learned, home) -> None:
 
 def test_only_learning_records_count(policy, learned, home) -> None:
     """It ignores enforced refusals (not observed), limits and the code layer."""
-    records = [Denial("files.read", "read", "/srv/x"), learned("limits.timeout", "30s"),
-               learned("code.syntax", "line 1")]
+    records = [
+        Denial("files.read", "read", "/srv/x"),
+        learned("limits.timeout", "30s"),
+        learned("code.syntax", "line 1"),
+    ]
     proposal = propose(policy, records, home=str(home))
     assert not proposal.changed
     assert len(proposal.flagged) == 3
@@ -360,8 +435,10 @@ def _mixed_records(learned, tmp_path: Path) -> list[Denial]:
         *(learned("files.read", p) for p in paths),
         learned("files.write", str(tmp_path / "mixed" / "out.txt")),
         learned("files.read", "/etc/shadow"),
-        learned("imports", "subprocess"), learned("imports", "csv"),
-        learned("env", "TZ"), learned("net.connect", "203.0.113.5:443"),
+        learned("imports", "subprocess"),
+        learned("imports", "csv"),
+        learned("env", "TZ"),
+        learned("net.connect", "203.0.113.5:443"),
         learned("api.process-exec", "subprocess.run"),
     ]
 

@@ -32,11 +32,18 @@ def test_a_policy_with_every_section_round_trips() -> None:
         description='quotes " and \\ and a\nnewline and \u00e9',
         provider="auto",
         mode="learn",
-        files={"read": ["/data/in"], "write": ["$SCRATCH", "/data/out"], "deny": ["/data/in/x"],
-               "hide": []},
-        net={"rules": [{"host": "127.0.0.1", "ports": "80,443"},
-                       {"action": "deny", "host": "10.0.0.0/8", "direction": "any",
-                        "protocol": "any"}]},
+        files={
+            "read": ["/data/in"],
+            "write": ["$SCRATCH", "/data/out"],
+            "deny": ["/data/in/x"],
+            "hide": [],
+        },
+        net={
+            "rules": [
+                {"host": "127.0.0.1", "ports": "80,443"},
+                {"action": "deny", "host": "10.0.0.0/8", "direction": "any", "protocol": "any"},
+            ]
+        },
         imports={"allow": ["json", "xml.etree"], "deny": ["pickle"]},
         env={"pass": ["LANG", "LC_*"], "set": {"A B": "x\x01y", "MPLBACKEND": "Agg"}},
         api={"allow": ["subprocess.run"], "deny": ["process-control"]},
@@ -51,8 +58,11 @@ def test_a_policy_with_every_section_round_trips() -> None:
 def test_comments_mark_items_and_the_header_is_a_comment_block() -> None:
     """It puts a trailing comment on a marked list item and a comment block on top."""
     policy = Policy(name="c", imports={"allow": ["json", "subprocess"]})
-    text = policy_to_toml(policy, header="line one\nline two",
-                          comments={("imports.allow", "subprocess"): "RISKY: runs programs"})
+    text = policy_to_toml(
+        policy,
+        header="line one\nline two",
+        comments={("imports.allow", "subprocess"): "RISKY: runs programs"},
+    )
     assert text.startswith("# line one\n# line two\n")
     assert '"subprocess",  # RISKY: runs programs' in text
     assert _same(policy_from_toml(text), policy)

@@ -17,16 +17,23 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import load_policy
-from agent_sandbox._errors import LearningError
 from agent_sandbox._cli import main
+from agent_sandbox._errors import LearningError
 from agent_sandbox._learn import Learner, apply_proposal, propose, write_proposal
 from agent_sandbox.policies import policy_from_toml
 
 
 @pytest.fixture
 def proposal(policy, learned, home):
-    return propose(policy, [learned("imports", "csv"), learned("imports", "subprocess"),
-                            learned("files.read", "/etc/shadow")], home=str(home))
+    return propose(
+        policy,
+        [
+            learned("imports", "csv"),
+            learned("imports", "subprocess"),
+            learned("files.read", "/etc/shadow"),
+        ],
+        home=str(home),
+    )
 
 
 @contextlib.contextmanager
@@ -166,8 +173,9 @@ def test_cli_apply_yes_and_an_immutable_target(proposal, policy_file, monkeypatc
 def test_cli_policy_diff_shows_additions_and_marks(proposal, policy_file, monkeypatch, capsys):
     """It prints the entries a proposal adds, with its RISKY marks."""
     files = write_proposal(proposal)
-    code, out, _ = _cli(["policy", "diff", str(policy_file), str(files.toml)], "", monkeypatch,
-                        capsys)
+    code, out, _ = _cli(
+        ["policy", "diff", str(policy_file), str(files.toml)], "", monkeypatch, capsys
+    )
     assert code == 0
     assert "[imports.allow]" in out and "+ csv" in out
     assert "+ subprocess    # RISKY" in out

@@ -1,0 +1,214 @@
+"""Learning runs end to end: real workers, real guards, then the learned policy enforced.
+
+Each attack is judged by its effect on the next run (a canary that must not print, a marker
+file that must not exist, a policy file that must not change), not by a message.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox import Sandbox, load_policy
+from agent_sandbox._errors import LearningError
+from agent_sandbox._learn import apply_proposal, learn_run, write_proposal
+from agent_sandbox.providers import get_provider
+
+pytestmark = pytest.mark.slow
+
+
+def _kernel_provider() -> bool:
+    names = get_provider("auto").probe().details.get("candidates", ())
+    return any(get_provider(n).is_boundary for n in names)
+
+
+needs_kernel = pytest.mark.skipif(not _kernel_provider(), reason="no kernel provider works here")
+
+#: Each step is tried on its own so one refusal does not hide the next (the kernel provider
+#: still refuses what the policy does not declare, and the guard records it first).
+STEPS = textwrap.dedent(
+    """
+    import os
+    def step(f):
+        try:
+            return f()
+        except Exception as exc:
+            return type(exc).__name__
+    """
+)
+
+
+def _learn_and_apply(code: str, policy_file: Path, **kw):
+    run = learn_run(code, policy_file, **kw)
+    files = write_proposal(run.proposal, expect_digest=run.digest)
+    apply_proposal(files.toml)
+    return run, load_policy(policy_file)
+
+
+@needs_kernel
+def test_learned_policy_allows_exactly_what_the_run_did(policy_file, tmp_path, monkeypatch):
+    """It learns a file, a module and a variable, then the applied policy allows them and refuses the rest."""
+    monkeypatch.setenv("LEARN_TEST_REGION", "eu-west")
+    monkeypatch.setenv("LEARN_TEST_OTHER", "other")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.csv").write_text("alpha")
+    (data / "b.csv").write_text("bravo")
+    code = STEPS + textwrap.dedent(
+        f"""
+        import csv
+        print(step(lambda: open({str(data / "a.csv")!r}).read()))
+        print(step(lambda: os.environ["LEARN_TEST_REGION"]))
+        """
+    )
+    run, learned = _learn_and_apply(code, policy_file)
+    assert all(d.learned for d in run.result.denials)
+    assert str(data / "a.csv") in learned.files.read
+    assert "csv" in learned.imports.allow and "LEARN_TEST_REGION" in learned.env.passthrough
+
+    with Sandbox(learned, provider="auto", warm=0) as sandbox:
+        again = sandbox.run(code)
+        assert again.ok, again.denials
+        assert "alpha" in again.stdout and "eu-west" in again.stdout
+        rest = sandbox.run(
+            STEPS
+            + textwrap.dedent(
+                f"""
+            print(step(lambda: open({str(data / "b.csv")!r}).read()))
+            print(step(lambda: os.environ["LEARN_TEST_OTHER"]))
+            try:
+                import subprocess
+            except ImportError:
+                print("no subprocess")
+            """
+            )
+        )
+    assert "bravo" not in rest.stdout and "other\n" not in rest.stdout
+    assert "no subprocess" in rest.stdout
+    assert {d.rule for d in rest.denials} == {"files.read", "env", "imports"}
+
+
+@needs_kernel
+def test_relearning_the_same_code_gives_the_same_proposal(policy_file) -> None:
+    """It writes a byte-identical proposal when the same code is learned twice."""
+    code = STEPS + "import csv, statistics\nprint(step(lambda: open('/etc/hostname').read()))\n"
+    first = learn_run(code, policy_file).proposal.to_toml()
+    second = learn_run(code, policy_file).proposal.to_toml()
+    assert first == second
+    assert '"csv"' in first and '"/etc/hostname",  # RISKY' in first
+
+
+@needs_kernel
+def test_blocks_widening_through_a_symlink_planted_in_scratch(policy_file) -> None:
+    """It denies a learning run that plants `x -> /` in scratch the power to widen the next run."""
+    code = STEPS + textwrap.dedent(
+        """
+        print(step(lambda: os.symlink("/", "x")))
+        print(step(lambda: os.symlink("/etc", "etc-link")))
+        print(step(lambda: open("x/etc/hostname").read()))
+        print(step(lambda: os.listdir("etc-link")))
+        """
+    )
+    _, learned = _learn_and_apply(code, policy_file)
+    grants = set(learned.files.read) | set(learned.files.write)
+    assert not grants & {"/", "/etc", "$SCRATCH/x", "$SCRATCH/etc-link"}
+    assert all(g == os.path.realpath(g) for g in grants)  # real targets only, never a link
+    canary = "root:x:0:0"
+    with Sandbox(learned, provider="auto", warm=0) as sandbox:
+        after = sandbox.run(
+            STEPS
+            + textwrap.dedent(
+                """
+            print(step(lambda: os.symlink("/", "x")))
+            print(step(lambda: open("x/etc/passwd").read()))
+            print(step(lambda: open("/etc/passwd").read()))
+            """
+            )
+        )
+    assert canary not in after.stdout
+    assert any(d.rule == "files.read" for d in after.denials)
+
+
+@needs_kernel
+@pytest.mark.xfail(
+    strict=True,
+    reason="the file guard records the resolved path only; flagging needs the path as requested "
+    "in the denial (e.g. detail \"(requested as '<path>')\" from guards/_files.py check())",
+)
+def test_a_read_through_a_link_planted_in_scratch_is_flagged_not_proposed(policy_file) -> None:
+    """It flags a path reached through a link the run planted in scratch instead of proposing it."""
+    code = STEPS + "print(step(lambda: os.symlink('/etc', 'e')))\n"
+    code += "print(step(lambda: open('e/hostname').read()))\n"
+    proposal = learn_run(code, policy_file).proposal
+    assert "/etc/hostname" not in proposal.proposed.files.read
+
+
+@needs_kernel
+def test_blocks_pth_files_and_shadow_modules_from_preempting_the_next_run(
+    policy_file, tmp_path
+) -> None:
+    """It denies `.pth` files and a shadowing `json.py` written while learning any effect on the next run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = tmp_path / "pth-ran"
+    policy_file.write_text(policy_file.read_text() + f'\n[files]\nwrite = ["{out}"]\n')
+    payload = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')"
+    code = STEPS + textwrap.dedent(
+        f"""
+        for folder in (".", {str(out)!r}):
+            print(step(lambda: open(folder + "/json.py", "w").write("print('SHADOWED')")))
+            print(step(lambda: open(folder + "/evil.pth", "w").write({payload!r})))
+            print(step(lambda: open(folder + "/sitecustomize.py", "w").write({payload!r})))
+        print(step(lambda: open({str(tmp_path / "sitecustomize.py")!r}, "w").write("x")))
+        """
+    )
+    run, learned = _learn_and_apply(code, policy_file)
+    assert str(tmp_path / "sitecustomize.py") not in learned.files.write
+    assert any("start-up" in f.reason for f in run.proposal.flagged)
+    with Sandbox(learned, provider="auto", warm=0) as sandbox:
+        after = sandbox.run("import json\nprint(json.__file__)")
+    assert after.ok and "SHADOWED" not in after.stdout
+    assert str(out) not in after.stdout and "/scratch" not in after.stdout
+    assert not marker.exists()
+
+
+@needs_kernel
+def test_blocks_a_learning_run_from_editing_its_policy_under_a_kernel_provider(policy_file):
+    """It denies the edit (the kernel holds) and flags the attempt in the proposal."""
+    before = policy_file.read_bytes()
+    code = (
+        STEPS
+        + f"print(step(lambda: open({str(policy_file)!r}, 'a').write('[files]\\nread=[\"/\"]')))\n"
+    )
+    run = learn_run(code, policy_file)
+    assert policy_file.read_bytes() == before
+    assert "/" not in run.proposal.proposed.files.read
+    assert any(
+        f.field == "files.write" and str(policy_file) in f.value for f in run.proposal.flagged
+    )
+
+
+def test_a_policy_edited_by_an_unbounded_learning_run_yields_no_proposal(policy_file) -> None:
+    """It denies a run without a kernel boundary that edits its own policy any proposal: the edit is detected."""
+    code = STEPS + f"print(step(lambda: open({str(policy_file)!r}, 'a').write('# edited\\n')))\n"
+    with pytest.raises(LearningError, match="changed"):
+        learn_run(code, policy_file, provider="subprocess")
+    assert not policy_file.with_name("tool.proposed.toml").exists()
+
+
+@needs_kernel
+def test_cli_learn_writes_the_proposal_beside_the_policy(policy_file, capsys) -> None:
+    """It runs `agent-sandbox learn`, prints the envelope and the diff, and changes nothing else."""
+    from agent_sandbox._cli import main
+
+    before = policy_file.read_bytes()
+    code = main(["learn", "-c", "import csv\nprint('hi')", "--policy", str(policy_file)])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "learning envelope" in err and "ran under:" in err and "+ csv" in out
+    assert policy_file.with_name("tool.proposed.toml").exists()
+    assert policy_file.with_name("tool.proposed.diff").exists()
+    assert policy_file.read_bytes() == before
