@@ -9,11 +9,12 @@ How a call crosses (data only, nothing is pickled):
 2. At call time the arguments must be JSON data; they are written into the call as Python
    literals (`f(*[...], **{...})`) and the call is the last expression, whose value comes back
    as data (`RunResult.value`).
-3. The result is mapped back: the return value; a policy refusal or limit raises the matching
-   `SandboxDenied` subclass (`ImportDenied`, `NetworkDenied`, `LimitExceeded`, ...) with
-   `.result` attached; an exception of a builtin type is raised as that type (chained from a
-   `SandboxedCallError` holding the worker's traceback); anything else raises
-   `SandboxedCallError`.
+3. The result is mapped back by `RunResult.raise_error()`: the return value (data, or rich
+   objects when the policy's `result_mode` is `objects`); a policy refusal or limit raises the
+   matching `SandboxDenied` subclass (`ImportDenied`, `NetworkDenied`, `LimitExceeded`, ...);
+   an exception raised by the function comes back as its own type with the worker's traceback
+   spliced in, or as a `ChildException` stand-in when the host does not have its class; a
+   crash raises `WorkerCrashed`. Our own exceptions get `.result` (the `RunResult`) attached.
 
 What is NOT carried: closures, helpers defined elsewhere in the module (define them inside the
 function), non-literal globals, and `self` beyond the tool's own JSON-safe fields (a tool's
@@ -27,7 +28,6 @@ refusals are handled tool errors / `ToolFailure`s.
 from __future__ import annotations
 
 import ast
-import builtins
 import functools
 import inspect
 import json
@@ -36,25 +36,13 @@ import threading
 import types
 from typing import Any
 
-from agent_sandbox._denial import Denial
-from agent_sandbox._errors import (
-    CallDenied,
-    CodeRejected,
-    EnvDenied,
-    FileAccessDenied,
-    HiddenPathDenied,
-    ImportDenied,
-    LimitExceeded,
-    NetworkDenied,
-    SandboxDenied,
-    SandboxedCallError,
-)
+from agent_sandbox._errors import SandboxError
 from agent_sandbox._result import RunResult
 from agent_sandbox._sandbox import Sandbox
 from agent_sandbox.adapters._common import PolicySpec, internal_failure
 from agent_sandbox.policies import resolve_policy
 
-__all__ = ["SandboxedFunction", "denial_exception", "function_program", "sandboxed"]
+__all__ = ["SandboxedFunction", "function_program", "sandboxed"]
 
 _SELF_CLASS = "SandboxedToolSelf"
 
@@ -210,53 +198,6 @@ def call_expression(
     return f"{name}({lead}*{data[0]!r}, **{data[1]!r})"
 
 
-#: Rule family -> the exception class a refusal is raised as on the caller's side.
-_DENIAL_CLASSES: tuple[tuple[str, type[SandboxDenied]], ...] = (
-    ("files.hidden", HiddenPathDenied),
-    ("files.", FileAccessDenied),
-    ("net.", NetworkDenied),
-    ("imports", ImportDenied),
-    ("env", EnvDenied),
-    ("api.", CallDenied),
-    ("code.", CodeRejected),
-    ("limits.", LimitExceeded),
-)
-
-
-def denial_exception(denial: Denial) -> SandboxDenied:
-    """The `SandboxDenied` subclass matching `denial.rule`, built from the denial."""
-    for prefix, cls in _DENIAL_CLASSES:
-        if denial.rule == prefix or (prefix.endswith(".") and denial.rule.startswith(prefix)):
-            return cls(denial)
-    return SandboxDenied(denial)
-
-
-def raise_for_result(result: RunResult) -> None:
-    """Raise what the sandboxed function's failure should look like in the caller; else None."""
-    error = result.error
-    if error is None:
-        return
-    if error.kind in ("denied", "limit"):
-        denials = [d for d in result.denials if d.rule == error.rule] or list(result.denials)
-        if denials:
-            # A budget (`code.iterations`, `limits.*`) is a limit whatever its rule family.
-            exc = (
-                LimitExceeded(denials[0]) if error.kind == "limit" else denial_exception(denials[0])
-            )
-            exc.result = result  # type: ignore[attr-defined]
-            raise exc
-    remote = SandboxedCallError(result)
-    if error.kind == "exception" and "." not in error.type:
-        cls = getattr(builtins, error.type, None)
-        if isinstance(cls, type) and issubclass(cls, Exception):
-            try:
-                rebuilt = cls(error.message)
-            except Exception:
-                raise remote from None
-            raise rebuilt from remote
-    raise remote
-
-
 class SandboxedFunction:
     """A function that runs in a sandboxed worker on every call (see the module docstring)."""
 
@@ -316,7 +257,13 @@ class SandboxedFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.run(*args, **kwargs)
-        raise_for_result(result)
+        if result.error is None:
+            return result.value
+        try:
+            result.raise_error()
+        except SandboxError as exc:
+            exc.result = result  # type: ignore[attr-defined]
+            raise
         return result.value
 
     def close(self) -> None:

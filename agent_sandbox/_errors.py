@@ -16,7 +16,6 @@ inside the worker while user code runs:
   * ChildException                  - stand-in for a worker exception the host cannot rebuild
   * SandboxClosed                   - the sandbox or session was closed
   * LearningError                   - a learning proposal could not be made, written or applied
-  * SandboxedCallError              - a `sandboxed()` function raised; carries the RunResult
   * SandboxDenied                   - a policy refused an operation (carries a Denial)
     * FileAccessDenied (PermissionError)
     * HiddenPathDenied (FileNotFoundError)
@@ -59,7 +58,6 @@ __all__ = [
     "SandboxClosed",
     "SandboxDenied",
     "SandboxError",
-    "SandboxedCallError",
     "TransportError",
     "UnpickleRefused",
     "WorkerCrashed",
@@ -207,24 +205,6 @@ class ChildException(SandboxError):
 
 class SandboxClosed(SandboxError):
     """The sandbox or the session was closed; open a new one."""
-
-
-class SandboxedCallError(SandboxError):
-    """A function run by `sandboxed()` failed and its exception cannot be rebuilt as its own type.
-
-    `.result` is the call's `RunResult`; `.error_type`, `.message`, `.remote_traceback` and
-    `.denials` describe what happened in the worker. It is not a SandboxDenied: a refusal is
-    raised as the matching SandboxDenied subclass instead.
-    """
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-        error = result.error
-        self.error_type = error.type if error is not None else "Error"
-        self.message = error.message if error is not None else ""
-        self.remote_traceback = error.traceback if error is not None else ""
-        self.denials = tuple(result.denials)
-        super().__init__(f"{self.error_type}: {self.message}")
 
 
 class LearningError(SandboxError):

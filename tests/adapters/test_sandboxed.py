@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import LimitExceeded, Policy
-from agent_sandbox.adapters import SandboxedCallError, sandboxed
+from agent_sandbox._errors import ChildException
+from agent_sandbox.adapters import sandboxed
 
 BASE = 7
 
@@ -80,14 +81,16 @@ def test_builtin_exceptions_come_back_as_their_type(wrap):
     f = wrap(divide)
     with pytest.raises(ZeroDivisionError) as info:
         f(1, 0)
-    assert isinstance(info.value.__cause__, SandboxedCallError)
-    assert "ZeroDivisionError" in info.value.__cause__.remote_traceback
+    assert "division by zero" in str(info.value)
+    assert f.last_result.error.type == "ZeroDivisionError"
+    assert "return a / b" in f.last_result.error.traceback
 
 
 def test_other_exceptions_come_back_as_a_stand_in(wrap):
-    with pytest.raises(SandboxedCallError) as info:
+    with pytest.raises(ChildException) as info:
         wrap(custom_failure)()
-    assert info.value.error_type.endswith("Oops") and info.value.message == "custom"
+    assert info.value.child_type.endswith("Oops") and info.value.child_message == "custom"
+    assert info.value.result.error.kind == "exception"
 
 
 def test_limits_raise_limit_exceeded_with_the_denial(wrap):
@@ -188,3 +191,15 @@ def test_sandboxed_langchain_tools():
     finally:
         safe.func.sandbox.close()
         loud.func.sandbox.close()
+
+
+def make_set(n: int) -> set[int]:
+    return set(range(n))
+
+
+def test_objects_result_mode_returns_rich_values(wrap):
+    """With `result_mode = "objects"` the value comes back as the object, not as data."""
+    rich = wrap(make_set, policy=Policy(name="fn-objects", result_mode="objects"))
+    assert rich(3) == {0, 1, 2}
+    plain = wrap(make_set)
+    assert plain(3) != {0, 1, 2}  # data-only: a marked repr, never an unpickled object
