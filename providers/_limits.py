@@ -174,9 +174,10 @@ class WorkerCgroups:
         """Make the groups for one worker with `limits` (a `LimitsPolicy` or its dict)."""
         memory_mb = int(_limit(limits, "memory_mb", 2048))
         processes = int(_limit(limits, "processes", 64)) + extra_processes
-        name = _PREFIX + worker_id
+        name = f"{_PREFIX}{os.getpid()}-{worker_id}"
         dirs: dict[str, str] = {}
         hs = _hierarchies()
+        _sweep_stale(hs)
         try:
             unified = hs.get("unified")
             if unified is not None:
@@ -321,6 +322,31 @@ def _remove_left_over() -> None:
         with contextlib.suppress(OSError):
             groups.kill()
             groups.remove(timeout=1.0)
+
+
+_SWEPT = False
+
+
+def _sweep_stale(hs: Mapping[str, _Hierarchy]) -> None:
+    """Once per process: remove empty groups left by parents that died without cleaning up
+    (a parent ended with `os._exit` or SIGKILL runs no clean-up)."""
+    global _SWEPT
+    if _SWEPT:
+        return
+    _SWEPT = True
+    for h in hs.values():
+        try:
+            names = os.listdir(h.base)
+        except OSError:
+            continue
+        for name in names:
+            owner = name[len(_PREFIX) :].split("-", 1)[0]
+            if not name.startswith(_PREFIX) or not owner.isdigit():
+                continue
+            if os.path.exists(f"/proc/{owner}"):
+                continue
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(h.base, name))  # fails (and stays) while not empty
 
 
 def _limit(limits: Any, key: str, default: int) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,10 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
             data[key] = {**data[key], **value}
         else:
             data[key] = value
-    return Policy(**data)
+    with warnings.catch_warnings():
+        # The warning that native-code opens the Python layer is the point of this policy.
+        warnings.simplefilter("ignore", UserWarning)
+        return Policy(**data)
 
 
 @pytest.fixture

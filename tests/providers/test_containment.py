@@ -223,7 +223,7 @@ for _ in range(3):
     if pid == 0:
         try:
             hold = [bytearray(16 * 1024 * 1024) for _ in range(12)]
-            import time; time.sleep(5)
+            import time; time.sleep(1)
         finally:
             os._exit(0)
     kids.append(pid)

@@ -138,7 +138,7 @@ int(os.read(r, 32))
     time.sleep(0.05)
     assert not _running(grandchild)
     for base in SUPPORT["hierarchies"].values():
-        assert not os.path.exists(os.path.join(base, f"agent-sandbox-{worker_id}"))
+        assert not [n for n in os.listdir(base) if n.endswith(f"-{worker_id}")]
 
 
 def test_file_size_limit_is_a_denial_and_the_worker_is_replaced() -> None:
