@@ -79,6 +79,7 @@ class Guards:
         self.installed = True
         self.reasons: list[str] = []
         self.calls = 0
+        self.env_set: list[str] = []
 
     def arming(self) -> _Arming:
         """The context manager that arms the guards for one call."""
@@ -127,6 +128,8 @@ class Guards:
         _imports.uninstall()
         _patch.uninstall()
         _files.configure(_files.FileRules({}, scratch=""))
+        for key in self.env_set:
+            os.environ.pop(key, None)
         self.installed = False
 
 
@@ -154,9 +157,11 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
     _env.configure(boot.get("host_env_names") or (), name)
     _calls.configure(_calls.ApiRules(policy.get("api") or {}, name), policy.get("code") or {})
     # 2. temporary files go to scratch
-    if scratch:
-        os.environ.setdefault("TMPDIR", scratch)
-        os.environ.setdefault("MPLCONFIGDIR", os.path.join(scratch, ".matplotlib"))
+    env_set = []
+    for key, value in (("TMPDIR", scratch), ("MPLCONFIGDIR", os.path.join(scratch, ".mpl"))):
+        if scratch and key not in os.environ:
+            os.environ[key] = value
+            env_set.append(key)
     # 3. patch
     _files.install()
     _net.install()
@@ -168,6 +173,7 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
     _imports.install()
     # 4. the user namespace's builtins (after the builtins were wrapped)
     guards = Guards(namespace, _imports.make_user_builtins())
+    guards.env_set = env_set
     if namespace is not None:
         namespace["__builtins__"] = guards.user_builtins
     return guards

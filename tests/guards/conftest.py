@@ -60,13 +60,13 @@ def armed() -> Iterator[Callable[..., Harness]]:
     saved_meta = list(sys.meta_path)
     saved_cwd = os.getcwd()
 
-    def make(**policy: Any) -> Harness:
+    def make(policy: Policy | None = None, **fields: Any) -> Harness:
         control = tempfile.mkdtemp(prefix="guard-test-")
         scratch = os.path.join(control, "scratch")
         os.mkdir(scratch)
         scratch_dirs.append(control)
-        policy.setdefault("name", "guard-test")
-        harness = Harness(Policy(**policy), scratch)
+        fields.setdefault("name", "guard-test")
+        harness = Harness(policy if policy is not None else Policy(**fields), scratch)
         made.append(harness)
         return harness
 
