@@ -173,7 +173,7 @@ def test_runs_a_worker_whose_venv_lives_under_tmp(tmp_path: Path) -> None:
         w = WorkerProcess.start(policy, FirejailProvider(stack=False))
         try:
             assert "--whitelist=" + sys.prefix in w.plan.argv, w.plan.argv
-            r = w.run("import sys, h11; print(sys.prefix); print(h11.__file__)")
+            r = w.run("import sys, h11; print(sys.executable); print(h11.__file__)")
             print(r.stdout, r.error)
         finally:
             w.close()
@@ -188,5 +188,5 @@ def test_runs_a_worker_whose_venv_lives_under_tmp(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split()
-    assert lines[0] == str(venv), out.stdout
+    assert lines[0] == str(venv / "bin" / "python"), out.stdout
     assert lines[1].startswith(str(site)), out.stdout
