@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
+from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunError, RunResult
 from agent_sandbox._sandbox import OnEvent, Sandbox
 from agent_sandbox.policies import Policy, resolve_policy
@@ -50,7 +51,7 @@ _RETRY_NOTE = (
     "Running the same code again will be refused again: change the approach, or tell the "
     "user which policy line would allow it."
 )
-_MAX_LISTED_IMPORTS = 40
+_MAX_LISTED_IMPORTS = 80
 #: How much of the output printed before a refusal the model reads (the artifact has it all).
 _PARTIAL_CHARS = 400
 
@@ -85,7 +86,8 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
     else:
         lines.append("- Network: off.")
-    writable = ["the scratch directory (the working directory)", *policy.files.write]
+    writable = ["the scratch directory (the working directory)"]
+    writable += [p for p in policy.files.write if p.rstrip("/") != "$SCRATCH"]
     lines.append(f"- Files: write only to {', '.join(writable)}.")
     if policy.files.read:
         lines.append(f"  Read also: {', '.join(policy.files.read)}.")
@@ -108,21 +110,43 @@ def describe_policy(
     )
     code = policy.code
     if code.enabled:
-        b = code.budgets
-        dunders = ", ".join(code.dunders) or "none"
-        checks = [f"dunder names refused except {dunders}"]
-        if b.max_iterations:
-            checks.append(f"at most {b.max_iterations} loop iterations")
-        if b.max_call_depth:
-            checks.append(f"call depth {b.max_call_depth}")
-        if code.deny_names:
-            checks.append(f"names never allowed: {', '.join(code.deny_names)}")
-        lines.append(f"- The code is checked before it runs: {'; '.join(checks)}.")
+        lines.append(f"- The code is checked before it runs: {'; '.join(_code_checks(policy))}.")
     lines.append(
         "- A refusal names its rule (for example [imports]) and what would allow it; "
         "retrying the same thing is useless."
     )
     return "\n".join(lines)
+
+
+def _code_checks(policy: Policy) -> list[str]:
+    """The main restrictions of the code layer, in a few words each."""
+    code = policy.code
+    checks: list[str] = []
+    try:
+        from agent_sandbox.guards._code_check import DEFAULT_SYNTAX
+
+        # Only what this policy takes away from the default sub-language is worth the tokens.
+        missing = sorted(set(DEFAULT_SYNTAX) - set(code.syntax))
+    except ImportError:  # pragma: no cover - the code layer is part of the package
+        missing = []
+    if missing:
+        checks.append(f"no {', '.join(missing)} syntax")
+    if "*" in code.names:
+        checks.append("globals(), locals(), vars() refused")
+    else:
+        checks.append(f"only these names: {', '.join(code.names)}")
+    if code.deny_names:
+        checks.append(f"never: {', '.join(code.deny_names)}")
+    if "*" not in code.attributes:
+        checks.append(f"attributes limited to {', '.join(code.attributes)}")
+    dunders = ", ".join(code.dunders) or "none"
+    checks.append(f"dunder names refused except {dunders}")
+    b = code.budgets
+    if b.max_iterations:
+        checks.append(f"at most {b.max_iterations} loop iterations")
+    if b.max_call_depth:
+        checks.append(f"call depth {b.max_call_depth}")
+    return checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +293,8 @@ class ToolRunner:
         provider: str | None = None,
         warm: int = 1,
         timeout: float | None = None,
+        learner: Learner | None = None,
+        tool_name: str = "tool",
     ) -> None:
         if session not in ("thread", "tool", "none"):
             raise ValueError(f"session must be 'thread', 'tool' or 'none', not {session!r}")
@@ -277,6 +303,11 @@ class ToolRunner:
         self.provider = provider
         self.warm = warm
         self.timeout = timeout
+        # Learning mode: calls run in the learning envelope and each result goes to the learner.
+        self.learner = learner
+        self.tool_name = tool_name
+        if learner is not None:
+            learner.watch(tool_name, self.policy)
         self._sandbox: Sandbox | None = None
         self._lock = threading.Lock()
 
@@ -284,8 +315,17 @@ class ToolRunner:
     def sandbox(self) -> Sandbox:
         with self._lock:
             if self._sandbox is None or self._sandbox.closed:
-                self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
+                if self.learner is not None:
+                    envelope = self.learner.envelope(self.policy, provider=self.provider)
+                    self._sandbox = Sandbox(envelope, warm=self.warm)
+                else:
+                    self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
             return self._sandbox
+
+    def _learned(self, result: RunResult) -> RunResult:
+        if self.learner is not None:
+            self.learner.record(self.tool_name, self.policy, result)
+        return result
 
     def session_key(self, thread_id: str | None) -> str | None:
         """The session a call runs in (None: stateless)."""
@@ -302,8 +342,9 @@ class ToolRunner:
         try:
             sandbox = self.sandbox
             if key is None:
-                return sandbox.run(code, timeout=self.timeout, on_event=on_event)
-            return sandbox.session(key).run(code, timeout=self.timeout, on_event=on_event)
+                return self._learned(sandbox.run(code, timeout=self.timeout, on_event=on_event))
+            session = sandbox.session(key)
+            return self._learned(session.run(code, timeout=self.timeout, on_event=on_event))
         except Exception as exc:  # every failure of ours reaches the agent as data
             return internal_failure(exc, self.policy)
 
@@ -314,8 +355,12 @@ class ToolRunner:
         try:
             sandbox = self.sandbox
             if key is None:
-                return await sandbox.arun(code, timeout=self.timeout, on_event=on_event)
-            return await sandbox.session(key).arun(code, timeout=self.timeout, on_event=on_event)
+                result = await sandbox.arun(code, timeout=self.timeout, on_event=on_event)
+            else:
+                result = await sandbox.session(key).arun(
+                    code, timeout=self.timeout, on_event=on_event
+                )
+            return self._learned(result)
         except Exception as exc:
             return internal_failure(exc, self.policy)
 

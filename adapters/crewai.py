@@ -19,11 +19,12 @@ CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal, cast
 
 from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
@@ -75,6 +76,10 @@ class SandboxedPythonTool(BaseTool):
     provider: str | None = None
     warm: int = 1
     timeout: float | None = None
+    mode: Literal["enforce", "learn"] = "enforce"
+    """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
+    `agent_sandbox._learn.Learner`; write it with `tool.learner.write()`)."""
+    learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()
     #: The last `RunResult` (for inspection in notebooks and tests).
@@ -94,6 +99,13 @@ class SandboxedPythonTool(BaseTool):
     def _no_cache(cls, value: Any) -> Any:
         return never_cache
 
+    def _learner(self) -> Learner | None:
+        if self.mode != "learn":
+            return None
+        if self.learner is None:
+            self.learner = Learner()
+        return cast(Learner, self.learner)
+
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
         if not self.description:
@@ -105,6 +117,8 @@ class SandboxedPythonTool(BaseTool):
             provider=self.provider,
             warm=self.warm,
             timeout=self.timeout,
+            learner=self._learner(),
+            tool_name=self.name,
         )
         return self
 

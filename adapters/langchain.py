@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
@@ -96,6 +97,10 @@ class SandboxedPythonTool(BaseTool):
     """Per-call wall-time override in seconds (default: the policy's `limits.wall_seconds`)."""
     stream_output: bool = True
     """Send live stdout/stderr through LangGraph's stream writer when there is one."""
+    mode: Literal["enforce", "learn"] = "enforce"
+    """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
+    `agent_sandbox._learn.Learner`; write it with `tool.learner.write()`)."""
+    learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()
 
@@ -108,6 +113,13 @@ class SandboxedPythonTool(BaseTool):
             return resolve_policy(value)
         raise TypeError("policy must be a Policy, a shipped policy name or a TOML path")
 
+    def _learner(self) -> Learner | None:
+        if self.mode != "learn":
+            return None
+        if self.learner is None:
+            self.learner = Learner()
+        return cast(Learner, self.learner)
+
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
         if not self.description:
@@ -118,6 +130,8 @@ class SandboxedPythonTool(BaseTool):
             provider=self.provider,
             warm=self.warm,
             timeout=self.timeout,
+            learner=self._learner(),
+            tool_name=self.name,
         )
         return self
 
