@@ -57,7 +57,6 @@ def armed() -> Iterator[Callable[..., Harness]]:
     """A factory: `armed(name=..., files=..., ...)` -> Harness; uninstalled at teardown."""
     made: list[Harness] = []
     scratch_dirs: list[str] = []
-    saved_meta = list(sys.meta_path)
     saved_cwd = os.getcwd()
 
     def make(policy: Policy | None = None, **fields: Any) -> Harness:
@@ -76,7 +75,6 @@ def armed() -> Iterator[Callable[..., Harness]]:
         for harness in made:
             harness.guards.uninstall()
         os.chdir(saved_cwd)
-        sys.meta_path[:] = saved_meta
         _audit.take()
         import shutil
 
