@@ -188,6 +188,7 @@ for _ in range(200):
     except OSError:
         break
     if pid == 0:
+        _libc.prctl(15, b"forkbomb-child", 0, 0, 0)  # PR_SET_NAME: findable from the host
         time.sleep(60)
         os._exit(0)
     pids.append(pid)
@@ -198,9 +199,21 @@ pids
     assert 0 < len(pids) <= 8
     assert "limits.processes" in [d.rule for d in result.denials]
     # The worker was replaced and its whole cgroup killed: none of the children remain.
-    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and _not_zombie(pid)]
+    # Found by name: inside a PID namespace the pids above are not the host's.
+    alive = [pid for pid in _pids_named("forkbomb-child") if _not_zombie(pid)]
     assert alive == [], alive
     assert subprocess.run(["true"], check=False).returncode == 0  # the machine still forks
+
+
+def _pids_named(comm: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and Path(f"/proc/{entry}/comm").read_text().strip() == comm:
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out
 
 
 def _not_zombie(pid: int) -> bool:
