@@ -449,6 +449,13 @@ class Allowlist:
     def _policy_entry(self, name: str) -> _Entry:
         module, qualname = _split(name)
         if module is None or qualname is None:
+            named = name in self.exact or any(name.startswith(m + ".") for m in self.modules)
+            if named:
+                raise UnpickleRefused(
+                    f"{name}: its module is not loaded in the host, and the decoder never "
+                    f"imports; import it in the host before the call",
+                    target=name,
+                )
             raise _not_allowed(name)
         if name in self.exact:
             return _Entry(_resolve(module, qualname, name), ALL_USES, None, trusted=True)

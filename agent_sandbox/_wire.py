@@ -36,16 +36,23 @@ class SSEParser:
     def __init__(self, max_event_bytes: int) -> None:
         self._buf = bytearray()
         self._max = max_event_bytes
+        self._scanned = 0  # bytes of _buf already searched for a terminator
 
     def feed(self, data: bytes) -> list[Event]:
         self._buf += data
         events: list[Event] = []
         while True:
-            end = self._buf.find(b"\n\n")
+            # Resume the search where the last one stopped: a worker that trickles one
+            # byte at a time must not make each feed rescan the whole buffer.
+            end = self._buf.find(b"\n\n", max(0, self._scanned - 1))
             if end < 0:
+                self._scanned = len(self._buf)
                 if len(self._buf) > self._max:
                     raise MessageTooLarge(
-                        "one event from the worker", len(self._buf), self._max, "limits.result_bytes"
+                        "one event from the worker",
+                        len(self._buf),
+                        self._max,
+                        "limits.result_bytes",
                     )
                 return events
             if end > self._max:
@@ -54,6 +61,7 @@ class SSEParser:
                 )
             block = bytes(self._buf[:end])
             del self._buf[: end + 2]
+            self._scanned = 0
             events.append(self._parse_block(block))
 
     def pending(self) -> int:
@@ -86,6 +94,8 @@ class SSEParser:
         if kind not in EVENT_KINDS:
             raise TransportError(f"unknown event kind {kind[:40]!r} from the worker")
         try:
-            return kind, json.loads(data)
+            # Strict UTF-8 first: json.loads(bytes) would guess UTF-16/32 from the bytes and
+            # import the codec the worker's bytes chose (found by fuzzing).
+            return kind, json.loads(data.decode("utf-8"))
         except (ValueError, RecursionError) as exc:
             raise TransportError(f"an event from the worker is not valid JSON: {exc}") from None
