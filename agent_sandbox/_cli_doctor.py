@@ -90,7 +90,7 @@ def collect(*, live: bool = False) -> dict[str, Any]:
         "user_namespaces": _read("/proc/sys/user/max_user_namespaces") or "unknown",
     }
     if live:
-        report["live"] = [_live(p["name"]) for p in providers if p["available"]]
+        report["live"] = [_live(str(p["name"])) for p in providers if p["available"]]
     return report
 
 
