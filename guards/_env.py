@@ -36,7 +36,15 @@ _st = state
 _host_names: frozenset[str] = frozenset()
 _policy_name = ""
 _getframe = sys._getframe
-_PASS_THROUGH = (os.__file__, getattr(sys.modules.get("_collections_abc"), "__file__", "") or "")
+#: Frames skipped when looking for the reader: `os.getenv` and the Mapping mixins.
+_PASS_THROUGH = frozenset(
+    {
+        os.__file__,
+        "<frozen os>",
+        "<frozen _collections_abc>",
+        getattr(sys.modules.get("_collections_abc"), "__file__", "") or "",
+    }
+)
 
 
 def configure(host_env_names: Any, policy_name: str = "") -> None:

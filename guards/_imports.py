@@ -163,6 +163,9 @@ def guarded_import(
             for item in fromlist
         ):
             pass  # `from pkg import sub` where each `pkg.sub` is allowed
+        elif level and not name and fromlist:
+            for item in fromlist:  # `from . import x` names the module `package.x`
+                _judge(f"{absolute}.{item}")
         else:
             _judge(absolute)
     return _orig_import(name, globals, locals, fromlist, level)
