@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import AttributeDenied, LimitExceeded
-from agent_sandbox.guards._code_check import Rules, compile_rules
+from agent_sandbox.guards._code_check import _CHILD_FIELDS, Rules, _child_fields, compile_rules
 
 __all__ = [
     "SPECIAL_ATTRIBUTES",
@@ -89,16 +89,37 @@ def _call(func: str, *args: ast.expr) -> ast.Call:
 
 
 def _at(new: _N, ref: ast.AST) -> _N:
-    """Give `new` and its new children the position of `ref` (no full-tree fix-up)."""
+    """Give the new nodes in `new` the position of `ref`.
+
+    The walk stops at nodes that already have a position: those are the original nodes
+    the new ones wrap, and their subtrees are placed already.
+    """
     line = getattr(ref, "lineno", 1)
     col = getattr(ref, "col_offset", 0)
     end_line = getattr(ref, "end_lineno", line)
     end_col = getattr(ref, "end_col_offset", col)
-    for node in ast.walk(new):
-        if "lineno" in node._attributes and not hasattr(node, "lineno"):
+    stack: list[ast.AST] = [new]
+    while stack:
+        node = stack.pop()
+        if "lineno" in node._attributes:
+            if hasattr(node, "lineno"):
+                continue
             node.lineno, node.col_offset = line, col  # type: ignore[attr-defined]
             node.end_lineno, node.end_col_offset = end_line, end_col  # type: ignore[attr-defined]
+        for field in _fields_of(type(node)):
+            value = getattr(node, field, None)
+            if type(value) is list:
+                stack.extend(v for v in value if isinstance(v, ast.AST))
+            elif isinstance(value, ast.AST):
+                stack.append(value)
     return new
+
+
+def _fields_of(cls: type) -> tuple[str, ...]:
+    fields = _CHILD_FIELDS.get(cls)
+    if fields is None:
+        fields = _CHILD_FIELDS[cls] = _child_fields(cls)
+    return fields
 
 
 def _const_int(node: ast.AST) -> int | None:
@@ -138,27 +159,57 @@ def _max_number(spec: str) -> int:
 
 class _Rewriter:
     def __init__(self, rules: Rules) -> None:
+        self.done: set[int] = set()
         self.loops = rules.max_iterations > 0
         self.depth = rules.max_call_depth > 0
         self.limit = rules.max_allocation if rules.max_allocation > 0 else None
 
-    def visit(self, node: Any) -> Any:
-        for field in node._fields:
-            value = getattr(node, field, None)
-            if type(value) is list:
-                if value and isinstance(value[0], ast.AST):
-                    new: list[Any] = []
-                    for item in value:
-                        out = self.visit(item)
+    def run(self, root: ast.AST) -> None:
+        """Walk once, pre-order, without recursion. A handler runs on each node as it is
+        found in its parent's field (in-place handlers return the node itself; the others
+        return what takes its place, or a list of statements); then the result's own fields
+        are walked. `done` marks original nodes already wrapped, so they are not wrapped twice.
+        """
+        handlers = _HANDLERS
+        stack: list[ast.AST] = [root]
+        while stack:
+            node = stack.pop()
+            for field in _fields_of(type(node)):
+                value = getattr(node, field, None)
+                if type(value) is list:
+                    spliced = False
+                    for i, item in enumerate(value):
+                        cls = type(item)
+                        handler = handlers.get(cls)
+                        if handler is None:
+                            if cls not in _LEAVES and isinstance(item, ast.AST):
+                                stack.append(item)
+                            continue
+                        if id(item) in self.done:
+                            continue
+                        out = handler(self, item)
                         if type(out) is list:
-                            new.extend(out)
-                        else:
-                            new.append(out)
-                    value[:] = new
-            elif isinstance(value, ast.AST):
-                setattr(node, field, self.visit(value))
-        handler = _HANDLERS.get(type(node))
-        return node if handler is None else handler(self, node)
+                            value[i] = out
+                            spliced = True
+                            stack.extend(out)
+                        elif out is not item or cls is not ast.Name:
+                            value[i] = out
+                            stack.append(out)
+                    if spliced:
+                        value[:] = [
+                            x for item in value for x in (item if type(item) is list else [item])
+                        ]
+                elif isinstance(value, ast.AST):
+                    cls = type(value)
+                    handler = handlers.get(cls)
+                    if handler is not None and id(value) not in self.done:
+                        out = handler(self, value)
+                        if out is value and cls is ast.Name:
+                            continue
+                        setattr(node, field, out)
+                        value = out
+                    if cls not in _LEAVES or value.__class__ is not cls:
+                        stack.append(value)
 
     # loops
     def for_(self, node: ast.For) -> ast.AST:
@@ -217,6 +268,7 @@ class _Rewriter:
     # computed attribute access
     def name(self, node: ast.Name) -> ast.AST:
         if node.id in SPECIAL_NAMES and isinstance(node.ctx, ast.Load):
+            self.done.add(id(node))
             return _at(_call("__sbx_name__", node, ast.Constant(node.id)), node)
         return node
 
@@ -230,7 +282,9 @@ class _Rewriter:
         for alias in node.names:
             if alias.name in SPECIAL_ATTRIBUTES:
                 bound = alias.asname or alias.name
-                value = _call("__sbx_name__", _name(bound), ast.Constant(alias.name))
+                load = _name(bound)
+                self.done.add(id(load))
+                value = _call("__sbx_name__", load, ast.Constant(alias.name))
                 target = ast.Name(id=bound, ctx=ast.Store())
                 extra.append(_at(ast.Assign(targets=[target], value=value), node))
         return [node, *extra] if extra else node
@@ -304,6 +358,9 @@ class _Rewriter:
         return _at(ast.FormattedValue(value=call, conversion=-1, format_spec=None), node)
 
 
+# Nodes with no children the rewrite could change: not walked into.
+_LEAVES = frozenset({ast.Constant, ast.Name, ast.Pass, ast.Break, ast.Continue, ast.alias})
+
 _HANDLERS: dict[type[ast.AST], Callable[[_Rewriter, Any], Any]] = {
     ast.For: _Rewriter.for_,
     ast.comprehension: _Rewriter.comprehension,
@@ -322,7 +379,7 @@ _HANDLERS: dict[type[ast.AST], Callable[[_Rewriter, Any], Any]] = {
 
 def rewrite(tree: ast.AST, rules: Rules | dict[str, Any]) -> ast.AST:
     """Rewrite a checked tree in place (see the module docstring); returns the same tree."""
-    _Rewriter(compile_rules(rules)).visit(tree)
+    _Rewriter(compile_rules(rules)).run(tree)
     return tree
 
 
@@ -870,6 +927,6 @@ def make_code_check(
     def code_check(code: str, tree: ast.Module) -> None:
         start_call(rules, namespace=namespace)
         check_tree(tree, rules, "<cell>", source=code, known_names=namespace.keys())
-        _Rewriter(rules).visit(tree)
+        _Rewriter(rules).run(tree)
 
     return code_check

@@ -209,6 +209,18 @@ def _all_subclasses(cls: type) -> list[type]:
 
 _NODE_GROUPS = _node_groups()
 
+# NOTE: `ctx`, `op` and `ops` hold the operator/context singletons, which every sub-language
+# allows; the node that owns them is checked, so the walk does not visit them.
+_SKIPPED_FIELDS = frozenset({"ctx", "op", "ops"})
+
+
+def _child_fields(cls: type) -> tuple[str, ...]:
+    fields: tuple[str, ...] = getattr(cls, "_fields", ())
+    return tuple(f for f in fields if f not in _SKIPPED_FIELDS)
+
+
+_CHILD_FIELDS: dict[type, tuple[str, ...]] = {cls: _child_fields(cls) for cls in _NODE_GROUPS}
+
 #: Attribute groups a policy may list in `[code] attributes` instead of single names.
 ATTRIBUTE_GROUPS: dict[str, frozenset[str]] = {
     "string-methods": frozenset(n for n in dir(str) if not n.startswith("_")),
@@ -535,7 +547,15 @@ class _Checker:
             handler = special.get(cls)
             if handler is not None:
                 handler(self, node)
-            stack.extend(ast.iter_child_nodes(node))
+            fields = _CHILD_FIELDS.get(cls)
+            if fields is None:
+                fields = _CHILD_FIELDS[cls] = _child_fields(cls)
+            for field in fields:
+                value = getattr(node, field, None)
+                if type(value) is list:
+                    stack.extend(v for v in value if isinstance(v, ast.AST))
+                elif isinstance(value, ast.AST):
+                    stack.append(value)
 
     def bind(self, node: Any, name: str | None) -> None:
         if name is None:

@@ -1,0 +1,192 @@
+"""Code-layer benchmark: checked and rewritten code against plain `exec`, in one run.
+
+Run: `.venv/bin/python benchmarks/bench_code.py [--rounds N] [--worker]`
+
+1. Run time of three snippets (a 200k-iteration loop, a recursive function, a
+   comprehension-heavy snippet), each at module level as a model writes it, once compiled
+   plainly and once after `check_code` (check + rewrite). Rounds alternate between the two so
+   machine noise hits both alike. Target (issue 8): <= 1.5x plain.
+2. The cost of `check_code` (parse + check + rewrite) and of the check alone on a 300-line
+   snippet, against `ast.parse` alone. Target: the check < 5 ms.
+3. With `--worker`: the warm round trip of `1+1` in a session, code layer on and off.
+
+The machine is shared and noisy: read medians and ratios, not single numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent_sandbox.guards import _code_budget
+from agent_sandbox.guards._code_check import check_code, compile_rules, find_violations
+
+LOOP = """
+total = 0
+for i in range(200_000):
+    if i % 3:
+        total += i * 2
+    else:
+        total -= 1
+"""
+
+RECURSIVE = """
+def fib(n):
+    return n if n < 2 else fib(n - 1) + fib(n - 2)
+
+result = fib(22)
+"""
+
+COMPREHENSIONS = """
+data = [(i % 97, i * 0.5) for i in range(60_000)]
+squares = [x * x for x, _ in data if x % 2]
+by_key = {k: v for k, v in data}
+unique = {x for x, _ in data}
+total = sum(v for _, v in data)
+nested = [[a + b for b in range(20)] for a in range(500)]
+"""
+
+SNIPPETS = {"200k loop": LOOP, "recursive fib(22)": RECURSIVE, "comprehensions": COMPREHENSIONS}
+
+BLOCK = '''
+class Account{n}:
+    """A small class with a few methods."""
+
+    def __init__(self, owner, balance=0.0):
+        self.owner = owner
+        self.balance = balance
+        self.history = []
+
+    def deposit(self, amount):
+        if amount <= 0:
+            raise ValueError(f"bad amount {{amount!r}}")
+        self.balance += amount
+        self.history.append(("deposit", amount))
+        return self.balance
+
+    def report(self):
+        lines = [f"{{kind:>10}} {{value:8.2f}}" for kind, value in self.history]
+        return "\\n".join(lines) or "(empty)"
+
+
+def summarise{n}(rows):
+    totals = {{}}
+    for name, value in rows:
+        totals[name] = totals.get(name, 0) + value
+    best = max(totals.items(), key=lambda kv: kv[1]) if totals else None
+    try:
+        mean = sum(totals.values()) / len(totals)
+    except ZeroDivisionError:
+        mean = 0.0
+    return {{"best": best, "mean": round(mean, 3), "count": len(totals)}}
+'''
+
+
+def big_snippet(lines: int = 300) -> str:
+    """At least `lines` lines of ordinary code: classes, methods, loops, f-strings, try/except."""
+    out = ["import math", "import statistics", ""]
+    n = 0
+    while len(out) < lines:
+        out.extend(BLOCK.format(n=n).splitlines())
+        n += 1
+    return "\n".join(out) + "\n"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def compare(source: str, rounds: int) -> tuple[float, float, float]:
+    """(plain median, checked median, ratio of the minimums) for one snippet."""
+    plain = compile(source, "<plain>", "exec")
+    policy: dict[str, Any] = {}
+    rules = compile_rules(policy)
+    checked = compile(check_code(source, policy, "<checked>"), "<checked>", "exec")
+
+    def run_plain() -> None:
+        exec(plain, {"__name__": "__main__"})
+
+    def run_checked() -> None:
+        _code_budget.start_call(rules, set_depth=False)
+        exec(checked, {"__name__": "__main__"})
+
+    run_plain()
+    run_checked()
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(rounds):
+        if i % 2:
+            a.append(timed(run_plain))
+            b.append(timed(run_checked))
+        else:
+            b.append(timed(run_checked))
+            a.append(timed(run_plain))
+    return statistics.median(a), statistics.median(b), min(b) / min(a)
+
+
+def samples(fn: Callable[[], object], rounds: int) -> list[float]:
+    fn()
+    return [timed(fn) for _ in range(rounds)]
+
+
+def median_of(fn: Callable[[], object], rounds: int) -> float:
+    fn()
+    return statistics.median(timed(fn) for _ in range(rounds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--worker", action="store_true", help="also time the warm round trip")
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}; rounds {args.rounds}; medians\n")
+    print("1. run time, checked+rewritten vs plain exec (target <= 1.5x)")
+    for name, source in SNIPPETS.items():
+        plain, checked, best = compare(source, args.rounds)
+        print(
+            f"  {name:20} plain {plain * 1000:8.2f} ms   checked {checked * 1000:8.2f} ms"
+            f"   ratio {checked / plain:5.2f}x   (ratio of minimums {best:5.2f}x)"
+        )
+
+    text = big_snippet()
+    tree = ast.parse(text)
+    nodes = len(list(ast.walk(tree)))
+    print(f"\n2. check of a {text.count(chr(10))}-line snippet ({nodes} nodes); median and min")
+    n = args.rounds * 3
+    parse = samples(lambda: ast.parse(text), n)
+    check = samples(lambda: find_violations(tree, {}), n)
+    full = samples(lambda: check_code(text, {}, "<big>"), n)
+    tiny = samples(lambda: check_code("1+1", {}, "<tiny>"), n * 10)
+    for label, values in (
+        ("ast.parse alone", parse),
+        ("check alone (target < 5 ms)", check),
+        ("check_code: parse+check+rewrite", full),
+        ("check_code('1+1')", tiny),
+    ):
+        print(
+            f"  {label:34} {statistics.median(values) * 1000:8.3f} ms"
+            f"   min {min(values) * 1000:8.3f} ms"
+        )
+
+    if args.worker:
+        from agent_sandbox import Policy, Sandbox
+
+        print("\n3. warm round trip of `1+1` in a session")
+        for label, enabled in (("code layer on ", True), ("code layer off", False)):
+            policy = Policy(name=f"bench-code-{int(enabled)}", code={"enabled": enabled})
+            with Sandbox(policy, warm=0) as sb:
+                session = sb.session("bench")
+                trip = median_of(lambda s=session: s.run("1+1"), args.rounds * 5)
+                session.close()
+            print(f"  {label}                   {trip * 1000:8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
