@@ -295,6 +295,8 @@ class ToolRunner:
         timeout: float | None = None,
         learner: Learner | None = None,
         tool_name: str = "tool",
+        max_sessions: int = 16,
+        session_ttl: float = 1800.0,
     ) -> None:
         if session not in ("thread", "tool", "none"):
             raise ValueError(f"session must be 'thread', 'tool' or 'none', not {session!r}")
@@ -303,6 +305,8 @@ class ToolRunner:
         self.provider = provider
         self.warm = warm
         self.timeout = timeout
+        self.max_sessions = max_sessions
+        self.session_ttl = session_ttl
         # Learning mode: calls run in the learning envelope and each result goes to the learner.
         self.learner = learner
         self.tool_name = tool_name
@@ -317,9 +321,16 @@ class ToolRunner:
             if self._sandbox is None or self._sandbox.closed:
                 if self.learner is not None:
                     envelope = self.learner.envelope(self.policy, provider=self.provider)
-                    self._sandbox = Sandbox(envelope, warm=self.warm)
+                    policy, provider = envelope, None
                 else:
-                    self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
+                    policy, provider = self.policy, self.provider
+                self._sandbox = Sandbox(
+                    policy,
+                    provider=provider,
+                    warm=self.warm,
+                    max_sessions=self.max_sessions,
+                    session_ttl=self.session_ttl,
+                )
             return self._sandbox
 
     def _learned(self, result: RunResult) -> RunResult:

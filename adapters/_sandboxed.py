@@ -31,6 +31,7 @@ import ast
 import functools
 import inspect
 import json
+import keyword
 import textwrap
 import threading
 import types
@@ -138,7 +139,11 @@ def function_program(func: types.FunctionType, self_fields: dict[str, Any] | Non
     node.name = func.__name__
     parts = _module_context(func)
     if self_fields is not None:
-        body = [f"    {k} = {v!r}" for k, v in self_fields.items() if k.isidentifier()]
+        body = [
+            f"    {k} = {v!r}"
+            for k, v in self_fields.items()
+            if k.isidentifier() and not keyword.iskeyword(k)
+        ]
         parts.append(f"class {_SELF_CLASS}:\n" + ("\n".join(body) or "    pass"))
     parts.append(ast.unparse(node))
     return "\n".join(parts) + "\n"

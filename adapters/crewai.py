@@ -76,6 +76,10 @@ class SandboxedPythonTool(BaseTool):
     provider: str | None = None
     warm: int = 1
     timeout: float | None = None
+    max_sessions: int = 16
+    """Live interpreters kept at most; beyond it the least recently used one is closed."""
+    session_ttl: float = 1800.0
+    """Seconds an idle session lives before it is closed."""
     mode: Literal["enforce", "learn"] = "enforce"
     """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
     `agent_sandbox._learn.Learner`; write it with `tool.learner.write()`)."""
@@ -117,6 +121,8 @@ class SandboxedPythonTool(BaseTool):
             provider=self.provider,
             warm=self.warm,
             timeout=self.timeout,
+            max_sessions=self.max_sessions,
+            session_ttl=self.session_ttl,
             learner=self._learner(),
             tool_name=self.name,
         )

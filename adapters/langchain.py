@@ -94,6 +94,10 @@ class SandboxedPythonTool(BaseTool):
     provider: str | None = None
     warm: int = 1
     timeout: float | None = None
+    max_sessions: int = 16
+    """Live interpreters kept at most; beyond it the least recently used one is closed."""
+    session_ttl: float = 1800.0
+    """Seconds an idle session lives before it is closed."""
     """Per-call wall-time override in seconds (default: the policy's `limits.wall_seconds`)."""
     stream_output: bool = True
     """Send live stdout/stderr through LangGraph's stream writer when there is one."""
@@ -130,6 +134,8 @@ class SandboxedPythonTool(BaseTool):
             provider=self.provider,
             warm=self.warm,
             timeout=self.timeout,
+            max_sessions=self.max_sessions,
+            session_ttl=self.session_ttl,
             learner=self._learner(),
             tool_name=self.name,
         )
@@ -257,8 +263,10 @@ def _annotate_trace(policy: Policy, result: RunResult, out: Outcome) -> None:
     if run is None:
         return
     tags: list[str] = []
-    if out.kind == "denied" or result.denials:
+    if out.kind == "denied" or any(not d.learned for d in result.denials):
         tags.append("sandbox:denied")
+    if any(d.learned for d in result.denials):
+        tags.append("sandbox:learned")
     if out.kind in ("limit", "crashed", "internal", "exception"):
         tags.append(f"sandbox:{out.kind}")
     tags.extend(f"sandbox.rule:{rule}" for rule in out.rules)
