@@ -1575,9 +1575,10 @@ class Learner:
         self._records: dict[str, list[Denial]] = {}
         self._digests: dict[str, str] = {}
 
-    def envelope(self, policy: Policy) -> Policy:
-        """The learning envelope for `policy` (see `learning_envelope`)."""
-        return learning_envelope(policy, provider=self.provider)
+    def envelope(self, policy: Policy, *, provider: str | None = None) -> Policy:
+        """The learning envelope for `policy` (see `learning_envelope`); `provider` (the
+        tool's own choice) beats the learner's."""
+        return learning_envelope(policy, provider=provider or self.provider)
 
     def watch(self, tool: str, policy: Policy) -> None:
         """Register `tool` and its (enforced) policy before its first call."""
@@ -1608,15 +1609,32 @@ class Learner:
         return {tool: propose(policy, records) for tool, policy, records in items}
 
     def write(self) -> dict[str, ProposalFiles]:
-        """Write every tool's proposal; returns where each went."""
+        """Write every tool's proposal; returns where each went.
+
+        Beside a policy file the proposal is named after the file; tools that share one
+        policy file share one proposal, learned from all their calls. With `out_dir`, each
+        tool gets `<tool>.proposed.toml` there.
+        """
+        with self._lock:
+            items = [(t, self._policies[t], list(self._records[t])) for t in sorted(self._policies)]
+        groups: dict[str, list[tuple[str, Policy, list[Denial]]]] = {}
+        for tool, policy, records in items:
+            path = _source_path(policy) if self.out_dir is None else None
+            groups.setdefault(os.path.abspath(path) if path else f"tool:{tool}", []).append(
+                (tool, policy, records)
+            )
         out: dict[str, ProposalFiles] = {}
-        for tool, proposal in self.proposals().items():
-            out[tool] = write_proposal(
-                proposal,
+        for members in groups.values():
+            tool, policy, _ = members[0]
+            records = [r for _, _, recs in members for r in recs]
+            files = write_proposal(
+                propose(policy, records),
                 out_dir=self.out_dir,
                 expect_digest=self._digests.get(tool),
                 name=f"{_safe_name(tool)}.toml",
             )
+            for member, _, _ in members:
+                out[member] = files
         return out
 
 
