@@ -203,3 +203,62 @@ def test_objects_result_mode_returns_rich_values(wrap):
     assert rich(3) == {0, 1, 2}
     plain = wrap(make_set)
     assert plain(3) != {0, 1, 2}  # data-only: a marked repr, never an unpickled object
+
+
+def send_hello(port: int) -> str:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"hello")
+    return "sent"
+
+
+def test_fetch_tool_allowed_one_port_and_nothing_else(wrap):
+    """It denies a sandboxed function connecting anywhere but the one allowed port."""
+    import socket
+    import threading
+
+    from agent_sandbox import NetworkDenied
+
+    received: dict[int, bytes] = {}
+    listeners = []
+    for _ in range(2):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv.settimeout(8)
+        listeners.append(srv)
+
+    def serve(srv: socket.socket) -> None:
+        port = srv.getsockname()[1]
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                received[port] = conn.recv(100)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in listeners]
+    for t in threads:
+        t.start()
+    allowed, other = (s.getsockname()[1] for s in listeners)
+    fetch = wrap(
+        send_hello,
+        policy=Policy(
+            name="fetch-one-port",
+            imports={"allow": ["socket"]},
+            net={"rules": [{"host": "127.0.0.1", "ports": allowed}]},
+            limits={"wall_seconds": 10},
+        ),
+    )
+    try:
+        assert fetch(allowed) == "sent"
+        with pytest.raises(NetworkDenied) as info:
+            fetch(other)
+        assert info.value.denial.rule == "net.connect"
+        threads[0].join(5)
+        assert received.get(allowed) == b"hello"
+        assert other not in received
+    finally:
+        for s in listeners:
+            s.close()
