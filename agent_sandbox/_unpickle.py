@@ -59,6 +59,9 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import tblib
+
+from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ChildException, UnpickleRefused
 from agent_sandbox._errors import SandboxDenied as _SandboxDenied
 
@@ -1263,8 +1266,6 @@ def _construct(
 
 def _denied(cls: type[BaseException], desc: _Descriptor) -> BaseException | None:
     """A SandboxDenied subclass, rebuilt from the denial it carried (our own class)."""
-    from agent_sandbox._denial import Denial
-
     if not desc.denials:
         return None
     try:
@@ -1307,8 +1308,6 @@ def _stand_in(desc: _Descriptor) -> BaseException:
             _STAND_INS[key] = cls
     denials = []
     for d in desc.denials:
-        from agent_sandbox._denial import Denial
-
         denials.append(Denial.from_dict(dict(d)))
     try:
         return cls(desc.message, child_type=desc.path, denials=denials)
@@ -1405,8 +1404,6 @@ def _traceback(data: Any) -> types.TracebackType | None:
         node.tb_next = head
         head = node
     try:
-        import tblib
-
         return tblib.Traceback(head).as_traceback()  # type: ignore[no-any-return]
     except Exception:
         return None
