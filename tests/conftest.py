@@ -18,7 +18,8 @@ def policy() -> Policy:
     """A small policy for core tests (standard-library basics, short limits)."""
     return Policy(
         name="test-core",
-        imports={"allow": ["math", "json", "time", "os", "sys", "threading"]},
+        imports={"allow": ["math", "json", "time", "os", "sys", "threading", "signal", "asyncio"]},
+        api={"allow": ["process-control"]},
         limits={"wall_seconds": 10, "output_bytes": 100_000},
     )
 

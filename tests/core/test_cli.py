@@ -47,7 +47,7 @@ def test_run_error_exits_non_zero_with_traceback() -> None:
 
 def test_run_denial_exits_2_and_prints_a_block() -> None:
     """It exits 2 and prints the denials in a readable block."""
-    out = run_cli("run", "--timeout", "1", "-c", "while True: pass")
+    out = run_cli("run", "--timeout", "1", "-c", "import time\ntime.sleep(30)")
     assert out.returncode == 2
     assert "denied (1):" in out.stderr and "[limits.timeout]" in out.stderr
     assert "to allow:" in out.stderr

@@ -42,13 +42,13 @@ SCRIPT = r"""
 import json, os
 from agent_sandbox import Policy, Sandbox
 out = {"uid": os.getuid()}
-policy = Policy(name="nonroot", imports={"allow": ["os"]}, limits={"wall_seconds": 5})
+policy = Policy(name="nonroot", imports={"allow": ["os", "time"]}, limits={"wall_seconds": 5})
 with Sandbox(policy, warm=0) as sb:
     s = sb.session()
     r = s.run("import os\nx = 2\n(os.getuid(), x * 21)")
     out["value"] = r.value
     out["again"] = s.run("x").value
-    t = s.run("while True: pass", timeout=1)
+    t = s.run("import time\ntime.sleep(30)", timeout=1)
     out["timeout"] = t.error.rule if t.error else None
     out["after"] = s.run("1").state_lost
 print(json.dumps(out))
