@@ -2,7 +2,8 @@
 
 What it does:
 
-1. `wrap(owner, name, wrapper)` replaces `owner.name` with a wrapt `FunctionWrapper` that
+1. `wrap(owner, name, wrapper)` replaces `owner.name` with a wrapt `FunctionWrapper` (as
+   `wrapt.wrap_function_wrapper` does, with a subclass that pickles by name) that
    calls `wrapper(wrapped, instance, args, kwargs)`, and records the original.
 2. `wrap_later(module, name, wrapper)` does the same for a module that may not be imported
    yet: the patch is applied by a wrapt post-import hook when the module loads.
@@ -27,7 +28,16 @@ from typing import Any
 
 import wrapt
 
-__all__ = ["Patch", "broken", "patches", "set_attr", "uninstall", "wrap", "wrap_later"]
+__all__ = [
+    "Patch",
+    "broken",
+    "patches",
+    "resolve_global",
+    "set_attr",
+    "uninstall",
+    "wrap",
+    "wrap_later",
+]
 
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -44,6 +54,24 @@ class Patch:
     installed: Any
     label: str
     where: Any = None  # vars(owner), kept so the tamper check is one dict lookup per patch
+
+
+class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+    """wrapt's FunctionWrapper that pickles as the global it replaces (`posix.system`), so
+    data holding a wrapped function (a pickled callback) still pickles while guarded."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (resolve_global, (self.__module__, self.__qualname__))
+
+
+def resolve_global(module: str, qualname: str) -> Any:
+    """What `module.qualname` names now (how a pickled wrapper is loaded again)."""
+    import importlib
+
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
 
 
 _lock = threading.RLock()
@@ -77,7 +105,7 @@ def wrap(owner: Any, name: str, wrapper: Wrapper, *, label: str = "") -> Any:
     """Wrap `owner.name` with `wrapper` and record the original; returns the installed wrapper."""
     with _lock:
         original = _own_value(owner, name)
-        installed = wrapt.wrap_function_wrapper(owner, name, wrapper)
+        installed = wrapt.wrap_object(owner, name, _Wrapper, (wrapper,))
         _patches.append(
             Patch(owner, name, original, installed, label or _label(owner, name), _where(owner))
         )
