@@ -466,6 +466,12 @@ class Policy(_Section):
         base = self.model_dump(mode="json", by_alias=True)
         return policy_from_dict(merge_dicts(base, overrides), source=self.source)
 
+    def to_toml(self) -> str:
+        """The policy as TOML text that loads back into an equal policy (see `_toml.py`)."""
+        from agent_sandbox.policies._toml import policy_to_toml
+
+        return policy_to_toml(self)
+
     def explain(self) -> str:
         """A readable summary of what the policy allows, section by section."""
         from agent_sandbox.policies._explain import explain_policy
