@@ -1,8 +1,10 @@
 """The `unshare` provider's launcher: builds the namespaces and the mount view, then execs.
 
-Run as `python -I -S -B _ns_launch.py <config-json>` (standard library only: it runs
-before and outside the package). The configuration comes from `_unshare.launcher_config`
-(a pure function); this file only applies it. Three processes, in order:
+Run as `python -I -S -B _ns_launch.py <config>` (standard library only: it runs before and
+outside the package). The configuration comes from `_unshare.launcher_config` (a pure
+function), encoded by `marshal` as hex, because importing `json` (and `re` with it) would
+cost more than the rest of the launcher; this file only applies it. Modules are chosen for
+start-up cost too (`_signal` rather than `signal`, which imports `enum`). Three processes, in order:
 
 1. L (this process, started by the parent): asks for SIGKILL when its parent dies, creates
    a user and a PID namespace (`unshare(CLONE_NEWUSER | CLONE_NEWPID)`), maps uid and gid 0
@@ -29,10 +31,10 @@ stacks them), rlimits (the worker's own set-up), and any uid change: the worker 
 mapped to the parent's uid, without capabilities; the view is the boundary.
 """
 
+import _signal
 import ctypes
-import json
+import marshal
 import os
-import signal
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -65,6 +67,7 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 # NOROOT, NO_SETUID_FIXUP and NO_CAP_AMBIENT_RAISE, each locked, and KEEP_CAPS_LOCKED
 SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
 SYS_PIVOT_ROOT = 155  # x86_64
+SIGHUP, SIGINT, SIGKILL, SIGTERM = 1, 2, 9, 15
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 # statvfs flag -> mount flag, for the flags a user namespace may not clear on remount.
 _LOCKED = (
@@ -237,7 +240,7 @@ def drop_privileges() -> None:
 
 def init(cfg: dict, report: int) -> None:
     """Process B: set up, start the worker, reap until it exits, report its status."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, SIGKILL)
     check(
         libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP),
         "unshare",
@@ -273,15 +276,15 @@ def relay(status: int) -> None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(sig, signal.SIG_DFL)
+        _signal.signal(sig, _signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
+    prctl(PR_SET_PDEATHSIG, SIGKILL)
     if os.getppid() == 1:
         os._exit(1)  # the parent is already gone
     os.makedirs(cfg["root"], exist_ok=True)
@@ -304,8 +307,8 @@ def main() -> None:
             os.write(2, f"agent-sandbox unshare: set-up failed: {exc}\n".encode())
         os._exit(1)
     os.close(write_end)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+    for sig in (SIGHUP, SIGINT, SIGTERM):
+        _signal.signal(sig, _signal.SIG_DFL)
     _, own = os.waitpid(child, 0)
     data = os.read(read_end, 64)
     relay(int(data) if data else own)

@@ -27,7 +27,7 @@ namespaces (or root) and the `x86_64` `pivot_root` syscall number.
 from __future__ import annotations
 
 import functools
-import json
+import marshal
 import os
 import subprocess
 import sys
@@ -73,8 +73,12 @@ def launcher_config(policy: Any, spec: WorkerSpec, host: HostLayout) -> dict[str
 
 
 def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, ...]:
-    """The launcher's command line: the interpreter, isolated, and the configuration."""
-    config = json.dumps(launcher_config(policy, spec, host), separators=(",", ":"))
+    """The launcher's command line: the interpreter, isolated, and the configuration.
+
+    The configuration travels as `marshal` bytes in hex: the launcher runs the same
+    interpreter (so the format matches) and avoids importing `json` (see `_ns_launch.py`).
+    """
+    config = marshal.dumps(launcher_config(policy, spec, host)).hex()
     return (spec.python, "-I", "-S", "-B", LAUNCHER, config)
 
 

@@ -7,7 +7,7 @@ checks the default stack. Every test that starts a worker closes it.
 
 from __future__ import annotations
 
-import json
+import marshal
 import socket
 import textwrap
 from pathlib import Path
@@ -105,7 +105,7 @@ def test_argv_runs_the_launcher_isolated_with_the_config() -> None:
     """It starts the stdlib launcher with `-I -S -B` and the configuration as one argument."""
     argv = unshare_argv(POLICY, SPEC, HOST)
     assert argv[:5] == ("/opt/venv/bin/python", "-I", "-S", "-B", LAUNCHER)
-    assert json.loads(argv[5]) == launcher_config(POLICY, SPEC, HOST)
+    assert marshal.loads(bytes.fromhex(argv[5])) == launcher_config(POLICY, SPEC, HOST)
     assert len(argv) == 6
 
 
@@ -200,3 +200,15 @@ def test_loopback_policy_reaches_its_own_ports_but_not_the_hosts(tmp_path: Path)
     assert result.error is None, result.error
     assert "listen 0 0" in result.stdout and "own 0" in result.stdout, result.stdout
     assert "host -1" in result.stdout
+
+
+def test_launcher_relays_the_workers_death_signal() -> None:
+    """It reports a worker killed by a signal as that signal (limits rely on -SIGXCPU)."""
+    _require()
+    w = WorkerProcess.start(_danger_policy(), UnshareProvider(stack=False))
+    try:
+        result = w.run("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill(libc.getpid(), 24)")
+        assert result.error is not None
+        assert w.proc is not None and w.proc.wait(10) == -24
+    finally:
+        w.close()
