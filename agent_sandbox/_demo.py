@@ -28,14 +28,20 @@ from agent_sandbox.policies import Policy
 from agent_sandbox.policies._model import ImportsPolicy, LimitsPolicy
 
 __all__ = [
+    "CREWAI_OFFLINE_ENV",
     "DemoScript",
+    "Transcript",
     "crewai_offline_env",
     "demo_policy",
     "demo_script",
+    "import_guard_active",
+    "print_transcript",
     "run_crewai_demo",
+    "run_demo",
     "run_langchain_demo",
     "scripted_chat_model",
     "scripted_crewai_llm",
+    "tool_call",
 ]
 
 #: Environment that keeps CrewAI offline and out of the user's home (set before importing it).
