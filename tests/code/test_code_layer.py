@@ -306,3 +306,33 @@ def test_worker_code_layer_disabled() -> None:
     with Sandbox(policy, warm=0) as sb:
         result = sb.run("sorted(vars())[:1]")
     assert result.ok, result.error
+
+
+def test_docs_example_matches_the_checker() -> None:
+    """It produces exactly the rejection text shown in docs/code-layer.md."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "code-layer.md").read_text()
+    with pytest.raises(CodeRejected) as info:
+        check_code(
+            "g = (i for i in range(3))\nns = vars()\nframe = g.gi_frame\n",
+            {},
+            "<cell>",
+            policy_name="pure-computation",
+        )
+    for line in str(info.value).strip().splitlines():
+        assert line in doc
+
+
+def test_every_code_rule_is_catalogued() -> None:
+    """It emits only `code.*` rules listed in the denial catalogue."""
+    import re
+    from pathlib import Path
+
+    from agent_sandbox._denial import RULES
+
+    root = Path(__file__).parents[2] / "guards"
+    emitted = set()
+    for name in ("_code_check.py", "_code_budget.py"):
+        emitted |= set(re.findall(r'"(code\.[a-z-]+)"', (root / name).read_text()))
+    assert emitted and emitted <= set(RULES)
