@@ -944,7 +944,13 @@ def _split_host_port(target: str) -> tuple[str, int | None]:
     elif text.count(":") == 1:
         host, _, port = text.partition(":")
     else:
+        # `::1:8080`, as the guard writes an IPv6 address and a port.
+        left, _, right = text.rpartition(":")
         host, port = text, ""
+        if right.isdigit():
+            with contextlib.suppress(ValueError):
+                ipaddress.ip_address(left.split("%")[0])
+                host, port = left, right
     try:
         number = int(port) if port else None
     except ValueError:
@@ -1066,8 +1072,21 @@ def _learn_net(
         protocol = _protocol(action, target, detail)
         wanted.setdefault(("connect", protocol, host), set()).add(port)
         named.add(host)
+    remote_ports = {
+        port
+        for (direction, protocol, host), ports in wanted.items()
+        if direction == "connect" and protocol == "tcp" and not _host_risk(host, direction)
+        for port in ports
+    }
+    inferred: set[str] = set()
     for host, target in pending_resolves:
         covered = host in named or any(_host_matches(r.host, host) for r in ctx.current.net.rules)
+        if not covered and remote_ports and not _host_risk(host, "connect"):
+            # The guard records the lookup by name and the connection by address; the name
+            # gets the ports the run connected to, marked for review.
+            wanted.setdefault(("connect", "tcp", host), set()).update(remote_ports)
+            inferred.add(host)
+            continue
         if not covered:
             findings.append(
                 Finding(
@@ -1125,6 +1144,9 @@ def _learn_net(
             continue
         rules.append(new_rule)
         status: Status = risk[0] if risk else "proposed"
+        if host in inferred and not risk:
+            status = "risky"
+            risk = ("risky", "a name the run looked up; its ports are those the run connected to")
         findings.append(
             Finding(
                 "net.rules",

@@ -403,6 +403,21 @@ def test_net_rules_name_host_and_ports(policy, learned, home) -> None:
     assert any("metadata" in f.reason for f in proposal.flagged)
 
 
+def test_guard_style_targets_ipv6_and_lookups(policy, learned, home) -> None:
+    """It reads `::1:8080` as host and port, and gives a looked-up name the ports the run used."""
+    records = [
+        learned("net.connect", "::1:8080"),
+        learned("net.connect", "93.184.216.34:443", action="connect"),
+        learned("net.resolve", "api.example.com", action="resolve"),
+        learned("net.connect", "unix:@'bus'"),
+    ]
+    proposal = propose(policy, records, home=str(home))
+    rules = {(r.host, r.ports) for r in proposal.proposed.net.rules}
+    assert rules == {("::1", "8080"), ("93.184.216.34", "443"), ("api.example.com", "443")}
+    assert _status(proposal, "net.rules", "connect tcp api.example.com:443") == "risky"
+    assert any("unix" in f.value for f in proposal.flagged)
+
+
 # -- what does not count ----------------------------------------------------------------
 
 
