@@ -57,7 +57,7 @@ def _user_caller() -> bool:
     # 0 this function, 1 _refused, 2 __getitem__/get, 3 the reader (os.getenv is skipped)
     frame: Any = _getframe(3)
     while frame is not None:
-        filename = frame.f_code.co_filename
+        filename: str = frame.f_code.co_filename
         if filename not in _PASS_THROUGH:
             return is_user_frame(filename)
         frame = frame.f_back
@@ -85,12 +85,12 @@ def _refused(key: Any) -> bool:
     return False  # learning mode: behave as unset
 
 
-class GuardedEnviron(os._Environ):  # type: ignore[misc,name-defined]
+class GuardedEnviron(os._Environ):  # type: ignore[misc,name-defined,type-arg]
     """`os._Environ` whose misses on host-only names are refused for user code."""
 
     def __getitem__(self, key: Any) -> Any:
         try:
-            value = self._data[self.encodekey(key)]
+            value = self._data[self.encodekey(key)]  # type: ignore[attr-defined]
         except KeyError:
             _refused(key)
             raise KeyError(key) from None
@@ -98,7 +98,7 @@ class GuardedEnviron(os._Environ):  # type: ignore[misc,name-defined]
 
     def get(self, key: Any, default: Any = None) -> Any:
         try:
-            value = self._data[self.encodekey(key)]
+            value = self._data[self.encodekey(key)]  # type: ignore[attr-defined]
         except KeyError:
             _refused(key)
             return default

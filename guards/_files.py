@@ -175,7 +175,7 @@ class FileRules:
         )
         self.import_roots = _Roots(roots)
         self.deny = _Roots(deny)
-        self.hide = tuple(files.get("hide", ()))
+        self.hide: tuple[str, ...] = tuple(str(h) for h in files.get("hide", ()))
         self._hide_names = tuple(h for h in self.hide if "/" not in h)
         self._hide_paths = tuple((h, _glob_regex(h)) for h in self.hide if "/" in h)
 

@@ -63,8 +63,8 @@ class ImportRules:
     """The `[imports]` section: which module names user code may import."""
 
     def __init__(self, imports: dict[str, Any], policy_name: str = "") -> None:
-        self.allow = tuple(imports.get("allow", ()))
-        self.deny = tuple(imports.get("deny", ()))
+        self.allow: tuple[str, ...] = tuple(str(e) for e in imports.get("allow", ()))
+        self.deny: tuple[str, ...] = tuple(str(e) for e in imports.get("deny", ()))
         self.policy_name = policy_name
 
     @staticmethod
@@ -178,7 +178,7 @@ def _importer_is_user() -> bool:
     """Whether the frame that started this import (import machinery skipped) is user code."""
     frame: Any = _getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename
+        filename: str = frame.f_code.co_filename
         if not filename.startswith(_SKIP_PREFIXES):
             return is_user_frame(filename)
         frame = frame.f_back

@@ -42,7 +42,7 @@ def _thread_start_wrapper(
 ) -> Any:
     if not (state.armed or (state.user_threads and _thread.get_ident() in state.user_threads)):
         return wrapped(*args, **kwargs)
-    function = args[0] if args else kwargs.get("function")
+    function: Any = args[0] if args else kwargs.get("function")
 
     def armed_thread(*a: Any, **k: Any) -> Any:
         ident = _thread.get_ident()

@@ -56,7 +56,7 @@ class Patch:
     where: Any = None  # vars(owner), kept so the tamper check is one dict lookup per patch
 
 
-class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc,type-arg]
     """wrapt's FunctionWrapper that pickles as the global it replaces (`posix.system`), so
     data holding a wrapped function (a pickled callback) still pickles while guarded."""
 
