@@ -49,6 +49,7 @@ import decimal
 import enum
 import fractions
 import io
+import operator
 import pathlib
 import pickle
 import re
@@ -565,18 +566,20 @@ def _model_uses(obj: Any, module: str, qualname: str) -> tuple[frozenset[str], A
 class _Val:
     """What one stack slot holds, as far as the prescan can tell."""
 
-    __slots__ = ("bad_key", "const", "depth", "hashes", "kind", "name")
+    __slots__ = ("const", "depth", "hashes", "keys", "kind", "name")
 
     def __init__(self, kind: str, const: Any = None, name: str = "", depth: int = 0) -> None:
         self.kind = kind
         self.const = const  # the value for scalars; the items (list of _Val) for tuples
         self.name = name  # the global's name, for "global" and "obj"
         self.depth = depth
-        self.bad_key: str | None = None  # a dict key BUILD state may not carry
+        self.keys: list[list[_Val]] | None = None  # a dict's key batches, checked at BUILD
         self.hashes: dict[int, int] | None = None
 
 
 _NO_CONST = object()
+_DEPTH = operator.attrgetter("depth")
+_FLOODABLE = frozenset({"int", "float", "bool", "tuple"})
 
 
 def _constant(v: _Val, depth: int = 0) -> Any:
@@ -633,15 +636,18 @@ class _Scan:
             raise self.refuse(f"nesting deeper than {self.b.max_depth}", pos, "max_depth")
         self.stack.append(v)
 
-    def grow(self, target: _Val, items: Iterable[_Val], pos: int) -> None:
-        for it in items:
-            if it.depth + 1 > target.depth:
-                target.depth = it.depth + 1
+    def grow(self, target: _Val, items: list[_Val], pos: int) -> None:
+        if items:
+            deepest = max(map(_DEPTH, items)) + 1
+            if deepest > target.depth:
+                target.depth = deepest
         if target.depth > self.b.max_depth:
             raise self.refuse(f"nesting deeper than {self.b.max_depth}", pos, "max_depth")
 
     def count_hashes(self, target: _Val, keys: Iterable[_Val], pos: int) -> None:
         for k in keys:
+            if k.kind not in _FLOODABLE:
+                continue  # str and bytes hashes are salted per process: not craftable
             c = _constant(k)
             if c is _NO_CONST:
                 continue
@@ -694,8 +700,12 @@ class _Scan:
                 continue
             if part.kind != "dict":
                 raise self.refuse(f"BUILD with a {part.kind} state (a dict is expected)", pos)
-            if part.bad_key is not None:
-                raise self.refuse(f"BUILD sets the attribute {part.bad_key}", pos)
+            for batch in part.keys or ():
+                for k in batch:
+                    if k.kind != "str":
+                        raise self.refuse(f"BUILD sets an attribute named by a {k.kind}", pos)
+                    if k.const.startswith("__") and k.const not in _STATE_DUNDERS:
+                        raise self.refuse(f"BUILD sets the attribute {k.const[:40]!r}", pos)
 
     def run(self) -> None:
         data = self.data
@@ -711,15 +721,48 @@ class _Scan:
         ops = 0
         unpack = struct.unpack_from
         stack_push = self.push
+        memo = self.memo
+        # Every opcode takes at least one byte, so the opcode budget only needs counting
+        # when it is smaller than the stream.
+        count_ops = b.max_opcodes < n
         while True:
             if pos >= n:
                 raise self.refuse("the stream ends before STOP", pos)
-            ops += 1
-            if ops > b.max_opcodes:
-                raise self.refuse(f"more than {b.max_opcodes} opcodes", pos, "max_opcodes")
+            if count_ops:
+                ops += 1
+                if ops > b.max_opcodes:
+                    raise self.refuse(f"more than {b.max_opcodes} opcodes", pos, "max_opcodes")
             op = data[pos]
             at = pos
             pos += 1
+            # Fast paths for the opcodes that dominate real streams (scalars have depth 0,
+            # so they skip the depth check); each mirrors its general case below.
+            if op == 0x8C:  # SHORT_BINUNICODE
+                if pos >= n:
+                    raise self.refuse("truncated length", at)
+                end = pos + 1 + data[pos]
+                if end > n:
+                    raise self.refuse("a length past the end of the stream", at)
+                try:
+                    text = data[pos + 1 : end].decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError:
+                    raise self.refuse("a string that is not UTF-8", at) from None
+                pos = end
+                self.stack.append(_Val("str", text))
+                continue
+            if op == 0x94:  # MEMOIZE
+                if len(memo) >= b.max_memo:
+                    raise self.refuse(f"more than {b.max_memo} memo entries", at, "max_memo")
+                if not self.stack:
+                    raise self.refuse("stack underflow", at)
+                memo.append(self.stack[-1])
+                continue
+            if op == 0x47:  # BINFLOAT
+                if pos + 8 > n:
+                    raise self.refuse("truncated float", at)
+                self.stack.append(_Val("float", unpack(">d", data, pos)[0]))
+                pos += 8
+                continue
             if op == 0x2E:  # STOP
                 if self.meta or len(self.stack) != 1:
                     raise self.refuse("STOP with an unbalanced stack", at)
@@ -734,8 +777,8 @@ class _Scan:
                 if size > n - pos:
                     raise self.refuse("a FRAME longer than the stream", at)
                 continue
-            if op == 0x8C or op == 0x58 or op == 0x8D:  # SHORT_BINUNICODE, BINUNICODE, 8
-                width = 1 if op == 0x8C else (4 if op == 0x58 else 8)
+            if op == 0x58 or op == 0x8D:  # BINUNICODE, BINUNICODE8
+                width = 4 if op == 0x58 else 8
                 size, pos = _length(data, pos, width, at)
                 raw = data[pos : pos + size]
                 pos += size
@@ -744,11 +787,6 @@ class _Scan:
                 except UnicodeDecodeError:
                     raise self.refuse("a string that is not UTF-8", at) from None
                 stack_push(_Val("str", text), at)
-                continue
-            if op == 0x94:  # MEMOIZE
-                if len(self.memo) >= b.max_memo:
-                    raise self.refuse(f"more than {b.max_memo} memo entries", at, "max_memo")
-                self.memo.append(self.top(at))
                 continue
             if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
                 width = 1 if op == 0x68 else 4
@@ -767,13 +805,6 @@ class _Scan:
                 (value,) = unpack(fmt, data, pos)
                 pos += width
                 stack_push(_Val("int", value), at)
-                continue
-            if op == 0x47:  # BINFLOAT
-                if pos + 8 > n:
-                    raise self.refuse("truncated float", at)
-                (fvalue,) = unpack(">d", data, pos)
-                pos += 8
-                stack_push(_Val("float", fvalue), at)
                 continue
             if op == 0x8A or op == 0x8B:  # LONG1, LONG4
                 size, pos = _length(data, pos, 1 if op == 0x8A else 4, at, signed=op == 0x8B)
@@ -830,12 +861,10 @@ class _Scan:
                     raise self.refuse(f"SETITEM on a {target.kind}", at)
                 keys = items[0::2]
                 self.count_hashes(target, keys, at)
-                if target.bad_key is None:
-                    for k in keys:
-                        if k.kind != "str":
-                            target.bad_key = f"named by a {k.kind}"
-                        elif k.const.startswith("__") and k.const not in _STATE_DUNDERS:
-                            target.bad_key = repr(k.const[:40])
+                if target.kind == "dict":
+                    if target.keys is None:
+                        target.keys = []
+                    target.keys.append(keys)
                 self.grow(target, items, at)
                 continue
             if op == 0x90:  # ADDITEMS

@@ -407,3 +407,9 @@ def test_a_plain_unpickler_would_have_run_the_gadget(tmp_path: Path) -> None:
     code = "import pickle,sys; pickle.loads(sys.stdin.buffer.read())"
     subprocess.run([sys.executable, "-c", code], input=data, check=True, timeout=30)
     assert target.exists()
+
+
+def test_refuses_more_opcodes_than_the_budget() -> None:
+    """It denies a stream with more opcodes than the opcode budget (a slow-prescan flood)."""
+    data = stream(b"N" + b"0N" * 200)
+    assert "opcodes" in refused(data, budgets=Budgets(max_opcodes=100))
