@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,21 @@ pytestmark = [
 ]
 
 
+def _no_network_prefix() -> list[str]:
+    """`unshare -n` (a network namespace with no interfaces) when this machine allows it."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return []
+    probe = subprocess.run([unshare, "-n", "true"], capture_output=True, timeout=10)
+    return [unshare, "-n"] if probe.returncode == 0 else []
+
+
 def test_demo_command_runs_offline_and_shows_the_refusal(tmp_path: Path):
+    """It runs both agents with no network at all (under `unshare -n` where possible)."""
     env = {k: v for k, v in os.environ.items() if not k.endswith(("_API_KEY", "_TOKEN"))}
     env.update(HOME=str(tmp_path), NO_COLOR="1", CREWAI_STORAGE_DIR=str(tmp_path / "crewai"))
     out = subprocess.run(
-        [sys.executable, "-m", "agent_sandbox", "demo"],
+        [*_no_network_prefix(), sys.executable, "-m", "agent_sandbox", "demo"],
         capture_output=True,
         text=True,
         timeout=110,
