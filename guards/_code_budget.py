@@ -685,7 +685,7 @@ for _n in ("getattr", "setattr", "delattr", "hasattr", "pow", "attrgetter", "met
 def _owner(obj: Any) -> Any:
     # `super().get_field` is bound to the instance (or class) behind the super object.
     if type(obj) is super:
-        inner = obj.__self__
+        inner = obj.__self__  # type: ignore[attr-defined]
         return obj if inner is None else inner
     return obj
 
