@@ -420,7 +420,11 @@ class WorkerProcess:
         )
 
     def _cpu_exhausted(self) -> bool:
-        return False
+        # A SIGKILL after the worker's group used up its CPU time: the hard RLIMIT_CPU (user
+        # code ignored SIGXCPU), or a launcher relaying it.
+        assert self.policy is not None
+        used = self.cgroups.cpu_seconds() if self.cgroups is not None else 0.0
+        return used >= self.policy.limits.cpu_seconds
 
     def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
         self.death_reason = "it sent an oversized message"

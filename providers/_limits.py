@@ -244,7 +244,10 @@ class WorkerCgroups:
         """
         if self._final is not None:
             return dict(self._final)
-        out = {"memory": 0, "processes": 0}
+        out = {"memory": 0, "processes": 0, "cpu_usec": 0}
+        if "unified" in self.dirs:
+            text = _read(os.path.join(self.dirs["unified"], "cpu.stat"))
+            out["cpu_usec"] = _counter(text, "usage_usec")
         if "memory-v1" in self.dirs:
             text = _read(os.path.join(self.dirs["memory-v1"], "memory.oom_control"))
             out["memory"] = _counter(text, "oom_kill")
@@ -261,9 +264,17 @@ class WorkerCgroups:
     def new_events(self) -> list[str]:
         """The limit names hit since the last call of this method (`memory`, `processes`)."""
         now = self.events()
-        hit = [name for name, count in sorted(now.items()) if count > self._seen.get(name, 0)]
+        hit = [
+            name
+            for name, count in sorted(now.items())
+            if name in _EVENT_RULES and count > self._seen.get(name, 0)
+        ]
         self._seen = now
         return hit
+
+    def cpu_seconds(self) -> float:
+        """CPU time used by every process of the worker so far (v2 `cpu.stat`; 0 without)."""
+        return self.events().get("cpu_usec", 0) / 1e6
 
     # -- end --------------------------------------------------------------------------------
 

@@ -170,6 +170,22 @@ def test_cpu_limit_is_a_denial() -> None:
     assert "limits.cpu" in [d.rule for d in result.denials]
 
 
+@pytest.mark.skipif(not SUPPORT["kill"], reason="no cgroup v2 group for CPU accounting here")
+def test_cpu_limit_holds_when_the_code_ignores_sigxcpu() -> None:
+    """It reports limits.cpu, not a crash, when the hard limit's SIGKILL ends the worker."""
+    policy = Policy(
+        name="danger-p",
+        imports={"allow": ["*"]},
+        api={"allow": ["process-control"]},
+        code={"enabled": False},
+        limits={"cpu_seconds": 1, "wall_seconds": 20},
+    )
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run(code)
+    assert result.error is not None and result.error.rule == "limits.cpu", result.error
+
+
 def test_memory_limit_holds_for_every_provider(
     kernel_provider: str, arena: Any, hostile: Any, make_policy: Any
 ) -> None:
