@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -299,3 +300,22 @@ print(_libc.socket(17, 3, 0), _err())
     assert not node.exists()
     lines = [line.split()[0] for line in result.stdout.splitlines()]
     assert lines == ["-1", "-1", "-1"], result.stdout
+
+
+def test_doctor_reports_providers_abi_and_reasons(capsys: pytest.CaptureFixture[str]) -> None:
+    """It lists every provider with its availability or reason, and the Landlock ABI."""
+    from agent_sandbox._cli import main
+    from agent_sandbox._cli_doctor import collect
+
+    report = collect()
+    names = {p["name"] for p in report["providers"]}
+    assert {"subprocess", "landlock"} <= names
+    assert all(p["available"] or p["reason"] for p in report["providers"])
+    probe = probe_landlock()
+    assert report["landlock"]["abi"] == probe.details.get("abi", 0)
+    status = main(["doctor", "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["landlock"] == report["landlock"]
+    assert status == (
+        0 if any(p["available"] for p in report["providers"] if p["name"] != "subprocess") else 1
+    )
