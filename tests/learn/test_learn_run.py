@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,62 @@ def test_cli_learn_writes_the_proposal_beside_the_policy(policy_file, capsys) ->
     assert policy_file.with_name("tool.proposed.toml").exists()
     assert policy_file.with_name("tool.proposed.diff").exists()
     assert policy_file.read_bytes() == before
+
+
+def test_a_learned_port_is_reached_after_apply_and_others_stay_refused(policy_file) -> None:
+    """It learns a loopback connection under Landlock, then the applied policy reaches it and no other port."""
+    import socket
+    import threading
+
+    if not get_provider("landlock").probe().available:
+        pytest.skip("landlock is not available here")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    received: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                received.append(conn.recv(64))
+
+    threading.Thread(target=serve, daemon=True).start()
+    spare = socket.socket()
+    spare.bind(("127.0.0.1", 0))
+    unused = spare.getsockname()[1]  # bound, never listening: a port nothing answers on
+    # A declared loopback rule on another port lets the kernel create sockets at all.
+    policy_file.write_text(
+        policy_file.read_text().replace('"json"]', '"json", "socket"]')
+        + f'\n[[net.rules]]\nhost = "127.0.0.1"\nports = "{unused}"\n'
+    )
+    send = STEPS + (
+        "import socket\n"
+        "def send(port):\n"
+        "    with socket.create_connection(('127.0.0.1', port), timeout=5) as s:\n"
+        "        s.sendall(b'hello')\n"
+        "    return 'sent'\n"
+        f"print(step(lambda: send({port})))\n"
+    )
+    try:
+        run, learned = _learn_and_apply(send, policy_file, provider="landlock")
+        assert any(d.rule == "net.connect" and d.learned for d in run.result.denials)
+        assert received == []  # while learning, the kernel still refused the connection
+        assert any(r.host == "127.0.0.1" and r.ports == str(port) for r in learned.net.rules)
+        with Sandbox(learned, provider="landlock", warm=0) as sandbox:
+            ok = sandbox.run(send)
+            other = sandbox.run(send.replace(f"send({port})", f"send({port + 1})"))
+        assert ok.ok and "sent" in ok.stdout
+        assert [d.rule for d in other.denials] == ["net.connect"]
+        for _ in range(100):  # the listener thread may still be reading
+            if received:
+                break
+            time.sleep(0.05)
+    finally:
+        listener.close()
+        spare.close()
+    assert received == [b"hello"]
