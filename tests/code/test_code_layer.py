@@ -336,3 +336,19 @@ def test_every_code_rule_is_catalogued() -> None:
     for name in ("_code_check.py", "_code_budget.py"):
         emitted |= set(re.findall(r'"(code\.[a-z-]+)"', (root / name).read_text()))
     assert emitted and emitted <= set(RULES)
+
+
+@pytest.mark.parametrize(
+    ("snippet", "rule"),
+    [
+        ("LEAKED = getattr(print, '__sel' + 'f__')", "code.dunder"),
+        ("fmt = '{0.__init__.__glo' + 'bals__}'\nLEAKED = fmt.format(object())", "code.attribute"),
+        ("try:\n    (1).nope\nexcept AttributeError as e:\n    LEAKED = e.obj", "code.attribute"),
+        ("LEAKED = 'a' * (10**10)", "code.allocation"),
+    ],
+)
+def test_worker_refuses_at_run_time(session: Any, snippet: str, rule: str) -> None:
+    """It refuses computed attribute names and huge allocations inside the armed worker."""
+    result = session.run(snippet)
+    assert result.error is not None and result.error.rule == rule
+    assert session.run("'LEAKED' in dir()").value is False
