@@ -78,6 +78,7 @@ __all__ = [
 DIR_MIN_FILES = 3
 
 Status = Literal["proposed", "risky", "flagged"]
+_HEADER_START = "Proposed by agent-sandbox learning mode"
 
 # -- what is never proposed ------------------------------------------------------------
 
@@ -264,8 +265,7 @@ class Proposal:
         source = self.current.source or "<in memory>"
         proposed = [f for f in self.findings if f.status != "flagged"]
         lines = [
-            f"Proposed by agent-sandbox learning mode for policy {self.current.name!r}"
-            f" (current: {source}).",
+            f"{_HEADER_START} for policy {self.current.name!r} (current: {source}).",
             "Nothing here is in force. Review every line, then apply it explicitly:",
             "  agent-sandbox policy apply <this file> --to <the current policy>",
             f"{self.records} distinct would-be denials observed: {len(proposed)} entries proposed "
@@ -726,7 +726,9 @@ def _judge_path(ctx: _Context, path: str, field: str) -> str | None:
     if any(part in _SENSITIVE_COMPONENTS for part in parts):
         return "a credentials location"
     base = parts[-1]
-    hidden = [p for p in ctx.current.files.hide if fnmatch.fnmatchcase(base, p)]
+    hidden = [
+        p for p in ctx.current.files.hide for part in parts if part and fnmatch.fnmatchcase(part, p)
+    ]
     if hidden:
         return f"matches the hidden name {hidden[0]!r}"
     for entry in ctx.current.files.deny:
@@ -1473,8 +1475,23 @@ def apply_proposal(
     target = Path(to)
     if os.path.realpath(target) == os.path.realpath(source):
         raise LearningError("the proposal and the target are the same file", path=str(target))
-    _write_text(target, text)
+    _write_text(target, _applied_text(text, source.name))
     return target
+
+
+def _applied_text(text: str, source_name: str) -> str:
+    """The proposal as a live policy: its "nothing here is in force" header replaced."""
+    lines = text.splitlines(keepends=True)
+    if lines and lines[0].startswith("# " + _HEADER_START):
+        while lines and lines[0].strip():
+            lines.pop(0)
+        while lines and not lines[0].strip():
+            lines.pop(0)
+    note = (
+        f"# Applied from {source_name}, a reviewed learning-mode proposal "
+        "(its .proposed.diff lists what was flagged and left out).\n\n"
+    )
+    return note + "".join(lines)
 
 
 def _read_text(path: Path) -> str:

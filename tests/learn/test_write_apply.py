@@ -133,6 +133,9 @@ def test_apply_replaces_the_policy_and_refuses_a_symlink(proposal, policy_file, 
     written = apply_proposal(files.toml)
     assert written == policy_file
     assert "csv" in load_policy(policy_file).imports.allow
+    applied = policy_file.read_text()
+    assert "Nothing here is in force" not in applied and applied.startswith("# Applied from")
+    assert "# RISKY:" in applied
     link = tmp_path / "linked.toml"
     link.symlink_to(policy_file)
     with pytest.raises(LearningError, match="symlink"):
