@@ -352,3 +352,33 @@ def test_worker_refuses_at_run_time(session: Any, snippet: str, rule: str) -> No
     result = session.run(snippet)
     assert result.error is not None and result.error.rule == rule
     assert session.run("'LEAKED' in dir()").value is False
+
+
+def test_class_bodies_may_define_dunder_methods() -> None:
+    """It allows defining dunder methods and class attributes that are not granted for reading."""
+    out = run_checked(
+        "class Lazy:\n    __slots__ = ('data',)\n    def __init__(self):\n        self.data = {'a': 1}\n"
+        "    def __getattr__(self, name):\n        return self.data[name]\n"
+        "    def __init_subclass__(cls, **kw):\n        super().__init_subclass__(**kw)\n"
+        "print(Lazy().a)"
+    )
+    assert out == "1\n"
+
+
+def test_keyword_names_naming_internals_are_refused() -> None:
+    """It refuses keyword arguments named like internals (`f(gi_frame=...)`)."""
+    with pytest.raises(CodeRejected):
+        check_code("dict(gi_frame=1)", {}, "<t>")
+
+
+def test_lambda_recursion_stays_a_recursion_error() -> None:
+    """It bounds lambda recursion by depth but reports it as a RecursionError (documented gap)."""
+    policy = budget_policy(max_call_depth=50)
+    saved = sys.getrecursionlimit()
+    try:
+        tree = check_code("f = lambda n: f(n + 1)\nf(0)", policy, "<t>")
+        _code_budget.start_call(compile_rules(policy))
+        with pytest.raises(RecursionError):
+            exec(compile(tree, "<t>", "exec"), {})
+    finally:
+        sys.setrecursionlimit(saved)
