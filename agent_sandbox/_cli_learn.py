@@ -80,6 +80,13 @@ def _cmd_learn(args: argparse.Namespace) -> int:
     from agent_sandbox.policies import resolve_policy
 
     current = resolve_policy(args.policy)
+    if args.out is None and (not current.source or current.source.startswith("preset:")):
+        from agent_sandbox._errors import LearningError
+
+        raise LearningError(
+            f"{args.policy!r} is a shipped policy, not a file: copy it to a file first, "
+            "or give --out DIR for the proposal"
+        )
     envelope = learning_envelope(current, provider=args.provider)
     print(style.bold("learning envelope:"), file=err)
     for line in envelope_report(current, envelope):

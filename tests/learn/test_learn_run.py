@@ -272,3 +272,16 @@ def test_a_learned_port_is_reached_after_apply_and_others_stay_refused(policy_fi
         listener.close()
         spare.close()
     assert received == [b"hello"]
+
+
+def test_cli_learn_for_a_shipped_policy_needs_out(tmp_path, capsys) -> None:
+    """It refuses to learn for a shipped policy without --out (before running anything), and writes there with it."""
+    from agent_sandbox._cli import main
+
+    assert main(["learn", "-c", "import csv", "--policy", "pure-computation"]) == 1
+    assert "--out" in capsys.readouterr().err
+    code = main(
+        ["learn", "-c", "import csv", "--policy", "pure-computation", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    assert (tmp_path / "pure-computation.proposed.toml").exists()
