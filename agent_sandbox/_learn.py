@@ -158,21 +158,24 @@ _RISKY_MODULES: dict[str, str] = {
     "inspect": "frames and closures",
     "builtins": "rebinds the built-in functions",
 }
-#: Modules that are risky only when the policy has no network.
+#: Modules (and their submodules) that are risky only when the policy has no network.
 _NET_MODULES = frozenset(
     {
         "socket",
         "_socket",
         "ssl",
         "_ssl",
-        "http",
-        "urllib",
+        "http.client",
+        "http.server",
+        "urllib.request",
         "requests",
         "httpx",
         "aiohttp",
         "ftplib",
         "smtplib",
-        "asyncio",
+        "imaplib",
+        "poplib",
+        "xmlrpc",
     }
 )
 #: Sensitive-call categories whose grant opens the Python layer wide: never proposed.
@@ -1196,10 +1199,15 @@ def _learn_imports(
         candidates.append(module)
     chosen = [m for m in candidates if not _module_covered([c for c in candidates if c != m], m)]
     for module in chosen:
-        top = module.split(".", 1)[0]
-        reason = _RISKY_MODULES.get(module) or _RISKY_MODULES.get(top, "")
-        if not reason and top in _NET_MODULES and not net_on:
-            reason = "network access, and the policy has no network"
+        covered = tuple(c for c in candidates if _module_covered([module], c))
+        reason = ""
+        for name in (module, *covered):
+            top = name.split(".", 1)[0]
+            reason = _RISKY_MODULES.get(name) or _RISKY_MODULES.get(top, "")
+            if not reason and not net_on and _module_covered(_NET_MODULES, name):
+                reason = "network access, and the policy has no network"
+            if reason:
+                break
         findings.append(
             Finding(
                 "imports.allow",
@@ -1207,7 +1215,7 @@ def _learn_imports(
                 "risky" if reason else "proposed",
                 reason,
                 "imports",
-                tuple(c for c in candidates if _module_covered([module], c)),
+                covered,
             )
         )
     return chosen, findings

@@ -346,6 +346,12 @@ def test_risky_modules_are_proposed_with_a_mark(policy, learned, home) -> None:
     for module in ("ctypes", "subprocess", "pickle", "importlib.util", "socket"):
         assert _status(proposal, "imports.allow", module) == "risky", module
     assert _status(proposal, "imports.allow", "csv") == "proposed"
+    parse = propose(policy, [learned("imports", "urllib.parse")], home=str(home))
+    assert _status(parse, "imports.allow", "urllib.parse") == "proposed"
+    http = propose(
+        policy, [learned("imports", "http"), learned("imports", "http.client")], home=str(home)
+    )
+    assert _status(http, "imports.allow", "http") == "risky"
     assert "# RISKY:" in proposal.to_toml()
 
 
