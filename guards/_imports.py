@@ -147,10 +147,17 @@ def guarded_import(
     locals: Any = None,
     fromlist: Any = (),
     level: int = 0,
+    *,
+    _ok: set[str] = _ok,
+    _get: Any = _modules.get,
 ) -> Any:
-    """`__import__` for user code: judge the module, then import it the ordinary way."""
-    if not level and not fromlist and name in _ok:
-        module = _modules.get(name)
+    """`__import__` for user code: judge the module, then import it the ordinary way.
+
+    The fast path (a plain `import x` of a top-level module already judged allowed) uses
+    keyword-only defaults as locals: it runs on every import statement of user code.
+    """
+    if name in _ok and not level and not fromlist:
+        module = _get(name)
         if module is not None:
             return module
     if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):

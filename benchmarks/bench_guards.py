@@ -1,0 +1,146 @@
+"""Per-call cost of the Python guards: armed against plain Python, in the same process.
+
+Each operation runs in a loop compiled as a user cell (`<cell-bench>`), first with the
+guards not installed (plain), then installed and armed, with the policy allowing it. The
+cost of an empty loop is subtracted from both. Prints the median per-call time of each
+and the ratio of the medians (and of the minimums, steadier on a loaded machine); the
+target is a ratio of at most 1.5 for every row.
+
+    .venv/bin/python benchmarks/bench_guards.py [--repeat 9] [--number 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+from agent_sandbox import Policy
+from agent_sandbox._process import import_roots, package_dirs
+from agent_sandbox.guards._install import install_guards
+
+ROWS = {
+    "os.stat (allowed file)": "os.stat(PATH)",
+    "open().close() (allowed file)": "open(PATH).close()",
+    "import of a loaded module": "import json",
+    "os.environ.get (present)": "os.environ.get('PATH')",
+    # The listener's accept runs in the same loop (it is not guarded), so no thread switch.
+    "connect to allowed loopback port": (
+        "s = socket.socket(); s.connect(ADDR); LISTENER.accept()[0].close(); s.close()"
+    ),
+}
+ITERATIONS_FOR = {
+    "connect to allowed loopback port": 0.02,
+    "import of a loaded module": 5.0,  # a sub-100 ns operation needs a longer loop
+    "os.environ.get (present)": 2.0,
+}  # fraction of --number
+
+
+def _time(code: str, namespace: dict[str, Any], number: int, arm: Any) -> float:
+    """One sample: the per-call time of `code`, net of the empty loop."""
+    loop = compile(f"for _ in range({number}):\n    {code}", "<cell-bench>", "exec")
+    empty = compile(f"for _ in range({number}):\n    pass", "<cell-bench>", "exec")
+    with arm():
+        t0 = time.perf_counter()
+        exec(loop, namespace)
+        t1 = time.perf_counter()
+        exec(empty, namespace)
+        t2 = time.perf_counter()
+    return ((t1 - t0) - (t2 - t1)) / number
+
+
+class _NoArm:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--number", type=int, default=20000)
+    options = parser.parse_args()
+
+    work = tempfile.mkdtemp(prefix="bench-guards-")
+    data = os.path.join(work, "data")
+    os.mkdir(data)
+    path = os.path.join(data, "file.txt")
+    with open(path, "w") as fh:
+        fh.write("x")
+    scratch = os.path.join(work, "control", "scratch")
+    os.makedirs(scratch)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    addr = listener.getsockname()
+    os.environ.setdefault("PATH", "/usr/bin")
+
+    namespace: dict[str, Any] = {
+        "__builtins__": builtins, "os": os, "socket": socket, "PATH": path, "ADDR": addr,
+        "LISTENER": listener,
+    }  # fmt: skip
+    policy = Policy(
+        name="bench",
+        files={"read": [data]},
+        imports={"allow": ["json", "os", "socket"]},
+        env={"pass": ["PATH"]},
+        net={"rules": [{"host": "127.0.0.1", "ports": addr[1]}]},
+        code={"enabled": False},
+    )
+    boot = {
+        "policy": policy.to_wire(),
+        "scratch": scratch,
+        "sys_path": [*import_roots(), *(p for p in sys.path if p)],
+        "package_dirs": package_dirs(),
+        "host_env_names": sorted(os.environ),
+    }
+    # Plain and armed samples alternate (install, measure, uninstall each round), so a
+    # change in the machine's load hits both sides alike.
+    plain: dict[str, list[float]] = {name: [] for name in ROWS}
+    armed: dict[str, list[float]] = {name: [] for name in ROWS}
+    reasons: list[str] = []
+    try:
+        for _ in range(options.repeat):
+            for name, code in ROWS.items():
+                number = max(100, int(options.number * ITERATIONS_FOR.get(name, 1.0)))
+                plain[name].append(_time(code, namespace, number, _NoArm))
+            user_ns: dict[str, Any] = {
+                "os": os, "socket": socket, "PATH": path, "ADDR": addr, "LISTENER": listener,
+            }  # fmt: skip
+            guards = install_guards(boot, user_ns)
+            try:
+                for name, code in ROWS.items():
+                    number = max(100, int(options.number * ITERATIONS_FOR.get(name, 1.0)))
+                    armed[name].append(_time(code, user_ns, number, guards.arming))
+                reasons += guards.tamper_check()
+            finally:
+                guards.uninstall()
+    finally:
+        listener.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"{'operation':36} {'plain us':>10} {'armed us':>10} {'ratio':>7} {'min ratio':>9}")
+    worst = 0.0
+    for name in ROWS:
+        p_med, a_med = statistics.median(plain[name]), statistics.median(armed[name])
+        ratio = a_med / p_med if p_med > 0 else float("inf")
+        worst = max(worst, ratio)
+        flag = "" if ratio <= 1.5 else "  (above the 1.5x target)"
+        floor = 1e-9  # a noisy run can make the net time of a fast row non-positive
+        best = max(min(armed[name]), floor) / max(min(plain[name]), floor)
+        print(f"{name:36} {p_med * 1e6:10.3f} {a_med * 1e6:10.3f} {ratio:6.2f}x {best:8.2f}x{flag}")
+    print(f"worst ratio {worst:.2f}x; guards intact after the run: {not reasons}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
