@@ -290,7 +290,8 @@ class Proposal:
     def diff(self) -> str:
         """A readable diff from the current policy to the proposal, then the flagged list."""
         notes = {(field, value): text for (field, value), text in self._comments().items()}
-        text = diff_policies(self.current, self.proposed, notes=notes)
+        left = self.current.source or self.current.name
+        text = diff_policies(self.current, self.proposed, notes=notes, labels=(left, "proposed"))
         if self.flagged:
             text += "\nflagged, not proposed:\n"
             text += "".join(f"  ! {f.line()}\n" for f in self.flagged)
