@@ -27,7 +27,10 @@ Event = tuple[str, Any]
 def encode_event(kind: str, data: Any) -> bytes:
     """Encode one event; the JSON is compact and on a single line (json never emits newlines)."""
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return b"event: " + kind.encode() + b"\ndata: " + payload.encode("utf-8") + b"\n\n"
+    # A lone surrogate (print('\ud800')) has no UTF-8 form; backslashreplace writes it as
+    # the JSON escape `\ud800`, so it round-trips instead of failing the whole event.
+    body = payload.encode("utf-8", "backslashreplace")
+    return b"event: " + kind.encode() + b"\ndata: " + body + b"\n\n"
 
 
 class SSEParser:

@@ -318,3 +318,12 @@ def test_hostile_exception_payloads_fail_closed(payload: dict[str, Any]) -> None
         while tb is not None:
             assert isinstance(tb.tb_lineno, int)
             tb = tb.tb_next
+
+
+@SETTINGS
+@given(st.text(alphabet=st.characters(exclude_categories=()), max_size=30))
+def test_any_text_crosses_the_wire_including_lone_surrogates(text: str) -> None:
+    """Text the code prints (lone surrogates included) round-trips through one event,
+    instead of failing its encoding in the worker and vanishing (found by this test)."""
+    event = encode_event("stdout", {text: text})
+    assert SSEParser(100_000).feed(event) == [("stdout", {text: text})]

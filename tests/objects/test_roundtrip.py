@@ -168,3 +168,23 @@ def test_data_only_mode_still_raises_the_right_type() -> None:
     with pytest.raises(KeyError) as info:
         result.raise_error()
     assert "in f" in "".join(traceback.format_exception(info.value))
+
+
+def test_pickling_runs_user_code_armed(sess) -> None:
+    """It denies what a value's `__reduce__` does while the worker pickles it: the guards
+    are still armed during encoding."""
+    result = sess.run(
+        "class Sneaky:\n    def __reduce__(self):\n        open('/etc/shadow')\n"
+        "        return (int, (1,))\nSneaky()"
+    )
+    assert "files.read" in [d.rule for d in result.denials]
+
+
+def test_repr_runs_user_code_armed_in_data_only_mode() -> None:
+    """It denies what a value's `__repr__` does while the worker encodes it as data."""
+    with Sandbox(Policy(name="test-data-only-repr"), warm=0) as sb:
+        result = sb.run(
+            "class Sneaky:\n    def __repr__(self):\n        open('/etc/shadow')\n"
+            "        return 'x'\nSneaky()"
+        )
+    assert "files.read" in [d.rule for d in result.denials]
