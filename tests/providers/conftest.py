@@ -68,6 +68,24 @@ def nconnect_abstract(name):
     e = _err()
     _libc.close(s)
     return ("connect", 0 if rc == 0 else e)
+def nconnect_unix(path):
+    s = _libc.socket(1, 1, 0)
+    if s < 0:
+        return ("socket", _err())
+    addr = struct.pack("=H", 1) + path.encode() + b"\0"
+    rc = _libc.connect(s, addr, len(addr))
+    e = _err()
+    _libc.close(s)
+    return ("connect", 0 if rc == 0 else e)
+def nsend_udp(port, data=b"leak", host=b"\x7f\x00\x00\x01"):
+    s = _libc.socket(2, 2, 0)
+    if s < 0:
+        return ("socket", _err())
+    addr = struct.pack("=H", 2) + struct.pack("!H4s8x", port, host)
+    rc = _libc.sendto(s, data, len(data), 0, addr, len(addr))
+    e = _err()
+    _libc.close(s)
+    return ("sendto", rc if rc >= 0 else e)
 """
 
 
@@ -119,7 +137,18 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
     data: dict[str, Any] = {
         "name": "danger-hostile-test",
         "imports": {"allow": ["*"]},
-        "api": {"allow": ["native-code", "process-control", "introspection"]},
+        # NOTE: the exec entry points are allowed one by one so the Python guard steps aside;
+        # the `process-exec` category (which would widen the kernel rules) stays off.
+        "api": {
+            "allow": [
+                "native-code",
+                "process-control",
+                "introspection",
+                "_posixsubprocess.fork_exec",
+                "os.system",
+                "posix.system",
+            ]
+        },
         "code": {"enabled": False},
         "files": {"read": [str(arena["ro"])], "write": [str(arena["rw"])]},
         "limits": {"wall_seconds": 20, "memory_mb": 512, "processes": 16},
