@@ -31,11 +31,12 @@ stacks them), rlimits (the worker's own set-up), and any uid change: the worker 
 mapped to the parent's uid, without capabilities; the view is the boundary.
 """
 
-import _signal
+import _signal  # type: ignore[import-not-found]  # no enum import, unlike `signal`
 import ctypes
 import marshal
 import os
 import sys
+from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -103,12 +104,14 @@ def check(rc: int, what: str) -> int:
 
 
 def prctl(option: int, arg: int = 0) -> int:
-    return libc.prctl(option, arg, 0, 0, 0)
+    return int(libc.prctl(option, arg, 0, 0, 0))
 
 
-def mount(src, dst, fstype, flags, data=None):
-    def enc(s):
-        return s.encode() if isinstance(s, str) else s
+def mount(
+    src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
 
     check(
         libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)),
@@ -129,7 +132,7 @@ def locked_flags(path: str) -> int:
     return sum(ms for st, ms in _LOCKED if have & st)
 
 
-def submounts(path: str) -> list:
+def submounts(path: str) -> list[str]:
     """Mount points strictly below `path` in this mount namespace."""
     out = []
     prefix = path.rstrip("/") + "/"
@@ -167,7 +170,7 @@ def tmpfs(target: str, size: int, mode: str, flags: int = MS_NOSUID | MS_NODEV) 
     mount("tmpfs", target, "tmpfs", flags, f"size={size},mode={mode}")
 
 
-def build_view(cfg: dict) -> None:
+def build_view(cfg: dict[str, Any]) -> None:
     """Step 2c-2d: the new root, in the configuration's order, then pivot into it."""
     root = cfg["root"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -238,7 +241,7 @@ def drop_privileges() -> None:
     check(libc.capset(header, data), "capset")
 
 
-def init(cfg: dict, report: int) -> None:
+def init(cfg: dict[str, Any], report: int) -> None:
     """Process B: set up, start the worker, reap until it exits, report its status."""
     prctl(PR_SET_PDEATHSIG, SIGKILL)
     check(
