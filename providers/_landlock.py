@@ -75,6 +75,8 @@ _DEVICES: tuple[tuple[str, str], ...] = (
     ("/dev/urandom", "dev-ro"),
     ("/dev/zero", "dev-ro"),
 )
+# NOTE: public, read-only time-zone data: `zoneinfo` and local time need it.
+_TIME_FILES = ("/etc/localtime", "/usr/share/zoneinfo")
 # NOTE: granted only when the policy allows some network: name resolution and CA bundles.
 _NET_FILES = (
     "/etc/ca-certificates",
@@ -134,6 +136,8 @@ def landlock_setup(
     grant("/usr/lib", "ro")
     for device, access in _DEVICES:
         grant(device, access)
+    for name in _TIME_FILES:
+        grant(name, "ro")
 
     api_allow = set(_get(policy, "api", "allow", default=()))
     if "process-exec" in api_allow:

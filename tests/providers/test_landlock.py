@@ -62,6 +62,8 @@ def _base_paths() -> dict[str, str]:
         "/dev/random": "dev-ro",
         "/dev/urandom": "dev-ro",
         "/dev/zero": "dev-ro",
+        "/etc/localtime": "ro",
+        "/usr/share/zoneinfo": "ro",
         "/run/ctl/scratch": "rw",
     }
     if LIBPY:
@@ -121,6 +123,8 @@ def test_builder_never_grants_all_of_etc_tmp_proc_or_sys() -> None:
     assert not any(p.startswith(("/proc", "/sys", "/dev/shm")) for p in granted)
     etc = sorted(p for p in granted if p.startswith("/etc/"))
     assert "/etc/hosts" in etc and "/etc/shadow" not in etc and "/etc/passwd" not in etc
+    plain = [p for p, _ in landlock_setup(Policy(name="p"), _spec())["paths"]]
+    assert [p for p in plain if p.startswith("/etc")] == ["/etc/localtime"]
 
 
 def test_execute_only_on_the_interpreter_and_its_loader_by_default() -> None:
