@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,15 +111,18 @@ def provider_name(request: pytest.FixtureRequest) -> str:
 
 
 def danger_policy(ro: Path, rw: Path, **extra: Any) -> Policy:
-    return Policy(
-        name="danger-namespace-test",
-        imports={"allow": ["*"]},
-        api={"allow": ["native-code", "process-control", "introspection", "deserialization"]},
-        code={"enabled": False},
-        files={"read": [str(ro)], "write": [str(rw)]},
-        limits={"wall_seconds": 20},
-        **extra,
-    )
+    with warnings.catch_warnings():
+        # The warning that native-code opens the Python layer is the point of this policy.
+        warnings.simplefilter("ignore", UserWarning)
+        return Policy(
+            name="danger-namespace-test",
+            imports={"allow": ["*"]},
+            api={"allow": ["native-code", "process-control", "introspection", "deserialization"]},
+            code={"enabled": False},
+            files={"read": [str(ro)], "write": [str(rw)]},
+            limits={"wall_seconds": 20},
+            **extra,
+        )
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import marshal
 import socket
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,14 +134,17 @@ def _require() -> None:
 
 
 def _danger_policy(**files: Any) -> Policy:
-    return Policy(
-        name="danger-unshare-test",
-        imports={"allow": ["*"]},
-        api={"allow": ["native-code", "process-control", "introspection", "deserialization"]},
-        code={"enabled": False},
-        files=files,
-        limits={"wall_seconds": 20},
-    )
+    with warnings.catch_warnings():
+        # The warning that native-code opens the Python layer is the point of this policy.
+        warnings.simplefilter("ignore", UserWarning)
+        return Policy(
+            name="danger-unshare-test",
+            imports={"allow": ["*"]},
+            api={"allow": ["native-code", "process-control", "introspection", "deserialization"]},
+            code={"enabled": False},
+            files=files,
+            limits={"wall_seconds": 20},
+        )
 
 
 def test_default_stack_adds_landlock_and_seccomp(tmp_path: Path) -> None:
