@@ -79,10 +79,6 @@ def objects_policy() -> Policy:
                 "collections",
             ],
         },
-        # NOTE: a first import in the worker reads a .pyc through marshal.loads, which the
-        # deserialization guard refuses today (reported to the lead); granting that one
-        # function keeps these tests about the result channel, not the import guard.
-        api={"allow": ["marshal.loads"]},
         limits={"wall_seconds": 20, "result_bytes": 200_000},
     )
 

@@ -188,3 +188,13 @@ def test_repr_runs_user_code_armed_in_data_only_mode() -> None:
             "        return 'x'\nSneaky()"
         )
     assert "files.read" in [d.rule for d in result.denials]
+
+
+async def test_async_calls_decode_objects_too(objects_policy: Policy) -> None:
+    """It decodes objects and rebuilds exceptions on the asyncio path as well."""
+    with Sandbox(objects_policy, warm=0) as sb:
+        result = await sb.arun("import decimal\ndecimal.Decimal('2.5')")
+        assert result.unwrap() == decimal.Decimal("2.5")
+        failed = await sb.arun("raise KeyError('k')")
+    with pytest.raises(KeyError):
+        failed.raise_error()
