@@ -198,3 +198,12 @@ async def test_async_calls_decode_objects_too(objects_policy: Policy) -> None:
         failed = await sb.arun("raise KeyError('k')")
     with pytest.raises(KeyError):
         failed.raise_error()
+
+
+def test_user_code_still_cannot_unpickle_in_objects_mode(objects_policy: Policy) -> None:
+    """It denies `pickle.loads` to user code in objects mode: the framework's own pickling
+    was bound before arming and is not charged to, nor granted by, the policy."""
+    policy = objects_policy.merged({"imports": {"allow": ["pickle"]}})
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run("import pickle\npickle.loads(pickle.dumps(1))")
+    assert result.error is not None and result.error.rule == "api.deserialization"
