@@ -274,3 +274,32 @@ def pids_with_tmpdir(scratch: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def test_blocks_reading_denied_paths_inside_a_readable_directory(
+    provider_name: str, arena: dict[str, Path]
+) -> None:
+    """It denies a ctypes read of a `files.deny` file and directory inside a read path."""
+    token = "canary-" + secrets.token_hex(8)
+    (arena["ro"] / "secret").mkdir()
+    (arena["ro"] / "secret" / "key.txt").write_text(token)
+    (arena["ro"] / "hidden.txt").write_text(token)
+    (arena["ro"] / "visible.txt").write_text("visible")
+    deny = [str(arena["ro"] / "secret"), str(arena["ro"] / "hidden.txt")]
+    policy = danger_policy(arena["ro"], arena["rw"])
+    policy = policy.model_copy(
+        update={"files": policy.files.model_copy(update={"deny": tuple(deny)})}
+    )
+    w = WorkerProcess.start(policy, make(provider_name))
+    try:
+        out = run(
+            w,
+            f"""
+            for name in ("secret/key.txt", "hidden.txt", "visible.txt"):
+                print(name, repr(nread({str(arena["ro"])!r} + "/" + name)))
+            """,
+        )
+    finally:
+        w.close()
+    assert token not in out
+    assert "'visible'" in out  # the rest of the directory stays readable
