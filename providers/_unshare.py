@@ -29,8 +29,10 @@ from __future__ import annotations
 import functools
 import marshal
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
@@ -84,31 +86,42 @@ def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, 
 
 @functools.cache
 def _probe(python: str) -> ProbeResult:
-    """Create the namespaces once (cached) and report why that fails, if it does."""
-    trial = (
-        "import ctypes,os;l=ctypes.CDLL(None,use_errno=True);"
-        "r=l.unshare(0x10000000|0x20000000);"
-        "e=ctypes.get_errno();"
-        "r==0 or print(os.strerror(e));"
-        "os._exit(0 if r==0 else 1)"
-    )
+    """Run the real launcher once (cached) on a minimal view; report why it fails, if it does.
+
+    The trial goes through every step a worker start takes (namespaces, the tmpfs root, a
+    bind, a fresh /proc, pivot_root, the privilege drop), with `/usr/bin/true` as the worker.
+    """
+    if os.uname().machine != "x86_64":
+        return ProbeResult("unshare", False, "the launcher knows pivot_root only on x86_64")
+    host = host_layout()
+    control = tempfile.mkdtemp(prefix="agent-sandbox-probe-")
     try:
-        out = subprocess.run(
-            [python, "-I", "-S", "-c", trial], capture_output=True, text=True, timeout=10
-        )
+        config = {
+            "root": os.path.join(control, "nsroot"),
+            "mounts": [["ro", "/usr", "/usr"]]
+            + [["symlink", path, target] for path, target in sorted(host.symlinks.items())]
+            + [["dev", "/dev", ""], ["proc", "/proc", ""], ["tmpfs", "/tmp", ""]],
+            "tmpfs_bytes": 1024 * 1024,
+            "net": "none",
+            "hostname": "sandbox",
+            "cwd": "/",
+            "argv": ["/usr/bin/true"],
+        }
+        argv = [python, "-I", "-S", "-B", LAUNCHER, marshal.dumps(config).hex()]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return ProbeResult("unshare", False, f"running {python} failed: {exc}")
+        return ProbeResult("unshare", False, f"running the launcher failed: {exc}")
+    finally:
+        shutil.rmtree(control, ignore_errors=True)
     if out.returncode != 0:
-        why = out.stdout.strip() or out.stderr.strip()[-200:]
+        why = out.stderr.strip().splitlines()[-1:] or [f"exit status {out.returncode}"]
         return ProbeResult(
             "unshare",
             False,
-            f"cannot create user and PID namespaces ({why}); unprivileged user namespaces "
-            "may be disabled (user.max_user_namespaces, kernel.unprivileged_userns_clone) "
-            "or blocked by seccomp in a container runtime",
+            f"the namespace launcher failed here ({why[0]}); unprivileged user namespaces may "
+            "be disabled (user.max_user_namespaces, kernel.unprivileged_userns_clone) or "
+            "blocked by a container runtime",
         )
-    if os.uname().machine != "x86_64":
-        return ProbeResult("unshare", False, "the launcher knows pivot_root only on x86_64")
     return ProbeResult(
         "unshare",
         True,
