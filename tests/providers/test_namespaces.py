@@ -303,3 +303,23 @@ def test_blocks_reading_denied_paths_inside_a_readable_directory(
         w.close()
     assert token not in out
     assert "'visible'" in out  # the rest of the directory stays readable
+
+
+def test_wall_timeout_leaves_no_process_behind(provider_name: str, arena: dict[str, Path]) -> None:
+    """It ends a worker spinning past its wall time, and nothing of its sandbox remains."""
+    policy = danger_policy(arena["ro"], arena["rw"])
+    policy = policy.model_copy(
+        update={"limits": policy.limits.model_copy(update={"wall_seconds": 1.0})}
+    )
+    w = WorkerProcess.start(policy, make(provider_name))
+    scratch = w.scratch
+    try:
+        assert pids_with_tmpdir(scratch)
+        result = w.run("while True:\n    pass")
+        assert result.error is not None and result.error.rule == "limits.timeout"
+    finally:
+        w.close()
+    deadline = time.monotonic() + 5
+    while pids_with_tmpdir(scratch) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pids_with_tmpdir(scratch)
