@@ -327,7 +327,20 @@ class LandlockProvider(Provider):
     is_boundary: ClassVar[bool] = True
 
     def probe(self) -> ProbeResult:
-        return probe_landlock()
+        """Landlock ABI 4 or later, and a seccomp filter that can be built (fail closed: without
+        it UDP, raw sockets and nested namespaces would stay open)."""
+        from agent_sandbox.providers._seccomp import probe_seccomp
+
+        result = probe_landlock()
+        if not result.available:
+            return result
+        seccomp_ok, seccomp_info = probe_seccomp()
+        details = {**result.details, "seccomp": seccomp_info}
+        if not seccomp_ok:
+            return ProbeResult(
+                self.name, False, reason=seccomp_info, version=result.version, details=details
+            )
+        return ProbeResult(self.name, True, version=result.version, details=details)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         from agent_sandbox.providers._seccomp import seccomp_setup

@@ -323,3 +323,14 @@ def test_doctor_reports_providers_abi_and_reasons(capsys: pytest.CaptureFixture[
     assert status == (
         0 if any(p["available"] for p in report["providers"] if p["name"] != "subprocess") else 1
     )
+
+
+def test_landlock_without_a_seccomp_filter_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It refuses to run Landlock alone when the seccomp filter cannot be built (fail closed)."""
+    from agent_sandbox.providers import _seccomp
+
+    if not probe_landlock().available:
+        pytest.skip(probe_landlock().reason)
+    monkeypatch.setattr(_seccomp, "probe_seccomp", lambda: (False, "no libseccomp here"))
+    result = LandlockProvider().probe()
+    assert not result.available and result.reason == "no libseccomp here"
