@@ -145,7 +145,11 @@ class WorkerClient:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.sendall(proto.request(method, target, payload))
             while not proto.done:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    # Checked here too: a worker that never stops sending never lets recv time out.
+                    raise TimeoutError("the call exceeded its deadline")
+                sock.settimeout(remaining)
                 data = sock.recv(262144)
                 for event in proto.receive(data):
                     if on_event is not None:
@@ -207,7 +211,7 @@ class AsyncWorkerClient:
         remaining = max(0.001, deadline - time.monotonic())
         try:
             await asyncio.wait_for(self._run(code, deadline, on_event), remaining)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError("the call exceeded its deadline") from None
 
     async def _run(self, code: str, deadline: float, on_event: OnEvent) -> None:

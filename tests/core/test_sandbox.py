@@ -378,3 +378,16 @@ def test_png_written_to_scratch_comes_back_as_an_image(sandbox: Sandbox) -> None
     result = sandbox.run(f"open('plot.png', 'wb').write({png!r})\n1")
     assert [i.name for i in result.images] == ["plot.png"]
     assert any(f["name"] == "plot.png" for f in result.files)
+
+
+def test_a_worker_that_never_stops_sending_still_times_out(policy: Policy) -> None:
+    """It enforces the deadline even while events keep arriving."""
+    flood = Policy(name="flood", imports={"allow": ["sys", "time"]},
+                   limits={"wall_seconds": 10, "output_bytes": 100_000_000})
+    with Sandbox(flood, warm=0) as sb:
+        result = sb.run(
+            "import sys, time\nwhile True:\n    sys.stdout.write('x' * 10)\n    sys.stdout.flush()\n"
+            "    time.sleep(0.0005)",
+            timeout=1.5,
+        )
+    assert result.error is not None and result.error.rule == "limits.timeout"
