@@ -8,12 +8,15 @@ Layout: this package is the core (public API, orchestration, worker pool, transp
 
 from agent_sandbox._denial import RULES as RULES
 from agent_sandbox._denial import Denial as Denial
+from agent_sandbox._errors import AttributeDenied as AttributeDenied
 from agent_sandbox._errors import CallDenied as CallDenied
+from agent_sandbox._errors import ChildException as ChildException
 from agent_sandbox._errors import CodeRejected as CodeRejected
 from agent_sandbox._errors import EnvDenied as EnvDenied
 from agent_sandbox._errors import FileAccessDenied as FileAccessDenied
 from agent_sandbox._errors import HiddenPathDenied as HiddenPathDenied
 from agent_sandbox._errors import ImportDenied as ImportDenied
+from agent_sandbox._errors import LearningError as LearningError
 from agent_sandbox._errors import LimitExceeded as LimitExceeded
 from agent_sandbox._errors import MessageTooLarge as MessageTooLarge
 from agent_sandbox._errors import NetworkDenied as NetworkDenied
@@ -24,9 +27,13 @@ from agent_sandbox._errors import SandboxClosed as SandboxClosed
 from agent_sandbox._errors import SandboxDenied as SandboxDenied
 from agent_sandbox._errors import SandboxError as SandboxError
 from agent_sandbox._errors import TransportError as TransportError
+from agent_sandbox._errors import UnpickleRefused as UnpickleRefused
 from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
+from agent_sandbox._learn import Learner as Learner
+from agent_sandbox._learn import learn_run as learn_run
+from agent_sandbox._learn import learning_envelope as learning_envelope
 from agent_sandbox._result import Image as Image
 from agent_sandbox._result import RunError as RunError
 from agent_sandbox._result import RunResult as RunResult
@@ -39,7 +46,9 @@ from agent_sandbox.policies import resolve_policy as resolve_policy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttributeDenied",
     "CallDenied",
+    "ChildException",
     "CodeRejected",
     "Denial",
     "EnvDenied",
@@ -47,6 +56,8 @@ __all__ = [
     "HiddenPathDenied",
     "Image",
     "ImportDenied",
+    "Learner",
+    "LearningError",
     "LimitExceeded",
     "MessageTooLarge",
     "NetworkDenied",
@@ -63,9 +74,12 @@ __all__ = [
     "SandboxError",
     "Session",
     "TransportError",
+    "UnpickleRefused",
     "WorkerCrashed",
     "WorkerError",
     "WorkerStartError",
+    "learn_run",
+    "learning_envelope",
     "load_policy",
     "resolve_policy",
 ]
