@@ -33,6 +33,7 @@ library only.
 
 from __future__ import annotations
 
+import errno as _errno
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -227,9 +228,17 @@ class SandboxDenied(SandboxError):
     swallows the exception still leaves the denial in the result.
     """
 
+    #: The errno an OSError subclass carries, so code that checks `exc.errno` (as
+    #: `pathlib.Path.exists` does for ENOENT) sees the error the OS would have given.
+    os_errno: int | None = None
+
     def __init__(self, denial: Denial, *args: Any) -> None:
         self.denial = denial
         super().__init__(denial.message(), *args)
+        if self.os_errno is not None and isinstance(self, OSError):
+            self.errno = self.os_errno
+            self.strerror = denial.message()
+            self.filename = denial.target
 
     def __str__(self) -> str:
         return self.denial.message()
@@ -241,13 +250,20 @@ class SandboxDenied(SandboxError):
 class FileAccessDenied(SandboxDenied, PermissionError):
     """A file operation outside the policy; a PermissionError so ordinary code handles it."""
 
+    os_errno = _errno.EACCES
+
 
 class HiddenPathDenied(SandboxDenied, FileNotFoundError):
-    """A hidden name (`.env`, `*.pem`, ...) looks absent, so code that probes for it moves on."""
+    """A path that must look absent, so code that probes for it moves on: a hidden name
+    (`.env`, `*.pem`, ...), or a stat-only probe (`exists`, `isdir`) outside `files.read`."""
+
+    os_errno = _errno.ENOENT
 
 
 class NetworkDenied(SandboxDenied, ConnectionRefusedError):
     """A connect, bind or lookup outside the policy; a ConnectionRefusedError like a closed port."""
+
+    os_errno = _errno.ECONNREFUSED
 
 
 class ImportDenied(SandboxDenied, ModuleNotFoundError):
@@ -267,6 +283,8 @@ class EnvDenied(SandboxDenied, KeyError):
 
 class CallDenied(SandboxDenied, PermissionError):
     """A sensitive call (process, native code, dynamic code, ...) the policy does not grant."""
+
+    os_errno = _errno.EPERM
 
 
 class CodeRejected(SandboxDenied, SyntaxError):

@@ -9,14 +9,16 @@ What it enforces:
    `PathLike` is converted once (`os.fspath`) and the converted value is what the call gets,
    so an object cannot answer one path to the guard and another to the call.
 2. Order of the rules: a hidden name (`files.hide`) looks absent (`HiddenPathDenied`, a
-   FileNotFoundError); the worker's control directory (socket, log) and the policy file are
-   never writable; `files.deny` beats every grant; writes need `files.write` (or the scratch
+   FileNotFoundError with errno ENOENT, as does a refused stat-only probe); the worker's
+   control directory (socket, log) is unreachable and the policy file never writable;
+   `files.deny` beats every grant; writes need `files.write` (or the scratch
    directory, always read/write); reads need `files.read` or a write grant. A stat-only
    call is also allowed on the parents of a readable root, so `os.path.exists('/data')`
    works when `/data/in` is readable.
-3. Always readable (never writable): the interpreter's import roots (the standard library,
-   site-packages, this package), because importing and tracebacks read them; the time-zone
-   database; `/dev/null`, `/dev/zero`, `/dev/urandom` (and `/dev/null` writable).
+3. Always readable (never writable): the interpreter's import roots and folders (the
+   standard library, site-packages, this package, the venv), because importing and
+   tracebacks read them; the time-zone database; `/sys/fs/cgroup`, `/proc/cpuinfo`,
+   `/proc/meminfo`; `/dev/null`, `/dev/zero`, `/dev/urandom` (and `/dev/null` writable).
 4. The routes: `open`/`io.open`/`_io.open`/`io.open_code`, the `os` path functions and their
    `posix` twins (so `os.path`, `pathlib`, `shutil`, `glob`, `tempfile`, `fileinput`,
    `gzip`/`bz2`/`lzma`/`zipfile`/`tarfile` and `codecs.open`, which call them, are judged
@@ -168,7 +170,11 @@ class FileRules:
         self.write = _Roots([*write, *([self.scratch] if self.scratch else []), *IMPLICIT_WRITE])
         # NOTE: the interpreter's own folders (its executable, `pyvenv.cfg`) are read by
         # `sysconfig` and `platform` when packages import; they hold no user data.
-        interpreter = {sys.prefix, sys.base_prefix, os.path.dirname(sys.executable)}
+        bindir = os.path.dirname(sys.executable)
+        interpreter = {sys.prefix, sys.base_prefix, bindir}
+        venv = os.path.dirname(bindir)
+        if os.path.exists(os.path.join(venv, "pyvenv.cfg")):
+            interpreter.add(venv)  # the virtual environment the worker's python belongs to
         roots = [os.path.realpath(r) for r in [*import_roots, *interpreter] if r]
         self.read = _Roots(
             [*read, *write, *([self.scratch] if self.scratch else []), *IMPLICIT_READ, *roots]
@@ -210,10 +216,13 @@ class FileRules:
                 return pattern
         return None
 
-    def _in_control_dir(self, path: str) -> bool:
-        """Inside the worker's control directory but not in its scratch directory."""
+    def _in_control_dir(self, path: str, op: str) -> bool:
+        """Inside the worker's control directory but not in its scratch directory (a stat of
+        the control directory itself passes: resolving a path in scratch does one)."""
         control, scratch = self.control_dir, self.scratch
         if not control or not (path == control or path.startswith(control + "/")):
+            return False
+        if path == control and op == META:
             return False
         return not (scratch and (path == scratch or path.startswith(scratch + "/")))
 
@@ -231,7 +240,7 @@ class FileRules:
             )
         rule = "files.write" if op == WRITE else "files.read"
         action = {READ: "read", WRITE: "write", META: "stat"}[op]
-        if self._in_control_dir(path):
+        if self._in_control_dir(path, op):
             return FileAccessDenied, Denial(
                 rule=rule,
                 action=action,
@@ -274,7 +283,9 @@ class FileRules:
             return None
         if op == META and self.read.has_descendant(path):
             return None
-        return FileAccessDenied, Denial(
+        # A stat-only probe looks like a missing path (ENOENT), so `Path.exists()` answers
+        # False as it would for a missing file instead of raising.
+        return HiddenPathDenied if op == META else FileAccessDenied, Denial(
             rule=rule,
             action=action,
             target=path,

@@ -185,7 +185,16 @@ def test_bytes_and_pathlike_paths_are_judged(guard: Any, tree: dict[str, Path]) 
     """It judges bytes paths and PathLike objects like strings."""
     secret = str(tree["secret"] / "canary.txt")
     assert attempt(guard, f"open({secret.encode()!r}).read()") == "FileAccessDenied"
-    assert attempt(guard, f"os.stat(pathlib.PurePath({secret!r}))") == "FileAccessDenied"
+    assert attempt(guard, f"os.stat(pathlib.PurePath({secret!r}))") == "HiddenPathDenied"
+
+
+def test_a_refused_stat_looks_like_a_missing_path(guard: Any, tree: dict[str, Path]) -> None:
+    """It answers a stat-only probe outside the policy like a missing path (ENOENT)."""
+    secret = str(tree["secret"] / "canary.txt")
+    assert attempt(guard, f"pathlib.Path({secret!r}).exists()") is False
+    assert attempt(guard, f"os.path.isfile({secret!r})") is False
+    assert attempt(guard, f"os.stat({secret!r})") == "HiddenPathDenied"
+    assert attempt(guard, f"open({secret!r})") == "FileAccessDenied"
 
 
 def test_blocks_a_pathlike_that_changes_its_answer(guard: Any, tree: dict[str, Path]) -> None:
