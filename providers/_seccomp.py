@@ -4,8 +4,11 @@ What it enforces (kernel, against hostile native code too): the default action i
 and each rule of `seccomp_rules(policy)` makes one syscall (or one argument pattern of it)
 fail with EPERM:
 
-* socket families the policy does not need: only AF_UNIX, plus AF_INET/AF_INET6 when the
-  policy allows some network, and then only SOCK_STREAM unless a rule allows UDP;
+* socket families the policy does not need: none but AF_INET/AF_INET6 when the policy allows
+  some network, and then only SOCK_STREAM unless a rule allows UDP. `socket(AF_UNIX)` is
+  denied too: Landlock cannot stop a connect to a host's pathname Unix socket (a container
+  runtime's or the system bus's, which uid 0 may own), so no Unix socket can be created;
+  `socketpair()`, pipes and the worker's inherited listening socket keep working;
 * ptrace and cross-process memory access, io_uring, bpf, perf_event_open, the key
   ring, userfaultfd, kernel modules, kexec, reboot, swap, accounting;
 * namespace creation and mount changes: unshare, setns, clone with any CLONE_NEW* flag,
@@ -124,7 +127,7 @@ def _allowed_families(policy: Any) -> tuple[set[int], bool]:
     """(families the policy needs, whether UDP is needed)."""
     rules = _net_rules(policy)
     allows = [r for r in rules if _field(r, "action") == "allow"]
-    families = {int(socket.AF_UNIX)}
+    families: set[int] = set()
     if allows:
         families |= {int(socket.AF_INET), int(socket.AF_INET6)}
     udp = any(_field(r, "protocol") in ("udp", "any") for r in allows)
@@ -157,7 +160,7 @@ def seccomp_rules(policy: Any) -> list[SeccompRule]:
             rules.append(SeccompRule("socket", eperm, ((0, "eq", family, 0),)))
     rules.append(SeccompRule("socket", eperm, ((0, "ge", _AF_MAX, 0),)))
     if not udp:
-        for family in sorted(families - {int(socket.AF_UNIX)}):
+        for family in sorted(families):
             for kind in _SOCK_TYPES:
                 rules.append(
                     SeccompRule(

@@ -74,12 +74,12 @@ def test_clone_with_any_namespace_flag_is_denied_one_rule_per_flag() -> None:
 
 
 def test_socket_families_follow_the_policy() -> None:
-    """It allows only AF_UNIX without network, adds AF_INET/6 with a rule, and UDP only by rule."""
+    """It allows no family without network, AF_INET/6 with a rule, and UDP only by rule."""
     plain = seccomp_rules(Policy(name="p"))
-    assert {AF_INET, AF_INET6, AF_NETLINK, AF_PACKET} <= _denied_families(plain)
-    assert AF_UNIX not in _denied_families(plain)
+    assert {AF_UNIX, AF_INET, AF_INET6, AF_NETLINK, AF_PACKET} <= _denied_families(plain)
     tcp = seccomp_rules(TCP_POLICY)
     assert AF_INET not in _denied_families(tcp) and AF_NETLINK in _denied_families(tcp)
+    assert AF_UNIX in _denied_families(tcp)
     dgram = SeccompRule("socket", EPERM, ((0, "eq", AF_INET, 0), (1, "masked_eq", 2, 0xF)))
     assert dgram in tcp
     assert dgram not in seccomp_rules(UDP_POLICY)
@@ -110,6 +110,7 @@ out = {
     "socket_inet": call(41, 2, 1, 0), "socket_inet_udp": call(41, 2, 2, 0),
     "socket_netlink": call(41, 16, 3, 0), "socket_packet": call(41, 17, 3, 0),
     "socket_unix": call(41, 1, 1, 0),
+    "socketpair_unix": call(53, 1, 1, 0, ctypes.addressof(ctypes.create_string_buffer(8))),
     "unshare_user": call(272, 0x10000000), "ptrace": call(101, 0, 0, 0, 0),
     "io_uring_setup": call(425, 1, 0), "bpf": call(321, 0, 0, 0),
     "keyctl": call(250, 0, 0), "userfaultfd": call(323, 0),
@@ -141,9 +142,10 @@ def test_filter_denies_in_the_kernel_and_leaves_fork_and_threads(tmp_path: Path)
     )
     assert proc.returncode == 0, proc.stderr
     out: dict[str, Any] = json.loads(proc.stdout)
-    assert out.pop("socket_inet") == 0 and out.pop("socket_unix") == 0
+    assert out.pop("socket_inet") == 0 and out.pop("socketpair_unix") == 0
     assert out.pop("fork") == 7 and out.pop("thread") is True
     assert out == {
+        "socket_unix": EPERM,
         "socket_inet_udp": EPERM,
         "socket_netlink": EPERM,
         "socket_packet": EPERM,
