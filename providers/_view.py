@@ -23,7 +23,7 @@ import dataclasses
 import ipaddress
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 __all__ = [
@@ -262,10 +262,3 @@ def network_mode(policy: Any) -> Literal["none", "loopback"]:
     """`loopback` when the policy allows only loopback hosts, else `none` (no interface up)."""
     allowed = [r for r in policy.net.rules if r.action == "allow"]
     return "loopback" if allowed and not unsupported_network(policy) else "none"
-
-
-def check_paths(
-    mounts: Iterable[Mount], exists: Callable[[str], bool] = os.path.exists
-) -> list[str]:
-    """Required bind sources that are missing on the host (for error messages)."""
-    return [m.src for m in mounts if m.kind in ("ro", "rw") and not exists(m.src)]
