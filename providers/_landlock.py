@@ -99,13 +99,20 @@ _ANY_HOST = frozenset({"*", "0.0.0.0/0", "::/0", "any"})
 
 
 def landlock_setup(
-    policy: Any, spec: WorkerSpec, *, view: Mapping[str, str] | None = None
+    policy: Any,
+    spec: WorkerSpec,
+    *,
+    view: Mapping[str, str] | None = None,
+    private_dirs: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The JSON-safe `worker_setup["landlock"]` fragment for `policy` and `spec`.
 
     Paths are as the worker sees them: `view` maps host path prefixes to in-sandbox paths
     when a namespace provider remaps them (the longest matching prefix wins; a path no
     prefix covers is kept as is). The applier skips paths that do not exist in the worker.
+    `private_dirs` are in-sandbox directories private to this worker (a namespace provider's
+    own tmpfs, such as `/dev/shm` for `multiprocessing` locks): they are granted read-write
+    as given. Never pass a host directory other workers share.
 
     Keys: `min_abi`; `paths`, a sorted list of `[path, access]` with access one of
     `ACCESS_SETS`; `tcp_connect` / `tcp_bind`, sorted port lists, or None when the right is
@@ -154,6 +161,8 @@ def landlock_setup(
     for entry in _get(policy, "files", "write", default=()):
         grant(_policy_path(entry, spec.scratch), "rw")
     grant(spec.scratch, "rw")
+    for inside in private_dirs:
+        rules[os.path.normpath(inside)] = "rw"
 
     connect = _tcp_ports(rules_net, "connect")
     bind = _tcp_ports(rules_net, "bind")

@@ -334,3 +334,18 @@ def test_landlock_without_a_seccomp_filter_is_unavailable(monkeypatch: pytest.Mo
     monkeypatch.setattr(_seccomp, "probe_seccomp", lambda: (False, "no libseccomp here"))
     result = LandlockProvider().probe()
     assert not result.available and result.reason == "no libseccomp here"
+
+
+def test_private_dirs_of_a_namespace_provider_are_writable_as_given() -> None:
+    """It grants a namespace provider's private tmpfs (e.g. /dev/shm) read-write, unmapped."""
+    view = {"/run/ctl/scratch": "/scratch"}
+    paths = dict(
+        map(
+            tuple,
+            landlock_setup(Policy(name="p"), _spec(), view=view, private_dirs=["/dev/shm"])[
+                "paths"
+            ],
+        )
+    )
+    assert paths["/dev/shm"] == "rw"
+    assert "/dev/shm" not in dict(map(tuple, landlock_setup(Policy(name="p"), _spec())["paths"]))
