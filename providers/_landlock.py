@@ -156,10 +156,12 @@ def landlock_setup(
         for name in _NET_FILES:
             grant(name, "ro")
 
-    for entry in _get(policy, "files", "read", default=()):
-        grant(_policy_path(entry, spec.scratch), "ro")
-    for entry in _get(policy, "files", "write", default=()):
-        grant(_policy_path(entry, spec.scratch), "rw")
+    for key, access in (("read", "ro"), ("write", "rw")):
+        for entry in _get(policy, "files", key, default=()):
+            path = _policy_path(entry, spec.scratch)
+            if view is None:
+                _refuse_kernel_views(path, f"files.{key}", entry, policy)
+            grant(path, access)
     grant(spec.scratch, "rw")
     for inside in private_dirs:
         rules[os.path.normpath(inside)] = "rw"
@@ -180,6 +182,33 @@ def landlock_setup(
         "scope": ["abstract_unix", "signal"],
         "notes": notes,
     }
+
+
+#: Host hierarchies Landlock alone must never grant: `/proc/<pid>/environ` of the parent and
+#: the cgroupfs (a worker that can write it leaves its limits).
+_NEVER_ALONE = ("/proc", "/sys")
+
+
+def _refuse_kernel_views(path: str, key: str, entry: str, policy: Any) -> None:
+    """Refuse a policy path that is, contains or lies inside /proc or /sys (Landlock alone)."""
+    norm = os.path.normpath(path)
+    for bad in _NEVER_ALONE:
+        if norm == bad or norm.startswith(bad + "/") or bad.startswith(norm.rstrip("/") + "/"):
+            from agent_sandbox._errors import PolicyError
+
+            raise PolicyError(
+                f"{entry!r} would grant {bad} to native code under Landlock alone (the parent's "
+                f"/proc/<pid>/environ, the cgroupfs); name narrower paths, or use a namespace "
+                "provider, whose /proc shows only the sandbox",
+                source=_get_source(policy),
+                key=key,
+                expected="a path outside /proc and /sys",
+            )
+
+
+def _get_source(policy: Any) -> str | None:
+    source = policy.get("source") if isinstance(policy, dict) else getattr(policy, "source", None)
+    return str(source) if source else None
 
 
 def _rank(access: str) -> int:

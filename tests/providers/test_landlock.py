@@ -349,3 +349,14 @@ def test_private_dirs_of_a_namespace_provider_are_writable_as_given() -> None:
     )
     assert paths["/dev/shm"] == "rw"
     assert "/dev/shm" not in dict(map(tuple, landlock_setup(Policy(name="p"), _spec())["paths"]))
+
+
+@pytest.mark.parametrize("entry", ["/", "/proc", "/proc/self/environ", "/sys/fs/cgroup", "/s*"])
+def test_a_policy_path_reaching_proc_or_sys_is_refused_under_landlock_alone(entry: str) -> None:
+    """It refuses a read grant that would include /proc or /sys (the parent's environ)."""
+    from agent_sandbox import PolicyError
+
+    with pytest.raises(PolicyError, match="Landlock alone"):
+        landlock_setup(Policy(name="p", files={"read": [entry]}), _spec())
+    inside = landlock_setup(Policy(name="p", files={"read": [entry]}), _spec(), view={})
+    assert inside["paths"]  # a namespace provider's own /proc is its business
