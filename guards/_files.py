@@ -34,6 +34,7 @@ change the links there.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import posix
@@ -441,6 +442,13 @@ def check(op: str, path: Any, dir_fd: int | None = None, follow: bool = True) ->
         if len(_decisions) > 8192:
             _decisions.clear()
         _decisions[key] = decision
+    if decision is not None and text != resolved:
+        # Name the path as the code asked for it too: a learning proposal must be able to
+        # tell a file reached through a link the run planted from one asked for directly.
+        exc_class, denial = decision
+        requested = text if dir_fd is None else f"<dir_fd {dir_fd}>/{text}"
+        detail = f"{denial.detail} (requested as '{requested}')"
+        decision = (exc_class, dataclasses.replace(denial, detail=detail))
     if not volatile and dir_fd is None and text.startswith("/"):
         if len(fast) > 8192:
             fast.clear()

@@ -146,7 +146,9 @@ def test_blocks_symlink_swap(guard: Any, tree: dict[str, Path]) -> None:
     guard.run(f"import os\nos.symlink({str(tree['secret'])!r}, {link!r})")
     result = attempt(guard, f"open({link + '/canary.txt'!r}).read()")
     assert result == "FileAccessDenied"
-    assert guard.denials()[-1].target == str(tree["secret"] / "canary.txt")
+    denial = guard.denials()[-1]
+    assert denial.target == str(tree["secret"] / "canary.txt")
+    assert f"(requested as '{link}/canary.txt')" in denial.detail
 
 
 def test_blocks_a_swap_after_an_allowed_decision(guard: Any, tree: dict[str, Path]) -> None:
