@@ -61,44 +61,44 @@ class _Hierarchy:
         return os.path.join(self.mount, self.path.lstrip("/"))
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
-    """(mount point, fstype, super options) of every cgroup mount, from mountinfo."""
+def _mounts(text: str) -> list[tuple[str, str, set[str]]]:
+    """(mount point, fstype, super options) of every cgroup mount in a mountinfo text."""
     out = []
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                rfields = right.split()
-                if len(fields) < 5 or len(rfields) < 3:
-                    continue
-                if rfields[0] in ("cgroup", "cgroup2"):
-                    out.append((fields[4], rfields[0], set(rfields[2].split(","))))
-    except OSError:
-        pass
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        rfields = right.split()
+        if len(fields) < 5 or len(rfields) < 3:
+            continue
+        if rfields[0] in ("cgroup", "cgroup2"):
+            out.append((fields[4], rfields[0], set(rfields[2].split(","))))
     return out
 
 
-def _own_cgroups() -> dict[str, str]:
-    """controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+def _own_cgroups(text: str) -> dict[str, str]:
+    """controller (or "" for v2) -> this process's cgroup path, from a /proc/self/cgroup text."""
     out = {}
-    try:
-        with open("/proc/self/cgroup") as fh:
-            for line in fh:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                if not controllers:
-                    out[""] = path
-                for c in controllers.split(","):
-                    out[c] = path
-    except OSError:
-        pass
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for c in controllers.split(",") if controllers else [""]:
+            out[c] = path
     return out
 
 
-def _hierarchies() -> dict[str, _Hierarchy]:
-    own = _own_cgroups()
+def _hierarchies(mountinfo: str | None = None, cgroup: str | None = None) -> dict[str, _Hierarchy]:
+    """The hierarchies this process could make worker groups in (writable ones only).
+
+    A hybrid host (v1 controllers, plus a v2 tree without them) gives `memory-v1`, `pids-v1`
+    and `unified`; a pure v2 host gives `unified` only, whose delegated controllers then
+    carry the memory and process limits.
+    """
+    own = _own_cgroups(_read("/proc/self/cgroup") if cgroup is None else cgroup)
+    mounts = _mounts(_read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
     found: dict[str, _Hierarchy] = {}
-    for mount, fstype, opts in _mounts():
+    for mount, fstype, opts in mounts:
         if fstype == "cgroup" and "memory" in opts and "memory" in own:
             found.setdefault("memory-v1", _Hierarchy("memory-v1", mount, own["memory"]))
         elif fstype == "cgroup" and "pids" in opts and "pids" in own:

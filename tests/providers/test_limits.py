@@ -16,6 +16,7 @@ from agent_sandbox._result import ResultBuilder, RunError
 from agent_sandbox.providers._limits import (
     REPLACING_RULES,
     WorkerCgroups,
+    _hierarchies,
     cgroup_support,
     record_limit_hits,
 )
@@ -193,3 +194,31 @@ def test_memory_limit_holds_for_every_provider(
     code = "hold = []\nwhile True:\n    hold.append(bytearray(16 * 1024 * 1024))"
     result = hostile(kernel_provider, make_policy(arena, limits={"memory_mb": 200}), code)
     assert "limits.memory" in [d.rule for d in result.denials]
+
+
+_HYBRID_MOUNTS = """\
+35 30 0:30 / {root}/memory rw,relatime shared:12 - cgroup cgroup rw,memory
+36 30 0:31 / {root}/pids rw,relatime shared:13 - cgroup cgroup rw,pids
+37 30 0:32 / {root}/unified rw,relatime shared:14 - cgroup2 cgroup2 rw
+38 30 0:33 / {root}/cpu rw,relatime shared:15 - cgroup cgroup rw,cpu
+"""
+_HYBRID_OWN = "8:pids:/\n4:memory:/job/a\n1:cpu:/\n0::/\n"
+_V2_MOUNTS = "29 23 0:26 / {root}/v2 rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+_V2_OWN = "0::/user.slice/app\n"
+
+
+def test_hierarchies_are_found_on_hybrid_and_pure_v2_hosts(tmp_path: Path) -> None:
+    """It finds v1 memory/pids plus the v2 tree on a hybrid host, and the v2 tree on a v2 host."""
+    for sub in ("memory/job/a", "pids", "unified", "cpu", "v2/user.slice/app"):
+        (tmp_path / sub).mkdir(parents=True)
+    hybrid = _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+    assert {k: h.base for k, h in hybrid.items()} == {
+        "memory-v1": f"{tmp_path}/memory/job/a",
+        "pids-v1": f"{tmp_path}/pids/",
+        "unified": f"{tmp_path}/unified/",
+    }
+    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    assert {k: h.base for k, h in pure.items()} == {"unified": f"{tmp_path}/v2/user.slice/app"}
+    (tmp_path / "pids").chmod(0o555)
+    if os.getuid() != 0:  # root may write anyway; the filter is os.access
+        assert "pids-v1" not in _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
