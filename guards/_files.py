@@ -24,9 +24,12 @@ What it enforces:
    `gzip`/`bz2`/`lzma`/`zipfile`/`tarfile` and `codecs.open`, which call them, are judged
    too), `tokenize`'s private `open` (used by `linecache`), and `sqlite3.connect`.
 
+`io.FileIO`/`_io.FileIO` name a guarded subclass after install (instance checks still
+answer for the C type), so `io.FileIO(path)` is judged too.
+
 What it does NOT stop: a file descriptor obtained before arming or passed in; C code that
-calls the C library directly (`_io.FileIO(path)` constructed from the immutable C type,
-extension modules, ctypes); races where a path changes between the decision and the call
+calls the C library directly (the original C type `FileIO` reached through the class
+hierarchy, extension modules, ctypes); races where a path changes between the decision and the call
 (the OS providers hold the boundary). Decisions on paths outside the writable roots are
 cached; paths below a writable root are re-resolved on every call, because user code can
 change the links there.
@@ -638,6 +641,31 @@ TWO_PATHS: dict[str, tuple[str, str]] = {
 }
 
 
+_ORIGINAL_FILEIO: Any = __import__("_io").FileIO
+
+
+class _SameFileIO(type):
+    """Makes `isinstance(f, io.FileIO)` keep answering for files `open()` made (C FileIO)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _ORIGINAL_FILEIO)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _ORIGINAL_FILEIO)
+
+
+class GuardedFileIO(_ORIGINAL_FILEIO, metaclass=_SameFileIO):  # type: ignore[misc]
+    """What `io.FileIO` names after install: the C raw file, with its path judged."""
+
+    def __init__(
+        self, file: Any, mode: str = "r", closefd: bool = True, opener: Any = None
+    ) -> None:
+        if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
+            write = isinstance(mode, str) and any(c in mode for c in "wax+")
+            file = check(WRITE if write else READ, file)
+        super().__init__(file, mode, closefd, opener)
+
+
 def install() -> None:
     """Patch every route above (call once, before arming)."""
     import _io
@@ -659,6 +687,8 @@ def install() -> None:
         _patch.wrap(module, "open", _open_wrapper)
     for module in (io, _io):
         _patch.wrap(module, "open_code", _open_code_wrapper)
+    for module in (io, _io):
+        _patch.set_attr(module, "FileIO", GuardedFileIO, label=f"{module.__name__}.FileIO")
     _patch.wrap_later("tokenize", "_builtin_open", _open_wrapper)
     _patch.wrap_later("sqlite3", "connect", _sqlite_wrapper)
     _patch.wrap_later("_sqlite3", "connect", _sqlite_wrapper)

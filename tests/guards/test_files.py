@@ -17,7 +17,7 @@ from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
 CANARY = "canary-files-5d1e"
 MODULES = [
     "os", "io", "pathlib", "shutil", "glob", "tempfile", "gzip", "bz2", "lzma", "zipfile",
-    "tarfile", "sqlite3", "codecs", "linecache", "fileinput",
+    "tarfile", "sqlite3", "codecs", "linecache", "fileinput", "_io",
 ]  # fmt: skip
 
 
@@ -64,6 +64,8 @@ def test_allows_reading_a_granted_file(guard: Any, tree: dict[str, Path]) -> Non
     [
         "open(SECRET).read()",
         "io.open(SECRET).read()",
+        "io.FileIO(SECRET).read()",
+        "__import__('_io').FileIO(SECRET).read()",
         "os.read(os.open(SECRET, os.O_RDONLY), 100)",
         "pathlib.Path(SECRET).read_text()",
         "pathlib.Path(SECRET).read_bytes()",
@@ -211,6 +213,13 @@ def test_blocks_a_pathlike_that_changes_its_answer(guard: Any, tree: dict[str, P
     )
     result = attempt(guard, "open(Shifty()).read()")
     assert result == "public data"
+
+
+def test_fileio_instance_checks_still_hold(guard: Any, tree: dict[str, Path]) -> None:
+    """It keeps `isinstance(raw, io.FileIO)` true for files that `open()` made."""
+    path = str(tree["public"] / "data.txt")
+    assert attempt(guard, f"isinstance(open({path!r}, 'rb').raw, io.FileIO)") is True
+    assert attempt(guard, f"io.FileIO({path!r}).read()") == b"public data"
 
 
 def test_file_descriptors_pass(guard: Any, tree: dict[str, Path]) -> None:
