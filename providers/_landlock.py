@@ -6,12 +6,13 @@ while it still has a single thread (see `_inworker.py` for the order):
 * Files: read-only access to what the interpreter needs (its executable, the standard
   library, the site-packages in use, the `agent_sandbox` package folders, libpython,
   `/usr/lib` with ld.so) and to the policy's `files.read`; write access only to the scratch
-  directory and the policy's `files.write`. Not `/etc`, not `/tmp`, never `/proc` or `/sys`.
-  Only `/dev/null` (read-write) and `/dev/zero`, `/dev/urandom`, `/dev/random` (read) of
-  `/dev`.
+  directory and the policy's `files.write`. Not all of `/etc` (time-zone data, and the
+  resolver files only with network rules), not `/tmp`, never `/proc` or `/sys` (a policy
+  path reaching them is refused). Only `/dev/null` (read-write) and `/dev/zero`,
+  `/dev/urandom`, `/dev/random` (read) of `/dev`.
 * Execution: EXECUTE only on the interpreter and its ELF loader, unless the policy grants
-  `process-exec` (then also `/usr/bin` and `/usr/local/bin`). `posix.system`, a ctypes
-  `execve` of `/bin/sh` and `_posixsubprocess.fork_exec` fail with EACCES.
+  `process-exec` category (then also `/usr/bin` and `/usr/local/bin`). `posix.system`, a
+  ctypes `execve` of `/bin/sh` and `_posixsubprocess.fork_exec` fail with EACCES.
 * TCP bind and connect only to the ports the policy's `net.rules` allow (ABI 4 and later).
 * Abstract Unix sockets and signals scoped to the worker's own domain (ABI 6 and later).
 
@@ -19,8 +20,9 @@ What it does NOT enforce (see `docs/providers.md` for what covers each):
 
 * UDP, raw and netlink sockets: Landlock has no right for them (seccomp denies the
   families the policy does not need).
-* Connecting to a pathname Unix socket outside the policy, and `stat()` of any path:
-  names, sizes and existence of files leak.
+* Connecting to a pathname Unix socket outside the policy (seccomp refuses
+  `socket(AF_UNIX)` for that reason), and `stat()`/`access()` of any path: names, sizes
+  and existence of files leak.
 * Host names: the TCP rules name ports, not hosts (the Python guards name hosts; a
   namespace provider with no network removes them).
 * Memory, CPU and processes (see `_limits.py`), and a `files.deny` entry inside a granted
