@@ -360,3 +360,15 @@ def test_a_policy_path_reaching_proc_or_sys_is_refused_under_landlock_alone(entr
         landlock_setup(Policy(name="p", files={"read": [entry]}), _spec())
     inside = landlock_setup(Policy(name="p", files={"read": [entry]}), _spec(), view={})
     assert inside["paths"]  # a namespace provider's own /proc is its business
+
+
+def test_blocks_opening_device_nodes_beyond_null_zero_and_random(
+    landlock: ProbeResult, arena: Any, hostile: Any, make_policy: Any
+) -> None:
+    """It denies opening /dev/full, /dev/tty and /dev/kmsg for writing (only /dev/null is)."""
+    code = (
+        "print([nopen(d, os.O_WRONLY) < 0 for d in ('/dev/full', '/dev/tty', '/dev/kmsg')],"
+        " nopen('/dev/null', os.O_WRONLY) >= 0)"
+    )
+    result = hostile("landlock", make_policy(arena), code)
+    assert result.stdout.strip() == "[True, True, True] True", result.stdout
