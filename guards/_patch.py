@@ -20,6 +20,7 @@ boundary.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -79,11 +80,17 @@ _patches: list[Patch] = []
 _pending: dict[str, list[tuple[str, Wrapper, str]]] = {}
 _hooked: set[str] = set()
 _generation = 0
+_version = 0  # bumped on every change to _patches
 
 
 def _label(owner: Any, name: str) -> str:
     base = getattr(owner, "__name__", None) or type(owner).__name__
     return f"{base}.{name}"
+
+
+def _changed() -> None:
+    global _version
+    _version += 1
 
 
 def _where(owner: Any) -> Any:
@@ -109,6 +116,7 @@ def wrap(owner: Any, name: str, wrapper: Wrapper, *, label: str = "") -> Any:
         _patches.append(
             Patch(owner, name, original, installed, label or _label(owner, name), _where(owner))
         )
+        _changed()
         return installed
 
 
@@ -120,6 +128,7 @@ def set_attr(owner: Any, name: str, value: Any, *, label: str = "") -> None:
             original = type(owner)
         setattr(owner, name, value)
         _patches.append(Patch(owner, name, original, value, label or _label(owner, name)))
+        _changed()
 
 
 def wrap_later(module: str, name: str, wrapper: Wrapper, *, label: str = "") -> None:
@@ -167,19 +176,58 @@ def patches() -> list[Patch]:
         return list(_patches)
 
 
+def _is_broken(patch: Patch) -> bool:
+    if patch.where is not None:
+        return patch.where.get(patch.name, _MISSING) is not patch.installed
+    if patch.name == "__class__":
+        return type(patch.owner) is not patch.installed
+    return _own_value(patch.owner, patch.name) is not patch.installed
+
+
+#: (the `_version` it was built for, groups, the rest): patches grouped by the dict that holds them, so
+#: the check after every call is one C-level `itemgetter` and `map(is_)` per owner.
+_groups: tuple[int, list[tuple[Any, Any, tuple[Any, ...], list[Patch]]], list[Patch]] = (
+    -1,
+    [],
+    [],
+)
+
+
+def _grouped() -> tuple[list[tuple[Any, Any, tuple[Any, ...], list[Patch]]], list[Patch]]:
+    global _groups
+    if _groups[0] != _version:
+        by_owner: dict[int, list[Patch]] = {}
+        others: list[Patch] = []
+        for patch in _patches:
+            if patch.where is None:
+                others.append(patch)
+            else:
+                by_owner.setdefault(id(patch.owner), []).append(patch)
+        groups = []
+        for members in by_owner.values():
+            getter = operator.itemgetter(*(p.name for p in members))
+            installed = tuple(p.installed for p in members)
+            groups.append((members[0].where, getter, installed, members))
+        _groups = (_version, groups, others)
+    return _groups[1], _groups[2]
+
+
 def broken() -> list[str]:
     """Labels of the patches whose attribute no longer holds the installed object."""
-    out = []
+    out: list[str] = []
     with _lock:
-        for patch in _patches:
-            if patch.where is not None:
-                if patch.where.get(patch.name, _MISSING) is not patch.installed:
-                    out.append(patch.label)
-            elif patch.name == "__class__":
-                if type(patch.owner) is not patch.installed:
-                    out.append(patch.label)
-            elif _own_value(patch.owner, patch.name) is not patch.installed:
-                out.append(patch.label)
+        groups, others = _grouped()
+        for where, getter, installed, members in groups:
+            try:
+                current = getter(where)
+                if len(members) == 1:
+                    current = (current,)
+                intact = all(map(operator.is_, current, installed))
+            except KeyError:
+                intact = False
+            if not intact:
+                out.extend(p.label for p in members if _is_broken(p))
+        out.extend(p.label for p in others if _is_broken(p))
     return out
 
 
@@ -188,6 +236,7 @@ def uninstall() -> None:
     global _generation
     with _lock:
         _generation += 1
+        _changed()
         _pending.clear()
         _hooked.clear()
         while _patches:
