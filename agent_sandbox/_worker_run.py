@@ -157,6 +157,7 @@ class Runner:
         value: Any = None
         failure: BaseException | None = None
         outcome: tuple[str, Any] | None = None
+        owner = os.getpid()
         try:
             arming = self.arming() if self.arming is not None else None
             if arming is not None:
@@ -166,8 +167,14 @@ class Runner:
                     value = self._execute(compiled)
                 except BaseException as exc:  # noqa: BLE001 - user code may raise anything
                     failure = exc
+                if os.getpid() != owner:
+                    # A child the code forked finished the cell: it must never unwind into
+                    # the server loop and write on the parent's connection.
+                    os._exit(0 if failure is None else 1)
                 # Encoded while still armed: pickling, repr() and str() run user methods.
                 outcome = self._outcome(value, failure, filename)
+                # Figures are saved while armed too: savefig runs user artists' code.
+                self._collect_outputs(emit, started)
             finally:
                 if arming is not None:
                     arming.__exit__(None, None, None)
@@ -184,7 +191,6 @@ class Runner:
         if outcome is None:
             outcome = "error", _error_info(failure or RuntimeError("no outcome"), filename)
         emit(*outcome)
-        self._collect_outputs(emit, started)
 
     def _outcome(
         self, value: Any, failure: BaseException | None, filename: str

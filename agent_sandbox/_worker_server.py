@@ -156,8 +156,12 @@ class _Server:
         lock = threading.Lock()
         broken = False
 
+        owner = os.getpid()
+
         def emit(kind: str, data: Any) -> None:
             nonlocal broken
+            if os.getpid() != owner:
+                return  # a forked child never writes on its parent's connection
             chunk = encode_event(kind, data)
             with lock:
                 if broken:

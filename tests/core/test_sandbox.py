@@ -391,3 +391,23 @@ def test_a_worker_that_never_stops_sending_still_times_out(policy: Policy) -> No
             timeout=1.5,
         )
     assert result.error is not None and result.error.rule == "limits.timeout"
+
+
+def test_a_forked_child_never_writes_on_the_parents_connection(sandbox: Sandbox) -> None:
+    """It keeps a forked child's prints and exceptions off the call's event stream."""
+    code = (
+        "import os, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    print('from the child')\n"
+        "    raise MemoryError('child only')\n"
+        "os.waitpid(pid, 0)\n"
+        "print('from the parent')\n"
+        "'parent value'\n"
+    )
+    session = sandbox.session()
+    result = session.run(code)
+    assert result.error is None, result.error
+    assert result.value == "parent value"
+    assert "from the child" not in result.stdout and "from the parent" in result.stdout
+    assert session.run("1 + 1").value == 2
