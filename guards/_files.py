@@ -683,6 +683,7 @@ def install() -> None:
         _patch.wrap(module, "symlink", _symlink_wrapper)
         _patch.wrap(module, "open", _os_open_wrapper)
         _patch.wrap(module, "chdir", _chdir_wrapper)
+        _patch.wrap(module, "fchdir", _chdir_wrapper)  # keeps the cached cwd current
     for module in (builtins, io, _io):
         _patch.wrap(module, "open", _open_wrapper)
     for module in (io, _io):

@@ -185,6 +185,16 @@ def test_relative_paths_follow_chdir(guard: Any, tree: dict[str, Path]) -> None:
     assert attempt(guard, "open('../secret/canary.txt').read()") == "FileAccessDenied"
 
 
+def test_relative_paths_follow_fchdir(guard: Any, tree: dict[str, Path]) -> None:
+    """It follows `os.fchdir` too, so a relative write is judged where it really lands."""
+    guard.run(
+        f"import os\nos.chdir({guard.scratch!r})\nfd = os.open({str(tree['public'])!r}, os.O_RDONLY)"
+    )
+    guard.run("os.fchdir(fd)")
+    assert attempt(guard, "open('planted.txt', 'w').write('x')") == "FileAccessDenied"
+    assert not (tree["public"] / "planted.txt").exists()
+
+
 def test_bytes_and_pathlike_paths_are_judged(guard: Any, tree: dict[str, Path]) -> None:
     """It judges bytes paths and PathLike objects like strings."""
     secret = str(tree["secret"] / "canary.txt")
