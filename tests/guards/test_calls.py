@@ -152,6 +152,19 @@ def test_granted_dynamic_code_runs(armed: Callable[..., Any]) -> None:
     assert attempt(guard, "result = eval('6 * 7')") == 42
 
 
+def test_granted_dynamic_code_goes_through_the_code_layer(armed: Callable[..., Any]) -> None:
+    """It checks a string given to eval against the code layer when that layer is enabled."""
+    pytest.importorskip("agent_sandbox.guards._code_check")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guard = armed(
+            name="dyn-danger", imports={"allow": MODULES}, api={"allow": ["dynamic-code"]}
+        )
+    assert attempt(guard, "result = eval('6 * 7')") == 42
+    built = "'object.' + '_' * 2 + 'subclasses' + '_' * 2 + '()'"
+    assert attempt(guard, f"result = eval({built})") == "CodeRejected"
+
+
 def test_blocks_introspection_from_user_code(armed: Callable[..., Any]) -> None:
     """It denies frame and garbage-collector introspection; logging still works."""
     guard = make(armed)
