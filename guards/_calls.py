@@ -27,6 +27,7 @@ hierarchy, and anything a C extension does. The OS providers are the boundary.
 
 from __future__ import annotations
 
+import __future__
 import ast
 import sys
 import threading
@@ -216,21 +217,51 @@ def _make_wrapper(entry: Entry) -> Any:
     return wrapper
 
 
+#: The `from __future__` flags a frame's code carries, which `compile()` inherits.
+_FUTURE_FLAGS = 0
+for _feature in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+_COMPILE_ARGS = ("source", "filename", "mode", "flags", "dont_inherit", "optimize")
+
+
+def _as_caller(
+    name: str, wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any
+) -> Any:
+    """Call eval/exec/compile as if from `caller`, not from the wrapper's own frame.
+
+    The built-ins read the calling frame: eval/exec without globals use its namespace and
+    put its builtins into a globals dict that has none; compile inherits its `__future__`
+    flags. Called from a wrapper they would see the wrapper, so this passes them explicitly.
+    """
+    if name == "builtins.compile":
+        call = dict(zip(_COMPILE_ARGS, args, strict=False))
+        call.update(kwargs)
+        if not call.get("dont_inherit"):
+            call["flags"] = int(call.get("flags", 0)) | (caller.f_code.co_flags & _FUTURE_FLAGS)
+            call["dont_inherit"] = True
+        return wrapped(**call)
+    if len(args) == 1:
+        args = (args[0], caller.f_globals, caller.f_locals)
+    elif len(args) > 1 and isinstance(args[1], dict) and "__builtins__" not in args[1]:
+        args[1]["__builtins__"] = caller.f_builtins
+    return wrapped(*args, **kwargs)
+
+
 def _dynamic_wrapper(entry: Entry) -> Any:
     name = entry.name
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        caller = _getframe(1)
         if not (_st.armed or (_st.user_threads and threading.get_ident() in _st.user_threads)):
-            return wrapped(*args, **kwargs)
+            return _as_caller(name, wrapped, args, kwargs, caller)
         source = args[0] if args else kwargs.get("source")
         if not isinstance(source, str | bytes | bytearray | ast.AST):
-            return wrapped(*args, **kwargs)
-        caller = _getframe(1).f_code.co_filename
-        if not is_user_frame(caller):
-            return wrapped(*args, **kwargs)
+            return _as_caller(name, wrapped, args, kwargs, caller)
+        if not is_user_frame(caller.f_code.co_filename):
+            return _as_caller(name, wrapped, args, kwargs, caller)
         if not _rules.granted(name, "dynamic-code"):
             refuse(CallDenied, _rules.denial(name, "dynamic-code"))
-            return wrapped(*args, **kwargs)
+            return _as_caller(name, wrapped, args, kwargs, caller)  # learning mode
         if _code_check is not None and _code_policy.get("enabled", False):
             text = (
                 source
@@ -243,7 +274,33 @@ def _dynamic_wrapper(entry: Entry) -> Any:
             )
             filename = args[1] if name == "builtins.compile" and len(args) > 1 else "<string>"
             _code_check(text, _code_policy, str(filename))
-        return wrapped(*args, **kwargs)
+        return _as_caller(name, wrapped, args, kwargs, caller)
+
+    return wrapper
+
+
+#: Registry entries whose result depends on the calling frame (see `_frame_wrapper`).
+_FRAME_SENSITIVE = frozenset({"sys._getframe", "inspect.currentframe", "inspect.stack"})
+
+
+def _frame_wrapper(entry: Entry) -> Any:
+    """A wrapper for the frame getters that answers for the caller, not for itself."""
+    category, name = entry.category, entry.name
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        active = _st.armed or (_st.user_threads and threading.get_ident() in _st.user_threads)
+        if (
+            active
+            and is_user_frame(_getframe(1).f_code.co_filename)
+            and not _rules.granted(name, category)
+        ):
+            refuse(CallDenied, _rules.denial(name, category))
+        if name == "sys._getframe":
+            depth = args[0] if args else kwargs.get("depth", 0)
+            return _getframe(depth + 1)  # counted from the caller, not from this wrapper
+        if name == "inspect.currentframe":
+            return _getframe(1)
+        return wrapped(*args, **kwargs)[1:]  # inspect.stack: drop this wrapper's own frame
 
     return wrapper
 
@@ -258,5 +315,10 @@ def install() -> None:
     else:
         _code_check = check_code
     for entry in REGISTRY:
-        factory = _dynamic_wrapper if entry.category == "dynamic-code" else _make_wrapper
+        if entry.category == "dynamic-code":
+            factory = _dynamic_wrapper
+        elif entry.name in _FRAME_SENSITIVE:
+            factory = _frame_wrapper
+        else:
+            factory = _make_wrapper
         _patch.wrap_later(entry.module, entry.attr, factory(entry), label=entry.name)

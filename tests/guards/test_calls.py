@@ -224,3 +224,31 @@ def test_an_unknown_category_is_a_load_error() -> None:
 def test_every_registry_category_is_a_policy_category() -> None:
     """It keeps the registry and the policy's category list in step."""
     assert {entry.category for entry in REGISTRY} == set(SENSITIVE_CATEGORIES)
+
+
+def test_wrapped_frame_readers_still_answer_for_their_caller(armed: Callable[..., Any]) -> None:
+    """It keeps eval/exec/compile and the frame getters working as if unwrapped."""
+    import collections
+    import inspect
+    import sys
+
+    armed(imports={"allow": ["os"]})  # installed, not armed: what libraries see all the time
+
+    def where() -> tuple[str, str, str, str]:
+        return (
+            sys._getframe(0).f_code.co_name,
+            sys._getframe(1).f_code.co_name,
+            inspect.currentframe().f_code.co_name,  # type: ignore[union-attr]
+            inspect.stack()[0].function,
+        )
+
+    assert where() == ("where", "test_wrapped_frame_readers_still_answer_for_their_caller") + (
+        "where",
+        "where",
+    )
+    assert collections.namedtuple("P", "a").__module__ == __name__
+    local = 5
+    assert eval("local + 1") == 6
+    namespace: dict[str, Any] = {}
+    exec(compile("def q(a: int): pass", "<s>", "exec"), namespace)
+    assert namespace["q"].__annotations__ == {"a": "int"}  # this module's __future__ flag

@@ -283,6 +283,24 @@ def test_escape_through_the_module_table(session: Any) -> None:
     assert result.value != "h11"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="by design: user code is told from library code by its code object's file name, "
+    "and a code object can be rebuilt under any name (the code layer refuses __code__)",
+)
+def test_escape_by_spoofing_a_library_file_name(session: Any) -> None:
+    """It denies frame introspection from user code that renamed its code object."""
+    result = run(
+        session,
+        """
+        import sys, json
+        code = (lambda: sys._getframe(0)).__code__.replace(co_filename=json.__file__)
+        type(lambda: 0)(code, globals())().f_code.co_name
+        """,
+    )
+    assert result.value != "<lambda>"
+
+
 # -- 7. mutate the rules -----------------------------------------------------------------------
 
 
