@@ -26,8 +26,8 @@ hierarchy, and anything a C extension does. The OS providers are the boundary.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import sys
 import threading
