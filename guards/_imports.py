@@ -294,7 +294,3 @@ def problems() -> list[str]:
         if not (isinstance(meta, list) and meta and meta[0] is _finder) and not restore_finder():
             out.append("the import finder was displaced from sys.meta_path and not restorable")
     return out
-
-
-def importer_is_user() -> bool:
-    return _importer_is_user()

@@ -32,7 +32,6 @@ _getframe = sys._getframe
 
 __all__ = [
     "configure",
-    "current",
     "is_active",
     "is_user_frame",
     "refuse",
@@ -69,10 +68,6 @@ def is_active() -> bool:
     return state.armed or (bool(state.user_threads) and get_ident() in state.user_threads)
 
 
-def current() -> _State:
-    return state
-
-
 def is_user_frame(filename: str) -> bool:
     """Whether code from `filename` is user code (a cell, a string it compiled, its files)."""
     if filename.startswith("<cell-"):
@@ -80,15 +75,6 @@ def is_user_frame(filename: str) -> bool:
     if filename.startswith("<frozen "):
         return False
     return not filename.startswith(state.trusted_roots)
-
-
-def caller_is_user(depth: int = 2) -> bool:
-    """Whether the frame `depth` levels above the caller of this function is user code."""
-    try:
-        frame = _getframe(depth)
-    except ValueError:
-        return False
-    return is_user_frame(frame.f_code.co_filename)
 
 
 def refuse(exc_class: type[BaseException], denial: Denial) -> None:
