@@ -111,7 +111,9 @@ class PoolRegistry:
         self._pools: dict[tuple[str, str, int], tuple[WorkerPool, int]] = {}
         self._lock = threading.Lock()
 
-    def get(self, policy: Policy, provider: Provider, *, warm: int, start_timeout: float) -> WorkerPool:
+    def get(
+        self, policy: Policy, provider: Provider, *, warm: int, start_timeout: float
+    ) -> WorkerPool:
         key = (policy.fingerprint(), provider.name, warm)
         with self._lock:
             entry = self._pools.get(key)

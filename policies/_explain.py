@@ -21,7 +21,9 @@ def explain_policy(policy: Policy) -> str:
         lines.append(f"  loaded from: {policy.source}")
     if policy.description:
         lines.append(f"  {policy.description.strip()}")
-    lines.append(f"  provider: {policy.provider}; result mode: {policy.result_mode}; mode: {policy.mode}")
+    lines.append(
+        f"  provider: {policy.provider}; result mode: {policy.result_mode}; mode: {policy.mode}"
+    )
     f = policy.files
     lines.append("files:")
     lines.append(f"  read:  $SCRATCH, {_items(f.read, '(nothing else)')}")

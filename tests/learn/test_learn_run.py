@@ -134,11 +134,6 @@ def test_blocks_widening_through_a_symlink_planted_in_scratch(policy_file) -> No
 
 
 @needs_kernel
-@pytest.mark.xfail(
-    strict=True,
-    reason="the file guard records the resolved path only; flagging needs the path as requested "
-    "in the denial (e.g. detail \"(requested as '<path>')\" from guards/_files.py check())",
-)
 def test_a_read_through_a_link_planted_in_scratch_is_flagged_not_proposed(policy_file) -> None:
     """It flags a path reached through a link the run planted in scratch instead of proposing it."""
     code = STEPS + "print(step(lambda: os.symlink('/etc', 'e')))\n"
