@@ -237,6 +237,7 @@ def _audit_hook(event: str, args: tuple[Any, ...]) -> None:
         meta = sys.meta_path
         if (not meta or meta[0] is not _finder) and not restore_finder():
             _displaced.append("the import finder could not be put back at sys.meta_path[0]")
+        _patch.keep_post_import_finder()
 
 
 _hook_added = False

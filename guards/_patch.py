@@ -6,7 +6,8 @@ What it does:
    `wrapt.wrap_function_wrapper` does, with a subclass that pickles by name) that
    calls `wrapper(wrapped, instance, args, kwargs)`, and records the original.
 2. `wrap_later(module, name, wrapper)` does the same for a module that may not be imported
-   yet: the patch is applied by a wrapt post-import hook when the module loads.
+   yet: the patch is applied by a post-import hook (`_PostImportFinder`) right after the
+   module executes.
 3. `set_attr(owner, name, value)` is the rare plain replacement (a class swap, a module
    attribute that must stay a class); it records the original too.
 4. `uninstall()` restores every original, newest first; `broken()` lists the patches whose
@@ -27,12 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import wrapt
-
 __all__ = [
     "Patch",
     "broken",
     "patches",
+    "keep_post_import_finder",
     "resolve_global",
     "set_attr",
     "uninstall",
@@ -57,7 +57,54 @@ class Patch:
     where: Any = None  # vars(owner), kept so the tamper check is one dict lookup per patch
 
 
-class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc,type-arg]
+def _function_wrapper_type() -> Any:
+    """wrapt's FunctionWrapper type, without running `wrapt/__init__.py` when it can.
+
+    Importing the wrapt package costs about 40 ms at worker start-up (it imports asyncio,
+    inspect and importlib.metadata) and the worker needs only the C type. Where wrapt is
+    already imported (the host, the tests) its type is used as it is. Otherwise the C
+    extension is loaded under a bare `wrapt` package that is removed again at once, so a
+    later `import wrapt` by user code gets the whole, ordinary package.
+    """
+    loaded = sys.modules.get("wrapt")
+    if loaded is not None and hasattr(loaded, "FunctionWrapper"):
+        return loaded.FunctionWrapper
+    import importlib
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("wrapt")
+    names = ("wrapt", "wrapt.exceptions", "wrapt._wrappers")
+    saved = {name: sys.modules.get(name) for name in names}
+    if spec is not None and spec.submodule_search_locations:
+        bare = types.ModuleType("wrapt")
+        bare.__path__ = list(spec.submodule_search_locations)
+        sys.modules["wrapt"] = bare
+        try:
+            return importlib.import_module("wrapt._wrappers").FunctionWrapper
+        except ImportError:
+            pass  # no C extension (WRAPT_DISABLE_EXTENSIONS): use the package below
+        finally:
+            for name, module in saved.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+    import wrapt
+
+    return wrapt.FunctionWrapper
+
+
+def _resolve_original(owner: Any, name: str) -> Any:
+    """`owner.name` as stored, walking a class's MRO through `__dict__` (getattr would bind)."""
+    if isinstance(owner, type):
+        for cls in owner.__mro__:
+            if name in vars(cls):
+                return vars(cls)[name]
+    return getattr(owner, name)
+
+
+class _Wrapper(_function_wrapper_type()):  # type: ignore[misc]
     """wrapt's FunctionWrapper that pickles as the global it replaces (`posix.system`), so
     data holding a wrapped function (a pickled callback) still pickles while guarded."""
 
@@ -112,7 +159,8 @@ def wrap(owner: Any, name: str, wrapper: Wrapper, *, label: str = "") -> Any:
     """Wrap `owner.name` with `wrapper` and record the original; returns the installed wrapper."""
     with _lock:
         original = _own_value(owner, name)
-        installed = wrapt.wrap_object(owner, name, _Wrapper, (wrapper,))
+        installed = _Wrapper(_resolve_original(owner, name), wrapper)
+        setattr(owner, name, installed)
         _patches.append(
             Patch(owner, name, original, installed, label or _label(owner, name), _where(owner))
         )
@@ -145,7 +193,9 @@ def wrap_later(module: str, name: str, wrapper: Wrapper, *, label: str = "") -> 
         _pending.setdefault(module, []).append((name, wrapper, label or f"{module}.{name}"))
         if module not in _hooked:
             _hooked.add(module)
-            wrapt.register_post_import_hook(_make_hook(module, _generation), module)
+            _hooks[module] = _make_hook(module, _generation)
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
 
 
 def _wrap_dotted(module: Any, dotted: str, wrapper: Wrapper, label: str) -> None:
@@ -157,6 +207,66 @@ def _wrap_dotted(module: Any, dotted: str, wrapper: Wrapper, label: str) -> None
             return
     if hasattr(owner, name):
         wrap(owner, name, wrapper, label=label)
+
+
+_hooks: dict[str, Callable[[Any], None]] = {}
+
+
+class _HookedLoader:
+    """Wraps a module's loader to run its post-import hook right after the module executes."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        hook = _hooks.pop(module.__name__, None)
+        if hook is not None:
+            hook(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder:
+    """A meta-path finder that only wraps the loader of modules with pending patches.
+
+    It asks the finders after it for the real spec and never decides an import itself (the
+    import guard's finder does that, ahead of it).
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _hooks:
+            return None
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _HookedLoader(spec.loader)
+        return spec
+
+
+_FINDER = _PostImportFinder()
+
+
+def keep_post_import_finder() -> None:
+    """Put the post-import finder back (right after the head) if patches wait on it.
+
+    Called by the import guard's audit hook before each import, so clearing
+    `sys.meta_path` cannot leave a later `import subprocess` unpatched.
+    """
+    if _hooks:
+        meta = sys.meta_path
+        if isinstance(meta, list) and _FINDER not in meta:
+            meta.insert(1 if meta else 0, _FINDER)
 
 
 def _make_hook(module: str, generation: int) -> Callable[[Any], None]:
@@ -228,6 +338,12 @@ def broken() -> list[str]:
             if not intact:
                 out.extend(p.label for p in members if _is_broken(p))
         out.extend(p.label for p in others if _is_broken(p))
+        if _hooks and _FINDER not in sys.meta_path:
+            out.append(
+                "the post-import hook finder (deferred patches of "
+                + ", ".join(sorted(_hooks))
+                + ")"
+            )
     return out
 
 
@@ -239,6 +355,9 @@ def uninstall() -> None:
         _changed()
         _pending.clear()
         _hooked.clear()
+        _hooks.clear()
+        if _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
         while _patches:
             patch = _patches.pop()
             if patch.original is _MISSING:
