@@ -171,8 +171,6 @@ class WorkerProcess:
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
             self._log = log
             self.proc = provider.launch(self.plan, log)
-            if self.cgroups is not None:
-                self.cgroups.attach(self.proc.pid)
         except BaseException:
             listener.close()
             os.close(boot_r)
@@ -204,6 +202,18 @@ class WorkerProcess:
             ) from None
         finally:
             os.close(boot_w)
+        launcher = self.plan.argv[0] != spec.python
+        if self.cgroups is not None:
+            # While the worker boots (it has its configuration already). It runs no user code
+            # and forks nothing before its handshake, so joining now covers all it will start.
+            try:
+                self.cgroups.attach(self.proc.pid)
+            except OSError as exc:
+                if self.proc.poll() is None:  # alive but not limited: never run it like that
+                    self.kill()
+                    raise WorkerStartError(
+                        f"could not place the worker in its cgroups ({exc})"
+                    ) from None
         max_event = policy.limits.result_bytes + _EVENT_SLACK
         self.client = WorkerClient(sock_path, self.token, max_event)
         try:
@@ -220,8 +230,9 @@ class WorkerProcess:
             )
             raise WorkerStartError(reason, log_tail=tail) from None
         self._verify_hello()
-        if self.cgroups is not None:
-            # Launchers may have forked before the first attach; nothing forks while idle.
+        if self.cgroups is not None and launcher:
+            # A launcher (unshare, firejail) may have forked before the first attach; the
+            # worker itself forks nothing while idle.
             self.cgroups.attach_tree(self.proc.pid)
         self.started_at = time.monotonic()
         return self
