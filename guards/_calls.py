@@ -247,6 +247,46 @@ def _as_caller(
     return wrapped(*args, **kwargs)
 
 
+_plain_compile = compile  # bound at import, before any guard is installed
+
+
+def _checked_source(
+    name: str, source: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Check granted dynamic code with the code layer and hand on the *rewritten* tree.
+
+    The rewrite is what makes budgets and run-time attribute checks apply to eval/exec'd
+    code too; running the original string after checking it would skip them. A compile
+    asked for an AST only (`PyCF_ONLY_AST`) returns the checked, unrewritten tree: it is
+    checked and rewritten again when it is compiled or run.
+    """
+    assert _code_check is not None
+    if isinstance(source, str):
+        text = source
+    elif isinstance(source, ast.AST):
+        text = ast.unparse(source)
+    else:
+        text = bytes(source).decode("utf-8", "replace")
+    if name == "builtins.compile":
+        filename = args[1] if len(args) > 1 else kwargs.get("filename", "<string>")
+        mode = args[2] if len(args) > 2 else kwargs.get("mode", "exec")
+        flags = args[3] if len(args) > 3 else kwargs.get("flags", 0)
+    else:
+        filename, flags = "<string>", 0
+        mode = "eval" if name == "builtins.eval" else "exec"
+    if isinstance(filename, bytes | bytearray):
+        filename = bytes(filename).decode("utf-8", "replace")
+    tree = _code_check(text, _code_policy, str(filename), mode=str(mode))
+    if isinstance(flags, int) and flags & ast.PyCF_ONLY_AST:
+        return args, kwargs
+    replacement: Any = tree
+    if name != "builtins.compile":
+        replacement = _plain_compile(tree, "<string>", mode)
+    if args:
+        return (replacement, *args[1:]), kwargs
+    return args, {**kwargs, "source": replacement}
+
+
 def _dynamic_wrapper(entry: Entry) -> Any:
     name = entry.name
 
@@ -263,17 +303,7 @@ def _dynamic_wrapper(entry: Entry) -> Any:
             refuse(CallDenied, _rules.denial(name, "dynamic-code"))
             return _as_caller(name, wrapped, args, kwargs, caller)  # learning mode
         if _code_check is not None and _code_policy.get("enabled", False):
-            text = (
-                source
-                if isinstance(source, str)
-                else (
-                    ast.unparse(source)
-                    if isinstance(source, ast.AST)
-                    else bytes(source).decode("utf-8", "replace")
-                )
-            )
-            filename = args[1] if name == "builtins.compile" and len(args) > 1 else "<string>"
-            _code_check(text, _code_policy, str(filename))
+            args, kwargs = _checked_source(name, source, args, kwargs)
         return _as_caller(name, wrapped, args, kwargs, caller)
 
     return wrapper
