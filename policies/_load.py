@@ -8,6 +8,7 @@ can be found, and what was expected. No `tomllib.TOMLDecodeError` or pydantic
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import os
 import re
@@ -25,6 +26,7 @@ from agent_sandbox.policies._model import Policy
 __all__ = [
     "list_presets",
     "load_policy",
+    "map_validation_errors",
     "merge_dicts",
     "policy_from_dict",
     "policy_from_toml",
@@ -104,7 +106,7 @@ def policy_from_dict(
             base_path = os.path.join(os.path.dirname(source), extends)
         base = resolve_policy(base_path)
         data = merge_dicts(base.model_dump(mode="json", by_alias=True), data)
-    with _map_validation_errors(source, text):
+    with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
     if source is not None:
         policy = policy.model_copy(update={"source": source})
@@ -122,8 +124,16 @@ def merge_dicts(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
     return out
 
 
+_mapping: contextvars.ContextVar[bool] = contextvars.ContextVar("policy_mapping", default=False)
+
+
 @contextlib.contextmanager
-def _map_validation_errors(source: str | None, text: str | None) -> Iterator[None]:
+def map_validation_errors(source: str | None, text: str | None) -> Iterator[None]:
+    """Turn pydantic's ValidationError into PolicyError; nested uses map only once."""
+    if _mapping.get():
+        yield  # an outer block maps (and knows the file and its text)
+        return
+    token = _mapping.set(True)
     try:
         yield
     except ValidationError as exc:
@@ -151,6 +161,8 @@ def _map_validation_errors(source: str | None, text: str | None) -> Iterator[Non
         raise PolicyError(
             f"invalid policy: {message}", source=source, key=first_key, line=first_line
         ) from None
+    finally:
+        _mapping.reset(token)
 
 
 def _expected_for(err: Any) -> str | None:

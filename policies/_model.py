@@ -335,7 +335,17 @@ def _resolve_host(host: str) -> tuple[str, ...]:
 
 
 class Policy(_Section):
-    """A tool's whole policy. Build it in Python or load it with `load_policy()`."""
+    """A tool's whole policy. Build it in Python or load it with `load_policy()`.
+
+    Building one from keywords with a bad value raises `PolicyError` (a ValueError) naming
+    the dotted key, as loading a file does; pydantic's own error never leaks out.
+    """
+
+    def __init__(self, /, **data: Any) -> None:
+        from agent_sandbox.policies._load import map_validation_errors
+
+        with map_validation_errors(None, None):
+            super().__init__(**data)
 
     name: str = "unnamed"
     description: str = ""

@@ -189,3 +189,11 @@ def test_non_utf8_policy_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="UTF-8"):
         load_policy(path)
     assert os.path.exists(path)
+
+
+def test_building_a_bad_policy_in_python_raises_policy_error() -> None:
+    """It maps validation errors of `Policy(...)` to PolicyError naming the key."""
+    with pytest.raises(PolicyError) as info:
+        Policy(name="x", limits={"wall_seconds": -1})
+    assert info.value.key == "limits.wall_seconds"
+    assert "greater than" in str(info.value)
