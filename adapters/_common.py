@@ -193,7 +193,7 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
         value = result.value_text()
         if value:
             parts.append(value)
-    caught = [d for d in result.denials if not d.learned]
+    caught = [d for d in result.denials if not d.learned and not d.internal]
     if caught:
         parts.append(
             "Refused during this call (the code caught the error and went on):\n"
@@ -204,6 +204,12 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
         parts.append(
             "Learning mode recorded would-be refusals:\n"
             + "\n".join(f"- {d.message()}" for d in learned)
+        )
+    internal = [d for d in result.denials if d.internal]
+    if internal:
+        parts.append(
+            f"[{len(internal)} refusal(s) inside library code were handled by the library "
+            "and did not affect this result]"
         )
     if result.images:
         names = ", ".join(i.name for i in result.images)

@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 from agent_sandbox._denial import Denial
 
-__all__ = ["record", "set_policy_name", "set_sink", "take"]
+__all__ = ["handled_inside_libraries", "note_raised", "record", "set_policy_name", "set_sink", "take"]
 
 _lock = threading.Lock()
 _denials: list[Denial] = []
 _sink: Callable[[Denial], None] | None = None
 _policy_name = ""
 _MAX_RECORDED = 1000
+_raised: list[tuple[int, BaseException]] = []
 
 
 def set_policy_name(name: str) -> None:
@@ -57,9 +58,45 @@ def record(denial: Denial) -> Denial:
     return denial
 
 
+def note_raised(denial: Denial, exc: BaseException) -> None:
+    """Remember the exception raised for a recorded denial (see `handled_inside_libraries`)."""
+    with _lock:
+        # The denial was just recorded: its position is the last one holding this object
+        # (a cached decision may record the very same object more than once).
+        for i in range(len(_denials) - 1, -1, -1):
+            if _denials[i] is denial:
+                _raised.append((i, exc))
+                break
+
+
+def handled_inside_libraries(is_user: Callable[[str], bool]) -> list[int]:
+    """Indices of this call's denials whose exception never reached user code.
+
+    An exception's traceback holds the frames it unwound through, from the one that caught
+    it down to the one that raised it. When none of them is user code, a library raised and
+    handled the refusal itself (a font probe, a feature test), and the user never saw it.
+    """
+    with _lock:
+        raised = list(_raised)
+        _raised.clear()
+    out = []
+    for position, exc in raised:
+        tb = exc.__traceback__
+        reached_user = False
+        while tb is not None:
+            if is_user(tb.tb_frame.f_code.co_filename):
+                reached_user = True
+                break
+            tb = tb.tb_next
+        if not reached_user:
+            out.append(position)
+    return sorted(out)
+
+
 def take() -> list[Denial]:
     """Return and clear the denials recorded since the last call."""
     with _lock:
         out = list(_denials)
         _denials.clear()
+        _raised.clear()
     return out

@@ -70,7 +70,9 @@ class Denial:
     `action` is a verb (`read`, `connect`, `import`, `call`, ...); `target` is what it was
     attempted on (a path, `host:port`, a module, a variable, a function). `hint` is the exact
     policy line that would allow it, when there is one. `learned` marks a would-be denial
-    recorded in learning mode (the operation was allowed to proceed).
+    recorded in learning mode (the operation was allowed to proceed). `internal` marks a
+    refusal raised inside library code and handled there (matplotlib probing font folders):
+    the user's code never saw it, so it is kept for the operator but does not fail the call.
     """
 
     rule: str
@@ -80,6 +82,7 @@ class Denial:
     hint: str = ""
     detail: str = ""
     learned: bool = False
+    internal: bool = False
 
     def message(self) -> str:
         """The text a model reads: the rule, the target, the policy and what would allow it."""
@@ -107,6 +110,7 @@ class Denial:
         for key in ("rule", "action", "target", "policy", "hint", "detail"):
             if key in kwargs:
                 kwargs[key] = str(kwargs[key])
-        if "learned" in kwargs:
-            kwargs["learned"] = bool(kwargs["learned"])
+        for flag in ("learned", "internal"):
+            if flag in kwargs:
+                kwargs[flag] = bool(kwargs[flag])
         return cls(**kwargs)

@@ -86,17 +86,23 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.denials
+        """The code completed and nothing it did was refused (library-internal refusals,
+        which the user's code never saw, do not count; they stay in `denials`)."""
+        return self.error is None and not self.user_denials()
 
     @property
     def denied(self) -> bool:
-        """Whether any policy refusal happened (even one the code caught)."""
-        return bool(self.denials)
+        """Whether any policy refusal reached the code (even one the code caught)."""
+        return bool(self.user_denials())
+
+    def user_denials(self) -> tuple[Denial, ...]:
+        """The denials the user's code met (not the ones a library raised and handled)."""
+        return tuple(d for d in self.denials if not d.internal)
 
     def rules(self) -> list[str]:
-        """The distinct rule names of the denials, in order of first appearance."""
+        """The distinct rule names of the user-facing denials, in order of first appearance."""
         seen: dict[str, None] = {}
-        for d in self.denials:
+        for d in self.user_denials():
             seen.setdefault(d.rule, None)
         if self.error is not None and self.error.rule:
             seen.setdefault(self.error.rule, None)
@@ -187,6 +193,10 @@ class ResultBuilder:
             self.stderr.append(data)
         elif kind == "denial" and isinstance(data, dict):
             self.denials.append(Denial.from_dict(data))
+        elif kind == "internal" and isinstance(data, list):
+            for i in data:
+                if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.denials):
+                    self.denials[i] = dataclasses.replace(self.denials[i], internal=True)
         elif kind == "result" and isinstance(data, dict):
             if "pickle" in data:
                 self._decode_value(data)

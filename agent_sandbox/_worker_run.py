@@ -406,7 +406,29 @@ def to_data(value: Any, depth: int = 0) -> Any:
         return [to_data(v, depth + 1) for v in value]
     if type(value) is dict and len(value) <= _MAX_ITEMS and all(isinstance(k, str) for k in value):
         return {k: to_data(v, depth + 1) for k, v in value.items()}
+    numeric = _numpy_data(value, depth)
+    if numeric is not _NOT_NUMPY:
+        return numeric
     return _marked(value)
+
+
+_NOT_NUMPY = object()
+
+
+def _numpy_data(value: Any, depth: int) -> Any:
+    """numpy scalars become numbers and small numeric arrays lists (what a reader expects)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return _NOT_NUMPY
+    if isinstance(value, numpy.generic) and isinstance(value, numpy.number | numpy.bool_):
+        return to_data(value.item(), depth + 1)
+    if (
+        type(value) is numpy.ndarray
+        and value.size <= _MAX_ITEMS
+        and value.dtype.kind in "biuf"
+    ):
+        return to_data(value.tolist(), depth + 1)
+    return _NOT_NUMPY
 
 
 def _marked(value: Any) -> dict[str, str]:

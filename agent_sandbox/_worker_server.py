@@ -49,6 +49,7 @@ class _Server:
         self.checks = checks
         self.boot = boot
         self.tamper_check: Any = None
+        self.is_user_frame: Any = lambda filename: filename.startswith("<cell-")
 
     # -- connection handling -------------------------------------------------------------
 
@@ -179,6 +180,9 @@ class _Server:
             self.runner.run(code, emit)
         finally:
             _audit.set_sink(None)
+        internal = _audit.handled_inside_libraries(self.is_user_frame)
+        if internal:
+            emit("internal", internal)
         tampered = self.tamper_check() if self.tamper_check is not None else []
         for reason in tampered:
             emit(
@@ -215,6 +219,8 @@ def serve(boot: dict[str, Any]) -> None:
     runner, checks, hooks = prepare(boot)
     server = _Server(boot, runner, checks)
     server.tamper_check = hooks.get("tamper_check")
+    if "is_user_frame" in hooks:
+        server.is_user_frame = hooks["is_user_frame"]
     listener = socket.socket(fileno=int(boot["listen_fd"]))
     listener.setblocking(True)
     selector = selectors.DefaultSelector()

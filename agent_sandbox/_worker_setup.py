@@ -87,5 +87,8 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     guards = install_guards(boot, runner.namespace)
     runner.arming = guards.arming
     hooks["tamper_check"] = guards.tamper_check
+    from agent_sandbox.guards._state import is_user_frame
+
+    hooks["is_user_frame"] = is_user_frame
     checks["guards"] = summary()
     return runner, checks, hooks

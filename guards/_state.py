@@ -101,4 +101,5 @@ def refuse(exc_class: type[BaseException], denial: Denial) -> None:
 
 def _raise(exc_class: type[BaseException], denial: Denial) -> NoReturn:
     exc: Any = exc_class(denial)
+    _audit.note_raised(denial, exc)
     raise exc
