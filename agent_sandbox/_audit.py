@@ -14,7 +14,14 @@ from collections.abc import Callable
 
 from agent_sandbox._denial import Denial
 
-__all__ = ["handled_inside_libraries", "note_raised", "record", "set_policy_name", "set_sink", "take"]
+__all__ = [
+    "handled_inside_libraries",
+    "note_raised",
+    "record",
+    "set_policy_name",
+    "set_sink",
+    "take",
+]
 
 _lock = threading.Lock()
 _denials: list[Denial] = []

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import errno as _errno
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from agent_sandbox._denial import Denial
@@ -236,9 +236,10 @@ class SandboxDenied(SandboxError):
         self.denial = denial
         super().__init__(denial.message(), *args)
         if self.os_errno is not None and isinstance(self, OSError):
-            self.errno = self.os_errno
-            self.strerror = denial.message()
-            self.filename = denial.target
+            as_os_error = cast(OSError, self)
+            as_os_error.errno = self.os_errno
+            as_os_error.strerror = denial.message()
+            as_os_error.filename = denial.target
 
     def __str__(self) -> str:
         return self.denial.message()

@@ -304,7 +304,7 @@ def _rebuild(payload: Any, decoder: Decoder | None, notices: list[str] | None) -
             notices.append(note)
         try:
             rebuilt.exception.add_note(f"agent_sandbox: {note}")
-        except Exception:  # noqa: BLE001 - notes are a convenience
+        except Exception:
             pass
     return {"exception": rebuilt.exception, "child_traceback": rebuilt.traceback}
 
@@ -359,8 +359,12 @@ def _json_safe(value: Any, depth: int = 0) -> Any:
         return value if value == value and abs(value) != float("inf") else _marked(value)
     if depth < 20 and type(value) in (list, tuple) and len(value) <= 10_000:
         return [_json_safe(v, depth + 1) for v in value]
-    if (depth < 20 and type(value) is dict and len(value) <= 10_000
-            and all(type(k) is str for k in value)):
+    if (
+        depth < 20
+        and type(value) is dict
+        and len(value) <= 10_000
+        and all(type(k) is str for k in value)
+    ):
         return {k: _json_safe(v, depth + 1) for k, v in value.items()}
     return _marked(value)
 
@@ -375,6 +379,6 @@ def _marked(value: Any) -> dict[str, str]:
 def _safe_repr(value: Any) -> str:
     try:
         text = repr(value)
-    except Exception:  # noqa: BLE001 - a value's own __repr__ must not break a report
+    except Exception:
         text = f"<unrepresentable {type(value).__name__}>"
     return text if len(text) <= 10_000 else text[:10_000] + "...<truncated repr>"

@@ -18,7 +18,18 @@ from agent_sandbox._errors import MessageTooLarge, TransportError
 __all__ = ["EVENT_KINDS", "Event", "SSEParser", "encode_event"]
 
 EVENT_KINDS = frozenset(
-    {"stdout", "stderr", "denial", "internal", "image", "result", "error", "notice", "done", "files"}
+    {
+        "stdout",
+        "stderr",
+        "denial",
+        "internal",
+        "image",
+        "result",
+        "error",
+        "notice",
+        "done",
+        "files",
+    }
 )
 
 Event = tuple[str, Any]

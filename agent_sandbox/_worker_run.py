@@ -165,7 +165,7 @@ class Runner:
             try:
                 try:
                     value = self._execute(compiled)
-                except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                except BaseException as exc:
                     failure = exc
                 if os.getpid() != owner:
                     # A child the code forked finished the cell: it must never unwind into
@@ -178,7 +178,7 @@ class Runner:
             finally:
                 if arming is not None:
                     arming.__exit__(None, None, None)
-        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+        except BaseException as exc:
             failure = exc
             outcome = None
         finally:
@@ -186,15 +186,13 @@ class Runner:
             for stream in (out, err):
                 try:
                     stream.flush()
-                except Exception:  # noqa: BLE001 - a broken pipe is reported by the server
+                except Exception:
                     pass
         if outcome is None:
             outcome = "error", _error_info(failure or RuntimeError("no outcome"), filename)
         emit(*outcome)
 
-    def _outcome(
-        self, value: Any, failure: BaseException | None, filename: str
-    ) -> tuple[str, Any]:
+    def _outcome(self, value: Any, failure: BaseException | None, filename: str) -> tuple[str, Any]:
         """The `result` or `error` event of a call (see `agent_sandbox._objects`).
 
         An encoded result larger than `limits.result_bytes` is refused here with a
@@ -222,12 +220,15 @@ class Runner:
                 "rule": denial.rule,
                 "denial": denial.to_dict(),
             }
-        except BaseException as exc:  # noqa: BLE001 - an encoding failure becomes the error
+        except BaseException as exc:
             try:
                 return "error", self._failure(exc, filename, cap)
-            except BaseException:  # noqa: BLE001 - even the report of it failed
-                return "error", {"kind": "internal", "type": "EncodingError",
-                                 "message": "the value or exception could not be encoded"}
+            except BaseException:
+                return "error", {
+                    "kind": "internal",
+                    "type": "EncodingError",
+                    "message": "the value or exception could not be encoded",
+                }
 
     def _failure(self, exc: BaseException, filename: str, cap: int) -> dict[str, Any]:
         info = _error_info(exc, filename)
@@ -273,7 +274,7 @@ class Runner:
                         emit("image", _image(f"figure-{num}.png", data))
                         images += 1
                 plt.close("all")
-            except Exception:  # noqa: BLE001 - figures are a convenience, never an error
+            except Exception:
                 pass
         changed = []
         try:
@@ -371,7 +372,7 @@ def _qualname(cls: type) -> str:
 def _safe_str(exc: BaseException) -> str:
     try:
         return str(exc)
-    except Exception:  # noqa: BLE001 - a hostile __str__ must not break reporting
+    except Exception:
         return f"<{type(exc).__name__}: unprintable>"
 
 
@@ -384,7 +385,7 @@ def _user_traceback(exc: BaseException) -> str:
             [f for f in te.stack if not f.filename.startswith(here)]
         )
         return "".join(te.format())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return f"{type(exc).__name__}: {_safe_str(exc)}\n"
 
 
@@ -402,7 +403,11 @@ def to_data(value: Any, depth: int = 0) -> Any:
         return value if math.isfinite(value) else _marked(value)
     if depth >= _MAX_DEPTH:
         return _marked(value)
-    if isinstance(value, list | tuple) and type(value) in (list, tuple) and len(value) <= _MAX_ITEMS:
+    if (
+        isinstance(value, list | tuple)
+        and type(value) in (list, tuple)
+        and len(value) <= _MAX_ITEMS
+    ):
         return [to_data(v, depth + 1) for v in value]
     if type(value) is dict and len(value) <= _MAX_ITEMS and all(isinstance(k, str) for k in value):
         return {k: to_data(v, depth + 1) for k, v in value.items()}
@@ -422,11 +427,7 @@ def _numpy_data(value: Any, depth: int) -> Any:
         return _NOT_NUMPY
     if isinstance(value, numpy.generic) and isinstance(value, numpy.number | numpy.bool_):
         return to_data(value.item(), depth + 1)
-    if (
-        type(value) is numpy.ndarray
-        and value.size <= _MAX_ITEMS
-        and value.dtype.kind in "biuf"
-    ):
+    if type(value) is numpy.ndarray and value.size <= _MAX_ITEMS and value.dtype.kind in "biuf":
         return to_data(value.tolist(), depth + 1)
     return _NOT_NUMPY
 
@@ -434,7 +435,7 @@ def _numpy_data(value: Any, depth: int) -> Any:
 def _marked(value: Any) -> dict[str, str]:
     try:
         text = repr(value)
-    except Exception:  # noqa: BLE001 - a hostile __repr__ must not break the result
+    except Exception:
         text = f"<unrepresentable {type(value).__name__}>"
     if len(text) > 10_000:
         text = text[:10_000] + "...<truncated repr>"

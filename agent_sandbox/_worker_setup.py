@@ -41,7 +41,7 @@ def apply_rlimits(limits: dict[str, Any]) -> dict[str, int]:
     """Lower each rlimit to the policy's value (never raise one); return what was applied."""
     applied = {}
     for res, value in rlimits_for(limits).items():
-        soft, hard = resource.getrlimit(res)
+        _soft, hard = resource.getrlimit(res)
         if hard != resource.RLIM_INFINITY:
             value = min(value, hard)
         if res == resource.RLIMIT_CPU:

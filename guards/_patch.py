@@ -250,7 +250,7 @@ class _PostImportFinder:
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _HookedLoader(spec.loader)
+            spec.loader = _HookedLoader(spec.loader)  # type: ignore[assignment]
         return spec
 
 

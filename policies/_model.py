@@ -36,9 +36,7 @@ __all__ = [
 ]
 
 #: Provider names a policy may request. `auto` is the only one that chooses.
-PROVIDERS = frozenset(
-    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu"}
-)
+PROVIDERS = frozenset({"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu"})
 
 #: Sensitive-call categories (see `agent_sandbox.guards`); a function rule names a
 #: dotted function instead, e.g. `subprocess.run`.
@@ -123,7 +121,9 @@ class NetRule(_Section):
         if isinstance(value, list | tuple):
             value = ",".join(str(v) for v in value)
         if not isinstance(value, str):
-            raise ValueError("ports must be a number, a list of numbers or a range like '8000-8080'")
+            raise ValueError(
+                "ports must be a number, a list of numbers or a range like '8000-8080'"
+            )
         for part in value.split(","):
             part = part.strip()
             lo, _, hi = part.partition("-")

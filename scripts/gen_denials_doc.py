@@ -17,7 +17,8 @@ The text a model reads names the rule, the target, the policy and the policy lin
 allow it:
 
 ```
-[imports] import 'requests' refused by policy 'pure-computation'. To allow it, add to the policy: [imports] allow = [..., "requests"]
+[imports] import 'requests' refused by policy 'pure-computation'. To allow it, add to the
+policy: [imports] allow = [..., "requests"]
 ```
 
 Generated from `agent_sandbox/_denial.py` by `scripts/gen_denials_doc.py`.

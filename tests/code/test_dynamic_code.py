@@ -29,8 +29,10 @@ def session():
 
 def test_eval_of_an_ordinary_expression_works(session) -> None:
     """It runs ordinary granted eval/exec/compile."""
-    result = session.run("ns = {}\nexec('y = [i * i for i in range(5)]', ns)\n"
-                         "[eval('2 + 3'), ns['y'], eval(compile('7', 'f', 'eval'))]")
+    result = session.run(
+        "ns = {}\nexec('y = [i * i for i in range(5)]', ns)\n"
+        "[eval('2 + 3'), ns['y'], eval(compile('7', 'f', 'eval'))]"
+    )
     assert result.value == [5, [0, 1, 4, 9, 16], 7], result.error
 
 

@@ -27,9 +27,18 @@ def _skip_reason() -> str | None:
     if not NONROOT_PY.exists():
         return f"{NONROOT_PY} is missing (run scripts/setup.sh as root)"
     probe = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         str(NONROOT_PY), "-c", "import agent_sandbox; print(agent_sandbox.__file__)"],
-        capture_output=True, text=True, cwd="/tmp",
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            str(NONROOT_PY),
+            "-c",
+            "import agent_sandbox; print(agent_sandbox.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/tmp",
     )
     if probe.returncode != 0:
         return f"uid 65534 cannot import agent_sandbox from {REPO}: {probe.stderr.strip()[-200:]}"
@@ -58,9 +67,21 @@ print(json.dumps(out))
 def test_runs_as_an_unprivileged_user() -> None:
     """It starts workers, keeps sessions and enforces timeouts as uid 65534."""
     proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         "env", "HOME=/tmp", str(NONROOT_PY), "-c", SCRIPT],
-        capture_output=True, text=True, timeout=60, cwd="/tmp",
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "env",
+            "HOME=/tmp",
+            str(NONROOT_PY),
+            "-c",
+            SCRIPT,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/tmp",
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -382,8 +382,11 @@ def test_png_written_to_scratch_comes_back_as_an_image(sandbox: Sandbox) -> None
 
 def test_a_worker_that_never_stops_sending_still_times_out(policy: Policy) -> None:
     """It enforces the deadline even while events keep arriving."""
-    flood = Policy(name="flood", imports={"allow": ["sys", "time"]},
-                   limits={"wall_seconds": 10, "output_bytes": 100_000_000})
+    flood = Policy(
+        name="flood",
+        imports={"allow": ["sys", "time"]},
+        limits={"wall_seconds": 10, "output_bytes": 100_000_000},
+    )
     with Sandbox(flood, warm=0) as sb:
         result = sb.run(
             "import sys, time\nwhile True:\n    sys.stdout.write('x' * 10)\n    sys.stdout.flush()\n"

@@ -242,13 +242,11 @@ def test_wrapped_frame_readers_still_answer_for_their_caller(armed: Callable[...
             inspect.stack()[0].function,
         )
 
-    assert where() == ("where", "test_wrapped_frame_readers_still_answer_for_their_caller") + (
-        "where",
-        "where",
-    )
+    caller = "test_wrapped_frame_readers_still_answer_for_their_caller"
+    assert where() == ("where", caller, "where", "where")
     assert collections.namedtuple("P", "a").__module__ == __name__
     local = 5
-    assert eval("local + 1") == 6
+    assert eval("local + 1") == 6 and local == 5
     namespace: dict[str, Any] = {}
     exec(compile("def q(a: int): pass", "<s>", "exec"), namespace)
     assert namespace["q"].__annotations__ == {"a": "int"}  # this module's __future__ flag

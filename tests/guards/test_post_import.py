@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from agent_sandbox import Policy, Sandbox
@@ -50,6 +49,8 @@ def test_user_code_can_still_import_the_whole_wrapt_package() -> None:
 def test_the_worker_does_not_import_the_wrapt_package_at_start_up() -> None:
     """It keeps wrapt's heavy package imports (asyncio, importlib.metadata) out of start-up."""
     with Sandbox(POLICY, warm=0) as sb:
-        result = sb.run("import sys\nsorted(m for m in ('wrapt', 'asyncio', 'importlib.metadata') "
-                        "if m in sys.modules)")
+        result = sb.run(
+            "import sys\nsorted(m for m in ('wrapt', 'asyncio', 'importlib.metadata') "
+            "if m in sys.modules)"
+        )
     assert result.value == [], result.error
