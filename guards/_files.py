@@ -230,11 +230,11 @@ class FileRules:
             return False
         return not (scratch and (path == scratch or path.startswith(scratch + "/")))
 
-    def decide(self, op: str, path: str) -> tuple[type[BaseException], Denial] | None:
+    def decide(self, op: str, path: str) -> tuple[Any, Denial] | None:
         """None when `op` on the resolved `path` is allowed, else the exception and denial."""
         pattern = self.hidden_by(path)
         if pattern is not None:
-            return HiddenPathDenied, Denial(
+            return _Always(HiddenPathDenied), Denial(
                 rule="files.hidden",
                 action=op if op != META else "stat",
                 target=path,
@@ -245,7 +245,7 @@ class FileRules:
         rule = "files.write" if op == WRITE else "files.read"
         action = {READ: "read", WRITE: "write", META: "stat"}[op]
         if self._in_control_dir(path, op):
-            return FileAccessDenied, Denial(
+            return _Always(FileAccessDenied), Denial(
                 rule=rule,
                 action=action,
                 target=path,
@@ -254,7 +254,7 @@ class FileRules:
                 "reachable from user code",
             )
         if op == WRITE and self.policy_file and path == self.policy_file:
-            return FileAccessDenied, Denial(
+            return _Always(FileAccessDenied), Denial(
                 rule=rule,
                 action=action,
                 target=path,
@@ -417,9 +417,22 @@ def rules() -> FileRules | None:
     return _rules
 
 
+class _Always:
+    """Marks a refusal that learning mode must not turn into a would-be denial."""
+
+    __slots__ = ("exc_class",)
+
+    def __init__(self, exc_class: type[BaseException]) -> None:
+        self.exc_class = exc_class
+
+
 def _apply(decision: Any) -> None:
     if decision is not None:
-        refuse(decision[0], decision[1])
+        kind = decision[0]
+        if isinstance(kind, _Always):
+            refuse(kind.exc_class, decision[1], always=True)
+        else:
+            refuse(kind, decision[1])
 
 
 def check(op: str, path: Any, dir_fd: int | None = None, follow: bool = True) -> Any:

@@ -77,12 +77,14 @@ def is_user_frame(filename: str) -> bool:
     return not filename.startswith(state.trusted_roots)
 
 
-def refuse(exc_class: type[BaseException], denial: Denial) -> None:
+def refuse(exc_class: type[BaseException], denial: Denial, *, always: bool = False) -> None:
     """Record `denial`, then raise `exc_class(denial)`; in learning mode record it as learned.
 
-    Returns only in learning mode (the caller then lets the operation proceed).
+    Returns only in learning mode (the caller then lets the operation proceed), unless
+    `always`: what no proposal may ever grant (the worker's control directory, the policy
+    file, hidden names) is refused in learning mode too.
     """
-    if state.learn:
+    if state.learn and not always:
         _audit.record(
             Denial(
                 rule=denial.rule,

@@ -187,11 +187,34 @@ def test_blocks_a_learning_run_from_editing_its_policy_under_a_kernel_provider(p
     )
 
 
-def test_a_policy_edited_by_an_unbounded_learning_run_yields_no_proposal(policy_file) -> None:
-    """It denies a run without a kernel boundary that edits its own policy any proposal: the edit is detected."""
+def test_a_learning_run_cannot_edit_its_own_policy(policy_file) -> None:
+    """It denies the edit even in learning mode (no kernel boundary): the file stays as it was."""
+    before = policy_file.read_bytes()
     code = STEPS + f"print(step(lambda: open({str(policy_file)!r}, 'a').write('# edited\\n')))\n"
-    with pytest.raises(LearningError, match="changed"):
-        learn_run(code, policy_file, provider="subprocess")
+    run = learn_run(code, policy_file, provider="subprocess")
+    assert "FileAccessDenied" in run.result.stdout  # a PermissionError subclass
+    assert policy_file.read_bytes() == before
+    assert any(d.rule == "files.write" and not d.learned for d in run.result.denials)
+
+
+def test_a_policy_edited_during_the_run_yields_no_proposal(policy_file) -> None:
+    """It writes no proposal when the policy file changed while the run went on (an edit
+    made behind the guards, here by the host itself, is detected afterwards)."""
+    import threading
+    import time
+
+    def edit() -> None:
+        time.sleep(0.5)
+        with open(policy_file, "a") as fh:
+            fh.write("# edited\n")
+
+    editor = threading.Thread(target=edit)
+    editor.start()
+    try:
+        with pytest.raises(LearningError, match="changed"):
+            learn_run("import time\ntime.sleep(2)", policy_file, provider="subprocess")
+    finally:
+        editor.join()
     assert not policy_file.with_name("tool.proposed.toml").exists()
 
 
