@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from agent_sandbox import Policy, Sandbox
 
-POLICY = Policy(
-    name="danger-dynamic",
-    api={"allow": ["dynamic-code"]},
-    code={"budgets": {"max_iterations": 10_000}},
-    limits={"wall_seconds": 20},
-)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # granting dynamic-code warns at load, by design
+    POLICY = Policy(
+        name="danger-dynamic",
+        api={"allow": ["dynamic-code"]},
+        code={"budgets": {"max_iterations": 10_000}},
+        limits={"wall_seconds": 20},
+    )
 
 
 @pytest.fixture(scope="module")
 def session():
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        sb = Sandbox(POLICY, warm=0)
+    sb = Sandbox(POLICY, warm=0)
     try:
         yield sb.session()
     finally:
