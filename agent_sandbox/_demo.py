@@ -64,10 +64,12 @@ def crewai_offline_env(storage_dir: str | None = None) -> dict[str, str]:
 
 
 def demo_policy() -> Policy:
-    """The demo tool's policy: a few maths modules, no network, small output."""
+    """The demo tool's policy: a few maths modules, no network, small output, and the
+    strongest kernel sandbox this machine offers (`auto`)."""
     return Policy(
         name="demo-analyst",
         description="Small statistics on numbers the user gives; no network, no files",
+        provider="auto",
         imports=ImportsPolicy(allow=("math", "statistics", "json")),
         limits=LimitsPolicy(wall_seconds=10, output_bytes=2048),
     )
@@ -85,20 +87,9 @@ class DemoScript:
     question: str = "What are the mean and standard deviation of 1..10?"
 
 
-def import_guard_active(policy: Policy) -> bool:
-    """Whether this build refuses imports outside `imports.allow` (the guard may be absent)."""
-    from agent_sandbox._sandbox import Sandbox
-
-    with Sandbox(policy, warm=0) as sandbox:
-        result = sandbox.run("import socket")
-    return any(d.rule == "imports" for d in result.denials)
-
-
-def demo_script(policy: Policy | None = None, *, use_import: bool | None = None) -> DemoScript:
-    """The demo's calls; the refusal is an import when the import guard is present."""
-    policy = policy or demo_policy()
-    if use_import is None:
-        use_import = import_guard_active(policy)
+def demo_script(policy: Policy | None = None, *, use_import: bool = True) -> DemoScript:
+    """The demo's calls; the refusal is an import outside the policy (or, with
+    `use_import=False`, a flood of output past `limits.output_bytes`)."""
     allowed = "import statistics\ndata = list(range(1, 11))\nprint(statistics.mean(data))"
     corrected = (
         "import statistics\ndata = list(range(1, 11))\nprint(round(statistics.stdev(data), 2))"
@@ -404,6 +395,15 @@ def run_crewai_demo(script: DemoScript | None = None, policy: Policy | None = No
     return t
 
 
+def _stack_text(policy: Policy) -> str:
+    """The sandbox stack the policy's provider gives a worker on this machine."""
+    from agent_sandbox._sandbox import Sandbox
+
+    with Sandbox(policy, warm=0) as sandbox:
+        result = sandbox.run("None")
+    return " + ".join(result.stack) or result.provider
+
+
 def run_demo(stream: TextIO, *, only: str | None = None) -> list[Transcript]:
     """Run both demos (or `only` one) and print their transcripts."""
     policy = demo_policy()
@@ -414,8 +414,8 @@ def run_demo(stream: TextIO, *, only: str | None = None) -> list[Transcript]:
     )
     print(
         style.dim(
-            f"policy {policy.name!r} (fingerprint {policy.fingerprint()}); "
-            f"the refused call breaks rule [{script.rule}]"
+            f"policy {policy.name!r} (fingerprint {policy.fingerprint()}), provider "
+            f"{policy.provider} -> {_stack_text(policy)}; the refused call breaks rule [{script.rule}]"
         ),
         file=stream,
     )

@@ -367,6 +367,7 @@ class WorkerProcess:
             policy=self.policy.name,
             fingerprint=self.policy.fingerprint(),
             provider=self.plan.provider if self.plan else "",
+            stack=tuple(self.plan.stack) if self.plan else (),
         )
 
     def _limit(

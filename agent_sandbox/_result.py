@@ -79,6 +79,7 @@ class RunResult:
     policy: str = ""
     fingerprint: str = ""
     provider: str = ""
+    stack: tuple[str, ...] = ()
     state_lost: bool = False
     notices: tuple[str, ...] = ()
     images: tuple[Image, ...] = ()
@@ -123,6 +124,7 @@ class RunResult:
             "policy": self.policy,
             "fingerprint": self.fingerprint,
             "provider": self.provider,
+            "stack": list(self.stack),
             "state_lost": self.state_lost,
             "notices": list(self.notices),
             "images": [i.to_dict() for i in self.images]
