@@ -34,7 +34,6 @@ __all__ = [
     "crewai_offline_env",
     "demo_policy",
     "demo_script",
-    "import_guard_active",
     "print_transcript",
     "run_crewai_demo",
     "run_demo",
@@ -415,7 +414,8 @@ def run_demo(stream: TextIO, *, only: str | None = None) -> list[Transcript]:
     print(
         style.dim(
             f"policy {policy.name!r} (fingerprint {policy.fingerprint()}), provider "
-            f"{policy.provider} -> {_stack_text(policy)}; the refused call breaks rule [{script.rule}]"
+            f"{policy.provider} -> {_stack_text(policy)}; "
+            f"the refused call breaks rule [{script.rule}]"
         ),
         file=stream,
     )
