@@ -141,6 +141,33 @@ def median_of(fn: Callable[[], object], rounds: int) -> float:
     return statistics.median(timed(fn) for _ in range(rounds))
 
 
+def peer_rows(rounds: int) -> None:
+    """The same snippets in a peer run on this machine in the same run, when it is installed:
+    smolagents' LocalPythonExecutor, an AST interpreter (not a security boundary either)."""
+    try:
+        from smolagents.local_python_executor import LocalPythonExecutor
+    except ImportError:
+        print("  (peer: smolagents is not installed; `pip install smolagents` to compare)")
+        return
+    for name, source in SNIPPETS.items():
+        plain = median_of(lambda src=source: exec(src, {}), max(3, rounds // 3))
+
+        def run_peer(src: str = source) -> None:
+            executor = LocalPythonExecutor(additional_authorized_imports=[])
+            executor.send_tools({})
+            executor(src)
+
+        try:
+            peer = median_of(run_peer, max(3, rounds // 3))
+        except Exception as exc:  # a peer that cannot run a snippet is reported, not fatal
+            print(f"  {name:20} peer smolagents: failed ({type(exc).__name__}: {exc})"[:120])
+            continue
+        print(
+            f"  {name:20} plain {plain * 1000:8.2f} ms   smolagents {peer * 1000:9.2f} ms"
+            f"   ratio {peer / plain:6.1f}x  (peer)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=21)
@@ -154,6 +181,8 @@ def main() -> None:
             f"  {name:20} plain {plain * 1000:8.2f} ms   checked {checked * 1000:8.2f} ms"
             f"   ratio {checked / plain:5.2f}x   (ratio of minimums {best:5.2f}x)"
         )
+
+    peer_rows(args.rounds)
 
     text = big_snippet()
     tree = ast.parse(text)
