@@ -398,5 +398,5 @@ class LandlockProvider(Provider):
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,
             worker_setup=setup,
-            stack=(self.name,),
+            stack=(self.name, "seccomp") if "seccomp" in setup else (self.name,),
         )

@@ -37,6 +37,6 @@ if [ "$(id -u)" = 0 ] && [ -x /usr/bin/python3 ]; then
   fi
   if [ ! -f "$nonroot/.installed" ] || [ pyproject.toml -nt "$nonroot/.installed" ] \
      || ! "$nonroot/bin/python" -c "import agent_sandbox, sys; sys.exit(agent_sandbox.__file__.startswith('$PWD') is False)" 2>/dev/null; then
-    "$nonroot/bin/python" -m pip install -q -e . && touch "$nonroot/.installed"
+    "$nonroot/bin/python" -m pip install -q -e ".[seccomp]" && touch "$nonroot/.installed"
   fi
 fi

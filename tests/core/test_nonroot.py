@@ -90,3 +90,70 @@ def test_runs_as_an_unprivileged_user() -> None:
     assert out["again"] == 2
     assert out["timeout"] == "limits.timeout"
     assert out["after"] is True
+
+
+KERNEL_SCRIPT = r"""
+import json, sys
+from agent_sandbox import Policy, ProviderUnavailable, Sandbox
+provider, canary = sys.argv[1], sys.argv[2]
+import warnings
+warnings.simplefilter("ignore")
+policy = Policy(name="danger-nonroot-kernel", provider=provider, imports={"allow": ["os", "ctypes"]},
+                api={"allow": ["native-code"]}, code={"enabled": False})
+try:
+    sb = Sandbox(policy, warm=0)
+except ProviderUnavailable as exc:
+    print(json.dumps({"unavailable": str(exc)}))
+    raise SystemExit(0)
+with sb:
+    # ctypes walks around the Python guards: only the kernel can refuse this read.
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"fd = libc.open({canary!r}.encode(), os.O_RDONLY)\n"
+        "data = os.read(fd, 100).decode() if fd >= 0 else ''\n"
+        "[os.getuid(), data]"
+    )
+    r = sb.run(code)
+    print(json.dumps({"value": r.value, "stack": list(r.stack),
+                      "error": r.error.message if r.error else None}))
+"""
+
+
+@pytest.mark.parametrize("provider", ["landlock", "bwrap", "unshare"])
+def test_kernel_providers_hold_for_an_unprivileged_user(provider: str, tmp_path: Path) -> None:
+    """It denies a native read of a world-readable canary as uid 65534 (the kernel refuses,
+    not file permissions)."""
+    canary = Path("/tmp") / f"agent-sandbox-nonroot-canary-{provider}"
+    canary.write_text("canary-nonroot-51c2")
+    canary.chmod(0o644)  # readable by uid 65534: only the sandbox can refuse it
+    try:
+        proc = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "env",
+                "HOME=/tmp",
+                str(NONROOT_PY),
+                "-c",
+                KERNEL_SCRIPT,
+                provider,
+                str(canary),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd="/tmp",
+        )
+    finally:
+        canary.unlink()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in out:
+        pytest.skip(out["unavailable"])
+    assert "canary-nonroot-51c2" not in proc.stdout
+    assert out["value"] is not None, out
+    assert out["value"][1] == ""
+    assert out["stack"][0] == provider

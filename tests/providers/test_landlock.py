@@ -175,7 +175,7 @@ def test_view_maps_host_paths_to_in_sandbox_paths() -> None:
 def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
     """It plans NO_NEW_PRIVS, the capability drop, Landlock and a seccomp program."""
     plan = LandlockProvider().build(Policy(name="p"), _spec())
-    assert plan.provider == "landlock" and plan.stack == ("landlock",)
+    assert plan.provider == "landlock" and plan.stack == ("landlock", "seccomp")
     assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "6")
     assert sorted(plan.worker_setup) == ["drop_caps", "landlock", "no_new_privs", "seccomp"]
     assert plan.pass_fds == (5, 6)
