@@ -20,7 +20,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunError, RunResult
@@ -28,15 +28,17 @@ from agent_sandbox._sandbox import OnEvent, Sandbox
 from agent_sandbox.policies import Policy, resolve_policy
 
 __all__ = [
-    "FAILURE_KINDS",
     "CodeErrorsAs",
+    "FAILURE_KINDS",
     "Outcome",
     "PolicySpec",
     "SessionMode",
     "ToolRunner",
+    "coerce_policy",
     "describe_policy",
     "image_blocks",
     "internal_failure",
+    "learner_for",
     "outcome",
 ]
 
@@ -164,6 +166,22 @@ class Outcome:
     kind: str
     rule: str | None
     rules: tuple[str, ...]
+
+
+def coerce_policy(value: Any) -> Policy:
+    """A tool's `policy` argument as a Policy: a Policy, a shipped policy name or a TOML path."""
+    if isinstance(value, Policy):
+        return value
+    if value is None or isinstance(value, str | os.PathLike):
+        return resolve_policy(value)
+    raise TypeError("policy must be a Policy, a shipped policy name or a TOML path")
+
+
+def learner_for(mode: str, current: Any) -> Learner | None:
+    """The tool's learner in learning mode (created on first use), None when enforcing."""
+    if mode != "learn":
+        return None
+    return cast(Learner, current) if current is not None else Learner()
 
 
 def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Outcome:

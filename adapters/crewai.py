@@ -18,7 +18,6 @@ CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, cast
 
 from crewai.tools import BaseTool
@@ -30,7 +29,9 @@ from agent_sandbox.adapters._common import (
     CodeErrorsAs,
     SessionMode,
     ToolRunner,
+    coerce_policy,
     describe_policy,
+    learner_for,
     outcome,
 )
 from agent_sandbox.policies import Policy, resolve_policy
@@ -92,11 +93,7 @@ class SandboxedPythonTool(BaseTool):
     @field_validator("policy", mode="before")
     @classmethod
     def _resolve(cls, value: Any) -> Policy:
-        if isinstance(value, Policy):
-            return value
-        if value is None or isinstance(value, str | os.PathLike):
-            return resolve_policy(value)
-        raise TypeError("policy must be a Policy, a shipped policy name or a TOML path")
+        return coerce_policy(value)
 
     @field_validator("cache_function", mode="after")
     @classmethod
@@ -104,11 +101,8 @@ class SandboxedPythonTool(BaseTool):
         return never_cache
 
     def _learner(self) -> Learner | None:
-        if self.mode != "learn":
-            return None
-        if self.learner is None:
-            self.learner = Learner()
-        return cast(Learner, self.learner)
+        self.learner = learner_for(self.mode, self.learner)
+        return cast("Learner | None", self.learner)
 
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:

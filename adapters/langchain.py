@@ -20,7 +20,6 @@ Sessions: `session="thread"` (default) gives each LangGraph `thread_id` its own 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
@@ -36,8 +35,10 @@ from agent_sandbox.adapters._common import (
     Outcome,
     SessionMode,
     ToolRunner,
+    coerce_policy,
     describe_policy,
     image_blocks,
+    learner_for,
     outcome,
 )
 from agent_sandbox.policies import Policy, resolve_policy
@@ -111,18 +112,11 @@ class SandboxedPythonTool(BaseTool):
     @field_validator("policy", mode="before")
     @classmethod
     def _resolve(cls, value: Any) -> Policy:
-        if isinstance(value, Policy):
-            return value
-        if value is None or isinstance(value, str | os.PathLike):
-            return resolve_policy(value)
-        raise TypeError("policy must be a Policy, a shipped policy name or a TOML path")
+        return coerce_policy(value)
 
     def _learner(self) -> Learner | None:
-        if self.mode != "learn":
-            return None
-        if self.learner is None:
-            self.learner = Learner()
-        return cast(Learner, self.learner)
+        self.learner = learner_for(self.mode, self.learner)
+        return cast("Learner | None", self.learner)
 
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
