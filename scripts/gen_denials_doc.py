@@ -7,7 +7,8 @@ from agent_sandbox import RULES
 HEAD = """# Denials and their rule names
 
 A denial is data before it is an exception: `Denial(rule, action, target, policy, hint,
-detail, learned)`. `rule` is a stable dotted name; grep for it in a policy and here. The
+detail, learned, internal)`; `learned` marks a would-be denial of learning mode, `internal` a
+refusal a library raised and handled itself (kept for the operator, not a failure). `rule` is a stable dotted name; grep for it in a policy and here. The
 exception raised inside user code subclasses both `SandboxDenied` and the builtin class
 ordinary code expects (`PermissionError`, `FileNotFoundError`, `ModuleNotFoundError`,
 `ConnectionRefusedError`, `KeyError`, `SyntaxError`). The worker records every denial before
