@@ -78,9 +78,12 @@ def package_dirs() -> dict[str, str]:
 
 
 def import_roots() -> tuple[str, ...]:
-    """The worker's `sys.path`: the standard library, then this environment's site-packages.
+    """The worker's `sys.path`: the standard library, this environment's site-packages, then
+    the other import roots the parent uses (a user site, `PYTHONPATH` entries).
 
-    No `.pth` file is processed in the worker, so nothing in site-packages runs at start-up.
+    The parent's current directory (`''`) is never passed: it is where a planted module
+    would shadow a real one. No `.pth` file is processed in the worker, so nothing in
+    site-packages runs at start-up.
     """
     paths = sysconfig.get_paths()
     dynload = [p for p in sys.path if os.path.basename(p) == "lib-dynload"]
@@ -90,6 +93,10 @@ def import_roots() -> tuple[str, ...]:
         paths["purelib"],
         paths["platlib"],
     ]
+    cwd = os.getcwd()
+    for entry in sys.path:
+        if entry and os.path.isabs(entry) and entry != cwd and os.path.exists(entry):
+            roots.append(entry)
     seen: dict[str, None] = {}
     for root in roots:
         seen.setdefault(os.path.realpath(root), None)
