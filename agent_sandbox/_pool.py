@@ -3,6 +3,11 @@
 A pool keeps `warm` started, handshaken workers for one (policy, provider) pair and refills
 in a background thread after each acquire. Pools are shared between sandboxes with the same
 policy through `PoolRegistry`, and closed when the last sandbox using one is closed.
+
+For providers whose worker is a plain child (`subprocess`, `landlock`), the pool also keeps
+a worker template (`_templates.py`): a pre-imported process that forks new workers, so a
+start costs a fork instead of the worker's imports. If the template cannot start, workers
+are started directly (the same plan and restrictions either way).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import threading
 
 from agent_sandbox._errors import SandboxClosed, WorkerStartError
 from agent_sandbox._process import WorkerProcess
+from agent_sandbox._templates import TEMPLATE_PROVIDERS, WorkerTemplate
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import Provider
 
@@ -34,9 +40,48 @@ class WorkerPool:
         self._closed = False
         self.started = 0
         self.last_error: BaseException | None = None
+        self.use_template = provider.name in TEMPLATE_PROVIDERS
+        self._template: WorkerTemplate | None = None
+        self._template_lock = threading.Lock()
+
+    def template(self) -> WorkerTemplate | None:
+        """The pool's worker template, started on first use (None where it does not apply)."""
+        if not self.use_template or self._closed:
+            return None
+        with self._template_lock:
+            if self._template is not None and self._template.alive():
+                return self._template
+            if self._template is not None:
+                self._template.close()
+            try:
+                self._template = WorkerTemplate.start(
+                    self.policy, self.provider, timeout=self.start_timeout
+                )
+            except (WorkerStartError, OSError) as exc:
+                self.last_error = exc
+                self.use_template = False  # start workers directly from now on
+                self._template = None
+            return self._template
 
     def _start(self) -> WorkerProcess:
-        worker = WorkerProcess.start(self.policy, self.provider, start_timeout=self.start_timeout)
+        template = self.template()
+        if template is not None:
+            try:
+                worker = WorkerProcess.start(
+                    self.policy,
+                    self.provider,
+                    start_timeout=self.start_timeout,
+                    template=template,
+                )
+            except WorkerStartError as exc:
+                self.last_error = exc
+                worker = WorkerProcess.start(
+                    self.policy, self.provider, start_timeout=self.start_timeout
+                )
+        else:
+            worker = WorkerProcess.start(
+                self.policy, self.provider, start_timeout=self.start_timeout
+            )
         self.started += 1
         return worker
 
@@ -102,6 +147,10 @@ class WorkerPool:
             self._ready.clear()
         for worker in ready:
             worker.discard()
+        with self._template_lock:
+            if self._template is not None:
+                self._template.close()
+                self._template = None
 
 
 class PoolRegistry:

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
@@ -48,14 +48,37 @@ from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerCl
 from agent_sandbox._unpickle import Decoder
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
+
+if TYPE_CHECKING:
+    from agent_sandbox._templates import WorkerTemplate
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
 
-__all__ = ["WorkerProcess", "import_roots", "package_dirs", "worker_env"]
+__all__ = [
+    "BOOT_SCRIPT",
+    "WorkerProcess",
+    "import_roots",
+    "package_dirs",
+    "worker_env",
+    "worker_python",
+]
 
 OnEvent = Callable[[str, Any], None]
 
-_BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_boot.py")
+
+class ChildProcess(Protocol):
+    """What the parent needs of a worker process: a `subprocess.Popen`, or a worker forked by
+    a template (`_templates.TemplateChild`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_boot.py")
 _PACKAGES = (
     "agent_sandbox",
     "agent_sandbox.guards",
@@ -119,7 +142,7 @@ class WorkerProcess:
 
     def __init__(self) -> None:
         self.id = "w-" + secrets.token_hex(4)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ChildProcess | None = None
         self.control_dir = ""
         self.scratch = ""
         self.plan: LaunchPlan | None = None
@@ -141,9 +164,19 @@ class WorkerProcess:
 
     @classmethod
     def start(
-        cls, policy: Policy, provider: Provider, *, start_timeout: float = 15.0
+        cls,
+        policy: Policy,
+        provider: Provider,
+        *,
+        start_timeout: float = 15.0,
+        template: WorkerTemplate | None = None,
     ) -> WorkerProcess:
-        """Start a worker for `policy` under `provider` and wait for its handshake."""
+        """Start a worker for `policy` under `provider` and wait for its handshake.
+
+        With a `template` (see `_templates.py`) the worker is forked from a pre-imported
+        template instead of started from scratch; the plan, the boot configuration, the
+        limits and every restriction are the same.
+        """
         self = cls()
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
@@ -161,8 +194,8 @@ class WorkerProcess:
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
             spec = WorkerSpec(
-                python=os.path.realpath(sys.executable) if _venv_safe() else sys.executable,
-                boot_script=_BOOT_SCRIPT,
+                python=worker_python(),
+                boot_script=BOOT_SCRIPT,
                 scratch=self.scratch,
                 control_dir=self.control_dir,
                 listen_fd=listener.fileno(),
@@ -177,7 +210,10 @@ class WorkerProcess:
             self.cgroups = start_cgroups(self.id, policy, self.plan.argv, spec.python)
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
             self._log = log
-            self.proc = provider.launch(self.plan, log)
+            if template is not None:
+                self.proc = template.spawn(self.plan, log)
+            else:
+                self.proc = provider.launch(self.plan, log)
         except BaseException:
             listener.close()
             os.close(boot_r)
@@ -543,6 +579,11 @@ class WorkerProcess:
         except OSError:
             return ""
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def worker_python() -> str:
+    """The interpreter workers run: this one (resolved unless that would leave a venv)."""
+    return os.path.realpath(sys.executable) if _venv_safe() else sys.executable
 
 
 def _venv_safe() -> bool:

@@ -47,6 +47,10 @@ def main() -> None:
     boot = _read_boot(int(sys.argv[1]))
     sys.path[:] = list(boot["sys_path"])
     _map_packages(boot["package_dirs"])
+    if "template_fd" in boot:  # a pre-imported template that forks workers on request
+        from agent_sandbox._worker_template import run_template
+
+        run_template(int(boot["template_fd"]))
     from agent_sandbox._worker_server import serve
 
     serve(boot)
