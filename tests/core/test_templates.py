@@ -74,7 +74,9 @@ def test_workers_die_with_their_template(tmp_path: Path) -> None:
         assert template is not None and template.proc is not None
         os.kill(template.proc.pid, signal.SIGKILL)
         assert _gone(pid)
-        after = session.run("try:\n    x\n    seen = True\nexcept NameError:\n    seen = False\nseen")
+        after = session.run(
+            "try:\n    x\n    seen = True\nexcept NameError:\n    seen = False\nseen"
+        )
     assert after.value is False and after.state_lost
 
 
