@@ -58,12 +58,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _become_worker(
-    request: dict[str, Any], fds: list[int], control: socket.socket, libc: Any
+    request: dict[str, Any],
+    fds: list[int],
+    control: socket.socket,
+    selector: selectors.BaseSelector,
+    libc: Any,
 ) -> None:
     """In the forked child: set up like a fresh worker process, then serve (never returns)."""
     try:
         # Dies with the template, which exits when the parent's end of its socket closes.
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        selector.close()  # the template's epoll descriptor is nothing the worker may keep
         control.close()
         listen_fd, boot_fd, log_fd = fds
         os.setsid()
@@ -135,7 +140,7 @@ def run_template(control_fd: int) -> None:
             continue
         pid = os.fork()
         if pid == 0:
-            _become_worker(request, fds, control, libc)
+            _become_worker(request, fds, control, selector, libc)
         for fd in fds:
             os.close(fd)
         _send(control, {"spawned": pid, "req": request.get("req")})

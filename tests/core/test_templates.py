@@ -94,3 +94,14 @@ def test_a_template_that_cannot_start_falls_back_to_direct_starts(
         assert result.ok and result.value == os.getpid()  # a direct child of this process
         assert sb._pool._template is None and not sb._pool.use_template
         assert isinstance(sb._pool.last_error, WorkerStartError)
+
+
+def test_a_forked_worker_holds_only_its_own_descriptors() -> None:
+    """It leaves the worker no descriptor of the template (control socket, epoll)."""
+    with Sandbox(POLICY, warm=0) as sb:
+        session = sb.session()
+        pid = session.run("import os\nos.getpid()").value
+        kinds = sorted(os.readlink(f"/proc/{pid}/fd/{fd}").split(":")[0]
+                       for fd in os.listdir(f"/proc/{pid}/fd"))
+    assert kinds.count("anon_inode") == 1  # its own server's epoll, none from the template
+    assert kinds.count("socket") == 2  # its listening socket and its one connection
