@@ -101,7 +101,9 @@ def test_a_forked_worker_holds_only_its_own_descriptors() -> None:
     with Sandbox(POLICY, warm=0) as sb:
         session = sb.session()
         pid = session.run("import os\nos.getpid()").value
-        kinds = sorted(os.readlink(f"/proc/{pid}/fd/{fd}").split(":")[0]
-                       for fd in os.listdir(f"/proc/{pid}/fd"))
+        kinds = sorted(
+            os.readlink(f"/proc/{pid}/fd/{fd}").split(":")[0]
+            for fd in os.listdir(f"/proc/{pid}/fd")
+        )
     assert kinds.count("anon_inode") == 1  # its own server's epoll, none from the template
     assert kinds.count("socket") == 2  # its listening socket and its one connection
