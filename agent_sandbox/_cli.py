@@ -178,7 +178,8 @@ def print_result_tail(result: Any, stream: TextIO) -> None:
         err = result.error
         if err.traceback and err.kind in ("exception", "syntax"):
             stream.write(err.traceback if err.traceback.endswith("\n") else err.traceback + "\n")
-        else:
+        elif not (err.rule and any(d.rule == err.rule for d in result.denials)):
+            # A refusal is shown once, in the block below; other failures are shown here.
             label = f"{err.kind}" + (f" [{err.rule}]" if err.rule else "")
             print(style.red(f"{label}: {err.message}"), file=stream)
     if result.denials:
