@@ -9,7 +9,6 @@ import pytest
 
 def test_the_test_process_cannot_reach_a_public_address() -> None:
     """It refuses a connection to a public address from the test process (pytest-socket)."""
-    with pytest.raises(Exception) as info:
+    with pytest.warns(UserWarning, match="192.0.2.1"), pytest.raises(Exception) as info:
         socket.create_connection(("192.0.2.1", 80), timeout=0.5)  # TEST-NET-1, never routed
-    assert "Socket" in type(info.value).__name__ or isinstance(info.value, OSError)
     assert type(info.value).__name__ in ("SocketBlockedError", "SocketConnectBlockedError")
