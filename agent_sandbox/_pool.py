@@ -65,20 +65,15 @@ class WorkerPool:
 
     def _start(self) -> WorkerProcess:
         template = self.template()
+        worker = None
         if template is not None:
             try:
                 worker = WorkerProcess.start(
-                    self.policy,
-                    self.provider,
-                    start_timeout=self.start_timeout,
-                    template=template,
+                    self.policy, self.provider, start_timeout=self.start_timeout, template=template
                 )
             except WorkerStartError as exc:
-                self.last_error = exc
-                worker = WorkerProcess.start(
-                    self.policy, self.provider, start_timeout=self.start_timeout
-                )
-        else:
+                self.last_error = exc  # then started directly, below
+        if worker is None:
             worker = WorkerProcess.start(
                 self.policy, self.provider, start_timeout=self.start_timeout
             )

@@ -545,7 +545,7 @@ class WorkerProcess:
             else:
                 self._cleanup_dirs()
 
-    def _reap(self, proc: subprocess.Popen[bytes]) -> None:
+    def _reap(self, proc: ChildProcess) -> None:
         try:
             proc.wait(10.0)
         except subprocess.TimeoutExpired:

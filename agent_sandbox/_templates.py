@@ -98,6 +98,7 @@ class WorkerTemplate:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._closed = False
+        self._buffer = b""
 
     @classmethod
     def start(cls, policy: Policy, provider: Provider, *, timeout: float = 15.0) -> WorkerTemplate:
@@ -170,8 +171,6 @@ class WorkerTemplate:
         return self
 
     # -- messages ------------------------------------------------------------------------
-
-    _buffer = b""
 
     def _read_line(self) -> dict[str, Any]:
         assert self.sock is not None

@@ -24,6 +24,7 @@ Standard library only until the worker's modules are imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -62,13 +63,18 @@ def _become_worker(
     fds: list[int],
     control: socket.socket,
     selector: selectors.BaseSelector,
+    wakeup: tuple[int, int],
     libc: Any,
 ) -> None:
     """In the forked child: set up like a fresh worker process, then serve (never returns)."""
     try:
         # Dies with the template, which exits when the parent's end of its socket closes.
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        selector.close()  # the template's epoll descriptor is nothing the worker may keep
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        selector.close()  # the template's descriptors are nothing the worker may keep
+        for fd in wakeup:
+            os.close(fd)
         control.close()
         listen_fd, boot_fd, log_fd = fds
         os.setsid()
@@ -80,7 +86,6 @@ def _become_worker(
         os.environ.update(request["env"])
         for name, value in request["env"].items():
             os.putenv(name, value)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         from agent_sandbox._worker_boot import _read_boot
         from agent_sandbox._worker_server import serve
 
@@ -111,14 +116,23 @@ def run_template(control_fd: int) -> None:
     """Serve fork requests on the control socket until it closes (then exit)."""
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
+    # A child's exit wakes the loop through this pipe (no polling while idle).
+    wakeup = os.pipe()
+    os.set_blocking(wakeup[0], False)
+    os.set_blocking(wakeup[1], False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wakeup[1])
     _send(control, {"ready": os.getpid()})
     selector = selectors.DefaultSelector()
-    selector.register(control, selectors.EVENT_READ)
+    selector.register(control, selectors.EVENT_READ, "control")
+    selector.register(wakeup[0], selectors.EVENT_READ, "child")
     buffer = b""
     while True:
-        events = selector.select(timeout=0.02)
+        events = selector.select()
         _reap(control)
-        if not events:
+        if not any(key.data == "control" for key, _ in events):
+            with contextlib.suppress(BlockingIOError):
+                os.read(wakeup[0], 4096)
             continue
         data, fds_list, _flags, _addr = socket.recv_fds(control, 65536, 3)
         if not data:
@@ -140,7 +154,7 @@ def run_template(control_fd: int) -> None:
             continue
         pid = os.fork()
         if pid == 0:
-            _become_worker(request, fds, control, selector, libc)
+            _become_worker(request, fds, control, selector, wakeup, libc)
         for fd in fds:
             os.close(fd)
         _send(control, {"spawned": pid, "req": request.get("req")})

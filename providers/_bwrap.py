@@ -34,7 +34,6 @@ import subprocess
 from collections.abc import Mapping
 from typing import IO, Any, ClassVar
 
-from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
@@ -51,7 +50,7 @@ from agent_sandbox.providers._view import (
     mounts_for,
     path_view,
     policy_paths,
-    unsupported_network,
+    require_local_network,
 )
 
 __all__ = ["SECCOMP_FD_SLOT", "BwrapPlan", "BwrapProvider", "bwrap_argv", "stacked_layers"]
@@ -213,13 +212,7 @@ class BwrapProvider(Provider):
         return _probe(self.bwrap)
 
     def build(self, policy: Any, spec: WorkerSpec) -> BwrapPlan:
-        hosts = unsupported_network(policy)
-        if hosts:
-            raise ProviderUnavailable(
-                self.name,
-                f"the policy allows network to {', '.join(hosts)} [net], but bwrap gives the "
-                "worker no network (loopback only); use the landlock provider for TCP rules",
-            )
+        require_local_network(self.name, policy, "gives the worker no network (loopback only)")
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
         host = host_layout(policy_paths(policy, spec)[2])

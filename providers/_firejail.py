@@ -36,7 +36,6 @@ import shutil
 import subprocess
 from typing import Any, ClassVar
 
-from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
@@ -50,7 +49,7 @@ from agent_sandbox.providers._view import (
     bound_paths,
     host_layout,
     policy_paths,
-    unsupported_network,
+    require_local_network,
 )
 
 __all__ = ["FirejailProvider", "firejail_argv"]
@@ -208,13 +207,7 @@ class FirejailProvider(Provider):
         return _probe(self.firejail)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        hosts = unsupported_network(policy)
-        if hosts:
-            raise ProviderUnavailable(
-                self.name,
-                f"the policy allows network to {', '.join(hosts)} [net], but firejail runs "
-                "the worker with --net=none; use the landlock provider for TCP rules",
-            )
+        require_local_network(self.name, policy, "runs the worker with --net=none")
         details = self.probe().details
         exe = str(details.get("path", self.firejail))
         setpriv = str(details.get("setpriv", "setpriv"))

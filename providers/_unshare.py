@@ -35,7 +35,6 @@ import sys
 import tempfile
 from typing import Any, ClassVar
 
-from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
@@ -52,7 +51,7 @@ from agent_sandbox.providers._view import (
     network_mode,
     path_view,
     policy_paths,
-    unsupported_network,
+    require_local_network,
 )
 
 __all__ = ["LAUNCHER", "UnshareProvider", "launcher_config", "stack_in_worker", "unshare_argv"]
@@ -144,13 +143,7 @@ class UnshareProvider(Provider):
         return _probe(os.path.realpath(sys.executable))
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        hosts = unsupported_network(policy)
-        if hosts:
-            raise ProviderUnavailable(
-                self.name,
-                f"the policy allows network to {', '.join(hosts)} [net], but unshare gives "
-                "the worker no network (loopback only); use the landlock provider for TCP rules",
-            )
+        require_local_network(self.name, policy, "gives the worker no network (loopback only)")
         host = host_layout(policy_paths(policy, spec)[2])
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()

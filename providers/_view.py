@@ -26,6 +26,8 @@ import stat
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from agent_sandbox._errors import ProviderUnavailable
+
 __all__ = [
     "HostLayout",
     "Mount",
@@ -35,6 +37,7 @@ __all__ = [
     "bound_paths",
     "path_view",
     "policy_paths",
+    "require_local_network",
     "unsupported_network",
 ]
 
@@ -256,6 +259,18 @@ def unsupported_network(policy: Any) -> list[str]:
         for rule in policy.net.rules
         if rule.action == "allow" and not _is_loopback(rule.host)
     ]
+
+
+def require_local_network(provider: str, policy: Any, how: str) -> None:
+    """Refuse (ProviderUnavailable) a policy that allows hosts a namespace without network
+    cannot reach; `how` says what the provider gives the worker instead."""
+    hosts = unsupported_network(policy)
+    if hosts:
+        raise ProviderUnavailable(
+            provider,
+            f"the policy allows network to {', '.join(hosts)} [net], but {provider} {how}; "
+            "use the landlock provider for TCP rules",
+        )
 
 
 def network_mode(policy: Any) -> Literal["none", "loopback"]:
