@@ -18,6 +18,7 @@ SIGKILL. A worker that dies is reported with its exit status, never waited on fo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fnmatch
 import functools
@@ -28,6 +29,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -129,8 +131,10 @@ def import_roots() -> tuple[str, ...]:
     the other import roots the parent uses (a user site, `PYTHONPATH` entries).
 
     The parent's current directory (`''`) is never passed: it is where a planted module
-    would shadow a real one. No `.pth` file is processed in the worker, so nothing in
-    site-packages runs at start-up.
+    would shadow a real one. Nor is a directory every user can write (`/tmp`, when the
+    parent's script lives there): the same planting risk, and binding it would show the
+    worker everyone's temporary files. No `.pth` file is processed in the worker, so
+    nothing in site-packages runs at start-up.
     """
     paths = sysconfig.get_paths()
     dynload = [p for p in sys.path if os.path.basename(p) == "lib-dynload"]
@@ -142,12 +146,20 @@ def import_roots() -> tuple[str, ...]:
     ]
     cwd = os.getcwd()
     for entry in sys.path:
-        if entry and os.path.isabs(entry) and entry != cwd and os.path.exists(entry):
+        if entry and os.path.isabs(entry) and entry != cwd and not _shared_or_missing(entry):
             roots.append(entry)
     seen: dict[str, None] = {}
     for root in roots:
         seen.setdefault(os.path.realpath(root), None)
     return tuple(seen)
+
+
+def _shared_or_missing(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True
+    return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_IWOTH)
 
 
 def worker_env(policy: Policy, host: Mapping[str, str]) -> dict[str, str]:
@@ -231,11 +243,16 @@ class WorkerProcess:
                 base_prefix=sys.base_prefix,
             )
             self.plan = provider.build(policy, spec)
+            launcher = self.plan.argv[0] != spec.python
             self.cgroups = start_cgroups(self.id, policy, self.plan.argv, spec.python)
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
             self._log = log
             if template is not None:
                 self.proc = template.spawn(self.plan, log)
+            elif self.cgroups is not None and launcher:
+                # A launcher forks early: it joins the groups itself before it runs.
+                argv = self.cgroups.joining_argv(self.plan.argv)
+                self.proc = provider.launch(dataclasses.replace(self.plan, argv=argv), log)
             else:
                 self.proc = provider.launch(self.plan, log)
         except BaseException:
@@ -269,12 +286,15 @@ class WorkerProcess:
             ) from None
         finally:
             os.close(boot_w)
-        launcher = self.plan.argv[0] != spec.python
         if self.cgroups is not None:
             # While the worker boots (it has its configuration already). It runs no user code
             # and forks nothing before its handshake, so joining now covers all it will start.
+            # A launcher joined most groups itself before it ran (`joining_argv`).
             try:
-                self.cgroups.attach(self.proc.pid)
+                if launcher:
+                    self.cgroups.attach_tree(self.proc.pid)
+                else:
+                    self.cgroups.attach(self.proc.pid)
             except OSError as exc:
                 if self.proc.poll() is None:  # alive but not limited: never run it like that
                     self.kill()
@@ -298,8 +318,7 @@ class WorkerProcess:
             raise WorkerStartError(reason, log_tail=tail) from None
         self._verify_hello()
         if self.cgroups is not None and launcher:
-            # A launcher (unshare, firejail) may have forked before the first attach; the
-            # worker itself forks nothing while idle.
+            # Any launcher process forked while the first pass ran (usually none: one read).
             self.cgroups.attach_tree(self.proc.pid)
         self.started_at = time.monotonic()
         return self

@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -153,6 +153,16 @@ def _counter(text: str, key: str) -> int:
     return 0
 
 
+# Groups a launcher does not join itself (see `WorkerCgroups.joining_argv`).
+_JOINED_LATE = ("memory-v1",)
+# The arguments are the `cgroup.procs` files, `--`, then the command to exec.
+_JOIN_SCRIPT = (
+    'while [ "$1" != -- ]; do echo $$ > "$1" || '
+    '{ echo "agent-sandbox: could not join the cgroup $1" >&2; exit 125; }; shift; done; '
+    'shift; exec "$@"'
+)
+
+
 class WorkerCgroups:
     """The cgroups of one worker: created before launch, joined right after, removed at end.
 
@@ -219,14 +229,48 @@ class WorkerCgroups:
         for path in sorted(set(self.dirs.values())):
             _write(os.path.join(path, "cgroup.procs"), str(pid))
 
+    def joining_argv(self, argv: Sequence[str]) -> tuple[str, ...]:
+        """`argv` behind a shell that joins the groups that are cheap to join, then execs it.
+
+        For launchers (bwrap, unshare, firejail), which fork soon after they start, so the
+        parent cannot attach them without racing those forks. Joined before the exec, every
+        process of the launcher and of the worker is born inside the `pids` and unified
+        groups: the process bound and the certain end hold from the first instruction. A
+        group that cannot be joined stops the start (exit 125, the reason in the worker log).
+
+        A cgroup v1 `memory` group is left out: moving a process into one costs 5-10 ms
+        here, which would delay every start. `attach_tree` places the tree there while the
+        worker boots, and again after its handshake for any process forked in between.
+        """
+        late = self._late_paths()
+        files = sorted(
+            {os.path.join(p, "cgroup.procs") for p in self.dirs.values() if p not in late}
+        )
+        return ("/bin/sh", "-c", _JOIN_SCRIPT, "agent-sandbox-join", *files, "--", *argv)
+
     def attach_tree(self, pid: int) -> int:
-        """Move `pid` and all its current descendants (a launcher may have forked already)."""
+        """Move `pid` and its current descendants into the groups `joining_argv` left out.
+
+        Skips processes already there (after the first pass that is all of them, so the
+        second costs one read). Returns how many processes were moved.
+        """
+        late = self._late_paths()
+        if not late:
+            return 0
         moved = 0
-        for child in [pid, *_descendants(pid)]:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                self.attach(child)
-                moved += 1
+        for path in late:
+            procs = os.path.join(path, "cgroup.procs")
+            members = set(_read(procs).split())
+            for proc in [pid, *_descendants(pid)]:
+                if str(proc) in members:
+                    continue
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                    _write(procs, str(proc))
+                    moved += 1
         return moved
+
+    def _late_paths(self) -> list[str]:
+        return sorted({self.dirs[key] for key in _JOINED_LATE if key in self.dirs})
 
     def pids(self) -> list[int]:
         out: set[int] = set()

@@ -251,8 +251,10 @@ for _ in range(3):
     pid = os.fork()
     if pid == 0:
         try:
-            hold = [bytearray(16 * 1024 * 1024) for _ in range(12)]
-            import time; time.sleep(1)
+            # 128 MB each: under RLIMIT_AS (256 MB per process), over the cgroup's 256 MB
+            # for any two at once, which they are while holding it (even on a loaded machine).
+            hold = [bytearray(16 * 1024 * 1024) for _ in range(8)]
+            import time; time.sleep(3)
         finally:
             os._exit(0)
     kids.append(pid)

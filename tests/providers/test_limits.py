@@ -90,8 +90,6 @@ def test_cgroups_are_created_joined_killed_and_removed() -> None:
         deadline = time.monotonic() + 5
         while len(groups.pids()) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        # The grandchild was forked before the attach? Then attach_tree catches it.
-        groups.attach_tree(proc.pid)
         members = groups.pids()
         assert proc.pid in members
         groups.kill()
@@ -103,6 +101,46 @@ def test_cgroups_are_created_joined_killed_and_removed() -> None:
     finally:
         proc.kill()
         groups.kill()
+        groups.remove()
+
+
+@needs_cgroups
+def test_a_launcher_joins_its_groups_before_it_forks() -> None:
+    """It puts a launcher and the children it forks at once in the groups, with no attach."""
+    groups = WorkerCgroups.create("w-join" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
+    assert groups is not None
+    launcher = ["sh", "-c", "setsid sleep 60 & echo $!; exec sleep 60"]
+    proc = subprocess.Popen(
+        groups.joining_argv(launcher), start_new_session=True, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        grandchild = int(proc.stdout.readline())
+        groups.attach_tree(proc.pid)  # the groups it leaves to the parent (a v1 memory group)
+        for path in set(groups.dirs.values()):
+            members = Path(path, "cgroup.procs").read_text().split()
+            assert {str(proc.pid), str(grandchild)} <= set(members), path
+        assert groups.attach_tree(proc.pid) == 0  # a second pass moves nothing
+    finally:
+        groups.kill()
+        proc.wait(5)
+        groups.remove()
+
+
+@needs_cgroups
+def test_a_group_that_cannot_be_joined_stops_the_launch() -> None:
+    """It never runs the launcher outside its groups: exit 125 and the reason on stderr."""
+    groups = WorkerCgroups.create("w-gone" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
+    assert groups is not None
+    argv = groups.joining_argv(["sh", "-c", "echo ran"])
+    gone = os.path.dirname(argv[4])  # the first group the launcher joins
+    os.rmdir(gone)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        assert proc.returncode == 125
+        assert "ran" not in proc.stdout
+        assert f"could not join the cgroup {gone}/cgroup.procs" in proc.stderr
+    finally:
         groups.remove()
 
 

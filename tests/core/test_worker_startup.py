@@ -1,9 +1,9 @@
-"""Workers start from current bytecode, never by compiling the package from source.
+"""What a worker starts from: current bytecode and import roots the parent chose.
 
-Workers run with `-B` inside read-only views, so they cannot write `__pycache__`, and most
-of their modules are never imported by the parent. `package_dirs()` refreshes the caches
-once per parent process; without that, each worker start compiled about a dozen modules
-(some 20 ms here).
+Bytecode: workers run with `-B` inside read-only views, so they cannot write `__pycache__`,
+and most of their modules are never imported by the parent. `package_dirs()` refreshes the
+caches once per parent process; without that, each worker start compiled about a dozen
+modules (some 20 ms here).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from agent_sandbox._process import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
 
@@ -96,3 +98,17 @@ def test_worker_start_up_imports_compile_nothing_from_source() -> None:
     compiled = json.loads(child.stdout)
     ours = [p for p in compiled if any(p.startswith(d + os.sep) for d in dirs.values())]
     assert ours == []
+
+
+def test_import_roots_leave_out_directories_everyone_can_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It never hands the worker a shared directory such as /tmp (a parent script there)."""
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    private.mkdir(mode=0o755)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(shared), str(private)])
+    roots = import_roots()
+    assert str(private) in roots
+    assert str(shared) not in roots
