@@ -9,7 +9,11 @@ What it enforces:
 2. Two hooks judge, so that both fresh and already-loaded modules are covered:
    * the user namespace gets its own `__builtins__` whose `__import__` judges every import
      statement of user code, including modules loaded before arming (`socket`, which the
-     worker's transport uses) and relative imports (judged by their absolute name);
+     worker's transport uses) and relative imports (judged by their absolute name). That
+     `__import__` is `user_import`: the C `FastImport` of `_fastimport.c`, which answers a
+     plain `import x` of a top-level module this guard already allowed and imported (the
+     `_ok` set) straight from `sys.modules`, and passes every other call to `guarded_import`
+     unchanged. Without the compiled extension, `user_import` is `guarded_import` itself;
    * a finder at the head of `sys.meta_path` judges imports that reach the import system by
      another route (`importlib.import_module`, which is also wrapped, or `__import__` reached
      through the real `builtins`), by looking at the frame that started the import.
@@ -51,6 +55,7 @@ __all__ = [
     "install",
     "make_user_builtins",
     "restore_finder",
+    "user_import",
 ]
 
 _st = state
@@ -153,18 +158,19 @@ def guarded_import(
 ) -> Any:
     """`__import__` for user code: judge the module, then import it the ordinary way.
 
-    The fast path (a plain `import x` of a top-level module already judged allowed) uses
-    keyword-only defaults as locals: it runs on every import statement of user code.
+    The fast path (a plain `import x` of a top-level module already judged allowed) is the
+    C one's twin for when `_fastimport` is not built; it uses keyword-only defaults as
+    locals, as it then runs on every import statement of user code.
     """
     if name in _ok and not level and not fromlist:
         module = _get(name)
         if module is not None:
             return module
+    remember = False
     if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
         absolute = _absolute(name, globals, level) if level else name
         if _rules.allows(absolute):
-            if not level and not fromlist and "." not in name:
-                _ok.add(name)
+            remember = not level and not fromlist and "." not in name
         elif fromlist and all(
             isinstance(item, str) and item != "*" and _rules.allows(f"{absolute}.{item}")
             for item in fromlist
@@ -175,7 +181,25 @@ def guarded_import(
                 _judge(f"{absolute}.{item}")
         else:
             _judge(absolute)
-    return _orig_import(name, globals, locals, fromlist, level)
+    module = _orig_import(name, globals, locals, fromlist, level)
+    if remember:
+        # Only once the import returned: a module another thread is still initialising
+        # must never be served by a fast path (the import system makes that thread wait).
+        _ok.add(name)
+    return module
+
+
+def _fast(slow: Any) -> Any:
+    """`slow` behind the C fast path, or `slow` itself when the extension is not built."""
+    try:
+        from agent_sandbox.guards._fastimport import FastImport
+    except ImportError:
+        return slow
+    return FastImport(_ok, _modules, slow)
+
+
+#: The `__import__` of the user namespace's builtins (`_install` checks it is still there).
+user_import: Any = _fast(guarded_import)
 
 
 _SKIP_PREFIXES: tuple[str, ...] = ("<frozen importlib",)
@@ -263,7 +287,7 @@ def make_user_builtins() -> types.ModuleType:
     """A copy of `builtins` for the user namespace, with the judging `__import__`."""
     module = types.ModuleType("builtins", builtins.__doc__)
     module.__dict__.update(builtins.__dict__)
-    module.__dict__["__import__"] = guarded_import
+    module.__dict__["__import__"] = user_import
     return module
 
 

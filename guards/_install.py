@@ -112,7 +112,7 @@ class Guards:
             f"the wrapper of {label} was replaced or removed" for label in _patch.broken()
         )
         reasons.extend(_imports.problems())
-        if self.user_builtins.__dict__.get("__import__") is not _imports.guarded_import:
+        if self.user_builtins.__dict__.get("__import__") is not _imports.user_import:
             reasons.append("__import__ of the user namespace's builtins was replaced")
         if (
             self.namespace is not None

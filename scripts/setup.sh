@@ -22,14 +22,18 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.agent-sandbox-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+# The editable install also compiles the import guard's C fast path into guards/ (next to
+# its source, where the worker imports it from); it does not recompile by itself when
+# guards/_fastimport.c changes, so a newer source reinstalls too.
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
   touch "$stamp"
 fi
 # A second environment on Debian's own Python, outside root's 0700 home, so the tests can run
 # the sandbox as an unprivileged user (tests/core/test_nonroot.py skips without it). Core and
-# seccomp dependencies only. A failure here only costs those tests.
+# seccomp dependencies only. A failure here only costs those tests. Its editable install
+# rebuilds guards/_fastimport*.so with Debian's headers: the same file, the same 3.11 ABI.
 nonroot_env() {
   local nonroot=/opt/agent-sandbox-nonroot
   if [ ! -x "$nonroot/bin/python" ]; then
@@ -40,6 +44,7 @@ nonroot_env() {
     }
   fi
   if [ ! -f "$nonroot/.installed" ] || [ pyproject.toml -nt "$nonroot/.installed" ] \
+     || [ guards/_fastimport.c -nt "$nonroot/.installed" ] \
      || ! grep -qs "$PWD" "$nonroot"/lib/python3*/site-packages/__editable__*agent_sandbox*; then
     "$nonroot/bin/python" -m pip install -q -e ".[seccomp]" && touch "$nonroot/.installed"
   fi

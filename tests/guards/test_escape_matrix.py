@@ -24,7 +24,7 @@ from agent_sandbox import Policy, Sandbox
 CANARY = "canary-matrix-3c7e"
 ALLOWED = [
     "os", "sys", "io", "socket", "_socket", "subprocess", "ctypes", "pickle", "_pickle",
-    "importlib", "threading", "pathlib", "json",
+    "importlib", "threading", "pathlib", "json", "gc",
 ]  # fmt: skip
 
 
@@ -193,6 +193,14 @@ def test_removing_the_import_finder_leaves_the_next_import_guarded(session: Any)
         """,
     )
     assert result.value == ["refused", "<agent_sandbox import guard>"]
+
+
+def test_blocks_reading_the_fast_imports_state_through_gc_referents(session: Any) -> None:
+    """It denies `gc.get_referents(__import__)`: the C fast import has no attributes, and the
+    collector's view of it (its slow path, allowed names, module table) is refused."""
+    result = run(session, "import gc\n[type(o).__name__ for o in gc.get_referents(__import__)]")
+    assert result.value is None
+    assert result.error and result.error.rule == "api.introspection"
 
 
 @pytest.mark.xfail(
