@@ -2,9 +2,10 @@
 
 Each operation runs in a loop compiled as a user cell (`<cell-bench>`), first with the
 guards not installed (plain), then installed and armed, with the policy allowing it. The
-cost of an empty loop is subtracted from both. Prints the median per-call time of each
-and the ratio of the medians (and of the minimums, steadier on a loaded machine); the
-target is a ratio of at most 1.5 for every row.
+cost of an empty loop is subtracted from both. Prints which `__import__` user code gets
+(the C fast path of guards/_fastimport.c, or the Python fallback when it is not built), the
+median per-call time of each and the ratio of the medians (and of the minimums, steadier
+on a loaded machine); the target is a ratio of at most 1.5 for every row.
 
     .venv/bin/python benchmarks/bench_guards.py [--repeat 9] [--number 20000]
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 from agent_sandbox import Policy
 from agent_sandbox._process import import_roots, package_dirs
+from agent_sandbox.guards import _imports
 from agent_sandbox.guards._install import install_guards
 
 ROWS = {
@@ -128,6 +130,11 @@ def main() -> int:
         listener.close()
         shutil.rmtree(work, ignore_errors=True)
 
+    if _imports.user_import is _imports.guarded_import:
+        path = "Python fallback (guarded_import; guards/_fastimport.c is not built)"
+    else:
+        path = f"C fast path ({type(_imports.user_import).__module__})"
+    print(f"__import__ of user code: {path}")
     print(f"{'operation':36} {'plain us':>10} {'armed us':>10} {'ratio':>7} {'min ratio':>9}")
     worst = 0.0
     for name in ROWS:
