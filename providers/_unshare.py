@@ -41,7 +41,6 @@ from agent_sandbox.providers._base import (
     Provider,
     WorkerSpec,
     base_env,
-    worker_argv,
 )
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
@@ -54,10 +53,32 @@ from agent_sandbox.providers._view import (
     require_local_network,
 )
 
-__all__ = ["LAUNCHER", "UnshareProvider", "launcher_config", "stack_in_worker", "unshare_argv"]
+__all__ = [
+    "LAUNCHER",
+    "UnshareProvider",
+    "launcher_argv",
+    "launcher_config",
+    "stack_in_worker",
+    "unshare_argv",
+]
 
-#: The launcher script (standard library only; run with `-I -S -B`).
+#: The launcher module (standard library only; run with `-I -S -B`).
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ns_launch.py")
+# Imported rather than run as a script, so its bytecode cache serves (a script is always
+# compiled from source); the providers folder leaves `sys.path` before `main()` runs.
+_LAUNCH_CODE = (
+    f"import sys; sys.path.insert(0, {os.path.dirname(LAUNCHER)!r}); import _ns_launch; "
+    "del sys.path[0]; _ns_launch.main()"
+)
+
+
+def launcher_argv(python: str, config: dict[str, Any]) -> tuple[str, ...]:
+    """The launcher's command line: the interpreter, isolated, and the configuration.
+
+    The configuration travels as `marshal` bytes in hex: the launcher runs the same
+    interpreter (so the format matches) and avoids importing `json` (see `_ns_launch.py`).
+    """
+    return (python, "-I", "-S", "-B", "-c", _LAUNCH_CODE, marshal.dumps(config).hex())
 
 
 def launcher_config(policy: Any, spec: WorkerSpec, host: HostLayout) -> dict[str, Any]:
@@ -69,18 +90,14 @@ def launcher_config(policy: Any, spec: WorkerSpec, host: HostLayout) -> dict[str
         "net": network_mode(policy),
         "hostname": "sandbox",
         "cwd": spec.scratch,
-        "argv": list(worker_argv(spec)),
+        # The launcher's own interpreter becomes the worker (the same `-I -S -B` run).
+        "boot": [spec.boot_script, spec.boot_fd],
     }
 
 
 def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, ...]:
-    """The launcher's command line: the interpreter, isolated, and the configuration.
-
-    The configuration travels as `marshal` bytes in hex: the launcher runs the same
-    interpreter (so the format matches) and avoids importing `json` (see `_ns_launch.py`).
-    """
-    config = marshal.dumps(launcher_config(policy, spec, host)).hex()
-    return (spec.python, "-I", "-S", "-B", LAUNCHER, config)
+    """The launcher's command line for one worker."""
+    return launcher_argv(spec.python, launcher_config(policy, spec, host))
 
 
 @functools.cache
@@ -106,7 +123,7 @@ def _probe(python: str) -> ProbeResult:
             "cwd": "/",
             "argv": ["/usr/bin/true"],
         }
-        argv = [python, "-I", "-S", "-B", LAUNCHER, marshal.dumps(config).hex()]
+        argv = launcher_argv(python, config)
         out = subprocess.run(argv, capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return ProbeResult("unshare", False, f"running the launcher failed: {exc}")

@@ -8,6 +8,7 @@ checks the default stack. Every test that starts a worker closes it.
 from __future__ import annotations
 
 import marshal
+import os
 import socket
 import textwrap
 import warnings
@@ -61,7 +62,7 @@ POLICY = Policy(
         "deny": ["/data/in/secret.csv", "/srv/out/*.key"],
     },
 )
-WORKER = ["/opt/venv/bin/python", "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "4"]
+BOOT = ["/src/agent_sandbox/_worker_boot.py", 4]
 MOUNTS = [
     ["ro", "/usr", "/usr"],
     ["symlink", "/bin", "usr/bin"],
@@ -98,16 +99,20 @@ def test_launcher_config_is_exact_for_a_policy_with_paths() -> None:
         "net": "none",
         "hostname": "sandbox",
         "cwd": "/tmp/as-1/scratch",
-        "argv": WORKER,
+        "boot": BOOT,
     }
 
 
 def test_argv_runs_the_launcher_isolated_with_the_config() -> None:
-    """It starts the stdlib launcher with `-I -S -B` and the configuration as one argument."""
+    """It imports the stdlib launcher under `-I -S -B`, the configuration as one argument."""
     argv = unshare_argv(POLICY, SPEC, HOST)
-    assert argv[:5] == ("/opt/venv/bin/python", "-I", "-S", "-B", LAUNCHER)
-    assert marshal.loads(bytes.fromhex(argv[5])) == launcher_config(POLICY, SPEC, HOST)
-    assert len(argv) == 6
+    assert argv[:5] == ("/opt/venv/bin/python", "-I", "-S", "-B", "-c")
+    assert argv[5] == (
+        f"import sys; sys.path.insert(0, {os.path.dirname(LAUNCHER)!r}); import _ns_launch; "
+        "del sys.path[0]; _ns_launch.main()"
+    )
+    assert marshal.loads(bytes.fromhex(argv[6])) == launcher_config(POLICY, SPEC, HOST)
+    assert len(argv) == 7
 
 
 def test_loopback_only_policy_gets_lo_up() -> None:
