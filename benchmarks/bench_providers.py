@@ -94,6 +94,7 @@ def wrapper_only(provider: Provider, policy: Policy) -> Callable[[], None]:
         argv[-len(real) :] = bare
     else:  # the unshare launcher carries the worker's argv in its (marshal) configuration
         config = marshal.loads(bytes.fromhex(argv[-1]))
+        del config["boot"]  # (for a worker, its process C runs the boot script in place)
         config["argv"] = bare
         argv[-1] = marshal.dumps(config).hex()
     plan = type(plan)(**{**plan.__dict__, "argv": tuple(argv), "worker_setup": {}})
