@@ -43,10 +43,27 @@ def _map_packages(package_dirs: dict) -> None:  # type: ignore[type-arg]
             setattr(sys.modules[parent], child, module)
 
 
-def main() -> None:
-    boot = _read_boot(int(sys.argv[1]))
+def load(fd: int) -> dict:  # type: ignore[type-arg]
+    """Steps 1 and 2: the boot configuration, then the import roots and packages."""
+    boot = _read_boot(fd)
     sys.path[:] = list(boot["sys_path"])
     _map_packages(boot["package_dirs"])
+    return boot
+
+
+def import_worker(boot: dict) -> None:  # type: ignore[type-arg]
+    """The modules step 3 and 4 will import, imported ahead; nothing is applied or served.
+
+    Optional: the `unshare` launcher calls it while its init still builds the view.
+    """
+    from agent_sandbox._worker_server import serve  # noqa: F401
+    from agent_sandbox._worker_setup import import_ahead
+
+    import_ahead(boot)
+
+
+def run(boot: dict) -> None:  # type: ignore[type-arg]
+    """Steps 3 and 4 (or the template's loop); never returns."""
     if "template_fd" in boot:  # a pre-imported template that forks workers on request
         from agent_sandbox._worker_template import run_template
 
@@ -54,6 +71,10 @@ def main() -> None:
     from agent_sandbox._worker_server import serve
 
     serve(boot)
+
+
+def main() -> None:
+    run(load(int(sys.argv[1])))
 
 
 if __name__ == "__main__":

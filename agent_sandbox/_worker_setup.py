@@ -20,7 +20,7 @@ from typing import Any
 from agent_sandbox import _audit
 from agent_sandbox._worker_run import Runner
 
-__all__ = ["apply_rlimits", "prepare", "rlimits_for"]
+__all__ = ["apply_rlimits", "import_ahead", "prepare", "rlimits_for"]
 
 _MB = 1024 * 1024
 
@@ -60,6 +60,19 @@ _RLIMIT_NAMES = {
     resource.RLIMIT_NOFILE: "nofile",
     resource.RLIMIT_CORE: "core",
 }
+
+
+def import_ahead(boot: dict[str, Any]) -> None:
+    """Import the modules `prepare(boot)` will use, without applying anything."""
+    setup = boot.get("worker_setup") or {}
+    if setup:
+        import agent_sandbox.providers._inworker
+    if setup.get("landlock"):
+        import agent_sandbox.providers._landlock_sys
+    if (boot["policy"].get("code") or {}).get("enabled", True):
+        import agent_sandbox.guards._code_budget
+    import agent_sandbox.guards._install
+    import agent_sandbox.guards._state  # noqa: F401
 
 
 def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any]]:

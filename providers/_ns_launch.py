@@ -1,4 +1,4 @@
-"""The `unshare` provider's launcher: builds the namespaces and the mount view, then execs.
+"""The `unshare` provider's launcher: builds the namespaces and the mount view, then the worker.
 
 Run as `python -I -S -B -c <import and call main()> <config>` (standard library only: it
 runs before and outside the package; imported rather than run as a script, so that its
@@ -22,13 +22,15 @@ start-up cost too (`_signal` rather than `signal`, which imports `enum`). Three 
       user namespaces (`user.max_user_namespaces = 0` in this namespace);
    f. drops every capability for good: bounding set, securebits (no root privilege on
       exec, locked), ambient set, no-new-privileges, then its own sets;
-   g. forks C and reaps every process of the namespace until C exits, then reports C's
-      status to L through a pipe and exits (which kills anything left in the namespace).
-3. C: a new session (no controlling terminal to push input into), the working directory,
-   then the worker. For a worker (`boot` in the configuration) C does not exec a second
-   interpreter: it runs the worker's entry point (`_worker_boot.py`) in this one, which
-   already runs isolated (`-I -S -B`) with the worker's environment, and so saves a second
-   interpreter start (about 10 ms). Otherwise (`argv`: the probe) it `execve`s.
+   g. lets C go (or forks it) and reaps every process of the namespace until C exits,
+      then reports C's status to L through a pipe and exits (which kills anything left in
+      the namespace).
+3. C, for a worker (`boot` in the configuration): forked by B right after step 2b, it
+   becomes the worker in this interpreter rather than exec'ing a second one (about 10 ms
+   saved), and imports the worker's modules while B still builds the view. It waits for
+   B's `go` (sent after step 2f), then drops its own privileges the same way, starts a new
+   session (no controlling terminal to push input into), enters the working directory and
+   serves. Without `boot` (the probe), B forks C after step 2f and C `execve`s `argv`.
 
 What it does not do: seccomp and Landlock (the worker applies them to itself when the plan
 stacks them), rlimits (the worker's own set-up), and any uid change: the worker is uid 0
@@ -253,6 +255,7 @@ def init(cfg: dict[str, Any], report: int) -> None:
         libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP),
         "unshare",
     )
+    early = fork_worker_early(cfg, report) if "boot" in cfg else None
     build_view(cfg)
     name = cfg["hostname"].encode()
     check(libc.sethostname(name, len(name)), "sethostname")
@@ -260,18 +263,21 @@ def init(cfg: dict[str, Any], report: int) -> None:
         loopback_up()
     write_file("/proc/sys/user/max_user_namespaces", "0")
     drop_privileges()
-    worker = os.fork()
-    if worker == 0:
-        try:
-            os.close(report)
-            os.setsid()
-            os.chdir(cfg["cwd"])
-            if "boot" in cfg:
-                run_worker(*cfg["boot"])
-            os.execve(cfg["argv"][0], cfg["argv"], os.environ)
-        except BaseException as exc:
-            os.write(2, f"agent-sandbox unshare: starting the worker failed: {exc!r}\n".encode())
-        os._exit(127)
+    if early is not None:
+        worker, go = early
+        os.write(go, b"g")  # the view is complete and the namespace locked down
+        os.close(go)
+    else:
+        worker = os.fork()
+        if worker == 0:
+            try:
+                os.close(report)
+                os.setsid()
+                os.chdir(cfg["cwd"])
+                os.execve(cfg["argv"][0], cfg["argv"], os.environ)
+            except BaseException as exc:
+                os.write(2, f"agent-sandbox unshare: exec failed: {exc}\n".encode())
+            os._exit(127)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == worker:
@@ -279,17 +285,41 @@ def init(cfg: dict[str, Any], report: int) -> None:
             os._exit(0)
 
 
-def run_worker(boot_script: str, boot_fd: int) -> None:
-    """Process C, for a worker: load its entry point (from its bytecode cache) and run it.
+def fork_worker_early(cfg: dict[str, Any], report: int) -> tuple[int, int]:
+    """Fork C as soon as the namespaces exist; return its pid and the write end of `go`.
 
-    The worker serves until told to stop and leaves through `os._exit`; it never returns.
+    C loads the worker's entry point (`_worker_boot.py`, from its bytecode cache) in this
+    interpreter, which already runs isolated (`-I -S -B`) with the worker's environment,
+    and imports the worker's modules while B builds the view (the second core works). Then
+    it waits for B's `go`: only once the view is complete, pivoted into and the namespace
+    locked down does C drop its own privileges for good (as B did), start its session and
+    run the worker. If B fails, `go` closes empty and C exits without running anything.
     """
-    loader = _bootstrap_external.SourceFileLoader("agent_sandbox_worker_boot", boot_script)
-    module = type(sys)(loader.name)
-    module.__file__ = boot_script
-    loader.exec_module(module)
-    sys.argv = [boot_script, str(boot_fd)]
-    module.main()
+    boot_script, boot_fd = cfg["boot"]
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid != 0:
+        os.close(go_read)
+        return pid, go_write
+    try:
+        os.close(report)
+        os.close(go_write)
+        loader = _bootstrap_external.SourceFileLoader("agent_sandbox_worker_boot", boot_script)
+        entry = type(sys)(loader.name)
+        entry.__file__ = boot_script
+        loader.exec_module(entry)
+        boot = entry.load(boot_fd)
+        entry.import_worker(boot)
+        if os.read(go_read, 1) != b"g":
+            os._exit(1)  # B failed and said why
+        os.close(go_read)
+        drop_privileges()
+        os.setsid()
+        os.chdir(cfg["cwd"])
+        entry.run(boot)  # serves until told to stop; leaves through os._exit
+    except BaseException as exc:
+        os.write(2, f"agent-sandbox unshare: starting the worker failed: {exc!r}\n".encode())
+    os._exit(127)
 
 
 def relay(status: int) -> None:

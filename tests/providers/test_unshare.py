@@ -23,6 +23,7 @@ from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._unshare import (
     LAUNCHER,
     UnshareProvider,
+    launcher_argv,
     launcher_config,
     unshare_argv,
 )
@@ -221,3 +222,91 @@ def test_launcher_relays_the_workers_death_signal() -> None:
         assert w.proc is not None and w.proc.wait(10) == -24
     finally:
         w.close()
+
+
+# -- process C: imports early, runs only after the view is complete ------------------------
+
+# A stand-in for `_worker_boot.py` with the same three stages. `load` and `import_worker`
+# run as soon as C exists (before the view); `run` only after B's go. `run` records what
+# the worker would start with.
+_FAKE_BOOT = r"""
+import ctypes, os, sys
+def load(fd):
+    marker, outside = os.read(fd, 4096).decode().split("\n")
+    return {"marker": marker, "outside": outside}
+def import_worker(boot):
+    pass
+def run(boot):
+    libc = ctypes.CDLL(None)
+    status = open("/proc/self/status").read()
+    caps = [l.split()[1] for l in status.splitlines() if l.startswith(("CapEff", "CapBnd"))]
+    host_root = os.path.exists(boot["outside"])
+    with open(boot["marker"], "w") as out:
+        out.write(f"{libc.prctl(27, 0, 0, 0, 0)} {' '.join(caps)} {os.getsid(0) == os.getpid()} "
+                  f"{os.getcwd()} {host_root}")
+    os._exit(0)
+"""
+
+
+def _run_fake_worker(tmp_path: Path, mounts: list[list[str]]) -> tuple[int, str, Path]:
+    import subprocess
+    import sys
+
+    boot_script = tmp_path / "fake_boot.py"
+    boot_script.write_text(_FAKE_BOOT)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    marker = shared / "ran"
+    outside = tmp_path / "outside.txt"  # on the host, not in the view
+    outside.write_text("host only")
+    read_end, write_end = os.pipe()
+    os.write(write_end, f"{marker}\n{outside}".encode())
+    os.close(write_end)
+    config = {
+        "root": str(tmp_path / "nsroot"),
+        "mounts": [
+            ["ro", "/usr", "/usr"],
+            *(["symlink", p, t] for p, t in sorted(HOST.symlinks.items())),
+            ["ro", sys.base_prefix, sys.base_prefix],
+            ["dev", "/dev", ""],
+            ["proc", "/proc", ""],
+            ["tmpfs", "/tmp", ""],
+            *mounts,
+            ["rw", str(shared), str(shared)],
+        ],
+        "tmpfs_bytes": 1024 * 1024,
+        "net": "none",
+        "hostname": "sandbox",
+        "cwd": str(shared),
+        "boot": [str(boot_script), read_end],
+    }
+    argv = launcher_argv(os.path.realpath(sys.executable), config)
+    try:
+        proc = subprocess.run(
+            argv, pass_fds=(read_end,), capture_output=True, text=True, timeout=30
+        )
+    finally:
+        os.close(read_end)
+    return proc.returncode, proc.stderr, marker
+
+
+def test_worker_runs_only_inside_the_finished_view_without_privileges(tmp_path: Path) -> None:
+    """It starts the worker after the view, in its own session, with locked securebits and
+    no capability (C drops them itself, like B)."""
+    _require()
+    code, err, marker = _run_fake_worker(tmp_path, [])
+    assert code == 0, err
+    securebits, cap_eff, cap_bnd, own_session, cwd, host_root = marker.read_text().split()
+    assert int(securebits) == 0xEF  # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE, locked
+    assert cap_eff == cap_bnd == "0" * 16
+    assert own_session == "True" and cwd == str(marker.parent)
+    assert host_root == "False"  # it saw the view, not the host
+
+
+def test_worker_never_runs_when_the_view_fails(tmp_path: Path) -> None:
+    """It never runs the worker (only its imports happened) when B cannot build the view."""
+    _require()
+    code, err, marker = _run_fake_worker(tmp_path, [["ro", "/data/missing", "/no/such/source"]])
+    assert code != 0
+    assert "set-up failed" in err and "/no/such/source" in err
+    assert not marker.exists()
