@@ -243,14 +243,14 @@ class WorkerProcess:
                 base_prefix=sys.base_prefix,
             )
             self.plan = provider.build(policy, spec)
-            launcher = self.plan.argv[0] != spec.python
-            self.cgroups = start_cgroups(self.id, policy, self.plan.argv, spec.python)
+            depth = self.plan.worker_depth
+            self.cgroups = start_cgroups(self.id, policy, depth)
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
             self._log = log
             if template is not None:
                 self.proc = template.spawn(self.plan, log)
-            elif self.cgroups is not None and launcher:
-                # A launcher forks early: it joins the groups itself before it runs.
+            elif self.cgroups is not None and depth is None:
+                # A launcher of no fixed shape joins the groups itself before it runs.
                 argv = self.cgroups.joining_argv(self.plan.argv)
                 self.proc = provider.launch(dataclasses.replace(self.plan, argv=argv), log)
             else:
@@ -286,21 +286,17 @@ class WorkerProcess:
             ) from None
         finally:
             os.close(boot_w)
-        if self.cgroups is not None:
+        cgroups, proc = self.cgroups, self.proc
+        if cgroups is not None and depth is not None:
             # While the worker boots (it has its configuration already). It runs no user code
             # and forks nothing before its handshake, so joining now covers all it will start.
-            # A launcher joined most groups itself before it ran (`joining_argv`).
-            try:
-                if launcher:
-                    self.cgroups.attach_tree(self.proc.pid)
-                else:
-                    self.cgroups.attach(self.proc.pid)
-            except OSError as exc:
-                if self.proc.poll() is None:  # alive but not limited: never run it like that
-                    self.kill()
-                    raise WorkerStartError(
-                        f"could not place the worker in its cgroups ({exc})"
-                    ) from None
+            if depth == 0:
+                self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
+            else:
+                alive = lambda: proc.poll() is None  # noqa: E731
+                self._place_in_cgroups(
+                    lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
+                )
         max_event = policy.limits.result_bytes + _EVENT_SLACK
         self.client = WorkerClient(sock_path, self.token, max_event)
         try:
@@ -317,11 +313,25 @@ class WorkerProcess:
             )
             raise WorkerStartError(reason, log_tail=tail) from None
         self._verify_hello()
-        if self.cgroups is not None and launcher:
-            # Any launcher process forked while the first pass ran (usually none: one read).
-            self.cgroups.attach_tree(self.proc.pid)
+        if cgroups is not None and depth:
+            # Whatever the first pass missed at the worker's depth or below (normally
+            # nothing: one read per group); the launcher's own processes stay outside.
+            self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
         self.started_at = time.monotonic()
         return self
+
+    def _place_in_cgroups(self, place: Callable[[], object]) -> None:
+        """Run one placement step; a worker alive but outside its groups is never kept."""
+        assert self.proc is not None
+        try:
+            place()
+        except OSError as exc:
+            if self.proc.poll() is None:
+                tail = self.log_tail()
+                self.kill()
+                raise WorkerStartError(
+                    f"could not place the worker in its cgroups ({exc})", log_tail=tail
+                ) from None
 
     def _verify_hello(self) -> None:
         version = tuple(self.hello.get("version", ()))

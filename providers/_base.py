@@ -72,6 +72,10 @@ class LaunchPlan:
     worker_setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     stack: tuple[str, ...] = ()
     cleanup_paths: tuple[str, ...] = ()
+    #: How many launcher processes stand above the worker (0: the launched process is the
+    #: worker); None when the launcher's tree has no fixed shape. The parent uses it to
+    #: place the worker in its cgroups (`_limits.WorkerCgroups`).
+    worker_depth: int | None = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -230,6 +230,7 @@ class BwrapProvider(Provider):
             cwd=spec.scratch,
             worker_setup=setup,
             stack=(self.name, *layers),
+            worker_depth=2,  # bwrap, then its init (PID 1 inside), then the worker
             seccomp_bpf=bpf,
         )
 

@@ -227,4 +227,5 @@ class FirejailProvider(Provider):
             cwd=spec.scratch,
             worker_setup=setup,
             stack=(self.name, *layers),
+            worker_depth=None,  # firejail forks short-lived helpers of its own
         )

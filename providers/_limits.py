@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -153,8 +153,6 @@ def _counter(text: str, key: str) -> int:
     return 0
 
 
-# Groups a launcher does not join itself (see `WorkerCgroups.joining_argv`).
-_JOINED_LATE = ("memory-v1",)
 # The arguments are the `cgroup.procs` files, `--`, then the command to exec.
 _JOIN_SCRIPT = (
     'while [ "$1" != -- ]; do echo $$ > "$1" || '
@@ -230,47 +228,61 @@ class WorkerCgroups:
             _write(os.path.join(path, "cgroup.procs"), str(pid))
 
     def joining_argv(self, argv: Sequence[str]) -> tuple[str, ...]:
-        """`argv` behind a shell that joins the groups that are cheap to join, then execs it.
+        """`argv` behind a shell that joins every group, then execs `argv`.
 
-        For launchers (bwrap, unshare, firejail), which fork soon after they start, so the
-        parent cannot attach them without racing those forks. Joined before the exec, every
-        process of the launcher and of the worker is born inside the `pids` and unified
-        groups: the process bound and the certain end hold from the first instruction. A
-        group that cannot be joined stops the start (exit 125, the reason in the worker log).
-
-        A cgroup v1 `memory` group is left out: moving a process into one costs 5-10 ms
-        here, which would delay every start. `attach_tree` places the tree there while the
-        worker boots, and again after its handshake for any process forked in between.
+        For a launcher whose process tree is not known in advance (firejail forks helpers
+        of its own), so the parent cannot attach it without racing its forks: joined before
+        the exec, every process of the sandbox is born inside the groups. It costs the
+        start one cgroup migration on its critical path (an RCU grace period here, about
+        13 ms), since forks wait for a migration in progress. A group that cannot be joined
+        stops the start (exit 125, the reason in the worker log).
         """
-        late = self._late_paths()
-        files = sorted(
-            {os.path.join(p, "cgroup.procs") for p in self.dirs.values() if p not in late}
-        )
+        files = sorted({os.path.join(path, "cgroup.procs") for path in self.dirs.values()})
         return ("/bin/sh", "-c", _JOIN_SCRIPT, "agent-sandbox-join", *files, "--", *argv)
 
-    def attach_tree(self, pid: int) -> int:
-        """Move `pid` and its current descendants into the groups `joining_argv` left out.
+    def attach_at_depth(
+        self, root: int, depth: int, timeout: float, alive: Callable[[], bool]
+    ) -> int | None:
+        """Attach the first process found `depth` levels below `root`; return its pid.
 
-        Skips processes already there (after the first pass that is all of them, so the
-        second costs one read). Returns how many processes were moved.
+        For launchers with a known shape (bwrap and unshare: two processes above the
+        worker). The worker forks nothing before its handshake, so attaching it while it
+        boots covers everything it will start, and the migration overlaps its start-up
+        instead of blocking the launcher's forks. The launcher's own processes stay
+        outside: they only wait and reap. None when no such process appeared in time (or
+        the launcher died); `attach_tree` after the handshake then places it.
         """
-        late = self._late_paths()
-        if not late:
-            return 0
+        deadline = time.monotonic() + timeout
+        while alive() and time.monotonic() < deadline:
+            for pid, level in _descendants(root):
+                if level == depth:
+                    with contextlib.suppress(ProcessLookupError):  # a transient process
+                        self.attach(pid)
+                        return pid
+            time.sleep(0.0005)
+        return None
+
+    def attach_tree(self, root: int, min_depth: int = 0) -> int:
+        """Move every process of the tree at `min_depth` or deeper into every group.
+
+        Processes already in a group are skipped (one read per group), so after
+        `attach_at_depth` this is a cheap check that nothing was left out. Returns how many
+        moves it made.
+        """
+        members = {
+            path: set(_read(os.path.join(path, "cgroup.procs")).split())
+            for path in self.dirs.values()
+        }
+        tree = [(root, 0), *_descendants(root)]
         moved = 0
-        for path in late:
-            procs = os.path.join(path, "cgroup.procs")
-            members = set(_read(procs).split())
-            for proc in [pid, *_descendants(pid)]:
-                if str(proc) in members:
+        for path, inside in sorted(members.items()):
+            for pid, level in tree:
+                if level < min_depth or str(pid) in inside:
                     continue
                 with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                    _write(procs, str(proc))
+                    _write(os.path.join(path, "cgroup.procs"), str(pid))
                     moved += 1
         return moved
-
-    def _late_paths(self) -> list[str]:
-        return sorted({self.dirs[key] for key in _JOINED_LATE if key in self.dirs})
 
     def pids(self) -> list[int]:
         out: set[int] = set()
@@ -410,17 +422,18 @@ def _limit(limits: Any, key: str, default: int) -> Any:
     return getattr(limits, key, default)
 
 
-def _descendants(pid: int) -> Iterator[int]:
-    stack = [pid]
+def _descendants(pid: int) -> Iterator[tuple[int, int]]:
+    """Every current descendant of `pid`, with its depth below it (children are 1)."""
+    stack = [(pid, 0)]
     while stack:
-        current = stack.pop()
+        current, level = stack.pop()
         try:
             tasks = os.listdir(f"/proc/{current}/task")
         except OSError:
             continue
         for tid in tasks:
             for word in _read(f"/proc/{current}/task/{tid}/children").split():
-                child = int(word)
+                child = (int(word), level + 1)
                 yield child
                 stack.append(child)
 
@@ -450,17 +463,16 @@ _SETTINGS = {
 }
 
 
-def start_cgroups(
-    worker_id: str, policy: Any, argv: tuple[str, ...], python: str
-) -> WorkerCgroups | None:
+def start_cgroups(worker_id: str, policy: Any, worker_depth: int | None) -> WorkerCgroups | None:
     """Create the worker's groups before launch (None when the machine offers none).
 
-    A launcher in front of the interpreter (bwrap, unshare, firejail) gets two processes
-    of slack in `pids.max`, since it and its init count too.
+    A launcher that joins the groups itself (`worker_depth` None: firejail) gets two
+    processes of slack in `pids.max`, since its own processes count too; a launcher of
+    known shape stays outside the groups (see `WorkerCgroups.attach_at_depth`).
     """
     from agent_sandbox._errors import WorkerStartError
 
-    extra = 0 if argv and argv[0] == python else 2
+    extra = 2 if worker_depth is None else 0
     try:
         return WorkerCgroups.create(worker_id, policy.limits, extra_processes=extra)
     except OSError as exc:

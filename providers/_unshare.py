@@ -175,6 +175,7 @@ class UnshareProvider(Provider):
             cwd=spec.scratch,
             worker_setup=setup,
             stack=(self.name, *layers),
+            worker_depth=2,  # the launcher L, then B (PID 1 inside), then the worker C
         )
 
 

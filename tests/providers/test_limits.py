@@ -128,6 +128,27 @@ def test_a_launcher_joins_its_groups_before_it_forks() -> None:
 
 
 @needs_cgroups
+def test_the_worker_below_a_launcher_is_placed_and_the_launcher_is_not() -> None:
+    """It attaches the process at the worker's depth (bwrap, unshare: 2) and only that."""
+    groups = WorkerCgroups.create("w-depth" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
+    assert groups is not None
+    # sh -> sh -> sleep: the same shape as bwrap -> init -> worker.
+    proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60; true'; true"], start_new_session=True)
+    try:
+        worker = groups.attach_at_depth(proc.pid, 2, 10, lambda: proc.poll() is None)
+        assert worker is not None and worker != proc.pid
+        for path in set(groups.dirs.values()):
+            members = Path(path, "cgroup.procs").read_text().split()
+            assert members == [str(worker)], path
+        assert groups.attach_tree(proc.pid, min_depth=2) == 0  # nothing left out
+    finally:
+        groups.kill()
+        os.killpg(proc.pid, 9)
+        proc.wait(5)
+        groups.remove()
+
+
+@needs_cgroups
 def test_a_group_that_cannot_be_joined_stops_the_launch() -> None:
     """It never runs the launcher outside its groups: exit 125 and the reason on stderr."""
     groups = WorkerCgroups.create("w-gone" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
