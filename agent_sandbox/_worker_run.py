@@ -118,7 +118,8 @@ class _Budget:
             action="write",
             target="stdout/stderr",
             policy=self.policy,
-            detail=f"the call printed more than {self.cap} bytes; further output was refused",
+            detail=f"the call printed more than {self.cap} bytes; further output was refused "
+            "and the worker is replaced (its variables are lost)",
             hint=f"[limits] output_bytes = {self.cap * 4}",
         )
 

@@ -452,13 +452,22 @@ def limit_denial_rule(event: str) -> tuple[str, str]:
 
 #: Limit rules after which the worker is replaced (its state is suspect or exhausted).
 REPLACING_RULES = frozenset(
-    {"limits.cpu", "limits.file-size", "limits.memory", "limits.open-files", "limits.processes"}
+    {
+        "limits.cpu",
+        "limits.file-size",
+        "limits.memory",
+        "limits.open-files",
+        "limits.output",
+        "limits.processes",
+    }
 )
+_REPORTED_BY_WORKER = frozenset({"limits.output"})
 _SETTINGS = {
     "limits.cpu": "cpu_seconds",
     "limits.file-size": "file_size_mb",
     "limits.memory": "memory_mb",
     "limits.open-files": "open_files",
+    "limits.output": "output_bytes",
     "limits.processes": "processes",
 }
 
@@ -496,6 +505,9 @@ def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) 
     error = builder.error
     if error is not None and error.kind == "limit" and error.rule in REPLACING_RULES:
         hits.append(error.rule)
+    # A limit the worker enforced itself and reported as a denial (output: also when the
+    # code caught the refusal and finished).
+    hits += [d.rule for d in builder.denials if d.rule in _REPORTED_BY_WORKER]
     have = {d.rule for d in builder.denials}
     limits = policy.limits
     for rule in dict.fromkeys(hits):

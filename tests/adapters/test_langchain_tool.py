@@ -92,7 +92,9 @@ def test_agent_loop_allowed_refused_corrected(tool):
     assert refused.status == "error"
     assert "[limits.output]" in refused.content and "output_bytes" in refused.content
     assert "again" in refused.content  # tells the model not to retry unchanged
-    assert fixed.status == "success" and fixed.content == "49995000"
+    # The flood replaced the session's worker: the model is told its variables are gone.
+    assert fixed.status == "success" and fixed.content.endswith("\n49995000")
+    assert fixed.content.startswith("[notice] the previous interpreter of this session ended")
     assert state["messages"][-1].content == "done"
     events = [data for name, data in recorder.custom if name == "sandbox_refusal"]
     assert [e["rule"] for e in events] == ["limits.output"]

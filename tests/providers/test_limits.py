@@ -281,3 +281,19 @@ def test_hierarchies_are_found_on_hybrid_and_pure_v2_hosts(tmp_path: Path) -> No
     (tmp_path / "pids").chmod(0o555)
     if os.getuid() != 0:  # root may write anyway; the filter is os.access
         assert "pids-v1" not in _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+
+
+def test_output_limit_is_a_denial_and_the_worker_is_replaced() -> None:
+    """It reports limits.output and starts the next session call in a fresh worker, also
+    when the code caught the refusal and finished."""
+    policy = Policy(name="p", limits={"output_bytes": 10_000})
+    flood = (
+        "x = 1\ntry:\n    while True:\n        print('y' * 1000)\nexcept Exception:\n    pass\n42"
+    )
+    with Sandbox(policy, warm=0) as sb, sb.session("s") as session:
+        first = session.run(flood)
+        assert "limits.output" in [d.rule for d in first.denials]
+        assert first.value == 42  # the call completed; the denial says what was hit
+        second = session.run("1 + 1")
+        assert second.value == 2 and second.state_lost
+        assert second.worker_id != first.worker_id
