@@ -17,6 +17,7 @@ SIGKILL. A worker that dies is reported with its exit status, never waited on fo
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -88,6 +89,13 @@ _PACKAGES = (
     "agent_sandbox.guards",
     "agent_sandbox.policies",
     "agent_sandbox.providers",
+)
+#: Every worker is forked from this one lasting thread. Sandboxes ask for SIGKILL when their
+#: parent dies (bwrap's --die-with-parent, the unshare launcher, setpriv in front of
+#: firejail), and the kernel means the parent *thread*: a worker forked from a short-lived
+#: thread (agent frameworks call tools from pool threads) would die with that thread.
+_LAUNCH_THREAD = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="agent-sandbox-launch"
 )
 _TERM_GRACE = 0.5
 _EVENT_SLACK = 256 * 1024
@@ -249,12 +257,12 @@ class WorkerProcess:
             self._log = log
             if template is not None:
                 self.proc = template.spawn(self.plan, log)
-            elif self.cgroups is not None and depth is None:
-                # A launcher of no fixed shape joins the groups itself before it runs.
-                argv = self.cgroups.joining_argv(self.plan.argv)
-                self.proc = provider.launch(dataclasses.replace(self.plan, argv=argv), log)
             else:
-                self.proc = provider.launch(self.plan, log)
+                plan = self.plan
+                if self.cgroups is not None and depth is None:
+                    # A launcher of no fixed shape joins the groups itself before it runs.
+                    plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
+                self.proc = _LAUNCH_THREAD.submit(provider.launch, plan, log).result()
         except BaseException:
             listener.close()
             os.close(boot_r)

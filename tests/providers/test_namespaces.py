@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import Policy
+from agent_sandbox import Policy, Sandbox
 from agent_sandbox._process import WorkerProcess
 from agent_sandbox.providers._base import Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
@@ -258,6 +259,21 @@ def test_dies_with_its_parent(provider_name: str) -> None:
             os.kill(pid, signal.SIGKILL)
         if scratch:
             subprocess.run(["rm", "-rf", os.path.dirname(scratch)], check=False)
+
+
+def test_worker_outlives_the_thread_that_started_it(provider_name: str) -> None:
+    """It keeps a session's worker alive after the (pool) thread that started it ended: the
+    parent-death signal follows the forking thread, not the process."""
+    with Sandbox(Policy(name="t"), provider=provider_name, warm=0) as sb:
+        session = sb.session("s")
+        first: list[Any] = []
+        starter = threading.Thread(target=lambda: first.append(session.run("x = 41")))
+        starter.start()
+        starter.join(60)
+        assert first and first[0].ok
+        time.sleep(0.3)  # the signal, if any, arrives at once
+        after = session.run("x + 1")
+        assert after.value == 42 and not after.state_lost
 
 
 def pids_with_tmpdir(scratch: str) -> list[int]:
