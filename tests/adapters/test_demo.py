@@ -50,3 +50,5 @@ def test_demo_command_runs_offline_and_shows_the_refusal(tmp_path: Path):
     assert f'"rule": "{rule}"' in text  # LangChain custom event recorded
     assert f'"code": "{rule}"' in text  # CrewAI TaskOutput.tool_failures
     assert text.count("The mean is 5.5 and the standard deviation is 3.03.") >= 2
+    # One worker per session for the whole run: none died between the agent's calls.
+    assert "[notice]" not in text and "worker.crashed" not in text
