@@ -297,3 +297,47 @@ def test_output_limit_is_a_denial_and_the_worker_is_replaced() -> None:
         second = session.run("1 + 1")
         assert second.value == 2 and second.state_lost
         assert second.worker_id != first.worker_id
+
+
+def test_pure_v2_groups_carry_memory_and_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It puts memory.max, swap 0 and pids.max in one v2 group on a pure v2 host, reads its
+    events, and ends it with cgroup.kill. (A fake cgroupfs: this host is hybrid, so the
+    kernel side of this path is not exercised here.)"""
+    from agent_sandbox.providers import _limits
+
+    base = tmp_path / "v2" / "user.slice" / "app"
+    base.mkdir(parents=True)
+    (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    monkeypatch.setattr(_limits, "_hierarchies", lambda: pure)
+    written: list[tuple[str, str]] = []
+
+    def write(path: str, value: str) -> None:  # a cgroupfs makes its files on mkdir
+        written.append((os.path.relpath(path, base), value))
+        Path(path).write_text(value)
+
+    monkeypatch.setattr(_limits, "_write", write)
+    groups = WorkerCgroups.create("w-v2", {"memory_mb": 64, "processes": 8})
+    assert groups is not None
+    name = os.path.basename(groups.dirs["unified"])
+    assert groups.dirs == {k: str(base / name) for k in ("unified", "memory-v2", "pids-v2")}
+    assert written == [
+        (f"{name}/memory.max", str(64 * 1024 * 1024)),
+        (f"{name}/memory.swap.max", "0"),
+        (f"{name}/pids.max", "8"),
+    ]
+    argv = groups.joining_argv(["worker"])
+    assert argv[4:] == (str(base / name / "cgroup.procs"), "--", "worker")  # joined once
+    group = base / name
+    (group / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    (group / "pids.events").write_text("max 2\n")
+    (group / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
+    assert groups.new_events() == ["memory", "processes"]
+    assert groups.new_events() == []  # only what is new since the last look
+    assert groups.cpu_seconds() == 1.5
+    (group / "cgroup.procs").write_text("")
+    groups.kill()
+    assert (f"{name}/cgroup.kill", "1") in written
+    _limits._LIVE.discard(groups)  # not a real group: nothing to remove at exit
