@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,27 @@ needs_cgroups = pytest.mark.skipif(
     not (SUPPORT["memory"] or SUPPORT["processes"] or SUPPORT["kill"]),
     reason="the parent cannot create cgroups here",
 )
+
+
+@pytest.fixture
+def groups() -> Iterator[WorkerCgroups]:
+    """Real groups for one test (64 MB, 8 processes), ended and removed afterwards."""
+    made = WorkerCgroups.create(
+        f"w-test{os.getpid()}-{next(_COUNT)}", {"memory_mb": 64, "processes": 8}
+    )
+    assert made is not None
+    try:
+        yield made
+    finally:
+        made.kill()
+        made.remove()
+
+
+_COUNT = itertools.count()
+
+
+def _members(groups: WorkerCgroups) -> dict[str, list[str]]:
+    return {p: Path(p, "cgroup.procs").read_text().split() for p in set(groups.dirs.values())}
 
 
 class _FakeGroups:
@@ -105,10 +128,8 @@ def test_cgroups_are_created_joined_killed_and_removed() -> None:
 
 
 @needs_cgroups
-def test_a_launcher_joins_its_groups_before_it_forks() -> None:
+def test_a_launcher_joins_its_groups_before_it_forks(groups: WorkerCgroups) -> None:
     """It puts a launcher and the children it forks at once in the groups, with no attach."""
-    groups = WorkerCgroups.create("w-join" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
-    assert groups is not None
     launcher = ["sh", "-c", "setsid sleep 60 & echo $!; exec sleep 60"]
     proc = subprocess.Popen(
         groups.joining_argv(launcher), start_new_session=True, stdout=subprocess.PIPE
@@ -116,53 +137,41 @@ def test_a_launcher_joins_its_groups_before_it_forks() -> None:
     try:
         assert proc.stdout is not None
         grandchild = int(proc.stdout.readline())
-        groups.attach_tree(proc.pid)  # the groups it leaves to the parent (a v1 memory group)
-        for path in set(groups.dirs.values()):
-            members = Path(path, "cgroup.procs").read_text().split()
+        for path, members in _members(groups).items():
             assert {str(proc.pid), str(grandchild)} <= set(members), path
-        assert groups.attach_tree(proc.pid) == 0  # a second pass moves nothing
+        assert groups.attach_tree(proc.pid) == 0  # nothing was left out
     finally:
         groups.kill()
         proc.wait(5)
-        groups.remove()
 
 
 @needs_cgroups
-def test_the_worker_below_a_launcher_is_placed_and_the_launcher_is_not() -> None:
+def test_the_worker_below_a_launcher_is_placed_and_the_launcher_is_not(
+    groups: WorkerCgroups,
+) -> None:
     """It attaches the process at the worker's depth (bwrap, unshare: 2) and only that."""
-    groups = WorkerCgroups.create("w-depth" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
-    assert groups is not None
     # sh -> sh -> sleep: the same shape as bwrap -> init -> worker.
     proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60; true'; true"], start_new_session=True)
     try:
         worker = groups.attach_at_depth(proc.pid, 2, 10, lambda: proc.poll() is None)
         assert worker is not None and worker != proc.pid
-        for path in set(groups.dirs.values()):
-            members = Path(path, "cgroup.procs").read_text().split()
-            assert members == [str(worker)], path
+        assert set(map(tuple, _members(groups).values())) == {(str(worker),)}
         assert groups.attach_tree(proc.pid, min_depth=2) == 0  # nothing left out
     finally:
-        groups.kill()
         os.killpg(proc.pid, 9)
         proc.wait(5)
-        groups.remove()
 
 
 @needs_cgroups
-def test_a_group_that_cannot_be_joined_stops_the_launch() -> None:
+def test_a_group_that_cannot_be_joined_stops_the_launch(groups: WorkerCgroups) -> None:
     """It never runs the launcher outside its groups: exit 125 and the reason on stderr."""
-    groups = WorkerCgroups.create("w-gone" + str(os.getpid()), {"memory_mb": 64, "processes": 8})
-    assert groups is not None
     argv = groups.joining_argv(["sh", "-c", "echo ran"])
     gone = os.path.dirname(argv[4])  # the first group the launcher joins
     os.rmdir(gone)
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        assert proc.returncode == 125
-        assert "ran" not in proc.stdout
-        assert f"could not join the cgroup {gone}/cgroup.procs" in proc.stderr
-    finally:
-        groups.remove()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == 125
+    assert "ran" not in proc.stdout
+    assert f"could not join the cgroup {gone}/cgroup.procs" in proc.stderr
 
 
 def _running(pid: int) -> bool:
