@@ -124,8 +124,8 @@ def refresh_bytecode(folders: tuple[str, ...]) -> None:
     Workers run with `-B` and read-only views of these folders, so they never write
     bytecode; most of their modules are never imported by the parent, so nothing else
     writes it either. Without this, every worker compiles those modules from source at
-    start-up (about 20 ms here). A folder the parent cannot write is left as it is (an
-    installed wheel has its bytecode from the installer).
+    start-up (`benchmarks/bench_providers.py` times both). A folder the parent cannot write
+    is left as it is (an installed wheel has its bytecode from the installer).
     """
     import compileall
 

@@ -5,7 +5,9 @@ the worker read its boot configuration, applied its limits and in-worker restric
 installed its guards and answered the handshake. Each provider runs with its default stack
 (Landlock and seccomp stacked where they work); `--layers` adds the namespace providers
 without the stacked layers. Prints median, min and max in milliseconds, and the median's
-ratio to `python -S -c pass`.
+ratio to `python -S -c pass`. A last table times parts of a start: the worker's imports
+from bytecode and from source (as when its caches were stale), and a launcher's shell
+joining the worker's cgroups (one migration) against the same shell alone.
 
     .venv/bin/python benchmarks/bench_providers.py [--runs 21] [--layers]
 """
@@ -13,6 +15,7 @@ ratio to `python -S -c pass`.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -60,7 +63,6 @@ def worker_start(provider: Provider, policy: Policy) -> Callable[[], None]:
 def wrapper_only(provider: Provider, policy: Policy) -> Callable[[], None]:
     """The provider's own cost: its launch plan with `python -S -c pass` as the worker."""
     import marshal
-    import os
     import socket
     import tempfile
 
@@ -159,11 +161,82 @@ def main() -> None:
     rows = [("python -S -c pass", "", samples[0])]
     rows += [(label, stack, s) for (label, stack, _), s in zip(wrapped, samples[1:], strict=True)]
     table("The providers' own cost: each launch plan running `python -S -c pass` (ms)", rows)
+    start_up_parts(args.runs)
     print(f"\n{args.runs} runs each, interleaved; one warm-up run not counted.")
     import shutil
 
     for path in _CLEANUP:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# The worker's start-up imports, in a bare interpreter mapped the way `_worker_boot` maps it.
+_IMPORT_WORKER = """
+import importlib.util, json, sys
+boot_script, dirs, roots = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+spec = importlib.util.spec_from_file_location("worker_boot", boot_script)
+boot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(boot)
+sys.path[:] = roots
+boot._map_packages(dirs)
+import agent_sandbox._worker_server, agent_sandbox._worker_setup
+import agent_sandbox.guards._install, agent_sandbox.guards._code_budget
+import os; os._exit(0)  # a worker never finalises its interpreter before it is ready
+"""
+
+
+def start_up_parts(runs: int) -> None:
+    """What parts of a start cost: the worker's imports (from bytecode, and from source as
+    when the caches were stale), and a launcher joining its cgroups before it execs."""
+    import json
+    import shutil
+    import tempfile
+
+    from agent_sandbox._process import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
+    from agent_sandbox.providers._limits import WorkerCgroups, cgroup_support
+
+    dirs = package_dirs()
+    fresh = tempfile.mkdtemp(prefix="bench-providers-src-")
+    _CLEANUP.append(fresh)
+    copies = {}
+    for name, folder in dirs.items():
+        copies[name] = os.path.join(fresh, name)
+        shutil.copytree(folder, copies[name], ignore=shutil.ignore_patterns("__pycache__"))
+
+    def imports(folders: dict[str, str], drop_cache: bool) -> Callable[[], None]:
+        argv = [sys.executable, "-I", "-S", "-B", "-c", _IMPORT_WORKER, BOOT_SCRIPT]
+        argv += [json.dumps(folders), json.dumps(list(import_roots()))]
+
+        def run() -> None:
+            if drop_cache:
+                for folder in folders.values():
+                    shutil.rmtree(os.path.join(folder, "__pycache__"), ignore_errors=True)
+            subprocess.run(argv, check=True)
+
+        return run
+
+    refresh_bytecode(tuple(sorted(dirs.values())))
+    labels = ["python -S -c pass", "worker imports, bytecode", "worker imports, from source"]
+    fns = [bare_python, imports(dirs, False), imports(copies, True)]
+    if cgroup_support()["hierarchies"]:
+
+        def plain_sh() -> None:
+            subprocess.run(["/bin/sh", "-c", "exec true"], check=True)
+
+        def joining_sh() -> None:
+            groups = WorkerCgroups.create(f"bench-{time.monotonic_ns()}", {"processes": 8})
+            assert groups is not None
+            try:
+                subprocess.run(groups.joining_argv(["true"]), check=True)
+            finally:
+                groups.kill()
+                groups.remove()
+
+        labels += ["sh -c exec true", "the same, joining cgroups"]
+        fns += [plain_sh, joining_sh]
+    samples = time_round_robin(fns, runs)
+    table(
+        "Parts of a start (ms)", [(label, "", s) for label, s in zip(labels, samples, strict=True)]
+    )
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ class WorkerCgroups:
         of its own), so the parent cannot attach it without racing its forks: joined before
         the exec, every process of the sandbox is born inside the groups. It costs the
         start one cgroup migration on its critical path (an RCU grace period here, about
-        13 ms), since forks wait for a migration in progress. A group that cannot be joined
+        15 ms), since forks wait for a migration in progress. A group that cannot be joined
         stops the start (exit 125, the reason in the worker log).
         """
         files = sorted({os.path.join(path, "cgroup.procs") for path in self.dirs.values()})

@@ -10,6 +10,8 @@ from __future__ import annotations
 import marshal
 import os
 import socket
+import subprocess
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -249,9 +251,6 @@ def run(boot):
 
 
 def _run_fake_worker(tmp_path: Path, mounts: list[list[str]]) -> tuple[int, str, Path]:
-    import subprocess
-    import sys
-
     boot_script = tmp_path / "fake_boot.py"
     boot_script.write_text(_FAKE_BOOT)
     shared = tmp_path / "shared"
