@@ -30,12 +30,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ guards/_fastimport.
   .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
   touch "$stamp"
 fi
-# A second environment on Debian's own Python, outside root's 0700 home, so the tests can run
-# the sandbox as an unprivileged user (tests/core/test_nonroot.py skips without it). Core and
-# seccomp dependencies only. A failure here only costs those tests. Its editable install
-# rebuilds guards/_fastimport*.so with Debian's headers: the same file, the same 3.11 ABI.
+# A second environment on Debian's own Python, inside the checkout (.venv-nonroot), so the tests
+# can run the sandbox as an unprivileged user (tests/core/test_nonroot.py skips without it, or
+# when the checkout is not readable by other users). Core and seccomp dependencies only. A
+# failure here only costs those tests. Its editable install rebuilds guards/_fastimport*.so
+# with Debian's headers: the same file, the same 3.11 ABI.
 nonroot_env() {
-  local nonroot=/opt/agent-sandbox-nonroot
+  local nonroot=$PWD/.venv-nonroot
   if [ ! -x "$nonroot/bin/python" ]; then
     /usr/bin/python3 -m venv "$nonroot" 2>/dev/null || {
       rm -rf "$nonroot"
@@ -45,7 +46,7 @@ nonroot_env() {
   fi
   if [ ! -f "$nonroot/.installed" ] || [ pyproject.toml -nt "$nonroot/.installed" ] \
      || [ guards/_fastimport.c -nt "$nonroot/.installed" ] \
-     || ! grep -qs "$PWD" "$nonroot"/lib/python3*/site-packages/__editable__*agent_sandbox*; then
+     ; then
     "$nonroot/bin/python" -m pip install -q -e ".[seccomp]" && touch "$nonroot/.installed"
   fi
 }

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-NONROOT_PY = Path("/opt/agent-sandbox-nonroot/bin/python")
 REPO = Path(__file__).resolve().parents[2]
+NONROOT_PY = REPO / ".venv-nonroot" / "bin" / "python"
 
 
 def _skip_reason() -> str | None:
