@@ -22,7 +22,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
+from agent_sandbox._denial import Denial
 from agent_sandbox._learn import Learner
+from agent_sandbox._render import clean, clean_block, quote
 from agent_sandbox._result import RunError, RunResult
 from agent_sandbox._sandbox import OnEvent, Sandbox
 from agent_sandbox.policies import Policy, resolve_policy
@@ -59,9 +61,17 @@ _PARTIAL_CHARS = 400
 
 
 def describe_policy(
-    policy: Policy, *, session: SessionMode | str = "thread", intro: str | None = None
+    policy: Policy,
+    *,
+    session: SessionMode | str = "thread",
+    intro: str | None = None,
+    timeout: float | None = None,
 ) -> str:
-    """The tool description a model reads, generated from `policy` (kept short: it costs tokens)."""
+    """The tool description a model reads, generated from `policy` (kept short: it costs tokens).
+
+    `timeout` is the tool's own per-call wall time when it sets one: the description states
+    the limit that will actually apply.
+    """
     lines = [
         intro
         or "Run Python 3 code in a sandboxed interpreter. Returns what the code prints and the "
@@ -94,8 +104,9 @@ def describe_policy(
     if policy.files.read:
         lines.append(f"  Read also: {', '.join(policy.files.read)}.")
     lim = policy.limits
+    wall = f"{timeout:g} s per call" if timeout is not None else f"{lim.wall_seconds:g} s per call"
     lines.append(
-        f"- Limits: {lim.wall_seconds:g} s per call, {lim.memory_mb} MB memory, "
+        f"- Limits: {wall}, {lim.cpu_seconds} s of CPU, {lim.memory_mb} MB memory, "
         f"{lim.output_bytes} bytes of output."
     )
     if session == "none":
@@ -157,8 +168,10 @@ class Outcome:
 
     `is_error` means: report it to the framework as a failed tool call (a refusal, a limit, a
     crash, an internal failure, or the code's own exception when `code_errors_as="error"`).
-    `kind` is `ok`, `exception`, `denied`, `limit`, `crashed` or `internal`; `rule` is the
-    first rule involved (the CrewAI `ToolFailure.code`), `rules` all of them.
+    `kind` is `ok`, `caught` (completed, but the code met a refusal and went on), `exception`,
+    `denied`, `limit`, `crashed` or `internal`; `rule` is the first rule involved (the CrewAI
+    `ToolFailure.code`), `rules` all of them. `refused` is true when any refusal was the
+    user's (caught or not): CrewAI reports every such call as a failure.
     """
 
     text: str
@@ -166,6 +179,7 @@ class Outcome:
     kind: str
     rule: str | None
     rules: tuple[str, ...]
+    refused: bool = False
 
 
 def coerce_policy(value: Any) -> Policy:
@@ -185,12 +199,19 @@ def learner_for(mode: str, current: Any) -> Learner | None:
 
 
 def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Outcome:
-    """Classify `result` and write the text the model reads."""
+    """Classify `result` and write the text the model reads.
+
+    Everything derives from the result's one classification of its refusals
+    (`RunResult.user_denials()`): library-internal refusals are not shown to the model (the
+    trace keeps them); a refusal that became the call's error is a refusal, not a traceback.
+    """
     error = result.error
     rules = tuple(result.rules())
+    user = result.user_denials()
+    refused = bool(user) or (error is not None and error.kind == "denied")
     parts: list[str] = []
     for notice in result.notices:
-        parts.append(f"[notice] {notice}")
+        parts.append(f"[notice] {clean(notice, 1000)}")
     if error is not None and error.kind in FAILURE_KINDS:
         parts.append(_failure_text(result, error))
         if result.stdout or result.stderr:
@@ -200,22 +221,21 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
                 partial = partial[:_PARTIAL_CHARS] + f"\n[... {cut} more characters not shown]"
             parts.append("Output before it stopped:\n" + partial)
         rule = error.rule or (rules[0] if rules else None)
-        return Outcome("\n".join(parts), True, error.kind, rule, rules)
+        return Outcome("\n".join(parts), True, error.kind, rule, rules, refused)
     out = _output_text(result)
     if out:
         parts.append(out)
     if error is not None:
         # The model's own code raised (or does not parse): show the traceback like a REPL.
-        parts.append((error.traceback or f"{error.type}: {error.message}").rstrip())
+        parts.append(clean_block(error.traceback or f"{error.type}: {error.message}").rstrip())
     else:
         value = result.value_text()
         if value:
             parts.append(value)
-    caught = [d for d in result.denials if not d.learned and not d.internal]
-    if caught:
+    if user:
         parts.append(
             "Refused during this call (the code caught the error and went on):\n"
-            + "\n".join(f"- {d.message()}" for d in caught)
+            + "\n".join(f"- {_denial_line(d)}" for d in user)
         )
     learned = [d for d in result.denials if d.learned]
     if learned:
@@ -223,22 +243,29 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
             "Learning mode recorded would-be refusals:\n"
             + "\n".join(f"- {d.message()}" for d in learned)
         )
-    internal = [d for d in result.denials if d.internal]
-    if internal:
-        parts.append(
-            f"[{len(internal)} refusal(s) inside library code were handled by the library "
-            "and did not affect this result]"
-        )
     if result.images:
-        names = ", ".join(i.name for i in result.images)
+        names = ", ".join(quote(i.name, 80) for i in result.images)
         parts.append(f"[{len(result.images)} image(s) attached: {names}]")
     text = "\n".join(parts) or "(no output)"
     if error is not None:
         is_error = code_errors_as == "error"
         return Outcome(
-            text, is_error, "exception", error.rule or (rules[0] if rules else None), rules
+            text,
+            is_error,
+            "exception",
+            error.rule or (rules[0] if rules else None),
+            rules,
+            refused,
         )
-    return Outcome(text, False, "ok", rules[0] if rules else None, rules)
+    kind = "caught" if user else "ok"
+    return Outcome(text, False, kind, rules[0] if rules else None, rules, refused)
+
+
+def _denial_line(d: Denial) -> str:
+    text = d.message()
+    if d.origin == "between-calls":
+        text = "(by a thread of the code, between calls) " + text
+    return text
 
 
 def _output_text(result: RunResult) -> str:
@@ -253,15 +280,20 @@ def _output_text(result: RunResult) -> str:
 def _failure_text(result: RunResult, error: RunError) -> str:
     if error.kind == "denied":
         lines = ["REFUSED by the sandbox policy."]
-        denials = [d for d in result.denials if not d.learned]
+        denials = result.user_denials()
         if denials:
-            lines.extend(d.message() for d in denials)
+            lines.extend(_denial_line(d) for d in denials)
         else:
-            lines.append(error.message)
+            lines.append(clean(error.message, 1000))
+        if error.type and not error.type.startswith("agent_sandbox."):
+            # A library turned the refusal into its own error: say what the code got.
+            lines.append(f"Your code got {clean(error.type, 120)}: {clean(error.message, 240)}")
         lines.append(_RETRY_NOTE)
         return "\n".join(lines)
     if error.kind == "limit":
-        msgs = [d.message() for d in result.denials if d.rule == error.rule] or [error.message]
+        msgs = [d.message() for d in result.denials if d.rule == error.rule] or [
+            clean(error.message, 1000)
+        ]
         return "\n".join(
             [
                 "STOPPED by a sandbox limit.",
@@ -272,12 +304,13 @@ def _failure_text(result: RunResult, error: RunError) -> str:
         )
     if error.kind == "crashed":
         return (
-            f"The sandbox worker crashed ([{error.rule or 'worker.crashed'}]): {error.message}. "
+            f"The sandbox worker crashed ([{error.rule or 'worker.crashed'}]): "
+            f"{clean(error.message, 1000)}. "
             "The next call starts a fresh interpreter: define your variables again."
         )
     return (
-        f"The sandbox failed internally ({error.type}: {error.message}). This was not caused "
-        "by your code's logic; you may try once more."
+        f"The sandbox failed internally ({clean(error.type, 120)}: {clean(error.message, 1000)}). "
+        "This was not caused by your code's logic; you may try once more."
     )
 
 
@@ -354,6 +387,7 @@ class ToolRunner:
                     warm=self.warm,
                     max_sessions=self.max_sessions,
                     session_ttl=self.session_ttl,
+                    tool=self.tool_name,
                 )
             return self._sandbox
 
@@ -370,16 +404,25 @@ class ToolRunner:
             return f"thread:{thread_id}"
         return "tool"
 
+    def _call_options(self, on_event: OnEvent | None) -> dict[str, Any]:
+        return {
+            "timeout": self.timeout,
+            "on_event": on_event,
+            "timeout_source": f"the tool's timeout option ({self.tool_name!r})"
+            if self.timeout is not None
+            else None,
+        }
+
     def run(
         self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
     ) -> RunResult:
         key = self.session_key(thread_id)
         try:
             sandbox = self.sandbox
+            kw = self._call_options(on_event)
             if key is None:
-                return self._learned(sandbox.run(code, timeout=self.timeout, on_event=on_event))
-            session = sandbox.session(key)
-            return self._learned(session.run(code, timeout=self.timeout, on_event=on_event))
+                return self._learned(sandbox.run(code, **kw))
+            return self._learned(sandbox.session(key).run(code, **kw))
         except Exception as exc:  # every failure of ours reaches the agent as data
             return internal_failure(exc, self.policy)
 
@@ -389,12 +432,11 @@ class ToolRunner:
         key = self.session_key(thread_id)
         try:
             sandbox = self.sandbox
+            kw = self._call_options(on_event)
             if key is None:
-                result = await sandbox.arun(code, timeout=self.timeout, on_event=on_event)
+                result = await sandbox.arun(code, **kw)
             else:
-                result = await sandbox.session(key).arun(
-                    code, timeout=self.timeout, on_event=on_event
-                )
+                result = await sandbox.session(key).arun(code, **kw)
             return self._learned(result)
         except Exception as exc:
             return internal_failure(exc, self.policy)

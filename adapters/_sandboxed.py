@@ -236,7 +236,9 @@ class SandboxedFunction:
     def _get_sandbox(self) -> Sandbox:
         with self._lock:
             if self._sandbox is None or self._sandbox.closed:
-                self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
+                self._sandbox = Sandbox(
+                    self.policy, provider=self.provider, warm=self.warm, tool=self.func.__name__
+                )
             return self._sandbox
 
     def run(self, *args: Any, **kwargs: Any) -> RunResult:

@@ -27,6 +27,7 @@ from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
+    Outcome,
     SessionMode,
     ToolRunner,
     coerce_policy,
@@ -107,7 +108,9 @@ class SandboxedPythonTool(BaseTool):
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
         if not self.description:
-            self.description = describe_policy(self.policy, session=self.session)
+            self.description = describe_policy(
+                self.policy, session=self.session, timeout=self.timeout
+            )
         mode: SessionMode = "none" if self.session == "none" else "tool"
         self._runner = ToolRunner(
             self.policy,
@@ -147,7 +150,9 @@ class SandboxedPythonTool(BaseTool):
     def _present(self, result: RunResult) -> Any:
         self._last = result
         out = outcome(result, code_errors_as=self.code_errors_as)
-        if not out.is_error:
+        # Every refusal of the user's code is a failure, caught or not (the operator's record
+        # is `TaskOutput.tool_failures`); library-internal ones are not.
+        if not (out.is_error or out.refused):
             return out.text
         if ToolFailure is None:  # pragma: no cover
             return out.text
@@ -155,15 +160,21 @@ class SandboxedPythonTool(BaseTool):
             message=out.text,
             code=out.rule or out.kind,
             retryable=out.kind in ("crashed", "internal"),
-            details={
-                "kind": out.kind,
-                "rules": list(out.rules),
-                "denials": [d.to_dict() for d in result.denials],
-                "policy": self.policy.name,
-                "fingerprint": self.policy.fingerprint(),
-                "error": result.error.to_dict() if result.error else None,
-            },
+            details=_details(self.policy, result, out),
         )
+
+
+def _details(policy: Policy, result: RunResult, out: Outcome) -> dict[str, Any]:
+    return {
+        "kind": out.kind,
+        "rules": list(out.rules),
+        "denials": [d.to_dict() for d in result.user_denials()],
+        "denial_counts": result.denial_counts(),
+        "policy": policy.name,
+        "fingerprint": policy.fingerprint(),
+        "session": result.session,
+        "error": result.error.to_dict() if result.error else None,
+    }
 
 
 def sandboxed_crewai_tool(
@@ -191,7 +202,7 @@ def sandboxed_crewai_tool(
     def call(**kwargs: Any) -> Any:
         result = body.run(**kwargs)
         out = outcome(result, code_errors_as="error")
-        if not out.is_error:
+        if not (out.is_error or out.refused):
             return result.value
         if ToolFailure is None:  # pragma: no cover
             return out.text
@@ -199,13 +210,7 @@ def sandboxed_crewai_tool(
         return ToolFailure(
             message=out.text,
             code=code,
-            details={
-                "kind": out.kind,
-                "rules": list(out.rules),
-                "denials": [d.to_dict() for d in result.denials],
-                "policy": body.policy.name,
-                "fingerprint": body.policy.fingerprint(),
-            },
+            details=_details(body.policy, result, out),
         )
 
     call.sandbox = body  # type: ignore[attr-defined]  # so callers can close it

@@ -121,7 +121,9 @@ class SandboxedPythonTool(BaseTool):
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
         if not self.description:
-            self.description = describe_policy(self.policy, session=self.session)
+            self.description = describe_policy(
+                self.policy, session=self.session, timeout=self.timeout
+            )
         self._runner = ToolRunner(
             self.policy,
             session=self.session,
@@ -187,17 +189,8 @@ class SandboxedPythonTool(BaseTool):
         out = outcome(result, code_errors_as=self.code_errors_as)
         _annotate_trace(self.policy, result, out)
         payload = None
-        if out.is_error or result.denials:
-            payload = {
-                "tool": self.name,
-                "kind": out.kind,
-                "rule": out.rule,
-                "rules": list(out.rules),
-                "denials": [d.to_dict() for d in result.denials],
-                "policy": self.policy.name,
-                "fingerprint": self.policy.fingerprint(),
-                "session": result.session,
-            }
+        if out.is_error or out.refused:
+            payload = refusal_payload(self.name, self.policy, result, out)
         return out, payload
 
     def _respond(self, out: Outcome, result: RunResult) -> tuple[Any, dict[str, Any]]:
@@ -246,8 +239,28 @@ def _stream_writer() -> Callable[[Any], None] | None:
         return None
 
 
+def refusal_payload(tool: str, policy: Policy, result: RunResult, out: Outcome) -> dict[str, Any]:
+    """The `sandbox_refusal` custom event: the user's refusals, and the raw counts."""
+    return {
+        "tool": tool,
+        "kind": out.kind,
+        "rule": out.rule,
+        "rules": list(out.rules),
+        "denials": [d.to_dict() for d in result.user_denials()],
+        "denial_counts": result.denial_counts(),
+        "policy": policy.name,
+        "fingerprint": policy.fingerprint(),
+        "session": result.session,
+    }
+
+
 def _annotate_trace(policy: Policy, result: RunResult, out: Outcome) -> None:
-    """Tags and metadata on the current LangSmith run (a no-op when tracing is off)."""
+    """Tags and metadata on the current LangSmith run (a no-op when tracing is off).
+
+    `sandbox:denied` and `sandbox.rule:<rule>` follow the user's refusals only (caught or
+    not); library-internal ones are counted in `sandbox.denial_counts` and listed in
+    `sandbox.internal_denials`, never tagged.
+    """
     try:
         from langsmith import get_current_run_tree
 
@@ -257,7 +270,7 @@ def _annotate_trace(policy: Policy, result: RunResult, out: Outcome) -> None:
     if run is None:
         return
     tags: list[str] = []
-    if out.kind == "denied" or any(not d.learned for d in result.denials):
+    if out.refused:
         tags.append("sandbox:denied")
     if any(d.learned for d in result.denials):
         tags.append("sandbox:learned")
@@ -268,11 +281,17 @@ def _annotate_trace(policy: Policy, result: RunResult, out: Outcome) -> None:
         "sandbox.policy": policy.name,
         "sandbox.fingerprint": policy.fingerprint(),
         "sandbox.outcome": out.kind,
+        "sandbox.provider": result.provider,
+        "sandbox.denial_counts": result.denial_counts(),
     }
     if out.rules:
         metadata["sandbox.rules"] = list(out.rules)
-    if result.denials:
-        metadata["sandbox.denials"] = [d.to_dict() for d in result.denials]
+    user = result.user_denials()
+    if user:
+        metadata["sandbox.denials"] = [d.to_dict() for d in user]
+    internal = result.internal_denials()
+    if internal:
+        metadata["sandbox.internal_denials"] = [d.to_dict() for d in internal]
     try:
         if tags:
             run.add_tags(tags)
@@ -324,19 +343,9 @@ def sandboxed_langchain_tool(
     def present(result: RunResult) -> Any:
         out = outcome(result, code_errors_as="error")
         _annotate_trace(body.policy, result, out)
+        if out.refused or (out.is_error and out.kind != "exception"):
+            _dispatch_sync(refusal_payload(tool.name, body.policy, result, out))
         if out.is_error:
-            if out.kind != "exception":
-                _dispatch_sync(
-                    {
-                        "tool": tool.name,
-                        "kind": out.kind,
-                        "rule": out.rule,
-                        "rules": list(out.rules),
-                        "denials": [d.to_dict() for d in result.denials],
-                        "policy": body.policy.name,
-                        "fingerprint": body.policy.fingerprint(),
-                    }
-                )
             raise SandboxToolError(out, result)
         return result.value
 

@@ -34,6 +34,7 @@ from agent_sandbox._errors import WorkerStartError as WorkerStartError
 from agent_sandbox._learn import Learner as Learner
 from agent_sandbox._learn import learn_run as learn_run
 from agent_sandbox._learn import learning_envelope as learning_envelope
+from agent_sandbox._oplog import log_refusals as log_refusals
 from agent_sandbox._result import Image as Image
 from agent_sandbox._result import RunError as RunError
 from agent_sandbox._result import RunResult as RunResult
@@ -81,5 +82,6 @@ __all__ = [
     "learn_run",
     "learning_envelope",
     "load_policy",
+    "log_refusals",
     "resolve_policy",
 ]

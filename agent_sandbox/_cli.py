@@ -156,40 +156,82 @@ def _cmd_run(args: argparse.Namespace) -> int:
             err.write(data)
             err.flush()
 
-    with Sandbox(args.policy, provider=args.provider, warm=0) as sandbox:
-        result = sandbox.run(code, timeout=args.timeout, on_event=live)
+    filename = None if args.code is not None or args.file == "-" else str(args.file)
+    with Sandbox(args.policy, provider=args.provider, warm=0, tool="cli") as sandbox:
+        result = sandbox.run(
+            code,
+            timeout=args.timeout,
+            on_event=live,
+            timeout_source="the --timeout option",
+            filename=filename,
+        )
     if args.json:
         print(result.to_json())
     else:
         print_result_tail(result, sys.stderr)
-    if result.denials:
+    return exit_code(result)
+
+
+def exit_code(result: Any) -> int:
+    """0: completed with no refusal of the code's own; 2: a refusal was the code's (caught or
+    not; library-internal ones do not count); 1: any other failure."""
+    if result.user_denials() or (result.error is not None and result.error.kind == "denied"):
         return EXIT_DENIED
     return EXIT_OK if result.error is None else EXIT_ERROR
 
 
 def print_result_tail(result: Any, stream: TextIO) -> None:
-    """Print the value, the error and a block of denials after the live output."""
+    """Print the value, the error and a block of the code's refusals after the live output.
+
+    Every piece of data (targets, details, tracebacks) is escaped: nothing the code or the
+    worker wrote can move the cursor, colour the terminal or forge a line of this block.
+    """
+    from agent_sandbox._render import clean, clean_block, quote
+
     style = Style(stream)
     if result.value is not None:
-        print(style.dim("value: ") + result.value_text(), file=stream)
+        print(style.dim("value: ") + clean(result.value_text(), 10_000), file=stream)
     for notice in result.notices:
-        print(style.yellow(f"note: {notice}"), file=stream)
+        print(style.yellow(f"note: {clean(notice, 1000)}"), file=stream)
+    user = result.user_denials()
     if result.error is not None:
         err = result.error
-        if err.traceback and err.kind in ("exception", "syntax"):
-            stream.write(err.traceback if err.traceback.endswith("\n") else err.traceback + "\n")
+        if err.traceback and err.kind in ("exception", "syntax", "denied"):
+            text = clean_block(err.traceback)
+            stream.write(text if text.endswith("\n") else text + "\n")
         elif not (err.rule and any(d.rule == err.rule for d in result.denials)):
             # A refusal is shown once, in the block below; other failures are shown here.
-            label = f"{err.kind}" + (f" [{err.rule}]" if err.rule else "")
-            print(style.red(f"{label}: {err.message}"), file=stream)
-    if result.denials:
-        print(style.bold(style.red(f"denied ({len(result.denials)}):")), file=stream)
-        for d in result.denials:
-            print(style.red(f"  [{d.rule}] ") + f"{d.action} {d.target}", file=stream)
+            label = f"{err.kind}" + (f" [{clean(err.rule, 60)}]" if err.rule else "")
+            print(style.red(f"{label}: {clean(err.message, 2000)}"), file=stream)
+    shown = [d for d in result.denials if not d.internal]
+    if shown:
+        print(style.bold(style.red(f"denied ({sum(d.count for d in shown)}):")), file=stream)
+        for d in shown:
+            times = f" ({d.count} times)" if d.count > 1 else ""
+            where = " [between calls]" if d.origin == "between-calls" else ""
+            line = f"{clean(d.action, 40)} {quote(d.target)}{times}{where}"
+            print(style.red(f"  [{clean(d.rule, 60)}] ") + line, file=stream)
             if d.detail:
-                print(style.dim(f"      {d.detail}"), file=stream)
-            if d.hint:
-                print(style.green(f"      to allow: {d.hint}"), file=stream)
+                print(style.dim(f"      {clean(d.detail)}"), file=stream)
+            if d.hint.startswith("[[grant]]"):
+                print(style.green("      to allow it, add to the policy file:"), file=stream)
+                for hint_line in d.hint.splitlines():
+                    print(style.green(f"        {clean(hint_line, 2000)}"), file=stream)
+            elif d.hint:
+                print(style.green(f"      to allow it: {clean(d.hint)}"), file=stream)
+    internal = result.internal_denials()
+    if internal and not user:
+        count = sum(d.count for d in internal)
+        print(
+            style.dim(
+                f"({count} refusal(s) inside library code were handled by the library; "
+                "the code was not affected. --json lists them.)"
+            ),
+            file=stream,
+        )
+    elif internal:
+        more = sum(d.count for d in internal)
+        print(style.dim(f"({more} more inside library code)"), file=stream)
 
 
 # -- policy ------------------------------------------------------------------------------

@@ -13,7 +13,12 @@ import dataclasses
 from typing import Any
 
 __all__ = [
+    "BETWEEN_CALLS",
+    "DURING_CALL",
     "Denial",
+    "INTERNAL",
+    "LEARNED",
+    "USER",
     "RULES",
     "rule_doc",
 ]
@@ -63,16 +68,30 @@ def rule_doc(rule: str) -> str:
     return RULES.get(rule.split(".", 1)[0], "")
 
 
+#: How a refusal is classified (see docs/denials.md, "Whose refusal is it?").
+USER = "user"
+INTERNAL = "internal"
+LEARNED = "learned"
+#: Where it was recorded: during the call, or by a thread of the code between two calls
+#: (attributed to the next call's result), or by the host itself.
+DURING_CALL = "call"
+BETWEEN_CALLS = "between-calls"
+
+
 @dataclasses.dataclass(frozen=True)
 class Denial:
     """One refusal: which rule, what was attempted on what, under which policy, how to allow it.
 
     `action` is a verb (`read`, `connect`, `import`, `call`, ...); `target` is what it was
-    attempted on (a path, `host:port`, a module, a variable, a function). `hint` is the exact
-    policy line that would allow it, when there is one. `learned` marks a would-be denial
-    recorded in learning mode (the operation was allowed to proceed). `internal` marks a
-    refusal raised inside library code and handled there (matplotlib probing font folders):
-    the user's code never saw it, so it is kept for the operator but does not fail the call.
+    attempted on (a path, `host:port`, a module, a variable, a function). `hint` is the policy
+    fragment that would allow it (a `[[grant]]` element), or a sentence when nothing added to a
+    policy can. `learned` marks a would-be denial recorded in learning mode (the operation was
+    allowed to proceed). `internal` marks a refusal a library raised and handled itself while
+    the user's code went on as if nothing happened (matplotlib probing font folders): it is kept
+    for the operator but is not the user's. `count` is how many times this same refusal
+    (rule, action, target, classification, origin) happened in the call; `last` is its last
+    occurrence in full when there was more than one. `origin` is `call`, or `between-calls`
+    for a refusal a thread of the code met between two calls.
     """
 
     rule: str
@@ -83,34 +102,67 @@ class Denial:
     detail: str = ""
     learned: bool = False
     internal: bool = False
+    count: int = 1
+    origin: str = DURING_CALL
+    last: Denial | None = None
+
+    @property
+    def classification(self) -> str:
+        """`user`, `internal` or `learned`."""
+        return LEARNED if self.learned else INTERNAL if self.internal else USER
+
+    def key(self) -> tuple[str, str, str, str, str]:
+        """What makes two refusals "the same" for counting."""
+        return (self.rule, self.action, self.target, self.classification, self.origin)
 
     def message(self) -> str:
-        """The text a model reads: the rule, the target, the policy and what would allow it."""
-        text = f"[{self.rule}] {self.action} {self.target!r} refused"
+        """The text a model reads: the rule, the target (quoted), the policy, what allows it.
+
+        Every piece of data is quoted and escaped (`_render.quote`); the hint is a fragment
+        to add to the policy file, on its own indented lines.
+        """
+        from agent_sandbox._render import clean, quote
+
+        text = f"[{clean(self.rule, 60)}] {clean(self.action, 40)} {quote(self.target)} refused"
         if self.policy:
-            text += f" by policy {self.policy!r}"
+            text += f" by policy {quote(self.policy, 120)}"
         if self.detail:
-            text += f": {self.detail}"
-        if self.hint:
-            text += f". To allow it, add to the policy: {self.hint}"
+            text += f" ({clean(self.detail)})"
+        if self.count > 1:
+            text += f" [{self.count} times]"
+        if self.hint.startswith("[[grant]]"):
+            fragment = "\n".join("    " + line for line in self.hint.splitlines())
+            text += ". To allow it, add to the policy file:\n" + fragment
+        elif self.hint:
+            text += f". To allow it: {clean(self.hint)}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict, the form denials take in traces and on the wire."""
-        return dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "last"}
+        out["classification"] = self.classification
+        out["last"] = self.last.to_dict() if self.last is not None else None
+        return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Denial:
+    def from_dict(cls, data: dict[str, Any], *, nested: bool = True) -> Denial:
         """Rebuild from `to_dict()` output; unknown keys are ignored, missing ones defaulted."""
         names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs = {k: v for k, v in data.items() if k in names and k != "last"}
         kwargs.setdefault("rule", "unknown")
         kwargs.setdefault("action", "")
         kwargs.setdefault("target", "")
-        for key in ("rule", "action", "target", "policy", "hint", "detail"):
+        for key in ("rule", "action", "target", "policy", "hint", "detail", "origin"):
             if key in kwargs:
                 kwargs[key] = str(kwargs[key])
         for flag in ("learned", "internal"):
             if flag in kwargs:
                 kwargs[flag] = bool(kwargs[flag])
+        count = kwargs.get("count", 1)
+        kwargs["count"] = count if isinstance(count, int) and count >= 1 else 1
+        if kwargs.get("origin") not in (DURING_CALL, BETWEEN_CALLS):
+            kwargs["origin"] = DURING_CALL
+        last = data.get("last")
+        if nested and isinstance(last, dict):
+            kwargs["last"] = cls.from_dict(last, nested=False)
         return cls(**kwargs)

@@ -39,6 +39,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import SandboxDenied
+from agent_sandbox._hints import grant_hint
 
 __all__ = ["TooLarge", "encode_value", "exception_payload", "result_too_large"]
 
@@ -107,7 +108,7 @@ def result_too_large(size: int, cap: int, policy: str) -> Denial:
         policy=policy,
         detail=f"the encoded result is {size} bytes, above the cap of {cap} bytes; "
         "it was refused, not truncated (return a smaller value or write it to a file)",
-        hint=f"[limits] result_bytes = {max(size * 2, cap * 2)}",
+        hint=grant_hint({"limits.result_bytes": max(size * 2, cap * 2)}),
     )
 
 

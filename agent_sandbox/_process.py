@@ -47,6 +47,7 @@ from agent_sandbox._errors import (
     WorkerStartError,
     describe_exit,
 )
+from agent_sandbox._hints import limit_hint
 from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox._unpickle import Decoder
@@ -394,11 +395,17 @@ class WorkerProcess:
         timeout: float | None = None,
         on_event: OnEvent | None = None,
         session: str | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
     ) -> RunResult:
-        """Run one call; never raises for the code's own failures (they are in the result)."""
+        """Run one call; never raises for the code's own failures (they are in the result).
+
+        `timeout_source` says who set `timeout` (the tool's option, the CLI's flag), for the
+        refusal's hint; `filename` is the name the code's frames carry (default `<cell-N>`).
+        """
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder(self.decoder)
+        builder = ResultBuilder(self.decoder, self.policy, wall)
         t0 = time.monotonic()
         self.calls += 1
 
@@ -408,9 +415,9 @@ class WorkerProcess:
                 on_event(*event)
 
         try:
-            self.client.run(code, t0 + wall, forward)
+            self.client.run(code, t0 + wall, forward, filename)
         except TimeoutError:
-            self._on_timeout(builder, wall)
+            self._on_timeout(builder, wall, timeout, timeout_source)
         except ConnectionLost:
             self._on_lost(builder)
         except MessageTooLarge as exc:
@@ -426,11 +433,13 @@ class WorkerProcess:
         timeout: float | None = None,
         on_event: OnEvent | None = None,
         session: str | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder(self.decoder)
+        builder = ResultBuilder(self.decoder, self.policy, wall)
         t0 = time.monotonic()
         self.calls += 1
         client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
@@ -441,9 +450,9 @@ class WorkerProcess:
                 on_event(*event)
 
         try:
-            await client.run(code, t0 + wall, forward)
+            await client.run(code, t0 + wall, forward, filename)
         except TimeoutError:
-            self._on_timeout(builder, wall)
+            self._on_timeout(builder, wall, timeout, timeout_source)
         except ConnectionLost:
             self._on_lost(builder)
         except MessageTooLarge as exc:
@@ -492,19 +501,30 @@ class WorkerProcess:
             detail=detail,
             hint=hint,
         )
-        builder.denials.append(denial)
+        builder.add_denial(denial)
         builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
 
-    def _on_timeout(self, builder: ResultBuilder, wall: float) -> None:
+    def _on_timeout(
+        self, builder: ResultBuilder, wall: float, timeout: float | None, source: str | None
+    ) -> None:
+        assert self.policy is not None
         self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
         self.kill()
+        policy_wall = self.policy.limits.wall_seconds
+        if timeout is None:
+            origin = f"the policy's limits.wall_seconds = {policy_wall:g}"
+            hint = limit_hint("limits.timeout", {"limits": {"wall_seconds": policy_wall}})
+        else:
+            who = source or "the caller's timeout argument"
+            origin = f"{who} = {timeout:g} (the policy's own limit is {policy_wall:g} s)"
+            hint = f"raise {who} (now {timeout:g} s); the policy is not what stopped it"
         self._limit(
             builder,
             "limits.timeout",
             "the call",
-            f"it ran longer than {wall:g} s and its process group was killed; "
-            "the session's variables are lost",
-            f"[limits] wall_seconds = {max(wall * 2, 1):g}",
+            f"it ran longer than {wall:g} s, the limit set by {origin}; its process group was "
+            "killed and the session's variables are lost",
+            hint,
             "TimeoutError",
         )
 
@@ -521,7 +541,7 @@ class WorkerProcess:
                 "limits.cpu",
                 "the call",
                 f"it used more than {cpu} s of CPU time and was killed",
-                f"[limits] cpu_seconds = {cpu * 2}",
+                limit_hint("limits.cpu", {"limits": {"cpu_seconds": cpu}}),
                 "LimitExceeded",
             )
             return
@@ -550,7 +570,7 @@ class WorkerProcess:
             "limits.result",
             "the result",
             str(exc),
-            f"[limits] result_bytes = {exc.cap * 2}",
+            limit_hint("limits.result", {"limits": {"result_bytes": exc.cap}}),
             "MessageTooLarge",
         )
 

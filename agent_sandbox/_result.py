@@ -87,26 +87,44 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        """The code completed and nothing it did was refused (library-internal refusals,
-        which the user's code never saw, do not count; they stay in `denials`)."""
+        """The code completed and none of its refusals was the user's (library-internal
+        refusals, handled by a library while the code went on, do not count; they stay in
+        `denials`). A call that raised is never ok, whatever its refusals are."""
         return self.error is None and not self.user_denials()
 
     @property
     def denied(self) -> bool:
-        """Whether any policy refusal reached the code (even one the code caught)."""
+        """Whether a refusal was the user's (it changed what the code got, caught or not)."""
         return bool(self.user_denials())
 
     def user_denials(self) -> tuple[Denial, ...]:
-        """The denials the user's code met (not the ones a library raised and handled)."""
-        return tuple(d for d in self.denials if not d.internal)
+        """The refusals that were the user's: their exception, or an error a library made of
+        it, reached the user's code (see docs/denials.md, "Whose refusal is it?")."""
+        return tuple(d for d in self.denials if not d.internal and not d.learned)
+
+    def internal_denials(self) -> tuple[Denial, ...]:
+        """Refusals a library raised and handled while the user's code went on."""
+        return tuple(d for d in self.denials if d.internal)
+
+    def denial_counts(self) -> dict[str, int]:
+        """Raw counts of every refusal of the call, by classification (for the trace)."""
+        counts = {"user": 0, "internal": 0, "learned": 0, "between_calls": 0, "distinct": 0}
+        for d in self.denials:
+            counts[d.classification] += d.count
+            counts["distinct"] += 1
+            if d.origin == "between-calls":
+                counts["between_calls"] += d.count
+        return counts
 
     def rules(self) -> list[str]:
-        """The distinct rule names of the user-facing denials, in order of first appearance."""
+        """The distinct rules of the call's error and of its refusals that were the user's (and
+        learning mode's would-be ones), in order of first appearance; never internal ones."""
         seen: dict[str, None] = {}
-        for d in self.user_denials():
-            seen.setdefault(d.rule, None)
         if self.error is not None and self.error.rule:
             seen.setdefault(self.error.rule, None)
+        for d in self.denials:
+            if not d.internal:  # the user's, then learning mode's would-be refusals
+                seen.setdefault(d.rule, None)
         return list(seen)
 
     def to_dict(self, *, images: bool = True) -> dict[str, Any]:
@@ -118,6 +136,7 @@ class RunResult:
             "value": _json_safe(self.value),
             "error": self.error.to_dict() if self.error else None,
             "denials": [d.to_dict() for d in self.denials],
+            "denial_counts": self.denial_counts(),
             "duration": round(self.duration, 6),
             "worker_id": self.worker_id,
             "session": self.session,
@@ -172,11 +191,33 @@ class RunResult:
         return self.value
 
 
-class ResultBuilder:
-    """Accumulates events from the worker into a `RunResult` (and forwards them live)."""
+#: Distinct refusals the host keeps from one call, whatever a worker sends.
+MAX_DENIALS = 256
+_OTHER_TARGETS = "(other targets)"
+#: Rules whose refusals are never library-internal, whatever a worker says: the code layer
+#: and the limits act on the user's code itself; the rest are the host's or the guards' own.
+_NEVER_INTERNAL = ("code.", "limits.", "guard.", "worker.", "result.")
 
-    def __init__(self, decoder: Decoder | None = None) -> None:
+
+class ResultBuilder:
+    """Accumulates events from the worker into a `RunResult` (and forwards them live).
+
+    What a worker says about its refusals is checked here (docs/denials.md, "What the host
+    checks"): hints are re-derived from the rule and target by host templates; the number of
+    distinct refusals kept is bounded; "internal" is only ever a presentation downgrade and
+    is withdrawn for a refusal that shows in the call's error or whose rule is never
+    internal; a call with an error is never ok.
+    """
+
+    def __init__(
+        self,
+        decoder: Decoder | None = None,
+        policy: Any = None,
+        wall: float | None = None,
+    ) -> None:
         self.decoder = decoder
+        self.policy = policy
+        self.wall = wall
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.value: Any = None
@@ -187,6 +228,79 @@ class ResultBuilder:
         self.notices: list[str] = []
         self.done = False
         self.discard = False
+        self._positions: dict[tuple[str, ...], int] = {}
+        self._wire: list[int] = []  # the worker's n-th denial event -> index in `denials`
+        self._error_refusals: list[Denial] = []
+        self._wire_policy: dict[str, Any] | None = None
+
+    def _policy_wire(self) -> dict[str, Any]:
+        if self._wire_policy is None:
+            try:
+                self._wire_policy = (
+                    self.policy.model_dump(mode="json") if self.policy is not None else {}
+                )
+            except Exception:
+                self._wire_policy = {}
+        return self._wire_policy
+
+    def _vet(self, denial: Denial) -> Denial:
+        """A worker's refusal as the host shows it: host-made hint, host policy name."""
+        from agent_sandbox._hints import host_hint
+
+        hint = host_hint(
+            denial.rule, denial.target, denial.hint, self._policy_wire(), timeout=self.wall
+        )
+        changes: dict[str, Any] = {"hint": hint}
+        if self.policy is not None:
+            changes["policy"] = self.policy.name
+        if denial.internal and denial.rule.startswith(_NEVER_INTERNAL):
+            changes["internal"] = False
+        return dataclasses.replace(denial, **changes)
+
+    def add_denial(self, denial: Denial) -> int:
+        """Keep one refusal (merged with the same one, bounded); returns its index."""
+        key = denial.key()
+        pos = self._positions.get(key)
+        if pos is None and len(self.denials) >= MAX_DENIALS:
+            denial = dataclasses.replace(
+                denial,
+                action="*",
+                target=_OTHER_TARGETS,
+                detail=f"more than {MAX_DENIALS} distinct refusals in one call; the rest are "
+                "counted per rule",
+                hint="",
+                last=None,
+            )
+            key = denial.key()
+            pos = self._positions.get(key)
+        if pos is None:
+            self._positions[key] = len(self.denials)
+            self.denials.append(denial)
+            return len(self.denials) - 1
+        old = self.denials[pos]
+        self.denials[pos] = dataclasses.replace(
+            old, count=min(old.count + denial.count, 10**15), last=denial.last or denial
+        )
+        return pos
+
+    def _counts(self, data: list[Any]) -> None:
+        for item in data[: len(self._wire)]:
+            if not (isinstance(item, list) and len(item) == 3):
+                continue
+            index, count, last = item
+            if not (isinstance(index, int) and 0 <= index < len(self._wire)):
+                continue
+            if not (isinstance(count, int) and 1 <= count <= 10**15 and isinstance(last, dict)):
+                continue
+            pos = self._wire[index]
+            old = self.denials[pos]
+            if old.target == _OTHER_TARGETS:
+                continue
+            self.denials[pos] = dataclasses.replace(
+                old,
+                count=max(old.count, count),
+                last=self._vet(Denial.from_dict(last, nested=False)),
+            )
 
     def add(self, kind: str, data: Any) -> None:
         if kind == "stdout" and isinstance(data, str):
@@ -194,11 +308,11 @@ class ResultBuilder:
         elif kind == "stderr" and isinstance(data, str):
             self.stderr.append(data)
         elif kind == "denial" and isinstance(data, dict):
-            self.denials.append(Denial.from_dict(data))
-        elif kind == "internal" and isinstance(data, list):
-            for i in data:
-                if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.denials):
-                    self.denials[i] = dataclasses.replace(self.denials[i], internal=True)
+            pos = self.add_denial(self._vet(Denial.from_dict(data, nested=False)))
+            if len(self._wire) < MAX_DENIALS * 4:
+                self._wire.append(pos)
+        elif kind == "counts" and isinstance(data, list):
+            self._counts(data)
         elif kind == "result" and isinstance(data, dict):
             if "pickle" in data:
                 self._decode_value(data)
@@ -206,6 +320,11 @@ class ResultBuilder:
                 self.value = data.get("value")
         elif kind == "error" and isinstance(data, dict):
             self.error = error_from_wire(data, self.decoder, self.notices)
+            refusals = data.get("refusals")
+            if isinstance(refusals, list):
+                self._error_refusals = [
+                    Denial.from_dict(r, nested=False) for r in refusals[:10] if isinstance(r, dict)
+                ]
         elif kind == "image" and isinstance(data, dict):
             self.images.append(
                 Image(
@@ -221,9 +340,39 @@ class ResultBuilder:
             if isinstance(data, dict):
                 self.discard = bool(data.get("discard"))
 
+    def verdict(self) -> None:
+        """The host's own checks on the worker's classification (see the class docstring).
+
+        A refusal is the user's when the call's error carries it (the worker names the
+        refusals in the error's exception chain) or when its rule and quoted target appear
+        in the error's text: a library turned it into the error the user's code got. An
+        error of kind `exception` that carries a refusal becomes a refusal (`denied`).
+        """
+        error = self.error
+        if error is None:
+            return
+        from agent_sandbox._render import quote
+
+        text = f"{error.message}\n{error.traceback}"
+        carried = {(d.rule, d.target) for d in self._error_refusals}
+        first_rule: str | None = None
+        for i, d in enumerate(self.denials):
+            shown = f"[{d.rule}]" in text and quote(d.target) in text
+            if (d.rule, d.target) in carried or (shown and d.target):
+                if d.internal:
+                    self.denials[i] = dataclasses.replace(d, internal=False)
+                if not d.learned and first_rule is None:
+                    first_rule = d.rule
+        if error.kind == "exception" and first_rule is not None:
+            limit = first_rule.startswith("limits.")
+            self.error = dataclasses.replace(
+                error, kind="limit" if limit else "denied", rule=first_rule
+            )
+
     def _decode_value(self, data: dict[str, Any]) -> None:
         """Decode an objects-mode value; a refusal becomes the call's error and a denial."""
         from agent_sandbox._errors import UnpickleRefused
+        from agent_sandbox._hints import grant_hint
         from agent_sandbox._unpickle import Decoder
 
         decoder = self.decoder or Decoder(objects=False)
@@ -237,12 +386,12 @@ class ResultBuilder:
                 target=exc.target or "the result",
                 policy=decoder.policy,
                 detail=exc.reason,
-                hint=f"[limits] result_bytes = {decoder.budgets.max_bytes * 2}"
+                hint=grant_hint({"limits.result_bytes": decoder.budgets.max_bytes * 2})
                 if too_big
                 else exc.hint,
             )
             self.value = None
-            self.denials.append(denial)
+            self.add_denial(denial)
             self.error = RunError(
                 kind="limit" if too_big else "denied",
                 type="UnpickleRefused",
@@ -251,6 +400,7 @@ class ResultBuilder:
             )
 
     def build(self, **fields: Any) -> RunResult:
+        self.verdict()
         return RunResult(
             stdout="".join(self.stdout),
             stderr="".join(self.stderr),

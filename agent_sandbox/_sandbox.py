@@ -83,16 +83,40 @@ class Session:
         return result
 
     def run(
-        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
     ) -> RunResult:
-        """Run `code` in this session's interpreter; variables persist across calls."""
+        """Run `code` in this session's interpreter; variables persist across calls.
+
+        `timeout` overrides the policy's `limits.wall_seconds` for this call; `timeout_source`
+        names who set it (for the refusal's hint). `filename` is the name the code's frames
+        carry in tracebacks (default `<cell-N>`).
+        """
         with self._lock:
             worker, notices, lost = self._prepare()
-            result = worker.run(code, timeout=timeout, on_event=on_event, session=self.key)
-            return self._after(worker, result, notices, lost)
+            result = worker.run(
+                code,
+                timeout=timeout,
+                on_event=on_event,
+                session=self.key,
+                timeout_source=timeout_source,
+                filename=filename,
+            )
+            return self.sandbox._logged(self._after(worker, result, notices, lost))
 
     async def arun(
-        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
     ) -> RunResult:
         """The async twin of `run()`."""
         if not self._lock.acquire(blocking=False):
@@ -102,8 +126,15 @@ class Session:
                 worker, notices, lost = await asyncio.to_thread(self._prepare)
             else:
                 worker, notices, lost = self._prepare()
-            result = await worker.arun(code, timeout=timeout, on_event=on_event, session=self.key)
-            return self._after(worker, result, notices, lost)
+            result = await worker.arun(
+                code,
+                timeout=timeout,
+                on_event=on_event,
+                session=self.key,
+                timeout_source=timeout_source,
+                filename=filename,
+            )
+            return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             self._lock.release()
 
@@ -147,6 +178,7 @@ class Sandbox:
         max_sessions: int = 16,
         session_ttl: float = 1800.0,
         start_timeout: float = 15.0,
+        tool: str = "",
     ) -> None:
         resolved = resolve_policy(policy)
         if provider is not None and provider != resolved.provider:
@@ -163,30 +195,56 @@ class Sandbox:
         self._active: set[WorkerProcess] = set()
         self.closed = False
         self._counter = 0
+        #: The name the operator's refusal log gives this sandbox's calls (a tool's name).
+        self.tool = tool
+
+    def _logged(self, result: RunResult) -> RunResult:
+        from agent_sandbox import _oplog
+
+        _oplog.write(result, tool=self.tool)
+        return result
 
     # -- stateless calls -----------------------------------------------------------------
 
     def run(
-        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
     ) -> RunResult:
-        """Run `code` in a fresh worker that is discarded afterwards."""
+        """Run `code` in a fresh worker that is discarded afterwards (see `Session.run`)."""
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
         worker = self._pool.acquire()
         with self._lock:
             self._active.add(worker)
         try:
-            result = worker.run(code, timeout=timeout, on_event=on_event)
+            result = worker.run(
+                code,
+                timeout=timeout,
+                on_event=on_event,
+                timeout_source=timeout_source,
+                filename=filename,
+            )
         finally:
             with self._lock:
                 self._active.discard(worker)
             worker.discard()
         if self.closed:
             result = _closed_error(result)
-        return result
+        return self._logged(result)
 
     async def arun(
-        self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
     ) -> RunResult:
         """The async twin of `run()`."""
         if self.closed:
@@ -198,7 +256,15 @@ class Sandbox:
         with self._lock:
             self._active.add(worker)
         try:
-            return await worker.arun(code, timeout=timeout, on_event=on_event)
+            return self._logged(
+                await worker.arun(
+                    code,
+                    timeout=timeout,
+                    on_event=on_event,
+                    timeout_source=timeout_source,
+                    filename=filename,
+                )
+            )
         finally:
             with self._lock:
                 self._active.discard(worker)

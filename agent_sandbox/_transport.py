@@ -175,9 +175,11 @@ class WorkerClient:
             raise TransportError("the worker's handshake is not a JSON object")
         return data
 
-    def run(self, code: str, deadline: float, on_event: OnEvent) -> None:
+    def run(
+        self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
+    ) -> None:
         """POST the code and deliver each event until the stream ends (or the deadline)."""
-        proto = self._exchange("POST", "/run", {"code": code}, deadline, on_event)
+        proto = self._exchange("POST", "/run", _run_body(code, filename), deadline, on_event)
         if proto.status != 200:
             raise TransportError(f"the worker refused the call (HTTP {proto.status})")
 
@@ -207,21 +209,23 @@ class AsyncWorkerClient:
         self.token = token
         self.max_event_bytes = max_event_bytes
 
-    async def run(self, code: str, deadline: float, on_event: OnEvent) -> None:
+    async def run(
+        self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
+    ) -> None:
         remaining = max(0.001, deadline - time.monotonic())
         try:
-            await asyncio.wait_for(self._run(code, deadline, on_event), remaining)
+            await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
         except TimeoutError:
             raise TimeoutError("the call exceeded its deadline") from None
 
-    async def _run(self, code: str, deadline: float, on_event: OnEvent) -> None:
+    async def _run(self, body: dict[str, Any], on_event: OnEvent) -> None:
         try:
             reader, writer = await asyncio.open_unix_connection(self.path)
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to the worker: {exc}") from None
         proto = _Protocol(self.token, self.max_event_bytes)
         try:
-            writer.write(proto.request("POST", "/run", {"code": code}))
+            writer.write(proto.request("POST", "/run", body))
             await writer.drain()
             while not proto.done:
                 data = await reader.read(262144)
@@ -237,3 +241,10 @@ class AsyncWorkerClient:
                 await writer.wait_closed()
             except OSError:
                 pass
+
+
+def _run_body(code: str, filename: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code}
+    if filename:
+        body["filename"] = filename
+    return body

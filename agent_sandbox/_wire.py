@@ -1,6 +1,6 @@
 """The wire format shared by parent and worker: Server-Sent Events carrying JSON.
 
-One event is `event: <kind>\\ndata: <json>\\n\\n`. Kinds: `stdout`, `stderr`, `denial`,
+One event is `event: <kind>\\ndata: <json>\\n\\n`. Kinds: `stdout`, `stderr`, `denial`, `counts`,
 `image`, `result`, `error`, `notice`, `done`. The parser is incremental, caps the size of
 one event, and turns anything malformed into a `TransportError`; it never evaluates what
 it reads.
@@ -22,7 +22,7 @@ EVENT_KINDS = frozenset(
         "stdout",
         "stderr",
         "denial",
-        "internal",
+        "counts",
         "image",
         "result",
         "error",

@@ -28,6 +28,7 @@ from typing import Any
 from agent_sandbox import _audit, _objects
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
+from agent_sandbox._hints import grant_hint
 
 __all__ = ["Runner", "to_data"]
 
@@ -120,7 +121,7 @@ class _Budget:
             policy=self.policy,
             detail=f"the call printed more than {self.cap} bytes; further output was refused "
             "and the worker is replaced (its variables are lost)",
-            hint=f"[limits] output_bytes = {self.cap * 4}",
+            hint=grant_hint({"limits.output_bytes": self.cap * 4}),
         )
 
 
@@ -136,15 +137,29 @@ class Runner:
         self.code_check: Callable[[str, ast.Module], None] | None = None
         self.arming: Callable[[], Any] | None = None
         self.objects = policy.get("result_mode") == "objects"
+        #: Marks a host-given file name as user code (set by the worker's set-up).
+        self.register_file: Callable[[str], None] | None = None
+        #: The scratch files as they were when the last call started: (mtime_ns, size).
+        self._scratch_seen: dict[str, tuple[int, int]] = {}
 
-    def run(self, code: str, emit: Emit) -> None:
-        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`)."""
+    def run(self, code: str, emit: Emit, filename: str | None = None) -> None:
+        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`).
+
+        `filename` is the name the code's frames carry (a script run from the CLI keeps its
+        own); by default `<cell-N>`.
+        """
         self.calls += 1
-        filename = f"<cell-{self.calls}>"
+        if filename:
+            _USER_FILES.add(filename)
+            if self.register_file is not None:
+                self.register_file(filename)
+        else:
+            filename = f"<cell-{self.calls}>"
         limits = self.policy.get("limits", {})
         budget = _Budget(int(limits.get("output_bytes", 1_000_000)), self.policy_name)
         out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)
         started = time.time()
+        self._scratch_seen = self._scan_scratch()
         try:
             compiled = self._compile(code, filename)
         except SandboxDenied as exc:  # before SyntaxError: CodeRejected is both
@@ -261,15 +276,46 @@ class Runner:
         exec(body, ns)
         return eval(tail, ns) if tail is not None else None
 
+    def _scan_scratch(self) -> dict[str, tuple[int, int]]:
+        seen: dict[str, tuple[int, int]] = {}
+        try:
+            for entry in os.scandir(self.scratch):
+                if entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    seen[entry.name] = (st.st_mtime_ns, st.st_size)
+                    if len(seen) >= 10_000:
+                        break
+        except OSError:
+            pass
+        return seen
+
     def _collect_outputs(self, emit: Emit, started: float) -> None:
-        """Send matplotlib figures and PNG files written to scratch during the call."""
+        """Send the images this call produced, once: PNG files it wrote to scratch, and the
+        matplotlib figures it left open that were not already drawn into a file."""
         images = 0
+        before = self._scratch_seen
+        now = self._scan_scratch()
+        changed = sorted(n for n, sig in now.items() if before.get(n) != sig)
+        for name in changed:
+            size = now[name][1]
+            if name.lower().endswith(".png") and images < _MAX_IMAGES and size <= _MAX_IMAGE_BYTES:
+                try:
+                    with open(os.path.join(self.scratch, name), "rb") as fh:
+                        emit("image", _image(name, fh.read()))
+                    images += 1
+                except OSError:
+                    pass
         plt = sys.modules.get("matplotlib.pyplot")
         if plt is not None:
             try:
                 for num in list(plt.get_fignums())[:_MAX_IMAGES]:
+                    fig = plt.figure(num)
+                    # A figure drawn since its last change was saved (or shown) by the code:
+                    # the file carries it. One never drawn is sent as the code left it.
+                    if images >= _MAX_IMAGES or (changed and not getattr(fig, "stale", True)):
+                        continue
                     buf = io.BytesIO()
-                    plt.figure(num).savefig(buf, format="png")
+                    fig.savefig(buf, format="png")
                     data = buf.getvalue()
                     if len(data) <= _MAX_IMAGE_BYTES:
                         emit("image", _image(f"figure-{num}.png", data))
@@ -277,23 +323,8 @@ class Runner:
                 plt.close("all")
             except Exception:
                 pass
-        changed = []
-        try:
-            for entry in os.scandir(self.scratch):
-                if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime >= started - 1:
-                    changed.append((entry.name, entry.stat().st_size))
-                    if (
-                        entry.name.lower().endswith(".png")
-                        and images < _MAX_IMAGES
-                        and entry.stat().st_size <= _MAX_IMAGE_BYTES
-                    ):
-                        with open(entry.path, "rb") as fh:
-                            emit("image", _image(entry.name, fh.read()))
-                        images += 1
-        except OSError:
-            pass
         if changed:
-            emit("files", [{"name": n, "size": s} for n, s in sorted(changed)[:100]])
+            emit("files", [{"name": n, "size": now[n][1]} for n in changed[:100]])
 
 
 _CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect at start-up
@@ -344,10 +375,19 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
         "message": _safe_str(exc),
         "traceback": _user_traceback(exc),
     }
-    if isinstance(exc, SandboxDenied):
-        info["kind"] = "limit" if isinstance(exc, LimitExceeded) else "denied"
-        info["rule"] = exc.denial.rule
-        info["denial"] = exc.denial.to_dict()
+    refused = _chain_denials(exc)
+    if refused:
+        # The refusals the error carries: its own, or ones a library turned into this error
+        # (requests wraps a refused connect in ConnectionError). Those are the user's.
+        info["refusals"] = [d.to_dict() for d in refused]
+    cause = exc if isinstance(exc, SandboxDenied) else None
+    if cause is None and refused:
+        cause = next(e for e in _chain(exc) if isinstance(e, SandboxDenied))
+    if cause is not None:
+        assert isinstance(cause, SandboxDenied)
+        info["kind"] = "limit" if isinstance(cause, LimitExceeded) else "denied"
+        info["rule"] = cause.denial.rule
+        info["denial"] = cause.denial.to_dict()
     elif isinstance(exc, MemoryError):
         info["kind"] = "limit"
         info["rule"] = "limits.memory"
@@ -365,6 +405,33 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
     return info
 
 
+_MAX_CHAIN = 30
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc`, its causes and contexts, and the members of exception groups, each once."""
+    out: list[BaseException] = []
+    seen: set[int] = set()
+    todo = [exc]
+    while todo and len(out) < _MAX_CHAIN:
+        item = todo.pop(0)
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        out.append(item)
+        for nxt in (item.__cause__, item.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+        members = getattr(item, "exceptions", None)
+        if isinstance(item, BaseExceptionGroup) and isinstance(members, tuple):
+            todo.extend(m for m in members if isinstance(m, BaseException))
+    return out
+
+
+def _chain_denials(exc: BaseException) -> list[Denial]:
+    return [e.denial for e in _chain(exc) if isinstance(e, SandboxDenied)][:10]
+
+
 def _qualname(cls: type) -> str:
     module = getattr(cls, "__module__", "builtins")
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
@@ -377,17 +444,98 @@ def _safe_str(exc: BaseException) -> str:
         return f"<{type(exc).__name__}: unprintable>"
 
 
+_SANDBOX_DIRS: tuple[str, ...] | None = None
+_MAX_MESSAGE = 2000
+
+
+def _sandbox_dirs() -> tuple[str, ...]:
+    """The folders of agent_sandbox's own modules (their frames are never shown)."""
+    global _SANDBOX_DIRS
+    if _SANDBOX_DIRS is None:
+        dirs = set()
+        for name, module in list(sys.modules.items()):
+            file = getattr(module, "__file__", None)
+            if (name == "agent_sandbox" or name.startswith("agent_sandbox.")) and file:
+                dirs.add(os.path.join(os.path.dirname(os.path.realpath(file)), ""))
+                dirs.add(os.path.join(os.path.dirname(file), ""))
+        _SANDBOX_DIRS = tuple(sorted(dirs))
+    return _SANDBOX_DIRS
+
+
+def _short_path(filename: str) -> str:
+    """A library file's path relative to its import root (`requests/api.py`): no host paths."""
+    best = ""
+    for root in sys.path:
+        if root and filename.startswith(os.path.join(root, "")) and len(root) > len(best):
+            best = root
+    if best:
+        return filename[len(best) :].lstrip("/")
+    return os.path.basename(filename)
+
+
+#: File names the host gave calls' code (scripts run from the CLI): user code.
+_USER_FILES: set[str] = set()
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename in _USER_FILES:
+        return True
+    return filename.startswith("<") and not filename.startswith("<frozen ")
+
+
 def _user_traceback(exc: BaseException) -> str:
-    """The traceback with the worker's own frames removed (user cells and libraries remain)."""
+    """The traceback a model and an operator read: the user's own frames in full (with the
+    source line and its caret), library frames as their import-relative path, runs of them
+    shortened, the sandbox's own frames removed, then one line per chained cause."""
     try:
         te = traceback.TracebackException.from_exception(exc, capture_locals=False)
-        here = os.path.dirname(os.path.abspath(__file__))
-        te.stack = traceback.StackSummary.from_list(
-            [f for f in te.stack if not f.filename.startswith(here)]
-        )
-        return "".join(te.format())
+        frames: list[traceback.FrameSummary | None] = []
+        hidden = _sandbox_dirs()
+        run: list[traceback.FrameSummary] = []
+
+        def flush_run() -> None:
+            if not run:
+                return
+            keep = [run[0]] if len(run) == 1 else [run[0], run[-1]]
+            for i, f in enumerate(keep):
+                frames.append(
+                    traceback.FrameSummary(
+                        _short_path(f.filename), f.lineno, f.name, lookup_line=False, line=""
+                    )
+                )
+                if i == 0 and len(run) > 2:
+                    frames.append(None)  # a marker for the elided middle
+                    skipped[len(frames) - 1] = len(run) - 2
+            run.clear()
+
+        skipped: dict[int, int] = {}
+        for f in te.stack:
+            if f.filename.startswith(hidden):
+                continue
+            if _is_user_file(f.filename):
+                flush_run()
+                frames.append(f)
+            else:
+                run.append(f)
+        flush_run()
+        lines = ["Traceback (most recent call last):\n"] if frames else []
+        for i, shown in enumerate(frames):
+            if shown is None:
+                lines.append(f"  [... {skipped[i]} more library frames ...]\n")
+            else:
+                lines.append("".join(traceback.StackSummary.from_list([shown]).format()))
+        lines.extend(_cap(line) for line in te.format_exception_only())
+        for cause in _chain(exc)[1:6]:
+            lines.append(f"Caused by: {_qualname(type(cause))}: {_cap(_safe_str(cause))}\n")
+        return "".join(lines)
     except Exception:
         return f"{type(exc).__name__}: {_safe_str(exc)}\n"
+
+
+def _cap(text: str) -> str:
+    if len(text) <= _MAX_MESSAGE:
+        return text
+    return text[:_MAX_MESSAGE] + f"...[{len(text) - _MAX_MESSAGE} more characters]\n"
 
 
 def to_data(value: Any, depth: int = 0) -> Any:

@@ -49,7 +49,6 @@ class _Server:
         self.checks = checks
         self.boot = boot
         self.tamper_check: Any = None
-        self.is_user_frame: Any = lambda filename: filename.startswith("<cell-")
 
     # -- connection handling -------------------------------------------------------------
 
@@ -173,16 +172,19 @@ class _Server:
                     broken = True
 
         sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
-        _audit.take()
-        _audit.set_sink(lambda d: emit("denial", d.to_dict()))
+        filename = request.get("filename")
+        _audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
-            self.runner.run(code, emit)
+            self.runner.run(code, emit, filename if isinstance(filename, str) else None)
         finally:
-            _audit.set_sink(None)
-        internal = _audit.handled_inside_libraries(self.is_user_frame)
-        if internal:
-            emit("internal", internal)
+            counted = _audit.end_call()
+        # First occurrences streamed as they were classified; counts and last ones now.
+        counts = [
+            [i, d.count, d.last.to_dict()] for i, d in enumerate(counted) if d.last is not None
+        ]
+        if counts:
+            emit("counts", counts)
         tampered = self.tamper_check() if self.tamper_check is not None else []
         for reason in tampered:
             emit(
@@ -200,7 +202,7 @@ class _Server:
             {
                 "duration": time.perf_counter() - started,
                 "discard": bool(tampered),
-                "denials": len(_audit.take()),
+                "denials": sum(d.count for d in counted),
             },
         )
         with lock:
@@ -219,8 +221,6 @@ def serve(boot: dict[str, Any]) -> None:
     runner, checks, hooks = prepare(boot)
     server = _Server(boot, runner, checks)
     server.tamper_check = hooks.get("tamper_check")
-    if "is_user_frame" in hooks:
-        server.is_user_frame = hooks["is_user_frame"]
     listener = socket.socket(fileno=int(boot["listen_fd"]))
     listener.setblocking(True)
     selector = selectors.DefaultSelector()

@@ -99,9 +99,9 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
 
     guards = install_guards(boot, runner.namespace)
     runner.arming = guards.arming
-    hooks["tamper_check"] = guards.tamper_check
-    from agent_sandbox.guards._state import is_user_frame
+    from agent_sandbox.guards._state import state
 
-    hooks["is_user_frame"] = is_user_frame
+    runner.register_file = state.user_files.add
+    hooks["tamper_check"] = guards.tamper_check
     checks["guards"] = summary()
     return runner, checks, hooks

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import CallDenied
+from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
 
@@ -167,7 +168,7 @@ class ApiRules:
             name,
             self.policy_name,
             detail=f"{name} is a sensitive call ({category}) the policy does not grant",
-            hint=f'[api] allow = ["{name}"]',
+            hint=grant_hint({"api.allow": [name]}),
         )
 
 

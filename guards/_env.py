@@ -27,6 +27,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import EnvDenied
+from agent_sandbox._hints import glob_escape, grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
 
@@ -79,7 +80,7 @@ def _refused(key: Any) -> bool:
             target=name,
             policy=_policy_name,
             detail="the variable exists on the host but the policy does not pass it",
-            hint=f'[env] pass = ["{name}"]',
+            hint=grant_hint({"env.pass": [glob_escape(name)]}),
         ),
     )
     return False  # learning mode: behave as unset

@@ -50,6 +50,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
+from agent_sandbox._hints import glob_escape, grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import refuse, state
 
@@ -281,7 +282,7 @@ class FileRules:
                 policy=self.policy_name,
                 detail="the path is outside [files] write (only the scratch directory is "
                 "writable unless the policy says more)",
-                hint=f'[files] write = ["{_grant_for(path)}"]',
+                hint=grant_hint({"files.write": [glob_escape(path)]}),
             )
         if self.read.match(path) is not None:
             return None
@@ -295,12 +296,8 @@ class FileRules:
             target=path,
             policy=self.policy_name,
             detail="the path is outside [files] read",
-            hint=f'[files] read = ["{_grant_for(path)}"]',
+            hint=grant_hint({"files.read": [glob_escape(path)]}),
         )
-
-
-def _grant_for(path: str) -> str:
-    return path
 
 
 # -- the resolver ------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ImportDenied
+from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
 
@@ -109,7 +110,7 @@ class ImportRules:
             target=name,
             policy=self.policy_name,
             detail="the module is not in [imports] allow",
-            hint=f'[imports] allow = ["{top}"]',
+            hint=grant_hint({"imports.allow": [top]}),
         )
 
 

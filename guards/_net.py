@@ -34,6 +34,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import NetworkDenied
+from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _files, _patch
 from agent_sandbox.guards._state import refuse, state
 
@@ -133,18 +134,22 @@ class NetRules:
                 allowed = True
         if allowed:
             return None
-        proto = "" if protocol == "tcp" else f' protocol = "{protocol}"'
-        way = "" if direction == "connect" else f' direction = "{direction}"'
+        entry = {"host": str(ip), "ports": str(port)}
+        if protocol != "tcp":
+            entry["protocol"] = protocol
+        if direction != "connect":
+            entry["direction"] = direction
         return Denial(
             rule_name,
             direction,
             f"{host}:{port}",
             self.policy_name,
             detail=f"no [net] rule allows {protocol} {direction} to this address",
-            hint=f'[[net.rules]] host = "{ip}" ports = "{port}"{proto}{way}',
+            hint=grant_hint({"net.rules": [entry]}),
         )
 
-    def resolve_denial(self, name: str) -> Denial:
+    def resolve_denial(self, name: str, port: Any = None) -> Denial:
+        ports = str(port) if isinstance(port, int | str) and str(port).isdigit() else "443"
         return Denial(
             "net.resolve",
             "resolve",
@@ -152,7 +157,7 @@ class NetRules:
             self.policy_name,
             detail="no [net] rule names this host, so it is not resolved (names are pinned "
             "when the policy loads)",
-            hint=f'[[net.rules]] host = "{name}" ports = "443"',
+            hint=grant_hint({"net.rules": [{"host": name, "ports": ports}]}),
         )
 
 
@@ -229,7 +234,7 @@ def _judge_address(sock: Any, address: Any, direction: str) -> Any:
     if not _is_ip(host):
         pins = _pinned(host)
         if not pins:
-            refuse(NetworkDenied, _rules.resolve_denial(host))
+            refuse(NetworkDenied, _rules.resolve_denial(host, port))
             return address
         want = 4 if family == _AF_INET else 6
         usable = [ip for ip in pins if ipaddress.ip_address(ip).version == want] or pins
@@ -304,7 +309,7 @@ def _getaddrinfo_wrapper(
         return wrapped(*args, **kwargs)
     pins = _pinned(host)
     if not pins:
-        refuse(NetworkDenied, _rules.resolve_denial(host))
+        refuse(NetworkDenied, _rules.resolve_denial(host, call.get("port")))
         return wrapped(*args, **kwargs)
     out: list[Any] = []
     error: Exception | None = None

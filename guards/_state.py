@@ -20,6 +20,7 @@ flag cleared during the call, not one cleared and set back. That is a documented
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from _thread import get_ident
@@ -49,6 +50,8 @@ class _State:
         self.policy_name = ""
         self.trusted_roots: tuple[str, ...] = ()
         self.disarmed_mid_call = False
+        #: File names the host gave the call's code (a script run from the CLI).
+        self.user_files: set[str] = set()
 
 
 state = _State()
@@ -61,6 +64,7 @@ def configure(*, learn: bool, policy_name: str, trusted_roots: tuple[str, ...]) 
     roots = {os.path.join(os.path.realpath(r), "") for r in trusted_roots if r}
     roots |= {os.path.join(r, "") for r in trusted_roots if r}
     state.trusted_roots = tuple(sorted(roots))
+    _audit.set_user_frame_test(is_user_frame)
 
 
 def is_active() -> bool:
@@ -70,7 +74,7 @@ def is_active() -> bool:
 
 def is_user_frame(filename: str) -> bool:
     """Whether code from `filename` is user code (a cell, a string it compiled, its files)."""
-    if filename.startswith("<cell-"):
+    if filename.startswith("<cell-") or filename in state.user_files:
         return True
     if filename.startswith("<frozen "):
         return False
@@ -85,23 +89,15 @@ def refuse(exc_class: type[BaseException], denial: Denial, *, always: bool = Fal
     file, hidden names) is refused in learning mode too.
     """
     if state.learn and not always:
-        _audit.record(
-            Denial(
-                rule=denial.rule,
-                action=denial.action,
-                target=denial.target,
-                policy=denial.policy or state.policy_name,
-                hint=denial.hint,
-                detail=denial.detail,
-                learned=True,
-            )
-        )
+        _audit.record(dataclasses.replace(denial, learned=True))
         return
-    recorded = _audit.record(denial)
-    _raise(exc_class, recorded)
+    _raise(exc_class, denial)
 
 
 def _raise(exc_class: type[BaseException], denial: Denial) -> NoReturn:
-    exc: Any = exc_class(denial)
-    _audit.note_raised(denial, exc)
+    # Stamped first (policy name, origin), so the exception carries what the trace holds;
+    # recorded before the raise, and classified by whether the raise reaches user code.
+    stamped = _audit.stamp(denial)
+    exc: Any = exc_class(stamped)
+    _audit.record_raised(stamped, exc)
     raise exc

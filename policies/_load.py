@@ -24,6 +24,7 @@ from agent_sandbox._errors import PolicyError, PolicyNotFound
 from agent_sandbox.policies._model import Policy
 
 __all__ = [
+    "apply_grants",
     "list_presets",
     "load_policy",
     "map_validation_errors",
@@ -97,6 +98,7 @@ def policy_from_dict(
 ) -> Policy:
     """Validate a dict (as parsed from TOML) into a policy, mapping validation errors."""
     data = dict(data)
+    grants = data.pop("grant", None)
     extends = data.pop("extends", None)
     if extends is not None:
         if not isinstance(extends, str):
@@ -106,6 +108,11 @@ def policy_from_dict(
             base_path = os.path.join(os.path.dirname(source), extends)
         base = resolve_policy(base_path)
         data = merge_dicts(base.model_dump(mode="json", by_alias=True), data)
+    if grants is not None:
+        if extends is None:
+            # Grants add to what the policy has, defaults included.
+            data = merge_dicts(Policy().model_dump(mode="json", by_alias=True), data)
+        data = apply_grants(data, grants, source=source)
     with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
     if source is not None:
@@ -122,6 +129,42 @@ def merge_dicts(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, An
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def apply_grants(data: dict[str, Any], grants: Any, *, source: str | None = None) -> dict[str, Any]:
+    """Add each `[[grant]]` element to `data` (the policy after `extends` and its own tables).
+
+    A list in a grant is appended to the list it names (items already there are not
+    repeated), so a grant only ever adds to what the policy and its `extends` chain allow; a
+    table is merged key by key; a number or a string replaces the value (a limit raised).
+    """
+    if not isinstance(grants, list) or not all(isinstance(g, dict) for g in grants):
+        raise PolicyError(
+            "must be [[grant]] tables", source=source, key="grant", expected="[[grant]] tables"
+        )
+    out = copy.deepcopy(data)
+    for grant in grants:
+        _add(out, grant)
+    return out
+
+
+def _add(into: dict[str, Any], grant: dict[str, Any]) -> None:
+    for key, value in grant.items():
+        current = into.get(key)
+        if isinstance(value, dict) and key != "set":
+            if not isinstance(current, dict):
+                current = into[key] = {}
+            _add(current, value)
+        elif isinstance(value, dict):
+            into[key] = {**(current if isinstance(current, dict) else {}), **value}
+        elif isinstance(value, list):
+            items = list(current) if isinstance(current, list) else []
+            for item in value:
+                if item not in items:
+                    items.append(copy.deepcopy(item))
+            into[key] = items
+        else:
+            into[key] = value
 
 
 _mapping: contextvars.ContextVar[bool] = contextvars.ContextVar("policy_mapping", default=False)

@@ -497,6 +497,7 @@ def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) 
     replaced.
     """
     from agent_sandbox._denial import Denial
+    from agent_sandbox._hints import grant_hint
     from agent_sandbox._result import RunError
 
     hits: list[str] = []
@@ -522,9 +523,9 @@ def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) 
             policy=policy.name,
             detail=f"the call went over `{setting} = {value}`; the worker is replaced and "
             "its variables are lost",
-            hint=f"[limits] {setting} = {value * 2}",
+            hint=grant_hint({f"limits.{setting}": value * 2}),
         )
-        builder.denials.append(denial)
+        builder.add_denial(denial)
         # A call that completed keeps its value; the denial says what was hit.
         if error is not None and error.kind in ("crashed", "exception"):
             builder.error = RunError(

@@ -52,7 +52,7 @@ def test_refusal_text_names_rule_target_and_fix_and_truncates_partial_output():
     )
     out = outcome(result)
     assert out.is_error and out.kind == "denied" and out.rule == "imports"
-    assert "[imports]" in out.text and "'socket'" in out.text and "allow" in out.text
+    assert "[imports]" in out.text and '"socket"' in out.text and "allow" in out.text
     assert "4600 more characters not shown" in out.text
 
 

@@ -202,8 +202,8 @@ def test_denial_is_a_permission_error_naming_the_line(armed: Callable[..., Any])
         guard.run("import os\nos.system('true')")
     assert isinstance(info.value, CallDenied)
     text = str(info.value)
-    assert "[api.process-exec]" in text and "'os.system'" in text and "'calls-danger'" in text
-    assert '[api] allow = ["os.system"]' in text
+    assert "[api.process-exec]" in text and '"os.system"' in text and '"calls-danger"' in text
+    assert '[[grant]]\n    api.allow = ["os.system"]' in text
 
 
 @pytest.mark.parametrize("category", ["deserialization", "dynamic-code"])

@@ -47,7 +47,7 @@ def test_blocks_reading_a_host_secret(session: object, expression: str) -> None:
     assert result.error is not None and result.error.type.endswith("EnvDenied")
     assert result.error.rule == "env"
     assert [d.target for d in result.denials] == [CANARY_NAME]
-    assert result.denials[0].hint == f'[env] pass = ["{CANARY_NAME}"]'
+    assert result.denials[0].hint == f'[[grant]]\nenv.pass = ["{CANARY_NAME}"]'
 
 
 def test_a_missing_variable_is_just_unset(session: object) -> None:

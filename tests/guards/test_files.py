@@ -310,8 +310,8 @@ def test_denial_text_names_rule_target_policy_and_the_line(
     exc = info.value
     assert isinstance(exc, FileAccessDenied)
     text = str(exc)
-    assert "[files.read]" in text and secret in text and "'guard-test'" in text
-    assert f'[files] read = ["{secret}"]' in text
+    assert "[files.read]" in text and secret in text and '"guard-test"' in text
+    assert f'[[grant]]\n    files.read = ["{secret}"]' in text
 
 
 def test_learning_mode_records_and_proceeds(

@@ -47,7 +47,7 @@ def test_blocks_importing_a_module_outside_the_allowlist(armed: Callable[..., An
     assert issubclass(ImportDenied, ModuleNotFoundError)
     denial = guard.denials()[-1]
     assert denial.rule == "imports" and denial.target == "xml.dom.minidom"
-    assert denial.hint == '[imports] allow = ["xml"]'
+    assert denial.hint == '[[grant]]\nimports.allow = ["xml"]'
 
 
 def test_blocks_a_module_loaded_before_arming(armed: Callable[..., Any]) -> None:

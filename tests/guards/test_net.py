@@ -85,7 +85,7 @@ def test_blocks_connect_to_a_port_no_rule_allows(
     assert nothing_arrived(tcp)
     denial = guard.denials()[-1]
     assert denial.rule == "net.connect" and denial.target == f"127.0.0.1:{port}"
-    assert denial.hint == f'[[net.rules]] host = "127.0.0.1" ports = "{port}"'
+    assert denial.hint == f'[[grant]]\nnet.rules = [{{ host = "127.0.0.1", ports = "{port}" }}]'
 
 
 def test_allows_connect_to_an_allowed_loopback_port(
