@@ -161,8 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SandboxError as exc:
         code = _exit_status(exc)
         if getattr(args, "json", False):
-            print(dump_json({"error": {"type": type(exc).__name__, "message": str(exc),
-                                       "exit_status": code}}))
+            print(
+                dump_json(
+                    {
+                        "error": {
+                            "type": type(exc).__name__,
+                            "message": str(exc),
+                            "exit_status": code,
+                        }
+                    }
+                )
+            )
         else:
             style = Style(sys.stderr)
             print(style.red(f"error: {exc}"), file=sys.stderr)

@@ -36,9 +36,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         style = Style(sys.stderr)
         extras = ",".join(missing)
         print(
-            style.red(
-                f"error: the demo needs {', '.join(missing)}: {install_hint(extras)}"
-            ),
+            style.red(f"error: the demo needs {', '.join(missing)}: {install_hint(extras)}"),
             file=sys.stderr,
         )
         return 1

@@ -72,6 +72,7 @@ def _dumps(value: Any, protocol: int) -> bytes:
     _EnumByValue(buffer, protocol=protocol).dump(value)
     return buffer.getvalue()
 
+
 _b64 = binascii.b2a_base64
 _PROTOCOL = 5
 
