@@ -65,18 +65,25 @@ _is_user: Callable[[str], bool] = lambda filename: filename.startswith("<cell-")
 
 
 class Tally:
-    """Distinct refusals with counts; first and last occurrence in full; bounded."""
+    """Distinct refusals with counts; first and last occurrence in full; bounded.
+
+    Each classification (user, internal, learned) has its own `max_keys` distinct entries,
+    so library-internal noise never crowds out the user's refusals; past that, refusals are
+    counted per rule in one "(other targets)" entry whose `last` is the latest in full.
+    """
 
     def __init__(self, max_keys: int = MAX_KEYS) -> None:
         self.max_keys = max_keys
         self.entries: dict[tuple[str, ...], list[Any]] = {}  # key -> [first, last, count]
+        self._used: dict[str, int] = {}
 
     def add(self, denial: Denial, count: int = 1) -> tuple[Denial, bool]:
         """Count `denial`; returns (the entry's first occurrence, whether it is new)."""
         key = denial.key()
         entry = self.entries.get(key)
-        if entry is None and len(self.entries) >= self.max_keys:
-            denial = Denial(
+        first = denial
+        if entry is None and self._used.get(denial.classification, 0) >= self.max_keys:
+            first = Denial(
                 rule=denial.rule,
                 action="*",
                 target=_OTHER_TARGETS,
@@ -87,11 +94,13 @@ class Tally:
                 internal=denial.internal,
                 origin=denial.origin,
             )
-            key = denial.key()
+            key = first.key()
             entry = self.entries.get(key)
         if entry is None:
-            self.entries[key] = [denial, denial, count]
-            return denial, True
+            if first is denial:
+                self._used[denial.classification] = self._used.get(denial.classification, 0) + 1
+            self.entries[key] = [first, denial, count]
+            return first, True
         entry[1] = denial
         entry[2] += count
         return entry[0], False
@@ -99,16 +108,16 @@ class Tally:
     def merge(self, other: Tally) -> None:
         for first, last, count in other.entries.values():
             self.add(first, 1)
-            if count > 1:
-                self.add(last, count - 1)
+            if count > 1 or last is not first:
+                self.add(last, max(count - 1, 1))
 
     def denials(self) -> list[Denial]:
         """One `Denial` per entry: the first occurrence, with `count` and `last`."""
         out = []
         for first, last, count in self.entries.values():
             extra: dict[str, Any] = {"count": count}
-            if count > 1:
-                extra["last"] = last
+            if count > 1 or last is not first:
+                extra["last"] = dataclasses.replace(last, count=1, last=None)
             out.append(dataclasses.replace(first, **extra))
         return out
 

@@ -262,6 +262,7 @@ class ResultBuilder:
         key = denial.key()
         pos = self._positions.get(key)
         if pos is None and len(self.denials) >= MAX_DENIALS:
+            actual = denial.last or denial
             denial = dataclasses.replace(
                 denial,
                 action="*",
@@ -269,7 +270,7 @@ class ResultBuilder:
                 detail=f"more than {MAX_DENIALS} distinct refusals in one call; the rest are "
                 "counted per rule",
                 hint="",
-                last=None,
+                last=dataclasses.replace(actual, count=1, last=None),
             )
             key = denial.key()
             pos = self._positions.get(key)
@@ -294,8 +295,6 @@ class ResultBuilder:
                 continue
             pos = self._wire[index]
             old = self.denials[pos]
-            if old.target == _OTHER_TARGETS:
-                continue
             self.denials[pos] = dataclasses.replace(
                 old,
                 count=max(old.count, count),

@@ -228,3 +228,24 @@ def test_failure_policy_raise_aborts_the_crew(crew):
             )
     finally:
         t.close()
+
+
+def test_a_refusal_the_code_caught_is_still_a_tool_failure(crew):
+    """It reports every refusal of the user's code as a ToolFailure, caught or not."""
+    t = crew.adapter.SandboxedPythonTool(policy="data-analysis", warm=0)
+    try:
+        caught = t.run(
+            code="try:\n    open('/etc/passwd')\nexcept OSError:\n    print('used the fallback')"
+        )
+        assert isinstance(caught, crew.ToolFailure) and caught.code == "files.read"
+        assert "used the fallback" in caught.message and "caught the error" in caught.message
+        assert caught.details["kind"] == "caught"
+        assert [d["target"] for d in caught.details["denials"]] == ["/etc/passwd"]
+        # Refusals a library handled itself are not the user's: no failure.
+        fonts = t.run(
+            code="import matplotlib.font_manager as fm\nfm.findSystemFonts()\nprint('ok')"
+        )
+        assert isinstance(fonts, str) and fonts.startswith("ok")
+        assert t.last_result is not None and t.last_result.internal_denials()
+    finally:
+        t.close()

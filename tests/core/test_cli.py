@@ -93,3 +93,26 @@ def test_no_command_prints_usage() -> None:
     """It prints usage and exits 64 without a command."""
     out = run_cli()
     assert out.returncode == 64 and "usage" in out.stderr
+
+
+def test_a_file_keeps_its_name_and_a_syntax_error_points_at_its_line(tmp_path: Path) -> None:
+    """It names the script in tracebacks and shows a caret under the bad line."""
+    bad = tmp_path / "script.py"
+    bad.write_text("x = 1\ny = (2,\nprint(x)\n")
+    out = run_cli("run", str(bad))
+    assert out.returncode == 1
+    assert f'File "{bad}", line 2' in out.stderr and "<cell-" not in out.stderr
+    assert "    y = (2,\n        ^" in out.stderr
+    boom = tmp_path / "boom.py"
+    boom.write_text("def f():\n    return 1/0\nf()\n")
+    out = run_cli("run", str(boom))
+    assert f'File "{boom}", line 2, in f' in out.stderr and "~^~" in out.stderr
+    assert "guards" not in out.stderr and "site-packages" not in out.stderr
+
+
+def test_a_library_internal_refusal_is_not_a_failure_of_the_cli() -> None:
+    """It exits 0 for code whose only refusals a library handled itself."""
+    code = "import matplotlib.font_manager as fm\nfm.findSystemFonts()\nprint('ok')"
+    out = run_cli("run", "--policy", "data-analysis", "-c", code)
+    assert out.returncode == 0, out.stderr
+    assert "to allow it" not in out.stderr and "denied" not in out.stderr
