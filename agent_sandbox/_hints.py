@@ -66,7 +66,8 @@ _BUDGET_KEYS = {
 
 
 def glob_escape(path: str) -> str:
-    """`path` as a files/env pattern that matches exactly it (glob characters bracketed)."""
+    """`name` as an `env.pass` pattern (fnmatch) matching exactly it (glob characters
+    bracketed). File paths use the policy path language's escapes (`policies/_paths.py`)."""
     return _GLOB.sub(r"[\1]", path)
 
 
@@ -142,7 +143,9 @@ def host_hint(
     if rule in ("files.read", "files.write"):
         if not target.startswith("/") or not worker_hint:
             return ""
-        return grant_hint({rule: [glob_escape(target)]})
+        from agent_sandbox.policies._paths import literal
+
+        return grant_hint({rule: [literal(target)]})
     if rule in ("net.connect", "net.bind"):
         address = _split_address(target)
         if address is None:

@@ -48,7 +48,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
-from agent_sandbox._hints import glob_escape, grant_hint
+from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import refuse, state
 from agent_sandbox.policies._paths import (
@@ -57,7 +57,6 @@ from agent_sandbox.policies._paths import (
     is_glob,
     literal,
     name_regex,
-    toml_quote,
     unescape,
 )
 
@@ -256,11 +255,7 @@ class FileRules:
                 policy=self.policy_name,
                 detail="the path is outside [files] write (only the scratch directory is "
                 "writable unless the policy says more)",
-<<<<<<< HEAD
-                hint=grant_hint({"files.write": [glob_escape(path)]}),
-=======
-                hint=f"[files] write = [{_grant_for(path)}]",
->>>>>>> main
+                hint=grant_hint({"files.write": [literal(path)]}),
             )
         if self.read.match(path) is not None:
             return None
@@ -274,22 +269,10 @@ class FileRules:
             target=path,
             policy=self.policy_name,
             detail="the path is outside [files] read",
-<<<<<<< HEAD
-            hint=grant_hint({"files.read": [glob_escape(path)]}),
+            hint=grant_hint({"files.read": [literal(path)]}),
         )
 
 
-=======
-            hint=f"[files] read = [{_grant_for(path)}]",
-        )
-
-
-def _grant_for(path: str) -> str:
-    """The TOML entry granting exactly `path`: glob characters in its name stay literal."""
-    return toml_quote(literal(path))
-
-
->>>>>>> main
 # -- the resolver ------------------------------------------------------------------------------
 
 _MAX_LINKS = 40

@@ -15,8 +15,8 @@ from agent_sandbox import Policy
 from agent_sandbox._denial import Denial
 from agent_sandbox._hints import DENY_BEATS_GRANT, HIDDEN, host_hint, parse_grant
 from agent_sandbox._result import ResultBuilder
-from agent_sandbox.guards._files import _glob_regex
 from agent_sandbox.policies import list_presets, policy_from_toml
+from agent_sandbox.policies._paths import entry_regex
 
 USER_OWN = """
 name = "mine"
@@ -98,9 +98,9 @@ def _assert_allows(policy: dict[str, Any], rule: str, target: str) -> None:
         assert target in policy["api"]["allow"]
     elif rule.startswith("files."):
         patterns = policy["files"][rule.split(".")[1]]
-        assert any(_glob_regex(p).fullmatch(target) for p in patterns)
+        assert any(entry_regex(p).fullmatch(target) for p in patterns)
         # Exactly that path: the glob characters of the name match only themselves.
-        assert not any(_glob_regex(p).fullmatch("/srv/reports/q1x.csv") for p in patterns)
+        assert not any(entry_regex(p).fullmatch("/srv/reports/q1x.csv") for p in patterns)
     elif rule.startswith("net."):
         host = target.rsplit(":", 1)[0] if rule != "net.resolve" else target
         assert any(r["host"] == host for r in policy["net"]["rules"])

@@ -23,6 +23,7 @@ from agent_sandbox._cli import EXIT_DENIED, EXIT_OK, exit_code, print_result_tai
 from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import outcome
 from agent_sandbox.policies import policy_from_toml
+from agent_sandbox.policies._paths import literal
 
 pytest.importorskip("requests")
 pytest.importorskip("matplotlib")
@@ -194,7 +195,7 @@ def test_data_stays_data_in_model_text_cli_and_trace(session: Session, tmp_path:
     # Each fragment parses to exactly one grant of exactly the refused path.
     (hint,) = [d.hint for d in result.denials if d.rule == "files.read"]
     data = tomllib.loads(hint)
-    assert data == {"grant": [{"files": {"read": [HOSTILE_NAME.replace("[", "[[]")]}}]}
+    assert data == {"grant": [{"files": {"read": [literal(HOSTILE_NAME)]}}]}
     # The operator's log: JSON lines with every non-ASCII character escaped.
     path = tmp_path / "refusals.jsonl"
     log_refusals(path)
