@@ -4,9 +4,11 @@ Two agents, no network, no API key: a LangChain `create_agent` agent and a CrewA
 driven by a scripted model that makes three calls to `SandboxedPythonTool`:
 
 1. an allowed call;
-2. a call the policy refuses (an import outside `imports.allow` once the import guard is
-   present in this build, otherwise output above `limits.output_bytes`); the refusal shows in
-   the conversation and in what the framework records (LangChain callback events, CrewAI's
+2. a call the policy refuses: the model fetches its data with `requests` from an API the
+   policy does not name (the library may be imported; the network is off), and `requests`
+   turns the refused name lookup into its own `ConnectionError`; the refusal shows in the
+   conversation as a refusal naming `net.resolve` and the `[[grant]]` that would allow it, and
+   in what the framework records (LangChain callback events, CrewAI's
    `TaskOutput.tool_failures`);
 3. the corrected call, then a final answer.
 
@@ -63,13 +65,14 @@ def crewai_offline_env(storage_dir: str | None = None) -> dict[str, str]:
 
 
 def demo_policy() -> Policy:
-    """The demo tool's policy: a few maths modules, no network, small output, and the
-    strongest kernel sandbox this machine offers (`auto`)."""
+    """The demo tool's policy: a few maths modules and `requests` (importable, but with no
+    net rule it reaches nothing), small output, and the strongest kernel sandbox this
+    machine offers (`auto`)."""
     return Policy(
         name="demo-analyst",
         description="Small statistics on numbers the user gives; no network, no files",
         provider="auto",
-        imports=ImportsPolicy(allow=("math", "statistics", "json")),
+        imports=ImportsPolicy(allow=("math", "statistics", "json", "requests")),
         limits=LimitsPolicy(wall_seconds=10, output_bytes=2048),
     )
 
@@ -87,15 +90,19 @@ class DemoScript:
 
 
 def demo_script(policy: Policy | None = None, *, use_import: bool = True) -> DemoScript:
-    """The demo's calls; the refusal is an import outside the policy (or, with
-    `use_import=False`, a flood of output past `limits.output_bytes`)."""
+    """The demo's calls; the refusal is a `requests` fetch the policy's network rules do not
+    allow (or, with `use_import=False`, a flood of output past `limits.output_bytes`)."""
     allowed = "import statistics\ndata = list(range(1, 11))\nprint(statistics.mean(data))"
     corrected = (
         "import statistics\ndata = list(range(1, 11))\nprint(round(statistics.stdev(data), 2))"
     )
     if use_import:
-        refused = "import numpy as np\nprint(np.std(data, ddof=1))"
-        return DemoScript(allowed, refused, corrected, "imports")
+        refused = (
+            "import requests, statistics\n"
+            "data = requests.get('https://stats.example.com/v1/sample').json()\n"
+            "print(statistics.stdev(data))"
+        )
+        return DemoScript(allowed, refused, corrected, "net.resolve")
     refused = "for i in range(100_000):\n    print('sample', i, data[i % 10])"
     return DemoScript(allowed, refused, corrected, "limits.output")
 

@@ -127,14 +127,23 @@ class Denial:
         if self.policy:
             text += f" by policy {quote(self.policy, 120)}"
         if self.detail:
-            text += f" ({clean(self.detail)})"
+            # A detail may span lines (the code layer lists every violation): each line is
+            # escaped, and continuation lines are indented so none reads as our own line.
+            lines = self.detail.split("\n")[:50]
+            first = clean(lines[0], 1000)
+            rest = "".join("\n    " + clean(line.strip(), 1000) for line in lines[1:] if line)
+            text += f": {first}{rest}" if rest else f" ({first})"
+            multiline = bool(rest)
+        else:
+            multiline = False
         if self.count > 1:
             text += f" [{self.count} times]"
+        lead = "\nTo allow it" if multiline else ". To allow it"
         if self.hint.startswith("[[grant]]"):
             fragment = "\n".join("    " + line for line in self.hint.splitlines())
-            text += ". To allow it, add to the policy file:\n" + fragment
+            text += f"{lead}, add to the policy file:\n" + fragment
         elif self.hint:
-            text += f". To allow it: {clean(self.hint)}"
+            text += f"{lead}: {clean(self.hint)}"
         return text
 
     def to_dict(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from typing import Any, Literal, overload
 from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import CodeRejected
+from agent_sandbox._hints import grant_hint
 
 __all__ = [
     "ATTRIBUTE_GROUPS",
@@ -321,7 +322,9 @@ class Violation:
     def describe(self) -> str:
         """One line for the model: where, what, why and how to allow it."""
         out = f"line {self.line}, column {self.column}: `{self.text}`: {self.detail}"
-        if self.hint:
+        if self.hint.startswith("[[grant]]"):
+            out += f" (to allow it, add to the policy file: {self.hint.replace(chr(10), ' ')})"
+        elif self.hint:
             out += f" (to allow it: {self.hint})"
         return out
 
@@ -435,8 +438,9 @@ class Rules:
 
 
 def _list_line(key: str, listed: tuple[str, ...], item: str) -> str:
-    items = ", ".join(f'"{x}"' for x in (*listed, item))
-    return f"[code] {key} = [{items}]"
+    """The `[[grant]]` adding `item` to `[code] key` (what the policy lists stays)."""
+    del listed
+    return grant_hint({f"code.{key}": [item]})
 
 
 def _expand(items: Iterable[str], groups: Mapping[str, frozenset[str]]) -> frozenset[str]:

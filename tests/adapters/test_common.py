@@ -99,3 +99,11 @@ def test_adapter_package_imports_no_framework():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/"
     )
     assert out.stdout.strip() == "clean", out.stderr
+
+
+def test_description_states_the_tools_own_time_limit():
+    """It tells the model the limit that will apply: the tool's timeout over the policy's."""
+    policy = Policy(name="p", limits={"wall_seconds": 120, "cpu_seconds": 90})
+    assert "120 s per call" in describe_policy(policy)
+    d = describe_policy(policy, timeout=5)
+    assert "5 s per call" in d and "120 s per call" not in d and "90 s of CPU" in d

@@ -45,8 +45,9 @@ def test_demo_command_runs_offline_and_shows_the_refusal(tmp_path: Path):
     text = out.stdout
     assert "=== LangChain (create_agent) ===" in text and "=== CrewAI (Crew.kickoff) ===" in text
     assert text.count("tool  ! REFUSED") == 2
-    rule = "imports"
-    assert "rule [imports]" in text
+    rule = "net.resolve"  # a `requests` call the policy's network rules refuse
+    assert "rule [net.resolve]" in text
+    assert 'net.rules = [{ host = "stats.example.com", ports = "443" }]' in text
     assert f'"rule": "{rule}"' in text  # LangChain custom event recorded
     assert f'"code": "{rule}"' in text  # CrewAI TaskOutput.tool_failures
     assert text.count("The mean is 5.5 and the standard deviation is 3.03.") >= 2

@@ -122,7 +122,7 @@ def test_names_allowlist_counts_bound_and_session_names() -> None:
     check_code("print(earlier)", policy, "<t>", known_names=["earlier"])
     with pytest.raises(CodeRejected) as info:
         check_code("print(open)", policy, "<t>")
-    assert info.value.violations[0].hint == '[code] names = ["builtins", "open"]'
+    assert info.value.violations[0].hint == '[[grant]]\ncode.names = ["open"]'
 
 
 # --- budgets

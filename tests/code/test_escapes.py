@@ -396,7 +396,7 @@ def test_reports_every_violation_at_once_with_positions_and_hints():
     assert set(by_rule) == {"code.name", "code.dunder", "code.syntax"}
     dunder = by_rule["code.dunder"]
     assert (dunder.line, dunder.column, dunder.text) == (6, 5, "C().__dict__")
-    assert dunder.hint == '[code] dunders = ["common", "protocol", "__dict__"]'
+    assert dunder.hint == '[[grant]]\ncode.dunders = ["__dict__"]'
     assert by_rule["code.syntax"].hint.endswith('"lambda"]')
-    assert by_rule["code.name"].hint == '[code] names = ["*", "vars"]'
+    assert by_rule["code.name"].hint == '[[grant]]\ncode.names = ["vars"]'
     assert "3 places" in str(exc)

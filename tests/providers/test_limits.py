@@ -75,7 +75,7 @@ def test_worker_limit_error_becomes_a_denial_and_replaces_the_worker() -> None:
     assert (denial.rule, denial.target, denial.hint) == (
         "limits.file-size",
         "file_size_mb",
-        "[limits] file_size_mb = 6",
+        "[[grant]]\nlimits.file_size_mb = 6",
     )
 
 
