@@ -359,7 +359,9 @@ class WorkerProcess:
         except EgressError as exc:
             tail = self.log_tail()
             self.kill()
-            raise WorkerStartError(f"the egress proxy could not start: {exc}", log_tail=tail) from None
+            raise WorkerStartError(
+                f"the egress proxy could not start: {exc}", log_tail=tail
+            ) from None
 
     def _place_in_cgroups(self, place: Callable[[], object]) -> None:
         """Run one placement step; a worker alive but outside its groups is never kept."""

@@ -47,11 +47,11 @@ from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     Mount,
+    allow_proxy_port,
+    egress_plan,
     host_layout,
     mounts_for,
     path_view,
-    allow_proxy_port,
-    egress_plan,
     policy_paths,
 )
 

@@ -141,13 +141,14 @@ def _allow_rules(policy: Any) -> list[Any]:
 def require_proxyable(provider: str, policy: Any) -> None:
     """Refuse (ProviderUnavailable) the rules the proxy cannot serve, naming each.
 
-    The proxy carries TCP connections out; a rule allowing UDP, or allowing a listener
-    on a non-loopback address (nothing outside the namespace could reach it), cannot be
-    served by a namespace provider.
+    The proxy carries TCP connections out; a rule allowing UDP to, or a listener on, a
+    non-loopback address cannot be served by a namespace provider. The same rules for a
+    loopback address are served by the namespace's own loopback (the sandbox talks to
+    itself there; the host's loopback is reached only through the proxy, over TCP).
     """
     problems = []
     for rule in _allow_rules(policy):
-        if rule.protocol in ("udp", "any"):
+        if rule.protocol in ("udp", "any") and not _is_loopback_host(rule.host):
             problems.append(
                 f'{rule.host}:{rule.ports} protocol = "{rule.protocol}" (UDP does not go '
                 "through the egress proxy)"
@@ -241,9 +242,7 @@ class EgressRules:
                     networks = (ipaddress.ip_network(host, strict=False),)
                 except ValueError:
                     name = host.lower().rstrip(".")
-            self.rules.append(
-                _Rule(rule.action, host, name, networks, tuple(rule.port_ranges()))
-            )
+            self.rules.append(_Rule(rule.action, host, name, networks, tuple(rule.port_ranges())))
 
     def _denial(self, rule: str, action: str, target: str, detail: str, hint: str) -> Denial:
         return Denial(
@@ -624,7 +623,7 @@ class EgressProxy:
         session = _Session(route, reader, writer)
         try:
             await session.serve()
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
             pass  # the peer went away or stalled: the connection just ends
         except Exception:  # a bug must end one connection, never the proxy
             import logging
@@ -694,8 +693,10 @@ class _Session:
         except ValueError as exc:
             await _reply(self.writer, self.conn, 400, str(exc))
             return False
-        if self.up_key != (host, port) or self.up_conn is None or (
-            self.up_conn.our_state is not h11.IDLE
+        if (
+            self.up_key != (host, port)
+            or self.up_conn is None
+            or (self.up_conn.our_state is not h11.IDLE)
         ):
             self._close_upstream()
             addresses, denial = await _decide(self.route, host, port)
@@ -711,11 +712,14 @@ class _Session:
                         CONNECT_TIMEOUT,
                     )
                     break
-                except (OSError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, OSError) as exc:
                     error = f"{address}:{port}: {exc or type(exc).__name__}"
             if self.up_reader is None or self.up_writer is None:
                 await _reply(
-                    self.writer, self.conn, 502, f"the proxy could not reach {host}:{port} ({error})"
+                    self.writer,
+                    self.conn,
+                    502,
+                    f"the proxy could not reach {host}:{port} ({error})",
                 )
                 return False
             self.up_key = (host, port)

@@ -45,12 +45,12 @@ from agent_sandbox.providers._base import (
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
+    allow_proxy_port,
+    egress_plan,
     host_layout,
     mounts_for,
     network_mode,
     path_view,
-    allow_proxy_port,
-    egress_plan,
     policy_paths,
 )
 

@@ -37,9 +37,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         body = f"hello from {self.server.server_address[1]} {self.path}".encode()  # type: ignore[index]
-        self.wfile.write(
-            b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -250,10 +248,9 @@ def test_one_client_connection_serves_requests_to_several_hosts(local_route: Any
     session.close()
 
 
-def test_an_upstream_that_refuses_is_a_502_not_a_denial(local_route: Any) -> None:
+def test_an_upstream_that_refuses_is_a_502_not_a_denial() -> None:
     """A closed port behind an allowed rule is the server's answer (502), not the policy's."""
     requests = pytest.importorskip("requests")
-    route, proxy_port, _a, _b = local_route
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed = probe.getsockname()[1]
@@ -485,9 +482,7 @@ def test_the_refusal_reaches_the_langsmith_metadata(
             self.payloads.append(dict(kwargs))
 
     monkeypatch.setenv("LANGSMITH_TRACING", "true")
-    policy = _policy(
-        [{"host": "127.0.0.1", "ports": str(http_server.port)}], provider="bwrap"
-    )
+    policy = _policy([{"host": "127.0.0.1", "ports": str(http_server.port)}], provider="bwrap")
     tool = SandboxedPythonTool(policy=policy, warm=0)
     client = RecordingClient()
     tracer = LangChainTracer(client=client, project_name="offline")
