@@ -638,7 +638,9 @@ class _Session:
     """One client connection: requests in order, each judged, forwarded and answered.
 
     Plain HTTP requests keep the client connection alive and reuse the upstream connection
-    while the target stays the same; `CONNECT` turns the connection into a tunnel.
+    while the target stays the same; `CONNECT` turns the connection into a tunnel. One
+    timer per connection enforces the timeouts: the request head must arrive within
+    HEAD_TIMEOUT, and any later silence longer than IDLE_TIMEOUT ends the connection.
     """
 
     def __init__(
@@ -654,8 +656,38 @@ class _Session:
         self.up_reader: asyncio.StreamReader | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.up_conn: Any = None
+        self.loop = asyncio.get_running_loop()
+        self.limit = HEAD_TIMEOUT
+        self.last = self.loop.time()
+        self.timer: asyncio.TimerHandle | None = self.loop.call_later(self.limit, self._check)
+
+    def _check(self) -> None:
+        idle = self.loop.time() - self.last
+        if idle >= self.limit:
+            self.timer = None
+            for w in (self.writer, self.up_writer):
+                if w is not None:
+                    w.transport.abort()  # pending reads end; the session closes
+            return
+        self.timer = self.loop.call_later(self.limit - idle, self._check)
+
+    async def read(self, reader: asyncio.StreamReader) -> bytes:
+        data = await reader.read(BUFFER_BYTES)
+        self.last = self.loop.time()
+        return data
+
+    async def next_event(self, conn: Any, reader: asyncio.StreamReader) -> Any:
+        import h11
+
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            conn.receive_data(await self.read(reader))
 
     def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
         for w in (self.writer, self.up_writer):
             if w is not None:
                 w.close()
@@ -670,17 +702,39 @@ class _Session:
 
         while True:
             try:
-                event = await _next_event(self.conn, self.reader, HEAD_TIMEOUT)
+                event = await self.next_event(self.conn, self.reader)
             except h11.RemoteProtocolError:
                 await _reply(self.writer, self.conn, 400, "the proxy could not parse the request")
                 return
             if not isinstance(event, h11.Request):
                 return
+            self.limit = IDLE_TIMEOUT  # the head is in; from here on, silence is what counts
             if not await self._one(event):
                 return
             if self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
                 return
             self.conn.start_next_cycle()
+
+    async def _connect(self, addresses: list[str], port: int) -> str:
+        """Open the upstream connection to the first address that answers; "" or the error."""
+        error = ""
+        for address in addresses:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await asyncio.wait_for(
+                    self.loop.sock_connect(sock, (address, port)), CONNECT_TIMEOUT
+                )
+                self.up_reader, self.up_writer = await asyncio.open_connection(
+                    sock=sock, limit=BUFFER_BYTES
+                )
+                return ""
+            except (TimeoutError, OSError) as exc:
+                sock.close()
+                error = f"{address}:{port}: {exc or type(exc).__name__}"
+        return error or "no address"
 
     async def _one(self, request: Any) -> bool:
         """Serve one request; False when the connection must end after it."""
@@ -696,7 +750,7 @@ class _Session:
         if (
             self.up_key != (host, port)
             or self.up_conn is None
-            or (self.up_conn.our_state is not h11.IDLE)
+            or self.up_conn.our_state is not h11.IDLE
         ):
             self._close_upstream()
             addresses, denial = await _decide(self.route, host, port)
@@ -704,36 +758,22 @@ class _Session:
                 self.route.record(denial)  # recorded before the refusal reaches the worker
                 await _reply(self.writer, self.conn, 403, denial.message(), rule=denial.rule)
                 return False
-            error = ""
-            for address in addresses:
-                try:
-                    self.up_reader, self.up_writer = await asyncio.wait_for(
-                        asyncio.open_connection(address, port, limit=BUFFER_BYTES),
-                        CONNECT_TIMEOUT,
-                    )
-                    break
-                except (TimeoutError, OSError) as exc:
-                    error = f"{address}:{port}: {exc or type(exc).__name__}"
-            if self.up_reader is None or self.up_writer is None:
-                await _reply(
-                    self.writer,
-                    self.conn,
-                    502,
-                    f"the proxy could not reach {host}:{port} ({error})",
-                )
+            error = await self._connect(addresses, port)
+            if error:
+                why = f"the proxy could not reach {host}:{port} ({error})"
+                await _reply(self.writer, self.conn, 502, why)
                 return False
             self.up_key = (host, port)
             self.up_conn = h11.Connection(h11.CLIENT)
         assert self.up_reader is not None and self.up_writer is not None
         if method == "CONNECT":
             self.writer.write(self.conn.send(h11.Response(status_code=200, headers=[])) or b"")
-            await self.writer.drain()
             leftover = self.conn.trailing_data[0]
             if leftover:
                 self.up_writer.write(leftover)
             await asyncio.gather(
-                _pump(self.reader, self.up_writer),
-                _pump(self.up_reader, self.writer),
+                self._pump(self.reader, self.up_writer),
+                self._pump(self.up_reader, self.writer),
                 return_exceptions=True,
             )
             return False
@@ -743,29 +783,34 @@ class _Session:
         """One plain-HTTP exchange in origin form, both sides framed by h11."""
         import h11
 
-        up, up_reader, up_writer = self.up_conn, self.up_reader, self.up_writer
-        assert up is not None and up_reader is not None and up_writer is not None
+        up, up_writer = self.up_conn, self.up_writer
+        assert up is not None and up_writer is not None
         headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
-        up_writer.write(
-            up.send(h11.Request(method=request.method, target=path, headers=headers)) or b""
-        )
-        back = asyncio.ensure_future(self._relay_response())
-        try:
-            while True:
-                event = await _next_event(self.conn, self.reader, IDLE_TIMEOUT)
-                if isinstance(event, h11.Data):
-                    up_writer.write(up.send(h11.Data(data=event.data)) or b"")
-                    await up_writer.drain()
-                elif isinstance(event, h11.EndOfMessage):
-                    up_writer.write(up.send(h11.EndOfMessage()) or b"")
-                    await up_writer.drain()
-                    break
-                else:
-                    back.cancel()
-                    return False
-            await back
-        finally:
-            back.cancel()
+        head = up.send(h11.Request(method=request.method, target=path, headers=headers)) or b""
+        event = self.conn.next_event()
+        if isinstance(event, h11.EndOfMessage):
+            # No body (most requests): one write up, then the response, in this task.
+            up_writer.write(head + (up.send(h11.EndOfMessage()) or b""))
+            await self._relay_response()
+        else:
+            up_writer.write(head)
+            back = asyncio.ensure_future(self._relay_response())
+            try:
+                while True:
+                    if event is h11.NEED_DATA:
+                        self.conn.receive_data(await self.read(self.reader))
+                    elif isinstance(event, h11.Data):
+                        up_writer.write(up.send(h11.Data(data=event.data)) or b"")
+                        await up_writer.drain()
+                    elif isinstance(event, h11.EndOfMessage):
+                        up_writer.write(up.send(h11.EndOfMessage()) or b"")
+                        break
+                    else:
+                        return False
+                    event = self.conn.next_event()
+                await back
+            finally:
+                back.cancel()
         if up.our_state is h11.DONE and up.their_state is h11.DONE:
             up.start_next_cycle()
         else:
@@ -773,39 +818,50 @@ class _Session:
         return True
 
     async def _relay_response(self) -> None:
+        """Relay the upstream's answer, re-framed by h11, one client write per chunk read."""
         import h11
 
         up, up_reader = self.up_conn, self.up_reader
         assert up is not None and up_reader is not None
+        out: list[bytes] = []
         while True:
-            event = await _next_event(up, up_reader, IDLE_TIMEOUT)
+            event = up.next_event()
+            if event is h11.NEED_DATA:
+                if out:
+                    self.writer.write(b"".join(out))
+                    out.clear()
+                    await self.writer.drain()
+                up.receive_data(await self.read(up_reader))
+                continue
             if isinstance(event, h11.InformationalResponse | h11.Response):
                 headers = [(k, v) for k, v in event.headers if k.lower() not in _HOP_BY_HOP]
                 kind = type(event)
-                out = self.conn.send(
-                    kind(status_code=event.status_code, headers=headers, reason=event.reason)
+                out.append(
+                    self.conn.send(
+                        kind(status_code=event.status_code, headers=headers, reason=event.reason)
+                    )
+                    or b""
                 )
             elif isinstance(event, h11.Data):
-                out = self.conn.send(h11.Data(data=event.data))
+                out.append(self.conn.send(h11.Data(data=event.data)) or b"")
             elif isinstance(event, h11.EndOfMessage):
-                self.writer.write(self.conn.send(h11.EndOfMessage()) or b"")
+                out.append(self.conn.send(h11.EndOfMessage()) or b"")
+                self.writer.write(b"".join(out))
                 await self.writer.drain()
                 return
             else:
                 raise ConnectionError("the upstream server closed the connection mid-response")
-            self.writer.write(out or b"")
-            await self.writer.drain()
 
-
-async def _next_event(conn: Any, reader: asyncio.StreamReader, timeout: float) -> Any:
-    import h11
-
-    while True:
-        event = conn.next_event()
-        if event is not h11.NEED_DATA:
-            return event
-        data = await asyncio.wait_for(reader.read(BUFFER_BYTES), timeout)
-        conn.receive_data(data)
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        """Copy until EOF, then half-close `dst` (back-pressure by drain)."""
+        try:
+            while data := await self.read(src):
+                dst.write(data)
+                await dst.drain()
+        finally:
+            with contextlib.suppress(OSError, RuntimeError):
+                if dst.can_write_eof() and not dst.is_closing():
+                    dst.write_eof()
 
 
 async def _decide(route: Route, host: str, port: int) -> tuple[list[str], Denial | None]:
@@ -889,21 +945,6 @@ async def _reply(
     writer.write(data)
     with contextlib.suppress(OSError, asyncio.TimeoutError):
         await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
-
-
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    """Copy until EOF or idle timeout, then half-close `dst` (back-pressure by drain)."""
-    try:
-        while True:
-            data = await asyncio.wait_for(src.read(BUFFER_BYTES), IDLE_TIMEOUT)
-            if not data:
-                break
-            dst.write(data)
-            await dst.drain()
-    finally:
-        with contextlib.suppress(OSError, RuntimeError):
-            if dst.can_write_eof() and not dst.is_closing():
-                dst.write_eof()
 
 
 _proxy: EgressProxy | None = None
