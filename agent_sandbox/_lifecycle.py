@@ -208,3 +208,7 @@ def _at_exit() -> None:
         with contextlib.suppress(OSError):
             os.close(fd)  # the guardian finds nothing left and exits
         _STATE["pipe"] = -1
+    proc = _STATE["guardian"]
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2.0)  # reaped: no zombie, no warning at exit
