@@ -37,6 +37,7 @@ import threading
 import types
 from typing import Any
 
+from agent_sandbox._boundary import resolve_boundary
 from agent_sandbox._errors import SandboxError
 from agent_sandbox._result import RunResult
 from agent_sandbox._sandbox import Sandbox
@@ -219,6 +220,9 @@ class SandboxedFunction:
         self.func = func
         self.policy = resolve_policy(policy)
         self.provider = provider
+        #: The kernel boundary the calls run behind; a provider that cannot serve the
+        #: policy here fails now, not at the first call.
+        self.boundary = resolve_boundary(self.policy, provider)
         self.timeout = timeout
         self.warm = warm
         self.program = function_program(func, self_fields)

@@ -106,8 +106,6 @@ class SandboxedPythonTool(BaseTool):
 
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
-        if not self.description:
-            self.description = describe_policy(self.policy, session=self.session)
         mode: SessionMode = "none" if self.session == "none" else "tool"
         self._runner = ToolRunner(
             self.policy,
@@ -120,7 +118,16 @@ class SandboxedPythonTool(BaseTool):
             learner=self._learner(),
             tool_name=self.name,
         )
+        if not self.description:
+            self.description = describe_policy(
+                self.policy, session=self.session, boundary=self._runner.boundary.name
+            )
         return self
+
+    @property
+    def boundary(self) -> str:
+        """The kernel boundary the calls run behind, e.g. `"bwrap+landlock+seccomp"`."""
+        return self._runner.boundary.name
 
     @property
     def last_result(self) -> RunResult | None:
@@ -161,6 +168,7 @@ class SandboxedPythonTool(BaseTool):
                 "denials": [d.to_dict() for d in result.denials],
                 "policy": self.policy.name,
                 "fingerprint": self.policy.fingerprint(),
+                "boundary": result.boundary,
                 "error": result.error.to_dict() if result.error else None,
             },
         )
@@ -205,6 +213,7 @@ def sandboxed_crewai_tool(
                 "denials": [d.to_dict() for d in result.denials],
                 "policy": body.policy.name,
                 "fingerprint": body.policy.fingerprint(),
+                "boundary": result.boundary,
             },
         )
 

@@ -189,6 +189,7 @@ def test_blocks_a_learning_run_from_editing_its_policy_under_a_kernel_provider(p
 
 def test_a_learning_run_cannot_edit_its_own_policy(policy_file) -> None:
     """It denies the edit even in learning mode (no kernel boundary): the file stays as it was."""
+    _opt_out(policy_file)  # the test is about the guards: no kernel boundary, explicitly
     before = policy_file.read_bytes()
     code = STEPS + f"print(step(lambda: open({str(policy_file)!r}, 'a').write('# edited\\n')))\n"
     run = learn_run(code, policy_file, provider="subprocess")
@@ -208,6 +209,7 @@ def test_a_policy_edited_during_the_run_yields_no_proposal(policy_file) -> None:
         with open(policy_file, "a") as fh:
             fh.write("# edited\n")
 
+    _opt_out(policy_file)
     editor = threading.Thread(target=edit)
     editor.start()
     try:
@@ -303,3 +305,9 @@ def test_cli_learn_for_a_shipped_policy_needs_out(tmp_path, capsys) -> None:
     )
     assert code == 0
     assert (tmp_path / "pure-computation.proposed.toml").exists()
+
+
+def _opt_out(policy_file: Path) -> None:
+    """Add the explicit `no_kernel_boundary` opt-out to the policy file (a top-level key)."""
+    text = policy_file.read_text()
+    policy_file.write_text('no_kernel_boundary = "accepted"\n' + text)
