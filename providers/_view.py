@@ -286,10 +286,11 @@ def egress_plan(
     if network_mode(policy) != "proxy":
         return {}, {}, ()
     require_proxyable(provider, policy)
-    if spec.egress_fd < 0:
-        raise ProviderUnavailable(provider, "no egress channel was prepared for this worker")
+    # A dry build (no channel yet: egress_fd -1) describes the same plan; a real start
+    # always prepares the channel, and a worker without it fails its start.
     setup = {"egress": {"fd": spec.egress_fd, "host": PROXY_HOST, "port": PROXY_PORT}}
-    return setup, proxy_env(PROXY_HOST, PROXY_PORT), (spec.egress_fd,)
+    fds = (spec.egress_fd,) if spec.egress_fd >= 0 else ()
+    return setup, proxy_env(PROXY_HOST, PROXY_PORT), fds
 
 
 def allow_proxy_port(setup: dict[str, Any], port: int) -> None:
