@@ -138,7 +138,12 @@ class Runner:
         self.objects = policy.get("result_mode") == "objects"
 
     def run(self, code: str, emit: Emit) -> None:
-        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`)."""
+        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`).
+
+        Every call arms the guards exactly once and disarms them exactly once, also when
+        the code does not compile: the host counts the writes of the arming flag and expects
+        one pair per call (see `guards/_state.py`).
+        """
         self.calls += 1
         filename = f"<cell-{self.calls}>"
         limits = self.policy.get("limits", {})
@@ -146,42 +151,54 @@ class Runner:
         out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)
         started = time.time()
         try:
-            compiled = self._compile(code, filename)
-        except SandboxDenied as exc:  # before SyntaxError: CodeRejected is both
+            arming = self.arming() if self.arming is not None else None
+            if arming is not None:
+                arming.__enter__()
+        except BaseException as exc:
             emit("error", _error_info(exc, filename))
             return
+        outcome: tuple[str, Any] | None = None
+        try:
+            outcome = self._run_armed(code, filename, emit, out, err, started)
+        except BaseException as exc:
+            outcome = "error", _error_info(exc, filename)
+        finally:
+            if arming is not None:
+                try:
+                    arming.__exit__(None, None, None)
+                except BaseException as exc:
+                    outcome = "error", _error_info(exc, filename)
+        emit(*outcome)
+
+    def _run_armed(
+        self, code: str, filename: str, emit: Emit, out: _Output, err: _Output, started: float
+    ) -> tuple[str, Any]:
+        """Compile and run `code` while armed; returns the `result` or `error` event."""
+        try:
+            compiled = self._compile(code, filename)
+        except SandboxDenied as exc:  # before SyntaxError: CodeRejected is both
+            return "error", _error_info(exc, filename)
         except SyntaxError as exc:
-            emit("error", _syntax_error(exc))
-            return
+            return "error", _syntax_error(exc)
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = out, err
         value: Any = None
         failure: BaseException | None = None
-        outcome: tuple[str, Any] | None = None
         owner = os.getpid()
         try:
-            arming = self.arming() if self.arming is not None else None
-            if arming is not None:
-                arming.__enter__()
             try:
-                try:
-                    value = self._execute(compiled)
-                except BaseException as exc:
-                    failure = exc
-                if os.getpid() != owner:
-                    # A child the code forked finished the cell: it must never unwind into
-                    # the server loop and write on the parent's connection.
-                    os._exit(0 if failure is None else 1)
-                # Encoded while still armed: pickling, repr() and str() run user methods.
-                outcome = self._outcome(value, failure, filename)
-                # Figures are saved while armed too: savefig runs user artists' code.
-                self._collect_outputs(emit, started)
-            finally:
-                if arming is not None:
-                    arming.__exit__(None, None, None)
-        except BaseException as exc:
-            failure = exc
-            outcome = None
+                value = self._execute(compiled)
+            except BaseException as exc:
+                failure = exc
+            if os.getpid() != owner:
+                # A child the code forked finished the cell: it must never unwind into
+                # the server loop and write on the parent's connection.
+                os._exit(0 if failure is None else 1)
+            # Encoded while still armed: pickling, repr() and str() run user methods.
+            outcome = self._outcome(value, failure, filename)
+            # Figures are saved while armed too: savefig runs user artists' code.
+            self._collect_outputs(emit, started)
+            return outcome
         finally:
             sys.stdout, sys.stderr = saved
             for stream in (out, err):
@@ -189,9 +206,6 @@ class Runner:
                     stream.flush()
                 except Exception:
                     pass
-        if outcome is None:
-            outcome = "error", _error_info(failure or RuntimeError("no outcome"), filename)
-        emit(*outcome)
 
     def _outcome(self, value: Any, failure: BaseException | None, filename: str) -> tuple[str, Any]:
         """The `result` or `error` event of a call (see `agent_sandbox._objects`).

@@ -95,9 +95,10 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
         runner.code_check = make_code_check(code_policy, runner.namespace, runner.policy_name)
     # 5b. The guards: `runner.arming()` arms them around each call; `hooks["tamper_check"]()`
     #     returns the reasons the guards are no longer intact (each becomes `guard.tampered`).
-    from agent_sandbox.guards._install import install_guards, summary
+    from agent_sandbox.guards._install import install_guards, seal, summary
 
     guards = install_guards(boot, runner.namespace)
+    seal()
     runner.arming = guards.arming
     hooks["tamper_check"] = guards.tamper_check
     from agent_sandbox.guards._state import is_user_frame

@@ -17,8 +17,12 @@ displaced and not restorable, the flag cleared during the call, the namespace's
 `__builtins__` swapped. Each reason becomes a `guard.tampered` denial and the worker is
 discarded.
 
-What it does NOT do: detect a flag that was cleared and set back within one call, or
-anything done through the originals; see the escape matrix in docs/guards.md.
+The flag itself lives in C and every write of it is counted where the host reads it
+(`_state.py`), so a flag cleared and set back within one call, or a replaced
+`tamper_check`, is caught by the host, not by this module.
+
+What it does NOT do: anything about what is done through the originals; see the escape
+matrix in docs/guards.md.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from types import ModuleType
 from typing import Any
 
 from agent_sandbox.guards import _calls, _env, _files, _imports, _net, _patch
+from agent_sandbox.guards._state import block_info, state
 from agent_sandbox.guards._state import configure as configure_state
-from agent_sandbox.guards._state import state
 
 __all__ = ["Guards", "install_guards"]
 
@@ -179,6 +183,19 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
     return guards
 
 
+def seal() -> None:
+    """Refuse every later write of the guards' settings (the worker calls this once set up)."""
+    state.seal()
+
+
 def summary() -> dict[str, Any]:
-    """What was installed, for the handshake's checks."""
-    return {"patches": len(_patch.patches()), "finder": sys.meta_path[:1] == [_imports.finder()]}
+    """What was installed, for the handshake's checks.
+
+    `block` says where the C arming block is in this process's memory (see `_state.py`):
+    reported once, before any user code ran, so the host reads the counter from outside.
+    """
+    return {
+        "patches": len(_patch.patches()),
+        "finder": sys.meta_path[:1] == [_imports.finder()],
+        "block": block_info(),
+    }
