@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -454,4 +455,7 @@ def _marked(value: Any) -> dict[str, str]:
         text = f"<unrepresentable {type(value).__name__}>"
     if len(text) > 10_000:
         text = text[:10_000] + "...<truncated repr>"
-    return {"__repr__": text, "__type__": _qualname(type(value))}
+    # A module user code holds is the guards' view of it (a module subclass): name the type
+    # user code would expect.
+    cls = types.ModuleType if isinstance(value, types.ModuleType) else type(value)
+    return {"__repr__": text, "__type__": _qualname(cls)}

@@ -207,14 +207,17 @@ def test_reference_counts_stay_stable() -> None:
 
 @needs_c
 def test_the_guard_serves_what_the_python_import_would(armed: Callable[..., Any]) -> None:
-    """It answers the user namespace's `import json` with the object `guarded_import` gives."""
+    """It answers the user namespace's `import json` with the object `guarded_import` gives:
+    the view of `json` (see test_module_views.py)."""
     guard = armed(imports={"allow": ["json"]})
     user_import = guard.namespace["__builtins__"].__import__
     assert user_import is _imports.user_import
     guard.run("import json\nimport json as again\nresult = again")
     assert "json" in _imports._ok
-    assert guard.namespace["result"] is sys.modules["json"]
-    assert user_import("json") is _imports.guarded_import("json") is sys.modules["json"]
+    view = _imports.view_of(sys.modules["json"])
+    assert view is not sys.modules["json"] and view.dumps is sys.modules["json"].dumps
+    assert guard.namespace["result"] is view
+    assert user_import("json") is _imports.guarded_import("json") is view
     assert guard.guards.tamper_check() == []
 
 
