@@ -20,6 +20,16 @@ from __future__ import annotations
 
 from typing import Any, Literal, cast
 
+from agent_sandbox._errors import install_hint
+
+try:
+    import crewai  # noqa: F401  (present when the extra is installed)
+except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the install
+    raise ModuleNotFoundError(
+        "agent_sandbox.adapters.crewai needs the `crewai` extra: " + install_hint("crewai"),
+        name=_missing.name,
+    ) from None
+
 from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 

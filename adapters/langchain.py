@@ -23,6 +23,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
+from agent_sandbox._errors import install_hint
+
+try:
+    import langchain_core  # noqa: F401  (present when the extra is installed)
+except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the install
+    raise ModuleNotFoundError(
+        "agent_sandbox.adapters.langchain needs the `langchain` extra: "
+        + install_hint("langchain"),
+        name=_missing.name,
+    ) from None
+
 from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
