@@ -56,7 +56,8 @@ class GuardWatch:
         self._base = 0
         self.reason = ""
         self.writes = 0
-        self._checked_once = False
+        #: The worker ended before the call could be verified: what is held stays held.
+        self.lost = False
 
     # -- opening -------------------------------------------------------------------------
 
@@ -105,18 +106,28 @@ class GuardWatch:
         """A new call starts: its writes are counted from here."""
         self.reason = ""
         self.writes = 0
+        self.lost = False
 
     def judge(self, kind: str) -> str:
         """PASS, HOLD or TAMPERED for an event of `kind` that just arrived."""
         if self.reason:
             return TAMPERED
+        if self.lost:
+            return HOLD
         block = self._read()
         if block is None:
+            if not _alive(self.pid):
+                # Gone (or going): nothing more can be verified, so nothing more is passed
+                # on; the host reports the end of the worker, not tampering.
+                self.lost = True
+                return HOLD
             return self._tampered("the guards' arming block could no longer be read")
         transitions, armed, tampered = block
         self.writes = transitions - self._base
-        if tampered:
+        if tampered & 1:
             return self._tampered("a sealed guard setting was written")
+        if tampered & 2:
+            return self._tampered("the arming flag was found off when a call ended")
         if kind == "done":
             if self.writes == 2 and not armed:
                 self._base = transitions
@@ -152,6 +163,17 @@ class GuardWatch:
         if head != self._head or tail != self._tail or armed not in (0, 1):
             return None
         return transitions, armed, tampered
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X", b"x", b"")
 
 
 def _candidates(launcher_pid: int, inner_pid: int) -> list[int]:

@@ -207,8 +207,10 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
-        #: The host's own reader of the worker's arming counter (`_guard_block.py`).
+        #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
+        #: events of the current call it holds back until the call's end is verified.
         self.guard_watch: _guard_block.GuardWatch | None = None
+        self._held: list[tuple[str, Any]] = []
 
     # -- start ---------------------------------------------------------------------------
 
@@ -404,7 +406,7 @@ class WorkerProcess:
         held until the end of the call is verified; after tampering nothing is passed on.
         """
         watch = self.guard_watch
-        held: list[tuple[str, Any]] = []
+        held = self._held = []
         if watch is not None:
             watch.begin_call()
 
@@ -497,8 +499,11 @@ class WorkerProcess:
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
-        if self.guard_watch is not None and self.guard_watch.reason:
-            self._on_tampered(builder, self.guard_watch.reason)
+        watch = self.guard_watch
+        if watch is not None and watch.reason:
+            self._on_tampered(builder, watch.reason)
+        elif watch is not None and watch.lost:
+            self._on_unverified(builder)
         if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
             self.death_reason = "it hit a resource limit"
             self.discard()
@@ -565,6 +570,30 @@ class WorkerProcess:
             message=denial.message(),
             rule="guard.tampered",
         )
+
+    def _on_unverified(self, builder: ResultBuilder) -> None:
+        """The worker ended before the host could verify the call: what it held stays
+        withheld. A tampering the worker reported itself is believed (it only discards)."""
+        reported = [
+            str(data.get("target", ""))
+            for kind, data in self._held
+            if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
+        ]
+        self._held = []
+        if reported:
+            self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
+            return
+        if builder.error is None:
+            self.death_reason = "it ended before its call could be verified"
+            self.discard()
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker ended before the host could verify its guards for "
+                "this call; the rest of the call's output was withheld and the next call "
+                "starts a fresh interpreter",
+                rule="worker.crashed",
+            )
 
     def _on_timeout(self, builder: ResultBuilder, wall: float) -> None:
         self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"

@@ -135,7 +135,8 @@ class Runner:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self.calls = 0
         self.code_check: Callable[[str, ast.Module], None] | None = None
-        self.arming: Callable[[], Any] | None = None
+        #: `run_armed(fn, *args)`: the guards' arming around one call (see `_install.py`).
+        self.run_armed: Callable[..., Any] | None = None
         self.objects = policy.get("result_mode") == "objects"
 
     def run(self, code: str, emit: Emit) -> None:
@@ -151,24 +152,14 @@ class Runner:
         budget = _Budget(int(limits.get("output_bytes", 1_000_000)), self.policy_name)
         out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)
         started = time.time()
+        outcome: tuple[str, Any]
         try:
-            arming = self.arming() if self.arming is not None else None
-            if arming is not None:
-                arming.__enter__()
-        except BaseException as exc:
-            emit("error", _error_info(exc, filename))
-            return
-        outcome: tuple[str, Any] | None = None
-        try:
-            outcome = self._run_armed(code, filename, emit, out, err, started)
+            if self.run_armed is not None:
+                outcome = self.run_armed(self._run_armed, code, filename, emit, out, err, started)
+            else:
+                outcome = self._run_armed(code, filename, emit, out, err, started)
         except BaseException as exc:
             outcome = "error", _error_info(exc, filename)
-        finally:
-            if arming is not None:
-                try:
-                    arming.__exit__(None, None, None)
-                except BaseException as exc:
-                    outcome = "error", _error_info(exc, filename)
         emit(*outcome)
 
     def _run_armed(

@@ -445,7 +445,8 @@ typedef struct {
     uint64_t head;
     uint64_t transitions; /* every write of `armed` */
     uint64_t armed;       /* 0 or 1 */
-    uint64_t tampered;    /* bit 0: a sealed setting was written */
+    uint64_t tampered;    /* bit 0: a sealed setting was written; bit 1: the flag was
+                           * found clear when run_armed's call returned */
     uint64_t tail;
 } ArmBlock;
 
@@ -527,6 +528,30 @@ state_seal(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* run_armed(fn, *args): arm, call fn(*args), disarm, in this C frame. Code that runs
+ * inside `fn` cannot keep the final disarming from happening or from being counted, so a
+ * flag it cleared itself shows as a third write. A flag found clear at the end is marked
+ * in the block too (bit 1). */
+static PyObject *
+state_run_armed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || !PyCallable_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "run_armed(fn, *args) takes a callable");
+        return NULL;
+    }
+    PyObject *fn = Py_NewRef(args[0]);
+    arm_block.transitions += 1;
+    arm_block.armed = 1;
+    PyObject *result = PyObject_Vectorcall(fn, args + 1, (size_t)(nargs - 1), NULL);
+    if (!arm_block.armed) {
+        arm_block.tampered |= 2;
+    }
+    arm_block.transitions += 1;
+    arm_block.armed = 0;
+    Py_DECREF(fn);
+    return result;
+}
+
 static PyObject *
 state_get_sealed(PyObject *self, void *closure)
 {
@@ -546,6 +571,8 @@ static PyGetSetDef state_getset[] = {
 };
 
 static PyMethodDef state_methods[] = {
+    {"run_armed", (PyCFunction)(void (*)(void))state_run_armed, METH_FASTCALL,
+     PyDoc_STR("Arm, call fn(*args), disarm: two counted writes around the call.")},
     {"seal", state_seal, METH_NOARGS,
      PyDoc_STR("Refuse (and report to the host) every later write of a setting.")},
     {NULL},

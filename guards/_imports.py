@@ -48,8 +48,8 @@ import dataclasses
 import importlib
 import sys
 import types
-from collections.abc import Iterator, MutableMapping
 from _thread import get_ident
+from collections.abc import Iterator, MutableMapping
 from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
 from typing import Any
 
@@ -132,6 +132,8 @@ _ok: set[str] = set()
 _views: dict[str, Any] = {}
 #: id(module) -> (module, its view): one view per module object.
 _by_id: dict[int, tuple[Any, Any]] = {}
+#: id(view) -> (view, its module), for the few calls that need the module itself (reload).
+_real_of: dict[int, tuple[Any, Any]] = {}
 
 
 def configure(rules: ImportRules) -> None:
@@ -140,6 +142,7 @@ def configure(rules: ImportRules) -> None:
     _ok.clear()
     _views.clear()
     _by_id.clear()
+    _real_of.clear()
 
 
 def _view_type() -> Any:
@@ -163,6 +166,7 @@ def view_of(module: Any) -> Any:
         return hit[1]
     view = ModuleView(module, _attribute_hook)
     _by_id[id(module)] = (module, view)
+    _real_of[id(view)] = (view, module)
     name = module.__dict__.get("__name__")
     if isinstance(name, str) and "." not in name:
         _views[name] = view
@@ -240,7 +244,9 @@ class _ModuleTable(MutableMapping[str, Any]):
             denial = _rules.denial(name)
             refuse(
                 ImportDenied,
-                dataclasses.replace(denial, detail=f"{denial.detail} (reached through sys.modules)"),
+                dataclasses.replace(
+                    denial, detail=f"{denial.detail} (reached through sys.modules)"
+                ),
             )
         return view_of(module)
 
@@ -436,6 +442,17 @@ def _import_module_wrapper(
     return wrapped(*args, **kwargs)
 
 
+def _reload_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`importlib.reload` of a view reloads its module (the import system knows only that)."""
+    if args:
+        hit = _real_of.get(id(args[0]))
+        if hit is not None and hit[0] is args[0]:
+            return view_of(wrapped(hit[1], *args[1:], **kwargs))
+    return wrapped(*args, **kwargs)
+
+
 def make_user_builtins() -> types.ModuleType:
     """A copy of `builtins` for the user namespace, with the judging `__import__`."""
     global _user_builtins
@@ -450,6 +467,7 @@ def install() -> None:
     """Insert the finder, add the audit hook (once per process) and wrap import_module."""
     global _finder_on, _hook_added
     _patch.wrap(importlib, "import_module", _import_module_wrapper)
+    _patch.wrap(importlib, "reload", _reload_wrapper)
     _finder_on = True
     restore_finder()
     if not _hook_added:

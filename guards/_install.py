@@ -41,6 +41,13 @@ from agent_sandbox.guards._state import configure as configure_state
 __all__ = ["Guards", "install_guards"]
 
 
+def _c_tampered() -> int:
+    """The C block's tamper bits as this process sees them (0 without the extension)."""
+    from agent_sandbox.guards import _state
+
+    return int(_state.block_read()[2]) if _state.block_info() is not None else 0
+
+
 def _thread_start_wrapper(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -90,6 +97,15 @@ class Guards:
         return _Arming(self)
 
     def enter(self) -> None:
+        self._prepare_call()
+        state.armed = True
+
+    def exit(self) -> None:
+        if not state.armed:
+            self.reasons.append("the guards were disarmed during the call")
+        state.armed = False
+
+    def _prepare_call(self) -> None:
         if not self.installed:
             raise RuntimeError("the guards were uninstalled; this worker cannot run user code")
         if self.namespace is not None:
@@ -98,12 +114,28 @@ class Guards:
         if resolver is not None:
             resolver.cwd = os.getcwd()
         self.calls += 1
-        state.armed = True
 
-    def exit(self) -> None:
-        if not state.armed:
-            self.reasons.append("the guards were disarmed during the call")
-        state.armed = False
+    def run_armed(self, fn: Any, *args: Any) -> Any:
+        """Call `fn(*args)` armed: what the worker's runner does for each call.
+
+        With the C state the arming and the disarming are made by `state.run_armed`, in a
+        C frame that code running inside `fn` cannot skip, so a flag it cleared shows in the
+        host's count as a third write.
+        """
+        self._prepare_call()
+        run = getattr(state, "run_armed", None)
+        if run is None:  # the Python stand-in (extension not built)
+            state.armed = True
+            try:
+                return fn(*args)
+            finally:
+                self.exit()
+        before = _c_tampered()
+        try:
+            return run(fn, *args)
+        finally:
+            if _c_tampered() & ~before & 2:
+                self.reasons.append("the guards were disarmed during the call")
 
     def tamper_check(self) -> list[str]:
         """Why the guards are no longer intact (empty when they are)."""

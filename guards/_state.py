@@ -77,6 +77,14 @@ _c = _c_state()
 state: Any = _c.state if _c is not None else _State()
 
 
+def block_read() -> tuple[int, int, int]:
+    """(transitions, armed, tampered) of the C block, as this process sees them."""
+    if _c is None:
+        return (0, int(bool(state.armed)), 0)
+    transitions, armed, tampered = _c.block_read()
+    return int(transitions), int(armed), int(tampered)
+
+
 def block_info() -> dict[str, int] | None:
     """Where the C arming block is in this process (the host reads it), or None."""
     return dict(_c.block_info()) if _c is not None else None
