@@ -28,6 +28,8 @@ refusals are handled tool errors / `ToolFailure`s.
 from __future__ import annotations
 
 import ast
+import builtins
+import dis
 import functools
 import inspect
 import json
@@ -138,6 +140,7 @@ def function_program(func: types.FunctionType, self_fields: dict[str, Any] | Non
     node.decorator_list = []
     node.name = func.__name__
     parts = _module_context(func)
+    _refuse_uncarried_globals(func, parts)
     if self_fields is not None:
         body = [
             f"    {k} = {v!r}"
@@ -147,6 +150,46 @@ def function_program(func: types.FunctionType, self_fields: dict[str, Any] | Non
         parts.append(f"class {_SELF_CLASS}:\n" + ("\n".join(body) or "    pass"))
     parts.append(ast.unparse(node))
     return "\n".join(parts) + "\n"
+
+
+def _loaded_globals(code: types.CodeType) -> set[str]:
+    """Names `code` (and the functions nested in it) read as globals."""
+    names = {
+        str(ins.argval)
+        for ins in dis.get_instructions(code)
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _loaded_globals(const)
+    return names
+
+
+def _refuse_uncarried_globals(func: types.FunctionType, carried: list[str]) -> None:
+    """A TypeError at wrap time for a module global the worker would not have.
+
+    Without it, a helper defined beside the function fails only at call time, in the worker,
+    as a `NameError` the caller cannot trace back to `sandboxed()`.
+    """
+    defined: set[str] = {func.__name__, _SELF_CLASS}
+    for stmt in carried:
+        for node in ast.walk(ast.parse(stmt)):
+            if isinstance(node, ast.alias):
+                defined.add(node.asname or node.name.split(".")[0])
+            elif isinstance(node, ast.Name):
+                defined.add(node.id)
+    missing = sorted(
+        name
+        for name in _loaded_globals(func.__code__)
+        if name in func.__globals__ and name not in defined and not hasattr(builtins, name)
+    )
+    if missing:
+        what = ", ".join(f"`{n}` ({type(func.__globals__[n]).__name__})" for n in missing)
+        raise TypeError(
+            f"sandboxed({func.__qualname__}): it uses {what} from its module, which the worker "
+            "does not get (only imports and literal constants are carried); define it inside "
+            f"{func.__name__} or import it there"
+        )
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -263,6 +306,15 @@ class SandboxedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.run(*args, **kwargs)
         if result.error is None:
+            if isinstance(result.value, dict) and set(result.value) == {"__repr__", "__type__"}:
+                # data-only mode carried a description, not the value: say so, do not pass it
+                # off as the function's return value.
+                raise TypeError(
+                    f"{self.func.__qualname__} returned a {result.value['__type__']}, which "
+                    "the policy's data-only result mode cannot carry (JSON data only: dict, "
+                    "list, str, int, float, bool, None); return one of those, e.g. a list "
+                    'or an ISO date string, or use `result_mode = "objects"`'
+                )
             return result.value
         try:
             result.raise_error()

@@ -1504,12 +1504,16 @@ def _applied_text(text: str, source_name: str) -> str:
 
 
 def _read_text(path: Path) -> str:
+    """A policy or proposal file's text, read as defensively as a policy is loaded."""
+    from agent_sandbox._errors import PolicyNotFound
+    from agent_sandbox.policies._load import read_policy_text
+
     try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        return read_policy_text(path)
+    except PolicyNotFound:
         raise LearningError("no such file", path=str(path)) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LearningError(f"cannot read it ({_reason(exc)})", path=str(path)) from None
+    except PolicyError as exc:
+        raise LearningError(f"cannot read it ({exc})", path=str(path)) from None
 
 
 def _reason(exc: BaseException) -> str:
