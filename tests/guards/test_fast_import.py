@@ -78,6 +78,9 @@ def test_the_c_fast_path_is_built() -> None:
     import agent_sandbox.guards._fastimport as built
 
     assert type(_imports.user_import) is built.FastImport
+    # Built from the current _fastimport.c (module views, the counted arming state): an
+    # older build makes the guards fall back to Python state (rebuild: pip install -e .).
+    assert built.VERSION >= 2 and _imports.ModuleView is built.ModuleView
     assert _imports.make_user_builtins().__import__ is _imports.user_import
 
 
