@@ -5,8 +5,9 @@ guards not installed (plain), then installed and armed, with the policy allowing
 cost of an empty loop is subtracted from both. Armed, the namespace holds the views of `os`
 and `socket` that `import os` gives user code, so every row pays for the view too. Prints
 which `__import__` user code gets (the C fast path of guards/_fastimport.c, or the Python
-fallback when it is not built), the median per-call time of each and the ratio of the medians (and of the minimums, steadier
-on a loaded machine); the target is a ratio of at most 1.5 for every row.
+fallback when it is not built), the median per-call time of each and the ratio of the
+medians (and of the minimums, steadier on a loaded machine); the target is a ratio of at
+most 1.5 for every row.
 
     .venv/bin/python benchmarks/bench_guards.py [--repeat 9] [--number 20000]
 """
