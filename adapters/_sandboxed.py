@@ -37,7 +37,8 @@ import keyword
 import textwrap
 import threading
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from agent_sandbox._errors import SandboxError
 from agent_sandbox._result import RunResult
@@ -48,6 +49,36 @@ from agent_sandbox.policies import resolve_policy
 __all__ = ["SandboxedFunction", "function_program", "sandboxed"]
 
 _SELF_CLASS = "SandboxedToolSelf"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+if TYPE_CHECKING:
+    from langchain_core.tools import BaseTool as _LangChainTool
+
+_Tool = TypeVar("_Tool", bound="_LangChainTool")
+
+
+@overload
+def sandboxed(
+    target: _Tool,
+    *,
+    policy: PolicySpec = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> _Tool: ...
+
+
+@overload
+def sandboxed(
+    target: Callable[_P, _R],
+    *,
+    policy: PolicySpec = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> SandboxedFunction[_P, _R]: ...
 
 
 def sandboxed(
@@ -246,8 +277,11 @@ def call_expression(
     return f"{name}({lead}*{data[0]!r}, **{data[1]!r})"
 
 
-class SandboxedFunction:
-    """A function that runs in a sandboxed worker on every call (see the module docstring)."""
+class SandboxedFunction(Generic[_P, _R]):
+    """A function that runs in a sandboxed worker on every call (see the module docstring).
+
+    Typed like the function it wraps: calling it takes the same arguments and returns the
+    same type (checked at run time by the data rules above)."""
 
     def __init__(
         self,
@@ -282,7 +316,7 @@ class SandboxedFunction:
                 self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
             return self._sandbox
 
-    def run(self, *args: Any, **kwargs: Any) -> RunResult:
+    def run(self, *args: _P.args, **kwargs: _P.kwargs) -> RunResult:
         """Call the function in a fresh worker and return the whole `RunResult` (never raises
         for a failure in the worker; raises TypeError for arguments that are not data)."""
         code = self.code_for(*args, **kwargs)
@@ -293,7 +327,7 @@ class SandboxedFunction:
         self.last_result = result
         return result
 
-    async def arun(self, *args: Any, **kwargs: Any) -> RunResult:
+    async def arun(self, *args: _P.args, **kwargs: _P.kwargs) -> RunResult:
         """The async twin of `run()`."""
         code = self.code_for(*args, **kwargs)
         try:
@@ -303,7 +337,7 @@ class SandboxedFunction:
         self.last_result = result
         return result
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         result = self.run(*args, **kwargs)
         if result.error is None:
             if isinstance(result.value, dict) and set(result.value) == {"__repr__", "__type__"}:
@@ -315,13 +349,13 @@ class SandboxedFunction:
                     "list, str, int, float, bool, None); return one of those, e.g. a list "
                     'or an ISO date string, or use `result_mode = "objects"`'
                 )
-            return result.value
+            return cast("_R", result.value)
         try:
             result.raise_error()
         except SandboxError as exc:
             exc.result = result  # type: ignore[attr-defined]
             raise
-        return result.value
+        return cast("_R", result.value)
 
     def close(self) -> None:
         with self._lock:
@@ -329,7 +363,7 @@ class SandboxedFunction:
         if sandbox is not None:
             sandbox.close()
 
-    def __enter__(self) -> SandboxedFunction:
+    def __enter__(self) -> SandboxedFunction[_P, _R]:
         return self
 
     def __exit__(self, *exc: object) -> None:
