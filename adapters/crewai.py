@@ -137,10 +137,6 @@ class SandboxedPythonTool(BaseTool):
 
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
-        if not self.description:
-            self.description = describe_policy(
-                self.policy, session=self.session, timeout=self.timeout
-            )
         mode: SessionMode = "none" if self.session == "none" else "tool"
         self._runner = ToolRunner(
             self.policy,
@@ -153,7 +149,19 @@ class SandboxedPythonTool(BaseTool):
             learner=self._learner(),
             tool_name=self.name,
         )
+        if not self.description:
+            self.description = describe_policy(
+                self.policy,
+                session=self.session,
+                boundary=self._runner.boundary.name,
+                timeout=self.timeout,
+            )
         return self
+
+    @property
+    def boundary(self) -> str:
+        """The kernel boundary the calls run behind, e.g. `"bwrap+landlock+seccomp"`."""
+        return self._runner.boundary.name
 
     @property
     def last_result(self) -> RunResult | None:
@@ -202,6 +210,7 @@ def _details(policy: Policy, result: RunResult, out: Outcome) -> dict[str, Any]:
         "denial_counts": result.denial_counts(),
         "policy": policy.name,
         "fingerprint": policy.fingerprint(),
+        "boundary": result.boundary,
         "session": result.session,
         "error": result.error.to_dict() if result.error else None,
     }

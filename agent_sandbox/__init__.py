@@ -10,6 +10,7 @@ from agent_sandbox._denial import RULES as RULES
 from agent_sandbox._denial import Denial as Denial
 from agent_sandbox._errors import AttributeDenied as AttributeDenied
 from agent_sandbox._errors import CallDenied as CallDenied
+from agent_sandbox._errors import CapacityError as CapacityError
 from agent_sandbox._errors import ChildException as ChildException
 from agent_sandbox._errors import CodeRejected as CodeRejected
 from agent_sandbox._errors import EnvDenied as EnvDenied
@@ -32,8 +33,10 @@ from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
 from agent_sandbox._learn import Learner as Learner
+from agent_sandbox._learn import apply_proposal as apply_proposal
 from agent_sandbox._learn import learn_run as learn_run
 from agent_sandbox._learn import learning_envelope as learning_envelope
+from agent_sandbox._learn import write_proposal as write_proposal
 from agent_sandbox._oplog import log_refusals as log_refusals
 from agent_sandbox._result import Image as Image
 from agent_sandbox._result import RunError as RunError
@@ -49,6 +52,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttributeDenied",
     "CallDenied",
+    "CapacityError",
     "ChildException",
     "CodeRejected",
     "Denial",
@@ -79,9 +83,11 @@ __all__ = [
     "WorkerCrashed",
     "WorkerError",
     "WorkerStartError",
+    "apply_proposal",
     "learn_run",
     "learning_envelope",
     "load_policy",
     "log_refusals",
     "resolve_policy",
+    "write_proposal",
 ]

@@ -44,6 +44,7 @@ __all__ = [
     "Tally",
     "begin_call",
     "end_call",
+    "forget_raised",
     "record",
     "record_raised",
     "set_policy_name",
@@ -223,6 +224,13 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
     if not watching:
         _classified(denial)
     return denial
+
+
+def forget_raised(exc: BaseException) -> None:
+    """A refusal the guards raised and caught themselves, to fail the user's own call in
+    another way (SQLite's "not authorized"). Nothing to do: its refusal was raised with user
+    code as the first frame outside agent_sandbox, so it is already the user's."""
+    del exc
 
 
 def _watch(frame: FrameType, denial: Denial, exc: BaseException | None) -> bool:

@@ -17,7 +17,6 @@ SIGKILL. A worker that dies is reported with its exit status, never waited on fo
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -25,9 +24,9 @@ import fnmatch
 import functools
 import importlib.util
 import json
+import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import stat
@@ -40,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from agent_sandbox import _guard_block, _lifecycle
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
@@ -47,6 +47,7 @@ from agent_sandbox._errors import (
     WorkerStartError,
     describe_exit,
 )
+from agent_sandbox._guardian import remove_tree
 from agent_sandbox._hints import limit_hint
 from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
@@ -56,6 +57,7 @@ from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
 if TYPE_CHECKING:
     from agent_sandbox._templates import WorkerTemplate
+from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
 
@@ -91,15 +93,11 @@ _PACKAGES = (
     "agent_sandbox.policies",
     "agent_sandbox.providers",
 )
-#: Every worker is forked from this one lasting thread. Sandboxes ask for SIGKILL when their
-#: parent dies (bwrap's --die-with-parent, the unshare launcher, setpriv in front of
-#: firejail), and the kernel means the parent *thread*: a worker forked from a short-lived
-#: thread (agent frameworks call tools from pool threads) would die with that thread.
-_LAUNCH_THREAD = concurrent.futures.ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="agent-sandbox-launch"
-)
 _TERM_GRACE = 0.5
+_DISCARD_WAIT = 2.0
 _EVENT_SLACK = 256 * 1024
+_logger = logging.getLogger("agent_sandbox")
+_unwatched_warned = False
 
 
 def package_dirs() -> dict[str, str]:
@@ -204,6 +202,13 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        #: The worker's route on the host's egress proxy (namespace providers with [net]).
+        self.egress: Route | None = None
+        self._egress_channel: socket.socket | None = None
+        #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
+        #: events of the current call it holds back until the call's end is verified.
+        self.guard_watch: _guard_block.GuardWatch | None = None
+        self._held: list[tuple[str, Any]] = []
 
     # -- start ---------------------------------------------------------------------------
 
@@ -226,18 +231,24 @@ class WorkerProcess:
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
         t0 = time.monotonic()
-        self.control_dir = tempfile.mkdtemp(prefix="agent-sandbox-")
+        _lifecycle.ensure_guardian()
+        self.control_dir = tempfile.mkdtemp(prefix=_lifecycle.control_dir_prefix())
         os.chmod(self.control_dir, 0o700)
         self.scratch = os.path.join(self.control_dir, "scratch")
         os.mkdir(self.scratch, 0o700)
         sock_path = os.path.join(self.control_dir, "ctl.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
+        # The channel that brings the worker's egress-proxy listener to the host (used only
+        # when the plan has an egress proxy; see providers/_egress.py).
+        egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
         try:
             listener.bind(sock_path)
             listener.listen(8)
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
+            egress_worker.set_inheritable(True)
             spec = WorkerSpec(
                 python=worker_python(),
                 boot_script=BOOT_SCRIPT,
@@ -250,8 +261,14 @@ class WorkerProcess:
                 env=worker_env(policy, os.environ),
                 prefix=sys.prefix,
                 base_prefix=sys.base_prefix,
+                egress_fd=egress_worker.fileno(),
             )
             self.plan = provider.build(policy, spec)
+            if "egress" in self.plan.worker_setup:
+                try:
+                    egress_proxy().start()
+                except EgressError as exc:
+                    raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
             self.cgroups = start_cgroups(self.id, policy, depth)
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
@@ -263,71 +280,98 @@ class WorkerProcess:
                 if self.cgroups is not None and depth is None:
                     # A launcher of no fixed shape joins the groups itself before it runs.
                     plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
-                self.proc = _LAUNCH_THREAD.submit(provider.launch, plan, log).result()
+                plan = dataclasses.replace(plan, env={**plan.env, **_lifecycle.owner_env()})
+                self.proc = _lifecycle.launch(provider.launch, plan, log)
         except BaseException:
             listener.close()
             os.close(boot_r)
             os.close(boot_w)
+            egress_worker.close()
             self._cleanup_dirs()
             raise
         finally:
             listener.close()
+            egress_worker.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
-        boot = {
-            "token": self.token,
-            "worker_id": self.id,
-            "listen_fd": spec.listen_fd,
-            "policy": policy.to_wire(),
-            "sys_path": list(spec.sys_path),
-            "package_dirs": dict(spec.package_dirs),
-            "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
-            "worker_setup": dict(self.plan.worker_setup),
-            "host_env_names": sorted(os.environ),
-        }
         try:
-            _write_all(boot_w, json.dumps(boot).encode())
-        except OSError as exc:
+            boot = {
+                "token": self.token,
+                "worker_id": self.id,
+                "listen_fd": spec.listen_fd,
+                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
+                "sys_path": list(spec.sys_path),
+                "package_dirs": dict(spec.package_dirs),
+                "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
+                "worker_setup": dict(self.plan.worker_setup),
+                "host_env_names": sorted(os.environ),
+            }
+            try:
+                _write_all(boot_w, json.dumps(boot).encode())
+            except OSError as exc:
+                tail = self.log_tail()
+                self.kill()
+                raise WorkerStartError(
+                    f"could not send the boot configuration ({exc})", log_tail=tail
+                ) from None
+            finally:
+                os.close(boot_w)
+            cgroups, proc = self.cgroups, self.proc
+            if cgroups is not None and depth is not None:
+                # While the worker boots (it has its configuration already). It runs no user code
+                # and forks nothing before its handshake, so joining now covers all it will start.
+                if depth == 0:
+                    self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
+                else:
+                    alive = lambda: proc.poll() is None  # noqa: E731
+                    self._place_in_cgroups(
+                        lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
+                    )
+            max_event = policy.limits.result_bytes + _EVENT_SLACK
+            self.client = WorkerClient(sock_path, self.token, max_event)
+            try:
+                remaining = start_timeout - (time.monotonic() - t0)
+                self.hello = self.client.hello(max(0.05, remaining))
+            except (TimeoutError, TransportError) as exc:
+                status = self.proc.poll()
+                tail = self.log_tail()
+                self.kill()
+                reason = (
+                    f"it exited early ({describe_exit(status)})"
+                    if status is not None
+                    else f"no handshake within {start_timeout:g} s ({exc})"
+                )
+                raise WorkerStartError(reason, log_tail=tail) from None
+            self._verify_hello()
+            self._watch_guards()
+            if "egress" in self.plan.worker_setup:
+                self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
+            self._egress_channel = None
+            egress_host.close()
+            if cgroups is not None and depth:
+                # Whatever the first pass missed at the worker's depth or below (normally
+                # nothing: one read per group); the launcher's own processes stay outside.
+                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
+        except BaseException:
+            # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
+            self.kill()
+            raise
+        self.started_at = time.monotonic()
+        return self
+
+    def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
+        """Take the worker's proxy listener (sent before its handshake) onto the host's
+        egress proxy; a worker whose proxy cannot serve is never kept."""
+        assert self.policy is not None
+        try:
+            listener = receive_listener(channel, timeout)
+            self.egress = egress_proxy().attach(self.policy, listener)
+        except EgressError as exc:
             tail = self.log_tail()
             self.kill()
             raise WorkerStartError(
-                f"could not send the boot configuration ({exc})", log_tail=tail
+                f"the egress proxy could not start: {exc}", log_tail=tail
             ) from None
-        finally:
-            os.close(boot_w)
-        cgroups, proc = self.cgroups, self.proc
-        if cgroups is not None and depth is not None:
-            # While the worker boots (it has its configuration already). It runs no user code
-            # and forks nothing before its handshake, so joining now covers all it will start.
-            if depth == 0:
-                self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
-            else:
-                alive = lambda: proc.poll() is None  # noqa: E731
-                self._place_in_cgroups(
-                    lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
-                )
-        max_event = policy.limits.result_bytes + _EVENT_SLACK
-        self.client = WorkerClient(sock_path, self.token, max_event)
-        try:
-            remaining = start_timeout - (time.monotonic() - t0)
-            self.hello = self.client.hello(max(0.05, remaining))
-        except (TimeoutError, TransportError) as exc:
-            status = self.proc.poll()
-            tail = self.log_tail()
-            self.kill()
-            reason = (
-                f"it exited early ({describe_exit(status)})"
-                if status is not None
-                else f"no handshake within {start_timeout:g} s ({exc})"
-            )
-            raise WorkerStartError(reason, log_tail=tail) from None
-        self._verify_hello()
-        if cgroups is not None and depth:
-            # Whatever the first pass missed at the worker's depth or below (normally
-            # nothing: one read per group); the launcher's own processes stay outside.
-            self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
-        self.started_at = time.monotonic()
-        return self
 
     def _place_in_cgroups(self, place: Callable[[], object]) -> None:
         """Run one placement step; a worker alive but outside its groups is never kept."""
@@ -376,6 +420,52 @@ class WorkerProcess:
                 log_tail=tail,
             )
 
+    def _watch_guards(self) -> None:
+        """Open the host's reader of the arming counter the handshake reported."""
+        global _unwatched_warned
+        assert self.proc is not None
+        self.guard_watch = _guard_block.GuardWatch.open(self.proc.pid, self.hello)
+        if self.guard_watch is None and not _unwatched_warned:
+            _unwatched_warned = True
+            _logger.warning(
+                "agent_sandbox: the host cannot read the worker's guard counter (the "
+                "_fastimport extension is not built, or this process may not read the "
+                "worker's memory); only the worker's own tamper check remains"
+            )
+
+    def _forwarder(
+        self, builder: ResultBuilder, on_event: OnEvent | None
+    ) -> Callable[[tuple[str, Any]], None]:
+        """What the transport calls with each event: judged by the host's guard check first.
+
+        Events read while the guards are armed are passed on; events after the disarming are
+        held until the end of the call is verified; after tampering nothing is passed on.
+        """
+        watch = self.guard_watch
+        held = self._held = []
+        if watch is not None:
+            watch.begin_call()
+
+        def deliver(event: tuple[str, Any]) -> None:
+            builder.add(*event)
+            if on_event is not None:
+                on_event(*event)
+
+        def forward(event: tuple[str, Any]) -> None:
+            if watch is not None:
+                verdict = watch.judge(event[0])
+                if verdict == _guard_block.HOLD:
+                    held.append(event)
+                    return
+                if verdict == _guard_block.TAMPERED:
+                    held.clear()
+                    return
+                while held:
+                    deliver(held.pop(0))
+            deliver(event)
+
+        return forward
+
     def plan_hides_prefix(self) -> bool:
         return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
 
@@ -408,12 +498,7 @@ class WorkerProcess:
         builder = ResultBuilder(self.decoder, self.policy, wall)
         t0 = time.monotonic()
         self.calls += 1
-
-        def forward(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
-                on_event(*event)
-
+        forward = self._forwarder(builder, on_event)
         try:
             self.client.run(code, t0 + wall, forward, filename)
         except TimeoutError:
@@ -443,12 +528,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         self.calls += 1
         client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
-
-        def forward(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
-                on_event(*event)
-
+        forward = self._forwarder(builder, on_event)
         try:
             await client.run(code, t0 + wall, forward, filename)
         except TimeoutError:
@@ -463,6 +543,15 @@ class WorkerProcess:
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
+        if self.egress is not None:
+            # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
+            for denial in self.egress.drain():
+                builder.add_denial(denial)
+        watch = self.guard_watch
+        if watch is not None and watch.reason:
+            self._on_tampered(builder, watch.reason)
+        elif watch is not None and watch.lost:
+            self._on_unverified(builder)
         if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
             self.death_reason = "it hit a resource limit"
             self.discard()
@@ -504,6 +593,56 @@ class WorkerProcess:
         builder.add_denial(denial)
         builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
 
+    def _on_tampered(self, builder: ResultBuilder, reason: str) -> None:
+        """The host saw the guards switched off: withhold the call's output, end the worker."""
+        assert self.policy is not None
+        self.death_reason = "its guards were switched off during a call"
+        self.discard()
+        builder.stdout.clear()
+        builder.stderr.clear()
+        builder.images.clear()
+        builder.files = []
+        builder.value = None
+        denial = Denial(
+            rule="guard.tampered",
+            action="tamper",
+            target="the guards' arming state",
+            policy=self.policy.name,
+            detail=f"the host read the worker's guard counter: {reason}; the call's output "
+            "was withheld and the worker discarded (the next call starts a fresh interpreter)",
+        )
+        builder.add_denial(denial)
+        builder.error = RunError(
+            kind="denied",
+            type="GuardTampered",
+            message=denial.message(),
+            rule="guard.tampered",
+        )
+
+    def _on_unverified(self, builder: ResultBuilder) -> None:
+        """The worker ended before the host could verify the call: what it held stays
+        withheld. A tampering the worker reported itself is believed (it only discards)."""
+        reported = [
+            str(data.get("target", ""))
+            for kind, data in self._held
+            if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
+        ]
+        self._held = []
+        if reported:
+            self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
+            return
+        if builder.error is None:
+            self.death_reason = "it ended before its call could be verified"
+            self.discard()
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker ended before the host could verify its guards for "
+                "this call; the rest of the call's output was withheld and the next call "
+                "starts a fresh interpreter",
+                rule="worker.crashed",
+            )
+
     def _on_timeout(
         self, builder: ResultBuilder, wall: float, timeout: float | None, source: str | None
     ) -> None:
@@ -530,7 +669,7 @@ class WorkerProcess:
 
     def _on_lost(self, builder: ResultBuilder) -> None:
         assert self.policy is not None
-        status = self.wait_exit(1.0)
+        status = self._worker_status(self.wait_exit(1.0))
         self.dead = True
         self.kill()
         if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
@@ -554,6 +693,16 @@ class WorkerProcess:
             traceback=self.log_tail(),
             rule="worker.crashed",
         )
+
+    def _worker_status(self, status: int | None) -> int | None:
+        """The worker's own status: a launcher (bwrap, unshare) relays a worker killed by
+        signal N as exit status 128 + N, read back here as -N."""
+        if status is None or status <= 128 or self.plan is None or self.plan.worker_depth == 0:
+            return status
+        try:
+            return -signal.Signals(status - 128)
+        except ValueError:
+            return status
 
     def _cpu_exhausted(self) -> bool:
         # A SIGKILL after the worker's group used up its CPU time: the hard RLIMIT_CPU (user
@@ -593,6 +742,8 @@ class WorkerProcess:
         """TERM the whole process group, then KILL it; reap and remove the directories."""
         with self._lock:
             self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -611,9 +762,18 @@ class WorkerProcess:
             self._cleanup_dirs()
 
     def discard(self) -> None:
-        """End the worker without waiting in the caller's thread (KILL, reap in background)."""
+        """End the worker now: KILL its group and cgroups, reap it, remove its directories.
+
+        Synchronous (a killed process is reaped within milliseconds); only a process that
+        does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
+        (`_lifecycle`) removes whatever that one has not.
+        """
+        if self.egress is not None:
+            self.egress.close()  # no connection of a discarded worker outlives this call
         with self._lock:
             self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -622,9 +782,12 @@ class WorkerProcess:
                 if self.cgroups is not None:
                     self.cgroups.kill()
                 self._reaped = True
-                threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
-            else:
-                self._cleanup_dirs()
+                try:
+                    proc.wait(_DISCARD_WAIT)
+                except subprocess.TimeoutExpired:
+                    threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
+                    return
+            self._cleanup_dirs()
 
     def _reap(self, proc: ChildProcess) -> None:
         try:
@@ -640,6 +803,10 @@ class WorkerProcess:
         self.kill()
 
     def _cleanup_dirs(self) -> None:
+        if self._egress_channel is not None:
+            self._egress_channel.close()
+        if self.egress is not None:
+            self.egress.close()
         if self.cgroups is not None:
             self.cgroups.kill()
             self.cgroups.remove()
@@ -648,9 +815,9 @@ class WorkerProcess:
                 self._log.close()
         if self.plan is not None:
             for path in self.plan.cleanup_paths:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
         if self.control_dir:
-            shutil.rmtree(self.control_dir, ignore_errors=True)
+            remove_tree(self.control_dir)
 
     def log_tail(self, lines: int = 20) -> str:
         path = os.path.join(self.control_dir, "worker.log")

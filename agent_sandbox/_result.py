@@ -86,6 +86,14 @@ class RunResult:
     files: tuple[dict[str, Any], ...] = ()
 
     @property
+    def boundary(self) -> str:
+        """The kernel boundary that held the worker, e.g. `"bwrap+landlock+seccomp"`;
+        `"none"` under the `subprocess` opt-out; `""` when no worker ran."""
+        from agent_sandbox._boundary import boundary_name
+
+        return boundary_name(self.stack)
+
+    @property
     def ok(self) -> bool:
         """The code completed and none of its refusals was the user's (library-internal
         refusals, handled by a library while the code went on, do not count; they stay in
@@ -144,6 +152,7 @@ class RunResult:
             "fingerprint": self.fingerprint,
             "provider": self.provider,
             "stack": list(self.stack),
+            "boundary": self.boundary,
             "state_lost": self.state_lost,
             "notices": list(self.notices),
             "images": [i.to_dict() for i in self.images]

@@ -1,15 +1,19 @@
 """The `auto` provider: the deepest stack of kernel boundaries that works here for a policy.
 
 What it does: for each policy it builds the plan of every candidate that its probe says
-works (`bwrap`, `unshare`, `landlock`, then `subprocess`), drops those that cannot serve the
-policy (a namespace without network cannot serve a policy that allows a remote host), and
-takes the deepest stack, the provider's strength breaking ties. The chosen stack is in the
+works (`bwrap`, `unshare`, `landlock`), drops those that cannot serve the policy, and
+takes the deepest stack, the provider's strength breaking ties. A policy with network
+allow rules goes only to a namespace provider with the host's egress proxy (host names
+enforced on the host); where none can serve it, the build raises and says why, never
+falling back to Landlock's port rules. The chosen stack is in the
 plan: `LaunchPlan.stack`, e.g. `("bwrap", "landlock", "seccomp")`, and the provider's name
 in `LaunchPlan.provider` (so results say what really ran).
 
 What it does not do: choose `firejail` (a setuid program with a history of escalations;
-only a policy that names it gets it), or hide a fallback: when no kernel boundary works,
-the plan says `("subprocess",)` and the probe's `details` say why each boundary is missing.
+only a policy that names it gets it), or fall back to no boundary: when no kernel boundary
+works here (or none can serve the policy) it raises `ProviderUnavailable` naming what each
+one lacks and pointing at `agent-sandbox doctor`. Running without a kernel boundary takes a
+policy that says `provider = "subprocess"` and `no_kernel_boundary = "accepted"`.
 A provider named explicitly never goes through here: it runs or raises.
 """
 
@@ -22,7 +26,6 @@ from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._landlock import LandlockProvider
-from agent_sandbox.providers._subprocess import SubprocessProvider
 from agent_sandbox.providers._unshare import UnshareProvider
 
 __all__ = ["AUTO_CANDIDATES", "AutoProvider", "choose_plan"]
@@ -32,14 +35,13 @@ AUTO_CANDIDATES: tuple[type[Provider], ...] = (
     BwrapProvider,
     UnshareProvider,
     LandlockProvider,
-    SubprocessProvider,
 )
 
 
 def choose_plan(plans: list[tuple[Provider, LaunchPlan]]) -> tuple[Provider, LaunchPlan]:
     """The deepest stack among candidate plans; the stronger provider wins a tie (pure)."""
     if not plans:
-        raise ProviderUnavailable("auto", "no provider can serve this policy here")
+        raise ProviderUnavailable("auto", "no kernel sandbox can serve this policy here")
     return max(plans, key=lambda pair: (len(pair[1].stack), pair[0].strength))
 
 
@@ -63,7 +65,7 @@ class AutoProvider(Provider):
         return ProbeResult(
             self.name,
             bool(usable),
-            reason="" if usable else "no candidate provider works here",
+            reason="" if usable else _no_boundary(why),
             version=" > ".join(names),
             details={"candidates": names, "unavailable": why},
         )
@@ -76,8 +78,32 @@ class AutoProvider(Provider):
                 plans.append((provider, provider.build(policy, spec)))
             except ProviderUnavailable as exc:
                 refused.append(f"{provider.name}: {exc.reason}")
+        if policy.net.allows_any():
+            # Never weaker for a policy with network rules than for one without: host names
+            # hold only behind the egress proxy of a namespace provider.
+            proxied = [(p, plan) for p, plan in plans if "egress" in plan.worker_setup]
+            if not proxied:
+                ports_only = [p.name for p, _ in plans]
+                raise ProviderUnavailable(
+                    "auto",
+                    "the policy's [net] rules need a namespace provider (bwrap or unshare) "
+                    "whose egress proxy enforces host names"
+                    + (f" ({'; '.join(refused)})" if refused else "")
+                    + (
+                        f"; {', '.join(ports_only)} would enforce ports only: name one "
+                        "explicitly (provider = ...) to accept that"
+                        if ports_only
+                        else ""
+                    ),
+                )
+            plans = proxied
         if not plans:
-            raise ProviderUnavailable("auto", "; ".join(refused) or "no provider works here")
+            if refused:
+                raise ProviderUnavailable(
+                    "auto",
+                    f"no kernel sandbox can serve this policy here ({'; '.join(refused)})",
+                )
+            self.require()
         return choose_plan(plans)[1]
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -86,3 +112,8 @@ class AutoProvider(Provider):
             if provider.name == plan.provider:
                 return provider.launch(plan, log)
         raise ProviderUnavailable("auto", f"the plan names an unknown provider {plan.provider!r}")
+
+
+def _no_boundary(why: dict[str, str]) -> str:
+    missing = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+    return f"no kernel sandbox works here ({missing or 'no candidates'})"
