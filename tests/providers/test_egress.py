@@ -180,7 +180,7 @@ def test_an_unnamed_host_is_refused_before_it_is_resolved() -> None:
     denial = rules.before_resolve("other.example.com", 443)
     assert denial is not None and denial.rule == "net.resolve"
     assert denial.target == "other.example.com"
-    assert 'host = "other.example.com" ports = "443"' in denial.hint
+    assert 'host = "other.example.com", ports = "443"' in denial.hint
     denial = _rules({"host": "api.example.com", "ports": "443"}).before_resolve(
         "api.example.com", 80
     )
