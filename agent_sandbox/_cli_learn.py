@@ -4,8 +4,8 @@
   learning envelope of P (the envelope is printed first), then writes `<P>.proposed.toml` and
   `<P>.proposed.diff` beside P (or in DIR) and prints the diff. P itself is never changed.
 * `policy diff CURRENT PROPOSED` prints what the proposal adds or removes, with its RISKY marks.
-* `policy apply PROPOSED [--to CURRENT] [--yes]` shows the diff and replaces CURRENT only after
-  a `y` on standard input, or with `--yes`.
+* `policy apply PROPOSED [--to CURRENT] [--yes]` shows the diff and adds its grants to CURRENT only after
+  a `y` on standard input, or with `--yes` (CURRENT keeps every byte; a `[[grant]]` is appended).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     diff.add_argument("current", help="the current policy (file or shipped name)")
     diff.add_argument("proposed", help="the proposed policy file")
     diff.set_defaults(func=_cmd_policy_diff)
-    apply = psub.add_parser("apply", help="replace a policy with a reviewed proposal")
+    apply = psub.add_parser("apply", help="add what a reviewed proposal grants to a policy file")
     apply.add_argument("proposed", help="the proposed policy file (<name>.proposed.toml)")
     apply.add_argument(
         "--to", default=None, help="the policy file to replace (default: <name>.toml)"
@@ -132,7 +132,12 @@ def _cmd_policy_apply(args: argparse.Namespace) -> int:
     else:
         print(f"{target} does not exist yet; it will be created from {proposed}")
     if not args.yes:
-        print(f"Replace {target} with this proposal? [y/N] ", end="", file=sys.stderr, flush=True)
+        print(
+            f"Add what this proposal grants to {target}? [y/N] ",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
         answer = sys.stdin.readline().strip().lower()
         if answer not in ("y", "yes"):
             print(style.yellow("not applied"), file=sys.stderr)

@@ -1540,14 +1540,18 @@ def write_proposal(
 def apply_proposal(
     proposed_path: str | os.PathLike[str], to: str | os.PathLike[str] | None = None
 ) -> Path:
-    """Replace the current policy file with a reviewed proposal; returns the path written.
+    """Add what a reviewed proposal grants to the current policy file; returns the path.
 
     `to` defaults to the proposal's name without `.proposed` (`tool.proposed.toml` ->
-    `tool.toml`). The proposal must validate; the target must not be a symlink.
+    `tool.toml`). The proposal must validate; the target must not be a symlink. An existing
+    target keeps every byte it had (its `extends`, comments and layout): what the proposal
+    adds beyond the target's own policy is appended as one `[[grant]]` element (a grant only
+    adds to lists, see docs/policies.md). A target that does not exist yet is written from
+    the proposal.
     """
     source = Path(proposed_path)
     text = _read_text(source)
-    policy_from_toml(text, source=os.fspath(source))
+    proposed = policy_from_toml(text, source=os.fspath(source))
     if to is None:
         if not source.name.endswith(".proposed.toml"):
             raise LearningError(
@@ -1557,8 +1561,71 @@ def apply_proposal(
     target = Path(to)
     if os.path.realpath(target) == os.path.realpath(source):
         raise LearningError("the proposal and the target are the same file", path=str(target))
-    _write_text(target, _applied_text(text, source.name))
+    if target.is_symlink() or not target.exists():
+        _write_text(target, _applied_text(text, source.name))  # refuses the symlink
+        return target
+    current_text = _read_text(target)
+    current = policy_from_toml(current_text, source=os.fspath(target))
+    grant = grant_between(current, proposed)
+    if not grant:
+        return target
+    _write_text(target, appended_grant(current_text, grant, source.name))
     return target
+
+
+#: The list keys a proposal can add to, as (table, key) in the policy's TOML.
+_GRANT_LISTS: tuple[tuple[str, str], ...] = (
+    ("files", "read"),
+    ("files", "write"),
+    ("imports", "allow"),
+    ("env", "pass"),
+    ("api", "allow"),
+)
+
+
+def grant_between(current: Policy, proposed: Policy) -> dict[str, Any]:
+    """What `proposed` allows beyond `current`, as one `[[grant]]` element (lists only)."""
+    now = current.model_dump(mode="json", by_alias=True)
+    then = proposed.model_dump(mode="json", by_alias=True)
+    grant: dict[str, Any] = {}
+    for table, key in _GRANT_LISTS:
+        have = now.get(table, {}).get(key) or []
+        added = [item for item in then.get(table, {}).get(key) or [] if item not in have]
+        if added:
+            grant.setdefault(table, {})[key] = added
+    rules_now = now.get("net", {}).get("rules") or []
+    added_rules = [r for r in then.get("net", {}).get("rules") or [] if r not in rules_now]
+    if added_rules:
+        grant["net"] = {"rules": added_rules}
+    return grant
+
+
+def appended_grant(current_text: str, grant: dict[str, Any], source_name: str) -> str:
+    """`current_text` unchanged, then a comment and the `[[grant]]` element (tomlkit writes
+    it, so every name is quoted and escaped as TOML data)."""
+    import tomlkit
+
+    element = tomlkit.table()
+    for table, entries in grant.items():
+        sub = tomlkit.table()
+        for key, value in entries.items():
+            array = tomlkit.array()
+            for item in value:
+                if isinstance(item, dict):
+                    inline = tomlkit.inline_table()
+                    inline.update(item)
+                    array.append(inline)
+                else:
+                    array.append(item)
+            sub.add(key, array)
+        element.add(table, sub)
+    doc = tomlkit.document()
+    aot = tomlkit.aot()
+    aot.append(element)
+    doc.add("grant", aot)
+    head = current_text if current_text.endswith("\n") or not current_text else current_text + "\n"
+    note = f"\n# Added by `agent-sandbox policy apply` from {source_name} (a reviewed proposal).\n"
+    return head + note + tomlkit.dumps(doc)
 
 
 def _applied_text(text: str, source_name: str) -> str:

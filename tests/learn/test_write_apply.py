@@ -127,19 +127,49 @@ def test_a_policy_without_a_file_needs_an_out_dir(learned, tmp_path, home) -> No
 # -- apply ------------------------------------------------------------------------------
 
 
-def test_apply_replaces_the_policy_and_refuses_a_symlink(proposal, policy_file, tmp_path) -> None:
-    """It applies a proposal to the policy file, and refuses a target that is a symlink."""
+def test_apply_adds_a_grant_and_refuses_a_symlink(proposal, policy_file, tmp_path) -> None:
+    """It keeps the policy file byte for byte, appends the accepted additions as a [[grant]],
+    leaves out what the review flagged, and refuses a target that is a symlink."""
+    before = policy_file.read_text()
     files = write_proposal(proposal)
     written = apply_proposal(files.toml)
     assert written == policy_file
-    assert "csv" in load_policy(policy_file).imports.allow
     applied = policy_file.read_text()
-    assert "Nothing here is in force" not in applied and applied.startswith("# Applied from")
-    assert "# RISKY:" in applied
+    assert applied.startswith(before)
+    assert "[[grant]]" in applied[len(before) :]
+    loaded = load_policy(policy_file)
+    assert "csv" in loaded.imports.allow and "/etc/shadow" not in loaded.files.read
+    again = apply_proposal(files.toml)  # nothing new: the file is left alone
+    assert again == policy_file and policy_file.read_text() == applied
     link = tmp_path / "linked.toml"
     link.symlink_to(policy_file)
     with pytest.raises(LearningError, match="symlink"):
         apply_proposal(files.toml, link)
+
+
+def test_apply_keeps_extends_and_comments_of_a_short_policy(learned, tmp_path) -> None:
+    """A 5-line policy that extends a preset stays those 5 lines, plus the grant; what it
+    inherited is still allowed after the apply (the grant adds, it does not replace)."""
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    target = folder / "analyst.toml"
+    mine = (
+        "# my analyst tool\n"
+        'name = "analyst"\n'
+        'extends = "data-analysis"  # the shipped preset\n'
+        "[limits]\n"
+        "wall_seconds = 60\n"
+    )
+    target.write_text(mine)
+    proposal = propose(load_policy(target), [learned("imports", "tomllib")], home=str(tmp_path))
+    files = write_proposal(proposal)
+    apply_proposal(files.toml)
+    applied = target.read_text()
+    assert applied.startswith(mine)
+    assert len(applied.splitlines()) < 12, applied
+    loaded = load_policy(target)
+    assert "tomllib" in loaded.imports.allow and "math" in loaded.imports.allow
+    assert loaded.limits.wall_seconds == 60
 
 
 def _cli(argv: list[str], stdin: str, monkeypatch, capsys) -> tuple[int, str, str]:
