@@ -4,8 +4,9 @@
   learning envelope of P (the envelope is printed first), then writes `<P>.proposed.toml` and
   `<P>.proposed.diff` beside P (or in DIR) and prints the diff. P itself is never changed.
 * `policy diff CURRENT PROPOSED` prints what the proposal adds or removes, with its RISKY marks.
-* `policy apply PROPOSED [--to CURRENT] [--yes]` shows the diff and adds its grants to CURRENT only after
-  a `y` on standard input, or with `--yes` (CURRENT keeps every byte; a `[[grant]]` is appended).
+* `policy apply PROPOSED [--to CURRENT] [--yes]` shows the diff and adds its grants to
+  CURRENT only after a `y` on standard input, or with `--yes` (CURRENT keeps every byte; a
+  `[[grant]]` is appended).
 """
 
 from __future__ import annotations
