@@ -25,7 +25,9 @@ CANARY = "canary-foothold-5d1b"
 
 #: The explicit opt-out (the Python layer alone) and the default provider.
 PROVIDERS = [
-    pytest.param({"provider": "subprocess"}, id="subprocess-opt-out"),
+    pytest.param(
+        {"provider": "subprocess", "no_kernel_boundary": "accepted"}, id="subprocess-opt-out"
+    ),
     pytest.param({"provider": "auto"}, id="default"),
 ]
 
@@ -293,7 +295,9 @@ def test_catches_a_sealed_setting_written(
 def test_escape_by_replacing_the_runner(sandboxes: list[Sandbox], secret: Path) -> None:
     """It denies a read in the call after user code replaced the worker's runner."""
     sb = sandbox(
-        sandboxes, {"provider": "subprocess"}, imports={"allow": ["sys", *INTERNALS["allow"]]}
+        sandboxes,
+        {"provider": "subprocess", "no_kernel_boundary": "accepted"},
+        imports={"allow": ["sys", *INTERNALS["allow"]]},
     )
     with sb.session("s") as session:
         run(
@@ -421,7 +425,9 @@ def test_escape_by_clearing_the_sqlite_authorizer_through_the_c_type(
 ) -> None:
     """It denies ATTACH after `sqlite3.Connection.set_authorizer(db, None)`."""
     result = run(
-        sandbox(sandboxes, {"provider": "subprocess"}, imports=SQLITE),
+        sandbox(
+            sandboxes, {"provider": "subprocess", "no_kernel_boundary": "accepted"}, imports=SQLITE
+        ),
         f"""
         import sqlite3
         db = sqlite3.connect(':memory:')
