@@ -511,7 +511,7 @@ class WorkerProcess:
 
     def _on_lost(self, builder: ResultBuilder) -> None:
         assert self.policy is not None
-        status = self.wait_exit(1.0)
+        status = self._worker_status(self.wait_exit(1.0))
         self.dead = True
         self.kill()
         if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
@@ -535,6 +535,16 @@ class WorkerProcess:
             traceback=self.log_tail(),
             rule="worker.crashed",
         )
+
+    def _worker_status(self, status: int | None) -> int | None:
+        """The worker's own status: a launcher (bwrap, unshare) relays a worker killed by
+        signal N as exit status 128 + N, read back here as -N."""
+        if status is None or status <= 128 or self.plan is None or self.plan.worker_depth == 0:
+            return status
+        try:
+            return -signal.Signals(status - 128)
+        except ValueError:
+            return status
 
     def _cpu_exhausted(self) -> bool:
         # A SIGKILL after the worker's group used up its CPU time: the hard RLIMIT_CPU (user
