@@ -101,8 +101,11 @@ fastimport_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                      * for this very module object (a module imported again gets a new one
                      * from the slow path). */
                     PyObject *view = PyDict_GetItemWithError(self->views, args[0]);
-                    if (view != NULL && Py_IS_TYPE(view, &ModuleView_Type)
-                        && view_real(view) == module) {
+                    if (view != NULL
+                        && (view == module
+                            || (Py_IS_TYPE(view, &ModuleView_Type)
+                                && view_real(view) == module))) {
+                        /* the module itself when it needs no view (the guard decided) */
                         return Py_NewRef(view);
                     }
                     if (view == NULL && PyErr_Occurred()) {
