@@ -47,6 +47,7 @@ from agent_sandbox._errors import (
     WorkerStartError,
     describe_exit,
 )
+from agent_sandbox._intake import HostBounds
 from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox._unpickle import Decoder
@@ -98,7 +99,6 @@ _LAUNCH_THREAD = concurrent.futures.ThreadPoolExecutor(
     max_workers=1, thread_name_prefix="agent-sandbox-launch"
 )
 _TERM_GRACE = 0.5
-_EVENT_SLACK = 256 * 1024
 
 
 def package_dirs() -> dict[str, str]:
@@ -203,6 +203,7 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        self.bounds: HostBounds | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -305,8 +306,10 @@ class WorkerProcess:
                 self._place_in_cgroups(
                     lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
                 )
-        max_event = policy.limits.result_bytes + _EVENT_SLACK
-        self.client = WorkerClient(sock_path, self.token, max_event)
+        self.bounds = HostBounds.from_policy(policy)
+        self.client = WorkerClient(
+            sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
+        )
         try:
             remaining = start_timeout - (time.monotonic() - t0)
             self.hello = self.client.hello(max(0.05, remaining))
@@ -398,15 +401,8 @@ class WorkerProcess:
         """Run one call; never raises for the code's own failures (they are in the result)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder(self.decoder)
+        builder, forward = self._intake(on_event)
         t0 = time.monotonic()
-        self.calls += 1
-
-        def forward(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
-                on_event(*event)
-
         try:
             self.client.run(code, t0 + wall, forward)
         except TimeoutError:
@@ -430,16 +426,11 @@ class WorkerProcess:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder(self.decoder)
+        builder, forward = self._intake(on_event)
         t0 = time.monotonic()
-        self.calls += 1
-        client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
-
-        def forward(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
-                on_event(*event)
-
+        client = AsyncWorkerClient(
+            self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
+        )
         try:
             await client.run(code, t0 + wall, forward)
         except TimeoutError:
@@ -451,6 +442,30 @@ class WorkerProcess:
         except TransportError as exc:
             self._on_transport_error(builder, exc)
         return self._finish(builder, t0, session)
+
+    def _intake(
+        self, on_event: OnEvent | None
+    ) -> tuple[ResultBuilder, Callable[[tuple[str, Any]], None]]:
+        """The judge of one call's events, and the callback the transport feeds it through.
+
+        Only what the judge accepted is forwarded live, as it accepted it (a notice as the
+        host's text, a denial as the host re-worded it).
+        """
+        assert self.policy is not None
+        self.calls += 1
+        builder = ResultBuilder(
+            self.decoder,
+            bounds=self.bounds or HostBounds.from_policy(self.policy),
+            policy=self.policy.name,
+            call=self.calls,
+        )
+
+        def forward(event: tuple[str, Any]) -> None:
+            accepted = builder.add(*event)
+            if accepted is not None and on_event is not None:
+                on_event(*accepted)
+
+        return builder, forward
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
@@ -543,21 +558,48 @@ class WorkerProcess:
         return used >= self.policy.limits.cpu_seconds
 
     def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
-        self.death_reason = "it sent an oversized message"
+        """A host bound was crossed: the host stopped reading; the worker is killed, and the
+        call keeps what fit (the output up to the cap, the denials so far)."""
+        assert self.policy is not None
+        self.death_reason = "it sent more than the host accepts from one call"
         self.kill()
-        self._limit(
-            builder,
-            "limits.result",
-            "the result",
-            str(exc),
-            f"[limits] result_bytes = {exc.cap * 2}",
-            "MessageTooLarge",
-        )
+        builder.value = None
+        if exc.setting == "limits.output_bytes":
+            cap = self.policy.limits.output_bytes
+            self._limit(
+                builder,
+                "limits.output",
+                "the worker's output",
+                f"{exc}; the host stopped reading, the worker was killed and its variables "
+                "are lost",
+                f"[limits] output_bytes = {cap * 4}",
+                "MessageTooLarge",
+            )
+        else:
+            self._limit(
+                builder,
+                "limits.result",
+                "the result",
+                f"{exc}; the host stopped reading and the worker was killed",
+                f"[limits] result_bytes = {exc.cap * 2}",
+                "MessageTooLarge",
+            )
 
     def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
-        self.death_reason = f"its channel broke ({exc})"
+        """The worker broke the protocol (malformed, out of order or contradictory): nothing
+        more it says in this call is believed; it is killed and the call says so."""
+        self.death_reason = "it broke the protocol"
         self.kill()
-        builder.error = RunError(kind="internal", type=type(exc).__name__, message=str(exc))
+        builder.value = None
+        reason = str(exc)
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerMisbehaved",
+            message=f"the sandbox worker broke the protocol and was discarded ({reason}); "
+            "its result is not trusted, the session's variables are lost and the next call "
+            "starts a fresh interpreter",
+            rule="worker.protocol",
+        )
 
     # -- end -----------------------------------------------------------------------------
 

@@ -173,6 +173,7 @@ class _Server:
                     broken = True
 
         sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
+        emit("start", {"call": self.runner.calls + 1})
         _audit.take()
         _audit.set_sink(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
