@@ -66,22 +66,27 @@ def value_budget(result_bytes: int) -> int:
     """How many JSON values one `result` or `error` event may hold, from `limits.result_bytes`.
 
     Decoding JSON costs more memory than its text (`[{},{}]` is 3 bytes per dict of 64):
-    a budget of one value per 20 bytes keeps a decoded result near `result_bytes` plus a
-    few megabytes, whatever its shape. Worker and host apply the same budget.
+    a budget of one value per 32 bytes keeps a decoded result near twice `result_bytes`
+    (text and values), whatever its shape. Worker and host apply the same budget.
     """
-    return max(result_bytes // 20, 1024)
+    return max(result_bytes // 32, 1024)
 
 
-def json_values(data: bytes, budget: int) -> int:
-    """An upper bound on the number of values in the JSON text `data`, exact past `budget`.
+def json_values(
+    data: bytes | bytearray, budget: int, start: int = 0, end: int | None = None
+) -> int:
+    """An upper bound on the number of values in the JSON text `data[start:end]`, exact
+    past `budget`.
 
     Counting separators and openers is enough when the count is within the budget (those
     inside strings only make it larger); past it, strings are removed and the count redone.
     """
-    count = data.count(b",") + data.count(b"[") + data.count(b"{") + 1
-    if count <= budget:
+    end = len(data) if end is None else end
+    count = sum(data.count(c, start, end) for c in (b",", b"[", b"{")) + 1
+    if count <= budget or data.count(b'"', start, end) == 0:
         return count
-    bare = _JSON_STRING.sub(b"", data)
+    with memoryview(data) as view:
+        bare = _JSON_STRING.sub(b"", view[start:end])
     return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
 
 
@@ -110,12 +115,12 @@ class SSEParser:
         self._cap: tuple[int, str] | None = None  # the current event's cap, once known
         self._scanned = 0  # bytes of _buf already searched for a terminator
 
-    def _current_cap(self) -> tuple[int, str]:
+    def _current_cap(self, start: int) -> tuple[int, str]:
         if self._cap is None:
-            head = self._buf.find(b"\n", 0, 64)
+            head = self._buf.find(b"\n", start, start + 64)
             if head < 0:
                 return self._max, self._setting
-            kind = bytes(self._buf[:head]).partition(b"event: ")[2].decode("ascii", "replace")
+            kind = bytes(self._buf[start:head]).partition(b"event: ")[2].decode("ascii", "replace")
             cap, setting = self._kind_caps.get(kind, (self._max, self._setting))
             self._cap = (min(cap, self._max), setting)
         return self._cap
@@ -123,65 +128,77 @@ class SSEParser:
     def feed(self, data: bytes) -> list[Event]:
         self._buf += data
         events: list[Event] = []
-        while True:
-            # Resume the search where the last one stopped: a worker that trickles one
-            # byte at a time must not make each feed rescan the whole buffer.
-            end = self._buf.find(b"\n\n", max(0, self._scanned - 1))
-            cap, setting = self._current_cap()
-            if end < 0:
-                self._scanned = len(self._buf)
-                if len(self._buf) > cap:
-                    raise MessageTooLarge("one event from the worker", len(self._buf), cap, setting)
-                return events
-            if end > cap:
-                raise MessageTooLarge("one event from the worker", end, cap, setting)
-            block = bytes(self._buf[:end])
-            del self._buf[: end + 2]
-            self._scanned = 0
-            self._cap = None
-            events.append(self._parse_block(block, self._max_values))
+        start = 0  # where the current event begins in _buf
+        try:
+            while True:
+                # Resume the search where the last one stopped: a worker that trickles one
+                # byte at a time must not make each feed rescan the whole buffer.
+                end = self._buf.find(b"\n\n", max(start, self._scanned - 1))
+                cap, setting = self._current_cap(start)
+                if end < 0:
+                    self._scanned = len(self._buf)
+                    if len(self._buf) - start > cap:
+                        raise MessageTooLarge(
+                            "one event from the worker", len(self._buf) - start, cap, setting
+                        )
+                    return events
+                if end - start > cap:
+                    raise MessageTooLarge("one event from the worker", end - start, cap, setting)
+                events.append(self._parse(start, end))
+                start = self._scanned = end + 2
+                self._cap = None
+        finally:
+            if start:
+                # A fresh buffer for the rest: the consumed events' memory is released.
+                self._buf = self._buf[start:]
+                self._scanned = max(0, self._scanned - start)
 
     def pending(self) -> int:
         """Bytes buffered that do not yet form a complete event."""
         return len(self._buf)
 
-    @staticmethod
-    def _parse_block(block: bytes, max_values: int | None = None) -> Event:
-        kind: str | None = None
-        data: bytes | None = None
-        for line in block.split(b"\n"):
-            name, sep, value = line.partition(b": ")
-            if not sep:
-                raise TransportError(f"malformed event line from the worker: {line[:80]!r}")
+    def _parse(self, start: int, end: int) -> Event:
+        """The event in `_buf[start:end]`: exactly `event: <kind>` then `data: <json>`.
+
+        Read in place: the data is never copied before it is decoded, and a structured
+        event is refused on its value count before it is decoded at all.
+        """
+        buf = self._buf
+        head = buf.find(b"\n", start, min(end, start + 64))
+        if head < 0 or not buf.startswith(b"event: ", start):
+            line = bytes(buf[start : min(end, start + 80)])
+            raise TransportError(f"malformed event line from the worker: {line!r}")
+        try:
+            kind = bytes(buf[start + 7 : head]).decode("ascii")
+        except UnicodeDecodeError:
+            raise TransportError("an event kind from the worker is not ASCII") from None
+        if not buf.startswith(b"data: ", head + 1):
+            line = bytes(buf[head + 1 : min(end, head + 81)])
+            name = line.partition(b": ")[0]
             if name == b"event":
-                if kind is not None:
-                    raise TransportError("an event from the worker names two kinds")
-                try:
-                    kind = value.decode("ascii")
-                except UnicodeDecodeError:
-                    raise TransportError("an event kind from the worker is not ASCII") from None
-            elif name == b"data":
-                if data is not None:
-                    raise TransportError("an event from the worker carries two data lines")
-                data = value
-            else:
-                raise TransportError(f"unknown field {name[:40]!r} in an event from the worker")
-        if kind is None or data is None:
-            raise TransportError("an event from the worker lacks its kind or its data")
+                raise TransportError("an event from the worker names two kinds")
+            if name == b"data" or not line:
+                raise TransportError("an event from the worker lacks its kind or its data")
+            raise TransportError(f"unknown field {name[:40]!r} in an event from the worker")
+        if buf.find(b"\n", head + 1, end) >= 0:
+            raise TransportError("an event from the worker has lines after its data")
         if kind not in EVENT_KINDS:
             raise TransportError(f"unknown event kind {kind[:40]!r} from the worker")
-        if max_values is not None and kind in _STRUCTURED:
-            values = json_values(data, max_values)
-            if values > max_values:
+        first = head + 7
+        if self._max_values is not None and kind in _STRUCTURED:
+            values = json_values(buf, self._max_values, first, end)
+            if values > self._max_values:
                 raise MessageTooLarge(
                     f"one {kind} from the worker (counted in JSON values)",
                     values,
-                    max_values,
+                    self._max_values,
                     "limits.result_bytes",
                 )
         try:
             # Strict UTF-8 first: json.loads(bytes) would guess UTF-16/32 from the bytes and
             # import the codec the worker's bytes chose (found by fuzzing).
-            return kind, json.loads(data.decode("utf-8"))
+            with memoryview(buf) as view:
+                text = str(view[first:end], "utf-8")
+            return kind, json.loads(text)
         except (ValueError, RecursionError) as exc:
             raise TransportError(f"an event from the worker is not valid JSON: {exc}") from None

@@ -215,7 +215,7 @@ class Runner:
             budget = value_budget(cap)
             if json_values(text, budget) > budget:
                 # The host refuses more values than this (decoding costs more than the text).
-                raise _objects.TooLarge(json_values(text, budget) * 20, cap)
+                raise _objects.TooLarge(json_values(text, budget) * 32, cap)
             return "result", data
         except _objects.TooLarge as big:
             denial = _audit.record(_objects.result_too_large(big.size, big.cap, self.policy_name))
