@@ -241,6 +241,10 @@ class ResultBuilder:
         if handler is None:  # pragma: no cover - the parser knows every kind
             raise WorkerMisbehaved(f"the worker sent an unknown event kind {kind!r}")
         result: tuple[str, Any] | None = handler(data)
+        # Each kind has its own bound; their sum is the call's total (checked all the same).
+        kept = self.output_chars + self.denial_chars + self.image_chars + 1024 * len(self.notices)
+        if kept > self.bounds.total:
+            raise over("what the host kept of one call", kept, self.bounds.total)
         return result
 
     # -- one handler per kind ------------------------------------------------------------
