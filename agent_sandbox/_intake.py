@@ -254,7 +254,9 @@ def render_notice(data: Any) -> str:
 _ACTION = re.compile(r"[a-z][a-z0-9_.-]{0,39}")
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Denial)}
 _NOT = _CONTROL_CHARS
-_Q = f"(?:'[^'{_NOT}]*'|\"[^\"{_NOT}]*\"|`[^`{_NOT}]*`)"  # one quoted data slot, no controls
+# One quoted data slot (a repr, a TOML string or a code span; backslash escapes allowed),
+# holding no control character.
+_Q = f"(?:'(?:[^'\\\\{_NOT}]|\\\\[^{_NOT}])*'|\"(?:[^\"\\\\{_NOT}]|\\\\[^{_NOT}])*\"|`[^`{_NOT}]*`)"
 _N = r"[0-9]+(?:\.[0-9]+)?"
 
 
