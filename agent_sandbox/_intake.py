@@ -251,7 +251,8 @@ def render_notice(data: Any) -> str:
 
 # -- denials -----------------------------------------------------------------------------
 
-_ACTION = re.compile(r"[a-z][a-z0-9_.-]{0,39}")
+#: An action is a verb of a few lowercase words (`read`, `connect`, `format field`).
+_ACTION = re.compile(r"(?=.{1,24}$)[a-z][a-z0-9_.-]*(?: [a-z][a-z0-9_.-]*){0,2}")
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Denial)}
 _NOT = _CONTROL_CHARS
 # One quoted data slot (a repr, a TOML string or a code span; backslash escapes allowed),
