@@ -4,10 +4,11 @@ Commands:
 
 * `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S]`: run code in a
   sandboxed worker; output streams live; denials print in a block. Exit statuses (also in
-  the README): 0 the code completed and nothing was refused; 1 the code raised; 2 a policy
-  refusal or a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider
-  that cannot run here; 70 the worker failed; 78 a policy that does not load; 130 interrupted.
-  Under `--json` every error is a JSON object on stdout too.
+  the README): 0 the code completed and nothing was refused; 1 the code raised (or learning
+  could not make, write or apply a proposal); 2 a policy refusal or a limit; 64 a usage
+  error; 66 an input file that cannot be read; 69 a provider that cannot run here; 70 the
+  worker failed; 78 a policy that does not load; 130 interrupted. Under `--json` every error
+  is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
@@ -178,12 +179,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, as other command-line tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _exit_status(exc: SandboxError) -> int:
     """The documented exit status for a failure outside the user's code."""
-    from agent_sandbox._errors import PolicyError, PolicyNotFound, ProviderUnavailable
+    from agent_sandbox._errors import (
+        LearningError,
+        PolicyError,
+        PolicyNotFound,
+        ProviderUnavailable,
+    )
 
+    if isinstance(exc, LearningError):
+        return EXIT_ERROR
     if isinstance(exc, _InputError):
         return EXIT_NOINPUT
     if isinstance(exc, ProviderUnavailable):

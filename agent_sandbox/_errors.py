@@ -97,6 +97,7 @@ class PolicyError(SandboxError, ValueError):
         line: int | None = None,
         expected: str | None = None,
     ) -> None:
+        self.reason = message
         self.source = source
         self.key = key
         self.line = line

@@ -178,8 +178,14 @@ class ImportsPolicy(_Section):
 
     @field_validator("allow", "deny")
     @classmethod
-    def _modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _modules(cls, value: tuple[str, ...], info: Any) -> tuple[str, ...]:
         for entry in value:
+            if info.field_name == "allow" and entry.endswith(".*") and _MODULE_RE.match(entry):
+                # `pkg.*` allows the submodules only, so `import pkg` itself stays refused.
+                raise ValueError(
+                    f"{entry!r} allows only the submodules, never `import {entry[:-2]}` "
+                    f"itself; write {entry[:-2]!r} (it covers the submodules too)"
+                )
             if entry != "*" and not _MODULE_RE.match(entry):
                 raise ValueError(f"{entry!r} is not a module name")
         return value
@@ -226,9 +232,13 @@ class ApiPolicy(_Section):
 class CodeBudgets(_Section):
     """Budgets the rewritten code counts against while it runs (0 means unlimited).
 
+    Integers only (a string or a boolean is an error, not a conversion).
+
     Each one exceeded is a `code.<budget>` denial (`code.iterations`, `code.call-depth`,
     `code.allocation`); see `agent_sandbox.guards._code_budget` for what is counted.
     """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
 
     #: Loop iterations per call, over all `for`/`while` loops and comprehensions together.
     max_iterations: int = Field(default=10_000_000, ge=0)
@@ -312,7 +322,12 @@ class CodePolicy(_Section):
 
 
 class LimitsPolicy(_Section):
-    """Resource limits; each one hit is a `limits.<name>` denial and the worker is replaced."""
+    """Resource limits; each one hit is a `limits.<name>` denial and the worker is replaced.
+
+    Numbers only: `wall_seconds = "60"` (a string) or `true` is an error, not a conversion.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
 
     wall_seconds: float = Field(default=30.0, gt=0, le=86_400)
     cpu_seconds: int = Field(default=60, ge=1)
