@@ -281,11 +281,18 @@ def print_result_tail(result: Any, stream: TextIO) -> None:
 
 
 def _cmd_policy_check(args: argparse.Namespace) -> int:
+    from agent_sandbox._boundary import NO_BOUNDARY, resolve_boundary
     from agent_sandbox.policies import resolve_policy
 
     policy = resolve_policy(args.file)
+    # The provider is part of the check: unknown, missing here, or unable to serve the policy.
+    boundary = resolve_boundary(policy)
     style = Style(sys.stdout)
     print(style.green("ok: ") + f"{policy.name} (fingerprint {policy.fingerprint()})")
+    if boundary.name == NO_BOUNDARY:
+        print(style.yellow(f"provider {policy.provider}: no kernel boundary (explicit opt-out)"))
+    else:
+        print(f"provider {policy.provider}: {boundary.name}")
     return EXIT_OK
 
 

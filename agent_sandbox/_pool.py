@@ -13,6 +13,7 @@ are started directly (the same plan and restrictions either way).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 
 from agent_sandbox._errors import SandboxClosed, WorkerStartError
@@ -22,6 +23,8 @@ from agent_sandbox.policies import Policy
 from agent_sandbox.providers import Provider
 
 __all__ = ["PoolRegistry", "WorkerPool"]
+
+_log = logging.getLogger("agent_sandbox.pool")
 
 
 class WorkerPool:
@@ -42,6 +45,14 @@ class WorkerPool:
         self.started = 0
         self.last_error: BaseException | None = None
         self.use_template = provider.name in TEMPLATE_PROVIDERS
+        if not provider.is_boundary:
+            _log.warning(
+                "policy %r runs under provider %r with no kernel boundary (its explicit "
+                "no_kernel_boundary opt-out): only the Python guards and rlimits hold the "
+                "code, and hostile code gets past them",
+                policy.name,
+                provider.name,
+            )
         self._template: WorkerTemplate | None = None
         self._template_lock = threading.Lock()
 

@@ -339,6 +339,21 @@ class LimitsPolicy(_Section):
     open_files: int = Field(default=256, ge=16)
 
 
+#: Providers that are no kernel boundary: a policy names one only with the explicit opt-out.
+NO_BOUNDARY_PROVIDERS = frozenset({"subprocess"})
+
+
+def check_boundary_opt_out(provider: str, acknowledgement: str) -> None:
+    """Refuse a provider without a kernel boundary unless the policy accepts that in words."""
+    if provider in NO_BOUNDARY_PROVIDERS and acknowledgement != "accepted":
+        raise ValueError(
+            f"provider {provider!r} runs the code with no kernel boundary (only the Python "
+            'guards and rlimits, which hostile code gets past); use provider = "auto" '
+            "(the strongest kernel sandbox that works here, see `agent-sandbox doctor`), or "
+            'opt out in so many words with no_kernel_boundary = "accepted"'
+        )
+
+
 def _is_ip_or_cidr(host: str) -> bool:
     try:
         ipaddress.ip_network(host, strict=False)
@@ -376,7 +391,10 @@ class Policy(_Section):
 
     name: str = "unnamed"
     description: str = ""
-    provider: str = "subprocess"
+    provider: str = "auto"
+    #: The explicit opt-out from a kernel boundary: `provider = "subprocess"` is refused
+    #: unless this says `"accepted"` (the Python guards and rlimits are then all that holds).
+    no_kernel_boundary: Literal["", "accepted"] = ""
     result_mode: Literal["data-only", "objects"] = "data-only"
     #: Extra globals the host's restricted unpickler may rebuild in `objects` mode:
     #: `"pkg.models.*"` admits the pydantic models, dataclasses, enums, named tuples and
@@ -427,6 +445,11 @@ class Policy(_Section):
         if value not in PROVIDERS:
             raise ValueError(f"unknown provider {value!r}; known: {', '.join(sorted(PROVIDERS))}")
         return value
+
+    @model_validator(mode="after")
+    def _boundary_opt_out(self) -> Policy:
+        check_boundary_opt_out(self.provider, self.no_kernel_boundary)
+        return self
 
     @model_validator(mode="after")
     def _danger_named(self) -> Policy:
