@@ -24,6 +24,7 @@ import fnmatch
 import functools
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import signal
@@ -38,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from agent_sandbox import _lifecycle
+from agent_sandbox import _guard_block, _lifecycle
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
@@ -48,7 +49,7 @@ from agent_sandbox._errors import (
 )
 from agent_sandbox._guardian import remove_tree
 from agent_sandbox._intake import HostBounds
-from agent_sandbox._result import ResultBuilder, RunError, RunResult
+from agent_sandbox._result import Mark, ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox._unpickle import Decoder
 from agent_sandbox.policies import Policy
@@ -56,6 +57,7 @@ from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
 if TYPE_CHECKING:
     from agent_sandbox._templates import WorkerTemplate
+from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
 
@@ -93,6 +95,8 @@ _PACKAGES = (
 )
 _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
+_logger = logging.getLogger("agent_sandbox")
+_unwatched_warned = False
 
 
 def package_dirs() -> dict[str, str]:
@@ -197,7 +201,15 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        #: The worker's route on the host's egress proxy (namespace providers with [net]).
+        self.egress: Route | None = None
+        self._egress_channel: socket.socket | None = None
+        #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
+        self._held_mark: Mark | None = None
         self.bounds: HostBounds | None = None
+        #: events of the current call it holds back until the call's end is verified.
+        self.guard_watch: _guard_block.GuardWatch | None = None
+        self._held: list[tuple[str, Any]] = []
 
     # -- start ---------------------------------------------------------------------------
 
@@ -228,11 +240,16 @@ class WorkerProcess:
         sock_path = os.path.join(self.control_dir, "ctl.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
+        # The channel that brings the worker's egress-proxy listener to the host (used only
+        # when the plan has an egress proxy; see providers/_egress.py).
+        egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
         try:
             listener.bind(sock_path)
             listener.listen(8)
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
+            egress_worker.set_inheritable(True)
             spec = WorkerSpec(
                 python=worker_python(),
                 boot_script=BOOT_SCRIPT,
@@ -245,8 +262,14 @@ class WorkerProcess:
                 env=worker_env(policy, os.environ),
                 prefix=sys.prefix,
                 base_prefix=sys.base_prefix,
+                egress_fd=egress_worker.fileno(),
             )
             self.plan = provider.build(policy, spec)
+            if "egress" in self.plan.worker_setup:
+                try:
+                    egress_proxy().start()
+                except EgressError as exc:
+                    raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
             self.cgroups = start_cgroups(self.id, policy, depth)
             log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
@@ -264,10 +287,12 @@ class WorkerProcess:
             listener.close()
             os.close(boot_r)
             os.close(boot_w)
+            egress_worker.close()
             self._cleanup_dirs()
             raise
         finally:
             listener.close()
+            egress_worker.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
         try:
@@ -275,7 +300,7 @@ class WorkerProcess:
                 "token": self.token,
                 "worker_id": self.id,
                 "listen_fd": spec.listen_fd,
-                "policy": policy.to_wire(),
+                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
                 "sys_path": list(spec.sys_path),
                 "package_dirs": dict(spec.package_dirs),
                 "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
@@ -321,6 +346,11 @@ class WorkerProcess:
                 )
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
+            self._watch_guards()
+            if "egress" in self.plan.worker_setup:
+                self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
+            self._egress_channel = None
+            egress_host.close()
             if cgroups is not None and depth:
                 # Whatever the first pass missed at the worker's depth or below (normally
                 # nothing: one read per group); the launcher's own processes stay outside.
@@ -331,6 +361,20 @@ class WorkerProcess:
             raise
         self.started_at = time.monotonic()
         return self
+
+    def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
+        """Take the worker's proxy listener (sent before its handshake) onto the host's
+        egress proxy; a worker whose proxy cannot serve is never kept."""
+        assert self.policy is not None
+        try:
+            listener = receive_listener(channel, timeout)
+            self.egress = egress_proxy().attach(self.policy, listener)
+        except EgressError as exc:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the egress proxy could not start: {exc}", log_tail=tail
+            ) from None
 
     def _place_in_cgroups(self, place: Callable[[], object]) -> None:
         """Run one placement step; a worker alive but outside its groups is never kept."""
@@ -379,6 +423,60 @@ class WorkerProcess:
                 log_tail=tail,
             )
 
+    def _watch_guards(self) -> None:
+        """Open the host's reader of the arming counter the handshake reported."""
+        global _unwatched_warned
+        assert self.proc is not None
+        self.guard_watch = _guard_block.GuardWatch.open(self.proc.pid, self.hello)
+        if self.guard_watch is None and not _unwatched_warned:
+            _unwatched_warned = True
+            _logger.warning(
+                "agent_sandbox: the host cannot read the worker's guard counter (the "
+                "_fastimport extension is not built, or this process may not read the "
+                "worker's memory); only the worker's own tamper check remains"
+            )
+
+    def _forwarder(
+        self, builder: ResultBuilder, on_event: OnEvent | None
+    ) -> Callable[[tuple[str, Any]], None]:
+        """What the transport calls with each event: the host's judge, then its guard check.
+
+        Every event is judged as it arrives (`agent_sandbox._intake`: order, shape, the
+        host's bounds and wording), held or not, so nothing the worker sends escapes the
+        bounds. Then the guard check: events read while the guards are armed are passed on;
+        events after the disarming are held (and marked in the builder, so they can be
+        withdrawn) until the end of the call is verified; after tampering nothing is passed on.
+        """
+        watch = self.guard_watch
+        held = self._held = []
+        self._held_mark = None
+        if watch is not None:
+            watch.begin_call()
+
+        def live(event: tuple[str, Any] | None) -> None:
+            if event is not None and on_event is not None:
+                on_event(*event)
+
+        def forward(event: tuple[str, Any]) -> None:
+            accepted = builder.add(*event)
+            if watch is not None:
+                verdict = watch.judge(event[0])
+                if verdict == _guard_block.HOLD:
+                    if self._held_mark is None:
+                        self._held_mark = builder.mark()
+                    if accepted is not None:
+                        held.append(accepted)
+                    return
+                if verdict == _guard_block.TAMPERED:
+                    held.clear()
+                    return
+                self._held_mark = None
+                while held:
+                    live(held.pop(0))
+            live(accepted)
+
+        return forward
+
     def plan_hides_prefix(self) -> bool:
         return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
 
@@ -402,8 +500,9 @@ class WorkerProcess:
         """Run one call; never raises for the code's own failures (they are in the result)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder, forward = self._intake(on_event)
+        builder = self._builder()
         t0 = time.monotonic()
+        forward = self._forwarder(builder, on_event)
         try:
             self.client.run(code, t0 + wall, forward)
         except TimeoutError:
@@ -427,11 +526,12 @@ class WorkerProcess:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder, forward = self._intake(on_event)
+        builder = self._builder()
         t0 = time.monotonic()
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
+        forward = self._forwarder(builder, on_event)
         try:
             await client.run(code, t0 + wall, forward)
         except TimeoutError:
@@ -444,32 +544,27 @@ class WorkerProcess:
             self._on_transport_error(builder, exc)
         return self._finish(builder, t0, session)
 
-    def _intake(
-        self, on_event: OnEvent | None
-    ) -> tuple[ResultBuilder, Callable[[tuple[str, Any]], None]]:
-        """The judge of one call's events, and the callback the transport feeds it through.
-
-        Only what the judge accepted is forwarded live, as it accepted it (a notice as the
-        host's text, a denial as the host re-worded it).
-        """
+    def _builder(self) -> ResultBuilder:
+        """The judge and accumulator of the next call's events (`agent_sandbox._intake`)."""
         assert self.policy is not None
         self.calls += 1
-        builder = ResultBuilder(
+        return ResultBuilder(
             self.decoder,
             bounds=self.bounds or HostBounds.from_policy(self.policy),
             policy=self.policy.name,
             call=self.calls,
         )
 
-        def forward(event: tuple[str, Any]) -> None:
-            accepted = builder.add(*event)
-            if accepted is not None and on_event is not None:
-                on_event(*accepted)
-
-        return builder, forward
-
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
+        if self.egress is not None:
+            # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
+            builder.denials.extend(self.egress.drain())
+        watch = self.guard_watch
+        if watch is not None and watch.reason:
+            self._on_tampered(builder, watch.reason)
+        elif watch is not None and watch.lost:
+            self._on_unverified(builder)
         if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
             self.death_reason = "it hit a resource limit"
             self.discard()
@@ -510,6 +605,55 @@ class WorkerProcess:
         )
         builder.denials.append(denial)
         builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
+
+    def _on_tampered(self, builder: ResultBuilder, reason: str) -> None:
+        """The host saw the guards switched off: withhold the call's output, end the worker."""
+        assert self.policy is not None
+        self.death_reason = "its guards were switched off during a call"
+        self.discard()
+        builder.withhold()
+        denial = Denial(
+            rule="guard.tampered",
+            action="tamper",
+            target="the guards' arming state",
+            policy=self.policy.name,
+            detail=f"the host read the worker's guard counter: {reason}; the call's output "
+            "was withheld and the worker discarded (the next call starts a fresh interpreter)",
+        )
+        builder.denials.append(denial)
+        builder.error = RunError(
+            kind="denied",
+            type="GuardTampered",
+            message=denial.message(),
+            rule="guard.tampered",
+        )
+
+    def _on_unverified(self, builder: ResultBuilder) -> None:
+        """The worker ended before the host could verify the call: what it held stays
+        withheld. A tampering the worker reported itself is believed (it only discards)."""
+        reported = [
+            str(data.get("target", ""))
+            for kind, data in self._held
+            if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
+        ]
+        self._held = []
+        if self._held_mark is not None:
+            builder.rollback(self._held_mark)
+            self._held_mark = None
+        if reported:
+            self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
+            return
+        if builder.error is None:
+            self.death_reason = "it ended before its call could be verified"
+            self.discard()
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker ended before the host could verify its guards for "
+                "this call; the rest of the call's output was withheld and the next call "
+                "starts a fresh interpreter",
+                rule="worker.crashed",
+            )
 
     def _on_timeout(self, builder: ResultBuilder, wall: float) -> None:
         self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
@@ -602,11 +746,10 @@ class WorkerProcess:
         self.death_reason = "it broke the protocol"
         self.kill()
         builder.value = None
-        reason = str(exc)
         builder.error = RunError(
             kind="crashed",
             type="WorkerMisbehaved",
-            message=f"the sandbox worker broke the protocol and was discarded ({reason}); "
+            message=f"the sandbox worker broke the protocol and was discarded ({exc}); "
             "its result is not trusted, the session's variables are lost and the next call "
             "starts a fresh interpreter",
             rule="worker.protocol",
@@ -626,6 +769,8 @@ class WorkerProcess:
         """TERM the whole process group, then KILL it; reap and remove the directories."""
         with self._lock:
             self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -650,8 +795,12 @@ class WorkerProcess:
         does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
         (`_lifecycle`) removes whatever that one has not.
         """
+        if self.egress is not None:
+            self.egress.close()  # no connection of a discarded worker outlives this call
         with self._lock:
             self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -681,6 +830,10 @@ class WorkerProcess:
         self.kill()
 
     def _cleanup_dirs(self) -> None:
+        if self._egress_channel is not None:
+            self._egress_channel.close()
+        if self.egress is not None:
+            self.egress.close()
         if self.cgroups is not None:
             self.cgroups.kill()
             self.cgroups.remove()

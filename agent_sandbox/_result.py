@@ -23,7 +23,7 @@ from agent_sandbox._intake import (
 if TYPE_CHECKING:
     from agent_sandbox._unpickle import Decoder
 
-__all__ = ["Image", "RunError", "RunResult", "ResultBuilder", "check_error"]
+__all__ = ["Image", "Mark", "RunError", "RunResult", "ResultBuilder", "check_error"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +193,22 @@ class RunResult:
         return self.value
 
 
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """A point in a call's events that `ResultBuilder.rollback` returns to."""
+
+    stdout: int
+    stderr: int
+    output_chars: int
+    denials: int
+    images: int
+    image_chars: int
+    files: tuple[dict[str, Any], ...]
+    notices: int
+    value: Any
+    error: RunError | None
+
+
 class ResultBuilder:
     """Accumulates one call's events from the worker into a `RunResult`.
 
@@ -239,6 +255,40 @@ class ResultBuilder:
     @property
     def stderr(self) -> str:
         return self._output["stderr"].decode("utf-8", "surrogatepass")
+
+    def mark(self) -> Mark:
+        """Where the call stands now (see `rollback`)."""
+        return Mark(
+            stdout=len(self._output["stdout"]),
+            stderr=len(self._output["stderr"]),
+            output_chars=self.output_chars,
+            denials=len(self.denials),
+            images=len(self.images),
+            image_chars=self.image_chars,
+            files=tuple(self.files),
+            notices=len(self.notices),
+            value=self.value,
+            error=self.error,
+        )
+
+    def rollback(self, mark: Mark) -> None:
+        """Withdraw what was kept since `mark` (events the host withheld), keeping the
+        counts that bound the call: what the worker sent still counts against its bounds."""
+        del self._output["stdout"][mark.stdout :]
+        del self._output["stderr"][mark.stderr :]
+        del self.denials[mark.denials :]
+        del self.images[mark.images :]
+        del self.notices[mark.notices :]
+        self.files = list(mark.files)
+        self.value = mark.value
+        self.error = mark.error
+
+    def withhold(self) -> None:
+        """Drop the call's output, images, files and value (the worker was tampered with)."""
+        self._output = {"stdout": bytearray(), "stderr": bytearray()}
+        self.images.clear()
+        self.files = []
+        self.value = None
 
     def add(self, kind: str, data: Any) -> tuple[str, Any] | None:
         """Judge and keep one event; returns it as accepted (None: nothing to forward)."""

@@ -10,8 +10,9 @@ What it enforces, for native code too:
   import roots and the `agent_sandbox` packages read-only, the policy's read paths read-only,
   the scratch directory and the policy's write paths writable, a minimal `/dev`, a fresh
   `/proc`, a size-capped private `/tmp` (see `_view.py`); the rest of the host is absent;
-* no network: only the namespace's own loopback exists (bwrap brings `lo` up), so host
-  ports and host abstract Unix sockets are unreachable;
+* no network of the host: only the namespace's own loopback exists (bwrap brings `lo` up),
+  so host ports and host abstract Unix sockets are unreachable; a policy with `[net]` rules
+  gets the host's egress proxy on that loopback (`_egress.py`), the only way out;
 * a new session (`--new-session`, the TIOCSTI class of escape) and death with the parent
   (`--die-with-parent`); bwrap is PID 1 of the namespace and reaps orphans;
 * the seccomp filter of `providers._seccomp` (`--seccomp FD`) and Landlock inside the
@@ -46,11 +47,12 @@ from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     Mount,
+    allow_proxy_port,
+    egress_plan,
     host_layout,
     mounts_for,
     path_view,
     policy_paths,
-    require_local_network,
 )
 
 __all__ = ["SECCOMP_FD_SLOT", "BwrapPlan", "BwrapProvider", "bwrap_argv", "stacked_layers"]
@@ -212,7 +214,7 @@ class BwrapProvider(Provider):
         return _probe(self.bwrap)
 
     def build(self, policy: Any, spec: WorkerSpec) -> BwrapPlan:
-        require_local_network(self.name, policy, "gives the worker no network (loopback only)")
+        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
         host = host_layout(policy_paths(policy, spec)[2])
@@ -222,14 +224,17 @@ class BwrapProvider(Provider):
         if self.stack:
             view = path_view(mounts_for(policy, spec, host))
             setup, bpf, layers = stacked_layers(policy, spec, view)
+        if egress:
+            setup.update(egress)
+            allow_proxy_port(setup, egress["egress"]["port"])
         return BwrapPlan(
             provider=self.name,
             argv=bwrap_argv(policy, spec, host, bwrap=exe, seccomp=bool(bpf)),
-            env=base_env(spec),
-            pass_fds=(spec.listen_fd, spec.boot_fd),
+            env=base_env(spec, proxy_vars),
+            pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
             worker_setup=setup,
-            stack=(self.name, *layers),
+            stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # bwrap, then its init (PID 1 inside), then the worker
             seccomp_bpf=bpf,
         )

@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["apply_worker_setup", "kernel_status", "verify_checks"]
+__all__ = ["apply_worker_setup", "kernel_status", "open_egress_listener", "verify_checks"]
 
 _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
@@ -140,6 +140,29 @@ def _load_seccomp(bpf: bytes) -> None:
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
     _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
+
+
+def open_egress_listener(setup: Mapping[str, Any]) -> int:
+    """Listen on the egress proxy's address inside this network namespace, hand the
+    listening socket to the host over the inherited channel, keep no copy; return the port.
+
+    Runs before the restrictions (Landlock would refuse the bind) and before any user code;
+    from then on only the host accepts on it (`providers/_egress.py`).
+    """
+    import socket
+
+    channel = socket.socket(fileno=int(setup["fd"]))
+    try:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((str(setup["host"]), int(setup["port"])))
+            listener.listen(128)
+            socket.send_fds(channel, [b"egress"], [listener.fileno()])
+        finally:
+            listener.close()
+    finally:
+        channel.close()
+    return int(setup["port"])
 
 
 def _thread_count() -> int:
