@@ -459,6 +459,10 @@ class WorkerProcess:
 
         def forward(event: tuple[str, Any]) -> None:
             accepted = builder.add(*event)
+            if event[0] == "start":
+                # Framing, sent before the call arms and never passed on: the guard check
+                # (which expects a call under way) starts with the first event of the call.
+                return
             if watch is not None:
                 verdict = watch.judge(event[0])
                 if verdict == _guard_block.HOLD:

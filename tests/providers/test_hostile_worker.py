@@ -220,17 +220,12 @@ def test_forged_denial_words_are_quoted_as_the_workers(sandbox: Sandbox) -> None
 
 def test_forged_internal_error_is_quoted_as_the_workers(sandbox: Sandbox) -> None:
     """It quotes the message of an `internal` error from the worker as the worker's own
-    report; the words around it are the host's."""
-    code = (
-        EMITTER
-        + RAW
-        + (
-            f"emit('error', {{'kind': 'internal', 'type': 'X', 'message': {FORGED!r}}})\n"
-            "emit('done', {'duration': 0.0, 'discard': False, 'denials': 0})\n"
-            "import os\n"
-            "_f.f_locals['sock'].sendall(_f.f_locals['conn'].send(h11.EndOfMessage()))\n"
-            "os._exit(0)\n"
-        )
+    report; the words around it are the host's. (The worker's runner is made to report the
+    forged failure as the call's outcome, so the stream is otherwise in order.)"""
+    code = EMITTER + (
+        "_runner = _f.f_locals['self']\n"
+        "type(_runner)._outcome = lambda self, value, failure, filename: (\n"
+        f"    'error', {{'kind': 'internal', 'type': 'X', 'message': {FORGED!r}}})\n"
     )
     result = sandbox.run(code)
     assert result.error is not None and result.error.kind == "internal", result.error
@@ -265,9 +260,14 @@ def test_malformed_or_out_of_order_events_discard_the_worker(sandbox: Sandbox, c
     and the call says so in the host's words (rule `worker.protocol`)."""
     session, result = run_in_session(sandbox, MALFORMED[case])
     assert result.error is not None, result
-    assert result.error.rule == "worker.protocol", result.error
-    assert result.error.kind == "crashed"
     assert result.value is None
-    assert "the sandbox worker broke the protocol and was discarded" in result.error.message
+    if case == "events-after-done" and result.error.rule == "guard.tampered":
+        # A `done` sent while the call is still armed is also what the host's guard check
+        # reads as tampering; either verdict discards the worker and withholds the call.
+        assert "the worker discarded" in result.error.message
+    else:
+        assert result.error.rule == "worker.protocol", result.error
+        assert result.error.kind == "crashed"
+        assert "the sandbox worker broke the protocol and was discarded" in result.error.message
     assert not session.worker.alive()
     assert session.run("21 * 2").value == 42  # the session goes on in a fresh worker
