@@ -43,6 +43,7 @@ from agent_sandbox.providers._base import (
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
@@ -178,7 +179,10 @@ def _probe(bwrap: str) -> ProbeResult:
 
 
 def stacked_layers(
-    policy: Any, spec: WorkerSpec, view: Mapping[str, str]
+    policy: Any,
+    spec: WorkerSpec,
+    view: Mapping[str, str],
+    pins: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], bytes, tuple[str, ...]]:
     """Landlock (the worker applies it) and seccomp (raw BPF) when each works here.
 
@@ -190,7 +194,7 @@ def stacked_layers(
     setup: dict[str, Any] = {}
     layers: list[str] = []
     if _landlock.probe_landlock().available:
-        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view)
+        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view, pins=pins)
         layers.append("landlock")
     bpf = b""
     if _seccomp.probe_seccomp()[0]:
@@ -214,6 +218,7 @@ class BwrapProvider(Provider):
         return _probe(self.bwrap)
 
     def build(self, policy: Any, spec: WorkerSpec) -> BwrapPlan:
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
@@ -223,7 +228,9 @@ class BwrapProvider(Provider):
         layers: tuple[str, ...] = ()
         if self.stack:
             view = path_view(mounts_for(policy, spec, host))
-            setup, bpf, layers = stacked_layers(policy, spec, view)
+            setup, bpf, layers = stacked_layers(policy, spec, view, pins)
+        if pins:
+            setup = {**setup, "pins": pins}
         if egress:
             setup.update(egress)
             allow_proxy_port(setup, egress["egress"]["port"])

@@ -186,6 +186,11 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     the provider's launcher). Raises SetupError or OSError when any step fails.
     """
     checks: dict[str, Any] = {}
+    # 0. The policy's grants are the objects the parent pinned (see `_grants.py`).
+    pins = setup.get("pins")
+    if pins:
+        check_pins(pins)
+        checks["pins"] = len(pins)
     wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
     if not wants_kernel:
         return checks
@@ -226,6 +231,29 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     return checks
 
 
+def check_pins(pins: Mapping[str, Any]) -> None:
+    """Each granted path, as this process sees it, must be the object the parent pinned
+    (device, inode), or still absent when it was absent (see `providers/_grants.py`).
+
+    Raises SetupError naming the path otherwise: the worker must not serve.
+    """
+    for path, pin in pins.items():
+        try:
+            info = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            if pin is None:
+                continue
+            raise SetupError(
+                f"the granted path {path} is missing; it existed at the check"
+            ) from None
+        if pin is None or [info.st_dev, info.st_ino] != list(pin):
+            raise SetupError(
+                f"the granted path {path} is not the object the policy check pinned (a link "
+                "planted or a directory swapped between the check and the start); start the "
+                "worker again, and see which tool can write there"
+            )
+
+
 def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]:
     """What the worker's handshake `checks` lack compared with its plan's `setup` (parent side).
 
@@ -245,4 +273,6 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
             problems.append("Landlock is not enforced")
     if setup.get("seccomp") and checks.get("seccomp") != _SECCOMP_MODE_FILTER:
         problems.append(f"seccomp mode is {checks.get('seccomp')!r}, not a filter")
+    if setup.get("pins") and checks.get("pins") != len(setup["pins"]):
+        problems.append("it did not check the grants the parent pinned")
     return problems
