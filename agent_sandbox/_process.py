@@ -17,6 +17,7 @@ SIGKILL. A worker that dies is reported with its exit status, never waited on fo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -58,7 +59,12 @@ if TYPE_CHECKING:
     from agent_sandbox._templates import WorkerTemplate
 from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
-from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
+from agent_sandbox.providers._limits import (
+    WorkerCgroups,
+    _descendants,
+    record_limit_hits,
+    start_cgroups,
+)
 
 __all__ = [
     "BOOT_SCRIPT",
@@ -94,6 +100,8 @@ _PACKAGES = (
 )
 _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
+#: How long an interrupted cell has to stop before its worker is replaced.
+_INTERRUPT_GRACE = 2.0
 _EVENT_SLACK = 256 * 1024
 _logger = logging.getLogger("agent_sandbox")
 _unwatched_warned = False
@@ -201,6 +209,9 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        self._in_call = False
+        self._host_pid: int | None = None
+        self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
         self._egress_channel: socket.socket | None = None
@@ -492,8 +503,16 @@ class WorkerProcess:
         t0 = time.monotonic()
         self.calls += 1
         forward = self._forwarder(builder, on_event)
+        self._in_call = True
         try:
             self.client.run(code, t0 + wall, forward)
+        except KeyboardInterrupt:
+            # Ctrl-C in the caller: the cell in the worker is interrupted too (its variables
+            # stay), and the caller gets its KeyboardInterrupt.
+            self.client.close()
+            self._in_call = False
+            self.interrupt()
+            raise
         except TimeoutError:
             self._on_timeout(builder, wall)
         except ConnectionLost:
@@ -502,6 +521,8 @@ class WorkerProcess:
             self._on_too_large(builder, exc)
         except TransportError as exc:
             self._on_transport_error(builder, exc)
+        finally:
+            self._in_call = False
         return self._finish(builder, t0, session)
 
     async def arun(
@@ -520,8 +541,14 @@ class WorkerProcess:
         self.calls += 1
         client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
         forward = self._forwarder(builder, on_event)
+        self._in_call = True
         try:
             await client.run(code, t0 + wall, forward)
+        except asyncio.CancelledError:
+            # A cancelled call: the cell in the worker is interrupted too (state kept).
+            self._in_call = False
+            self.interrupt()
+            raise
         except TimeoutError:
             self._on_timeout(builder, wall)
         except ConnectionLost:
@@ -530,7 +557,73 @@ class WorkerProcess:
             self._on_too_large(builder, exc)
         except TransportError as exc:
             self._on_transport_error(builder, exc)
+        finally:
+            self._in_call = False
         return self._finish(builder, t0, session)
+
+    # -- interrupts ----------------------------------------------------------------------
+
+    def worker_pid(self) -> int | None:
+        """The worker's pid on the host (below its launcher, in its pid namespace or not)."""
+        if self._host_pid is not None or self.proc is None:
+            return self._host_pid
+        inner = str(self.hello.get("pid", ""))
+        for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    status = fh.read()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == inner:
+                    self._host_pid = pid
+                    return pid
+        return None
+
+    def interrupt(self, grace: float | None = None) -> bool:
+        """Interrupt the running cell (SIGINT: KeyboardInterrupt in the code, as in Jupyter).
+
+        The session's variables stay. If the cell has not stopped `grace` seconds later,
+        the worker is replaced and the next result says so. False when nothing was sent.
+        """
+        grace = _INTERRUPT_GRACE if grace is None else grace
+        if not self.alive():
+            return False
+        pid = self.worker_pid()
+        if pid is None:
+            return False
+        attached = self._in_call
+        seq = self.calls
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            return False
+
+        def expire() -> None:
+            if not self.alive() or self.calls != seq:
+                return
+            stuck = self._in_call if attached else not self._responds(0.25)
+            if stuck:
+                self._interrupt_expired = grace
+                self.death_reason = f"it did not stop within {grace:g} s of an interrupt"
+                self.kill()
+
+        timer = threading.Timer(grace, expire)
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _responds(self, timeout: float) -> bool:
+        if self.client is None:
+            return False
+        probe = WorkerClient(self.client.path, self.token, self.client.max_event_bytes)
+        try:
+            probe.hello(timeout)
+            return True
+        except (TimeoutError, TransportError, OSError):
+            return False
+        finally:
+            probe.close()
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
@@ -648,6 +741,18 @@ class WorkerProcess:
 
     def _on_lost(self, builder: ResultBuilder) -> None:
         assert self.policy is not None
+        if self._interrupt_expired is not None:
+            self.dead = True
+            self.kill()
+            builder.error = RunError(
+                kind="crashed",
+                type="Interrupted",
+                message=f"the call was interrupted and did not stop within "
+                f"{self._interrupt_expired:g} s, so its worker was replaced; the session's "
+                "variables are lost and the next call starts a fresh interpreter",
+                rule="worker.crashed",
+            )
+            return
         status = self._worker_status(self.wait_exit(1.0))
         self.dead = True
         self.kill()

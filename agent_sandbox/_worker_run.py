@@ -125,6 +125,17 @@ class _Budget:
         )
 
 
+#: Whether the user's code is running now: only then does SIGINT (the host's interrupt)
+#: raise KeyboardInterrupt, as in a Jupyter kernel; between calls it is ignored.
+_INTERRUPTIBLE = [False]
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """The worker's SIGINT handler (installed by `_worker_server.serve`)."""
+    if _INTERRUPTIBLE[0]:
+        raise KeyboardInterrupt
+
+
 class Runner:
     """Executes calls in one persistent namespace; one runner per worker."""
 
@@ -260,12 +271,16 @@ class Runner:
     def _execute(self, compiled: tuple[Any, Any]) -> Any:
         body, tail = compiled
         ns = self.namespace
-        if _is_async(body) or (tail is not None and _is_async(tail)):
-            import asyncio  # only for code that uses top-level await
+        _INTERRUPTIBLE[0] = True
+        try:
+            if _is_async(body) or (tail is not None and _is_async(tail)):
+                import asyncio  # only for code that uses top-level await
 
-            return asyncio.run(_run_async(body, tail, ns))
-        exec(body, ns)
-        return eval(tail, ns) if tail is not None else None
+                return asyncio.run(_run_async(body, tail, ns))
+            exec(body, ns)
+            return eval(tail, ns) if tail is not None else None
+        finally:
+            _INTERRUPTIBLE[0] = False
 
     def _collect_outputs(self, emit: Emit, started: float) -> None:
         """Send matplotlib figures and PNG files written to scratch during the call."""

@@ -233,8 +233,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     start = time.monotonic()
     totals = {"errors": 0, "survivors": 0, "leftovers": 0}
-    header = ("provider", "burst s", "errors", "storm", "survivors", "left")
-    print(f"{header[0]:<11} " + " ".join(f"{h:>{w}}" for h, w in zip(header[1:], (8, 7, 6, 10, 5))))
+    print(f"{'provider':<11} {'burst s':>8} {'errors':>7} {'storm':>6}", end="")
+    print(f" {'survivors':>10} {'left':>5}")
     for name in args.providers.split(","):
         if time.monotonic() - start > args.budget:
             print(f"{name:<11} (budget spent)")
