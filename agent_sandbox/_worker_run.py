@@ -30,6 +30,7 @@ from agent_sandbox import _audit, _objects
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
 from agent_sandbox._hints import grant_hint
+from agent_sandbox._wire import json_values, value_budget
 
 __all__ = ["Runner", "to_data"]
 
@@ -237,9 +238,13 @@ class Runner:
             if self.objects:
                 return "result", _objects.encode_value(value, cap)
             data = {"value": to_data(value)}
-            size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
-            if size > cap:
-                raise _objects.TooLarge(size, cap)
+            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+            if len(text) > cap:
+                raise _objects.TooLarge(len(text), cap)
+            budget = value_budget(cap)
+            if json_values(text, budget) > budget:
+                # The host refuses more values than this (decoding costs more than the text).
+                raise _objects.TooLarge(json_values(text, budget) * 32, cap)
             return "result", data
         except _objects.TooLarge as big:
             denial = _audit.record(_objects.result_too_large(big.size, big.cap, self.policy_name))
@@ -309,40 +314,65 @@ class Runner:
 
     def _collect_outputs(self, emit: Emit, started: float) -> None:
         """Send the images this call produced, once: PNG files it wrote to scratch, and the
-        matplotlib figures it left open that were not already drawn into a file."""
-        images = 0
+        matplotlib figures it left open that were not already drawn into a file.
+
+        At most `_MAX_IMAGES` images, and their base64 text together within
+        `limits.result_bytes` (the host's own bounds, `agent_sandbox._intake`); the rest are
+        counted in an `images.dropped` notice.
+        """
+        budget = int(self.policy.get("limits", {}).get("result_bytes", 4_000_000))
+        sent = {"count": 0, "chars": 0, "dropped": 0}
+
+        def send(name: str, data: bytes) -> None:
+            chars = (len(data) + 2) // 3 * 4
+            if (
+                sent["count"] >= _MAX_IMAGES
+                or len(data) > _MAX_IMAGE_BYTES
+                or sent["chars"] + chars > budget
+            ):
+                sent["dropped"] += 1
+                return
+            emit("image", _image(name, data))
+            sent["count"] += 1
+            sent["chars"] += chars
+
         before = self._scratch_seen
         now = self._scan_scratch()
         changed = sorted(n for n, sig in now.items() if before.get(n) != sig)
         for name in changed:
-            size = now[name][1]
-            if name.lower().endswith(".png") and images < _MAX_IMAGES and size <= _MAX_IMAGE_BYTES:
-                try:
-                    with open(os.path.join(self.scratch, name), "rb") as fh:
-                        emit("image", _image(name, fh.read()))
-                    images += 1
-                except OSError:
-                    pass
+            if not name.lower().endswith(".png"):
+                continue
+            if now[name][1] > _MAX_IMAGE_BYTES or sent["count"] >= _MAX_IMAGES:
+                sent["dropped"] += 1
+                continue
+            try:
+                with open(os.path.join(self.scratch, name), "rb") as fh:
+                    send(name, fh.read())
+            except OSError:
+                pass
         plt = sys.modules.get("matplotlib.pyplot")
         if plt is not None:
             try:
-                for num in list(plt.get_fignums())[:_MAX_IMAGES]:
+                for num in list(plt.get_fignums()):
                     fig = plt.figure(num)
                     # A figure drawn since its last change was saved (or shown) by the code:
                     # the file carries it. One never drawn is sent as the code left it.
-                    if images >= _MAX_IMAGES or (changed and not getattr(fig, "stale", True)):
+                    if changed and not getattr(fig, "stale", True):
+                        continue
+                    if sent["count"] >= _MAX_IMAGES:
+                        sent["dropped"] += 1
                         continue
                     buf = io.BytesIO()
                     fig.savefig(buf, format="png")
-                    data = buf.getvalue()
-                    if len(data) <= _MAX_IMAGE_BYTES:
-                        emit("image", _image(f"figure-{num}.png", data))
-                        images += 1
+                    send(f"figure-{num}.png", buf.getvalue())
                 plt.close("all")
             except Exception:
                 pass
         if changed:
             emit("files", [{"name": n, "size": now[n][1]} for n in changed[:100]])
+        if sent["dropped"]:
+            data = {"count": sent["dropped"], "max_images": _MAX_IMAGES, "max_chars": budget}
+            emit("notice", {"code": "images.dropped", "data": data})
 
 
 _CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect at start-up

@@ -177,6 +177,7 @@ class _Server:
         except (OSError, h11.LocalProtocolError):
             return  # the caller left (a cancelled call): nobody waits for this code's result
         filename = request.get("filename")
+        emit("start", {"call": self.runner.calls + 1})
         _audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
