@@ -177,6 +177,7 @@ class _Server:
             sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
         except (OSError, h11.LocalProtocolError):
             return  # the caller left (a cancelled call): nobody waits for this code's result
+        emit("start", {"call": self.runner.calls + 1})
         _audit.take()
         _audit.set_sink(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
