@@ -197,10 +197,13 @@ def print_result_tail(result: Any, stream: TextIO) -> None:
 
 def _cmd_policy_check(args: argparse.Namespace) -> int:
     from agent_sandbox.policies import resolve_policy
+    from agent_sandbox.providers._masks import policy_file_warnings
 
     policy = resolve_policy(args.file)
     style = Style(sys.stdout)
     print(style.green("ok: ") + f"{policy.name} (fingerprint {policy.fingerprint()})")
+    for warning in policy_file_warnings(policy):
+        print(style.yellow("warning: ") + warning)
     return EXIT_OK
 
 

@@ -98,6 +98,7 @@ def policy_from_dict(
     """Validate a dict (as parsed from TOML) into a policy, mapping validation errors."""
     data = dict(data)
     extends = data.pop("extends", None)
+    sources: tuple[str, ...] = ()
     if extends is not None:
         if not isinstance(extends, str):
             raise PolicyError("must be a preset name or a path", source=source, key="extends")
@@ -106,10 +107,11 @@ def policy_from_dict(
             base_path = os.path.join(os.path.dirname(source), extends)
         base = resolve_policy(base_path)
         data = merge_dicts(base.model_dump(mode="json", by_alias=True), data)
+        sources = tuple(s for s in (base.source, *base.sources) if s)
     with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
-    if source is not None:
-        policy = policy.model_copy(update={"source": source})
+    if source is not None or sources:
+        policy = policy.model_copy(update={"source": source, "sources": sources})
     return policy
 
 

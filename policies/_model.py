@@ -367,6 +367,9 @@ class Policy(_Section):
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
     #: Where the policy was loaded from (not part of the fingerprint).
     source: Annotated[str | None, Field(exclude=True)] = None
+    #: The files it `extends`, nearest first (not part of the fingerprint); with `source`,
+    #: the files the kernel providers keep from the worker (`providers/_masks.py`).
+    sources: Annotated[tuple[str, ...], Field(exclude=True)] = ()
     _pins: dict[str, tuple[str, ...]] | None = PrivateAttr(default=None)
 
     @field_validator("name")
@@ -474,7 +477,8 @@ class Policy(_Section):
         from agent_sandbox.policies._load import merge_dicts, policy_from_dict
 
         base = self.model_dump(mode="json", by_alias=True)
-        return policy_from_dict(merge_dicts(base, overrides), source=self.source)
+        merged = policy_from_dict(merge_dicts(base, overrides), source=self.source)
+        return merged.model_copy(update={"sources": self.sources})
 
     def to_toml(self) -> str:
         """The policy as TOML text that loads back into an equal policy (see `_toml.py`)."""

@@ -46,10 +46,9 @@ from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     Mount,
-    host_layout,
+    host_layout_for,
     mounts_for,
     path_view,
-    policy_paths,
     require_local_network,
 )
 
@@ -193,6 +192,8 @@ def stacked_layers(
     bpf = b""
     if _seccomp.probe_seccomp()[0]:
         bpf = _seccomp.build_bpf(policy)
+        # bwrap loads `bpf` before it execs the worker; the exec program must come after.
+        setup.update(_seccomp.exec_setup(policy))
         layers.append("seccomp")
     return setup, bpf, tuple(layers)
 
@@ -215,7 +216,7 @@ class BwrapProvider(Provider):
         require_local_network(self.name, policy, "gives the worker no network (loopback only)")
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
-        host = host_layout(policy_paths(policy, spec)[2])
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {}
         bpf = b""
         layers: tuple[str, ...] = ()

@@ -13,7 +13,8 @@ serves, and the parent reports a start error with the worker's log):
 4. Apply Landlock (`_landlock_sys.restrict_self`).
 5. Clear the effective, permitted and inheritable capabilities: uid 0 keeps owning its
    files, but loses CAP_DAC_OVERRIDE, CAP_SYS_ADMIN, CAP_NET_RAW, CAP_MKNOD, ...
-6. Load the seccomp BPF program the parent built (`_seccomp.build_bpf`).
+6. Load the seccomp BPF program the parent built (`_seccomp.build_bpf`), then the exec
+   program (`_seccomp.exec_setup`: execve and execveat refused without a process grant).
 7. Report what holds, read back from the kernel: NoNewPrivs, CapEff, the Landlock ABI and
    the seccomp mode. The parent refuses a worker whose report does not match its plan.
 
@@ -40,6 +41,9 @@ _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
+
+
+_KERNEL_KEYS = ("no_new_privs", "drop_caps", "landlock", "seccomp", "seccomp_exec")
 
 
 class SetupError(RuntimeError):
@@ -159,11 +163,12 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     """Apply `setup` (a launch plan's `worker_setup`) to this process; return the checks.
 
     Keys understood: `no_new_privs`, `drop_caps`, `landlock` (a `landlock_setup()`
-    fragment) and `seccomp` (`{"bpf": base64}`). Unknown keys are ignored (they belong to
-    the provider's launcher). Raises SetupError or OSError when any step fails.
+    fragment), `seccomp` and `seccomp_exec` (each `{"bpf": base64}`). Unknown keys are
+    ignored (they belong to the provider's launcher). Raises SetupError or OSError when any
+    step fails.
     """
     checks: dict[str, Any] = {}
-    wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
+    wants_kernel = any(k in setup for k in _KERNEL_KEYS)
     if not wants_kernel:
         return checks
     # 1. One thread only.
@@ -192,13 +197,17 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     seccomp = setup.get("seccomp")
     if seccomp:
         _load_seccomp(base64.b64decode(seccomp["bpf"]))
+    no_exec = setup.get("seccomp_exec")
+    if no_exec:
+        _load_seccomp(base64.b64decode(no_exec["bpf"]))
+        checks["exec_denied"] = True
     # 7. Read back.
     checks.update(kernel_status())
     if checks["no_new_privs"] != 1:
         raise SetupError("NO_NEW_PRIVS did not stick")
     if setup.get("drop_caps") and checks["cap_eff"] != "0" * 16:
         raise SetupError(f"capabilities remain after the drop (CapEff {checks['cap_eff']})")
-    if seccomp and checks["seccomp"] != _SECCOMP_MODE_FILTER:
+    if (seccomp or no_exec) and checks["seccomp"] != _SECCOMP_MODE_FILTER:
         raise SetupError(f"seccomp mode is {checks['seccomp']}, not filter")
     return checks
 
@@ -209,7 +218,7 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
     An empty list means the worker reported every restriction its plan asked for.
     """
     problems = []
-    wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
+    wants_kernel = any(k in setup for k in _KERNEL_KEYS)
     if wants_kernel and checks.get("no_new_privs") != 1:
         problems.append("NO_NEW_PRIVS is not set")
     if wants_kernel and checks.get("threads") != 1:
@@ -222,4 +231,6 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
             problems.append("Landlock is not enforced")
     if setup.get("seccomp") and checks.get("seccomp") != _SECCOMP_MODE_FILTER:
         problems.append(f"seccomp mode is {checks.get('seccomp')!r}, not a filter")
+    if setup.get("seccomp_exec") and checks.get("exec_denied") is not True:
+        problems.append("the exec filter (no process grant) is not loaded")
     return problems

@@ -46,10 +46,10 @@ from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     host_layout,
+    host_layout_for,
     mounts_for,
     network_mode,
     path_view,
-    policy_paths,
     require_local_network,
 )
 
@@ -161,7 +161,7 @@ class UnshareProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         require_local_network(self.name, policy, "gives the worker no network (loopback only)")
-        host = host_layout(policy_paths(policy, spec)[2])
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:

@@ -8,9 +8,9 @@ handshake, `$SCRATCH` and reported files all agree).
 
 What it does not decide: how the mounts are made (each provider turns the list into its own
 argv or set-up script), and fine-grained rules inside a bound tree: a glob in the policy binds
-its fixed leading directory, and names in `files.hide` are left to the Python guards and to
-Landlock when it is stacked. `files.deny` entries without a glob are masked (an empty
-read-only tmpfs over a directory, `/dev/null` over a file).
+its fixed leading directory. Every existing path inside what is bound that matches
+`files.hide` or `files.deny`, and the policy's own files, is masked (an empty read-only
+tmpfs over a directory, an empty unreadable file over a file; see `_masks.py`).
 
 `network_mode(policy)` says whether the worker gets no network or only loopback; a policy
 that allows other hosts cannot be served by a namespace without network, and that is an
@@ -32,6 +32,7 @@ __all__ = [
     "HostLayout",
     "Mount",
     "host_layout",
+    "host_layout_for",
     "mounts_for",
     "network_mode",
     "bound_paths",
@@ -84,6 +85,17 @@ class HostLayout:
     #: Every entry of the host's `/` and of `/run` (firejail hides those not needed).
     top: tuple[str, ...] = ()
     run: tuple[str, ...] = ()
+    #: Paths to mask inside what is bound (hidden and denied names, the policy files):
+    #: host path -> "dir" or "file", from `_masks.find_masks`.
+    masked: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def host_layout_for(policy: Any, spec: Any) -> HostLayout:
+    """`host_layout` for one worker: the policy's denied paths, and the masks it needs."""
+    from agent_sandbox.providers._masks import find_masks
+
+    layout = host_layout(policy_paths(policy, spec)[2])
+    return dataclasses.replace(layout, masked=dict(find_masks(policy, spec).paths))
 
 
 def host_layout(deny: Iterable[str] = ()) -> HostLayout:
@@ -225,8 +237,9 @@ def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
 
     bound = [m.dst for m in system + binds if m.kind in ("ro", "rw", "ro-try", "rw-try")]
     masks: list[Mount] = []
-    for path in deny:
-        kind = host.kinds.get(path, "")
+    wanted = {path: host.kinds.get(path, "") for path in deny}
+    wanted.update(host.masked)
+    for path, kind in sorted(wanted.items()):
         if kind and any(_under(path, b) for b in bound):
             masks.append(Mount("mask-dir" if kind == "dir" else "mask-file", path))
     masks.sort(key=lambda m: _depth(m.dst))

@@ -365,3 +365,140 @@ def test_udp_reaches_only_what_a_udp_rule_names(
             sink.recv(64)
     finally:
         sink.close()
+
+
+# -- issue 13: no program runs without a process grant -----------------------------------
+
+#: Runs `argv` in a forked child with a raw libc execv, so no Python-level API is involved;
+#: prints the child's exit status (42: the exec was refused).
+_EXECV = """
+def nexecv(argv):
+    pid = os.fork()
+    if pid == 0:
+        arr = (ctypes.c_char_p * (len(argv) + 1))(*[a.encode() for a in argv], None)
+        _libc.execv(argv[0].encode(), arr)
+        os._exit(42)
+    return os.waitpid(pid, 0)[1] >> 8
+"""
+_LOADER = "/lib64/ld-linux-x86-64.so.2"
+
+
+@pytest.mark.parametrize("where", ["system", "scratch-copy"])
+def test_the_loader_cannot_run_a_program_without_a_process_grant(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any, where: str
+) -> None:
+    """It refuses `ld-linux.so <program>` (the loader maps a readable ELF without an exec
+    check on it) for a system program and for a copy written into scratch."""
+    if not os.path.exists(_LOADER):
+        pytest.skip(f"no {_LOADER} here")
+    marker = arena["rw"] / f"loader-ran-{where}"
+    program = "'/usr/bin/touch'"
+    if where == "scratch-copy":
+        program = "_copy('/usr/bin/touch')"
+    code = (
+        _EXECV
+        + """
+def _copy(src):
+    fin, fout = nopen(src), nopen('touch-copy', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o755)
+    buf = ctypes.create_string_buffer(1 << 16)
+    while (n := _libc.read(fin, buf, 1 << 16)) > 0:
+        _libc.write(fout, buf, n)
+    _libc.close(fin), _libc.close(fout)
+    return os.getcwd() + '/touch-copy'
+"""
+        + f"print(nexecv([{_LOADER!r}, {program}, {str(marker)!r}]))"
+    )
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert result.error is None, _output(result)
+    assert not marker.exists(), _output(result)
+    assert result.stdout.strip() == "42", _output(result)
+
+
+def test_a_process_grant_lets_a_granted_program_run(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """With `process-exec` granted, a program in `/usr/bin` runs (the exec filter is off)."""
+    marker = arena["rw"] / "granted-ran"
+    policy = make_policy(
+        arena, api={"allow": ["native-code", "process-control", "introspection", "process-exec"]}
+    )
+    result = hostile(
+        kernel_provider, policy, _EXECV + f"print(nexecv(['/usr/bin/touch', {str(marker)!r}]))"
+    )
+    assert result.stdout.strip() == "0", _output(result)
+    assert marker.exists()
+
+
+# -- issue 13: hidden and denied names, and the policy file, are kept by the kernel -------
+
+
+def test_hidden_and_denied_names_inside_granted_directories_stay_unread(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It keeps `.env` (files.hide) and a `files.deny` glob match inside a granted directory
+    from native reads, in a read path and in a write path, and leaves their siblings usable."""
+    secrets = {
+        arena["ro"] / ".env": "hide-ro-" + os.urandom(6).hex(),
+        arena["rw"] / "sub" / ".env": "hide-rw-" + os.urandom(6).hex(),
+        arena["ro"] / "private" / "q3.csv": "deny-glob-" + os.urandom(6).hex(),
+        arena["rw"] / "keys" / "prod.pem": "hide-pem-" + os.urandom(6).hex(),
+    }
+    for path, text in secrets.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text + "\n")
+    (arena["ro"] / "private" / "notes.txt").write_text("sibling of a denied file\n")
+    (arena["rw"] / "other").mkdir()
+    policy = make_policy(arena, files={"deny": [f"{arena['ro']}/private/*.csv"]})
+    reads = "\n".join(f"print(repr(nread({str(p)!r})))" for p in secrets)
+    code = (
+        reads
+        + f"\nprint(repr(nread({str(arena['ro'] / 'private' / 'notes.txt')!r})))"
+        + f"\nprint(nwrite({str(arena['rw'] / 'other' / 'fresh.txt')!r}))"
+    )
+    result = hostile(kernel_provider, policy, code)
+    assert result.error is None, _output(result)
+    for text in secrets.values():
+        assert text not in _output(result)
+    assert "sibling of a denied file" in result.stdout, _output(result)
+    assert (arena["rw"] / "other" / "fresh.txt").read_bytes() == b"pwned"
+
+
+def _policy_files(arena: dict[str, Path], make_policy: Any) -> tuple[Any, Path, Path]:
+    """A hostile policy loaded from `rw/child.toml`, which extends `rw/base.toml`."""
+    import warnings
+
+    from agent_sandbox import load_policy
+
+    base = arena["rw"] / "base.toml"
+    base.write_text(make_policy(arena).to_toml())
+    child = arena["rw"] / "child.toml"
+    child.write_text('extends = "base.toml"\nname = "danger-hostile-child"\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return load_policy(child), child, base
+
+
+@pytest.mark.parametrize("mode", ["enforce", "learn"])
+def test_the_policy_files_cannot_be_rewritten_from_inside(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any, mode: str
+) -> None:
+    """It keeps the policy file and the file it extends from native writes (and renames
+    over them), in enforce and in learn mode, even inside a directory the policy writes."""
+    policy, child, base = _policy_files(arena, make_policy)
+    if mode == "learn":
+        import warnings
+
+        from agent_sandbox._learn import learning_envelope
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            policy = learning_envelope(policy, provider=kernel_provider)
+    before = {p: p.read_bytes() for p in (child, base)}
+    code = "\n".join(
+        f"print(nwrite({str(p)!r}, b'provider = \"subprocess\"\\n'))" for p in (child, base)
+    )
+    code += f"\nnwrite({str(arena['rw'] / 'evil.toml')!r})"
+    code += f"\nprint(_libc.rename({str(arena['rw'] / 'evil.toml')!r}.encode(), {str(child)!r}.encode()))"
+    result = hostile(kernel_provider, policy, code)
+    assert result.error is None, _output(result)
+    assert {p: p.read_bytes() for p in (child, base)} == before, _output(result)

@@ -177,7 +177,13 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
     plan = LandlockProvider().build(Policy(name="p"), _spec())
     assert plan.provider == "landlock" and plan.stack == ("landlock", "seccomp")
     assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "6")
-    assert sorted(plan.worker_setup) == ["drop_caps", "landlock", "no_new_privs", "seccomp"]
+    assert sorted(plan.worker_setup) == [
+        "drop_caps",
+        "landlock",
+        "no_new_privs",
+        "seccomp",
+        "seccomp_exec",
+    ]
     assert plan.pass_fds == (5, 6)
 
 
