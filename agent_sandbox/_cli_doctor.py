@@ -158,7 +158,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     sc = report["seccomp"]
     print(f"  seccomp: {sc['info'] if sc['available'] else style.red(sc['info'])}")
     cg = report["cgroups"]
-    parts = [f"{k} {'yes' if cg[k] else style.red('no')}" for k in ("memory", "processes", "kill")]
+    parts = [
+        f"{k} {'yes' if cg.get(k) else style.red('no')}"
+        for k in ("memory", "processes", "cpu", "kill")
+    ]
     print(f"  per-worker cgroups: {', '.join(parts)}")
     if not (cg["memory"] and cg["processes"]):
         print(style.dim("    without them only rlimits and the wall-clock timeout bound a worker"))

@@ -306,6 +306,9 @@ class LimitsPolicy(_Section):
     cpu_seconds: int = Field(default=60, ge=1)
     memory_mb: int = Field(default=2048, ge=32)
     processes: int = Field(default=64, ge=1)
+    #: The CPU share of the whole sandbox (the worker and all it starts), in cores: a
+    #: per-worker cgroup quota (`cpu.cfs_quota_us` on cgroup v1, `cpu.max` on v2).
+    cpu_cores: float = Field(default=1.0, ge=0.01, le=1024)
     output_bytes: int = Field(default=1_000_000, ge=1024)
     result_bytes: int = Field(default=4_000_000, ge=1024)
     file_size_mb: int = Field(default=256, ge=1)

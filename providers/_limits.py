@@ -8,6 +8,10 @@ What it enforces, on top of the rlimits the worker applies to itself
   controller. It bounds the worker and every child together, which an rlimit cannot.
 * processes: a cgroup v1 `pids` group (`pids.max`), or `pids.max` on v2; `RLIMIT_NPROC` is
   no bound for uid 0, which the kernel exempts.
+* CPU share: a cgroup v1 `cpu` group (`cpu.cfs_quota_us` over a 100 ms period), or
+  `cpu.max` on v2, at `limits.cpu_cores`: the worker and every process it starts together
+  get at most that many cores, however many of them spin (`RLIMIT_CPU` bounds each
+  process's total CPU time only).
 * a certain end: a cgroup v2 group per worker, whose `cgroup.kill` ends the worker and every
   descendant, including setsid and double-forked ones a process-group kill misses.
 
@@ -48,6 +52,8 @@ __all__ = [
 
 _MB = 1024 * 1024
 _PREFIX = "agent-sandbox-"
+#: The CPU quota's period (microseconds): `limits.cpu_cores` of it per period.
+_CPU_PERIOD = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +109,8 @@ def _hierarchies(mountinfo: str | None = None, cgroup: str | None = None) -> dic
             found.setdefault("memory-v1", _Hierarchy("memory-v1", mount, own["memory"]))
         elif fstype == "cgroup" and "pids" in opts and "pids" in own:
             found.setdefault("pids-v1", _Hierarchy("pids-v1", mount, own["pids"]))
+        elif fstype == "cgroup" and "cpu" in opts and "cpu" in own:
+            found.setdefault("cpu-v1", _Hierarchy("cpu-v1", mount, own["cpu"]))
         elif fstype == "cgroup2" and "" in own:
             found.setdefault("unified", _Hierarchy("unified", mount, own[""]))
     return {k: h for k, h in found.items() if os.access(h.base, os.W_OK)}
@@ -124,6 +132,7 @@ def cgroup_support() -> dict[str, Any]:
     return {
         "memory": "memory-v1" in hs or "memory" in delegated,
         "processes": "pids-v1" in hs or "pids" in delegated,
+        "cpu": "cpu-v1" in hs or "cpu" in delegated,
         "kill": unified is not None,
         "hierarchies": {k: h.base for k, h in sorted(hs.items())},
     }
@@ -182,6 +191,7 @@ class WorkerCgroups:
         """Make the groups for one worker with `limits` (a `LimitsPolicy` or its dict)."""
         memory_mb = int(_limit(limits, "memory_mb", 2048))
         processes = int(_limit(limits, "processes", 64)) + extra_processes
+        quota = max(1000, int(float(_limit(limits, "cpu_cores", 1.0)) * _CPU_PERIOD))
         name = f"{_PREFIX}{os.getpid()}-{worker_id}"
         dirs: dict[str, str] = {}
         hs = _hierarchies()
@@ -201,6 +211,9 @@ class WorkerCgroups:
                 if "pids" in delegated:
                     _write(os.path.join(path, "pids.max"), str(processes))
                     dirs["pids-v2"] = path
+                if "cpu" in delegated:
+                    _write(os.path.join(path, "cpu.max"), f"{quota} {_CPU_PERIOD}")
+                    dirs["cpu-v2"] = path
             memory = hs.get("memory-v1")
             if memory is not None and "memory-v2" not in dirs:
                 path = os.path.join(memory.base, name)
@@ -215,6 +228,13 @@ class WorkerCgroups:
                 os.mkdir(path, 0o755)
                 dirs["pids-v1"] = path
                 _write(os.path.join(path, "pids.max"), str(processes))
+            cpu = hs.get("cpu-v1")
+            if cpu is not None and "cpu-v2" not in dirs:
+                path = os.path.join(cpu.base, name)
+                os.mkdir(path, 0o755)
+                dirs["cpu-v1"] = path
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(_CPU_PERIOD))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
         except OSError:
             WorkerCgroups(dirs).remove(timeout=0)
             raise
@@ -314,6 +334,11 @@ class WorkerCgroups:
             if key in self.dirs:
                 out["processes"] = _counter(
                     _read(os.path.join(self.dirs[key], "pids.events")), "max"
+                )
+        for key in ("cpu-v1", "cpu-v2"):
+            if key in self.dirs:
+                out["cpu_throttled"] = _counter(
+                    _read(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
                 )
         return out
 
@@ -416,7 +441,7 @@ def _sweep_stale(hs: Mapping[str, _Hierarchy]) -> None:
                 os.rmdir(os.path.join(h.base, name))  # fails (and stays) while not empty
 
 
-def _limit(limits: Any, key: str, default: int) -> Any:
+def _limit(limits: Any, key: str, default: float) -> Any:
     if isinstance(limits, Mapping):
         return limits.get(key, default)
     return getattr(limits, key, default)

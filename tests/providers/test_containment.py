@@ -502,3 +502,48 @@ def test_the_policy_files_cannot_be_rewritten_from_inside(
     result = hostile(kernel_provider, policy, code)
     assert result.error is None, _output(result)
     assert {p: p.read_bytes() for p in (child, base)} == before, _output(result)
+
+
+# -- issue 13: CPU is bounded per sandbox --------------------------------------------------
+
+_SPIN = """
+import time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+    kids.append(pid)
+t0 = time.monotonic()
+for pid in kids:
+    os.waitpid(pid, 0)
+used = os.times()
+(used.children_user + used.children_system, time.monotonic() - t0)
+"""
+
+
+def test_four_spinning_processes_share_the_sandboxs_cpu_quota(
+    kernel_provider: str, arena: dict[str, Path], make_policy: Any, native: str
+) -> None:
+    """It holds 4 spinning processes to `limits.cpu_cores` together: the worker's cgroup is
+    throttled, and their CPU time stays within the quota of the wall time they ran."""
+    from agent_sandbox import Sandbox
+
+    if not cgroup_support().get("cpu"):
+        pytest.skip("no cpu cgroup controller the parent can use here")
+    # A twentieth of a core: far below what 4 spinners take even on this busy machine.
+    policy = make_policy(arena, limits={"cpu_cores": 0.05})
+    with Sandbox(policy, provider=kernel_provider, warm=0) as sb:
+        session = sb.session("spin")
+        result = session.run(native + _SPIN)
+        worker = session.worker
+        assert worker is not None and worker.cgroups is not None
+        throttled = worker.cgroups.events().get("cpu_throttled", 0)
+    assert result.error is None, _output(result)
+    cpu, wall = result.value
+    assert throttled > 0
+    # 0.05 core over `wall` seconds, plus a period of slack for each process.
+    assert cpu <= 0.05 * wall + 0.1, (cpu, wall)
