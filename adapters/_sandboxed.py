@@ -28,6 +28,8 @@ refusals are handled tool errors / `ToolFailure`s.
 from __future__ import annotations
 
 import ast
+import builtins
+import dis
 import functools
 import inspect
 import json
@@ -35,7 +37,8 @@ import keyword
 import textwrap
 import threading
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
 from agent_sandbox._errors import SandboxError
 from agent_sandbox._result import RunResult
@@ -46,6 +49,36 @@ from agent_sandbox.policies import resolve_policy
 __all__ = ["SandboxedFunction", "function_program", "sandboxed"]
 
 _SELF_CLASS = "SandboxedToolSelf"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+if TYPE_CHECKING:
+    from langchain_core.tools import BaseTool as _LangChainTool
+
+_Tool = TypeVar("_Tool", bound="_LangChainTool")
+
+
+@overload
+def sandboxed(
+    target: _Tool,
+    *,
+    policy: PolicySpec = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> _Tool: ...
+
+
+@overload
+def sandboxed(
+    target: Callable[_P, _R],
+    *,
+    policy: PolicySpec = None,
+    provider: str | None = None,
+    timeout: float | None = None,
+    warm: int = 0,
+) -> SandboxedFunction[_P, _R]: ...
 
 
 def sandboxed(
@@ -138,6 +171,7 @@ def function_program(func: types.FunctionType, self_fields: dict[str, Any] | Non
     node.decorator_list = []
     node.name = func.__name__
     parts = _module_context(func)
+    _refuse_uncarried_globals(func, parts)
     if self_fields is not None:
         body = [
             f"    {k} = {v!r}"
@@ -147,6 +181,46 @@ def function_program(func: types.FunctionType, self_fields: dict[str, Any] | Non
         parts.append(f"class {_SELF_CLASS}:\n" + ("\n".join(body) or "    pass"))
     parts.append(ast.unparse(node))
     return "\n".join(parts) + "\n"
+
+
+def _loaded_globals(code: types.CodeType) -> set[str]:
+    """Names `code` (and the functions nested in it) read as globals."""
+    names = {
+        str(ins.argval)
+        for ins in dis.get_instructions(code)
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _loaded_globals(const)
+    return names
+
+
+def _refuse_uncarried_globals(func: types.FunctionType, carried: list[str]) -> None:
+    """A TypeError at wrap time for a module global the worker would not have.
+
+    Without it, a helper defined beside the function fails only at call time, in the worker,
+    as a `NameError` the caller cannot trace back to `sandboxed()`.
+    """
+    defined: set[str] = {func.__name__, _SELF_CLASS}
+    for stmt in carried:
+        for node in ast.walk(ast.parse(stmt)):
+            if isinstance(node, ast.alias):
+                defined.add(node.asname or node.name.split(".")[0])
+            elif isinstance(node, ast.Name):
+                defined.add(node.id)
+    missing = sorted(
+        name
+        for name in _loaded_globals(func.__code__)
+        if name in func.__globals__ and name not in defined and not hasattr(builtins, name)
+    )
+    if missing:
+        what = ", ".join(f"`{n}` ({type(func.__globals__[n]).__name__})" for n in missing)
+        raise TypeError(
+            f"sandboxed({func.__qualname__}): it uses {what} from its module, which the worker "
+            "does not get (only imports and literal constants are carried); define it inside "
+            f"{func.__name__} or import it there"
+        )
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -203,8 +277,11 @@ def call_expression(
     return f"{name}({lead}*{data[0]!r}, **{data[1]!r})"
 
 
-class SandboxedFunction:
-    """A function that runs in a sandboxed worker on every call (see the module docstring)."""
+class SandboxedFunction(Generic[_P, _R]):
+    """A function that runs in a sandboxed worker on every call (see the module docstring).
+
+    Typed like the function it wraps: calling it takes the same arguments and returns the
+    same type (checked at run time by the data rules above)."""
 
     def __init__(
         self,
@@ -239,7 +316,7 @@ class SandboxedFunction:
                 self._sandbox = Sandbox(self.policy, provider=self.provider, warm=self.warm)
             return self._sandbox
 
-    def run(self, *args: Any, **kwargs: Any) -> RunResult:
+    def run(self, *args: _P.args, **kwargs: _P.kwargs) -> RunResult:
         """Call the function in a fresh worker and return the whole `RunResult` (never raises
         for a failure in the worker; raises TypeError for arguments that are not data)."""
         code = self.code_for(*args, **kwargs)
@@ -250,7 +327,7 @@ class SandboxedFunction:
         self.last_result = result
         return result
 
-    async def arun(self, *args: Any, **kwargs: Any) -> RunResult:
+    async def arun(self, *args: _P.args, **kwargs: _P.kwargs) -> RunResult:
         """The async twin of `run()`."""
         code = self.code_for(*args, **kwargs)
         try:
@@ -260,16 +337,25 @@ class SandboxedFunction:
         self.last_result = result
         return result
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         result = self.run(*args, **kwargs)
         if result.error is None:
-            return result.value
+            if isinstance(result.value, dict) and set(result.value) == {"__repr__", "__type__"}:
+                # data-only mode carried a description, not the value: say so, do not pass it
+                # off as the function's return value.
+                raise TypeError(
+                    f"{self.func.__qualname__} returned a {result.value['__type__']}, which "
+                    "the policy's data-only result mode cannot carry (JSON data only: dict, "
+                    "list, str, int, float, bool, None); return one of those, e.g. a list "
+                    'or an ISO date string, or use `result_mode = "objects"`'
+                )
+            return cast("_R", result.value)
         try:
             result.raise_error()
         except SandboxError as exc:
             exc.result = result  # type: ignore[attr-defined]
             raise
-        return result.value
+        return cast("_R", result.value)
 
     def close(self) -> None:
         with self._lock:
@@ -277,7 +363,7 @@ class SandboxedFunction:
         if sandbox is not None:
             sandbox.close()
 
-    def __enter__(self) -> SandboxedFunction:
+    def __enter__(self) -> SandboxedFunction[_P, _R]:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,17 @@ CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from agent_sandbox._errors import install_hint
+
+try:
+    import crewai  # noqa: F401  (present when the extra is installed)
+except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the install
+    raise ModuleNotFoundError(
+        "agent_sandbox.adapters.crewai needs the `crewai` extra: " + install_hint("crewai"),
+        name=_missing.name,
+    ) from None
 
 from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
@@ -27,6 +37,7 @@ from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
+    PolicySpec,
     SessionMode,
     ToolRunner,
     coerce_policy,
@@ -87,6 +98,25 @@ class SandboxedPythonTool(BaseTool):
     learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()
+
+    if TYPE_CHECKING:
+        # What type checkers see: `policy` takes a name or a path as well as a `Policy` (the
+        # validator resolves it); the field itself is always a `Policy` once built.
+        def __init__(
+            self,
+            *,
+            policy: PolicySpec = None,
+            session: SessionMode = ...,
+            code_errors_as: CodeErrorsAs = ...,
+            provider: str | None = None,
+            warm: int = ...,
+            timeout: float | None = None,
+            max_sessions: int = ...,
+            session_ttl: float = ...,
+            mode: Literal["enforce", "learn"] = ...,
+            **fields: Any,
+        ) -> None: ...
+
     #: The last `RunResult` (for inspection in notebooks and tests).
     _last: RunResult | None = PrivateAttr(default=None)
 
@@ -184,7 +214,7 @@ def sandboxed_crewai_tool(
     from agent_sandbox.adapters._sandboxed import SandboxedFunction, tool_body
 
     func, fields = tool_body(tool, BaseTool)
-    body = SandboxedFunction(
+    body: SandboxedFunction[..., Any] = SandboxedFunction(
         func, policy=policy, provider=provider, timeout=timeout, warm=warm, self_fields=fields
     )
 

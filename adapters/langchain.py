@@ -21,7 +21,18 @@ Sessions: `session="thread"` (default) gives each LangGraph `thread_id` its own 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from agent_sandbox._errors import install_hint
+
+try:
+    import langchain_core  # noqa: F401  (present when the extra is installed)
+except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the install
+    raise ModuleNotFoundError(
+        "agent_sandbox.adapters.langchain needs the `langchain` extra: "
+        + install_hint("langchain"),
+        name=_missing.name,
+    ) from None
 
 from langchain_core.callbacks import AsyncCallbackManagerForToolRun, CallbackManagerForToolRun
 from langchain_core.runnables import RunnableConfig
@@ -33,6 +44,7 @@ from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
     Outcome,
+    PolicySpec,
     SessionMode,
     ToolRunner,
     coerce_policy,
@@ -108,6 +120,24 @@ class SandboxedPythonTool(BaseTool):
     learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()
+
+    if TYPE_CHECKING:
+        # What type checkers see: `policy` takes a name or a path as well as a `Policy` (the
+        # validator resolves it); the field itself is always a `Policy` once built.
+        def __init__(
+            self,
+            *,
+            policy: PolicySpec = None,
+            session: SessionMode = ...,
+            code_errors_as: CodeErrorsAs = ...,
+            provider: str | None = None,
+            warm: int = ...,
+            timeout: float | None = None,
+            max_sessions: int = ...,
+            session_ttl: float = ...,
+            mode: Literal["enforce", "learn"] = ...,
+            **fields: Any,
+        ) -> None: ...
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -317,7 +347,7 @@ def sandboxed_langchain_tool(
     from agent_sandbox.adapters._sandboxed import SandboxedFunction, tool_body
 
     func, fields = tool_body(tool, BaseTool)
-    body = SandboxedFunction(
+    body: SandboxedFunction[..., Any] = SandboxedFunction(
         func, policy=policy, provider=provider, timeout=timeout, warm=warm, self_fields=fields
     )
 

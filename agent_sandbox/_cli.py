@@ -3,8 +3,11 @@
 Commands:
 
 * `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S]`: run code in a
-  sandboxed worker; output streams live; denials print in a block; the exit status is 0
-  only when the code completed and nothing was denied (1 for an error, 2 for a denial).
+  sandboxed worker; output streams live; denials print in a block. Exit statuses (also in
+  the README): 0 the code completed and nothing was refused; 1 the code raised; 2 a policy
+  refusal or a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider
+  that cannot run here; 70 the worker failed; 78 a policy that does not load; 130 interrupted.
+  Under `--json` every error is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
@@ -37,6 +40,41 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_DENIED = 2
 EXIT_USAGE = 64
+EXIT_NOINPUT = 66
+EXIT_UNAVAILABLE = 69
+EXIT_SOFTWARE = 70
+EXIT_CONFIG = 78
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on their own exit status (argparse's 2 is our refusal)."""
+
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    from agent_sandbox._errors import DIST_NAME
+
+    try:
+        return f"{DIST_NAME} {metadata.version(DIST_NAME)}"
+    except metadata.PackageNotFoundError:
+        return f"{DIST_NAME} (not installed as a distribution)"
 
 
 class Style:
@@ -65,11 +103,12 @@ class Style:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="agent-sandbox",
         description="Run Python in a sandboxed worker under a declared policy.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser("run", help="run code in a sandboxed worker")
     src = run.add_mutually_exclusive_group(required=True)
@@ -82,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a shipped policy name or a TOML file (default: pure-computation)",
     )
     run.add_argument("--provider", default=None, help="override the policy's provider")
-    run.add_argument("--timeout", type=float, default=None, help="wall-clock seconds")
+    run.add_argument(
+        "--timeout", type=_positive_seconds, default=None, help="wall-clock seconds (> 0)"
+    )
     run.add_argument("--json", action="store_true", help="print the result as one JSON object")
     run.set_defaults(func=_cmd_run)
 
@@ -118,11 +159,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args))
     except SandboxError as exc:
-        style = Style(sys.stderr)
-        print(style.red(f"error: {exc}"), file=sys.stderr)
-        return EXIT_ERROR
+        code = _exit_status(exc)
+        if getattr(args, "json", False):
+            print(
+                dump_json(
+                    {
+                        "error": {
+                            "type": type(exc).__name__,
+                            "message": str(exc),
+                            "exit_status": code,
+                        }
+                    }
+                )
+            )
+        else:
+            style = Style(sys.stderr)
+            print(style.red(f"error: {exc}"), file=sys.stderr)
+        return code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+
+
+def _exit_status(exc: SandboxError) -> int:
+    """The documented exit status for a failure outside the user's code."""
+    from agent_sandbox._errors import PolicyError, PolicyNotFound, ProviderUnavailable
+
+    if isinstance(exc, _InputError):
+        return EXIT_NOINPUT
+    if isinstance(exc, ProviderUnavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, PolicyError | PolicyNotFound):
+        return EXIT_CONFIG
+    return EXIT_SOFTWARE
+
+
+class _InputError(SandboxError):
+    """The file named on the command line cannot be read."""
 
 
 # -- run ---------------------------------------------------------------------------------
@@ -137,7 +209,7 @@ def _read_source(args: argparse.Namespace) -> str:
         with open(args.file, encoding="utf-8") as fh:
             return fh.read()
     except OSError as exc:
-        raise SandboxError(f"cannot read {args.file}: {exc.strerror}") from None
+        raise _InputError(f"cannot read {args.file}: {exc.strerror}") from None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

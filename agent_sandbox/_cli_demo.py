@@ -24,6 +24,7 @@ def add_parser(subparsers: Any) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from agent_sandbox._cli import Style
     from agent_sandbox._demo import run_demo
+    from agent_sandbox._errors import install_hint
 
     only = args.only
     missing = [
@@ -35,9 +36,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         style = Style(sys.stderr)
         extras = ",".join(missing)
         print(
-            style.red(
-                f"error: the demo needs {', '.join(missing)}: pip install 'agent-sandbox[{extras}]'"
-            ),
+            style.red(f"error: the demo needs {', '.join(missing)}: {install_hint(extras)}"),
             file=sys.stderr,
         )
         return 1

@@ -67,6 +67,16 @@ __all__ = [
 ]
 
 
+#: The name this project is installed under (the import name stays `agent_sandbox`). The
+#: index's `agent-sandbox` is an unrelated project that also ships an `agent_sandbox` module.
+DIST_NAME = "agent-sandbox-kit"
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that installs one of our extras, for error messages."""
+    return f"pip install '{DIST_NAME}[{extra}]'"
+
+
 class SandboxError(Exception):
     """Base class of every agent_sandbox error, so callers can catch ours and only ours."""
 

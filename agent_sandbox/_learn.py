@@ -44,6 +44,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +53,16 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LearningError, PolicyError
 from agent_sandbox._result import RunResult
 from agent_sandbox.policies import NetRule, Policy, policy_from_toml
+from agent_sandbox.policies._paths import (
+    entry_regex,
+    expand_entry,
+    is_glob,
+    name_regex,
+    risky_name,
+    unescape,
+    visible,
+)
+from agent_sandbox.policies._paths import literal as as_literal
 from agent_sandbox.policies._toml import policy_to_toml
 
 __all__ = [
@@ -209,10 +220,11 @@ class Finding:
     targets: tuple[str, ...] = ()
 
     def line(self) -> str:
+        """One line for people: control and invisible characters shown as escapes."""
         text = f"[{self.field}] {self.value}"
         if self.reason:
             text += f": {self.reason}"
-        return text
+        return visible(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +344,10 @@ def learning_envelope(policy: Policy, *, provider: str | None = None) -> Policy:
     path = _source_path(policy)
     if path:
         # The policy file and its proposal files are masked where the kernel provider can.
-        own = [os.path.abspath(path), *map(str, proposal_paths(os.path.abspath(path)))]
+        own = [
+            as_literal(p)
+            for p in [os.path.abspath(path), *map(str, proposal_paths(os.path.abspath(path)))]
+        ]
         overrides["files"] = {"deny": list(dict.fromkeys([*policy.files.deny, *own]))}
     return policy.merged(overrides)
 
@@ -685,13 +700,13 @@ def _in_scratch(ctx: _Context, path: str) -> bool:
 
 
 def _covers(entry: str, path: str, home: str) -> bool:
+    """Whether the policy entry `entry` (in the `[files]` language) covers the real `path`."""
     if entry.startswith("$SCRATCH"):
         return False
-    if entry.startswith("~"):
-        entry = home + entry[1:]
-    if any(ch in entry for ch in "*?["):
-        return fnmatch.fnmatchcase(path, entry)
-    return _under(path, _lexical(entry))
+    entry = expand_entry(entry, home=home)
+    if is_glob(entry):
+        return bool(entry_regex(entry).fullmatch(path))
+    return _under(path, _lexical(unescape(entry)))
 
 
 def _untrusted_link(ctx: _Context, link: str) -> str | None:
@@ -731,7 +746,10 @@ def _judge_path(ctx: _Context, path: str, field: str) -> str | None:
         return "a credentials location"
     base = parts[-1]
     hidden = [
-        p for p in ctx.current.files.hide for part in parts if part and fnmatch.fnmatchcase(part, p)
+        p
+        for p in ctx.current.files.hide
+        for part in parts
+        if part and "/" not in p and name_regex(p).fullmatch(part)
     ]
     if hidden:
         return f"matches the hidden name {hidden[0]!r}"
@@ -770,10 +788,10 @@ def _via_planted_link(ctx: _Context, requested: str) -> str | None:
     if _in_scratch(ctx, literal):
         return "in a worker's scratch directory"
     parent = os.path.dirname(literal)
-    for root in (*ctx.run_written, *ctx.current.files.write):
-        if root.startswith("$SCRATCH"):
-            continue
-        if _covers(root, parent, ctx.home):
+    if any(_under(parent, root) for root in ctx.run_written):
+        return "in a path the run could write"
+    for entry in ctx.current.files.write:
+        if _covers(entry, parent, ctx.home):
             return "in a path the run could write"
     return None
 
@@ -873,13 +891,13 @@ def _learn_paths(
     for directory in sorted(dirs):
         if any(_under(directory, other) and directory != other for other in dirs):
             continue
-        proposed.append(directory)
+        proposed.append(as_literal(directory))
         findings.append(
             Finding(
                 field,
-                directory,
+                as_literal(directory),
                 "risky",
-                "a whole directory: covers every file below it",
+                _joined("a whole directory: covers every file below it", risky_name(directory)),
                 rule,
                 (directory,),
             )
@@ -890,11 +908,11 @@ def _learn_paths(
         why_not = _collapse_refusal(ctx, directory, field)
         if len(group) >= DIR_MIN_FILES and why_not is None:
             names = ", ".join(os.path.basename(g) for g in group)
-            proposed.append(directory)
+            proposed.append(as_literal(directory))
             findings.append(
                 Finding(
                     field,
-                    directory,
+                    as_literal(directory),
                     _path_status(ctx, directory),
                     _path_risk(ctx, directory)
                     or f"a directory: {len(group)} files in it were used ({names})",
@@ -904,9 +922,16 @@ def _learn_paths(
             )
             continue
         for file in group:
-            proposed.append(file)
+            proposed.append(as_literal(file))
             findings.append(
-                Finding(field, file, _path_status(ctx, file), _path_risk(ctx, file), rule, (file,))
+                Finding(
+                    field,
+                    as_literal(file),
+                    _path_status(ctx, file),
+                    _path_risk(ctx, file),
+                    rule,
+                    (file,),
+                )
             )
     return proposed, findings
 
@@ -926,11 +951,22 @@ def _collapse_refusal(ctx: _Context, directory: str, field: str) -> str | None:
 
 
 def _path_risk(ctx: _Context, path: str) -> str:
+    where = ""
     if _under(path, ctx.home):
-        return "inside the home directory"
-    if _under(path, "/etc"):
-        return "system configuration"
-    return ""
+        where = "inside the home directory"
+    elif _under(path, "/etc"):
+        where = "system configuration"
+    return _joined(where, _name_risk(path))
+
+
+def _name_risk(path: str) -> str:
+    """A path's risky name, and that the proposal writes it so it matches only itself."""
+    why = risky_name(path)
+    return f"{why}; written escaped, so it matches only this name" if why else ""
+
+
+def _joined(*reasons: str) -> str:
+    return "; ".join(r for r in reasons if r)
 
 
 def _path_status(ctx: _Context, path: str) -> Status:
@@ -964,6 +1000,29 @@ def _split_host_port(target: str) -> tuple[str, int | None]:
     if number is not None and not 0 <= number <= 65535:
         number = None
     return host.strip().lower().rstrip("."), number
+
+
+#: A host name as a rule may name it literally: DNS labels (underscores allowed).
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOSTNAME_RE = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+
+
+def _host_unwritable(host: str) -> str:
+    """Why `host` cannot be proposed as the one host it is ("" when it can): a rule's host
+    is a name, one address or a CIDR, so anything else (a network such as `0.0.0.0/0`, a
+    wildcard, control characters) would mean more than what the run used."""
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    if _HOSTNAME_RE.match(host) and host not in ("any",):
+        return ""
+    what = risky_name(host) or "it is not a plain host name or one address"
+    return (
+        f"{what}; a rule naming it would not mean this one host, and a proposal names "
+        "exactly what the run used (write the rule by hand if you mean it)"
+    )
 
 
 def _protocol(action: str, target: str, detail: str) -> Literal["tcp", "udp"]:
@@ -1063,6 +1122,10 @@ def _learn_net(
                 )
             )
             continue
+        unwritable = _host_unwritable(host)
+        if unwritable:
+            findings.append(Finding("net.rules", target, "flagged", unwritable, rule))
+            continue
         protocol = _protocol(action, target, detail)
         key = (direction, protocol, host)
         wanted.setdefault(key, set()).add(port)
@@ -1071,6 +1134,10 @@ def _learn_net(
     for action, target, detail in resolves:
         host, port = _split_host_port(target)
         if not host:
+            continue
+        unwritable = _host_unwritable(host)
+        if unwritable:
+            findings.append(Finding("net.rules", target, "flagged", unwritable, "net.resolve"))
             continue
         if port is None:
             pending_resolves.append((host, target))
@@ -1349,17 +1416,19 @@ def diff_policies(
         if isinstance(old, list) and isinstance(new, list):
             for item in old:
                 if item not in new:
-                    lines.append(f"  - {item}")
+                    lines.append(f"  - {visible(str(item))}")
                     changes += 1
             for index, item in enumerate(new):
                 if item not in old:
                     key = str(index) if field == "net.rules" else str(item)
                     note = notes.get((field, key))
-                    lines.append(f"  + {item}" + (f"    # {note}" if note else ""))
+                    lines.append(
+                        f"  + {visible(str(item))}" + (f"    # {visible(note)}" if note else "")
+                    )
                     changes += 1
         else:
-            lines.append(f"  - {old!r}")
-            lines.append(f"  + {new!r}")
+            lines.append(f"  - {visible(repr(old))}")
+            lines.append(f"  + {visible(repr(new))}")
             changes += 1
     if not changes:
         lines.append("(no change)")
@@ -1390,9 +1459,13 @@ def _notes_from_text(text: str) -> dict[tuple[str, str], str]:
         match = re.match(r"^([A-Za-z0-9_-]+)\s*=", line)
         if match:
             key = match.group(1)
-        item = re.match(r'^"((?:[^"\\]|\\.)*)",\s*#\s*(.*)$', line)
+        item = re.match(r"""^("(?:[^"\\]|\\.)*"|'[^']*'),\s*#\s*(.*)$""", line)
         if item and key:
-            notes[(f"{section}.{key}" if section else key, item.group(1))] = item.group(2)
+            try:
+                value = tomllib.loads(f"v = {item.group(1)}")["v"]
+            except tomllib.TOMLDecodeError:
+                continue
+            notes[(f"{section}.{key}" if section else key, value)] = item.group(2)
     return notes
 
 
@@ -1504,12 +1577,16 @@ def _applied_text(text: str, source_name: str) -> str:
 
 
 def _read_text(path: Path) -> str:
+    """A policy or proposal file's text, read as defensively as a policy is loaded."""
+    from agent_sandbox._errors import PolicyNotFound
+    from agent_sandbox.policies._load import read_policy_text
+
     try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+        return read_policy_text(path)
+    except PolicyNotFound:
         raise LearningError("no such file", path=str(path)) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LearningError(f"cannot read it ({_reason(exc)})", path=str(path)) from None
+    except PolicyError as exc:
+        raise LearningError(f"cannot read it ({exc})", path=str(path)) from None
 
 
 def _reason(exc: BaseException) -> str:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import _pickle
 import binascii
 import copyreg  # noqa: F401 - loaded now so pickling never imports it while armed
+import enum
+import io
 import os
 import sys
 from typing import Any
@@ -43,7 +45,34 @@ from agent_sandbox._errors import SandboxDenied
 __all__ = ["TooLarge", "encode_value", "exception_payload", "result_too_large"]
 
 # Bound before arming (see the module docstring); never looked up again at call time.
-_dumps = _pickle.dumps
+_plain_dumps = _pickle.dumps
+
+
+class _ProbeEnum(enum.Enum):
+    MEMBER = 1
+
+
+#: Some 3.11 releases (Debian 12's 3.11.2 among them) pickle an Enum member as
+#: `getattr(cls, name)`, which the host's unpickler refuses as a gadget; later ones pickle it
+#: as `cls(value)`. On the former, members are written the later way.
+_ENUM_THROUGH_GETATTR = _ProbeEnum.MEMBER.__reduce_ex__(5)[0] is getattr
+
+
+class _EnumByValue(_pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum) and not isinstance(obj, type):
+            return type(obj), (obj.value,)
+        return NotImplemented
+
+
+def _dumps(value: Any, protocol: int) -> bytes:
+    if not _ENUM_THROUGH_GETATTR:
+        return _plain_dumps(value, protocol=protocol)
+    buffer = io.BytesIO()
+    _EnumByValue(buffer, protocol=protocol).dump(value)
+    return buffer.getvalue()
+
+
 _b64 = binascii.b2a_base64
 _PROTOCOL = 5
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from agent_sandbox._calllock import CallLock
 from agent_sandbox._errors import SandboxClosed
 from agent_sandbox._pool import REGISTRY, WorkerPool
 from agent_sandbox._process import WorkerProcess
@@ -42,7 +43,7 @@ class Session:
         self._worker: WorkerProcess | None = None
         self._had_worker = False
         self._lost_reason = ""
-        self._lock = threading.Lock()
+        self._lock = CallLock(f"session {key!r} is closed")
         self._closed = False
         self.last_used = time.monotonic()
 
@@ -86,38 +87,69 @@ class Session:
         self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
     ) -> RunResult:
         """Run `code` in this session's interpreter; variables persist across calls."""
-        with self._lock:
+        self._lock.acquire()
+        try:
             worker, notices, lost = self._prepare()
             result = worker.run(code, timeout=timeout, on_event=on_event, session=self.key)
             return self._after(worker, result, notices, lost)
+        finally:
+            self._lock.release()
 
     async def arun(
         self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
     ) -> RunResult:
-        """The async twin of `run()`."""
-        if not self._lock.acquire(blocking=False):
-            await asyncio.to_thread(self._lock.acquire)
+        """The async twin of `run()`. Cancelling it at any point leaves the session usable."""
+        await self._lock.acquire_async()
+        ownership = _Ownership()
         try:
             if self._worker is None or not self._worker.alive():
-                worker, notices, lost = await asyncio.to_thread(self._prepare)
+                worker, notices, lost = await self._prepare_in_thread(ownership)
             else:
                 worker, notices, lost = self._prepare()
             result = await worker.arun(code, timeout=timeout, on_event=on_event, session=self.key)
             return self._after(worker, result, notices, lost)
         finally:
-            self._lock.release()
+            if ownership.release():
+                self._lock.release()
+
+    async def _prepare_in_thread(
+        self, ownership: _Ownership
+    ) -> tuple[WorkerProcess, list[str], bool]:
+        """`_prepare()` in a thread, with the lock held.
+
+        Cancelled while the thread starts a worker, the coroutine leaves at once and the
+        thread releases the lock when it is done: the session's worker is never changed by
+        two callers at a time, and the lock is never left taken.
+        """
+
+        def body() -> tuple[WorkerProcess, list[str], bool]:
+            try:
+                return self._prepare()
+            finally:
+                if ownership.finish():
+                    self._lock.release()
+
+        try:
+            return await asyncio.to_thread(body)
+        except asyncio.CancelledError:
+            ownership.abandon()
+            raise
 
     def reset(self) -> None:
         """Drop this session's interpreter; the next call starts from a clean one."""
-        with self._lock:
+        self._lock.acquire()
+        try:
             if self._worker is not None:
                 self._worker.discard()
             self._worker = None
             self._had_worker = False
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """End the session's worker; further calls raise `SandboxClosed`."""
         self._closed = True
+        self._lock.close()
         worker = self._worker
         if worker is not None:
             worker.discard()
@@ -128,6 +160,31 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ownership:
+    """Who releases a session's lock when a coroutine hands a locked step to a thread."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._finished = False
+        self._abandoned = False
+
+    def finish(self) -> bool:
+        """The thread's step ended; True when the thread must release (its caller left)."""
+        with self._mutex:
+            self._finished = True
+            return self._abandoned
+
+    def abandon(self) -> None:
+        """The coroutine was cancelled; a step still running now owns the lock."""
+        with self._mutex:
+            self._abandoned = not self._finished
+
+    def release(self) -> bool:
+        """True when the coroutine still owns the lock and must release it."""
+        with self._mutex:
+            return not self._abandoned
 
 
 class Sandbox:
@@ -198,11 +255,14 @@ class Sandbox:
         with self._lock:
             self._active.add(worker)
         try:
-            return await worker.arun(code, timeout=timeout, on_event=on_event)
+            result = await worker.arun(code, timeout=timeout, on_event=on_event)
         finally:
             with self._lock:
                 self._active.discard(worker)
             worker.discard()
+        if self.closed:
+            result = _closed_error(result)
+        return result
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -260,6 +320,7 @@ class Sandbox:
             active = list(self._active)
         for session in sessions:
             session._closed = True
+            session._lock.close()
             if session._worker is not None:
                 session._worker.discard()
         for worker in active:

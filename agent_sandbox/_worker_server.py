@@ -172,7 +172,10 @@ class _Server:
                 except (OSError, h11.LocalProtocolError):
                     broken = True
 
-        sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
+        try:
+            sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
+        except (OSError, h11.LocalProtocolError):
+            return  # the caller left (a cancelled call): nobody waits for this code's result
         _audit.take()
         _audit.set_sink(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
@@ -237,7 +240,10 @@ def serve(boot: dict[str, Any]) -> None:
                     )
                     continue
                 client = key.fileobj  # type: ignore[assignment]
-                keep = server.handle(client, key.data)
+                try:
+                    keep = server.handle(client, key.data)
+                except (OSError, h11.LocalProtocolError):
+                    keep = False  # this connection broke; the worker serves the next one
                 if not keep:
                     selector.unregister(client)
                     client.close()

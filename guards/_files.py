@@ -38,10 +38,8 @@ change the links there.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import posix
-import re
 import stat as _stat_mod
 import sys
 from _thread import get_ident
@@ -52,6 +50,15 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import refuse, state
+from agent_sandbox.policies._paths import (
+    entry_regex,
+    expand_entry,
+    is_glob,
+    literal,
+    name_regex,
+    toml_quote,
+    unescape,
+)
 
 __all__ = ["FileRules", "check", "configure", "install", "rules"]
 
@@ -84,50 +91,18 @@ IMPLICIT_READ: frozenset[str] = frozenset(
 #: Writable paths every policy grants implicitly (besides the scratch directory).
 IMPLICIT_WRITE: frozenset[str] = frozenset({"/dev/null"})  # NOTE: a sink, holds nothing
 
-_GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    """`**` crosses `/`, `*` and `?` do not; a match also covers everything below it."""
-    out = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end == -1:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1 : end].replace("\\", "\\\\")
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out) + "(?:/.*)?", re.DOTALL)
-
 
 class _Roots:
     """A set of path grants: plain prefixes (a directory and all below it) and globs."""
 
     def __init__(self, entries: Iterable[str]) -> None:
+        """`entries` are in the `[files]` language: resolved paths written with `literal`,
+        or globs."""
         self.entries = tuple(dict.fromkeys(e for e in entries if e))
         self.prefixes = tuple(
-            e.rstrip("/") or "/" for e in self.entries if not _GLOB_CHARS.search(e)
+            unescape(e).rstrip("/") or "/" for e in self.entries if not is_glob(e)
         )
-        self.globs = tuple(
-            (e, _glob_regex(e.rstrip("/"))) for e in self.entries if _GLOB_CHARS.search(e)
-        )
+        self.globs = tuple((e, entry_regex(e)) for e in self.entries if is_glob(e))
 
     def match(self, path: str) -> str | None:
         """The entry that covers `path`, or None."""
@@ -171,7 +146,8 @@ class FileRules:
         write = [expand(p) for p in files.get("write", ())]
         read = [expand(p) for p in files.get("read", ())]
         deny = [expand(p) for p in files.get("deny", ())]
-        self.write = _Roots([*write, *([self.scratch] if self.scratch else []), *IMPLICIT_WRITE])
+        own = [literal(self.scratch)] if self.scratch else []
+        self.write = _Roots([*write, *own, *map(literal, IMPLICIT_WRITE)])
         # NOTE: the interpreter's own folders (its executable, `pyvenv.cfg`) are read by
         # `sysconfig` and `platform` when packages import; they hold no user data.
         bindir = os.path.dirname(sys.executable)
@@ -179,26 +155,24 @@ class FileRules:
         venv = os.path.dirname(bindir)
         if os.path.exists(os.path.join(venv, "pyvenv.cfg")):
             interpreter.add(venv)  # the virtual environment the worker's python belongs to
-        roots = [os.path.realpath(r) for r in [*import_roots, *interpreter] if r]
-        self.read = _Roots(
-            [*read, *write, *([self.scratch] if self.scratch else []), *IMPLICIT_READ, *roots]
-        )
+        roots = [literal(os.path.realpath(r)) for r in [*import_roots, *interpreter] if r]
+        self.read = _Roots([*read, *write, *own, *map(literal, IMPLICIT_READ), *roots])
         self.import_roots = _Roots(roots)
         self.deny = _Roots(deny)
         self.hide: tuple[str, ...] = tuple(str(h) for h in files.get("hide", ()))
-        self._hide_names = tuple(h for h in self.hide if "/" not in h)
-        self._hide_paths = tuple((h, _glob_regex(h)) for h in self.hide if "/" in h)
+        self._hide_names = tuple((h, name_regex(h)) for h in self.hide if "/" not in h)
+        self._hide_paths = tuple((h, entry_regex(h)) for h in self.hide if "/" in h)
 
     def _expander(self) -> Any:
         scratch = self.scratch
+        home = os.path.expanduser("~")
 
         def expand(entry: str) -> str:
-            if entry.startswith("$SCRATCH"):
-                entry = scratch + entry[len("$SCRATCH") :]
-            elif entry.startswith("~"):
-                entry = os.path.expanduser(entry)
-            if not _GLOB_CHARS.search(entry):
-                entry = os.path.realpath(entry)
+            # A literal entry becomes its resolved path; a glob stays a pattern whose
+            # `$SCRATCH` or `~` is written as a literal (see policies/_paths.py).
+            entry = expand_entry(entry, scratch=scratch, home=home)
+            if not is_glob(entry):
+                return literal(os.path.realpath(unescape(entry)))
             return entry
 
         return expand
@@ -212,8 +186,8 @@ class FileRules:
             return None
         for part in path.split("/"):
             if part:
-                for pattern in self._hide_names:
-                    if fnmatch.fnmatchcase(part, pattern):
+                for pattern, regex in self._hide_names:
+                    if regex.fullmatch(part):
                         return pattern
         for pattern, regex in self._hide_paths:
             if regex.fullmatch(path):
@@ -281,7 +255,7 @@ class FileRules:
                 policy=self.policy_name,
                 detail="the path is outside [files] write (only the scratch directory is "
                 "writable unless the policy says more)",
-                hint=f'[files] write = ["{_grant_for(path)}"]',
+                hint=f"[files] write = [{_grant_for(path)}]",
             )
         if self.read.match(path) is not None:
             return None
@@ -295,12 +269,13 @@ class FileRules:
             target=path,
             policy=self.policy_name,
             detail="the path is outside [files] read",
-            hint=f'[files] read = ["{_grant_for(path)}"]',
+            hint=f"[files] read = [{_grant_for(path)}]",
         )
 
 
 def _grant_for(path: str) -> str:
-    return path
+    """The TOML entry granting exactly `path`: glob characters in its name stay literal."""
+    return toml_quote(literal(path))
 
 
 # -- the resolver ------------------------------------------------------------------------------

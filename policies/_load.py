@@ -12,10 +12,10 @@ import contextvars
 import copy
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterator
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,12 +24,16 @@ from agent_sandbox._errors import PolicyError, PolicyNotFound
 from agent_sandbox.policies._model import Policy
 
 __all__ = [
+    "MAX_EXTENDS_DEPTH",
+    "MAX_NESTING",
+    "MAX_POLICY_BYTES",
     "list_presets",
     "load_policy",
     "map_validation_errors",
     "merge_dicts",
     "policy_from_dict",
     "policy_from_toml",
+    "read_policy_text",
     "resolve_policy",
 ]
 
@@ -42,26 +46,136 @@ def list_presets() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def load_policy(path: str | os.PathLike[str]) -> Policy:
-    """Load a policy from a TOML file; errors name the file, key, line and expectation."""
-    file = Path(path)
+#: The largest policy file read (bytes); a policy is a few kilobytes.
+MAX_POLICY_BYTES = 1024 * 1024
+#: How many files an `extends` chain may hold, the first one included.
+MAX_EXTENDS_DEPTH = 8
+#: How deeply arrays, inline tables and tables may nest in a policy file.
+MAX_NESTING = 32
+#: How many validation problems one error lists (the rest are counted).
+MAX_PROBLEMS = 20
+
+# The files (real paths) and presets being loaded, outermost first: `extends` cycles and
+# chain depth are checked against it.
+_chain: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "policy_extends_chain", default=()
+)
+
+
+def read_policy_text(path: str | os.PathLike[str]) -> str:
+    """The text of a policy file, read defensively: a regular file of at most
+    `MAX_POLICY_BYTES`, UTF-8. Opening never blocks (a FIFO is refused, not waited on) and
+    never reads more than the limit (a device such as `/dev/zero` is refused before any
+    read). Every failure is a `PolicyError` naming the file and what was expected.
+    """
+    file = os.fspath(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        text = file.read_text(encoding="utf-8")
+        fd = os.open(file, flags)
     except FileNotFoundError:
         raise PolicyNotFound(
-            "no such policy file", source=str(file), expected="an existing TOML file"
+            "no such policy file", source=file, expected="an existing TOML file"
         ) from None
-    except IsADirectoryError:
-        raise PolicyError("is a directory", source=str(file), expected="a TOML file") from None
-    except UnicodeDecodeError as exc:
-        raise PolicyError(f"not UTF-8 text ({exc.reason})", source=str(file)) from None
     except OSError as exc:
-        raise PolicyError(f"cannot read ({exc.strerror})", source=str(file)) from None
-    return policy_from_toml(text, source=str(file))
+        raise PolicyError(
+            f"cannot open it ({exc.strerror or exc})", source=file, expected="a readable TOML file"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise PolicyError("is a directory", source=file, expected="a TOML file")
+        if not stat.S_ISREG(info.st_mode):
+            raise PolicyError(
+                f"not a regular file (a {_file_kind(info.st_mode)}); a policy is read only "
+                "from a regular file",
+                source=file,
+                expected="a regular TOML file",
+            )
+        if info.st_size > MAX_POLICY_BYTES:
+            raise PolicyError(
+                f"too large ({info.st_size} bytes; the limit is {MAX_POLICY_BYTES})",
+                source=file,
+                expected="a policy file of at most 1 MiB",
+            )
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_POLICY_BYTES:
+            chunk = os.read(fd, MAX_POLICY_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise PolicyError(f"cannot read it ({exc.strerror or exc})", source=file) from None
+    finally:
+        os.close(fd)
+    if size > MAX_POLICY_BYTES:
+        raise PolicyError(
+            f"grew past {MAX_POLICY_BYTES} bytes while it was read",
+            source=file,
+            expected="a policy file of at most 1 MiB that nothing is writing",
+        )
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"not UTF-8 text ({exc.reason})", source=file) from None
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """Load a policy from a TOML file; errors name the file, key, line and expectation."""
+    file = os.fspath(path)
+    real = os.path.realpath(file)
+    with _extending(real, file):
+        text = read_policy_text(file)
+        return policy_from_toml(text, source=file)
+
+
+@contextlib.contextmanager
+def _extending(link: str, shown: str) -> Iterator[None]:
+    """Push one file or preset onto the `extends` chain; refuse a cycle or a deep chain."""
+    chain = _chain.get()
+    if link in chain:
+        names = [_short(c) for c in chain[chain.index(link) :]] + [_short(link)]
+        raise PolicyError(
+            f"cycle: {' -> '.join(names)}",
+            source=shown,
+            key="extends",
+            expected="a chain without repeats; remove the `extends` that closes it",
+        )
+    if len(chain) >= MAX_EXTENDS_DEPTH:
+        raise PolicyError(
+            f"the extends chain is deeper than {MAX_EXTENDS_DEPTH} files "
+            f"({' -> '.join(_short(c) for c in (*chain, link))})",
+            source=shown,
+            key="extends",
+            expected=f"at most {MAX_EXTENDS_DEPTH} policies in a chain; merge some of them",
+        )
+    token = _chain.set((*chain, link))
+    try:
+        yield
+    finally:
+        _chain.reset(token)
+
+
+def _short(link: str) -> str:
+    return link if link.startswith("preset:") else os.path.basename(link) or link
 
 
 def policy_from_toml(text: str, *, source: str = "<string>") -> Policy:
-    """Parse TOML text into a policy."""
+    """Parse TOML text into a policy (nesting deeper than `MAX_NESTING` is refused)."""
+    _check_nesting(text, source)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -69,7 +183,92 @@ def policy_from_toml(text: str, *, source: str = "<string>") -> Policy:
         raise PolicyError(
             f"not valid TOML: {exc}", source=source, line=line, expected="TOML syntax"
         ) from None
+    except RecursionError:  # NOTE: a backstop; _check_nesting refuses deep nesting first
+        raise PolicyError(
+            f"nested deeper than {MAX_NESTING} levels",
+            source=source,
+            expected="a flat policy (tables and lists a few levels deep)",
+        ) from None
+    if _data_depth(data) > MAX_NESTING:
+        raise PolicyError(
+            f"tables nested deeper than {MAX_NESTING} levels (dotted keys or headers)",
+            source=source,
+            expected="a flat policy (tables and lists a few levels deep)",
+        )
     return policy_from_dict(data, source=source, text=text)
+
+
+def _check_nesting(text: str, source: str) -> None:
+    """Refuse arrays and inline tables nested deeper than `MAX_NESTING` before parsing.
+
+    A linear scan that skips strings and comments; it only counts brackets, the parser
+    judges the rest. It exists because the parser recurses once per level.
+    """
+    depth = 0
+    dots = 0  # dots in the current dotted key (or header) since the last `=`, `,`, `{`
+    line = 1
+    i = 0
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == "\n" or c in "=,{":
+            dots = 0
+        if c == "\n":
+            line += 1
+        elif c == ".":
+            dots += 1
+            if dots > MAX_NESTING:
+                raise PolicyError(
+                    f"a dotted key nested deeper than {MAX_NESTING} levels",
+                    source=source,
+                    line=line,
+                    expected="a flat policy (tables and lists a few levels deep)",
+                )
+        elif c == "#":
+            end = text.find("\n", i)
+            i = n if end == -1 else end
+            continue
+        elif c in "\"'":
+            quote = c * 3 if text.startswith(c * 3, i) else c
+            i += len(quote)
+            while i < n and not text.startswith(quote, i):
+                if text[i] == "\\" and c == '"':
+                    i += 1
+                elif text[i] == "\n":
+                    line += 1
+                    if len(quote) == 1:
+                        break  # an unterminated string: the parser reports it
+                i += 1
+            i += len(quote)
+            continue
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise PolicyError(
+                    f"nested deeper than {MAX_NESTING} levels",
+                    source=source,
+                    line=line,
+                    expected="a flat policy (tables and lists a few levels deep)",
+                )
+        elif c in "]}":
+            depth = max(0, depth - 1)
+        i += 1
+
+
+def _data_depth(data: Any) -> int:
+    """How deeply dicts and lists nest in parsed TOML (iterative: no recursion)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_NESTING:
+            return depth
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
 
 
 def resolve_policy(spec: Policy | str | os.PathLike[str] | None) -> Policy:
@@ -80,8 +279,7 @@ def resolve_policy(spec: Policy | str | os.PathLike[str] | None) -> Policy:
         return spec
     text = os.fspath(spec)
     if text in list_presets():
-        res = resources.files(_PRESET_PACKAGE).joinpath("presets", f"{text}.toml")
-        return policy_from_toml(res.read_text(encoding="utf-8"), source=f"preset:{text}")
+        return _load_preset(text)
     if text.endswith(".toml") or os.sep in text or os.path.exists(text):
         return load_policy(text)
     presets = ", ".join(list_presets())
@@ -92,6 +290,12 @@ def resolve_policy(spec: Policy | str | os.PathLike[str] | None) -> Policy:
     )
 
 
+def _load_preset(name: str) -> Policy:
+    with _extending(f"preset:{name}", f"preset:{name}"):
+        res = resources.files(_PRESET_PACKAGE).joinpath("presets", f"{name}.toml")
+        return policy_from_toml(res.read_text(encoding="utf-8"), source=f"preset:{name}")
+
+
 def policy_from_dict(
     data: dict[str, Any], *, source: str | None = None, text: str | None = None
 ) -> Policy:
@@ -100,12 +304,7 @@ def policy_from_dict(
     extends = data.pop("extends", None)
     sources: tuple[str, ...] = ()
     if extends is not None:
-        if not isinstance(extends, str):
-            raise PolicyError("must be a preset name or a path", source=source, key="extends")
-        base_path = extends
-        if source and not os.path.isabs(extends) and extends.endswith(".toml"):
-            base_path = os.path.join(os.path.dirname(source), extends)
-        base = resolve_policy(base_path)
+        base = _resolve_extends(extends, source)
         data = merge_dicts(base.model_dump(mode="json", by_alias=True), data)
         sources = tuple(s for s in (base.source, *base.sources) if s)
     with map_validation_errors(source, text):
@@ -113,6 +312,75 @@ def policy_from_dict(
     if source is not None or sources:
         policy = policy.model_copy(update={"source": source, "sources": sources})
     return policy
+
+
+def _resolve_extends(extends: Any, source: str | None) -> Policy:
+    """The policy `extends` names, from the file `source` (see docs/policies.md, `extends`).
+
+    A preset name; or a `.toml` path relative to the directory of `source` (the current
+    directory for a policy without a file) that stays inside that directory once `..` and
+    links are resolved; or an absolute `.toml` path, which is how a policy says it reaches
+    outside its directory.
+    """
+    expected = (
+        "a shipped policy name, a .toml path inside this file's directory, "
+        "or an absolute .toml path"
+    )
+    if not isinstance(extends, str) or not extends:
+        raise PolicyError(
+            "must be a preset name or a path", source=source, key="extends", expected=expected
+        )
+    if "\x00" in extends:
+        raise PolicyError(
+            "contains a NUL character", source=source, key="extends", expected=expected
+        )
+    if source and source.startswith("preset:"):
+        if extends not in list_presets():
+            raise PolicyError(
+                f"a shipped policy extends {extends!r}, which is not shipped",
+                source=source,
+                key="extends",
+                expected="a shipped policy name",
+            )
+        return _load_preset(extends)
+    if "/" not in extends and not extends.endswith(".toml"):
+        if extends in list_presets():
+            return _load_preset(extends)
+        raise PolicyNotFound(
+            f"{extends!r} is not a shipped policy",
+            source=source,
+            key="extends",
+            expected=f"one of {', '.join(list_presets())}, or a path to a .toml file",
+        )
+    if not extends.endswith(".toml"):
+        raise PolicyError(
+            f"{extends!r} does not name a .toml file",
+            source=source,
+            key="extends",
+            expected=expected,
+        )
+    if os.path.isabs(extends):
+        return load_policy(extends)
+    has_file = bool(source) and not str(source).startswith("<")
+    folder = os.path.dirname(os.path.abspath(str(source))) if has_file else os.getcwd()
+    target = os.path.join(folder, extends)
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(target)
+    if not _inside(os.path.normpath(target), folder) or not _inside(real, real_folder):
+        where = "this file's directory" if has_file else "the current directory"
+        raise PolicyError(
+            f"{extends!r} leads out of {where} ({folder}) to {real}",
+            source=source,
+            key="extends",
+            expected="a path inside that directory, a shipped policy name, or an absolute "
+            ".toml path to say the policy reaches outside on purpose",
+        )
+    return load_policy(target)
+
+
+def _inside(path: str, folder: str) -> bool:
+    folder = folder.rstrip("/") or "/"
+    return path == folder or path.startswith(folder if folder == "/" else folder + "/")
 
 
 def merge_dicts(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +410,8 @@ def map_validation_errors(source: str | None, text: str | None) -> Iterator[None
         problems = []
         first_key = None
         first_line = None
-        for err in exc.errors():
+        errors = exc.errors()
+        for err in errors[:MAX_PROBLEMS]:
             loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
             key = ".".join(loc) or "<root>"
             expected: str | None
@@ -159,6 +428,8 @@ def map_validation_errors(source: str | None, text: str | None) -> Iterator[None
             problems.append(
                 f"{where}[{key}] {msg}" + (f" (expected {expected})" if expected else "")
             )
+        if len(errors) > MAX_PROBLEMS:
+            problems.append(f"... and {len(errors) - MAX_PROBLEMS} more")
         message = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)
         raise PolicyError(
             f"invalid policy: {message}", source=source, key=first_key, line=first_line

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from agent_sandbox.policies._paths import check_entry
+
 __all__ = [
     "ApiPolicy",
     "CodeBudgets",
@@ -88,6 +90,16 @@ class FilesPolicy(_Section):
                 )
             if "\x00" in entry:
                 raise ValueError(f"{entry!r} contains a NUL byte")
+            check_entry(entry)
+        return value
+
+    @field_validator("hide")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not entry or "\x00" in entry:
+                raise ValueError(f"{entry!r} is not a name or a pattern")
+            check_entry(entry)
         return value
 
 

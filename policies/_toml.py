@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_sandbox.policies._model import Policy
+from agent_sandbox.policies._paths import toml_quote, visible
 
 __all__ = ["policy_to_toml", "toml_string"]
 
@@ -25,24 +26,9 @@ _ALWAYS = ("name", "provider", "mode")
 
 
 def toml_string(value: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    out = ['"']
-    for ch in value:
-        code = ord(ch)
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif code < 0x20 or code == 0x7F:
-            out.append(f"\\u{code:04X}")
-        else:
-            out.append(ch)
-    out.append('"')
-    return "".join(out)
+    """A TOML string for `value` (see `policies._paths.toml_quote`): a literal string when
+    it holds a backslash, so escaped path entries read as written; else a basic string."""
+    return toml_quote(value)
 
 
 def _key(key: str) -> str:
@@ -110,7 +96,12 @@ def _emit_table(
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    return " ".join(_visible(text).split())
+
+
+def _visible(text: str) -> str:
+    """`text` for a comment, lines kept (see `policies._paths.visible`)."""
+    return "\n".join(visible(line) for line in text.split("\n"))
 
 
 def policy_to_toml(
@@ -137,7 +128,7 @@ def policy_to_toml(
             ordered[key] = data[key]
         elif key in _ALWAYS:
             ordered[key] = full[key]
-    lines: list[str] = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines: list[str] = [f"# {line}".rstrip() for line in _visible(header).split("\n")]
     if lines:
         lines.append("")
     _emit_table(lines, (), ordered, comments or {})

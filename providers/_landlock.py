@@ -45,6 +45,7 @@ import sysconfig
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
+from agent_sandbox.policies._paths import expand_entry, static_prefix
 from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
@@ -294,15 +295,10 @@ def _map_view(path: str, view: Mapping[str, str] | None) -> str:
 
 
 def _policy_path(entry: str, scratch: str) -> str:
-    """The directory (or file) a policy path grants: the part before the first glob."""
-    if entry.startswith("$SCRATCH"):
-        entry = scratch + entry[len("$SCRATCH") :]
-    entry = os.path.expanduser(entry)
-    parts = entry.split("/")
-    for i, part in enumerate(parts):
-        if any(ch in part for ch in "*?["):
-            return "/".join(parts[:i]) or "/"
-    return entry
+    """The directory (or file) a policy path grants: the part before the first glob,
+    unescaped (see `policies/_paths.py`)."""
+    home = os.path.expanduser("~")
+    return static_prefix(expand_entry(entry, scratch=scratch, home=home))
 
 
 def _get(policy: Any, section: str, key: str, *, default: Any) -> Any:

@@ -46,6 +46,8 @@ import socket
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from agent_sandbox._errors import install_hint
+
 __all__ = [
     "DENIED_SYSCALLS",
     "SeccompRule",
@@ -308,5 +310,5 @@ def probe_seccomp() -> tuple[bool, str]:
         return (
             False,
             f"cannot build a seccomp filter ({type(exc).__name__}: {exc}); "
-            "install the `seccomp` extra (pyseccomp) and libseccomp2",
+            f"install the `seccomp` extra ({install_hint('seccomp')}) and libseccomp2",
         )

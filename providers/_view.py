@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox.policies._paths import expand_entry, is_glob, static_prefix, unescape
 
 __all__ = [
     "HostLayout",
@@ -49,7 +50,6 @@ _TOP_LEVEL = ("/bin", "/lib", "/lib32", "/lib64", "/libx32", "/sbin")
 #: Host files the interpreter may read when present. NOTE: allowed because ld.so and the
 #: `time` module read them; neither holds secrets.
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
-_GLOB = set("*?[")
 #: Mounted fresh in every view; never bound from the host.
 _FRESH = ("/proc", "/dev")
 
@@ -131,34 +131,27 @@ def _listing(folder: str) -> tuple[str, ...]:
         return ()
 
 
-def _static_prefix(path: str) -> str:
-    """The leading part of a path before its first glob component."""
-    parts = path.split("/")
-    for i, part in enumerate(parts):
-        if _GLOB & set(part):
-            return "/".join(parts[:i]) or "/"
-    return path
-
-
 def policy_paths(
     policy: Any, spec: Any
 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """The policy's read, write and deny paths as absolute host paths.
 
-    `$SCRATCH` becomes the worker's scratch directory, `~` the parent's home; a glob becomes
-    its fixed leading directory for read and write (the finer rule is the guards' and
-    Landlock's job) and is dropped from deny (masking needs a concrete path).
+    `$SCRATCH` becomes the worker's scratch directory, `~` the parent's home; escapes are
+    removed (`policies/_paths.py`); a glob becomes its fixed leading directory for read and
+    write (the finer rule is the guards' and Landlock's job) and is dropped from deny
+    (masking needs a concrete path).
     """
+    home = os.path.expanduser("~")
 
     def expand(entry: str) -> str:
-        if entry.startswith("$SCRATCH"):
-            entry = spec.scratch + entry[len("$SCRATCH") :]
-        return os.path.normpath(os.path.expanduser(entry))
+        return expand_entry(entry, scratch=spec.scratch, home=home)
 
     files = policy.files
-    read = tuple(_static_prefix(expand(p)) for p in files.read)
-    write = tuple(_static_prefix(expand(p)) for p in files.write)
-    deny = tuple(expand(p) for p in files.deny if not (_GLOB & set(p)))
+    read = tuple(os.path.normpath(static_prefix(expand(p))) for p in files.read)
+    write = tuple(os.path.normpath(static_prefix(expand(p))) for p in files.write)
+    deny = tuple(
+        os.path.normpath(unescape(expand(p))) for p in files.deny if not is_glob(expand(p))
+    )
     return read, write, deny
 
 

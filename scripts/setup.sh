@@ -25,9 +25,19 @@ stamp=.venv/.agent-sandbox-installed
 # The editable install also compiles the import guard's C fast path into guards/ (next to
 # its source, where the worker imports it from); it does not recompile by itself when
 # guards/_fastimport.c changes, so a newer source reinstalls too.
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
+# pip's and setuptools' chatter goes to .venv/setup.log; it is printed only when a step fails.
+log=.venv/setup.log
+quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; return 1; }; }
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ guards/_fastimport.c -nt "$stamp" ]; then
+  : >"$log"
+  quiet .venv/bin/python -m pip install -q --upgrade pip
+  # This project was once installed as `agent-sandbox`, a name that belongs to an unrelated
+  # project on the package index; an old install of either would shadow ours.
+  if .venv/bin/python -m pip show -q agent-sandbox >/dev/null 2>&1; then
+    quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
+  fi
+  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
   touch "$stamp"
 fi
 # A second environment on Debian's own Python, inside the checkout (.venv-nonroot), so the tests
@@ -40,14 +50,17 @@ nonroot_env() {
   if [ ! -x "$nonroot/bin/python" ]; then
     /usr/bin/python3 -m venv "$nonroot" 2>/dev/null || {
       rm -rf "$nonroot"
-      apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+      apt-get update -qq >/dev/null && apt-get install -y -qq python3-venv >/dev/null
       /usr/bin/python3 -m venv "$nonroot"
     }
   fi
   if [ ! -f "$nonroot/.installed" ] || [ pyproject.toml -nt "$nonroot/.installed" ] \
-     || [ guards/_fastimport.c -nt "$nonroot/.installed" ] \
-     ; then
-    "$nonroot/bin/python" -m pip install -q -e ".[seccomp]" && touch "$nonroot/.installed"
+     || [ setup.py -nt "$nonroot/.installed" ] || [ guards/_fastimport.c -nt "$nonroot/.installed" ]
+  then
+    "$nonroot/bin/python" -m pip show -q agent-sandbox >/dev/null 2>&1 \
+      && "$nonroot/bin/python" -m pip uninstall -y -q agent-sandbox >>"$log" 2>&1
+    "$nonroot/bin/python" -m pip install -q -e ".[seccomp]" >>"$log" 2>&1 \
+      && touch "$nonroot/.installed"
   fi
 }
 if [ "$(id -u)" = 0 ] && [ -x /usr/bin/python3 ]; then

@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.skipif(
         importlib.util.find_spec("crewai") is None,
-        reason="crewai is not installed (pip install 'agent-sandbox[crewai]')",
+        reason="crewai is not installed (pip install 'agent-sandbox-kit[crewai]')",
     ),
 ]
 

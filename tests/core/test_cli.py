@@ -63,9 +63,9 @@ def test_run_syntax_error() -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     """It names a missing script or policy file."""
     out = run_cli("run", str(tmp_path / "none.py"))
-    assert out.returncode == 1 and "cannot read" in out.stderr
+    assert out.returncode == 66 and "cannot read" in out.stderr
     out = run_cli("run", "--policy", str(tmp_path / "none.toml"), "-c", "1")
-    assert out.returncode == 1 and "none.toml" in out.stderr
+    assert out.returncode == 78 and "none.toml" in out.stderr
 
 
 def test_policy_check_and_explain(tmp_path: Path) -> None:
@@ -79,7 +79,7 @@ def test_policy_check_and_explain(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "bad"\n[limits]\nwal = 1\n')
     out = run_cli("policy", "check", str(bad))
-    assert out.returncode == 1
+    assert out.returncode == 78
     assert f"{bad}:3" in out.stderr and "limits.wal" in out.stderr
 
 

@@ -303,3 +303,40 @@ def test_cli_learn_for_a_shipped_policy_needs_out(tmp_path, capsys) -> None:
     )
     assert code == 0
     assert (tmp_path / "pure-computation.proposed.toml").exists()
+
+
+#: Names that read as patterns; none exists, and each is tried literally by the run.
+GLOB_NAMES = ("/var/tmp/**", "/var/tmp/*", "/var/tmp/?", "/var/tmp/[a-z]")
+
+
+@needs_kernel
+def test_a_name_that_looks_like_a_glob_is_proposed_as_that_name_only(policy_file) -> None:
+    """It proposes each glob-looking name the run tried as an escaped literal, RISKY with
+    the reason; applied, the policy reads no other file in /var/tmp (issue 14)."""
+    code = STEPS + "".join(f"print(step(lambda: open({n!r}).read()))\n" for n in GLOB_NAMES)
+    run, learned = _learn_and_apply(code, policy_file)
+    literals = {"/var/tmp/\\*\\*", "/var/tmp/\\*", "/var/tmp/\\?", "/var/tmp/\\[a-z\\]"}
+    assert set(learned.files.read) == literals
+    header = run.proposal.to_toml()
+    for value in literals:
+        finding = next(f for f in run.proposal.findings if f.value == value)
+        assert finding.status == "risky" and "pattern characters" in finding.reason
+        assert f"[files.read] {value}: " in header
+    assert f"{len(literals)} RISKY" in header
+
+    canaries = [Path("/var/tmp") / name for name in ("b", "x-canary-14.txt")]
+    for canary in canaries:
+        canary.write_text("secret-content-14\n")
+    try:
+        reads = "".join(
+            f"print({str(c)!r}, step(lambda: open({str(c)!r}).read()))\n" for c in canaries
+        )
+        literal_reads = "".join(f"print(step(lambda: open({n!r}).read()))\n" for n in GLOB_NAMES)
+        with Sandbox(learned, provider="auto", warm=0) as sandbox:
+            result = sandbox.run(STEPS + reads + literal_reads)
+    finally:
+        for canary in canaries:
+            canary.unlink()
+    assert "secret-content-14" not in result.stdout
+    assert sorted({d.target for d in result.denials}) == sorted(map(str, canaries))
+    assert result.stdout.count("FileNotFoundError") == len(GLOB_NAMES)  # granted, absent

@@ -499,3 +499,49 @@ def test_run_results_are_accepted_as_records(policy, learned, home) -> None:
     """It takes whole RunResults as well as Denials."""
     result = RunResult(denials=(learned("imports", "csv"),))
     assert propose(policy, [result], home=str(home)).proposed.imports.allow[-1] == "csv"
+
+
+@pytest.mark.parametrize(
+    ("name", "entry"),
+    [
+        ("/var/tmp/**", "/var/tmp/\\*\\*"),
+        ("/var/tmp/*", "/var/tmp/\\*"),
+        ("/var/tmp/?", "/var/tmp/\\?"),
+        ("/var/tmp/[a-z]", "/var/tmp/\\[a-z\\]"),
+        ("/srv/{a,b}/x\\y", "/srv/\\{a,b\\}/x\\\\y"),
+    ],
+)
+def test_a_glob_looking_name_is_proposed_escaped_and_risky(
+    policy, learned, home, name, entry
+) -> None:
+    """It proposes the name as a literal entry (matching only itself), marked RISKY."""
+    proposal = propose(policy, [learned("files.read", name)], home=str(home))
+    assert proposal.proposed.files.read == (entry,)
+    finding = next(f for f in proposal.findings if f.field == "files.read")
+    assert finding.status == "risky" and "pattern characters" in finding.reason
+    text = proposal.to_toml()
+    assert policy_from_toml(text).files.read == (entry,)
+    assert f"    '{entry}',  # RISKY: " in text  # a TOML literal string: escapes as written
+
+
+def test_a_name_with_control_characters_is_risky_and_shown_escaped(policy, learned, home):
+    """It proposes a name holding a newline or a bidirectional override, RISKY, and every
+    line of the proposal and its diff shows those characters as escapes."""
+    name = "/srv/data/a\nb\u202ec.txt"
+    proposal = propose(policy, [learned("files.read", name)], home=str(home))
+    assert proposal.proposed.files.read == (name,)
+    finding = next(f for f in proposal.findings if f.field == "files.read")
+    assert finding.status == "risky" and "control or invisible" in finding.reason
+    text, diff = proposal.to_toml(), proposal.diff()
+    assert policy_from_toml(text).files.read == (name,)
+    for shown in (text, diff):
+        assert "\u202e" not in shown and "a\nb" not in shown
+        assert "\\u202E" in shown
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0/0", "*", "*.example.com", "any", "a\nb.example"])
+def test_a_host_that_is_not_one_host_is_flagged(policy, learned, home, host) -> None:
+    """It never proposes a rule for a host that would mean more than the one host used."""
+    proposal = propose(policy, [learned("net.connect", f"{host}:443")], home=str(home))
+    assert proposal.proposed.net.rules == ()
+    assert [f.status for f in proposal.findings if f.field == "net.rules"] == ["flagged"]

@@ -1,0 +1,16 @@
+"""The import guard's fast path (guards/_fastimport.c); everything else is in pyproject.toml.
+
+`optional`: without a compiler the install still succeeds and the guard falls back to its
+Python `__import__` (slower; tests/guards/test_fast_import.py::test_the_c_fast_path_is_built
+then fails, so the figure cannot regress silently).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "agent_sandbox.guards._fastimport", sources=["guards/_fastimport.c"], optional=True
+        )
+    ]
+)
