@@ -26,7 +26,6 @@ as certifi's `cacert.pem` is not a secret. Symbolic links are not followed.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import re
 import stat
@@ -34,13 +33,20 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from agent_sandbox._errors import PolicyError
+from agent_sandbox.policies._paths import (
+    entry_regex,
+    expand_entry,
+    is_glob,
+    name_regex,
+    static_prefix,
+    unescape,
+)
 
 __all__ = ["MAX_ENTRIES", "Masks", "find_masks", "policy_file_warnings", "policy_files"]
 
 #: Entries walked in the policy's granted directories before the start is refused: a grant
 #: over a huge tree cannot be searched for hidden names at every start.
 MAX_ENTRIES = 50_000
-_GLOB = re.compile(r"[*?\[]")
 #: Trees never walked: mounted fresh in a namespace, refused under Landlock alone.
 _SKIP = ("/proc", "/sys", "/dev")
 
@@ -73,47 +79,9 @@ def policy_files(policy: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _glob_regex(pattern: str) -> re.Pattern[str]:
-    """A path glob as a regex: `*` and `?` stay in one component, `**` crosses them; the
-    match also covers everything below (as the Python guard's rule does)."""
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        c = pattern[i]
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end == -1:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1 : end].replace("\\", "\\\\")
-                out.append(f"[{'^' + body[1:] if body.startswith('!') else body}]")
-                i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out) + "(?:/.*)?", re.DOTALL)
-
-
 def _expand(entry: str, scratch: str) -> str:
-    if entry.startswith("$SCRATCH"):
-        entry = scratch + entry[len("$SCRATCH") :]
-    return os.path.expanduser(entry)
-
-
-def _static_prefix(path: str) -> str:
-    parts = path.split("/")
-    for i, part in enumerate(parts):
-        if _GLOB.search(part):
-            return "/".join(parts[:i]) or "/"
-    return path
+    """`entry` in the `[files]` language with `$SCRATCH` and `~` expanded (a glob stays one)."""
+    return expand_entry(entry, scratch=scratch, home=os.path.expanduser("~"))
 
 
 def _under(path: str, root: str) -> bool:
@@ -139,16 +107,16 @@ def find_masks(policy: Any, spec: Any, *, limit: int = MAX_ENTRIES) -> Masks:
     files = policy.files
     scratch = os.path.realpath(spec.scratch)
     hide = tuple(files.hide)
-    hide_names = tuple(h for h in hide if "/" not in h)
-    hide_paths = tuple((h, _glob_regex(_expand(h, scratch))) for h in hide if "/" in h)
+    hide_names = tuple((h, name_regex(h)) for h in hide if "/" not in h)
+    hide_paths = tuple((h, entry_regex(_expand(h, scratch))) for h in hide if "/" in h)
     deny_plain: list[str] = []
     deny_globs: list[tuple[str, re.Pattern[str]]] = []
     for entry in files.deny:
-        path = os.path.normpath(_expand(entry, scratch))
-        if _GLOB.search(path):
-            deny_globs.append((entry, _glob_regex(path)))
+        expanded = _expand(entry, scratch)
+        if is_glob(expanded):
+            deny_globs.append((entry, entry_regex(expanded)))
         else:
-            deny_plain.append(os.path.realpath(path))
+            deny_plain.append(os.path.realpath(unescape(expanded)))
 
     found: dict[str, str] = {}
     reasons: dict[str, str] = {}
@@ -159,8 +127,8 @@ def find_masks(policy: Any, spec: Any, *, limit: int = MAX_ENTRIES) -> Masks:
             reasons[path] = reason
 
     def verdict(path: str, name: str) -> str:
-        for pattern in hide_names:
-            if fnmatch.fnmatchcase(name, pattern):
+        for pattern, regex in hide_names:
+            if regex.fullmatch(name):
                 return f"files.hide {pattern!r}"
         for pattern, regex in hide_paths:
             if regex.fullmatch(path):
@@ -171,7 +139,7 @@ def find_masks(policy: Any, spec: Any, *, limit: int = MAX_ENTRIES) -> Masks:
         return ""
 
     roots = _coalesce(
-        os.path.realpath(_static_prefix(os.path.normpath(_expand(p, scratch))))
+        os.path.realpath(os.path.normpath(static_prefix(_expand(p, scratch))))
         for p in (*files.read, *files.write)
     )
     roots = [r for r in roots if not any(_under(r, s) for s in _SKIP) and r != scratch]
@@ -270,7 +238,7 @@ def policy_file_warnings(policy: Any) -> list[str]:
     that directory's own level."""
     out = []
     writes = [
-        os.path.realpath(_static_prefix(os.path.normpath(os.path.expanduser(p))))
+        os.path.realpath(os.path.normpath(static_prefix(_expand(p, ""))))
         for p in policy.files.write
         if not p.startswith("$SCRATCH")
     ]
