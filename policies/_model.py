@@ -324,6 +324,9 @@ class LimitsPolicy(_Section):
     output_bytes: int = Field(default=1_000_000, ge=1024)
     result_bytes: int = Field(default=4_000_000, ge=1024)
     file_size_mb: int = Field(default=256, ge=1)
+    #: The scratch directory's size: a tmpfs of this size under the namespace providers
+    #: (and under Landlock when the worker may mount), else a check after every call.
+    scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
 
 

@@ -85,6 +85,8 @@ def _mount_args(mount: Mount) -> list[str]:
         return ["--proc", dst]
     if kind == "tmpfs":
         return ["--size", str(TMPFS_BYTES), "--tmpfs", dst]
+    if kind == "scratch":
+        return ["--perms", "0700", "--size", src, "--tmpfs", dst]
     if kind == "mask-dir":
         return ["--size", str(_MASK_BYTES), "--tmpfs", dst, "--remount-ro", dst]
     if kind == "mask-file":

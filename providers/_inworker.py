@@ -43,7 +43,16 @@ _SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
 
 
-_KERNEL_KEYS = ("no_new_privs", "drop_caps", "landlock", "seccomp", "seccomp_exec")
+_KERNEL_KEYS = (
+    "no_new_privs",
+    "drop_caps",
+    "landlock",
+    "seccomp",
+    "seccomp_exec",
+    "scratch_tmpfs",
+)
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 
 
 class SetupError(RuntimeError):
@@ -146,6 +155,30 @@ def _load_seccomp(bpf: bytes) -> None:
     _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
 
 
+def _mount_scratch(path: str, size: int) -> None:
+    """Mount a tmpfs of `size` bytes over `path` in a new mount namespace of this process
+    (it ends with the worker's last process: nothing to clean up on the host), and move
+    into it. Needs CAP_SYS_ADMIN, so it runs before the capabilities are dropped; seccomp
+    and Landlock forbid unmounting it afterwards."""
+    import ctypes
+
+    libc = _libc()
+
+    def check(rc: int, what: str) -> None:
+        if rc < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    options = f"size={size},mode=0700".encode()
+    check(
+        libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options),
+        f"mount a tmpfs on {path}",
+    )
+    os.chdir(path)
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -179,6 +212,11 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
             "they would stay unrestricted"
         )
     checks["threads"] = threads
+    # 1b. A scratch directory of bounded size, in a mount namespace of the worker's own.
+    scratch = setup.get("scratch_tmpfs")
+    if scratch:
+        _mount_scratch(str(scratch["path"]), int(scratch["bytes"]))
+        checks["scratch_tmpfs"] = int(scratch["bytes"])
     # 2. NO_NEW_PRIVS (always when anything kernel-side is asked: Landlock/seccomp need it).
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     # 3. Bounding and ambient sets.
@@ -231,6 +269,10 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
             problems.append("Landlock is not enforced")
     if setup.get("seccomp") and checks.get("seccomp") != _SECCOMP_MODE_FILTER:
         problems.append(f"seccomp mode is {checks.get('seccomp')!r}, not a filter")
+    if setup.get("scratch_tmpfs") and checks.get("scratch_tmpfs") != setup["scratch_tmpfs"].get(
+        "bytes"
+    ):
+        problems.append("its scratch directory is not the bounded tmpfs")
     if setup.get("seccomp_exec") and checks.get("exec_denied") is not True:
         problems.append("the exec filter (no process grant) is not loaded")
     return problems

@@ -448,6 +448,13 @@ class LandlockProvider(Provider):
             "landlock": landlock_setup(policy, spec, masks=find_masks(policy, spec)),
         }
         setup.update(seccomp_setup(policy))
+        if os.geteuid() == 0:
+            # NOTE: mounting needs CAP_SYS_ADMIN, which a root-run worker has until step 5
+            # of `_inworker`; otherwise the parent checks the scratch size after each call.
+            setup["scratch_tmpfs"] = {
+                "path": spec.scratch,
+                "bytes": int(getattr(policy.limits, "scratch_mb", 512)) * 1024 * 1024,
+            }
         return LaunchPlan(
             provider=self.name,
             argv=worker_argv(spec),

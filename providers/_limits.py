@@ -484,6 +484,7 @@ REPLACING_RULES = frozenset(
         "limits.open-files",
         "limits.output",
         "limits.processes",
+        "limits.scratch",
     }
 )
 _REPORTED_BY_WORKER = frozenset({"limits.output"})
@@ -494,6 +495,7 @@ _SETTINGS = {
     "limits.open-files": "open_files",
     "limits.output": "output_bytes",
     "limits.processes": "processes",
+    "limits.scratch": "scratch_mb",
 }
 
 
@@ -513,11 +515,45 @@ def start_cgroups(worker_id: str, policy: Any, worker_depth: int | None) -> Work
         raise WorkerStartError(f"could not create the worker's cgroups ({exc})") from None
 
 
-def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) -> bool:
+def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> bool:
+    """Whether the host directory `path` holds more than `limit_bytes` (allocated blocks),
+    walking it without following links; a tree of more than `max_entries` entries counts as
+    over. The bound where scratch is a host directory (the `subprocess` and `firejail`
+    providers, Landlock without the right to mount): checked after every call, so one call
+    can overshoot until RLIMIT_FSIZE or the disk stops it."""
+    total = 0
+    seen = 0
+    stack = [path]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        seen += len(entries)
+        if seen > max_entries:
+            return True
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if total > limit_bytes:
+                return True
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return False
+
+
+def record_limit_hits(
+    builder: Any, cgroups: WorkerCgroups | None, policy: Any, *, scratch: str = ""
+) -> bool:
     """Turn every limit hit of the call into a `limits.<name>` denial in `builder`.
 
-    Sources: new cgroup events (an OOM kill, a refused fork) and a limit error the worker
-    reported (MemoryError, EFBIG, EMFILE, EAGAIN). A worker killed by the memory cgroup is
+    Sources: new cgroup events (an OOM kill, a refused fork), a host `scratch` directory over
+    `limits.scratch_mb` (`scratch_over`), and a limit error the worker reported
+    (MemoryError, EFBIG, ENOSPC, EMFILE, EAGAIN). A worker killed by the memory cgroup is
     reported as `limits.memory`, not as a crash. Returns True when the worker must be
     replaced.
     """
@@ -527,6 +563,8 @@ def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) 
     hits: list[str] = []
     if cgroups is not None:
         hits += [limit_denial_rule(event)[0] for event in cgroups.new_events()]
+    if scratch and scratch_over(scratch, int(policy.limits.scratch_mb) * _MB):
+        hits.append("limits.scratch")
     error = builder.error
     if error is not None and error.kind == "limit" and error.rule in REPLACING_RULES:
         hits.append(error.rule)

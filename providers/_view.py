@@ -54,7 +54,17 @@ _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _FRESH = ("/proc", "/dev")
 
 Kind = Literal[
-    "ro", "rw", "ro-try", "rw-try", "tmpfs", "symlink", "dev", "proc", "mask-dir", "mask-file"
+    "ro",
+    "rw",
+    "ro-try",
+    "rw-try",
+    "tmpfs",
+    "scratch",
+    "symlink",
+    "dev",
+    "proc",
+    "mask-dir",
+    "mask-file",
 ]
 
 
@@ -64,7 +74,8 @@ class Mount:
 
     `ro`/`rw` bind `src` at `dst` and fail when `src` is missing; the `-try` forms skip a
     missing source. `symlink` creates `dst` pointing at `src`. `tmpfs`, `dev` and `proc`
-    create fresh file systems at `dst`; `mask-dir`/`mask-file` hide a host path.
+    create fresh file systems at `dst`; `scratch` is the worker's scratch directory, a
+    fresh tmpfs of `src` bytes (`limits.scratch_mb`); `mask-dir`/`mask-file` hide a host path.
     """
 
     kind: Kind
@@ -224,7 +235,7 @@ def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
     binds: list[Mount] = [Mount("ro", p, p) for p in ro_needed]
     binds += [Mount("ro-try", p, p) for p in _ETC_FILES]
     binds += [Mount("ro-try", p, p) for p in ro_policy]
-    binds += [Mount("rw", spec.scratch, spec.scratch)]
+    binds += [Mount("scratch", spec.scratch, str(scratch_bytes(policy)))]
     binds += [Mount("rw-try", p, p) for p in writable if p != spec.scratch]
     binds.sort(key=lambda m: _depth(m.dst))  # stable: keeps the order above within a depth
 
@@ -238,6 +249,11 @@ def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
     masks.sort(key=lambda m: _depth(m.dst))
     # One stable sort by depth, so a shallow policy path cannot cover the fresh /proc or /dev.
     return sorted(system + binds, key=lambda m: _depth(m.dst)) + masks
+
+
+def scratch_bytes(policy: Any) -> int:
+    """The size of the worker's scratch tmpfs: `limits.scratch_mb`."""
+    return int(getattr(policy.limits, "scratch_mb", 512)) * 1024 * 1024
 
 
 def path_view(mounts: Iterable[Mount]) -> dict[str, str]:

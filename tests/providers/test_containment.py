@@ -549,3 +549,97 @@ def test_four_spinning_processes_share_the_sandboxs_cpu_quota(
     assert throttled > 0
     # 0.05 core over `wall` seconds, plus a period of slack for each process.
     assert cpu <= 0.05 * wall + 0.1, (cpu, wall)
+
+
+# -- issue 13: disk is bounded -------------------------------------------------------------
+
+_FILL = """
+import errno
+written, err = 0, 0
+chunk = b"x" * (1 << 20)
+for i in range(64):
+    fd = nopen(f"fill-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if fd < 0:
+        err = -fd
+        break
+    n = _libc.write(fd, chunk, len(chunk))
+    _libc.close(fd)
+    if n < 0:
+        err = ctypes.get_errno()
+        break
+    written += n
+    if n < len(chunk):
+        break
+print("written", written, "errno", err)
+"""
+
+
+def _scratch_gap(request: pytest.FixtureRequest, provider: str) -> None:
+    if provider == "firejail":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="firejail cannot size a tmpfs: its scratch is a host directory, "
+                "checked after each call only",
+            )
+        )
+
+
+def test_a_call_cannot_write_more_than_scratch_mb(
+    request: pytest.FixtureRequest,
+    kernel_provider: str,
+    arena: dict[str, Path],
+    hostile: Any,
+    make_policy: Any,
+) -> None:
+    """It stops native writes into scratch at `limits.scratch_mb` within the call (ENOSPC)."""
+    _scratch_gap(request, kernel_provider)
+    policy = make_policy(arena, limits={"scratch_mb": 8, "memory_mb": 512})
+    result = hostile(kernel_provider, policy, _FILL)
+    words = result.stdout.split()
+    assert words[:1] == ["written"], _output(result)
+    assert int(words[1]) <= 8 * 1024 * 1024, _output(result)
+
+
+def test_filling_scratch_is_a_limits_denial(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It reports a scratch directory filled past `limits.scratch_mb` as `limits.scratch`,
+    with the setting that would allow it (from the host's own check where scratch is a
+    host directory)."""
+    policy = make_policy(arena, limits={"scratch_mb": 8, "memory_mb": 512})
+    code = _FILL + "\nwith open('last', 'wb') as fh:\n    fh.write(b'y' * (16 << 20))\n"
+    result = hostile(kernel_provider, policy, code)
+    denial = next((d for d in result.denials if d.rule == "limits.scratch"), None)
+    assert denial is not None, _output(result)
+    assert "scratch_mb" in denial.hint
+
+
+@pytest.mark.parametrize("provider", ["subprocess", "landlock", "unshare", "bwrap", "firejail"])
+def test_fd_level_output_never_grows_a_host_file(
+    provider: str, arena: dict[str, Path], make_policy: Any, native: str
+) -> None:
+    """It keeps what native code writes straight to descriptors 1 and 2 (not through
+    `print`) in a sealed 1 MiB memory file: 8 MiB written leave no host file larger."""
+    from agent_sandbox import Sandbox
+    from agent_sandbox._process import LOG_BYTES
+
+    from agent_sandbox.providers import get_provider
+
+    probe = get_provider(provider).probe()
+    if not probe.available:
+        pytest.skip(f"{provider} unavailable here: {probe.reason}")
+    code = "for fd in (1, 2):\n    for _ in range(4):\n        os.write(fd, b'z' * (1 << 20))\n"
+    with Sandbox(make_policy(arena), provider=provider, warm=0) as sb:
+        session = sb.session("fd")
+        session.run(native + "import os\n" + code)
+        worker = session.worker
+        assert worker is not None and worker._log is not None
+        sizes = [
+            os.lstat(os.path.join(root, name)).st_blocks * 512
+            for root, _dirs, names in os.walk(worker.control_dir)
+            for name in names
+        ]
+        log_size = os.fstat(worker._log.fileno()).st_size
+    assert max(sizes, default=0) < LOG_BYTES, sizes
+    assert log_size == LOG_BYTES

@@ -181,6 +181,7 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
         "drop_caps",
         "landlock",
         "no_new_privs",
+        "scratch_tmpfs",  # the tests run as root: the worker may mount
         "seccomp",
         "seccomp_exec",
     ]
