@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
+from agent_sandbox._boundary import NO_BOUNDARY, Boundary, resolve_boundary
 from agent_sandbox._learn import Learner
 from agent_sandbox._result import RunError, RunResult
 from agent_sandbox._sandbox import OnEvent, Sandbox
@@ -59,9 +60,17 @@ _PARTIAL_CHARS = 400
 
 
 def describe_policy(
-    policy: Policy, *, session: SessionMode | str = "thread", intro: str | None = None
+    policy: Policy,
+    *,
+    session: SessionMode | str = "thread",
+    intro: str | None = None,
+    boundary: str | None = None,
 ) -> str:
-    """The tool description a model reads, generated from `policy` (kept short: it costs tokens)."""
+    """The tool description a model reads, generated from `policy` (kept short: it costs tokens).
+
+    `boundary` is the kernel boundary the calls run behind (`Boundary.name`, e.g.
+    `"bwrap+landlock+seccomp"`, or `"none"`); None leaves the line out.
+    """
     lines = [
         intro
         or "Run Python 3 code in a sandboxed interpreter. Returns what the code prints and the "
@@ -105,6 +114,10 @@ def describe_policy(
             "- State: variables and imports persist between calls"
             + (" of this conversation." if session == "thread" else ".")
         )
+    if boundary == NO_BOUNDARY:
+        lines.append("- Isolation: no kernel sandbox (explicit opt-out); Python-level checks only.")
+    elif boundary:
+        lines.append(f"- Isolation: kernel sandbox {boundary}.")
     granted = ", ".join(policy.api.allow) or "none"
     lines.append(
         f"- Subprocesses, eval/exec, ctypes and similar sensitive calls are refused "
@@ -304,9 +317,14 @@ SessionKeyFn = Callable[[dict[str, Any]], "str | None"]
 class ToolRunner:
     """The sandbox side of a tool: one lazily started `Sandbox`, sessions, and no exceptions.
 
-    `session` is `"thread"` (one interpreter per conversation thread; falls back to the tool's
-    own session when the call carries no thread id), `"tool"` (one interpreter for the tool
-    instance) or `"none"` (a fresh interpreter per call).
+    `session` is `"thread"` (one interpreter per conversation thread; a call that carries no
+    thread id gets a fresh interpreter, since calls without one may come from different
+    users), `"tool"` (one interpreter for the tool instance) or `"none"` (a fresh interpreter
+    per call). Sessions live in the runner's own `Sandbox`: a key never reaches the
+    interpreter of another tool or policy.
+
+    The provider is resolved at construction (`boundary`): an unknown provider, one that does
+    not work here or cannot serve the policy raises then, not at the first call.
     """
 
     def __init__(
@@ -336,6 +354,11 @@ class ToolRunner:
         self.tool_name = tool_name
         if learner is not None:
             learner.watch(tool_name, self.policy)
+            self.boundary: Boundary = resolve_boundary(
+                learner.envelope(self.policy, provider=provider)
+            )
+        else:
+            self.boundary = resolve_boundary(self.policy, provider)
         self._sandbox: Sandbox | None = None
         self._lock = threading.Lock()
 
@@ -366,8 +389,9 @@ class ToolRunner:
         """The session a call runs in (None: stateless)."""
         if self.session_mode == "none":
             return None
-        if self.session_mode == "thread" and thread_id:
-            return f"thread:{thread_id}"
+        if self.session_mode == "thread":
+            # No thread id: the caller may be anyone, so nothing is kept between such calls.
+            return f"thread:{thread_id}" if thread_id else None
         return "tool"
 
     def run(

@@ -40,6 +40,7 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
+from agent_sandbox._boundary import resolve_boundary
 from agent_sandbox._errors import SandboxError
 from agent_sandbox._result import RunResult
 from agent_sandbox._sandbox import Sandbox
@@ -296,6 +297,9 @@ class SandboxedFunction(Generic[_P, _R]):
         self.func = func
         self.policy = resolve_policy(policy)
         self.provider = provider
+        #: The kernel boundary the calls run behind; a provider that cannot serve the
+        #: policy here fails now, not at the first call.
+        self.boundary = resolve_boundary(self.policy, provider)
         self.timeout = timeout
         self.warm = warm
         self.program = function_program(func, self_fields)

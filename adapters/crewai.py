@@ -136,8 +136,6 @@ class SandboxedPythonTool(BaseTool):
 
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
-        if not self.description:
-            self.description = describe_policy(self.policy, session=self.session)
         mode: SessionMode = "none" if self.session == "none" else "tool"
         self._runner = ToolRunner(
             self.policy,
@@ -150,7 +148,16 @@ class SandboxedPythonTool(BaseTool):
             learner=self._learner(),
             tool_name=self.name,
         )
+        if not self.description:
+            self.description = describe_policy(
+                self.policy, session=self.session, boundary=self._runner.boundary.name
+            )
         return self
+
+    @property
+    def boundary(self) -> str:
+        """The kernel boundary the calls run behind, e.g. `"bwrap+landlock+seccomp"`."""
+        return self._runner.boundary.name
 
     @property
     def last_result(self) -> RunResult | None:
@@ -191,6 +198,7 @@ class SandboxedPythonTool(BaseTool):
                 "denials": [d.to_dict() for d in result.denials],
                 "policy": self.policy.name,
                 "fingerprint": self.policy.fingerprint(),
+                "boundary": result.boundary,
                 "error": result.error.to_dict() if result.error else None,
             },
         )
@@ -235,6 +243,7 @@ def sandboxed_crewai_tool(
                 "denials": [d.to_dict() for d in result.denials],
                 "policy": body.policy.name,
                 "fingerprint": body.policy.fingerprint(),
+                "boundary": result.boundary,
             },
         )
 

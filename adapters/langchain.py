@@ -14,8 +14,13 @@ What the model sees and what the operator sees:
 * Live stdout/stderr goes through LangGraph's stream writer (`stream_mode="custom"`) when the
   tool runs inside a graph. Images the code produces come back as image content blocks.
 
-Sessions: `session="thread"` (default) gives each LangGraph `thread_id` its own interpreter,
+Sessions: `session="thread"` (default) gives each LangGraph `thread_id` its own interpreter
+(a call without a `thread_id` gets a fresh one: such calls may come from different users),
 `"tool"` one interpreter per tool instance, `"none"` a fresh interpreter per call.
+
+The provider (default `auto`, the strongest kernel sandbox that works here) is resolved when
+the tool is built: one that is unknown or cannot run here raises then. The description, every
+result (`boundary`) and the LangSmith metadata (`sandbox.boundary`) name the boundary.
 """
 
 from __future__ import annotations
@@ -150,8 +155,6 @@ class SandboxedPythonTool(BaseTool):
 
     @model_validator(mode="after")
     def _setup(self) -> SandboxedPythonTool:
-        if not self.description:
-            self.description = describe_policy(self.policy, session=self.session)
         self._runner = ToolRunner(
             self.policy,
             session=self.session,
@@ -163,7 +166,16 @@ class SandboxedPythonTool(BaseTool):
             learner=self._learner(),
             tool_name=self.name,
         )
+        if not self.description:
+            self.description = describe_policy(
+                self.policy, session=self.session, boundary=self._runner.boundary.name
+            )
         return self
+
+    @property
+    def boundary(self) -> str:
+        """The kernel boundary the calls run behind, e.g. `"bwrap+landlock+seccomp"`."""
+        return self._runner.boundary.name
 
     # -- the public extras -------------------------------------------------------------
 
@@ -227,6 +239,7 @@ class SandboxedPythonTool(BaseTool):
                 "policy": self.policy.name,
                 "fingerprint": self.policy.fingerprint(),
                 "session": result.session,
+                "boundary": result.boundary,
             }
         return out, payload
 
@@ -298,6 +311,8 @@ def _annotate_trace(policy: Policy, result: RunResult, out: Outcome) -> None:
         "sandbox.policy": policy.name,
         "sandbox.fingerprint": policy.fingerprint(),
         "sandbox.outcome": out.kind,
+        "sandbox.boundary": result.boundary,
+        "sandbox.provider": result.provider,
     }
     if out.rules:
         metadata["sandbox.rules"] = list(out.rules)
@@ -388,6 +403,7 @@ def sandboxed_langchain_tool(
             **(tool.metadata or {}),
             "sandbox.policy": body.policy.name,
             "sandbox.fingerprint": body.policy.fingerprint(),
+            "sandbox.boundary": body.boundary.name,
         },
     )
     call.sandbox = body  # type: ignore[attr-defined]  # so callers can close it

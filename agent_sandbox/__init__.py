@@ -32,8 +32,10 @@ from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
 from agent_sandbox._learn import Learner as Learner
+from agent_sandbox._learn import apply_proposal as apply_proposal
 from agent_sandbox._learn import learn_run as learn_run
 from agent_sandbox._learn import learning_envelope as learning_envelope
+from agent_sandbox._learn import write_proposal as write_proposal
 from agent_sandbox._result import Image as Image
 from agent_sandbox._result import RunError as RunError
 from agent_sandbox._result import RunResult as RunResult
@@ -78,8 +80,10 @@ __all__ = [
     "WorkerCrashed",
     "WorkerError",
     "WorkerStartError",
+    "apply_proposal",
     "learn_run",
     "learning_envelope",
     "load_policy",
     "resolve_policy",
+    "write_proposal",
 ]

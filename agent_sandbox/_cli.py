@@ -4,10 +4,11 @@ Commands:
 
 * `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S]`: run code in a
   sandboxed worker; output streams live; denials print in a block. Exit statuses (also in
-  the README): 0 the code completed and nothing was refused; 1 the code raised; 2 a policy
-  refusal or a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider
-  that cannot run here; 70 the worker failed; 78 a policy that does not load; 130 interrupted.
-  Under `--json` every error is a JSON object on stdout too.
+  the README): 0 the code completed and nothing was refused; 1 the code raised (or learning
+  could not make, write or apply a proposal); 2 a policy refusal or a limit; 64 a usage
+  error; 66 an input file that cannot be read; 69 a provider that cannot run here; 70 the
+  worker failed; 78 a policy that does not load; 130 interrupted. Under `--json` every error
+  is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
@@ -178,12 +179,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, as other command-line tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _exit_status(exc: SandboxError) -> int:
     """The documented exit status for a failure outside the user's code."""
-    from agent_sandbox._errors import PolicyError, PolicyNotFound, ProviderUnavailable
+    from agent_sandbox._errors import (
+        LearningError,
+        PolicyError,
+        PolicyNotFound,
+        ProviderUnavailable,
+    )
 
+    if isinstance(exc, LearningError):
+        return EXIT_ERROR
     if isinstance(exc, _InputError):
         return EXIT_NOINPUT
     if isinstance(exc, ProviderUnavailable):
@@ -268,12 +281,19 @@ def print_result_tail(result: Any, stream: TextIO) -> None:
 
 
 def _cmd_policy_check(args: argparse.Namespace) -> int:
+    from agent_sandbox._boundary import NO_BOUNDARY, resolve_boundary
     from agent_sandbox.policies import resolve_policy
     from agent_sandbox.providers._masks import policy_file_warnings
 
     policy = resolve_policy(args.file)
+    # The provider is part of the check: unknown, missing here, or unable to serve the policy.
+    boundary = resolve_boundary(policy)
     style = Style(sys.stdout)
     print(style.green("ok: ") + f"{policy.name} (fingerprint {policy.fingerprint()})")
+    if boundary.name == NO_BOUNDARY:
+        print(style.yellow(f"provider {policy.provider}: no kernel boundary (explicit opt-out)"))
+    else:
+        print(f"provider {policy.provider}: {boundary.name}")
     for warning in policy_file_warnings(policy):
         print(style.yellow("warning: ") + warning)
     return EXIT_OK

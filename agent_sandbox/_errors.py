@@ -97,6 +97,7 @@ class PolicyError(SandboxError, ValueError):
         line: int | None = None,
         expected: str | None = None,
     ) -> None:
+        self.reason = message
         self.source = source
         self.key = key
         self.line = line
@@ -126,10 +127,19 @@ class ProviderUnavailable(SandboxError):
     def __init__(self, provider: str, reason: str) -> None:
         self.provider = provider
         self.reason = reason
+        if provider == "auto":
+            fix = (
+                "Install what is missing (bubblewrap, or a kernel with Landlock or user "
+                "namespaces); `agent-sandbox doctor` shows what each sandbox needs"
+            )
+        else:
+            fix = (
+                "Install what is missing, or name another provider in the policy "
+                '(`provider = "auto"` picks the strongest one that works; '
+                "`agent-sandbox doctor` lists them)"
+            )
         super().__init__(
-            f"provider {provider!r} is not available on this machine: {reason}. "
-            f"Install what is missing, or name another provider in the policy "
-            f'(`provider = "auto"` picks the strongest one that works).'
+            f"provider {provider!r} is not available on this machine: {reason}. {fix}."
         )
 
 

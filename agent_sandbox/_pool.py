@@ -13,6 +13,7 @@ are started directly (the same plan and restrictions either way).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 
 from agent_sandbox._errors import SandboxClosed, WorkerStartError
@@ -22,6 +23,8 @@ from agent_sandbox.policies import Policy
 from agent_sandbox.providers import Provider
 
 __all__ = ["PoolRegistry", "WorkerPool"]
+
+_log = logging.getLogger("agent_sandbox.pool")
 
 
 class WorkerPool:
@@ -37,10 +40,19 @@ class WorkerPool:
         self._ready: collections.deque[WorkerProcess] = collections.deque()
         self._lock = threading.Lock()
         self._refilling = False
+        self._refill_thread: threading.Thread | None = None
         self._closed = False
         self.started = 0
         self.last_error: BaseException | None = None
         self.use_template = provider.name in TEMPLATE_PROVIDERS
+        if not provider.is_boundary:
+            _log.warning(
+                "policy %r runs under provider %r with no kernel boundary (its explicit "
+                "no_kernel_boundary opt-out): only the Python guards and rlimits hold the "
+                "code, and hostile code gets past them",
+                policy.name,
+                provider.name,
+            )
         self._template: WorkerTemplate | None = None
         self._template_lock = threading.Lock()
 
@@ -115,7 +127,9 @@ class WorkerPool:
             if self._refilling or self._closed or len(self._ready) >= self.warm:
                 return
             self._refilling = True
-        threading.Thread(target=self._refill, name="agent-sandbox-refill", daemon=True).start()
+            thread = threading.Thread(target=self._refill, name="agent-sandbox-refill", daemon=True)
+            self._refill_thread = thread
+        thread.start()
 
     def _refill(self) -> None:
         try:
@@ -142,6 +156,11 @@ class WorkerPool:
             self._ready.clear()
         for worker in ready:
             worker.discard()
+        thread = self._refill_thread
+        if thread is not None and thread is not threading.current_thread():
+            # A start in progress discards its worker when it sees the pool closed; wait for
+            # it, so that nothing of this pool is left once close() returns.
+            thread.join(self.start_timeout + 1.0)
         with self._template_lock:
             if self._template is not None:
                 self._template.close()
@@ -168,6 +187,14 @@ class PoolRegistry:
             pool, refs = entry
             self._pools[key] = (pool, refs + 1)
             return pool
+
+    def close_all(self) -> None:
+        """Close every pool (at interpreter exit)."""
+        with self._lock:
+            pools = [pool for pool, _refs in self._pools.values()]
+            self._pools.clear()
+        for pool in pools:
+            pool.close()
 
     def release(self, pool: WorkerPool) -> None:
         with self._lock:

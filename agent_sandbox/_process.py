@@ -17,7 +17,6 @@ SIGKILL. A worker that dies is reported with its exit status, never waited on fo
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -28,7 +27,6 @@ import importlib.util
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import stat
@@ -41,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from agent_sandbox import _lifecycle
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
@@ -48,6 +47,7 @@ from agent_sandbox._errors import (
     WorkerStartError,
     describe_exit,
 )
+from agent_sandbox._guardian import remove_tree
 from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox._unpickle import Decoder
@@ -91,14 +91,8 @@ _PACKAGES = (
     "agent_sandbox.policies",
     "agent_sandbox.providers",
 )
-#: Every worker is forked from this one lasting thread. Sandboxes ask for SIGKILL when their
-#: parent dies (bwrap's --die-with-parent, the unshare launcher, setpriv in front of
-#: firejail), and the kernel means the parent *thread*: a worker forked from a short-lived
-#: thread (agent frameworks call tools from pool threads) would die with that thread.
-_LAUNCH_THREAD = concurrent.futures.ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="agent-sandbox-launch"
-)
 _TERM_GRACE = 0.5
+_DISCARD_WAIT = 2.0
 _EVENT_SLACK = 256 * 1024
 
 
@@ -226,7 +220,8 @@ class WorkerProcess:
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
         t0 = time.monotonic()
-        self.control_dir = tempfile.mkdtemp(prefix="agent-sandbox-")
+        _lifecycle.ensure_guardian()
+        self.control_dir = tempfile.mkdtemp(prefix=_lifecycle.control_dir_prefix())
         os.chmod(self.control_dir, 0o700)
         self.scratch = os.path.join(self.control_dir, "scratch")
         os.mkdir(self.scratch, 0o700)
@@ -263,7 +258,8 @@ class WorkerProcess:
                 if self.cgroups is not None and depth is None:
                     # A launcher of no fixed shape joins the groups itself before it runs.
                     plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
-                self.proc = _LAUNCH_THREAD.submit(provider.launch, plan, log).result()
+                plan = dataclasses.replace(plan, env={**plan.env, **_lifecycle.owner_env()})
+                self.proc = _lifecycle.launch(provider.launch, plan, log)
         except BaseException:
             listener.close()
             os.close(boot_r)
@@ -274,58 +270,63 @@ class WorkerProcess:
             listener.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
-        boot = {
-            "token": self.token,
-            "worker_id": self.id,
-            "listen_fd": spec.listen_fd,
-            "policy": policy.to_wire(),
-            "sys_path": list(spec.sys_path),
-            "package_dirs": dict(spec.package_dirs),
-            "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
-            "worker_setup": dict(self.plan.worker_setup),
-            "host_env_names": sorted(os.environ),
-        }
         try:
-            _write_all(boot_w, json.dumps(boot).encode())
-        except OSError as exc:
-            tail = self.log_tail()
-            self.kill()
-            raise WorkerStartError(
-                f"could not send the boot configuration ({exc})", log_tail=tail
-            ) from None
-        finally:
-            os.close(boot_w)
-        cgroups, proc = self.cgroups, self.proc
-        if cgroups is not None and depth is not None:
-            # While the worker boots (it has its configuration already). It runs no user code
-            # and forks nothing before its handshake, so joining now covers all it will start.
-            if depth == 0:
-                self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
-            else:
-                alive = lambda: proc.poll() is None  # noqa: E731
-                self._place_in_cgroups(
-                    lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
+            boot = {
+                "token": self.token,
+                "worker_id": self.id,
+                "listen_fd": spec.listen_fd,
+                "policy": policy.to_wire(),
+                "sys_path": list(spec.sys_path),
+                "package_dirs": dict(spec.package_dirs),
+                "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
+                "worker_setup": dict(self.plan.worker_setup),
+                "host_env_names": sorted(os.environ),
+            }
+            try:
+                _write_all(boot_w, json.dumps(boot).encode())
+            except OSError as exc:
+                tail = self.log_tail()
+                self.kill()
+                raise WorkerStartError(
+                    f"could not send the boot configuration ({exc})", log_tail=tail
+                ) from None
+            finally:
+                os.close(boot_w)
+            cgroups, proc = self.cgroups, self.proc
+            if cgroups is not None and depth is not None:
+                # While the worker boots (it has its configuration already). It runs no user code
+                # and forks nothing before its handshake, so joining now covers all it will start.
+                if depth == 0:
+                    self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
+                else:
+                    alive = lambda: proc.poll() is None  # noqa: E731
+                    self._place_in_cgroups(
+                        lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
+                    )
+            max_event = policy.limits.result_bytes + _EVENT_SLACK
+            self.client = WorkerClient(sock_path, self.token, max_event)
+            try:
+                remaining = start_timeout - (time.monotonic() - t0)
+                self.hello = self.client.hello(max(0.05, remaining))
+            except (TimeoutError, TransportError) as exc:
+                status = self.proc.poll()
+                tail = self.log_tail()
+                self.kill()
+                reason = (
+                    f"it exited early ({describe_exit(status)})"
+                    if status is not None
+                    else f"no handshake within {start_timeout:g} s ({exc})"
                 )
-        max_event = policy.limits.result_bytes + _EVENT_SLACK
-        self.client = WorkerClient(sock_path, self.token, max_event)
-        try:
-            remaining = start_timeout - (time.monotonic() - t0)
-            self.hello = self.client.hello(max(0.05, remaining))
-        except (TimeoutError, TransportError) as exc:
-            status = self.proc.poll()
-            tail = self.log_tail()
+                raise WorkerStartError(reason, log_tail=tail) from None
+            self._verify_hello()
+            if cgroups is not None and depth:
+                # Whatever the first pass missed at the worker's depth or below (normally
+                # nothing: one read per group); the launcher's own processes stay outside.
+                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
+        except BaseException:
+            # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
             self.kill()
-            reason = (
-                f"it exited early ({describe_exit(status)})"
-                if status is not None
-                else f"no handshake within {start_timeout:g} s ({exc})"
-            )
-            raise WorkerStartError(reason, log_tail=tail) from None
-        self._verify_hello()
-        if cgroups is not None and depth:
-            # Whatever the first pass missed at the worker's depth or below (normally
-            # nothing: one read per group); the launcher's own processes stay outside.
-            self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
+            raise
         self.started_at = time.monotonic()
         return self
 
@@ -515,7 +516,7 @@ class WorkerProcess:
 
     def _on_lost(self, builder: ResultBuilder) -> None:
         assert self.policy is not None
-        status = self.wait_exit(1.0)
+        status = self._worker_status(self.wait_exit(1.0))
         self.dead = True
         self.kill()
         if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
@@ -539,6 +540,16 @@ class WorkerProcess:
             traceback=self.log_tail(),
             rule="worker.crashed",
         )
+
+    def _worker_status(self, status: int | None) -> int | None:
+        """The worker's own status: a launcher (bwrap, unshare) relays a worker killed by
+        signal N as exit status 128 + N, read back here as -N."""
+        if status is None or status <= 128 or self.plan is None or self.plan.worker_depth == 0:
+            return status
+        try:
+            return -signal.Signals(status - 128)
+        except ValueError:
+            return status
 
     def _cpu_exhausted(self) -> bool:
         # A SIGKILL after the worker's group used up its CPU time: the hard RLIMIT_CPU (user
@@ -596,7 +607,12 @@ class WorkerProcess:
             self._cleanup_dirs()
 
     def discard(self) -> None:
-        """End the worker without waiting in the caller's thread (KILL, reap in background)."""
+        """End the worker now: KILL its group and cgroups, reap it, remove its directories.
+
+        Synchronous (a killed process is reaped within milliseconds); only a process that
+        does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
+        (`_lifecycle`) removes whatever that one has not.
+        """
         with self._lock:
             self.dead = True
             if self.client is not None:
@@ -607,9 +623,12 @@ class WorkerProcess:
                 if self.cgroups is not None:
                     self.cgroups.kill()
                 self._reaped = True
-                threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
-            else:
-                self._cleanup_dirs()
+                try:
+                    proc.wait(_DISCARD_WAIT)
+                except subprocess.TimeoutExpired:
+                    threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
+                    return
+            self._cleanup_dirs()
 
     def _reap(self, proc: ChildProcess) -> None:
         try:
@@ -633,9 +652,9 @@ class WorkerProcess:
                 self._log.close()
         if self.plan is not None:
             for path in self.plan.cleanup_paths:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
         if self.control_dir:
-            shutil.rmtree(self.control_dir, ignore_errors=True)
+            remove_tree(self.control_dir)
 
     def log_tail(self, lines: int = 20) -> str:
         """The last lines the worker wrote to its descriptors 1 and 2 (see `bounded_log`)."""

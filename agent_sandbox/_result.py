@@ -86,6 +86,14 @@ class RunResult:
     files: tuple[dict[str, Any], ...] = ()
 
     @property
+    def boundary(self) -> str:
+        """The kernel boundary that held the worker, e.g. `"bwrap+landlock+seccomp"`;
+        `"none"` under the `subprocess` opt-out; `""` when no worker ran."""
+        from agent_sandbox._boundary import boundary_name
+
+        return boundary_name(self.stack)
+
+    @property
     def ok(self) -> bool:
         """The code completed and nothing it did was refused (library-internal refusals,
         which the user's code never saw, do not count; they stay in `denials`)."""
@@ -125,6 +133,7 @@ class RunResult:
             "fingerprint": self.fingerprint,
             "provider": self.provider,
             "stack": list(self.stack),
+            "boundary": self.boundary,
             "state_lost": self.state_lost,
             "notices": list(self.notices),
             "images": [i.to_dict() for i in self.images]

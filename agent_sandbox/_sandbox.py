@@ -21,13 +21,14 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from agent_sandbox._boundary import Boundary, resolve_boundary
 from agent_sandbox._calllock import CallLock
 from agent_sandbox._errors import SandboxClosed
 from agent_sandbox._pool import REGISTRY, WorkerPool
 from agent_sandbox._process import WorkerProcess
 from agent_sandbox._result import RunError, RunResult
 from agent_sandbox.policies import Policy, resolve_policy
-from agent_sandbox.providers import Provider, select_provider
+from agent_sandbox.providers import Provider
 
 __all__ = ["Sandbox", "Session"]
 
@@ -191,8 +192,11 @@ class Sandbox:
     """Runs code under one policy; see the module docstring for sessions and the pool.
 
     `policy` is a `Policy`, the name of a shipped policy, or a TOML path. `provider`
-    overrides the policy's provider. An explicitly named provider that cannot run here
-    raises `ProviderUnavailable`; nothing is downgraded silently.
+    overrides the policy's provider (default `auto`: the strongest kernel sandbox that works
+    here). A provider that is unknown, cannot run here or cannot serve the policy raises
+    `ProviderUnavailable` here, at construction; `auto` never falls back to no boundary, and
+    `subprocess` needs the policy's `no_kernel_boundary = "accepted"` (else `PolicyError`).
+    `boundary.name` says what holds the workers, e.g. `"bwrap+landlock+seccomp"`.
     """
 
     def __init__(
@@ -206,10 +210,13 @@ class Sandbox:
         start_timeout: float = 15.0,
     ) -> None:
         resolved = resolve_policy(policy)
+        # Everything that can be wrong about the provider fails here, not at the first call.
+        self.boundary: Boundary = resolve_boundary(resolved, provider)
         if provider is not None and provider != resolved.provider:
             resolved = resolved.model_copy(update={"provider": provider})
         self.policy = resolved
-        self.provider: Provider = select_provider(resolved.provider)
+        #: The provider workers start with (`auto` resolved to the one it chose here).
+        self.provider: Provider = self.boundary.provider
         self.max_sessions = max(1, max_sessions)
         self.session_ttl = session_ttl
         self._pool: WorkerPool = REGISTRY.get(

@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,9 @@ import threading
 import time
 from typing import IO, Any
 
+from agent_sandbox import _lifecycle
 from agent_sandbox._errors import WorkerStartError
+from agent_sandbox._guardian import remove_tree
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
@@ -115,7 +116,8 @@ class WorkerTemplate:
         if provider.name not in TEMPLATE_PROVIDERS:
             raise WorkerStartError(f"provider {provider.name!r} does not use worker templates")
         self = cls()
-        self.folder = tempfile.mkdtemp(prefix="agent-sandbox-template-")
+        _lifecycle.ensure_guardian()
+        self.folder = tempfile.mkdtemp(prefix=_lifecycle.control_dir_prefix() + "template-")
         spec = WorkerSpec(
             python=worker_python(),
             boot_script=BOOT_SCRIPT,
@@ -137,7 +139,7 @@ class WorkerTemplate:
             argv = (spec.python, "-I", "-S", "-B", spec.boot_script, str(boot_r))
             self.proc = subprocess.Popen(
                 argv,
-                env=base_env(spec),
+                env={**base_env(spec), **_lifecycle.owner_env()},
                 cwd=self.folder,
                 pass_fds=(child.fileno(), boot_r),
                 stdin=subprocess.DEVNULL,
@@ -260,4 +262,4 @@ class WorkerTemplate:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
         if self.folder:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            remove_tree(self.folder)

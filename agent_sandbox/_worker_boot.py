@@ -46,6 +46,9 @@ def _map_packages(package_dirs: dict) -> None:  # type: ignore[type-arg]
 def load(fd: int) -> dict:  # type: ignore[type-arg]
     """Steps 1 and 2: the boot configuration, then the import roots and packages."""
     boot = _read_boot(fd)
+    # The agent's owner mark (see `_guardian.py`) stays in /proc/self/environ for the
+    # agent's clean-up, but is none of the code's business.
+    os.environ.pop("AGENT_SANDBOX_OWNER", None)
     sys.path[:] = list(boot["sys_path"])
     _map_packages(boot["package_dirs"])
     return boot

@@ -26,8 +26,10 @@ def explain_policy(policy: Policy) -> str:
     )
     f = policy.files
     lines.append("files:")
-    lines.append(f"  read:  $SCRATCH, {_items(f.read, '(nothing else)')}")
-    lines.append(f"  write: $SCRATCH, {_items(f.write, '(nothing else)')}")
+    read = tuple(e for e in f.read if e != "$SCRATCH")
+    write = tuple(e for e in f.write if e != "$SCRATCH")
+    lines.append(f"  read:  $SCRATCH, {_items(read, '(nothing else)')}")
+    lines.append(f"  write: $SCRATCH, {_items(write, '(nothing else)')}")
     if f.deny:
         lines.append(f"  deny:  {_items(f.deny, '')}")
     lines.append(f"  hidden (look absent): {_items(f.hide, '(none)')}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import difflib
 import os
 import re
 import stat
@@ -304,8 +305,24 @@ def policy_from_dict(
     extends = data.pop("extends", None)
     sources: tuple[str, ...] = ()
     if extends is not None:
-        base = _resolve_extends(extends, source)
-        data = merge_dicts(base.model_dump(mode="json", by_alias=True), data)
+        try:
+            base = _resolve_extends(extends, source)
+        except PolicyError as exc:
+            if exc.line is not None or exc.source != source or not text:
+                raise
+            # The error is about this file's own `extends` line: say which line it is.
+            raise type(exc)(
+                exc.reason,
+                source=source,
+                key="extends",
+                line=_find_line(text, ["extends"]),
+                expected=exc.expected,
+            ) from None
+        inherited = base.model_dump(mode="json", by_alias=True)
+        # The parent's description describes the parent: a child that changes its rules
+        # would otherwise claim, say, "no network" while it adds a net rule.
+        inherited.pop("description", None)
+        data = merge_dicts(inherited, data)
         sources = tuple(s for s in (base.source, *base.sources) if s)
     with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
@@ -416,8 +433,7 @@ def map_validation_errors(source: str | None, text: str | None) -> Iterator[None
             key = ".".join(loc) or "<root>"
             expected: str | None
             if err["type"] == "extra_forbidden":
-                msg = "unknown key"
-                expected = "one of the documented keys (see `agent-sandbox policy explain`)"
+                msg, expected = _unknown_key(loc)
             else:
                 msg = err["msg"].removeprefix("Value error, ")
                 expected = _expected_for(err)
@@ -430,12 +446,61 @@ def map_validation_errors(source: str | None, text: str | None) -> Iterator[None
             )
         if len(errors) > MAX_PROBLEMS:
             problems.append(f"... and {len(errors) - MAX_PROBLEMS} more")
-        message = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)
+        if len(problems) == 1:
+            # The file, line and key go in front of the message once, by PolicyError.
+            only = problems[0].removeprefix(f"line {first_line}: ").removeprefix(f"[{first_key}] ")
+            raise PolicyError(only, source=source, key=first_key, line=first_line) from None
+        message = "\n  " + "\n  ".join(problems)
         raise PolicyError(
             f"invalid policy: {message}", source=source, key=first_key, line=first_line
         ) from None
     finally:
         _mapping.reset(token)
+
+
+def _unknown_key(loc: list[str]) -> tuple[str, str]:
+    """The message for an unknown key: the closest known key, and the keys that exist there."""
+    from agent_sandbox.policies._model import Policy
+
+    model: Any = Policy
+    for part in loc[:-1]:
+        if part.isdigit():
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        inner = _model_of(field.annotation) if field is not None else None
+        if inner is None:
+            return "unknown key", "a documented key (docs/policies.md lists them)"
+        model = inner
+    fields = getattr(model, "model_fields", {})
+    known = sorted({f.alias or name for name, f in fields.items()} | _loader_keys(model))
+    given = loc[-1] if loc else ""
+    close = (
+        difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+        or [k for k in known if given and k.startswith(given)][:1]
+    )
+    msg = f"unknown key; did you mean `{close[0]}`?" if close else "unknown key"
+    where = f"[{'.'.join(p for p in loc[:-1] if not p.isdigit())}]" if len(loc) > 1 else "the top"
+    return msg, f"one of the keys of {where}: {', '.join(known)}"
+
+
+def _loader_keys(model: Any) -> set[str]:
+    """Keys the loader reads itself (not fields of the model) where they are valid."""
+    from agent_sandbox.policies._model import Policy
+
+    return {"extends"} if model is Policy else set()
+
+
+def _model_of(annotation: Any) -> Any:
+    """The pydantic model inside a field's annotation (`LimitsPolicy`, `tuple[NetRule, ...]`)."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _expected_for(err: Any) -> str | None:

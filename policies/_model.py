@@ -178,8 +178,14 @@ class ImportsPolicy(_Section):
 
     @field_validator("allow", "deny")
     @classmethod
-    def _modules(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _modules(cls, value: tuple[str, ...], info: Any) -> tuple[str, ...]:
         for entry in value:
+            if info.field_name == "allow" and entry.endswith(".*") and _MODULE_RE.match(entry):
+                # `pkg.*` allows the submodules only, so `import pkg` itself stays refused.
+                raise ValueError(
+                    f"{entry!r} allows only the submodules, never `import {entry[:-2]}` "
+                    f"itself; write {entry[:-2]!r} (it covers the submodules too)"
+                )
             if entry != "*" and not _MODULE_RE.match(entry):
                 raise ValueError(f"{entry!r} is not a module name")
         return value
@@ -226,9 +232,13 @@ class ApiPolicy(_Section):
 class CodeBudgets(_Section):
     """Budgets the rewritten code counts against while it runs (0 means unlimited).
 
+    Integers only (a string or a boolean is an error, not a conversion).
+
     Each one exceeded is a `code.<budget>` denial (`code.iterations`, `code.call-depth`,
     `code.allocation`); see `agent_sandbox.guards._code_budget` for what is counted.
     """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
 
     #: Loop iterations per call, over all `for`/`while` loops and comprehensions together.
     max_iterations: int = Field(default=10_000_000, ge=0)
@@ -312,7 +322,12 @@ class CodePolicy(_Section):
 
 
 class LimitsPolicy(_Section):
-    """Resource limits; each one hit is a `limits.<name>` denial and the worker is replaced."""
+    """Resource limits; each one hit is a `limits.<name>` denial and the worker is replaced.
+
+    Numbers only: `wall_seconds = "60"` (a string) or `true` is an error, not a conversion.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
 
     wall_seconds: float = Field(default=30.0, gt=0, le=86_400)
     cpu_seconds: int = Field(default=60, ge=1)
@@ -328,6 +343,21 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+
+
+#: Providers that are no kernel boundary: a policy names one only with the explicit opt-out.
+NO_BOUNDARY_PROVIDERS = frozenset({"subprocess"})
+
+
+def check_boundary_opt_out(provider: str, acknowledgement: str) -> None:
+    """Refuse a provider without a kernel boundary unless the policy accepts that in words."""
+    if provider in NO_BOUNDARY_PROVIDERS and acknowledgement != "accepted":
+        raise ValueError(
+            f"provider {provider!r} runs the code with no kernel boundary (only the Python "
+            'guards and rlimits, which hostile code gets past); use provider = "auto" '
+            "(the strongest kernel sandbox that works here, see `agent-sandbox doctor`), or "
+            'opt out in so many words with no_kernel_boundary = "accepted"'
+        )
 
 
 def _is_ip_or_cidr(host: str) -> bool:
@@ -367,7 +397,10 @@ class Policy(_Section):
 
     name: str = "unnamed"
     description: str = ""
-    provider: str = "subprocess"
+    provider: str = "auto"
+    #: The explicit opt-out from a kernel boundary: `provider = "subprocess"` is refused
+    #: unless this says `"accepted"` (the Python guards and rlimits are then all that holds).
+    no_kernel_boundary: Literal["", "accepted"] = ""
     result_mode: Literal["data-only", "objects"] = "data-only"
     #: Extra globals the host's restricted unpickler may rebuild in `objects` mode:
     #: `"pkg.models.*"` admits the pydantic models, dataclasses, enums, named tuples and
@@ -421,6 +454,11 @@ class Policy(_Section):
         if value not in PROVIDERS:
             raise ValueError(f"unknown provider {value!r}; known: {', '.join(sorted(PROVIDERS))}")
         return value
+
+    @model_validator(mode="after")
+    def _boundary_opt_out(self) -> Policy:
+        check_boundary_opt_out(self.provider, self.no_kernel_boundary)
+        return self
 
     @model_validator(mode="after")
     def _danger_named(self) -> Policy:

@@ -1,15 +1,17 @@
 """The `auto` provider: the deepest stack of kernel boundaries that works here for a policy.
 
 What it does: for each policy it builds the plan of every candidate that its probe says
-works (`bwrap`, `unshare`, `landlock`, then `subprocess`), drops those that cannot serve the
+works (`bwrap`, `unshare`, `landlock`), drops those that cannot serve the
 policy (a namespace without network cannot serve a policy that allows a remote host), and
 takes the deepest stack, the provider's strength breaking ties. The chosen stack is in the
 plan: `LaunchPlan.stack`, e.g. `("bwrap", "landlock", "seccomp")`, and the provider's name
 in `LaunchPlan.provider` (so results say what really ran).
 
 What it does not do: choose `firejail` (a setuid program with a history of escalations;
-only a policy that names it gets it), or hide a fallback: when no kernel boundary works,
-the plan says `("subprocess",)` and the probe's `details` say why each boundary is missing.
+only a policy that names it gets it), or fall back to no boundary: when no kernel boundary
+works here (or none can serve the policy) it raises `ProviderUnavailable` naming what each
+one lacks and pointing at `agent-sandbox doctor`. Running without a kernel boundary takes a
+policy that says `provider = "subprocess"` and `no_kernel_boundary = "accepted"`.
 A provider named explicitly never goes through here: it runs or raises.
 """
 
@@ -22,7 +24,6 @@ from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._landlock import LandlockProvider
-from agent_sandbox.providers._subprocess import SubprocessProvider
 from agent_sandbox.providers._unshare import UnshareProvider
 
 __all__ = ["AUTO_CANDIDATES", "AutoProvider", "choose_plan"]
@@ -32,14 +33,13 @@ AUTO_CANDIDATES: tuple[type[Provider], ...] = (
     BwrapProvider,
     UnshareProvider,
     LandlockProvider,
-    SubprocessProvider,
 )
 
 
 def choose_plan(plans: list[tuple[Provider, LaunchPlan]]) -> tuple[Provider, LaunchPlan]:
     """The deepest stack among candidate plans; the stronger provider wins a tie (pure)."""
     if not plans:
-        raise ProviderUnavailable("auto", "no provider can serve this policy here")
+        raise ProviderUnavailable("auto", "no kernel sandbox can serve this policy here")
     return max(plans, key=lambda pair: (len(pair[1].stack), pair[0].strength))
 
 
@@ -63,7 +63,7 @@ class AutoProvider(Provider):
         return ProbeResult(
             self.name,
             bool(usable),
-            reason="" if usable else "no candidate provider works here",
+            reason="" if usable else _no_boundary(why),
             version=" > ".join(names),
             details={"candidates": names, "unavailable": why},
         )
@@ -77,7 +77,12 @@ class AutoProvider(Provider):
             except ProviderUnavailable as exc:
                 refused.append(f"{provider.name}: {exc.reason}")
         if not plans:
-            raise ProviderUnavailable("auto", "; ".join(refused) or "no provider works here")
+            if refused:
+                raise ProviderUnavailable(
+                    "auto",
+                    f"no kernel sandbox can serve this policy here ({'; '.join(refused)})",
+                )
+            self.require()
         return choose_plan(plans)[1]
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -86,3 +91,8 @@ class AutoProvider(Provider):
             if provider.name == plan.provider:
                 return provider.launch(plan, log)
         raise ProviderUnavailable("auto", f"the plan names an unknown provider {plan.provider!r}")
+
+
+def _no_boundary(why: dict[str, str]) -> str:
+    missing = "; ".join(f"{name}: {reason}" for name, reason in why.items())
+    return f"no kernel sandbox works here ({missing or 'no candidates'})"

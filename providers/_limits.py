@@ -45,6 +45,7 @@ __all__ = [
     "REPLACING_RULES",
     "WorkerCgroups",
     "cgroup_support",
+    "hierarchy_bases",
     "limit_denial_rule",
     "record_limit_hits",
     "start_cgroups",
@@ -122,6 +123,11 @@ def _unified_controllers(h: _Hierarchy) -> set[str]:
             return set(fh.read().split())
     except OSError:
         return set()
+
+
+def hierarchy_bases() -> list[str]:
+    """The folders this process makes worker groups in (one per writable hierarchy)."""
+    return sorted({h.base for h in _hierarchies().values()})
 
 
 def cgroup_support() -> dict[str, Any]:

@@ -138,6 +138,32 @@ def test_two_threads_get_two_sessions(tool):
     assert sorted(tool.sessions()) == ["thread:a", "thread:b"]
 
 
+def test_shared_no_thread_interpreter(tool):
+    """It gives every call without a LangGraph thread_id a fresh interpreter: such calls may
+    come from different users, so user B never reads what user A left behind."""
+    tool.invoke(tool_call("secret = 'user-a'", call_id="a"))
+    msg = tool.invoke(tool_call("secret", call_id="b"))
+    assert msg.status == "success" and "NameError" in msg.content
+    assert tool.sessions() == []
+
+
+def test_a_thread_key_never_crosses_tools_or_policies():
+    """It keeps the same thread_id apart in two tools of one policy and in two policies."""
+    cfg = {"configurable": {"thread_id": "shared"}}
+    a = SandboxedPythonTool(policy=small_policy(), warm=0)
+    b = SandboxedPythonTool(policy=small_policy(), warm=0, name="run_python_b")
+    c = SandboxedPythonTool(policy=small_policy(memory_mb=512), warm=0)
+    try:
+        a.invoke(tool_call("secret = 'tool-a'", call_id="a"), config=cfg)
+        for other in (b, c):
+            msg = other.invoke(tool_call("secret", call_id="x"), config=cfg)
+            assert msg.status == "success" and "NameError" in msg.content
+        assert a.invoke(tool_call("secret", call_id="y"), config=cfg).content == "'tool-a'"
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
 def test_stateless_and_per_tool_sessions():
     stateless = SandboxedPythonTool(policy=small_policy(), warm=0, session="none")
     try:
@@ -202,11 +228,12 @@ def test_worker_crash_mid_conversation_then_next_call_works(tool):
 
 def test_timeout_is_a_handled_error_and_the_next_call_works():
     t = SandboxedPythonTool(policy=small_policy(wall_seconds=1), warm=0)
+    cfg = {"configurable": {"thread_id": "timeout"}}
     try:
-        msg = t.invoke(tool_call("import time\ntime.sleep(5)", call_id="c1"))
+        msg = t.invoke(tool_call("import time\ntime.sleep(5)", call_id="c1"), config=cfg)
         assert msg.status == "error" and "[limits.timeout]" in msg.content
         assert "wall_seconds" in msg.content
-        after = t.invoke(tool_call("print(1)", call_id="c2"))
+        after = t.invoke(tool_call("print(1)", call_id="c2"), config=cfg)
         assert after.status == "success" and after.content.endswith("1")
         assert "variables and imports were lost" in after.content
     finally:
@@ -255,6 +282,15 @@ def test_description_is_generated_from_the_policy(tool):
     assert "math, json, time" in d and "Network: off" in d
     assert "10 s per call" in d and "persist" in d and "retrying the same thing" in d
     assert "dunder" in d
+    assert f"Isolation: kernel sandbox {tool.boundary}." in d
+
+
+def test_an_unknown_provider_fails_at_construction():
+    """It raises when the tool is built, not at the model's first call."""
+    from agent_sandbox import ProviderUnavailable
+
+    with pytest.raises(ProviderUnavailable, match="docker"):
+        SandboxedPythonTool(provider="docker")
 
 
 def test_policy_by_preset_name_and_toml_path(tmp_path):
@@ -353,6 +389,7 @@ def test_langsmith_run_gets_refusal_tags_and_metadata(tool, monkeypatch):
     assert metadata["sandbox.policy"] == "lc-test"
     assert metadata["sandbox.fingerprint"] == tool.policy.fingerprint()
     assert metadata["sandbox.rules"] == ["limits.output"]
+    assert metadata["sandbox.boundary"] == tool.boundary != "none"
 
 
 # -- langchain-tests standard suites ------------------------------------------------------

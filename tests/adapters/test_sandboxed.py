@@ -244,10 +244,13 @@ def test_fetch_tool_allowed_one_port_and_nothing_else(wrap):
     for t in threads:
         t.start()
     allowed, other = (s.getsockname()[1] for s in listeners)
+    # The listener is on the host's loopback: `landlock` keeps the host network and filters
+    # TCP ports in the kernel (a namespace provider has a loopback of its own).
     fetch = wrap(
         send_hello,
         policy=Policy(
             name="fetch-one-port",
+            provider="landlock",
             imports={"allow": ["socket"]},
             net={"rules": [{"host": "127.0.0.1", "ports": allowed}]},
             limits={"wall_seconds": 10},

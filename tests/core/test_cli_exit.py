@@ -87,3 +87,34 @@ def test_an_adapter_without_its_extra_names_the_install() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert install_hint("langchain") in out.stdout, out.stderr
     assert DIST_NAME == "agent-sandbox-kit"
+
+
+def test_policy_mistakes_get_one_line_naming_the_fix(tmp_path: Path) -> None:
+    """Typos get a did-you-mean; wrong types, `pkg.*` and a bad `extends` name their line."""
+    cases = {
+        'name = "x"\n[limits]\nwal = 1\n': "3: [limits.wal] unknown key; did you mean `wall_seconds`?",
+        'name = "x"\nextnds = "data-analysis"\n': "2: [extnds] unknown key; did you mean `extends`?",
+        'name = "x"\n[limits]\nwall_seconds = "60"\n': "3: [limits.wall_seconds]",
+        'name = "x"\n[imports]\nallow = ["pandas.*"]\n': "write 'pandas'",
+        'name = "x"\nextends = "data-analysys"\n': "2: [extends] 'data-analysys' is not a shipped",
+    }
+    for i, (text, expected) in enumerate(cases.items()):
+        path = tmp_path / f"p{i}.toml"
+        path.write_text(text)
+        out = run_cli("policy", "check", str(path))
+        assert out.returncode == 78, out
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert f"{path}:{expected}" in out.stderr or expected in out.stderr, out.stderr
+        assert out.stderr.count(f"{path}") == 1, out.stderr
+
+
+def test_a_child_policy_does_not_inherit_its_parents_description(tmp_path: Path) -> None:
+    """A child that adds a net rule does not say "no network" in the parent's words."""
+    child = tmp_path / "child.toml"
+    child.write_text(
+        'name = "child"\nextends = "data-analysis"\n[[net.rules]]\nhost = "127.0.0.1"\nports = "80"\n'
+    )
+    out = run_cli("policy", "explain", str(child))
+    assert out.returncode == 0
+    assert "no network" not in out.stdout
+    assert "write: $SCRATCH, (nothing else)" in out.stdout

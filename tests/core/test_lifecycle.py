@@ -6,12 +6,15 @@ Every wait in these tests is bounded (a hang is a failure, not a stuck run).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from pathlib import Path
 
 import pytest
 
-from agent_sandbox import Policy, Sandbox, SandboxClosed
+from agent_sandbox import Policy, Sandbox, SandboxClosed, _guardian
 from agent_sandbox._calllock import CallLock
+from agent_sandbox._guardian import remove_tree
 
 
 async def test_an_arun_cancelled_while_it_waits_for_the_lock_does_not_lock_the_session(
@@ -165,3 +168,94 @@ def test_call_lock_passes_on_a_grant_to_a_closed_event_loop() -> None:
     lock.release()
     assert not lock.locked()
     assert lock.acquire(timeout=1)
+
+
+# -- nothing left on disk ------------------------------------------------------------------
+
+
+def _own_dirs() -> list[str]:
+    import tempfile
+
+    from agent_sandbox._lifecycle import control_dir_prefix
+
+    prefix = control_dir_prefix()
+    return sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix))
+
+
+def _deep_tree(path: str | Path, depth: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+
+
+def test_remove_tree_takes_deep_wide_and_read_only_trees(tmp_path: Path) -> None:
+    """It removes a 1200-level tree, a wide one and read-only modes, follows no symlink,
+    and raises nothing (shutil.rmtree hits RecursionError on the deep one)."""
+    root = tmp_path / "tree"
+    root.mkdir()
+    outside = tmp_path / "keep.txt"
+    outside.write_text("keep")
+    _deep_tree(root, 1200)
+    wide = root / "wide"
+    wide.mkdir()
+    for i in range(2000):
+        (wide / f"f{i}").write_bytes(b"x")
+    ro = root / "ro"
+    (ro / "inner").mkdir(parents=True)
+    (ro / "inner" / "file").write_text("x")
+    (ro / "inner" / "file").chmod(0)
+    (ro / "link").symlink_to(outside)
+    (ro / "dirlink").symlink_to(tmp_path)
+    (ro / "inner").chmod(0o500)
+    ro.chmod(0)
+    assert remove_tree(str(root))
+    assert not root.exists()
+    assert outside.read_text() == "keep"
+    assert remove_tree(str(root))  # already gone: still fine
+
+
+def test_closing_removes_control_dirs_synchronously(policy: Policy) -> None:
+    """It removes a closed session's control directory (with a deep scratch tree) before
+    close() returns, and a closed sandbox's every directory."""
+    before = _own_dirs()
+    sb = Sandbox(policy, warm=1)
+    session = sb.session("deep")
+    assert session.run("open('data.txt', 'w').write('x' * 1000)").ok
+    assert session.worker is not None
+    worker_dir = session.worker.control_dir
+    _deep_tree(session.worker.scratch, 1200)  # what the code could have made (the file
+    # guard makes 1200 levels slow to build from inside)
+    assert len(_own_dirs()) > len(before)
+    session.close()
+    assert worker_dir and not os.path.exists(worker_dir)
+    sb.run("1")
+    sb.close()
+    assert _own_dirs() == before
+
+
+def test_sweep_removes_what_a_dead_owner_left_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    """It removes directories whose recorded owner (pid and start time) no longer runs, and
+    keeps those of a live owner, including one whose pid matches but start time does not."""
+    import subprocess
+
+    from agent_sandbox._lifecycle import owner_tag
+
+    child = subprocess.Popen(["sleep", "30"])
+    dead = _guardian.owner_tag(child.pid)
+    child.kill()
+    child.wait()
+    mine = owner_tag()
+    pid, _, start = mine.partition(".")
+    spoof = f"{pid}.{int(start) + 1}"  # my pid, another start time: not me, so gone
+    for tag in (dead, mine, spoof):
+        (tmp_path / f"agent-sandbox-{tag}-x").mkdir()
+        (tmp_path / f"agent-sandbox-{tag}-x" / "scratch").mkdir()
+    (tmp_path / "agent-sandbox-plain").mkdir()  # not ours to judge
+    assert _guardian.sweep([], str(tmp_path), skip=mine) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"agent-sandbox-{mine}-x", "agent-sandbox-plain"]
+    )

@@ -24,6 +24,7 @@ def test_loads_a_full_policy_from_toml(tmp_path: Path) -> None:
         """
 name = "reader"
 provider = "subprocess"
+no_kernel_boundary = "accepted"
 [files]
 read = ["/data/**"]
 write = ["$SCRATCH/out"]
@@ -44,6 +45,7 @@ wall_seconds = 5
     )
     policy = load_policy(path)
     assert policy.name == "reader"
+    assert policy.provider == "subprocess" and policy.no_kernel_boundary == "accepted"
     assert policy.files.read == ("/data/**",)
     assert policy.net.rules[0].port_ranges() == [(8000, 8010)]
     assert policy.env.passthrough == ("LANG",)

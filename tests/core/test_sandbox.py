@@ -41,10 +41,10 @@ def test_session_keeps_variables_between_calls(sandbox: Sandbox) -> None:
 
 def test_stateless_calls_use_distinct_workers(sandbox: Sandbox) -> None:
     """It discards the worker after a stateless call."""
-    a = sandbox.run("import os\nos.getpid()")
-    b = sandbox.run("import os\nos.getpid()")
+    a = sandbox.run("import math\nmath.marker = 1\nmath.marker")
+    b = sandbox.run("import math\nhasattr(math, 'marker')")
     assert a.worker_id != b.worker_id
-    assert a.value != b.value
+    assert a.value == 1 and b.value is False
 
 
 def test_syntax_error_reports_line_and_column(sandbox: Sandbox) -> None:
@@ -91,8 +91,13 @@ def test_timeout_kills_the_whole_process_group(sandbox: Sandbox, tmp_path: Path)
         f"open({str(pidfile)!r}, 'w').write(str(pid))\n"
         "time.sleep(60)\n"
     )
+    # Host pids are what the test follows: `landlock` (a plain child), not a pid namespace.
     policy = sandbox.policy.merged(
-        {"files": {"write": [str(tmp_path)]}, "api": {"allow": ["process-control"]}}
+        {
+            "provider": "landlock",
+            "files": {"write": [str(tmp_path)]},
+            "api": {"allow": ["process-control"]},
+        }
     )
     with Sandbox(policy, warm=0) as sb:
         result = sb.run(code, timeout=1.5)
@@ -177,8 +182,17 @@ def test_policy_env_set_and_pass(tmp_path: Path) -> None:
     assert result.value == ["yes", "1"]
 
 
-def test_worker_runs_in_its_own_process_group_and_scratch(sandbox: Sandbox) -> None:
+def test_worker_runs_in_its_own_process_group_and_scratch(policy: Policy) -> None:
     """It starts the worker in its own session, in a private scratch directory, with rlimits."""
+    # Host pids and paths are what the test reads: `landlock` (a plain child, no namespace).
+    sandbox = Sandbox(policy, provider="landlock", warm=0)
+    try:
+        _check_process_group_and_scratch(sandbox)
+    finally:
+        sandbox.close()
+
+
+def _check_process_group_and_scratch(sandbox: Sandbox) -> None:
     session = sandbox.session()
     result = session.run("import os\n[os.getpid(), os.getpgid(0), os.getsid(0), os.getcwd()]")
     pid, pgid, sid, cwd = result.value

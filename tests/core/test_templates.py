@@ -12,7 +12,14 @@ import pytest
 from agent_sandbox import Policy, Sandbox, WorkerStartError
 from agent_sandbox._templates import WorkerTemplate
 
-POLICY = Policy(name="templates", imports={"allow": ["os", "random"]}, limits={"wall_seconds": 10})
+# Templates serve the plain-child providers; `landlock` is the kernel one (auto picks a
+# namespace provider where one works, and those start every worker from scratch).
+POLICY = Policy(
+    name="templates",
+    provider="landlock",
+    imports={"allow": ["os", "random"]},
+    limits={"wall_seconds": 10},
+)
 
 
 def _ppid(pid: int) -> int:

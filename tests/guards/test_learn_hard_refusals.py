@@ -8,14 +8,16 @@ from agent_sandbox import Sandbox
 from agent_sandbox.policies import load_policy
 
 
-def _learning_policy(tmp_path: Path) -> Path:
+def _learning_policy(tmp_path: Path, *, opt_out: bool = False) -> Path:
     data = tmp_path / "data"
     data.mkdir()
     (data / ".env").write_text("TOKEN=canary-learn-3d1f\n")
     (data / "notes.txt").write_text("plain notes\n")
     policy = tmp_path / "tool.toml"
+    # The opt-out (no kernel boundary) is for a test of what the guards let through.
+    head = 'provider = "subprocess"\nno_kernel_boundary = "accepted"\n' if opt_out else ""
     policy.write_text(
-        f'name = "learner"\nmode = "learn"\n[files]\nread = ["{data}/**", "{tmp_path}/**"]\n'
+        head + f'name = "learner"\nmode = "learn"\n[files]\nread = ["{data}/**", "{tmp_path}/**"]\n'
         f'write = ["{tmp_path}/**"]\n[imports]\nallow = ["os"]\n[code]\nenabled = false\n'
     )
     return policy
@@ -50,8 +52,9 @@ def test_blocks_reading_a_hidden_name_while_learning(tmp_path: Path) -> None:
 
 
 def test_learning_still_records_and_lets_ordinary_reads_proceed(tmp_path: Path) -> None:
-    """It records a read outside the policy as a learned denial and lets it happen."""
-    path = _learning_policy(tmp_path)
+    """It records a read outside the policy as a learned denial and lets the guards pass it
+    (under the opt-out: a kernel provider would still refuse the read, as it should)."""
+    path = _learning_policy(tmp_path, opt_out=True)
     outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
     outside.write_text("outside\n")
     try:

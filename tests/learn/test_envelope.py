@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent_sandbox import Policy, ProviderUnavailable
+from agent_sandbox import Policy, PolicyError, ProviderUnavailable
 from agent_sandbox._learn import envelope_report, learning_envelope
 from agent_sandbox.providers import get_provider
 
@@ -25,11 +25,13 @@ POLICY = Policy(
     imports={"allow": ["json"]},
     env={"pass": ["LANG", "OPENAI_API_KEY", "LD_PRELOAD", "*", "DB_PASSWORD"]},
 )
+#: The same policy with the explicit opt-out, for the tests that learn under `subprocess`.
+OPTED_OUT = POLICY.model_copy(update={"no_kernel_boundary": "accepted"})
 
 
 @needs_kernel
 def test_learning_runs_in_a_kernel_provider_when_one_is_available() -> None:
-    """It switches the default `subprocess` to `auto` and reports the kernel candidates."""
+    """It learns under `auto` and reports the kernel candidates."""
     envelope = learning_envelope(POLICY)
     assert envelope.mode == "learn"
     assert envelope.provider == "auto"
@@ -52,15 +54,18 @@ def test_an_unavailable_requested_provider_is_an_error() -> None:
 
 
 def test_an_explicit_subprocess_provider_is_reported_as_unbounded() -> None:
-    """It honours an explicit `subprocess` and says there is no kernel boundary."""
-    envelope = learning_envelope(POLICY, provider="subprocess")
+    """It honours an explicit `subprocess` (with the policy's opt-out) and says there is no
+    kernel boundary; without the opt-out it refuses."""
+    with pytest.raises(PolicyError, match="no_kernel_boundary"):
+        learning_envelope(POLICY, provider="subprocess")
+    envelope = learning_envelope(OPTED_OUT, provider="subprocess")
     assert envelope.provider == "subprocess"
     assert "NO kernel boundary" in envelope_report(POLICY, envelope)[0]
 
 
 def test_the_envelope_never_widens_the_policy() -> None:
     """It keeps files, network and imports as declared and only narrows the environment."""
-    envelope = learning_envelope(POLICY, provider="subprocess")
+    envelope = learning_envelope(OPTED_OUT, provider="subprocess")
     assert envelope.files.read == POLICY.files.read
     assert envelope.files.write == POLICY.files.write
     assert envelope.net == POLICY.net
@@ -71,7 +76,7 @@ def test_the_envelope_never_widens_the_policy() -> None:
 
 def test_secrets_and_loader_variables_are_withheld_while_learning() -> None:
     """It drops secret-looking names, loader variables and a bare `*` from env.pass, and says so."""
-    envelope = learning_envelope(POLICY, provider="subprocess")
+    envelope = learning_envelope(OPTED_OUT, provider="subprocess")
     assert envelope.env.passthrough == ("LANG",)
     report = "\n".join(envelope_report(POLICY, envelope))
     assert "withheld while learning" in report and "OPENAI_API_KEY" in report
@@ -79,6 +84,7 @@ def test_secrets_and_loader_variables_are_withheld_while_learning() -> None:
 
 def test_the_policy_file_is_denied_inside_the_envelope(policy, policy_file) -> None:
     """It adds the policy file and its proposal files to files.deny for the learning run."""
-    envelope = learning_envelope(policy, provider="subprocess")
+    opted_out = policy.model_copy(update={"no_kernel_boundary": "accepted"})
+    envelope = learning_envelope(opted_out, provider="subprocess")
     assert str(policy_file) in envelope.files.deny
     assert str(policy_file.with_name("tool.proposed.toml")) in envelope.files.deny

@@ -189,6 +189,7 @@ def test_blocks_a_learning_run_from_editing_its_policy_under_a_kernel_provider(p
 
 def test_a_learning_run_cannot_edit_its_own_policy(policy_file) -> None:
     """It denies the edit even in learning mode (no kernel boundary): the file stays as it was."""
+    _opt_out(policy_file)  # the test is about the guards: no kernel boundary, explicitly
     before = policy_file.read_bytes()
     code = STEPS + f"print(step(lambda: open({str(policy_file)!r}, 'a').write('# edited\\n')))\n"
     run = learn_run(code, policy_file, provider="subprocess")
@@ -208,6 +209,7 @@ def test_a_policy_edited_during_the_run_yields_no_proposal(policy_file) -> None:
         with open(policy_file, "a") as fh:
             fh.write("# edited\n")
 
+    _opt_out(policy_file)
     editor = threading.Thread(target=edit)
     editor.start()
     try:
@@ -340,3 +342,9 @@ def test_a_name_that_looks_like_a_glob_is_proposed_as_that_name_only(policy_file
     assert "secret-content-14" not in result.stdout
     assert sorted({d.target for d in result.denials}) == sorted(map(str, canaries))
     assert result.stdout.count("FileNotFoundError") == len(GLOB_NAMES)  # granted, absent
+
+
+def _opt_out(policy_file: Path) -> None:
+    """Add the explicit `no_kernel_boundary` opt-out to the policy file (a top-level key)."""
+    text = policy_file.read_text()
+    policy_file.write_text('no_kernel_boundary = "accepted"\n' + text)

@@ -281,15 +281,16 @@ def test_native_attacks_reach_the_host_without_a_kernel_boundary(
     arena: dict[str, Path], canary: str, hostile: Any, make_policy: Any
 ) -> None:
     """Control: the same helpers do read the canary under `subprocess` (no kernel boundary)."""
-    result = hostile("subprocess", make_policy(arena), f"print(nread({str(arena['outside'])!r}))")
+    policy = make_policy(arena, no_kernel_boundary="accepted")  # the explicit opt-out
+    result = hostile("subprocess", policy, f"print(nread({str(arena['outside'])!r}))")
     assert canary in result.stdout
     target = arena["ro"] / "planted.py"
-    hostile("subprocess", make_policy(arena), f"nwrite({str(target)!r})")
+    hostile("subprocess", policy, f"nwrite({str(target)!r})")
     assert target.exists()
     marker = arena["rw"] / "fork-exec-ran"
-    hostile("subprocess", make_policy(arena), _FORK_EXEC.format(marker=marker))
+    hostile("subprocess", policy, _FORK_EXEC.format(marker=marker))
     assert marker.exists()
-    hostile("subprocess", make_policy(arena), f"_libc.system(b'echo ran > {arena['rw']}/sys')")
+    hostile("subprocess", policy, f"_libc.system(b'echo ran > {arena['rw']}/sys')")
     assert (arena["rw"] / "sys").exists()
 
 
@@ -623,7 +624,6 @@ def test_fd_level_output_never_grows_a_host_file(
     `print`) in a sealed 1 MiB memory file: 8 MiB written leave no host file larger."""
     from agent_sandbox import Sandbox
     from agent_sandbox._process import LOG_BYTES
-
     from agent_sandbox.providers import get_provider
 
     probe = get_provider(provider).probe()

@@ -183,9 +183,11 @@ def _running(pid: int) -> bool:
 
 @needs_cgroups
 def test_a_detached_grandchild_does_not_outlive_its_worker() -> None:
-    """It ends a double-forked, setsid process the worker left behind (subprocess provider)."""
+    """It ends a double-forked, setsid process the worker left behind (a plain child worker:
+    `landlock`, so the grandchild's pid is a host pid the test can follow)."""
     policy = Policy(
         name="danger-p",
+        provider="landlock",
         imports={"allow": ["*"]},
         api={"allow": ["process-control"]},
         code={"enabled": False},
