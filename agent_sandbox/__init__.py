@@ -10,6 +10,7 @@ from agent_sandbox._denial import RULES as RULES
 from agent_sandbox._denial import Denial as Denial
 from agent_sandbox._errors import AttributeDenied as AttributeDenied
 from agent_sandbox._errors import CallDenied as CallDenied
+from agent_sandbox._errors import CapacityError as CapacityError
 from agent_sandbox._errors import ChildException as ChildException
 from agent_sandbox._errors import CodeRejected as CodeRejected
 from agent_sandbox._errors import EnvDenied as EnvDenied
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttributeDenied",
     "CallDenied",
+    "CapacityError",
     "ChildException",
     "CodeRejected",
     "Denial",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from agent_sandbox._denial import Denial
 
 __all__ = [
+    "forget_raised",
     "handled_inside_libraries",
     "note_raised",
     "record",
@@ -74,6 +75,14 @@ def note_raised(denial: Denial, exc: BaseException) -> None:
             if _denials[i] is denial:
                 _raised.append((i, exc))
                 break
+
+
+def forget_raised(exc: BaseException) -> None:
+    """Count the denial `exc` was raised for as reaching user code although its exception
+    was caught inside the guards (a refusal turned into a failure of the user's own call,
+    such as SQLite's "not authorized")."""
+    with _lock:
+        _raised[:] = [(i, e) for i, e in _raised if e is not exc]
 
 
 def handled_inside_libraries(is_user: Callable[[str], bool]) -> list[int]:

@@ -15,6 +15,7 @@ inside the worker while user code runs:
     * UnpickleRefused               - the host's restricted unpickler refused a payload
   * ChildException                  - stand-in for a worker exception the host cannot rebuild
   * SandboxClosed                   - the sandbox or session was closed
+  * CapacityError                   - every session slot stayed busy for the whole wait
   * LearningError                   - a learning proposal could not be made, written or applied
   * SandboxDenied                   - a policy refused an operation (carries a Denial)
     * FileAccessDenied (PermissionError)
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttributeDenied",
     "CallDenied",
+    "CapacityError",
     "ChildException",
     "CodeRejected",
     "EnvDenied",
@@ -226,6 +228,20 @@ class ChildException(SandboxError):
 
 class SandboxClosed(SandboxError):
     """The sandbox or the session was closed; open a new one."""
+
+
+class CapacityError(SandboxError):
+    """Every one of a sandbox's `max_sessions` slots stayed in a call for the whole wait."""
+
+    def __init__(self, max_sessions: int, busy: int, waited: float) -> None:
+        self.max_sessions = max_sessions
+        self.busy = busy
+        self.waited = waited
+        super().__init__(
+            f"no session slot came free within {waited:g} s: max_sessions = {max_sessions}, "
+            f"and {busy} sessions are in a call; raise max_sessions or session_wait, or "
+            "close sessions that are done"
+        )
 
 
 class LearningError(SandboxError):

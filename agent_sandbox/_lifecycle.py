@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -26,13 +27,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from agent_sandbox import _guardian
 from agent_sandbox._errors import SandboxClosed
 
 __all__ = [
+    "START_GATE",
+    "StartGate",
     "control_dir_prefix",
     "ensure_guardian",
     "launch",
@@ -183,6 +186,43 @@ class _Launcher:
 
 
 _LAUNCHER = _Launcher()
+
+
+class StartGate:
+    """At most `slots` worker starts at once, served first come, first served.
+
+    A start is mostly CPU (an interpreter's imports, a sandbox's namespaces and mounts):
+    more at once than there are cores only makes each of them slower, and a burst of
+    fifty would otherwise start fifty together.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = max(1, slots)
+        self.peak = 0
+        self._cond = threading.Condition()
+        self._running = 0
+        self._queue: collections.deque[object] = collections.deque()
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            self._cond.wait_for(lambda: self._queue[0] is me and self._running < self.slots)
+            self._queue.popleft()
+            self._running += 1
+            self.peak = max(self.peak, self._running)
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+
+#: Worker starts at once: the machine's cores, at least 2, at most 8.
+START_GATE = StartGate(min(8, max(2, os.cpu_count() or 2)))
 
 
 def launch(fn: Callable[..., T], *args: Any) -> T:

@@ -16,6 +16,7 @@ import collections
 import logging
 import threading
 
+from agent_sandbox import _lifecycle
 from agent_sandbox._errors import SandboxClosed, WorkerStartError
 from agent_sandbox._process import WorkerProcess
 from agent_sandbox._templates import TEMPLATE_PROVIDERS, WorkerTemplate
@@ -76,6 +77,10 @@ class WorkerPool:
             return self._template
 
     def _start(self) -> WorkerProcess:
+        with _lifecycle.START_GATE.slot():
+            return self._start_now()
+
+    def _start_now(self) -> WorkerProcess:
         template = self.template()
         worker = None
         if template is not None:

@@ -2,7 +2,7 @@
 
 Start-up, in order:
 
-1. Create a private 0700 control directory holding the listening socket, the worker log
+1. Create a private 0700 control directory holding the listening socket, the worker log (a bounded memfd, `bounded_log`)
    and the scratch directory (the worker's working directory).
 2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
    no path to the socket, and the parent connects by path.
@@ -25,6 +25,7 @@ import fnmatch
 import functools
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import signal
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from agent_sandbox import _lifecycle
+from agent_sandbox import _guard_block, _lifecycle
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
@@ -94,6 +95,8 @@ _PACKAGES = (
 _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
 _EVENT_SLACK = 256 * 1024
+_logger = logging.getLogger("agent_sandbox")
+_unwatched_warned = False
 
 
 def package_dirs() -> dict[str, str]:
@@ -198,6 +201,10 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
+        #: events of the current call it holds back until the call's end is verified.
+        self.guard_watch: _guard_block.GuardWatch | None = None
+        self._held: list[tuple[str, Any]] = []
 
     # -- start ---------------------------------------------------------------------------
 
@@ -319,6 +326,7 @@ class WorkerProcess:
                 )
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
+            self._watch_guards()
             if cgroups is not None and depth:
                 # Whatever the first pass missed at the worker's depth or below (normally
                 # nothing: one read per group); the launcher's own processes stay outside.
@@ -377,6 +385,52 @@ class WorkerProcess:
                 log_tail=tail,
             )
 
+    def _watch_guards(self) -> None:
+        """Open the host's reader of the arming counter the handshake reported."""
+        global _unwatched_warned
+        assert self.proc is not None
+        self.guard_watch = _guard_block.GuardWatch.open(self.proc.pid, self.hello)
+        if self.guard_watch is None and not _unwatched_warned:
+            _unwatched_warned = True
+            _logger.warning(
+                "agent_sandbox: the host cannot read the worker's guard counter (the "
+                "_fastimport extension is not built, or this process may not read the "
+                "worker's memory); only the worker's own tamper check remains"
+            )
+
+    def _forwarder(
+        self, builder: ResultBuilder, on_event: OnEvent | None
+    ) -> Callable[[tuple[str, Any]], None]:
+        """What the transport calls with each event: judged by the host's guard check first.
+
+        Events read while the guards are armed are passed on; events after the disarming are
+        held until the end of the call is verified; after tampering nothing is passed on.
+        """
+        watch = self.guard_watch
+        held = self._held = []
+        if watch is not None:
+            watch.begin_call()
+
+        def deliver(event: tuple[str, Any]) -> None:
+            builder.add(*event)
+            if on_event is not None:
+                on_event(*event)
+
+        def forward(event: tuple[str, Any]) -> None:
+            if watch is not None:
+                verdict = watch.judge(event[0])
+                if verdict == _guard_block.HOLD:
+                    held.append(event)
+                    return
+                if verdict == _guard_block.TAMPERED:
+                    held.clear()
+                    return
+                while held:
+                    deliver(held.pop(0))
+            deliver(event)
+
+        return forward
+
     def plan_hides_prefix(self) -> bool:
         return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
 
@@ -403,12 +457,7 @@ class WorkerProcess:
         builder = ResultBuilder(self.decoder)
         t0 = time.monotonic()
         self.calls += 1
-
-        def forward(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
-                on_event(*event)
-
+        forward = self._forwarder(builder, on_event)
         try:
             self.client.run(code, t0 + wall, forward)
         except TimeoutError:
@@ -436,12 +485,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         self.calls += 1
         client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
-
-        def forward(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
-                on_event(*event)
-
+        forward = self._forwarder(builder, on_event)
         try:
             await client.run(code, t0 + wall, forward)
         except TimeoutError:
@@ -456,6 +500,11 @@ class WorkerProcess:
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
+        watch = self.guard_watch
+        if watch is not None and watch.reason:
+            self._on_tampered(builder, watch.reason)
+        elif watch is not None and watch.lost:
+            self._on_unverified(builder)
         self.rewind_log()
         if (
             record_limit_hits(builder, self.cgroups, self.policy, scratch=self.scratch)
@@ -500,6 +549,56 @@ class WorkerProcess:
         )
         builder.denials.append(denial)
         builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
+
+    def _on_tampered(self, builder: ResultBuilder, reason: str) -> None:
+        """The host saw the guards switched off: withhold the call's output, end the worker."""
+        assert self.policy is not None
+        self.death_reason = "its guards were switched off during a call"
+        self.discard()
+        builder.stdout.clear()
+        builder.stderr.clear()
+        builder.images.clear()
+        builder.files = []
+        builder.value = None
+        denial = Denial(
+            rule="guard.tampered",
+            action="tamper",
+            target="the guards' arming state",
+            policy=self.policy.name,
+            detail=f"the host read the worker's guard counter: {reason}; the call's output "
+            "was withheld and the worker discarded (the next call starts a fresh interpreter)",
+        )
+        builder.denials.append(denial)
+        builder.error = RunError(
+            kind="denied",
+            type="GuardTampered",
+            message=denial.message(),
+            rule="guard.tampered",
+        )
+
+    def _on_unverified(self, builder: ResultBuilder) -> None:
+        """The worker ended before the host could verify the call: what it held stays
+        withheld. A tampering the worker reported itself is believed (it only discards)."""
+        reported = [
+            str(data.get("target", ""))
+            for kind, data in self._held
+            if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
+        ]
+        self._held = []
+        if reported:
+            self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
+            return
+        if builder.error is None:
+            self.death_reason = "it ended before its call could be verified"
+            self.discard()
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker ended before the host could verify its guards for "
+                "this call; the rest of the call's output was withheld and the next call "
+                "starts a fresh interpreter",
+                rule="worker.crashed",
+            )
 
     def _on_timeout(self, builder: ResultBuilder, wall: float) -> None:
         self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
@@ -589,6 +688,8 @@ class WorkerProcess:
         """TERM the whole process group, then KILL it; reap and remove the directories."""
         with self._lock:
             self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -615,6 +716,8 @@ class WorkerProcess:
         """
         with self._lock:
             self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc

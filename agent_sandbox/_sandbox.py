@@ -3,8 +3,10 @@
 * `sandbox.run(code)` is stateless: a fresh worker from the warm pool, discarded after.
 * `sandbox.session(key)` returns a `Session` whose worker keeps its variables between
   calls. Calls on one session are serialized; calls on different sessions run in parallel.
-  Sessions idle longer than `session_ttl` are closed, and beyond `max_sessions` the least
-  recently used one is closed.
+  At most `max_sessions` sessions hold an interpreter: a new one takes the slot of the
+  least recently used session not in a call (or waits for one, up to `session_wait`, then
+  raises `CapacityError`); sessions idle longer than `session_ttl` give theirs up too. An
+  evicted session stays usable: its next call gets a fresh interpreter and says so.
 * `await sandbox.arun(code)` and `await session.arun(code)` are the async twins.
 
 A worker that dies (timeout, crash, tampering) is replaced on the next call of its
@@ -17,13 +19,14 @@ import asyncio
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 from agent_sandbox._boundary import Boundary, resolve_boundary
 from agent_sandbox._calllock import CallLock
-from agent_sandbox._errors import SandboxClosed
+from agent_sandbox._errors import CapacityError, SandboxClosed
 from agent_sandbox._pool import REGISTRY, WorkerPool
 from agent_sandbox._process import WorkerProcess
 from agent_sandbox._result import RunError, RunResult
@@ -33,6 +36,10 @@ from agent_sandbox.providers import Provider
 __all__ = ["Sandbox", "Session"]
 
 OnEvent = Callable[[str, Any], None]
+
+#: A session idle for less than this is not evicted for a newcomer (a thread between two
+#: calls of its own), and the wait for a slot re-checks this often.
+_EVICT_GRACE = 0.05
 
 
 class Session:
@@ -46,6 +53,8 @@ class Session:
         self._lost_reason = ""
         self._lock = CallLock(f"session {key!r} is closed")
         self._closed = False
+        self._admitted = False  # holds one of the sandbox's `max_sessions` slots
+        self._evicted_notice = ""  # why its interpreter was taken (said at the next call)
         self.last_used = time.monotonic()
 
     @property
@@ -57,6 +66,12 @@ class Session:
             raise SandboxClosed(f"session {self.key!r} is closed")
         notices: list[str] = []
         lost = False
+        if not self._admitted:
+            self.sandbox._admit(self)  # may wait for a slot; CapacityError after the wait
+        if self._evicted_notice:
+            lost = True
+            notices.append(self._evicted_notice)
+            self._evicted_notice = ""
         if self._worker is not None and not self._worker.alive():
             self._lost_reason = self._worker.death_reason or "it ended"
             self._worker.discard()
@@ -95,6 +110,7 @@ class Session:
             return self._after(worker, result, notices, lost)
         finally:
             self._lock.release()
+            self.sandbox._room_changed()
 
     async def arun(
         self, code: str, *, timeout: float | None = None, on_event: OnEvent | None = None
@@ -112,6 +128,7 @@ class Session:
         finally:
             if ownership.release():
                 self._lock.release()
+                self.sandbox._room_changed()
 
     async def _prepare_in_thread(
         self, ownership: _Ownership
@@ -129,6 +146,7 @@ class Session:
             finally:
                 if ownership.finish():
                     self._lock.release()
+                    self.sandbox._room_changed()
 
         try:
             return await asyncio.to_thread(body)
@@ -208,6 +226,7 @@ class Sandbox:
         max_sessions: int = 16,
         session_ttl: float = 1800.0,
         start_timeout: float = 15.0,
+        session_wait: float = 30.0,
     ) -> None:
         resolved = resolve_policy(policy)
         # Everything that can be wrong about the provider fails here, not at the first call.
@@ -222,8 +241,12 @@ class Sandbox:
         self._pool: WorkerPool = REGISTRY.get(
             resolved, self.provider, warm=warm, start_timeout=start_timeout
         )
+        self.session_wait = session_wait
+        # Sessions holding a slot (least recently used first), and evicted ones kept usable.
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._parked: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._active: set[WorkerProcess] = set()
         self.closed = False
         self._counter = 0
@@ -274,31 +297,118 @@ class Sandbox:
     # -- sessions ------------------------------------------------------------------------
 
     def session(self, key: str | None = None) -> Session:
-        """The session called `key` (created on first use); a new unique one if `key` is None."""
+        """The session called `key` (created on first use); a new unique one if `key` is None.
+
+        At most `max_sessions` sessions hold an interpreter. A new session takes a free
+        slot, or the slot of the least recently used session that is not in a call; that
+        session stays usable, and its next call gets a fresh interpreter and a notice that
+        its state was lost. A session in a call is never evicted: when every slot is in a
+        call, the new session's first call waits up to `session_wait` seconds for one, then
+        raises `CapacityError`.
+        """
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
-        evicted: list[Session] = []
+        discard: list[WorkerProcess] = []
         with self._lock:
             if key is None:
                 self._counter += 1
                 key = f"session-{self._counter}"
-            now = time.monotonic()
-            for other_key, other in list(self._sessions.items()):
-                if other_key != key and now - other.last_used > self.session_ttl:
-                    evicted.append(self._sessions.pop(other_key))
-            session = self._sessions.get(key)
+            self._evict_expired(key, discard)
+            session = self._sessions.get(key) or self._parked.get(key)
             if session is None or session._closed:
                 session = Session(self, key)
-                self._sessions[key] = session
-            self._sessions.move_to_end(key)
-            while len(self._sessions) > self.max_sessions:
-                _, oldest = self._sessions.popitem(last=False)
-                evicted.append(oldest)
-        for old in evicted:
-            old._closed = True
-            if old._worker is not None:
-                old._worker.discard()
+                self._parked[key] = session
+                self._try_admit(session, discard)  # without waiting; else at its first call
+            elif session._admitted:
+                self._sessions.move_to_end(key)
+        for worker in discard:
+            worker.discard()
         return session
+
+    # -- admission (all under self._lock) --------------------------------------------------
+
+    def _admit(self, session: Session) -> None:
+        """Give `session` a slot, waiting up to `session_wait` (called with its lock held)."""
+        discard: list[WorkerProcess] = []
+        try:
+            with self._lock:
+                deadline = time.monotonic() + self.session_wait
+                while not self._try_admit(session, discard):
+                    if self.closed or session._closed:
+                        raise SandboxClosed(f"session {session.key!r} is closed")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise CapacityError(self.max_sessions, self._busy(), self.session_wait)
+                    self._room.wait(min(remaining, _EVICT_GRACE))
+        finally:
+            for worker in discard:
+                worker.discard()
+
+    def _try_admit(self, session: Session, discard: list[WorkerProcess]) -> bool:
+        if session._admitted:
+            return True
+        if len(self._sessions) >= self.max_sessions:
+            victim = self._idle_victim(session)
+            if victim is None:
+                return False
+            self._evict(
+                victim,
+                f"this session's interpreter was ended to make room for another session "
+                f"(max_sessions = {self.max_sessions}); its variables and imports were lost, "
+                "so define them again",
+                discard,
+            )
+        self._parked.pop(session.key, None)
+        self._sessions[session.key] = session
+        session._admitted = True
+        return True
+
+    def _idle_victim(self, newcomer: Session) -> Session | None:
+        """The least recently used session not in a call and idle for a moment (or None)."""
+        now = time.monotonic()
+        for other in self._sessions.values():
+            if other is newcomer or now - other.last_used < _EVICT_GRACE:
+                continue
+            if other._lock.acquire(timeout=0):  # not in a call, nobody waiting
+                other._lock.release()
+                return other
+        return None
+
+    def _evict(self, victim: Session, notice: str, discard: list[WorkerProcess]) -> None:
+        """Take `victim`'s slot and interpreter; it stays usable (called under self._lock)."""
+        if not victim._lock.acquire(timeout=0):
+            return
+        try:
+            self._sessions.pop(victim.key, None)
+            victim._admitted = False
+            if victim._worker is not None:
+                discard.append(victim._worker)
+                victim._worker = None
+                victim._had_worker = False
+                victim._evicted_notice = notice
+            if not victim._closed:
+                self._parked[victim.key] = victim
+        finally:
+            victim._lock.release()
+
+    def _evict_expired(self, keep: str, discard: list[WorkerProcess]) -> None:
+        now = time.monotonic()
+        for other_key, other in list(self._sessions.items()):
+            if other_key != keep and now - other.last_used > self.session_ttl:
+                self._evict(
+                    other,
+                    f"this session's interpreter was ended after {self.session_ttl:g} s "
+                    "without a call (session_ttl); its variables and imports were lost, so "
+                    "define them again",
+                    discard,
+                )
+
+    def _busy(self) -> int:
+        return sum(1 for s in self._sessions.values() if s._lock.locked())
+
+    def _room_changed(self) -> None:
+        with self._room:
+            self._room.notify_all()
 
     def sessions(self) -> list[str]:
         """Keys of the live sessions, least recently used first."""
@@ -309,6 +419,10 @@ class Sandbox:
         with self._lock:
             if self._sessions.get(session.key) is session:
                 del self._sessions[session.key]
+            if self._parked.get(session.key) is session:
+                del self._parked[session.key]
+            session._admitted = False
+            self._room.notify_all()
 
     # -- lifetime ------------------------------------------------------------------------
 
@@ -322,9 +436,11 @@ class Sandbox:
             return
         self.closed = True
         with self._lock:
-            sessions = list(self._sessions.values())
+            sessions = list(self._sessions.values()) + list(self._parked.values())
             self._sessions.clear()
+            self._parked.clear()
             active = list(self._active)
+            self._room.notify_all()
         for session in sessions:
             session._closed = True
             session._lock.close()

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -134,54 +135,62 @@ class Runner:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self.calls = 0
         self.code_check: Callable[[str, ast.Module], None] | None = None
-        self.arming: Callable[[], Any] | None = None
+        #: `run_armed(fn, *args)`: the guards' arming around one call (see `_install.py`).
+        self.run_armed: Callable[..., Any] | None = None
         self.objects = policy.get("result_mode") == "objects"
 
     def run(self, code: str, emit: Emit) -> None:
-        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`)."""
+        """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`).
+
+        Every call arms the guards exactly once and disarms them exactly once, also when
+        the code does not compile: the host counts the writes of the arming flag and expects
+        one pair per call (see `guards/_state.py`).
+        """
         self.calls += 1
         filename = f"<cell-{self.calls}>"
         limits = self.policy.get("limits", {})
         budget = _Budget(int(limits.get("output_bytes", 1_000_000)), self.policy_name)
         out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)
         started = time.time()
+        outcome: tuple[str, Any]
+        try:
+            if self.run_armed is not None:
+                outcome = self.run_armed(self._run_armed, code, filename, emit, out, err, started)
+            else:
+                outcome = self._run_armed(code, filename, emit, out, err, started)
+        except BaseException as exc:
+            outcome = "error", _error_info(exc, filename)
+        emit(*outcome)
+
+    def _run_armed(
+        self, code: str, filename: str, emit: Emit, out: _Output, err: _Output, started: float
+    ) -> tuple[str, Any]:
+        """Compile and run `code` while armed; returns the `result` or `error` event."""
         try:
             compiled = self._compile(code, filename)
         except SandboxDenied as exc:  # before SyntaxError: CodeRejected is both
-            emit("error", _error_info(exc, filename))
-            return
+            return "error", _error_info(exc, filename)
         except SyntaxError as exc:
-            emit("error", _syntax_error(exc))
-            return
+            return "error", _syntax_error(exc)
         saved = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = out, err
         value: Any = None
         failure: BaseException | None = None
-        outcome: tuple[str, Any] | None = None
         owner = os.getpid()
         try:
-            arming = self.arming() if self.arming is not None else None
-            if arming is not None:
-                arming.__enter__()
             try:
-                try:
-                    value = self._execute(compiled)
-                except BaseException as exc:
-                    failure = exc
-                if os.getpid() != owner:
-                    # A child the code forked finished the cell: it must never unwind into
-                    # the server loop and write on the parent's connection.
-                    os._exit(0 if failure is None else 1)
-                # Encoded while still armed: pickling, repr() and str() run user methods.
-                outcome = self._outcome(value, failure, filename)
-                # Figures are saved while armed too: savefig runs user artists' code.
-                self._collect_outputs(emit, started)
-            finally:
-                if arming is not None:
-                    arming.__exit__(None, None, None)
-        except BaseException as exc:
-            failure = exc
-            outcome = None
+                value = self._execute(compiled)
+            except BaseException as exc:
+                failure = exc
+            if os.getpid() != owner:
+                # A child the code forked finished the cell: it must never unwind into
+                # the server loop and write on the parent's connection.
+                os._exit(0 if failure is None else 1)
+            # Encoded while still armed: pickling, repr() and str() run user methods.
+            outcome = self._outcome(value, failure, filename)
+            # Figures are saved while armed too: savefig runs user artists' code.
+            self._collect_outputs(emit, started)
+            return outcome
         finally:
             sys.stdout, sys.stderr = saved
             for stream in (out, err):
@@ -189,9 +198,6 @@ class Runner:
                     stream.flush()
                 except Exception:
                     pass
-        if outcome is None:
-            outcome = "error", _error_info(failure or RuntimeError("no outcome"), filename)
-        emit(*outcome)
 
     def _outcome(self, value: Any, failure: BaseException | None, filename: str) -> tuple[str, Any]:
         """The `result` or `error` event of a call (see `agent_sandbox._objects`).
@@ -443,4 +449,7 @@ def _marked(value: Any) -> dict[str, str]:
         text = f"<unrepresentable {type(value).__name__}>"
     if len(text) > 10_000:
         text = text[:10_000] + "...<truncated repr>"
-    return {"__repr__": text, "__type__": _qualname(type(value))}
+    # A module user code holds is the guards' view of it (a module subclass): name the type
+    # user code would expect.
+    cls = types.ModuleType if isinstance(value, types.ModuleType) else type(value)
+    return {"__repr__": text, "__type__": _qualname(cls)}

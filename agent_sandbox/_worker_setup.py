@@ -93,12 +93,13 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
         from agent_sandbox.guards._code_budget import make_code_check
 
         runner.code_check = make_code_check(code_policy, runner.namespace, runner.policy_name)
-    # 5b. The guards: `runner.arming()` arms them around each call; `hooks["tamper_check"]()`
+    # 5b. The guards: `runner.run_armed(...)` arms them around each call; `hooks["tamper_check"]()`
     #     returns the reasons the guards are no longer intact (each becomes `guard.tampered`).
-    from agent_sandbox.guards._install import install_guards, summary
+    from agent_sandbox.guards._install import install_guards, seal, summary
 
     guards = install_guards(boot, runner.namespace)
-    runner.arming = guards.arming
+    seal()
+    runner.run_armed = guards.run_armed
     hooks["tamper_check"] = guards.tamper_check
     from agent_sandbox.guards._state import is_user_frame
 

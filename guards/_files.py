@@ -46,6 +46,7 @@ from _thread import get_ident
 from collections.abc import Iterable
 from typing import Any
 
+from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
 from agent_sandbox.guards import _patch
@@ -568,26 +569,96 @@ def _chdir_wrapper(
     return result
 
 
+def _sqlite_target(database: Any, uri: bool) -> tuple[str, str]:
+    """(operation, path) SQLite opens for `database`; path "" for an in-memory database."""
+    text = os.fsdecode(os.fspath(database))
+    op = WRITE
+    if uri and text.startswith("file:"):
+        text, _, query = text[5:].partition("?")
+        if "mode=memory" in query or not text:
+            text = ""
+        elif "mode=ro" in query:
+            op = READ
+        if text.startswith("//"):
+            text = "/" + text[2:].partition("/")[2]
+    return op, "" if text == ":memory:" else text
+
+
 def _sqlite_wrapper(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    if _active():
-        database = args[0] if args else kwargs.get("database")
-        if database is not None and not isinstance(database, int):
-            text = os.fsdecode(os.fspath(database))
-            uri = kwargs.get("uri", False) or (len(args) > 7 and args[7])
-            op = WRITE
-            if uri and text.startswith("file:"):
-                text, _, query = text[5:].partition("?")
-                if "mode=memory" in query or not text:
-                    text = ""
-                elif "mode=ro" in query:
-                    op = READ
-                if text.startswith("//"):
-                    text = "/" + text[2:].partition("/")[2]
-            if text and text != ":memory:":
-                check(op, text)
+    if not _active():
+        return wrapped(*args, **kwargs)
+    database = args[0] if args else kwargs.get("database")
+    if database is not None and not isinstance(database, int):
+        uri = kwargs.get("uri", False) or (len(args) > 7 and args[7])
+        op, text = _sqlite_target(database, bool(uri))
+        if text:
+            check(op, text)
+    # Every connection made while armed judges the files SQLite opens later by itself
+    # (ATTACH DATABASE, VACUUM INTO), through an authorizer that stays first.
+    if len(args) > 5:
+        args = (*args[:5], _guarded_factory(args[5]), *args[6:])
+    else:
+        kwargs = {**kwargs, "factory": _guarded_factory(kwargs.get("factory"))}
     return wrapped(*args, **kwargs)
+
+
+_factories: dict[Any, Any] = {}
+
+
+def _guarded_factory(factory: Any) -> Any:
+    """A subclass of the connection class `factory` whose authorizer judges attached files."""
+    import sqlite3
+
+    base = sqlite3.Connection if factory is None else factory
+    made = _factories.get(base)
+    if made is not None:
+        return made
+    if not (isinstance(base, type) and issubclass(base, sqlite3.Connection)):
+        return factory  # not a connection class: sqlite3 refuses it itself
+    set_authorizer = sqlite3.Connection.set_authorizer
+
+    class _AttachGuard(base):  # type: ignore[valid-type, misc]
+        """Installs the attach authorizer at once and keeps it ahead of the user's own."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            set_authorizer(self, _attach_authorizer(None))
+
+        def set_authorizer(self, authorizer_callback: Any) -> None:
+            set_authorizer(self, _attach_authorizer(authorizer_callback))
+
+    _AttachGuard.__name__ = _AttachGuard.__qualname__ = base.__name__
+    _AttachGuard.__module__ = base.__module__
+    _factories[base] = _AttachGuard
+    return _AttachGuard
+
+
+def _attach_authorizer(then: Any) -> Any:
+    """SQLite's authorizer: ATTACH (and VACUUM INTO, which attaches its target) is judged
+    like opening the file; everything else goes to the user's authorizer `then`, if any."""
+    import sqlite3
+
+    attach, ok, deny = sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_OK, sqlite3.SQLITE_DENY
+
+    def authorizer(action: int, arg1: Any, arg2: Any, database: Any, trigger: Any) -> int:
+        if action == attach and arg1 and _active():
+            op, text = _sqlite_target(arg1, True)
+            if text:
+                try:
+                    check(op, text)
+                except (FileAccessDenied, HiddenPathDenied) as exc:
+                    # Recorded already; SQLite fails the user's statement ("not
+                    # authorized"), so the refusal did reach user code.
+                    _audit.forget_raised(exc)
+                    return deny
+        if then is None:
+            return ok
+        result: int = then(action, arg1, arg2, database, trigger)
+        return result
+
+    return authorizer
 
 
 #: os/posix functions taking one path: name -> (operation, follows symlinks by default).

@@ -24,20 +24,32 @@ What it enforces:
    refused.
 4. `allow = ["pkg"]` allows `pkg` and `pkg.*`; `deny` beats `allow`; `"*"` allows all.
    `from pkg import sub` is allowed when `pkg` is, or when every `pkg.sub` named is.
+5. User code never holds an allowed module itself but its view (`ModuleView` of
+   `_fastimport.c`): reads and writes go to the module, and a module reached through it
+   as an attribute (`typing.sys`, `random._os`, `numpy.ctypeslib.ctypes`) is judged like an
+   import of that module, by its own name, unless it is the attribute's own submodule
+   (`os.path`, `numpy.linalg`). `__dict__` (so `vars()` and `dir()`) lists the allowed
+   modules as views and leaves the refused ones out; `sys.modules` read through the view
+   of `sys` is a table that judges each module it hands out; `__builtins__` is the user
+   namespace's own. Library code keeps the modules themselves: only what user code reaches
+   is judged.
 
-What it does NOT stop: reaching an already-loaded module through the object graph
-(`sys.modules`, a module attribute such as `os.sys`, the class hierarchy); a granted package
-that re-exports a forbidden one. The audit hook cannot be removed, but it only repairs the
-finder; it is not a boundary either.
+What it does NOT stop: a module handed out by a function of an allowed module
+(`inspect.getmodule`, `pkgutil.resolve_name`), or reached through a dunder (a function's
+`__globals__`) or the class hierarchy; a granted package that re-exports a forbidden one
+as a non-module object. The audit hook cannot be removed, but it only repairs the finder;
+it is not a boundary either.
 """
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import importlib
 import sys
 import types
 from _thread import get_ident
+from collections.abc import Iterator, MutableMapping
 from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
 from typing import Any
 
@@ -116,12 +128,155 @@ class ImportRules:
 _rules = ImportRules({})
 #: Top-level names user code already imported with the policy's blessing (fast path).
 _ok: set[str] = set()
+#: Top-level name -> the view user code gets for it (read by the C fast path).
+_views: dict[str, Any] = {}
+#: id(module) -> (module, its view): one view per module object.
+_by_id: dict[int, tuple[Any, Any]] = {}
+#: id(view) -> (view, its module), for the few calls that need the module itself (reload).
+_real_of: dict[int, tuple[Any, Any]] = {}
 
 
 def configure(rules: ImportRules) -> None:
     global _rules
     _rules = rules
     _ok.clear()
+    _views.clear()
+    _by_id.clear()
+    _real_of.clear()
+
+
+def _view_type() -> Any:
+    try:
+        from agent_sandbox.guards import _fastimport
+    except ImportError:
+        return None
+    return getattr(_fastimport, "ModuleView", None)
+
+
+ModuleView: Any = _view_type()
+_ModuleType = types.ModuleType
+
+
+def view_of(module: Any) -> Any:
+    """The view user code gets for `module` (itself when it is no module or has no view)."""
+    if ModuleView is None or not isinstance(module, _ModuleType) or type(module) is ModuleView:
+        return module
+    hit = _by_id.get(id(module))
+    if hit is not None and hit[0] is module:
+        return hit[1]
+    view = ModuleView(module, _attribute_hook)
+    _by_id[id(module)] = (module, view)
+    _real_of[id(view)] = (view, module)
+    name = module.__dict__.get("__name__")
+    if isinstance(name, str) and "." not in name:
+        _views[name] = view
+    return view
+
+
+def _attribute_target(real: Any, name: str, value: Any) -> str:
+    """The module name an attribute read `real.name` is judged as.
+
+    The attribute's own submodule (`os.path`, `numpy.linalg`) is judged by its place in the
+    package; any other module (`typing.sys`, `numpy.ctypeslib.ctypes`) by its own name.
+    """
+    parent = real.__dict__.get("__name__")
+    own = value.__dict__.get("__name__")
+    if isinstance(parent, str):
+        qualified = f"{parent}.{name}"
+        if own == qualified or _modules.get(qualified) is value:
+            return qualified
+    if isinstance(own, str):
+        return own
+    return f"<a module without a name, reached as {parent}.{name}>"
+
+
+def _judge_attribute(real: Any, name: str, value: Any) -> Any:
+    target = _attribute_target(real, name, value)
+    if not _rules.allows(target):
+        denial = _rules.denial(target)
+        where = f"{real.__dict__.get('__name__')}.{name}"
+        if where != target:
+            denial = dataclasses.replace(
+                denial, detail=f"{denial.detail} (reached as the attribute {where})"
+            )
+        refuse(ImportDenied, denial)  # returns only in learning mode
+    return view_of(value)
+
+
+def _attribute_hook(real: Any, name: str, value: Any) -> Any:
+    """What user code gets for `view.name` (called by `ModuleView` for modules and for
+    `__dict__`, `__builtins__` and `modules`)."""
+    if not (_st.armed or (_st.user_threads and get_ident() in _st.user_threads)):
+        return value
+    if isinstance(value, _ModuleType):
+        return _judge_attribute(real, name, value)
+    if name == "__dict__" and type(value) is dict:
+        return _visible_dict(real, value)
+    if name == "__builtins__" and _user_builtins is not None:
+        return _user_builtins
+    if name == "modules" and real is sys:
+        return _table
+    return value
+
+
+def _visible_dict(real: Any, namespace: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a module's namespace as user code may see it: allowed modules as views,
+    refused ones left out (nobody asked for them, so nothing is recorded)."""
+    out = {}
+    for key, value in list(namespace.items()):
+        if isinstance(value, _ModuleType) and type(value) is not ModuleView:
+            if not _rules.allows(_attribute_target(real, key, value)):
+                continue
+            value = view_of(value)
+        elif key == "__builtins__" and _user_builtins is not None:
+            value = _user_builtins
+        out[key] = value
+    return out
+
+
+class _ModuleTable(MutableMapping[str, Any]):
+    """`sys.modules` as user code sees it through the view of `sys`: each module it hands
+    out is judged like an import of its name; writes and deletes go to `sys.modules`."""
+
+    def __getitem__(self, name: str) -> Any:
+        module = _modules[name]
+        if isinstance(name, str) and not _rules.allows(name):
+            denial = _rules.denial(name)
+            refuse(
+                ImportDenied,
+                dataclasses.replace(
+                    denial, detail=f"{denial.detail} (reached through sys.modules)"
+                ),
+            )
+        return view_of(module)
+
+    def __setitem__(self, name: str, module: Any) -> None:
+        _modules[name] = module
+
+    def __delitem__(self, name: str) -> None:
+        del _modules[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(_modules))
+
+    def __len__(self) -> int:
+        return len(_modules)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _modules
+
+    def values(self) -> Any:
+        return [view_of(m) for k, m in list(_modules.items()) if _rules.allows(k)]
+
+    def items(self) -> Any:
+        return [(k, view_of(m)) for k, m in list(_modules.items()) if _rules.allows(k)]
+
+    def __repr__(self) -> str:
+        return f"<sys.modules as user code sees it: {len(_modules)} modules>"
+
+
+_table = _ModuleTable()
+_user_builtins: Any = None
 
 
 def _judge(name: str) -> None:
@@ -165,7 +320,7 @@ def guarded_import(
     if name in _ok and not level and not fromlist:
         module = _get(name)
         if module is not None:
-            return module
+            return view_of(module)
     remember = False
     if _st.armed or (_st.user_threads and get_ident() in _st.user_threads):
         absolute = _absolute(name, globals, level) if level else name
@@ -182,11 +337,12 @@ def guarded_import(
         else:
             _judge(absolute)
     module = _orig_import(name, globals, locals, fromlist, level)
+    view = view_of(module)
     if remember:
         # Only once the import returned: a module another thread is still initialising
         # must never be served by a fast path (the import system makes that thread wait).
         _ok.add(name)
-    return module
+    return view
 
 
 def _fast(slow: Any) -> Any:
@@ -195,7 +351,9 @@ def _fast(slow: Any) -> Any:
         from agent_sandbox.guards._fastimport import FastImport
     except ImportError:
         return slow
-    return FastImport(_ok, _modules, slow)
+    if ModuleView is None:
+        return FastImport(_ok, _modules, slow)
+    return FastImport(_ok, _modules, slow, _views)
 
 
 #: The `__import__` of the user namespace's builtins (`_install` checks it is still there).
@@ -280,14 +438,28 @@ def _import_module_wrapper(
                     level = len(name) - len(name.lstrip("."))
                     name = _absolute(name[level:], {"__package__": package}, level)
                 _judge(name)
+                return view_of(wrapped(*args, **kwargs))
+    return wrapped(*args, **kwargs)
+
+
+def _reload_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`importlib.reload` of a view reloads its module (the import system knows only that)."""
+    if args:
+        hit = _real_of.get(id(args[0]))
+        if hit is not None and hit[0] is args[0]:
+            return view_of(wrapped(hit[1], *args[1:], **kwargs))
     return wrapped(*args, **kwargs)
 
 
 def make_user_builtins() -> types.ModuleType:
     """A copy of `builtins` for the user namespace, with the judging `__import__`."""
+    global _user_builtins
     module = types.ModuleType("builtins", builtins.__doc__)
     module.__dict__.update(builtins.__dict__)
     module.__dict__["__import__"] = user_import
+    _user_builtins = module
     return module
 
 
@@ -295,6 +467,7 @@ def install() -> None:
     """Insert the finder, add the audit hook (once per process) and wrap import_module."""
     global _finder_on, _hook_added
     _patch.wrap(importlib, "import_module", _import_module_wrapper)
+    _patch.wrap(importlib, "reload", _reload_wrapper)
     _finder_on = True
     restore_finder()
     if not _hook_added:

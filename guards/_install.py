@@ -17,8 +17,12 @@ displaced and not restorable, the flag cleared during the call, the namespace's
 `__builtins__` swapped. Each reason becomes a `guard.tampered` denial and the worker is
 discarded.
 
-What it does NOT do: detect a flag that was cleared and set back within one call, or
-anything done through the originals; see the escape matrix in docs/guards.md.
+The flag itself lives in C and every write of it is counted where the host reads it
+(`_state.py`), so a flag cleared and set back within one call, or a replaced
+`tamper_check`, is caught by the host, not by this module.
+
+What it does NOT do: anything about what is done through the originals; see the escape
+matrix in docs/guards.md.
 """
 
 from __future__ import annotations
@@ -31,10 +35,17 @@ from types import ModuleType
 from typing import Any
 
 from agent_sandbox.guards import _calls, _env, _files, _imports, _net, _patch
+from agent_sandbox.guards._state import block_info, state
 from agent_sandbox.guards._state import configure as configure_state
-from agent_sandbox.guards._state import state
 
 __all__ = ["Guards", "install_guards"]
+
+
+def _c_tampered() -> int:
+    """The C block's tamper bits as this process sees them (0 without the extension)."""
+    from agent_sandbox.guards import _state
+
+    return int(_state.block_read()[2]) if _state.block_info() is not None else 0
 
 
 def _thread_start_wrapper(
@@ -86,6 +97,15 @@ class Guards:
         return _Arming(self)
 
     def enter(self) -> None:
+        self._prepare_call()
+        state.armed = True
+
+    def exit(self) -> None:
+        if not state.armed:
+            self.reasons.append("the guards were disarmed during the call")
+        state.armed = False
+
+    def _prepare_call(self) -> None:
         if not self.installed:
             raise RuntimeError("the guards were uninstalled; this worker cannot run user code")
         if self.namespace is not None:
@@ -94,12 +114,28 @@ class Guards:
         if resolver is not None:
             resolver.cwd = os.getcwd()
         self.calls += 1
-        state.armed = True
 
-    def exit(self) -> None:
-        if not state.armed:
-            self.reasons.append("the guards were disarmed during the call")
-        state.armed = False
+    def run_armed(self, fn: Any, *args: Any) -> Any:
+        """Call `fn(*args)` armed: what the worker's runner does for each call.
+
+        With the C state the arming and the disarming are made by `state.run_armed`, in a
+        C frame that code running inside `fn` cannot skip, so a flag it cleared shows in the
+        host's count as a third write.
+        """
+        self._prepare_call()
+        run = getattr(state, "run_armed", None)
+        if run is None:  # the Python stand-in (extension not built)
+            state.armed = True
+            try:
+                return fn(*args)
+            finally:
+                self.exit()
+        before = _c_tampered()
+        try:
+            return run(fn, *args)
+        finally:
+            if _c_tampered() & ~before & 2:
+                self.reasons.append("the guards were disarmed during the call")
 
     def tamper_check(self) -> list[str]:
         """Why the guards are no longer intact (empty when they are)."""
@@ -179,6 +215,19 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
     return guards
 
 
+def seal() -> None:
+    """Refuse every later write of the guards' settings (the worker calls this once set up)."""
+    state.seal()
+
+
 def summary() -> dict[str, Any]:
-    """What was installed, for the handshake's checks."""
-    return {"patches": len(_patch.patches()), "finder": sys.meta_path[:1] == [_imports.finder()]}
+    """What was installed, for the handshake's checks.
+
+    `block` says where the C arming block is in this process's memory (see `_state.py`):
+    reported once, before any user code ran, so the host reads the counter from outside.
+    """
+    return {
+        "patches": len(_patch.patches()),
+        "finder": sys.meta_path[:1] == [_imports.finder()],
+        "block": block_info(),
+    }

@@ -12,6 +12,12 @@ What it does:
    attribute that must stay a class); it records the original too.
 4. `uninstall()` restores every original, newest first; `broken()` lists the patches whose
    attribute no longer holds what was installed (a guard replaced or removed).
+5. A module imported again (removed from `sys.modules` first, or reloaded) gets the same
+   patches again: every patch of a module, or of a class a module defines, is remembered by
+   the module's name, and the post-import finder re-applies them right after each execution
+   of that name. A fresh `_io`, `posix` or `_ctypes` (an extension module imported again is
+   a new module object built from the original functions) or a fresh `ctypes` is patched
+   before the import returns.
 
 What it does NOT do: it cannot patch immutable C types (`_io.FileIO`, `_pickle.Unpickler`,
 the methods of `_socket.socket`), and it cannot hide the originals, which stay reachable from
@@ -24,6 +30,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,8 +131,12 @@ def resolve_global(module: str, qualname: str) -> Any:
 
 _lock = threading.RLock()
 _patches: list[Patch] = []
-_pending: dict[str, list[tuple[str, Wrapper, str]]] = {}
+#: module name -> (dotted attribute, wrapper or None, value for a plain set, label): every
+#: patch of that module, applied again to each new execution of it.
+_pending: dict[str, list[tuple[str, Wrapper | None, Any, str]]] = {}
 _hooked: set[str] = set()
+#: ids of every object installed, so a patch is never applied twice to the same place.
+_installed: set[int] = set()
 _generation = 0
 _version = 0  # bumped on every change to _patches
 
@@ -155,15 +166,42 @@ def _own_value(owner: Any, name: str) -> Any:
         return _MISSING
 
 
+def _home(owner: Any, name: str) -> tuple[str, str] | None:
+    """(module name, dotted attribute) under which a patch of `owner.name` is re-applied."""
+    if isinstance(owner, types.ModuleType):
+        # The name it is imported by: `_io` calls itself `io`, and a fresh `io` must not
+        # get the patches of `_io`.
+        spec = owner.__dict__.get("__spec__")
+        module = getattr(spec, "name", None) or owner.__dict__.get("__name__")
+        return (module, name) if isinstance(module, str) else None
+    if isinstance(owner, type):
+        module, qualname = owner.__module__, owner.__qualname__
+        if isinstance(module, str) and "<" not in qualname:
+            return module, f"{qualname}.{name}"
+    return None
+
+
+def _remember(owner: Any, name: str, wrapper: Wrapper | None, value: Any, label: str) -> None:
+    home = _home(owner, name)
+    if home is None:
+        return
+    module, dotted = home
+    entries = _pending.setdefault(module, [])
+    if not any(entry[0] == dotted for entry in entries):
+        entries.append((dotted, wrapper, value, label))
+    _hook_module(module)
+
+
 def wrap(owner: Any, name: str, wrapper: Wrapper, *, label: str = "") -> Any:
     """Wrap `owner.name` with `wrapper` and record the original; returns the installed wrapper."""
     with _lock:
         original = _own_value(owner, name)
         installed = _Wrapper(_resolve_original(owner, name), wrapper)
         setattr(owner, name, installed)
-        _patches.append(
-            Patch(owner, name, original, installed, label or _label(owner, name), _where(owner))
-        )
+        label = label or _label(owner, name)
+        _patches.append(Patch(owner, name, original, installed, label, _where(owner)))
+        _installed.add(id(installed))
+        _remember(owner, name, wrapper, None, label)
         _changed()
         return installed
 
@@ -175,7 +213,11 @@ def set_attr(owner: Any, name: str, value: Any, *, label: str = "") -> None:
         if original is _MISSING and name == "__class__":
             original = type(owner)
         setattr(owner, name, value)
-        _patches.append(Patch(owner, name, original, value, label or _label(owner, name)))
+        label = label or _label(owner, name)
+        _patches.append(Patch(owner, name, original, value, label))
+        _installed.add(id(value))
+        if name != "__class__":
+            _remember(owner, name, None, value, label)
         _changed()
 
 
@@ -186,27 +228,49 @@ def wrap_later(module: str, name: str, wrapper: Wrapper, *, label: str = "") -> 
     a platform-only function) is skipped.
     """
     with _lock:
+        label = label or f"{module}.{name}"
+        entries = _pending.setdefault(module, [])
+        if not any(entry[0] == name for entry in entries):
+            entries.append((name, wrapper, None, label))
+        _hook_module(module)
         loaded = sys.modules.get(module)
         if loaded is not None:
-            _wrap_dotted(loaded, name, wrapper, label or f"{module}.{name}")
-            return
-        _pending.setdefault(module, []).append((name, wrapper, label or f"{module}.{name}"))
-        if module not in _hooked:
-            _hooked.add(module)
-            _hooks[module] = _make_hook(module, _generation)
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
+            _apply_dotted(loaded, name, wrapper, None, label)
 
 
-def _wrap_dotted(module: Any, dotted: str, wrapper: Wrapper, label: str) -> None:
+def _hook_module(module: str) -> None:
+    if module not in _hooked:
+        _hooked.add(module)
+        _hooks[module] = _make_hook(module, _generation)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def _apply_dotted(
+    module: Any, dotted: str, wrapper: Wrapper | None, value: Any, label: str
+) -> None:
+    """Apply one remembered patch to `module`, unless what is there is already ours."""
     owner = module
     *parents, name = dotted.split(".")
     for part in parents:
         owner = getattr(owner, part, None)
         if owner is None:
             return
-    if hasattr(owner, name):
+    current = _own_value(owner, name)
+    if current is _MISSING and not hasattr(owner, name):
+        return
+    if id(current) in _installed and current is not _MISSING:
+        # Already one of ours: a module executed again in place (`importlib.reload(io)`
+        # copies `_io.open`, which is guarded, into `io.open`). Its patch now expects that.
+        for patch in _patches:
+            if patch.owner is owner and patch.name == name:
+                patch.installed = current
+        _changed()
+        return
+    if wrapper is not None:
         wrap(owner, name, wrapper, label=label)
+    else:
+        set_attr(owner, name, value, label=label)
 
 
 _hooks: dict[str, Callable[[Any], None]] = {}
@@ -223,7 +287,7 @@ class _HookedLoader:
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        hook = _hooks.pop(module.__name__, None)
+        hook = _hooks.get(module.__name__)
         if hook is not None:
             hook(module)
 
@@ -274,8 +338,8 @@ def _make_hook(module: str, generation: int) -> Callable[[Any], None]:
         with _lock:
             if generation != _generation:
                 return  # uninstalled since: a stale hook does nothing
-            for name, wrapper, label in _pending.pop(module, []):
-                _wrap_dotted(loaded, name, wrapper, label)
+            for name, wrapper, value, label in list(_pending.get(module, ())):
+                _apply_dotted(loaded, name, wrapper, value, label)
 
     return hook
 
@@ -325,6 +389,7 @@ def _grouped() -> tuple[list[tuple[Any, Any, tuple[Any, ...], list[Patch]]], lis
 def broken() -> list[str]:
     """Labels of the patches whose attribute no longer holds the installed object."""
     out: list[str] = []
+    keep_post_import_finder()
     with _lock:
         groups, others = _grouped()
         for where, getter, installed, members in groups:
@@ -356,6 +421,7 @@ def uninstall() -> None:
         _pending.clear()
         _hooked.clear()
         _hooks.clear()
+        _installed.clear()
         if _FINDER in sys.meta_path:
             sys.meta_path.remove(_FINDER)
         while _patches:

@@ -13,9 +13,17 @@ in learning mode it records the would-be denial as learned and lets the operatio
 `is_user_frame()` tells user code (the `<cell-N>` cells, strings it compiled) from the
 standard library, installed packages and the worker itself, by the code's file name.
 
-What it does NOT do: the state is a plain module global. Code that can reach this module
-(through the class hierarchy or the module table) can flip it; the end-of-call check sees a
-flag cleared during the call, not one cleared and set back. That is a documented limit.
+Where the state lives: in the C extension (`_fastimport.state`, see `_fastimport.c`). Every
+write of `armed` is counted there, in a block of memory the host reads from outside the
+worker after each event of a call, so a flag cleared and set back within one call is seen
+by the host even when the worker's own Python checks were replaced. The other settings are
+sealed once the worker is set up (`seal()`); a later write is refused and reported to the
+host the same way. Without the compiled extension the state is a plain Python object
+(`_State`), and the host has no block to read (see docs/guards.md).
+
+What it does NOT do: stop native code in the worker from rewriting its own memory, or
+code that replaced the worker's runner from counting a legitimate-looking pair of writes;
+the kernel boundary is what holds then.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ __all__ = [
 
 
 class _State:
-    """All mutable guard state in one object (read on every guarded call)."""
+    """The Python stand-in for the C state, used only when the extension is not built."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -48,10 +56,38 @@ class _State:
         self.learn = False
         self.policy_name = ""
         self.trusted_roots: tuple[str, ...] = ()
-        self.disarmed_mid_call = False
+        self.sealed = False
+
+    def seal(self) -> None:
+        self.sealed = True
 
 
-state = _State()
+def _c_state() -> Any:
+    try:
+        from agent_sandbox.guards import _fastimport
+    except ImportError:
+        return None
+    if getattr(_fastimport, "VERSION", 0) < 2:
+        return None  # built from an older _fastimport.c: rebuild (pip install -e .)
+    return _fastimport
+
+
+_c = _c_state()
+#: All guard state in one object (read on every guarded call): the C one when built.
+state: Any = _c.state if _c is not None else _State()
+
+
+def block_read() -> tuple[int, int, int]:
+    """(transitions, armed, tampered) of the C block, as this process sees them."""
+    if _c is None:
+        return (0, int(bool(state.armed)), 0)
+    transitions, armed, tampered = _c.block_read()
+    return int(transitions), int(armed), int(tampered)
+
+
+def block_info() -> dict[str, int] | None:
+    """Where the C arming block is in this process (the host reads it), or None."""
+    return dict(_c.block_info()) if _c is not None else None
 
 
 def configure(*, learn: bool, policy_name: str, trusted_roots: tuple[str, ...]) -> None:

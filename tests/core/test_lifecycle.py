@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox import Policy, Sandbox, SandboxClosed, _guardian
+from agent_sandbox import CapacityError, Policy, Sandbox, SandboxClosed, _guardian
 from agent_sandbox._calllock import CallLock
 from agent_sandbox._guardian import remove_tree
 
@@ -259,3 +259,106 @@ def test_sweep_removes_what_a_dead_owner_left_and_keeps_a_live_ones(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"agent-sandbox-{mine}-x", "agent-sandbox-plain"]
     )
+
+
+# -- admission control ----------------------------------------------------------------------
+
+
+def test_an_evicted_idle_session_stays_usable_with_a_notice(policy: Policy) -> None:
+    """It evicts the least recently used idle session for a new one; the evicted session's
+    next call runs in a fresh interpreter and says max_sessions took its state."""
+    with Sandbox(policy, warm=0, max_sessions=2) as sb:
+        a, b = sb.session("a"), sb.session("b")
+        assert a.run("v = 'a'").ok and b.run("v = 'b'").ok
+        old_worker = a.worker
+        assert sb.session("c").run("1").ok
+        assert sb.sessions() == ["b", "c"]
+        assert old_worker is not None and not old_worker.alive()
+        assert not os.path.exists(old_worker.control_dir)  # eviction leaks nothing
+        again = a.run("'v' in dir()")
+        assert again.ok and again.value is False
+        assert again.state_lost
+        assert any("max_sessions = 2" in n for n in again.notices), again.notices
+        assert sb.session("a") is a
+        assert len(sb.sessions()) == 2
+
+
+def test_a_session_in_a_call_is_never_evicted_and_a_newcomer_gets_capacity_error(
+    policy: Policy,
+) -> None:
+    """It makes a new session wait while every slot is in a call, then raises CapacityError
+    naming max_sessions and the count; the running call finishes with its state."""
+    with Sandbox(policy, warm=0, max_sessions=1, session_wait=0.5) as sb:
+        busy = sb.session("busy")
+        assert busy.run("kept = 1").ok
+        out: dict[str, object] = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", busy.run("import time\ntime.sleep(3)\nkept"))
+        )
+        t.start()
+        while not busy._lock.locked():
+            threading.Event().wait(0.01)
+        with pytest.raises(CapacityError) as info:
+            sb.session("new").run("1")
+        assert info.value.max_sessions == 1 and info.value.busy == 1
+        assert "max_sessions = 1" in str(info.value)
+        t.join(20)
+        result = out["r"]
+        assert result.value == 1 and not result.state_lost  # type: ignore[attr-defined]
+        # once the slot is idle, the newcomer takes it
+        assert sb.session("new").run("2").value == 2
+
+
+def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy: Policy) -> None:
+    """It serves 50 threads, each with its own session and 5 calls, with the default
+    max_sessions: every call succeeds, worker starts stay within the start gate, and after
+    close() no worker process, control directory or cgroup of this agent is left."""
+    from agent_sandbox._lifecycle import START_GATE, owner_tag
+    from agent_sandbox.providers._limits import hierarchy_bases
+
+    errors: list[BaseException] = []
+    results: list[object] = []
+
+    def one(i: int) -> None:
+        try:
+            session = sb.session(f"burst-{i}")
+            for j in range(5):
+                result = session.run(f"x = {j}\nx * 2")
+                assert result.ok, result.error
+                results.append(result)
+        except BaseException as exc:  # every failure is counted
+            errors.append(exc)
+
+    before = _own_dirs()
+    sb = Sandbox(policy)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert len(results) == 250
+    assert len(sb.sessions()) <= sb.max_sessions
+    assert START_GATE.peak <= START_GATE.slots
+    sb.close()
+    assert _own_dirs() == before
+    tag = owner_tag()
+    mark = f"AGENT_SANDBOX_OWNER={tag}".encode() + b"\0"
+    marked = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                env = Path(f"/proc/{name}/environ").read_bytes()
+            except OSError:
+                continue
+            if (b"\0" + env).find(b"\0" + mark) >= 0:
+                marked.append(name)
+    assert marked == []
+    groups = [
+        n
+        for base in hierarchy_bases()
+        for n in os.listdir(base)
+        if n.startswith(f"agent-sandbox-{os.getpid()}-")
+    ]
+    assert groups == []

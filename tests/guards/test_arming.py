@@ -71,8 +71,8 @@ def test_replacing_a_wrapper_is_reported(armed: Callable[..., Any]) -> None:
 
 def test_disarming_during_a_call_is_reported(armed: Callable[..., Any]) -> None:
     """It reports the armed flag cleared during the call."""
-    guard = armed(imports={"allow": ["sys"]})
-    guard.run("import sys\nsys.modules['agent_sandbox.guards._state'].state.armed = False")
+    guard = armed(imports={"allow": ["agent_sandbox.guards"]})
+    guard.run("from agent_sandbox.guards._state import state\nstate.armed = False")
     assert "the guards were disarmed during the call" in guard.guards.tamper_check()
 
 

@@ -265,36 +265,13 @@ def test_escape_with_the_unpickler_c_type(session: Any) -> None:
     assert not leaked(result)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="by design: the arming state is a module global reachable through sys.modules; "
-    "flipped off and back on within one call, the end-of-call check cannot see it",
-)
-def test_escape_by_flipping_the_arming_state(session: Any) -> None:
-    """It denies a read made while user code had switched the guards off."""
-    result = run(
-        session,
-        """
-        import sys
-        state = sys.modules['agent_sandbox.guards._state'].state
-        state.armed = False
-        data = open(SECRET).read()
-        state.armed = True
-        data
-        """,
-    )
-    assert not leaked(result)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="by design: a module loaded before arming stays reachable through the module "
-    "table (sys.modules); the guards still judge what is done with it",
-)
-def test_escape_through_the_module_table(session: Any) -> None:
-    """It denies obtaining a forbidden, already-loaded module (h11) through sys.modules."""
+def test_blocks_taking_a_forbidden_module_from_the_module_table(session: Any) -> None:
+    """It judges a module taken from `sys.modules` (through the view of an allowed `sys`)
+    like an import of it: h11, loaded by the worker's transport, is refused."""
     result = run(session, "import sys\nsys.modules['h11'].__name__")
     assert result.value != "h11"
+    assert result.error and result.error.rule == "imports"
+    assert [d.target for d in result.denials] == ["h11"]
 
 
 @pytest.mark.xfail(
@@ -329,21 +306,36 @@ def test_blocks_rewriting_the_policy_file(tmp_path: Path) -> None:
     assert result.error and result.error.rule == "files.write"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="by design: the compiled rules are plain objects in the worker's memory, reachable "
-    "like the arming state; the policy file and the parent's Policy stay intact",
-)
-def test_escape_by_mutating_the_compiled_rules(session: Any) -> None:
-    """It denies a read after user code widened the compiled file rules."""
+def test_blocks_reaching_the_compiled_rules_through_the_module_table(session: Any) -> None:
+    """It refuses the guards' own modules through `sys.modules` (they are not allowed)."""
     result = run(
         session,
         """
         import sys
         files = sys.modules['agent_sandbox.guards._files']
         files._rules.read.prefixes += ('/',)
-        files._decisions.clear()
-        for table in files._fast.values():
+        open(SECRET).read()
+        """,
+    )
+    assert not leaked(result)
+    assert result.error and result.error.rule == "imports"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="by design: the compiled rules are plain Python objects in the worker's memory; a "
+    "wrapper's function globals (__globals__, refused by the code layer) still lead to them, "
+    "and changing them is not counted the way the arming flag is (the OS layer holds)",
+)
+def test_escape_by_mutating_the_compiled_rules(session: Any) -> None:
+    """It denies a read after user code widened the compiled file rules."""
+    result = run(
+        session,
+        """
+        files = open._self_wrapper.__globals__
+        files['_rules'].read.prefixes += ('/',)
+        files['_decisions'].clear()
+        for table in files['_fast'].values():
             table.clear()
         open(SECRET).read()
         """,

@@ -78,6 +78,9 @@ def test_the_c_fast_path_is_built() -> None:
     import agent_sandbox.guards._fastimport as built
 
     assert type(_imports.user_import) is built.FastImport
+    # Built from the current _fastimport.c (module views, the counted arming state): an
+    # older build makes the guards fall back to Python state (rebuild: pip install -e .).
+    assert built.VERSION >= 2 and _imports.ModuleView is built.ModuleView
     assert _imports.make_user_builtins().__import__ is _imports.user_import
 
 
@@ -207,14 +210,17 @@ def test_reference_counts_stay_stable() -> None:
 
 @needs_c
 def test_the_guard_serves_what_the_python_import_would(armed: Callable[..., Any]) -> None:
-    """It answers the user namespace's `import json` with the object `guarded_import` gives."""
+    """It answers the user namespace's `import json` with the object `guarded_import` gives:
+    the view of `json` (see test_module_views.py)."""
     guard = armed(imports={"allow": ["json"]})
     user_import = guard.namespace["__builtins__"].__import__
     assert user_import is _imports.user_import
     guard.run("import json\nimport json as again\nresult = again")
     assert "json" in _imports._ok
-    assert guard.namespace["result"] is sys.modules["json"]
-    assert user_import("json") is _imports.guarded_import("json") is sys.modules["json"]
+    view = _imports.view_of(sys.modules["json"])
+    assert view is not sys.modules["json"] and view.dumps is sys.modules["json"].dumps
+    assert guard.namespace["result"] is view
+    assert user_import("json") is _imports.guarded_import("json") is view
     assert guard.guards.tamper_check() == []
 
 
