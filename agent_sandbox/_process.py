@@ -2,8 +2,9 @@
 
 Start-up, in order:
 
-1. Create a private 0700 control directory holding the listening socket, the worker log (a bounded memfd, `bounded_log`)
-   and the scratch directory (the worker's working directory).
+1. Create a private 0700 control directory holding the listening socket and the scratch
+   directory (the worker's working directory); the worker log is a bounded memfd
+   (`bounded_log`).
 2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
    no path to the socket, and the parent connects by path.
 3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
