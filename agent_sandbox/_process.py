@@ -58,6 +58,7 @@ from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
 if TYPE_CHECKING:
     from agent_sandbox._templates import WorkerTemplate
+from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
 
@@ -202,6 +203,9 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        #: The worker's route on the host's egress proxy (namespace providers with [net]).
+        self.egress: Route | None = None
+        self._egress_channel: socket.socket | None = None
         #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
         #: events of the current call it holds back until the call's end is verified.
         self.guard_watch: _guard_block.GuardWatch | None = None
@@ -236,11 +240,16 @@ class WorkerProcess:
         sock_path = os.path.join(self.control_dir, "ctl.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
+        # The channel that brings the worker's egress-proxy listener to the host (used only
+        # when the plan has an egress proxy; see providers/_egress.py).
+        egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
         try:
             listener.bind(sock_path)
             listener.listen(8)
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
+            egress_worker.set_inheritable(True)
             spec = WorkerSpec(
                 python=worker_python(),
                 boot_script=BOOT_SCRIPT,
@@ -253,8 +262,14 @@ class WorkerProcess:
                 env=worker_env(policy, os.environ),
                 prefix=sys.prefix,
                 base_prefix=sys.base_prefix,
+                egress_fd=egress_worker.fileno(),
             )
             self.plan = provider.build(policy, spec)
+            if "egress" in self.plan.worker_setup:
+                try:
+                    egress_proxy().start()
+                except EgressError as exc:
+                    raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
             self.cgroups = start_cgroups(self.id, policy, depth)
             log = bounded_log()
@@ -272,10 +287,12 @@ class WorkerProcess:
             listener.close()
             os.close(boot_r)
             os.close(boot_w)
+            egress_worker.close()
             self._cleanup_dirs()
             raise
         finally:
             listener.close()
+            egress_worker.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
         try:
@@ -283,7 +300,7 @@ class WorkerProcess:
                 "token": self.token,
                 "worker_id": self.id,
                 "listen_fd": spec.listen_fd,
-                "policy": policy.to_wire(),
+                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
                 "sys_path": list(spec.sys_path),
                 "package_dirs": dict(spec.package_dirs),
                 "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
@@ -328,6 +345,10 @@ class WorkerProcess:
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
             self._watch_guards()
+            if "egress" in self.plan.worker_setup:
+                self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
+            self._egress_channel = None
+            egress_host.close()
             if cgroups is not None and depth:
                 # Whatever the first pass missed at the worker's depth or below (normally
                 # nothing: one read per group); the launcher's own processes stay outside.
@@ -338,6 +359,20 @@ class WorkerProcess:
             raise
         self.started_at = time.monotonic()
         return self
+
+    def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
+        """Take the worker's proxy listener (sent before its handshake) onto the host's
+        egress proxy; a worker whose proxy cannot serve is never kept."""
+        assert self.policy is not None
+        try:
+            listener = receive_listener(channel, timeout)
+            self.egress = egress_proxy().attach(self.policy, listener)
+        except EgressError as exc:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the egress proxy could not start: {exc}", log_tail=tail
+            ) from None
 
     def _place_in_cgroups(self, place: Callable[[], object]) -> None:
         """Run one placement step; a worker alive but outside its groups is never kept."""
@@ -501,6 +536,9 @@ class WorkerProcess:
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
+        if self.egress is not None:
+            # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
+            builder.denials.extend(self.egress.drain())
         watch = self.guard_watch
         if watch is not None and watch.reason:
             self._on_tampered(builder, watch.reason)
@@ -715,6 +753,8 @@ class WorkerProcess:
         does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
         (`_lifecycle`) removes whatever that one has not.
         """
+        if self.egress is not None:
+            self.egress.close()  # no connection of a discarded worker outlives this call
         with self._lock:
             self.dead = True
             if self.guard_watch is not None:
@@ -748,6 +788,10 @@ class WorkerProcess:
         self.kill()
 
     def _cleanup_dirs(self) -> None:
+        if self._egress_channel is not None:
+            self._egress_channel.close()
+        if self.egress is not None:
+            self.egress.close()
         if self.cgroups is not None:
             self.cgroups.kill()
             self.cgroups.remove()

@@ -4,7 +4,8 @@ The order is fixed, and each step runs while the worker still has a single threa
 
 1. Stamp the policy name on denials.
 2. Apply the policy's rlimits (both soft and hard, so user code cannot raise them).
-3. Apply the provider's in-worker restrictions (`worker_setup` of the launch plan).
+3. Hand the egress proxy's listener to the host (namespace providers with network rules),
+   then apply the provider's in-worker restrictions (`worker_setup` of the launch plan).
 4. Build the runner (the session namespace).
 5. Install the code-layer check and the Python guards; from here on, user code runs armed.
 
@@ -81,6 +82,11 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     _audit.set_policy_name(str(policy.get("name", "")))
     checks: dict[str, Any] = {"rlimits": apply_rlimits(policy.get("limits", {}))}
     setup = boot.get("worker_setup") or {}
+    if setup.get("egress"):
+        # 3a. The egress proxy's listener goes to the host before any restriction applies.
+        from agent_sandbox.providers._inworker import open_egress_listener
+
+        checks["egress"] = open_egress_listener(setup["egress"])
     if setup:
         from agent_sandbox.providers._inworker import apply_worker_setup
 

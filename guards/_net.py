@@ -11,6 +11,8 @@ What it enforces, while armed:
    * Unix sockets: the path goes through the file rules as a write (the worker's own control
      socket is therefore never reachable); abstract names are refused.
    * Any other family is refused.
+   * The host's egress proxy inside a namespace sandbox (`proxy`): a TCP connect to it is
+     let through; the proxy judges the real target on the host and records the denial.
 2. Host names in rules were resolved once in the parent when the policy was loaded; the
    wire form carries the addresses (the pin). The resolvers (`getaddrinfo`,
    `gethostbyname`, `gethostbyname_ex`, `gethostbyaddr`, `getnameinfo`, for `socket` and
@@ -83,8 +85,13 @@ class _Rule:
 class NetRules:
     """The `[net]` rules with their pinned addresses, compiled for fast decisions."""
 
-    def __init__(self, net: dict[str, Any], policy_name: str = "") -> None:
+    def __init__(
+        self, net: dict[str, Any], policy_name: str = "", proxy: tuple[str, int] | None = None
+    ) -> None:
         self.policy_name = policy_name
+        #: The host's egress proxy inside the sandbox (namespace providers): a TCP connect
+        #: to it is left to the proxy, which judges the real target and records the denial.
+        self.proxy = proxy
         self.rules = [_Rule(r) for r in net.get("rules", ())]
         self.pins: dict[str, list[str]] = {}
         self.reverse: dict[str, str] = {}
@@ -118,6 +125,13 @@ class NetRules:
             )
         if ip.version == 6 and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
+        if (
+            self.proxy is not None
+            and direction == "connect"
+            and protocol == "tcp"
+            and (str(ip), port) == self.proxy
+        ):
+            return None
         allowed = False
         for rule in self.rules:
             if rule.matches(direction, protocol, ip, port):
@@ -145,6 +159,18 @@ class NetRules:
         )
 
     def resolve_denial(self, name: str) -> Denial:
+        if self.proxy is not None:
+            host, port = self.proxy
+            return Denial(
+                "net.resolve",
+                "resolve",
+                name,
+                self.policy_name,
+                detail="this sandbox resolves no names itself: its network goes through the "
+                f"host's egress proxy at http://{host}:{port} (HTTP_PROXY), which resolves "
+                "and judges each host; requests, urllib, httpx, pip and curl use it",
+                hint=f'[[net.rules]] host = "{name}" ports = "443"',
+            )
         return Denial(
             "net.resolve",
             "resolve",

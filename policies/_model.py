@@ -484,16 +484,18 @@ class Policy(_Section):
             {"dynamic-code", "native-code"} & set(self.api.allow)
         )
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, *, pin: bool = True) -> dict[str, Any]:
         """The JSON dict the worker receives (no pydantic needed to read it).
 
         Besides the fields it carries, for the guards: `net.rules[i].addresses`, the
         addresses a rule's host name resolved to (once per policy object, in the parent:
         the worker answers name lookups from this pin and never asks DNS), and
-        `source_file`, the policy file the worker must never write.
+        `source_file`, the policy file the worker must never write. With `pin=False` (a
+        worker behind the host's egress proxy, which resolves names itself) no name is
+        resolved here and no rule carries addresses.
         """
         data = self.model_dump(mode="json", by_alias=True)
-        pins = self.pinned_addresses()
+        pins = self.pinned_addresses() if pin else {}
         for rule in data.get("net", {}).get("rules", []):
             rule["addresses"] = list(pins.get(rule["host"], ()))
         if self.source and not self.source.startswith("preset:") and self.source != "<string>":

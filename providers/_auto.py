@@ -1,9 +1,11 @@
 """The `auto` provider: the deepest stack of kernel boundaries that works here for a policy.
 
 What it does: for each policy it builds the plan of every candidate that its probe says
-works (`bwrap`, `unshare`, `landlock`), drops those that cannot serve the
-policy (a namespace without network cannot serve a policy that allows a remote host), and
-takes the deepest stack, the provider's strength breaking ties. The chosen stack is in the
+works (`bwrap`, `unshare`, `landlock`), drops those that cannot serve the policy, and
+takes the deepest stack, the provider's strength breaking ties. A policy with network
+allow rules goes only to a namespace provider with the host's egress proxy (host names
+enforced on the host); where none can serve it, the build raises and says why, never
+falling back to Landlock's port rules. The chosen stack is in the
 plan: `LaunchPlan.stack`, e.g. `("bwrap", "landlock", "seccomp")`, and the provider's name
 in `LaunchPlan.provider` (so results say what really ran).
 
@@ -76,6 +78,25 @@ class AutoProvider(Provider):
                 plans.append((provider, provider.build(policy, spec)))
             except ProviderUnavailable as exc:
                 refused.append(f"{provider.name}: {exc.reason}")
+        if policy.net.allows_any():
+            # Never weaker for a policy with network rules than for one without: host names
+            # hold only behind the egress proxy of a namespace provider.
+            proxied = [(p, plan) for p, plan in plans if "egress" in plan.worker_setup]
+            if not proxied:
+                ports_only = [p.name for p, _ in plans]
+                raise ProviderUnavailable(
+                    "auto",
+                    "the policy's [net] rules need a namespace provider (bwrap or unshare) "
+                    "whose egress proxy enforces host names"
+                    + (f" ({'; '.join(refused)})" if refused else "")
+                    + (
+                        f"; {', '.join(ports_only)} would enforce ports only: name one "
+                        "explicitly (provider = ...) to accept that"
+                        if ports_only
+                        else ""
+                    ),
+                )
+            plans = proxied
         if not plans:
             if refused:
                 raise ProviderUnavailable(

@@ -53,6 +53,9 @@ class WorkerSpec:
     env: Mapping[str, str]
     prefix: str
     base_prefix: str
+    #: The worker's end of the channel that carries its egress-proxy listener to the host
+    #: (`providers/_egress.py`); -1 when there is none.
+    egress_fd: int = -1
 
 
 @dataclasses.dataclass(frozen=True)

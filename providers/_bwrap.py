@@ -10,8 +10,9 @@ What it enforces, for native code too:
   import roots and the `agent_sandbox` packages read-only, the policy's read paths read-only,
   the scratch directory and the policy's write paths writable, a minimal `/dev`, a fresh
   `/proc`, a size-capped private `/tmp` (see `_view.py`); the rest of the host is absent;
-* no network: only the namespace's own loopback exists (bwrap brings `lo` up), so host
-  ports and host abstract Unix sockets are unreachable;
+* no network of the host: only the namespace's own loopback exists (bwrap brings `lo` up),
+  so host ports and host abstract Unix sockets are unreachable; a policy with `[net]` rules
+  gets the host's egress proxy on that loopback (`_egress.py`), the only way out;
 * a new session (`--new-session`, the TIOCSTI class of escape) and death with the parent
   (`--die-with-parent`); bwrap is PID 1 of the namespace and reaps orphans;
 * the seccomp filter of `providers._seccomp` (`--seccomp FD`) and Landlock inside the
@@ -42,14 +43,16 @@ from agent_sandbox.providers._base import (
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     Mount,
+    allow_proxy_port,
+    egress_plan,
     host_layout_for,
     mounts_for,
     path_view,
-    require_local_network,
 )
 
 __all__ = ["SECCOMP_FD_SLOT", "BwrapPlan", "BwrapProvider", "bwrap_argv", "stacked_layers"]
@@ -177,7 +180,10 @@ def _probe(bwrap: str) -> ProbeResult:
 
 
 def stacked_layers(
-    policy: Any, spec: WorkerSpec, view: Mapping[str, str]
+    policy: Any,
+    spec: WorkerSpec,
+    view: Mapping[str, str],
+    pins: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], bytes, tuple[str, ...]]:
     """Landlock (the worker applies it) and seccomp (raw BPF) when each works here.
 
@@ -189,7 +195,7 @@ def stacked_layers(
     setup: dict[str, Any] = {}
     layers: list[str] = []
     if _landlock.probe_landlock().available:
-        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view)
+        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view, pins=pins)
         layers.append("landlock")
     bpf = b""
     if _seccomp.probe_seccomp()[0]:
@@ -215,7 +221,8 @@ class BwrapProvider(Provider):
         return _probe(self.bwrap)
 
     def build(self, policy: Any, spec: WorkerSpec) -> BwrapPlan:
-        require_local_network(self.name, policy, "gives the worker no network (loopback only)")
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
+        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
         host = host_layout_for(policy, spec)
@@ -224,15 +231,20 @@ class BwrapProvider(Provider):
         layers: tuple[str, ...] = ()
         if self.stack:
             view = path_view(mounts_for(policy, spec, host))
-            setup, bpf, layers = stacked_layers(policy, spec, view)
+            setup, bpf, layers = stacked_layers(policy, spec, view, pins)
+        if pins:
+            setup = {**setup, "pins": pins}
+        if egress:
+            setup.update(egress)
+            allow_proxy_port(setup, egress["egress"]["port"])
         return BwrapPlan(
             provider=self.name,
             argv=bwrap_argv(policy, spec, host, bwrap=exe, seccomp=bool(bpf)),
-            env=base_env(spec),
-            pass_fds=(spec.listen_fd, spec.boot_fd),
+            env=base_env(spec, proxy_vars),
+            pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
             worker_setup=setup,
-            stack=(self.name, *layers),
+            stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # bwrap, then its init (PID 1 inside), then the worker
             seccomp_bpf=bpf,
         )

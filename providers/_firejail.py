@@ -44,6 +44,7 @@ from agent_sandbox.providers._base import (
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     HostLayout,
     bound_paths,
@@ -211,14 +212,17 @@ class FirejailProvider(Provider):
         details = self.probe().details
         exe = str(details.get("path", self.firejail))
         setpriv = str(details.get("setpriv", "setpriv"))
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:
             from agent_sandbox.providers._unshare import stack_in_worker
 
-            more, layers = stack_in_worker(policy, spec, host)
+            more, layers = stack_in_worker(policy, spec, host, pins)
             setup.update(more)
+        if pins:
+            setup["pins"] = pins
         return LaunchPlan(
             provider=self.name,
             argv=firejail_argv(policy, spec, host, firejail=exe, setpriv=setpriv),

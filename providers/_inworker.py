@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["apply_worker_setup", "kernel_status", "verify_checks"]
+__all__ = ["apply_worker_setup", "kernel_status", "open_egress_listener", "verify_checks"]
 
 _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
@@ -179,6 +179,29 @@ def _mount_scratch(path: str, size: int) -> None:
     os.chdir(path)
 
 
+def open_egress_listener(setup: Mapping[str, Any]) -> int:
+    """Listen on the egress proxy's address inside this network namespace, hand the
+    listening socket to the host over the inherited channel, keep no copy; return the port.
+
+    Runs before the restrictions (Landlock would refuse the bind) and before any user code;
+    from then on only the host accepts on it (`providers/_egress.py`).
+    """
+    import socket
+
+    channel = socket.socket(fileno=int(setup["fd"]))
+    try:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((str(setup["host"]), int(setup["port"])))
+            listener.listen(128)
+            socket.send_fds(channel, [b"egress"], [listener.fileno()])
+        finally:
+            listener.close()
+    finally:
+        channel.close()
+    return int(setup["port"])
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -201,6 +224,11 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     step fails.
     """
     checks: dict[str, Any] = {}
+    # 0. The policy's grants are the objects the parent pinned (see `_grants.py`).
+    pins = setup.get("pins")
+    if pins:
+        check_pins(pins)
+        checks["pins"] = len(pins)
     wants_kernel = any(k in setup for k in _KERNEL_KEYS)
     if not wants_kernel:
         return checks
@@ -250,6 +278,29 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     return checks
 
 
+def check_pins(pins: Mapping[str, Any]) -> None:
+    """Each granted path, as this process sees it, must be the object the parent pinned
+    (device, inode), or still absent when it was absent (see `providers/_grants.py`).
+
+    Raises SetupError naming the path otherwise: the worker must not serve.
+    """
+    for path, pin in pins.items():
+        try:
+            info = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            if pin is None:
+                continue
+            raise SetupError(
+                f"the granted path {path} is missing; it existed at the check"
+            ) from None
+        if pin is None or [info.st_dev, info.st_ino] != list(pin):
+            raise SetupError(
+                f"the granted path {path} is not the object the policy check pinned (a link "
+                "planted or a directory swapped between the check and the start); start the "
+                "worker again, and see which tool can write there"
+            )
+
+
 def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]:
     """What the worker's handshake `checks` lack compared with its plan's `setup` (parent side).
 
@@ -275,4 +326,6 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
         problems.append("its scratch directory is not the bounded tmpfs")
     if setup.get("seccomp_exec") and checks.get("exec_denied") is not True:
         problems.append("the exec filter (no process grant) is not loaded")
+    if setup.get("pins") and checks.get("pins") != len(setup["pins"]):
+        problems.append("it did not check the grants the parent pinned")
     return problems

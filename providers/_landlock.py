@@ -111,6 +111,7 @@ def landlock_setup(
     view: Mapping[str, str] | None = None,
     private_dirs: Iterable[str] = (),
     masks: Masks | None = None,
+    pins: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON-safe `worker_setup["landlock"]` fragment for `policy` and `spec`.
 
@@ -119,9 +120,11 @@ def landlock_setup(
     prefix covers is kept as is). The applier skips paths that do not exist in the worker.
     `private_dirs` are in-sandbox directories private to this worker (a namespace provider's
     own tmpfs, such as `/dev/shm` for `multiprocessing` locks): they are granted read-write
-    as given. Never pass a host directory other workers share. `masks` (from
-    `_masks.find_masks`, Landlock alone) are host paths no rule may reach: the grants
-    around them are narrowed (`_narrow`).
+    as given. Never pass a host directory other workers share. `pins` (host path -> device
+    and inode, or None for absent; `_grants.grant_pins`) become `pins` in the fragment, keyed
+    by in-sandbox path: the applier refuses a path whose descriptor is not the pinned object.
+    `masks` (from `_masks.find_masks`, Landlock alone) are host paths no rule may reach: the
+    grants around them are narrowed (`_narrow`).
 
     Keys: `min_abi`; `paths`, a sorted list of `[path, access]` with access one of
     `ACCESS_SETS`; `tcp_connect` / `tcp_bind`, sorted port lists, or None when the right is
@@ -185,7 +188,7 @@ def landlock_setup(
                 f"TCP {kind} is not filtered by Landlock: the policy allows more than "
                 f"{MAX_PORT_RULES} ports"
             )
-    return {
+    fragment: dict[str, Any] = {
         "min_abi": MIN_ABI,
         "paths": [[path, rules[path]] for path in sorted(rules)],
         "tcp_connect": connect,
@@ -193,6 +196,9 @@ def landlock_setup(
         "scope": ["abstract_unix", "signal"],
         "notes": notes,
     }
+    if pins:
+        fragment["pins"] = {_map_view(path, view): pin for path, pin in sorted(pins.items())}
+    return fragment
 
 
 #: Host hierarchies Landlock alone must never grant: `/proc/<pid>/environ` of the parent and
@@ -440,12 +446,14 @@ class LandlockProvider(Provider):
         return ProbeResult(self.name, True, version=result.version, details=details)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._seccomp import seccomp_setup
 
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         setup: dict[str, Any] = {
             "no_new_privs": True,
             "drop_caps": True,
-            "landlock": landlock_setup(policy, spec, masks=find_masks(policy, spec)),
+            "landlock": landlock_setup(policy, spec, pins=pins, masks=find_masks(policy, spec)),
         }
         setup.update(seccomp_setup(policy))
         if os.geteuid() == 0:

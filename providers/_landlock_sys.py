@@ -165,6 +165,7 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
     )
     added = 0
     skipped: list[str] = []
+    pins = setup.get("pins") or {}
     try:
         for path, access in setup.get("paths", ()):
             try:
@@ -173,6 +174,8 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
                 skipped.append(path)
                 continue
             try:
+                if path in pins:
+                    _check_pin(fd, path, pins[path])
                 rights = ACCESS_SETS[access] & handled_fs
                 if not _is_dir(fd):
                     rights &= _FILE_RIGHTS
@@ -221,6 +224,18 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
         "rules": added,
         "skipped": skipped,
     }
+
+
+def _check_pin(fd: int, path: str, pin: Any) -> None:
+    """The descriptor about to be granted must be the object the parent pinned (see
+    `providers/_grants.py`): a link planted since the check would otherwise be followed."""
+    info = os.fstat(fd)
+    if pin is None or [info.st_dev, info.st_ino] != list(pin):
+        raise OSError(
+            0,
+            f"{path} is not the object the policy check pinned (a link planted or a "
+            "directory swapped between the check and the start); not granting it",
+        )
 
 
 def _is_dir(fd: int) -> bool:

@@ -18,7 +18,8 @@ start-up cost too (`_signal` rather than `signal`, which imports `enum`). Three 
       configuration's order; read-only binds (and every mount below them) are remounted
       read-only, and every bind gets nosuid (and nodev, except the device nodes);
    d. remounts the new root read-only, `pivot_root`s into it and detaches the old root;
-   e. sets the host name, brings `lo` up only for a loopback-only policy, forbids nested
+   e. sets the host name, brings `lo` up only for a policy with network rules (the
+      egress proxy listens there), forbids nested
       user namespaces (`user.max_user_namespaces = 0` in this namespace);
    f. drops every capability for good: bounding set, securebits (no root privilege on
       exec, locked), ambient set, no-new-privileges, then its own sets;
@@ -261,7 +262,7 @@ def init(cfg: dict[str, Any], report: int) -> None:
     build_view(cfg)
     name = cfg["hostname"].encode()
     check(libc.sethostname(name, len(name)), "sethostname")
-    if cfg["net"] == "loopback":
+    if cfg["net"] in ("loopback", "proxy"):
         loopback_up()
     write_file("/proc/sys/user/max_user_namespaces", "0")
     drop_privileges()

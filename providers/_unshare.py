@@ -9,8 +9,8 @@ What it enforces, for native code too (the steps are in `_ns_launch.py`):
   policy's read paths (read-only), the scratch directory and the policy's write paths
   (writable), a minimal `/dev`, a fresh `/proc`, a size-capped `/tmp`; nothing else of the
   host exists inside (see `_view.py`);
-* no network: `lo` stays down unless the policy allows only loopback hosts, then it is up
-  and only the namespace's own ports exist;
+* no network of the host: `lo` stays down without `[net]` rules; with them it is up and
+  carries the host's egress proxy (`_egress.py`), the only way out;
 * no capabilities, for good: the bounding and ambient sets are emptied, securebits lock
   out root's privileges on exec, no-new-privileges is set; nested user namespaces are
   refused (`user.max_user_namespaces = 0`), so read-only binds cannot be remounted;
@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
@@ -42,15 +43,17 @@ from agent_sandbox.providers._base import (
     WorkerSpec,
     base_env,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
+    allow_proxy_port,
+    egress_plan,
     host_layout,
     host_layout_for,
     mounts_for,
     network_mode,
     path_view,
-    require_local_network,
 )
 
 __all__ = [
@@ -160,27 +163,33 @@ class UnshareProvider(Provider):
         return _probe(os.path.realpath(sys.executable))
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        require_local_network(self.name, policy, "gives the worker no network (loopback only)")
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
+        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:
-            setup_more, layers = stack_in_worker(policy, spec, host)
+            setup_more, layers = stack_in_worker(policy, spec, host, pins)
             setup.update(setup_more)
+        if pins:
+            setup["pins"] = pins
+        if egress:
+            setup.update(egress)
+            allow_proxy_port(setup, egress["egress"]["port"])
         return LaunchPlan(
             provider=self.name,
             argv=unshare_argv(policy, spec, host),
-            env=base_env(spec),
-            pass_fds=(spec.listen_fd, spec.boot_fd),
+            env=base_env(spec, proxy_vars),
+            pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
             worker_setup=setup,
-            stack=(self.name, *layers),
+            stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # the launcher L, then B (PID 1 inside), then the worker C
         )
 
 
 def stack_in_worker(
-    policy: Any, spec: WorkerSpec, host: HostLayout
+    policy: Any, spec: WorkerSpec, host: HostLayout, pins: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Landlock and seccomp as `worker_setup` fragments, each only when it works here."""
     from agent_sandbox.providers import _landlock, _seccomp
@@ -189,7 +198,7 @@ def stack_in_worker(
     layers: list[str] = []
     if _landlock.probe_landlock().available:
         view = path_view(mounts_for(policy, spec, host))
-        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view)
+        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view, pins=pins)
         layers.append("landlock")
     if _seccomp.probe_seccomp()[0]:
         setup.update(_seccomp.seccomp_setup(policy))

@@ -12,9 +12,9 @@ its fixed leading directory. Every existing path inside what is bound that match
 `files.hide` or `files.deny`, and the policy's own files, is masked (an empty read-only
 tmpfs over a directory, an empty unreadable file over a file; see `_masks.py`).
 
-`network_mode(policy)` says whether the worker gets no network or only loopback; a policy
-that allows other hosts cannot be served by a namespace without network, and that is an
-error naming the rule, never a silent cut.
+`network_mode(policy)` says whether the worker gets no network or its own loopback with the
+host's egress proxy on it (`egress_plan`); a rule the proxy cannot serve (UDP, a listener
+for outside peers) is an error naming the rule, never a silent cut.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ __all__ = [
     "host_layout_for",
     "mounts_for",
     "network_mode",
+    "allow_proxy_port",
     "bound_paths",
+    "egress_plan",
     "path_view",
     "policy_paths",
     "require_local_network",
@@ -291,11 +293,37 @@ def require_local_network(provider: str, policy: Any, how: str) -> None:
         raise ProviderUnavailable(
             provider,
             f"the policy allows network to {', '.join(hosts)} [net], but {provider} {how}; "
-            "use the landlock provider for TCP rules",
+            "use bwrap or unshare (their egress proxy enforces host names)",
         )
 
 
-def network_mode(policy: Any) -> Literal["none", "loopback"]:
-    """`loopback` when the policy allows only loopback hosts, else `none` (no interface up)."""
-    allowed = [r for r in policy.net.rules if r.action == "allow"]
-    return "loopback" if allowed and not unsupported_network(policy) else "none"
+def network_mode(policy: Any) -> Literal["none", "proxy"]:
+    """`proxy` when the policy allows any network (`lo` up, the host's egress proxy on it,
+    `providers/_egress.py`), else `none` (no interface up)."""
+    return "proxy" if any(r.action == "allow" for r in policy.net.rules) else "none"
+
+
+def egress_plan(
+    provider: str, policy: Any, spec: Any
+) -> tuple[dict[str, Any], dict[str, str], tuple[int, ...]]:
+    """What a namespace provider adds for a policy with network rules (pure): the
+    `worker_setup` fragment, the proxy variables for the environment and the descriptor
+    to pass. Raises ProviderUnavailable for a rule the proxy cannot serve (UDP, a
+    listener), naming it; returns empty parts for a policy without network."""
+    from agent_sandbox.providers._egress import PROXY_HOST, PROXY_PORT, proxy_env, require_proxyable
+
+    if network_mode(policy) != "proxy":
+        return {}, {}, ()
+    require_proxyable(provider, policy)
+    # A dry build (no channel yet: egress_fd -1) describes the same plan; a real start
+    # always prepares the channel, and a worker without it fails its start.
+    setup = {"egress": {"fd": spec.egress_fd, "host": PROXY_HOST, "port": PROXY_PORT}}
+    fds = (spec.egress_fd,) if spec.egress_fd >= 0 else ()
+    return setup, proxy_env(PROXY_HOST, PROXY_PORT), fds
+
+
+def allow_proxy_port(setup: dict[str, Any], port: int) -> None:
+    """Let a stacked Landlock ruleset connect to the egress proxy's port (in place)."""
+    landlock = setup.get("landlock")
+    if landlock and landlock.get("tcp_connect") is not None:
+        landlock["tcp_connect"] = sorted({*landlock["tcp_connect"], port})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from typing import IO, Any, ClassVar
 
@@ -136,12 +137,27 @@ def test_auto_here_picks_bwrap_with_landlock_and_seccomp() -> None:
     assert plan.stack == ("bwrap", "landlock", "seccomp")
 
 
-def test_auto_gives_a_networked_policy_to_landlock() -> None:
-    """It does not cut a remote host silently: a policy with one goes to landlock's TCP rules."""
-    if not probe_landlock().available:
-        pytest.skip(f"landlock unavailable: {probe_landlock().reason}")
-    policy = Policy(name="t", net={"rules": [{"host": "10.0.0.0/8", "ports": 443}]})
-    assert get_provider("auto").build(policy, SPEC).provider == "landlock"
+def test_auto_gives_a_networked_policy_to_a_namespace_provider_with_the_proxy() -> None:
+    """It is never weaker with network rules than without: the same namespace provider,
+    plus the egress proxy, never Landlock's port rules alone."""
+    if not bwrap_module.BwrapProvider().probe().available:
+        pytest.skip("bwrap unavailable here")
+    spec = dataclasses.replace(SPEC, egress_fd=9)
+    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+    plain = get_provider("auto").build(Policy(name="t"), spec)
+    plan = get_provider("auto").build(policy, spec)
+    assert plan.provider == plain.provider == "bwrap"
+    assert plan.stack == (*plain.stack, "egress-proxy")
+    assert "egress" in plan.worker_setup
+
+
+def test_auto_refuses_a_networked_policy_when_only_port_rules_are_left() -> None:
+    """It raises, naming what is missing, rather than hand network rules to Landlock alone."""
+    auto = AutoProvider((fake("landlock", strength=20, layers=("landlock", "seccomp")),))
+    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+    with pytest.raises(ProviderUnavailable, match=r"namespace provider.*landlock would enforce"):
+        auto.build(policy, SPEC)
+    assert auto.build(Policy(name="t"), SPEC).provider == "landlock"
 
 
 def test_a_sandbox_on_auto_reports_the_provider_that_ran() -> None:

@@ -7,6 +7,7 @@ checks the default stack. Every test that starts a worker closes it.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from pathlib import Path
 from typing import Any
@@ -163,11 +164,29 @@ def test_every_tmpfs_has_a_size() -> None:
             assert argv[i - 2] == "--size"
 
 
-def test_refuses_a_policy_that_allows_a_remote_host() -> None:
-    """It refuses, naming the rule, a policy bwrap cannot serve (no silent network cut)."""
-    policy = Policy(name="t", net={"rules": [{"host": "10.0.0.0/8", "ports": 443}]})
-    with pytest.raises(ProviderUnavailable, match=r"10\.0\.0\.0/8 \[net\]"):
-        BwrapProvider().build(policy, SPEC)
+def test_a_policy_with_a_remote_host_gets_the_egress_proxy() -> None:
+    """It serves a remote host through the host's egress proxy: the listener channel is
+    passed, the proxy variables are set, Landlock lets the worker reach the proxy port."""
+    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+    spec = dataclasses.replace(SPEC, egress_fd=7)
+    plan = BwrapProvider().build(policy, spec)
+    assert plan.worker_setup["egress"] == {"fd": 7, "host": "127.0.0.1", "port": 3128}
+    assert 7 in plan.pass_fds
+    assert plan.env["HTTPS_PROXY"] == plan.env["http_proxy"] == "http://127.0.0.1:3128"
+    assert plan.env["NO_PROXY"] == ""
+    assert plan.stack[0] == "bwrap" and plan.stack[-1] == "egress-proxy"
+    if "landlock" in plan.worker_setup:
+        assert plan.worker_setup["landlock"]["tcp_connect"] == [443, 3128]
+    assert "egress" not in BwrapProvider().build(Policy(name="t"), spec).worker_setup
+
+
+def test_refuses_a_udp_rule_naming_it() -> None:
+    """It refuses, naming the rule, a UDP rule the proxy cannot carry (no silent cut)."""
+    policy = Policy(
+        name="t", net={"rules": [{"host": "10.0.0.0/8", "ports": 53, "protocol": "udp"}]}
+    )
+    with pytest.raises(ProviderUnavailable, match=r"10\.0\.0\.0/8:53 protocol = \"udp\""):
+        BwrapProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
 
 
 def test_a_missing_bwrap_is_an_error_naming_it() -> None:

@@ -7,6 +7,7 @@ checks the default stack. Every test that starts a worker closes it.
 
 from __future__ import annotations
 
+import dataclasses
 import marshal
 import os
 import socket
@@ -118,18 +119,37 @@ def test_argv_runs_the_launcher_isolated_with_the_config() -> None:
     assert len(argv) == 7
 
 
-def test_loopback_only_policy_gets_lo_up() -> None:
-    """It brings `lo` up only when every allowed host is a loopback address."""
+def test_a_policy_with_network_rules_gets_lo_up_for_the_proxy() -> None:
+    """It brings `lo` up (the egress proxy listens there) only for a policy with rules."""
     loop = Policy(name="t", net={"rules": [{"host": "127.0.0.1", "ports": 8000}]})
-    assert launcher_config(loop, SPEC, HOST)["net"] == "loopback"
+    assert launcher_config(loop, SPEC, HOST)["net"] == "proxy"
     assert launcher_config(Policy(name="t"), SPEC, HOST)["net"] == "none"
 
 
-def test_refuses_a_policy_that_allows_a_remote_host() -> None:
-    """It refuses, naming the rule, a policy it cannot serve (no silent network cut)."""
+def test_a_policy_with_a_remote_host_gets_the_egress_proxy() -> None:
+    """It serves a remote host through the host's egress proxy (channel, variables, port)."""
     policy = Policy(name="t", net={"rules": [{"host": "example.org", "ports": 443}]})
-    with pytest.raises(ProviderUnavailable, match=r"example\.org \[net\]"):
-        UnshareProvider().build(policy, SPEC)
+    plan = UnshareProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
+    assert plan.worker_setup["egress"] == {"fd": 7, "host": "127.0.0.1", "port": 3128}
+    assert 7 in plan.pass_fds and plan.env["ALL_PROXY"] == "http://127.0.0.1:3128"
+    assert plan.stack[-1] == "egress-proxy"
+    if "landlock" in plan.worker_setup:
+        assert plan.worker_setup["landlock"]["tcp_connect"] == [443, 3128]
+
+
+def test_refuses_a_rule_the_proxy_cannot_serve_naming_it() -> None:
+    """It refuses UDP and a listener for outside peers, naming each rule."""
+    policy = Policy(
+        name="t",
+        net={
+            "rules": [
+                {"host": "example.org", "ports": 53, "protocol": "any"},
+                {"host": "0.0.0.0/0", "ports": 8080, "direction": "bind"},
+            ]
+        },
+    )
+    with pytest.raises(ProviderUnavailable, match=r"example\.org:53 .*0\.0\.0\.0/0:8080"):
+        UnshareProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
 
 
 # -- real runs (the namespace effects are in test_namespaces.py) ---------------------

@@ -1,0 +1,515 @@
+"""The host's egress proxy: host-name rules, host-side resolution and denials, no other way out.
+
+No test reaches the internet: the servers are loopback servers started here, and names are
+mapped to them by a resolver injected into the proxy (`_egress.set_resolver`). End-to-end
+tests run for each namespace provider (`bwrap`, `unshare`); hostile ones use ctypes, so the
+Python guards are not what refuses them.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import ssl
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, Sandbox, WorkerStartError
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox.providers import _egress, get_provider
+from agent_sandbox.providers._egress import EgressError, EgressRules, egress_proxy
+
+from .conftest import NATIVE, received_connection, skip_unless_available
+
+NAMESPACE_PROVIDERS = ("unshare", "bwrap")
+
+
+# -- servers and names ----------------------------------------------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = f"hello from {self.server.server_address[1]} {self.path}".encode()  # type: ignore[index]
+        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _Server:
+    def __init__(self, context: ssl.SSLContext | None = None) -> None:
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd.daemon_threads = True
+        if context is not None:
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = int(self.httpd.server_address[1])
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def http_server() -> Iterator[_Server]:
+    server = _Server()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> Iterator[tuple[_Server, Path]]:
+    """An HTTPS server for `tls.test` and the CA file that verifies it."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("tls.test").configure_cert(context)
+    folder = tmp_path / "ca"
+    folder.mkdir()
+    ca.cert_pem.write_to_path(str(folder / "ca.crt"))
+    server = _Server(context)
+    try:
+        yield server, folder / "ca.crt"
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def names() -> Iterator[dict[str, list[str]]]:
+    """The proxy's resolver for this test: a dict the test fills; other names fail."""
+    table: dict[str, list[str]] = {}
+
+    def resolve(host: str) -> list[str]:
+        if host not in table:
+            raise OSError(f"[Errno -2] Name or service not known: {host!r}")
+        return list(table[host])
+
+    old = _egress.set_resolver(resolve)
+    try:
+        yield table
+    finally:
+        _egress.set_resolver(old)
+
+
+@pytest.fixture(params=NAMESPACE_PROVIDERS)
+def ns_provider(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    skip_unless_available(name)
+    return name
+
+
+def _policy(rules: list[dict[str, Any]], **extra: Any) -> Policy:
+    data: dict[str, Any] = {
+        "name": "egress-test",
+        "imports": {"allow": ["requests", "urllib", "ssl", "socket", "os"]},
+        "net": {"rules": rules},
+        "limits": {"wall_seconds": 30},
+    }
+    data.update(extra)
+    return Policy(**data)
+
+
+def _net_denials(result: Any) -> list[Any]:
+    return [d for d in result.denials if d.rule.startswith("net.") and not d.internal]
+
+
+# -- the rules (pure) -------------------------------------------------------------------
+
+
+def _rules(*rules: dict[str, Any]) -> EgressRules:
+    return EgressRules(Policy(name="p", net={"rules": list(rules)}))
+
+
+def test_a_name_rule_reaches_global_addresses_only() -> None:
+    """A host-name rule reaches what the name resolves to, unless it is loopback, private,
+    link-local or the metadata address: then a rule must name that address."""
+    rules = _rules({"host": "api.example.com", "ports": "443"})
+    assert rules.before_resolve("API.example.com.", 443) is None
+    assert rules.judge("api.example.com", 443, ["93.184.216.34"], by_name=True) == (
+        ["93.184.216.34"],
+        None,
+    )
+    for address, kind in (
+        ("127.0.0.1", "loopback"),
+        ("10.1.2.3", "private"),
+        ("169.254.169.254", "metadata"),
+        ("::ffff:127.0.0.1", "loopback"),
+    ):
+        usable, denial = rules.judge("api.example.com", 443, [address], by_name=True)
+        assert usable == [] and denial is not None
+        assert denial.rule == "net.connect" and kind in denial.detail
+        assert denial.target == "api.example.com:443"
+    named = _rules({"host": "svc.internal", "ports": "80"}, {"host": "10.1.2.3", "ports": "80"})
+    assert named.judge("svc.internal", 80, ["10.1.2.3"], by_name=True)[0] == ["10.1.2.3"]
+
+
+def test_a_wide_cidr_does_not_name_loopback_or_metadata() -> None:
+    """`0.0.0.0/0` allows global addresses, never the host's loopback or the metadata one."""
+    rules = _rules({"host": "0.0.0.0/0", "ports": "80"})
+    assert rules.judge("93.184.216.34", 80, ["93.184.216.34"], by_name=False)[1] is None
+    for address in ("127.0.0.1", "169.254.169.254", "192.168.1.1"):
+        denial = rules.judge(address, 80, [address], by_name=False)[1]
+        assert denial is not None and denial.rule == "net.connect"
+    assert _rules({"host": "127.0.0.1", "ports": "80"}).judge(
+        "127.0.0.1", 80, ["127.0.0.1"], by_name=False
+    ) == (["127.0.0.1"], None)
+    assert _rules({"host": "localhost", "ports": "80"}).judge(
+        "127.0.0.1", 80, ["127.0.0.1"], by_name=False
+    ) == (["127.0.0.1"], None)
+
+
+def test_an_unnamed_host_is_refused_before_it_is_resolved() -> None:
+    """A name no rule names is `net.resolve` (never looked up); a named host on another port
+    is `net.connect` with the line that would allow it; a deny rule beats an allow."""
+    rules = _rules(
+        {"host": "api.example.com", "ports": "443"},
+        {"host": "127.0.0.1", "ports": "8765"},
+        {"host": "api.example.com", "ports": "443", "action": "deny"},
+    )
+    denial = rules.before_resolve("other.example.com", 443)
+    assert denial is not None and denial.rule == "net.resolve"
+    assert denial.target == "other.example.com"
+    assert 'host = "other.example.com" ports = "443"' in denial.hint
+    denial = _rules({"host": "api.example.com", "ports": "443"}).before_resolve(
+        "api.example.com", 80
+    )
+    assert denial is not None and denial.rule == "net.connect"
+    assert denial.hint == '[[net.rules]] host = "api.example.com" ports = "80"'
+    denial = rules.before_resolve("api.example.com", 443)
+    assert denial is not None and "deny beats allow" in denial.detail
+
+
+def test_route_bounds_the_denials_it_keeps() -> None:
+    """It keeps at most MAX_DENIALS per drain and says how many more it refused."""
+    route = _egress.Route(egress_proxy(), _rules(), socket.socket())
+    try:
+        for i in range(_egress.MAX_DENIALS + 10):
+            route.record(_egress.Denial("net.connect", "connect", f"h:{i}"))
+        kept = route.drain()
+        assert len(kept) == _egress.MAX_DENIALS + 1
+        assert kept[-1].target == "10 more connections"
+        assert route.drain() == []
+    finally:
+        route.listener.close()
+
+
+# -- the proxy in this process (a listener standing in for the worker's) ---------------------
+
+
+@pytest.fixture
+def local_route(names: dict[str, list[str]], http_server: _Server) -> Iterator[Any]:
+    other = _Server()
+    names["a.test"] = ["127.0.0.1"]
+    names["b.test"] = ["127.0.0.1"]
+    policy = _policy(
+        [
+            {"host": "a.test", "ports": str(http_server.port)},
+            {"host": "b.test", "ports": str(other.port)},
+            {"host": "127.0.0.1", "ports": f"{http_server.port},{other.port}"},
+        ]
+    )
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    route = egress_proxy().attach(policy, listener)
+    try:
+        yield route, port, http_server.port, other.port
+    finally:
+        route.close()
+        other.close()
+
+
+def test_one_client_connection_serves_requests_to_several_hosts(local_route: Any) -> None:
+    """Keep-alive through the proxy: each request goes to its own host, never the last one."""
+    requests = pytest.importorskip("requests")
+    route, proxy_port, a, b = local_route
+    session = requests.Session()
+    session.trust_env = False
+    proxies = {"http": f"http://127.0.0.1:{proxy_port}"}
+    for _ in range(2):
+        assert session.get(f"http://a.test:{a}/x", proxies=proxies).text == f"hello from {a} /x"
+        assert session.get(f"http://b.test:{b}/y", proxies=proxies).text == f"hello from {b} /y"
+    refused = session.get(f"http://c.test:{a}/", proxies=proxies)
+    assert refused.status_code == 403
+    assert refused.headers["x-agent-sandbox-denial"] == "net.resolve"
+    assert [d.rule for d in route.drain()] == ["net.resolve"]
+    session.close()
+
+
+def test_an_upstream_that_refuses_is_a_502_not_a_denial() -> None:
+    """A closed port behind an allowed rule is the server's answer (502), not the policy's."""
+    requests = pytest.importorskip("requests")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    policy_route = egress_proxy().attach(
+        _policy([{"host": "127.0.0.1", "ports": str(closed)}]), _listener_for_test()
+    )
+    try:
+        port = policy_route.listener.getsockname()[1]
+        response = requests.get(
+            f"http://127.0.0.1:{closed}/", proxies={"http": f"http://127.0.0.1:{port}"}
+        )
+        assert response.status_code == 502
+        assert policy_route.drain() == []
+    finally:
+        policy_route.close()
+
+
+def _listener_for_test() -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    return listener
+
+
+def test_the_proxy_thread_ends_with_its_last_route(local_route: Any) -> None:
+    """Nothing outlives the workers: closing the last route stops the proxy's thread."""
+    route = local_route[0]
+    assert egress_proxy().running
+    route.close()
+    assert not egress_proxy().running
+    assert not [t for t in threading.enumerate() if t.name == "agent-sandbox-egress"]
+
+
+# -- end to end, per namespace provider --------------------------------------------------------
+
+
+def test_requests_reaches_an_allowed_server_by_name(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """`requests.get` by name, unchanged, goes through the proxy to the host's server."""
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    policy = _policy(
+        [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}]
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        result = sb.run(f"import requests\nrequests.get('http://allowed.test:{port}/p').text")
+        direct = sb.run(f"import requests\nrequests.get('http://127.0.0.1:{port}/q').text")
+    assert result.error is None, result.error
+    assert result.value == f"hello from {port} /p"
+    assert direct.value == f"hello from {port} /q"
+    assert result.stack[0] == ns_provider and result.stack[-1] == "egress-proxy"
+    assert _net_denials(result) == [] and _net_denials(direct) == []
+
+
+def test_requests_reaches_an_allowed_https_server_through_connect(
+    ns_provider: str, names: dict[str, list[str]], tls: tuple[_Server, Path]
+) -> None:
+    """HTTPS goes through a CONNECT tunnel; the worker verifies the server's certificate."""
+    server, ca = tls
+    names["tls.test"] = ["127.0.0.1"]
+    policy = _policy(
+        [
+            {"host": "tls.test", "ports": str(server.port)},
+            {"host": "127.0.0.1", "ports": str(server.port)},
+        ],
+        files={"read": [str(ca.parent)]},
+    )
+    code = f"import requests\nrequests.get('https://tls.test:{server.port}/s', verify={str(ca)!r}).text"
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        result = sb.run(code)
+    assert result.error is None, result.error
+    assert result.value == f"hello from {server.port} /s"
+
+
+def test_refusals_are_recorded_by_the_host_with_their_rule(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """A name outside the policy, a loopback port no rule names, the metadata address, and
+    an allowed name that resolves to it: each is refused, and the result carries the rule."""
+    names["allowed.test"] = ["127.0.0.1"]
+    names["rebind.test"] = ["169.254.169.254"]
+    port = http_server.port
+    policy = _policy(
+        [
+            {"host": "allowed.test", "ports": str(port)},
+            {"host": "127.0.0.1", "ports": str(port)},
+            {"host": "rebind.test", "ports": "80"},
+        ]
+    )
+    cases = {
+        f"http://other.test:{port}/": ("net.resolve", "other.test"),
+        f"http://127.0.0.1:{port + 1}/": ("net.connect", f"127.0.0.1:{port + 1}"),
+        "http://169.254.169.254/latest/meta-data/": ("net.connect", "169.254.169.254:80"),
+        "http://rebind.test/": ("net.connect", "rebind.test:80"),
+        f"https://other.test:{port}/": ("net.resolve", "other.test"),
+    }
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        session = sb.session("refusals")
+        for url, (rule, target) in cases.items():
+            result = session.run(
+                "import requests\n"
+                "try:\n"
+                f"    r = requests.get({url!r}).status_code\n"
+                "except requests.exceptions.ProxyError as exc:\n"
+                "    r = 'proxy-error'\n"
+                "r"
+            )
+            denials = _net_denials(result)
+            assert [(d.rule, d.target) for d in denials] == [(rule, target)], url
+            assert "egress proxy" in denials[0].detail
+            assert result.value in (403, "proxy-error")
+            assert not result.ok
+    with socket.socket() as probe:
+        probe.settimeout(0.2)
+        assert probe.connect_ex(("127.0.0.1", port)) == 0  # the server is still there
+
+
+def test_a_refusal_reaches_the_result_without_the_workers_help(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server, tmp_path: Path
+) -> None:
+    """Code past the Python layer talks to the proxy with raw syscalls (no guard sees it) and
+    still gets its refusal recorded: the host writes it into the result."""
+    from .conftest import hostile_policy
+
+    arena = {"ro": tmp_path, "rw": tmp_path}
+    policy = hostile_policy(
+        arena, net={"rules": [{"host": "127.0.0.1", "ports": str(http_server.port)}]}
+    )
+    code = NATIVE + (
+        "s = _libc.socket(2, 1, 0)\n"
+        "a = struct.pack('=H', 2) + struct.pack('!H4s8x', 3128, bytes([127, 0, 0, 1]))\n"
+        "assert _libc.connect(s, a, len(a)) == 0, _err()\n"
+        "req = b'CONNECT secret.test:443 HTTP/1.1\\r\\nhost: secret.test:443\\r\\n\\r\\n'\n"
+        "_libc.send(s, req, len(req), 0)\n"
+        "buf = ctypes.create_string_buffer(4096)\n"
+        "n = _libc.recv(s, buf, 4096, 0)\n"
+        "buf.raw[:12].decode()\n"
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        result = sb.run(code)
+    assert result.value == "HTTP/1.1 403", result
+    assert [(d.rule, d.target) for d in _net_denials(result)] == [("net.resolve", "secret.test")]
+
+
+def test_without_the_guards_no_address_is_reachable_and_udp_fails(
+    ns_provider: str, http_server: _Server, tcp_listener: Any, tmp_path: Path
+) -> None:
+    """With network rules, native code still reaches nothing directly: the host's loopback
+    listener gets no connection, a public address has no route, UDP sockets are refused."""
+    from .conftest import hostile_policy
+
+    sock, port = tcp_listener
+    arena = {"ro": tmp_path, "rw": tmp_path}
+    policy = hostile_policy(
+        arena,
+        net={
+            "rules": [
+                {"host": "127.0.0.1", "ports": str(port)},
+                {"host": "0.0.0.0/0", "ports": "80"},
+            ]
+        },
+    )
+    code = NATIVE + (
+        f"(nconnect_tcp({port}), nconnect_tcp(80, bytes([93, 184, 216, 34])), "
+        f"nsend_udp({port}), nsend_udp(53, host=bytes([8, 8, 8, 8])))"
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        result = sb.run(code)
+    assert result.error is None, result.error
+    local, remote, udp_local, udp_remote = result.value
+    assert local[0] == "connect" and local[1] != 0  # ECONNREFUSED: the namespace's own lo
+    assert remote == ["connect", -101] or remote == ("connect", -101)  # ENETUNREACH
+    assert udp_local[0] == "socket" and udp_local[1] == -1  # EPERM from seccomp
+    assert udp_remote[0] == "socket" and udp_remote[1] == -1
+    assert not received_connection(sock)
+
+
+def test_a_proxy_that_cannot_start_fails_the_workers_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It never starts a networked worker without its proxy, and says why."""
+    skip_unless_available("bwrap")
+
+    def broken(self: Any) -> None:
+        raise EgressError("no thread for you")
+
+    monkeypatch.setattr(_egress.EgressProxy, "start", broken)
+    policy = _policy([{"host": "api.example.com", "ports": "443"}])
+    with pytest.raises(WorkerStartError, match="egress proxy could not start: no thread"):
+        WorkerProcess.start(policy, get_provider("bwrap"))
+
+
+def test_the_proxy_stops_with_the_sandbox(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """Closing the sandbox ends its workers' routes and the proxy's thread."""
+    policy = _policy([{"host": "127.0.0.1", "ports": str(http_server.port)}])
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        session = sb.session("s")
+        assert session.run("1").value == 1
+        assert egress_proxy().running
+    assert not egress_proxy().running
+
+
+def test_the_refusal_reaches_the_langsmith_metadata(
+    names: dict[str, list[str]], http_server: _Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy's refusal is in the tool run's LangSmith tags and metadata."""
+    pytest.importorskip("langchain_core")
+    skip_unless_available("bwrap")
+    from langchain_core.tracers.langchain import LangChainTracer
+    from langsmith import Client
+
+    from agent_sandbox._demo import tool_call
+    from agent_sandbox.adapters.langchain import SandboxedPythonTool
+
+    class RecordingClient(Client):
+        def __init__(self) -> None:
+            super().__init__(
+                api_key="test-key", api_url="http://127.0.0.1:9", auto_batch_tracing=False
+            )
+            self.payloads: list[dict[str, Any]] = []
+
+        def create_run(self, *args: Any, **kwargs: Any) -> None:
+            self.payloads.append(dict(kwargs))
+
+        def update_run(self, run_id: Any, **kwargs: Any) -> None:
+            self.payloads.append(dict(kwargs))
+
+    monkeypatch.setenv("LANGSMITH_TRACING", "true")
+    policy = _policy([{"host": "127.0.0.1", "ports": str(http_server.port)}], provider="bwrap")
+    tool = SandboxedPythonTool(policy=policy, warm=0)
+    client = RecordingClient()
+    tracer = LangChainTracer(client=client, project_name="offline")
+    try:
+        code = "import requests\nrequests.get('http://169.254.169.254/').status_code"
+        tool.invoke(tool_call(code, call_id="c1"), config={"callbacks": [tracer]})
+        tracer.wait_for_futures()
+    finally:
+        tool.close()
+    tags = [t for p in client.payloads for t in (p.get("tags") or [])]
+    metadata: dict[str, Any] = {}
+    for p in client.payloads:
+        metadata.update((p.get("extra") or {}).get("metadata") or {})
+    assert "sandbox.rule:net.connect" in tags
+    assert "net.connect" in metadata["sandbox.rules"]
+    assert any(
+        d["rule"] == "net.connect" and d["target"] == "169.254.169.254:80"
+        for d in metadata["sandbox.denials"]
+    )
+
+
+def test_a_udp_rule_is_refused_at_construction_under_auto() -> None:
+    """`auto` does not hand a UDP rule to Landlock's open UDP: it names the rule instead."""
+    skip_unless_available("bwrap")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = _policy([{"host": "10.0.0.0/8", "ports": "53", "protocol": "udp"}])
+    with pytest.raises(Exception, match=r"10\.0\.0\.0/8:53 protocol = \"udp\""):
+        with Sandbox(policy, provider="auto", warm=0) as sb:
+            sb.run("1")
