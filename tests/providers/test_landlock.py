@@ -22,6 +22,7 @@ from agent_sandbox.providers._landlock import (
     LandlockProvider,
     _elf_interpreter,
     _libpython,
+    landlock_abi,
     landlock_setup,
     probe_landlock,
 )
@@ -379,3 +380,14 @@ def test_blocks_opening_device_nodes_beyond_null_zero_and_random(
     )
     result = hostile("landlock", make_policy(arena), code)
     assert result.stdout.strip() == "[True, True, True] True", result.stdout
+
+
+def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
+    """It reports whether Landlock's denial records are readable (audit on, ABI 7) and why
+    not, asking the kernel only: a second probe sees the same audit state."""
+    from agent_sandbox.providers._denial_log import probe_denial_logging
+
+    first = probe_denial_logging(landlock_abi())
+    assert first["works"] is False and first["reason"]
+    assert probe_denial_logging(landlock_abi())["audit_enabled"] == first["audit_enabled"]
+    assert probe_denial_logging(6)["reason"] == "Landlock ABI 6 < 7"
