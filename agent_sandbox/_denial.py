@@ -54,6 +54,8 @@ RULES: dict[str, str] = {
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
     "worker.crashed": "the worker process died during the call; its state is lost",
+    "worker.protocol": "the worker sent something malformed, out of order or contradictory; "
+    "the host discarded it and its result",
 }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from agent_sandbox import _audit, _objects
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
+from agent_sandbox._wire import json_values, value_budget
 
 __all__ = ["Runner", "to_data"]
 
@@ -125,6 +126,17 @@ class _Budget:
         )
 
 
+#: Whether the user's code is running now: only then does SIGINT (the host's interrupt)
+#: raise KeyboardInterrupt, as in a Jupyter kernel; between calls it is ignored.
+_INTERRUPTIBLE = [False]
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """The worker's SIGINT handler (installed by `_worker_server.serve`)."""
+    if _INTERRUPTIBLE[0]:
+        raise KeyboardInterrupt
+
+
 class Runner:
     """Executes calls in one persistent namespace; one runner per worker."""
 
@@ -214,9 +226,13 @@ class Runner:
             if self.objects:
                 return "result", _objects.encode_value(value, cap)
             data = {"value": to_data(value)}
-            size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
-            if size > cap:
-                raise _objects.TooLarge(size, cap)
+            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+            if len(text) > cap:
+                raise _objects.TooLarge(len(text), cap)
+            budget = value_budget(cap)
+            if json_values(text, budget) > budget:
+                # The host refuses more values than this (decoding costs more than the text).
+                raise _objects.TooLarge(json_values(text, budget) * 32, cap)
             return "result", data
         except _objects.TooLarge as big:
             denial = _audit.record(_objects.result_too_large(big.size, big.cap, self.policy_name))
@@ -260,26 +276,50 @@ class Runner:
     def _execute(self, compiled: tuple[Any, Any]) -> Any:
         body, tail = compiled
         ns = self.namespace
-        if _is_async(body) or (tail is not None and _is_async(tail)):
-            import asyncio  # only for code that uses top-level await
+        _INTERRUPTIBLE[0] = True
+        try:
+            if _is_async(body) or (tail is not None and _is_async(tail)):
+                import asyncio  # only for code that uses top-level await
 
-            return asyncio.run(_run_async(body, tail, ns))
-        exec(body, ns)
-        return eval(tail, ns) if tail is not None else None
+                return asyncio.run(_run_async(body, tail, ns))
+            exec(body, ns)
+            return eval(tail, ns) if tail is not None else None
+        finally:
+            _INTERRUPTIBLE[0] = False
 
     def _collect_outputs(self, emit: Emit, started: float) -> None:
-        """Send matplotlib figures and PNG files written to scratch during the call."""
-        images = 0
+        """Send matplotlib figures and PNG files written to scratch during the call.
+
+        At most `_MAX_IMAGES` images, and their base64 text together within
+        `limits.result_bytes` (the host's own bounds, `agent_sandbox._intake`); the rest are
+        counted in an `images.dropped` notice.
+        """
+        budget = int(self.policy.get("limits", {}).get("result_bytes", 4_000_000))
+        sent = {"count": 0, "chars": 0, "dropped": 0}
+
+        def send(name: str, data: bytes) -> None:
+            chars = (len(data) + 2) // 3 * 4
+            if (
+                sent["count"] >= _MAX_IMAGES
+                or len(data) > _MAX_IMAGE_BYTES
+                or sent["chars"] + chars > budget
+            ):
+                sent["dropped"] += 1
+                return
+            emit("image", _image(name, data))
+            sent["count"] += 1
+            sent["chars"] += chars
+
         plt = sys.modules.get("matplotlib.pyplot")
         if plt is not None:
             try:
-                for num in list(plt.get_fignums())[:_MAX_IMAGES]:
+                for num in list(plt.get_fignums()):
+                    if sent["count"] >= _MAX_IMAGES:
+                        sent["dropped"] += 1
+                        continue
                     buf = io.BytesIO()
                     plt.figure(num).savefig(buf, format="png")
-                    data = buf.getvalue()
-                    if len(data) <= _MAX_IMAGE_BYTES:
-                        emit("image", _image(f"figure-{num}.png", data))
-                        images += 1
+                    send(f"figure-{num}.png", buf.getvalue())
                 plt.close("all")
             except Exception:
                 pass
@@ -288,18 +328,19 @@ class Runner:
             for entry in os.scandir(self.scratch):
                 if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime >= started - 1:
                     changed.append((entry.name, entry.stat().st_size))
-                    if (
-                        entry.name.lower().endswith(".png")
-                        and images < _MAX_IMAGES
-                        and entry.stat().st_size <= _MAX_IMAGE_BYTES
-                    ):
+                    if entry.name.lower().endswith(".png"):
+                        if entry.stat().st_size > _MAX_IMAGE_BYTES:
+                            sent["dropped"] += 1
+                            continue
                         with open(entry.path, "rb") as fh:
-                            emit("image", _image(entry.name, fh.read()))
-                        images += 1
+                            send(entry.name, fh.read())
         except OSError:
             pass
         if changed:
             emit("files", [{"name": n, "size": s} for n, s in sorted(changed)[:100]])
+        if sent["dropped"]:
+            data = {"count": sent["dropped"], "max_images": _MAX_IMAGES, "max_chars": budget}
+            emit("notice", {"code": "images.dropped", "data": data})
 
 
 _CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect at start-up

@@ -449,7 +449,8 @@ def map_validation_errors(source: str | None, text: str | None) -> Iterator[None
         if len(problems) == 1:
             # The file, line and key go in front of the message once, by PolicyError.
             only = problems[0].removeprefix(f"line {first_line}: ").removeprefix(f"[{first_key}] ")
-            raise PolicyError(only, source=source, key=first_key, line=first_line) from None
+            root_key = None if first_key == "<root>" else first_key  # a rule across keys
+            raise PolicyError(only, source=source, key=root_key, line=first_line) from None
         message = "\n  " + "\n  ".join(problems)
         raise PolicyError(
             f"invalid policy: {message}", source=source, key=first_key, line=first_line
