@@ -371,6 +371,12 @@ class WorkerProcess:
             self.kill()
             raise
         self.started_at = time.monotonic()
+        _logger.debug(
+            "worker %s started under %s in %.0f ms",
+            self.id,
+            "+".join(self.plan.stack),
+            (self.started_at - t0) * 1000,
+        )
         return self
 
     def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
@@ -665,6 +671,9 @@ class WorkerProcess:
         if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
             self.death_reason = "it hit a resource limit"
             self.discard()
+        for denial in builder.denials:
+            if denial.rule.startswith("limits."):
+                _logger.info("worker %s: %s hit (%s)", self.id, denial.rule, denial.target)
         if builder.discard:
             self.death_reason = "a guard was tampered with"
             self.discard()
@@ -906,6 +915,9 @@ class WorkerProcess:
         """
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call
+        if not self.dead:
+            level = logging.INFO if self.death_reason else logging.DEBUG
+            _logger.log(level, "worker %s ended: %s", self.id, self.death_reason or "discarded")
         with self._lock:
             self.dead = True
             if self.guard_watch is not None:
