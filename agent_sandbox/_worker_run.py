@@ -4,7 +4,7 @@ The runner owns the session namespace (variables persist between calls on one wo
 compiles the code so the value of a last expression is returned, captures `sys.stdout` and
 `sys.stderr` as live, coalesced event streams with an output cap, and encodes the value as
 JSON-safe data. Output written straight to file descriptor 1 or 2 by native code is not
-captured here; it goes to the worker log.
+captured here; it goes to the worker log, a 1 MiB memory file the host bounds.
 """
 
 from __future__ import annotations
@@ -422,6 +422,9 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
     elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
         info["kind"] = "limit"
         info["rule"] = "limits.file-size"
+    elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        info["kind"] = "limit"
+        info["rule"] = "limits.scratch"
     elif isinstance(exc, OSError) and exc.errno == errno.EMFILE:
         info["kind"] = "limit"
         info["rule"] = "limits.open-files"

@@ -303,6 +303,7 @@ def policy_from_dict(
     """Validate a dict (as parsed from TOML) into a policy, mapping validation errors."""
     data = dict(data)
     extends = data.pop("extends", None)
+    sources: tuple[str, ...] = ()
     if extends is not None:
         try:
             base = _resolve_extends(extends, source)
@@ -322,10 +323,11 @@ def policy_from_dict(
         # would otherwise claim, say, "no network" while it adds a net rule.
         inherited.pop("description", None)
         data = merge_dicts(inherited, data)
+        sources = tuple(s for s in (base.source, *base.sources) if s)
     with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
-    if source is not None:
-        policy = policy.model_copy(update={"source": source})
+    if source is not None or sources:
+        policy = policy.model_copy(update={"source": source, "sources": sources})
     return policy
 
 
