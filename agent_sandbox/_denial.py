@@ -51,6 +51,7 @@ RULES: dict[str, str] = {
     "limits.output": "more output than `limits.output_bytes`",
     "limits.processes": "more processes than `limits.processes`",
     "limits.result": "a result larger than `limits.result_bytes`",
+    "limits.scratch": "the scratch directory filled past `limits.scratch_mb`",
     "limits.timeout": "wall time above `limits.wall_seconds`",
     "net.bind": "binding or listening on an address outside `net.rules`",
     "net.connect": "connecting or sending to an address outside `net.rules`",

@@ -2,8 +2,9 @@
 
 Start-up, in order:
 
-1. Create a private 0700 control directory holding the listening socket, the worker log
-   and the scratch directory (the worker's working directory).
+1. Create a private 0700 control directory holding the listening socket and the scratch
+   directory (the worker's working directory); the worker log is a bounded memfd
+   (`bounded_log`).
 2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
    no path to the socket, and the parent connects by path.
 3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import fnmatch
 import functools
 import importlib.util
@@ -284,7 +286,7 @@ class WorkerProcess:
                     raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
             self.cgroups = start_cgroups(self.id, policy, depth)
-            log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
+            log = bounded_log()
             self._log = log
             if template is not None:
                 self.proc = template.spawn(self.plan, log)
@@ -372,6 +374,12 @@ class WorkerProcess:
             self.kill()
             raise
         self.started_at = time.monotonic()
+        _logger.debug(
+            "worker %s started under %s in %.0f ms",
+            self.id,
+            "+".join(self.plan.stack),
+            (self.started_at - t0) * 1000,
+        )
         return self
 
     def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
@@ -674,9 +682,16 @@ class WorkerProcess:
             self._on_tampered(builder, watch.reason)
         elif watch is not None and watch.lost:
             self._on_unverified(builder)
-        if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
+        self.rewind_log()
+        if (
+            record_limit_hits(builder, self.cgroups, self.policy, scratch=self.scratch)
+            and not self.dead
+        ):
             self.death_reason = "it hit a resource limit"
             self.discard()
+        for denial in builder.denials:
+            if denial.rule.startswith("limits."):
+                _logger.info("worker %s: %s hit (%s)", self.id, denial.rule, denial.target)
         if builder.discard:
             self.death_reason = "a guard was tampered with"
             self.discard()
@@ -929,6 +944,9 @@ class WorkerProcess:
         """
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call
+        if not self.dead:
+            level = logging.INFO if self.death_reason else logging.DEBUG
+            _logger.log(level, "worker %s ended: %s", self.id, self.death_reason or "discarded")
         with self._lock:
             self.dead = True
             if self.guard_watch is not None:
@@ -979,13 +997,49 @@ class WorkerProcess:
             remove_tree(self.control_dir)
 
     def log_tail(self, lines: int = 20) -> str:
-        path = os.path.join(self.control_dir, "worker.log")
+        """The last lines the worker wrote to its descriptors 1 and 2 (see `bounded_log`)."""
+        if self._log is None or self._log.closed:
+            return ""
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()[-8192:]
+            fd = self._log.fileno()
+            end = os.lseek(fd, 0, os.SEEK_CUR)  # the offset the worker shares with us
+            data = os.pread(fd, min(end, 8192), max(0, end - 8192))
         except OSError:
             return ""
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    def rewind_log(self) -> None:
+        """Between calls: once past half the log's size, write the next output from its
+        start again, so the tail stays the latest output (the size stays `LOG_BYTES`)."""
+        if self._log is None or self._log.closed:
+            return
+        with contextlib.suppress(OSError):
+            fd = self._log.fileno()
+            if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
+                os.lseek(fd, 0, os.SEEK_SET)
+
+
+#: The size of a worker's log: what it writes to descriptors 1 and 2 (native code writing
+#: there directly, a crash's traceback) goes to memory the host bounds, never to its disk.
+LOG_BYTES = 1024 * 1024
+_F_ADD_SEALS = 1033
+_F_SEAL_SHRINK = 0x0002
+_F_SEAL_GROW = 0x0004
+
+
+def bounded_log() -> IO[bytes]:
+    """A memfd of `LOG_BYTES`, sealed so it can neither grow nor shrink: a write past its
+    end fails (EPERM) instead of filling the host's disk, whatever the worker does with
+    its descriptors. The worker shares the file offset with the parent, which reads the
+    tail just before it (`WorkerProcess.log_tail`)."""
+    fd = os.memfd_create("agent-sandbox-worker-log", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, LOG_BYTES)
+        fcntl.fcntl(fd, _F_ADD_SEALS, _F_SEAL_GROW | _F_SEAL_SHRINK)
+        return os.fdopen(fd, "r+b", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def worker_python() -> str:

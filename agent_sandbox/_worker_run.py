@@ -4,7 +4,7 @@ The runner owns the session namespace (variables persist between calls on one wo
 compiles the code so the value of a last expression is returned, captures `sys.stdout` and
 `sys.stderr` as live, coalesced event streams with an output cap, and encodes the value as
 JSON-safe data. Output written straight to file descriptor 1 or 2 by native code is not
-captured here; it goes to the worker log.
+captured here; it goes to the worker log, a 1 MiB memory file the host bounds.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import collections
 import errno
 import io
 import json
@@ -131,6 +132,10 @@ class _Budget:
 #: raise KeyboardInterrupt, as in a Jupyter kernel; between calls it is ignored.
 _INTERRUPTIBLE = [False]
 
+#: The bound on cell sources kept for tracebacks (see `Runner._keep_source`).
+_SOURCE_CELLS = 200
+_SOURCE_BYTES = 4 * 1024 * 1024
+
 
 def on_interrupt(signum: int, frame: Any) -> None:
     """The worker's SIGINT handler (installed by `_worker_server.serve`)."""
@@ -155,6 +160,8 @@ class Runner:
         self.register_file: Callable[[str], None] | None = None
         #: The scratch files as they were when the last call started: (mtime_ns, size).
         self._scratch_seen: dict[str, tuple[int, int]] = {}
+        self._sources: collections.deque[tuple[str, int]] = collections.deque()
+        self._source_size = 0
 
     def run(self, code: str, emit: Emit, filename: str | None = None) -> None:
         """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`).
@@ -265,13 +272,27 @@ class Runner:
                     "message": "the value or exception could not be encoded",
                 }
 
+    def _keep_source(self, filename: str, code: str) -> None:
+        """Keep the cell's source for tracebacks, within a bound: the newest cells up to
+        `_SOURCE_CELLS` cells and `_SOURCE_BYTES` characters (a long session does not grow
+        by every cell it ran; a traceback into an older cell shows no source line)."""
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._sources.append((filename, len(code)))
+        self._source_size += len(code)
+        while len(self._sources) > 1 and (
+            len(self._sources) > _SOURCE_CELLS or self._source_size > _SOURCE_BYTES
+        ):
+            old, size = self._sources.popleft()
+            self._source_size -= size
+            linecache.cache.pop(old, None)
+
     def _failure(self, exc: BaseException, filename: str, cap: int) -> dict[str, Any]:
         info = _error_info(exc, filename)
         info["exception"] = _objects.exception_payload(exc, objects=self.objects, cap=cap // 8)
         return info
 
     def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._keep_source(filename, code)
         tree = ast.parse(code, filename, "exec")
         if self.code_check is not None:
             self.code_check(code, tree)
@@ -442,6 +463,9 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
     elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
         info["kind"] = "limit"
         info["rule"] = "limits.file-size"
+    elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        info["kind"] = "limit"
+        info["rule"] = "limits.scratch"
     elif isinstance(exc, OSError) and exc.errno == errno.EMFILE:
         info["kind"] = "limit"
         info["rule"] = "limits.open-files"

@@ -36,14 +36,8 @@ BIG_RESULT = EMITTER + "emit('result', {'value': [{}] * 1_300_000})\n"
 #: The largest result the host still accepts at the default `result_bytes` (4 MB): its value
 #: budget is 133 000 separators and openers, spent here on the costliest kind, short strings.
 ACCEPTED = EMITTER + (
-    "emit('result', {'value': ['ab'] * 130_000})\n"
-    "emit('done', {'duration': 0.0, 'discard': False, 'denials': 0})\n"
-    "import h11, os\n"
-    "_g = _f\n"
-    "while 'sock' not in _g.f_locals:\n"
-    "    _g = _g.f_back\n"
-    "_g.f_locals['sock'].sendall(_g.f_locals['conn'].send(h11.EndOfMessage()))\n"
-    "os._exit(0)\n"
+    "type(_f.f_locals['self'])._outcome = lambda self, value, failure, filename: (\n"
+    "    'result', {'value': ['ab'] * 130_000})\n"
 )
 MiB = 1024 * 1024
 

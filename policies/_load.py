@@ -305,6 +305,7 @@ def policy_from_dict(
     data = dict(data)
     grants = data.pop("grant", None)
     extends = data.pop("extends", None)
+    sources: tuple[str, ...] = ()
     if extends is not None:
         try:
             base = _resolve_extends(extends, source)
@@ -324,6 +325,7 @@ def policy_from_dict(
         # would otherwise claim, say, "no network" while it adds a net rule.
         inherited.pop("description", None)
         data = merge_dicts(inherited, data)
+        sources = tuple(s for s in (base.source, *base.sources) if s)
     if grants is not None:
         if extends is None:
             # Grants add to what the policy has, defaults included.
@@ -331,8 +333,8 @@ def policy_from_dict(
         data = apply_grants(data, grants, source=source)
     with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
-    if source is not None:
-        policy = policy.model_copy(update={"source": source})
+    if source is not None or sources:
+        policy = policy.model_copy(update={"source": source, "sources": sources})
     return policy
 
 

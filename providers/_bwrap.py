@@ -50,10 +50,9 @@ from agent_sandbox.providers._view import (
     Mount,
     allow_proxy_port,
     egress_plan,
-    host_layout,
+    host_layout_for,
     mounts_for,
     path_view,
-    policy_paths,
 )
 
 __all__ = ["SECCOMP_FD_SLOT", "BwrapPlan", "BwrapProvider", "bwrap_argv", "stacked_layers"]
@@ -89,6 +88,8 @@ def _mount_args(mount: Mount) -> list[str]:
         return ["--proc", dst]
     if kind == "tmpfs":
         return ["--size", str(TMPFS_BYTES), "--tmpfs", dst]
+    if kind == "scratch":
+        return ["--perms", "0700", "--size", src, "--tmpfs", dst]
     if kind == "mask-dir":
         return ["--size", str(_MASK_BYTES), "--tmpfs", dst, "--remount-ro", dst]
     if kind == "mask-file":
@@ -199,6 +200,8 @@ def stacked_layers(
     bpf = b""
     if _seccomp.probe_seccomp()[0]:
         bpf = _seccomp.build_bpf(policy)
+        # bwrap loads `bpf` before it execs the worker; the exec program must come after.
+        setup.update(_seccomp.exec_setup(policy))
         layers.append("seccomp")
     return setup, bpf, tuple(layers)
 
@@ -222,7 +225,7 @@ class BwrapProvider(Provider):
         egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
-        host = host_layout(policy_paths(policy, spec)[2])
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {}
         bpf = b""
         layers: tuple[str, ...] = ()

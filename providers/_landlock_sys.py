@@ -63,6 +63,9 @@ ACCESS_SETS: Mapping[str, int] = {
     "rw": _FS_ALL & ~(FS_EXECUTE | FS_MAKE_CHAR | FS_MAKE_BLOCK | FS_IOCTL_DEV),
     "dev-rw": FS_READ_FILE | FS_WRITE_FILE,
     "dev-ro": FS_READ_FILE,
+    # A directory listed but nothing read below it: the parent of a masked name, whose
+    # other entries are granted one by one (`_landlock._narrow`).
+    "ls": FS_READ_DIR,
 }
 
 #: The lowest ABI the provider accepts: below 4 the TCP rules would silently not apply.

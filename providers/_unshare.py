@@ -50,10 +50,10 @@ from agent_sandbox.providers._view import (
     allow_proxy_port,
     egress_plan,
     host_layout,
+    host_layout_for,
     mounts_for,
     network_mode,
     path_view,
-    policy_paths,
 )
 
 __all__ = [
@@ -165,7 +165,7 @@ class UnshareProvider(Provider):
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
-        host = host_layout(policy_paths(policy, spec)[2])
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:

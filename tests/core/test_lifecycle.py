@@ -449,3 +449,28 @@ def test_a_cell_that_ignores_the_interrupt_is_replaced_after_the_grace(policy: P
         assert "did not stop within 0.5 s" in result.error.message  # type: ignore[attr-defined]
         after = session.run("'kept' in dir()")
         assert after.value is False and after.state_lost
+
+
+# -- bounded worker memory -------------------------------------------------------------------
+
+
+def test_cell_sources_kept_for_tracebacks_are_bounded() -> None:
+    """It keeps the sources of the newest 200 cells only (and 4 MB at most), so a long
+    session does not grow by every cell; a traceback still shows the current cell's line."""
+    policy = Policy(
+        name="sources",
+        imports={"allow": ["linecache"]},
+        limits={"wall_seconds": 10},
+    )
+    with Sandbox(policy, warm=0) as sb:
+        session = sb.session()
+        for i in range(230):
+            assert session.run(f"x{i} = {i}").ok
+        count = "import linecache\nsum(1 for k in linecache.cache if k.startswith('<cell-'))"
+        assert session.run(count).value == 200
+        big = "y = '" + "z" * 1_500_000 + "'"
+        for _ in range(4):
+            assert session.run(big).ok
+        assert session.run(count).value <= 3  # 4 MB at most: two big cells and this one
+        failed = session.run("1 / 0  # the line shown")
+        assert failed.error is not None and "# the line shown" in failed.error.traceback
