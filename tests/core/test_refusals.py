@@ -168,9 +168,12 @@ def test_a_threads_refusal_between_calls_reaches_the_next_result(session: Sessio
     assert first.error is None
     worker = session.worker
     assert worker is not None
-    Path(worker.scratch, "go").touch()
+    # The scratch as the host reaches it: under bwrap it is a tmpfs in the worker's own
+    # mount namespace (limits.scratch_mb), reached through the worker's working directory.
+    scratch = Path(f"/proc/{worker.worker_pid()}/cwd")
+    Path(scratch, "go").touch()
     deadline = time.monotonic() + 30
-    while not Path(worker.scratch, "done").exists() and time.monotonic() < deadline:
+    while not Path(scratch, "done").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     second = session.run("1")
     between = [d for d in second.denials if d.target == "/etc/shadow"]
