@@ -325,6 +325,7 @@ def print_result_tail(result: Any, stream: TextIO) -> None:
 def _cmd_policy_check(args: argparse.Namespace) -> int:
     from agent_sandbox._boundary import NO_BOUNDARY, resolve_boundary
     from agent_sandbox.policies import resolve_policy
+    from agent_sandbox.providers._masks import policy_file_warnings
 
     policy = resolve_policy(args.file)
     # The provider is part of the check: unknown, missing here, or unable to serve the policy.
@@ -335,6 +336,8 @@ def _cmd_policy_check(args: argparse.Namespace) -> int:
         print(style.yellow(f"provider {policy.provider}: no kernel boundary (explicit opt-out)"))
     else:
         print(f"provider {policy.provider}: {boundary.name}")
+    for warning in policy_file_warnings(policy):
+        print(style.yellow("warning: ") + warning)
     return EXIT_OK
 
 

@@ -67,6 +67,8 @@ def collect(*, live: bool = False) -> dict[str, Any]:
                 "details": {k: v for k, v in result.details.items() if _json_safe(v)},
             }
         )
+    from agent_sandbox.providers._denial_log import probe_denial_logging
+
     landlock = probe_landlock()
     abi = int(landlock.details.get("abi", 0) or 0)
     seccomp_ok, seccomp_info = probe_seccomp()
@@ -86,6 +88,7 @@ def collect(*, live: bool = False) -> dict[str, Any]:
             "reason": "" if abi else landlock.reason,
         },
         "seccomp": {"available": seccomp_ok, "info": seccomp_info},
+        "denial_log": probe_denial_logging(abi),
         "cgroups": cgroup_support(),
         "user_namespaces": _read("/proc/sys/user/max_user_namespaces") or "unknown",
     }
@@ -155,10 +158,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             print(f"    not in this kernel: {', '.join(ll['missing'])}")
     else:
         print(f"  landlock: {ll['reason']}")
+    dl = report["denial_log"]
+    print(f"  landlock denials in results: {'yes' if dl['works'] else 'no'} ({dl['reason']})")
     sc = report["seccomp"]
     print(f"  seccomp: {sc['info'] if sc['available'] else style.red(sc['info'])}")
     cg = report["cgroups"]
-    parts = [f"{k} {'yes' if cg[k] else style.red('no')}" for k in ("memory", "processes", "kill")]
+    parts = [
+        f"{k} {'yes' if cg.get(k) else style.red('no')}"
+        for k in ("memory", "processes", "cpu", "kill")
+    ]
     print(f"  per-worker cgroups: {', '.join(parts)}")
     if not (cg["memory"] and cg["processes"]):
         print(style.dim("    without them only rlimits and the wall-clock timeout bound a worker"))

@@ -51,6 +51,7 @@ RULES: dict[str, str] = {
     "limits.output": "more output than `limits.output_bytes`",
     "limits.processes": "more processes than `limits.processes`",
     "limits.result": "a result larger than `limits.result_bytes`",
+    "limits.scratch": "the scratch directory filled past `limits.scratch_mb`",
     "limits.timeout": "wall time above `limits.wall_seconds`",
     "net.bind": "binding or listening on an address outside `net.rules`",
     "net.connect": "connecting or sending to an address outside `net.rules`",
@@ -58,6 +59,8 @@ RULES: dict[str, str] = {
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
     "worker.crashed": "the worker process died during the call; its state is lost",
+    "worker.protocol": "the worker sent something malformed, out of order or contradictory; "
+    "the host discarded it and its result",
 }
 
 

@@ -2,8 +2,9 @@
 
 Start-up, in order:
 
-1. Create a private 0700 control directory holding the listening socket, the worker log
-   and the scratch directory (the worker's working directory).
+1. Create a private 0700 control directory holding the listening socket and the scratch
+   directory (the worker's working directory); the worker log is a bounded memfd
+   (`bounded_log`).
 2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
    no path to the socket, and the parent connects by path.
 3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
@@ -17,9 +18,11 @@ SIGKILL. A worker that dies is reported with its exit status, never waited on fo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import fnmatch
 import functools
 import importlib.util
@@ -49,7 +52,8 @@ from agent_sandbox._errors import (
 )
 from agent_sandbox._guardian import remove_tree
 from agent_sandbox._hints import limit_hint
-from agent_sandbox._result import ResultBuilder, RunError, RunResult
+from agent_sandbox._intake import HostBounds
+from agent_sandbox._result import Mark, ResultBuilder, RunError, RunResult
 from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox._unpickle import Decoder
 from agent_sandbox.policies import Policy
@@ -59,7 +63,12 @@ if TYPE_CHECKING:
     from agent_sandbox._templates import WorkerTemplate
 from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
-from agent_sandbox.providers._limits import WorkerCgroups, record_limit_hits, start_cgroups
+from agent_sandbox.providers._limits import (
+    WorkerCgroups,
+    _descendants,
+    record_limit_hits,
+    start_cgroups,
+)
 
 __all__ = [
     "BOOT_SCRIPT",
@@ -95,7 +104,8 @@ _PACKAGES = (
 )
 _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
-_EVENT_SLACK = 256 * 1024
+#: How long an interrupted cell has to stop before its worker is replaced.
+_INTERRUPT_GRACE = 2.0
 _logger = logging.getLogger("agent_sandbox")
 _unwatched_warned = False
 
@@ -202,10 +212,15 @@ class WorkerProcess:
         self._reaped = False
         self._lock = threading.Lock()
         self.cgroups: WorkerCgroups | None = None
+        self._in_call = False
+        self._host_pid: int | None = None
+        self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
         self._egress_channel: socket.socket | None = None
         #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
+        self._held_mark: Mark | None = None
+        self.bounds: HostBounds | None = None
         #: events of the current call it holds back until the call's end is verified.
         self.guard_watch: _guard_block.GuardWatch | None = None
         self._held: list[tuple[str, Any]] = []
@@ -271,7 +286,7 @@ class WorkerProcess:
                     raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
             self.cgroups = start_cgroups(self.id, policy, depth)
-            log = open(os.path.join(self.control_dir, "worker.log"), "wb")  # noqa: SIM115
+            log = bounded_log()
             self._log = log
             if template is not None:
                 self.proc = template.spawn(self.plan, log)
@@ -327,8 +342,10 @@ class WorkerProcess:
                     self._place_in_cgroups(
                         lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
                     )
-            max_event = policy.limits.result_bytes + _EVENT_SLACK
-            self.client = WorkerClient(sock_path, self.token, max_event)
+            self.bounds = HostBounds.from_policy(policy)
+            self.client = WorkerClient(
+                sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
+            )
             try:
                 remaining = start_timeout - (time.monotonic() - t0)
                 self.hello = self.client.hello(max(0.05, remaining))
@@ -357,6 +374,12 @@ class WorkerProcess:
             self.kill()
             raise
         self.started_at = time.monotonic()
+        _logger.debug(
+            "worker %s started under %s in %.0f ms",
+            self.id,
+            "+".join(self.plan.stack),
+            (self.started_at - t0) * 1000,
+        )
         return self
 
     def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
@@ -436,33 +459,45 @@ class WorkerProcess:
     def _forwarder(
         self, builder: ResultBuilder, on_event: OnEvent | None
     ) -> Callable[[tuple[str, Any]], None]:
-        """What the transport calls with each event: judged by the host's guard check first.
+        """What the transport calls with each event: the host's judge, then its guard check.
 
-        Events read while the guards are armed are passed on; events after the disarming are
-        held until the end of the call is verified; after tampering nothing is passed on.
+        Every event is judged as it arrives (`agent_sandbox._intake`: order, shape, the
+        host's bounds and wording), held or not, so nothing the worker sends escapes the
+        bounds. Then the guard check: events read while the guards are armed are passed on;
+        events after the disarming are held (and marked in the builder, so they can be
+        withdrawn) until the end of the call is verified; after tampering nothing is passed on.
         """
         watch = self.guard_watch
         held = self._held = []
+        self._held_mark = None
         if watch is not None:
             watch.begin_call()
 
-        def deliver(event: tuple[str, Any]) -> None:
-            builder.add(*event)
-            if on_event is not None:
+        def live(event: tuple[str, Any] | None) -> None:
+            if event is not None and on_event is not None:
                 on_event(*event)
 
         def forward(event: tuple[str, Any]) -> None:
+            accepted = builder.add(*event)
+            if event[0] == "start":
+                # Framing, sent before the call arms and never passed on: the guard check
+                # (which expects a call under way) starts with the first event of the call.
+                return
             if watch is not None:
                 verdict = watch.judge(event[0])
                 if verdict == _guard_block.HOLD:
-                    held.append(event)
+                    if self._held_mark is None:
+                        self._held_mark = builder.mark()
+                    if accepted is not None:
+                        held.append(accepted)
                     return
                 if verdict == _guard_block.TAMPERED:
                     held.clear()
                     return
+                self._held_mark = None
                 while held:
-                    deliver(held.pop(0))
-            deliver(event)
+                    live(held.pop(0))
+            live(accepted)
 
         return forward
 
@@ -495,12 +530,19 @@ class WorkerProcess:
         """
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder(self.decoder, self.policy, wall)
+        builder = self._builder(wall)
         t0 = time.monotonic()
-        self.calls += 1
         forward = self._forwarder(builder, on_event)
+        self._in_call = True
         try:
             self.client.run(code, t0 + wall, forward, filename)
+        except KeyboardInterrupt:
+            # Ctrl-C in the caller: the cell in the worker is interrupted too (its variables
+            # stay), and the caller gets its KeyboardInterrupt.
+            self.client.close()
+            self._in_call = False
+            self.interrupt()
+            raise
         except TimeoutError:
             self._on_timeout(builder, wall, timeout, timeout_source)
         except ConnectionLost:
@@ -509,6 +551,8 @@ class WorkerProcess:
             self._on_too_large(builder, exc)
         except TransportError as exc:
             self._on_transport_error(builder, exc)
+        finally:
+            self._in_call = False
         return self._finish(builder, t0, session)
 
     async def arun(
@@ -524,13 +568,20 @@ class WorkerProcess:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = ResultBuilder(self.decoder, self.policy, wall)
+        builder = self._builder(wall)
         t0 = time.monotonic()
-        self.calls += 1
-        client = AsyncWorkerClient(self.client.path, self.token, self.client.max_event_bytes)
+        client = AsyncWorkerClient(
+            self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
+        )
         forward = self._forwarder(builder, on_event)
+        self._in_call = True
         try:
             await client.run(code, t0 + wall, forward, filename)
+        except asyncio.CancelledError:
+            # A cancelled call: the cell in the worker is interrupted too (state kept).
+            self._in_call = False
+            self.interrupt()
+            raise
         except TimeoutError:
             self._on_timeout(builder, wall, timeout, timeout_source)
         except ConnectionLost:
@@ -539,7 +590,86 @@ class WorkerProcess:
             self._on_too_large(builder, exc)
         except TransportError as exc:
             self._on_transport_error(builder, exc)
+        finally:
+            self._in_call = False
         return self._finish(builder, t0, session)
+
+    def _builder(self, wall: float) -> ResultBuilder:
+        """The judge and accumulator of the next call's events (`agent_sandbox._intake`):
+        it has the host's policy, to make the hints it shows itself (`_hints.host_hint`)."""
+        assert self.policy is not None
+        self.calls += 1
+        return ResultBuilder(
+            self.decoder,
+            self.policy,
+            wall,
+            bounds=self.bounds or HostBounds.from_policy(self.policy),
+            call=self.calls,
+        )
+
+    # -- interrupts ----------------------------------------------------------------------
+
+    def worker_pid(self) -> int | None:
+        """The worker's pid on the host (below its launcher, in its pid namespace or not)."""
+        if self._host_pid is not None or self.proc is None:
+            return self._host_pid
+        inner = str(self.hello.get("pid", ""))
+        for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    status = fh.read()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == inner:
+                    self._host_pid = pid
+                    return pid
+        return None
+
+    def interrupt(self, grace: float | None = None) -> bool:
+        """Interrupt the running cell (SIGINT: KeyboardInterrupt in the code, as in Jupyter).
+
+        The session's variables stay. If the cell has not stopped `grace` seconds later,
+        the worker is replaced and the next result says so. False when nothing was sent.
+        """
+        grace = _INTERRUPT_GRACE if grace is None else grace
+        if not self.alive():
+            return False
+        pid = self.worker_pid()
+        if pid is None:
+            return False
+        attached = self._in_call
+        seq = self.calls
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            return False
+
+        def expire() -> None:
+            if not self.alive() or self.calls != seq:
+                return
+            stuck = self._in_call if attached else not self._responds(0.25)
+            if stuck:
+                self._interrupt_expired = grace
+                self.death_reason = f"it did not stop within {grace:g} s of an interrupt"
+                self.kill()
+
+        timer = threading.Timer(grace, expire)
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _responds(self, timeout: float) -> bool:
+        if self.client is None:
+            return False
+        probe = WorkerClient(self.client.path, self.token, self.client.max_event_bytes)
+        try:
+            probe.hello(timeout)
+            return True
+        except (TimeoutError, TransportError, OSError):
+            return False
+        finally:
+            probe.close()
 
     def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
         assert self.policy is not None
@@ -552,9 +682,16 @@ class WorkerProcess:
             self._on_tampered(builder, watch.reason)
         elif watch is not None and watch.lost:
             self._on_unverified(builder)
-        if record_limit_hits(builder, self.cgroups, self.policy) and not self.dead:
+        self.rewind_log()
+        if (
+            record_limit_hits(builder, self.cgroups, self.policy, scratch=self.scratch)
+            and not self.dead
+        ):
             self.death_reason = "it hit a resource limit"
             self.discard()
+        for denial in builder.denials:
+            if denial.rule.startswith("limits."):
+                _logger.info("worker %s: %s hit (%s)", self.id, denial.rule, denial.target)
         if builder.discard:
             self.death_reason = "a guard was tampered with"
             self.discard()
@@ -598,11 +735,7 @@ class WorkerProcess:
         assert self.policy is not None
         self.death_reason = "its guards were switched off during a call"
         self.discard()
-        builder.stdout.clear()
-        builder.stderr.clear()
-        builder.images.clear()
-        builder.files = []
-        builder.value = None
+        builder.withhold()
         denial = Denial(
             rule="guard.tampered",
             action="tamper",
@@ -628,6 +761,9 @@ class WorkerProcess:
             if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
         ]
         self._held = []
+        if self._held_mark is not None:
+            builder.rollback(self._held_mark)
+            self._held_mark = None
         if reported:
             self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
             return
@@ -669,6 +805,18 @@ class WorkerProcess:
 
     def _on_lost(self, builder: ResultBuilder) -> None:
         assert self.policy is not None
+        if self._interrupt_expired is not None:
+            self.dead = True
+            self.kill()
+            builder.error = RunError(
+                kind="crashed",
+                type="Interrupted",
+                message=f"the call was interrupted and did not stop within "
+                f"{self._interrupt_expired:g} s, so its worker was replaced; the session's "
+                "variables are lost and the next call starts a fresh interpreter",
+                rule="worker.crashed",
+            )
+            return
         status = self._worker_status(self.wait_exit(1.0))
         self.dead = True
         self.kill()
@@ -712,21 +860,47 @@ class WorkerProcess:
         return used >= self.policy.limits.cpu_seconds
 
     def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
-        self.death_reason = "it sent an oversized message"
+        """A host bound was crossed: the host stopped reading; the worker is killed, and the
+        call keeps what fit (the output up to the cap, the denials so far)."""
+        assert self.policy is not None
+        self.death_reason = "it sent more than the host accepts from one call"
         self.kill()
-        self._limit(
-            builder,
-            "limits.result",
-            "the result",
-            str(exc),
-            limit_hint("limits.result", {"limits": {"result_bytes": exc.cap}}),
-            "MessageTooLarge",
-        )
+        builder.value = None
+        output = {"limits": {"output_bytes": self.policy.limits.output_bytes}}
+        if exc.setting == "limits.output_bytes":
+            self._limit(
+                builder,
+                "limits.output",
+                "the worker's output",
+                f"{exc}; the host stopped reading, the worker was killed and its variables "
+                "are lost",
+                limit_hint("limits.output", output),
+                "MessageTooLarge",
+            )
+        else:
+            self._limit(
+                builder,
+                "limits.result",
+                "the result",
+                f"{exc}; the host stopped reading and the worker was killed",
+                limit_hint("limits.result", {"limits": {"result_bytes": exc.cap}}),
+                "MessageTooLarge",
+            )
 
     def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
-        self.death_reason = f"its channel broke ({exc})"
+        """The worker broke the protocol (malformed, out of order or contradictory): nothing
+        more it says in this call is believed; it is killed and the call says so."""
+        self.death_reason = "it broke the protocol"
         self.kill()
-        builder.error = RunError(kind="internal", type=type(exc).__name__, message=str(exc))
+        builder.value = None
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerMisbehaved",
+            message=f"the sandbox worker broke the protocol and was discarded ({exc}); "
+            "its result is not trusted, the session's variables are lost and the next call "
+            "starts a fresh interpreter",
+            rule="worker.protocol",
+        )
 
     # -- end -----------------------------------------------------------------------------
 
@@ -770,6 +944,9 @@ class WorkerProcess:
         """
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call
+        if not self.dead:
+            level = logging.INFO if self.death_reason else logging.DEBUG
+            _logger.log(level, "worker %s ended: %s", self.id, self.death_reason or "discarded")
         with self._lock:
             self.dead = True
             if self.guard_watch is not None:
@@ -820,13 +997,49 @@ class WorkerProcess:
             remove_tree(self.control_dir)
 
     def log_tail(self, lines: int = 20) -> str:
-        path = os.path.join(self.control_dir, "worker.log")
+        """The last lines the worker wrote to its descriptors 1 and 2 (see `bounded_log`)."""
+        if self._log is None or self._log.closed:
+            return ""
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()[-8192:]
+            fd = self._log.fileno()
+            end = os.lseek(fd, 0, os.SEEK_CUR)  # the offset the worker shares with us
+            data = os.pread(fd, min(end, 8192), max(0, end - 8192))
         except OSError:
             return ""
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    def rewind_log(self) -> None:
+        """Between calls: once past half the log's size, write the next output from its
+        start again, so the tail stays the latest output (the size stays `LOG_BYTES`)."""
+        if self._log is None or self._log.closed:
+            return
+        with contextlib.suppress(OSError):
+            fd = self._log.fileno()
+            if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
+                os.lseek(fd, 0, os.SEEK_SET)
+
+
+#: The size of a worker's log: what it writes to descriptors 1 and 2 (native code writing
+#: there directly, a crash's traceback) goes to memory the host bounds, never to its disk.
+LOG_BYTES = 1024 * 1024
+_F_ADD_SEALS = 1033
+_F_SEAL_SHRINK = 0x0002
+_F_SEAL_GROW = 0x0004
+
+
+def bounded_log() -> IO[bytes]:
+    """A memfd of `LOG_BYTES`, sealed so it can neither grow nor shrink: a write past its
+    end fails (EPERM) instead of filling the host's disk, whatever the worker does with
+    its descriptors. The worker shares the file offset with the parent, which reads the
+    tail just before it (`WorkerProcess.log_tail`)."""
+    fd = os.memfd_create("agent-sandbox-worker-log", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, LOG_BYTES)
+        fcntl.fcntl(fd, _F_ADD_SEALS, _F_SEAL_GROW | _F_SEAL_SHRINK)
+        return os.fdopen(fd, "r+b", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def worker_python() -> str:

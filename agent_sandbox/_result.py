@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import RULES, Denial, rule_doc
+from agent_sandbox._intake import (
+    MAX_COUNT,
+    MAX_ERROR_REFUSALS,
+    HintMaker,
+    HostBounds,
+    StreamOrder,
+    WorkerMisbehaved,
+    check_denial,
+    clean_text,
+    denial_chars,
+    over,
+    quote,
+    render_notice,
+)
 
 if TYPE_CHECKING:
     from agent_sandbox._unpickle import Decoder
 
-__all__ = ["Image", "RunError", "RunResult", "ResultBuilder"]
+__all__ = ["Image", "Mark", "RunError", "RunResult", "ResultBuilder", "check_error"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +215,8 @@ class RunResult:
         return self.value
 
 
-#: Distinct refusals the host keeps from one call, whatever a worker sends.
+#: Distinct refusals the host keeps from one call, whatever a worker sends (past it, the
+#: rest are counted per rule under `_OTHER_TARGETS`).
 MAX_DENIALS = 256
 _OTHER_TARGETS = "(other targets)"
 #: Rules whose refusals are never library-internal, whatever a worker says: the code layer
@@ -208,14 +224,42 @@ _OTHER_TARGETS = "(other targets)"
 _NEVER_INTERNAL = ("code.", "limits.", "guard.", "worker.", "result.")
 
 
-class ResultBuilder:
-    """Accumulates events from the worker into a `RunResult` (and forwards them live).
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """A point in a call's events that `ResultBuilder.rollback` returns to."""
 
-    What a worker says about its refusals is checked here (docs/denials.md, "What the host
-    checks"): hints are re-derived from the rule and target by host templates; the number of
-    distinct refusals kept is bounded; "internal" is only ever a presentation downgrade and
-    is withdrawn for a refusal that shows in the call's error or whose rule is never
-    internal; a call with an error is never ok.
+    stdout: int
+    stderr: int
+    output_chars: int
+    denials: tuple[Denial, ...]
+    wire: int
+    images: int
+    image_chars: int
+    files: tuple[dict[str, Any], ...]
+    notices: int
+    value: Any
+    error: RunError | None
+    error_refusals: tuple[Denial, ...]
+
+
+class ResultBuilder:
+    """Accumulates one call's events from the worker into a `RunResult`.
+
+    Every event goes through `add()`, which judges it with `agent_sandbox._intake` (order,
+    shape, the host's bounds, the host's wording) before anything is kept, and returns the
+    event as the host accepted it (for live forwarding). A bound crossed raises
+    `MessageTooLarge` after keeping what fits; anything malformed, out of order or
+    contradictory raises `WorkerMisbehaved`. Either way the caller kills the worker.
+
+    What a worker says about its refusals is checked too (docs/denials.md, "What the host
+    checks"): with the host's `Policy`, hints are re-derived from the rule and target by host
+    templates (`_hints.host_hint`); the number of distinct refusals kept is bounded, the rest
+    counted; "internal" is only ever a presentation downgrade and is withdrawn for a refusal
+    that shows in the call's error or whose rule is never internal (`verdict()`); a call
+    with an error is never ok.
+
+    `policy` is the host's `Policy` (or only its name, for tests of the intake alone);
+    `wall` the call's effective wall time (for a timeout's hint).
     """
 
     def __init__(
@@ -223,12 +267,31 @@ class ResultBuilder:
         decoder: Decoder | None = None,
         policy: Any = None,
         wall: float | None = None,
+        *,
+        bounds: HostBounds | None = None,
+        call: int | None = None,
     ) -> None:
         self.decoder = decoder
-        self.policy = policy
+        if policy is None or isinstance(policy, str):
+            self.host_policy: Any = None
+            self.policy: str = policy or ""
+        else:
+            self.host_policy = policy
+            self.policy = str(policy.name)
         self.wall = wall
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
+        if bounds is None and self.host_policy is not None:
+            bounds = HostBounds.from_policy(policy)
+        self.bounds = bounds or HostBounds()
+        self.call = call
+        self.order = StreamOrder()
+        # Output is kept as UTF-8 (lone surrogates pass through), so the host's memory for
+        # it is the bytes, not one object per event.
+        self._output = {"stdout": bytearray(), "stderr": bytearray()}
+        self.output_chars = 0
+        self.events = 0
+        self.denial_events = 0
+        self.denial_chars = 0
+        self.image_chars = 0
         self.value: Any = None
         self.error: RunError | None = None
         self.denials: list[Denial] = []
@@ -242,29 +305,77 @@ class ResultBuilder:
         self._error_refusals: list[Denial] = []
         self._wire_policy: dict[str, Any] | None = None
 
+    @property
+    def stdout(self) -> str:
+        return self._output["stdout"].decode("utf-8", "surrogatepass")
+
+    @property
+    def stderr(self) -> str:
+        return self._output["stderr"].decode("utf-8", "surrogatepass")
+
+    def mark(self) -> Mark:
+        """Where the call stands now (see `rollback`)."""
+        return Mark(
+            stdout=len(self._output["stdout"]),
+            stderr=len(self._output["stderr"]),
+            output_chars=self.output_chars,
+            denials=tuple(self.denials),
+            wire=len(self._wire),
+            images=len(self.images),
+            image_chars=self.image_chars,
+            files=tuple(self.files),
+            notices=len(self.notices),
+            value=self.value,
+            error=self.error,
+            error_refusals=tuple(self._error_refusals),
+        )
+
+    def rollback(self, mark: Mark) -> None:
+        """Withdraw what was kept since `mark` (events the host withheld), keeping the
+        counts that bound the call: what the worker sent still counts against its bounds."""
+        del self._output["stdout"][mark.stdout :]
+        del self._output["stderr"][mark.stderr :]
+        self.denials = list(mark.denials)
+        self._positions = {d.key(): i for i, d in enumerate(self.denials)}
+        del self._wire[mark.wire :]
+        del self.images[mark.images :]
+        del self.notices[mark.notices :]
+        self.files = list(mark.files)
+        self.value = mark.value
+        self.error = mark.error
+        self._error_refusals = list(mark.error_refusals)
+
+    def withhold(self) -> None:
+        """Drop the call's output, images, files and value (the worker was tampered with)."""
+        self._output = {"stdout": bytearray(), "stderr": bytearray()}
+        self.images.clear()
+        self.files = []
+        self.value = None
+
+    # -- the host's view of a worker's refusals ------------------------------------------
+
     def _policy_wire(self) -> dict[str, Any]:
         if self._wire_policy is None:
             try:
                 self._wire_policy = (
-                    self.policy.model_dump(mode="json") if self.policy is not None else {}
+                    self.host_policy.model_dump(mode="json") if self.host_policy is not None else {}
                 )
             except Exception:
                 self._wire_policy = {}
         return self._wire_policy
 
-    def _vet(self, denial: Denial) -> Denial:
-        """A worker's refusal as the host shows it: host-made hint, host policy name."""
+    def _host_hint(self, rule: str, target: str, worker_hint: str) -> str:
         from agent_sandbox._hints import host_hint
 
-        hint = host_hint(
-            denial.rule, denial.target, denial.hint, self._policy_wire(), timeout=self.wall
-        )
-        changes: dict[str, Any] = {"hint": hint}
-        if self.policy is not None:
-            changes["policy"] = self.policy.name
+        return host_hint(rule, target, worker_hint, self._policy_wire(), timeout=self.wall)
+
+    def _check(self, data: Any, *, nested: bool = True) -> Denial:
+        """A worker's refusal as the host shows it: checked, host-worded, host hint."""
+        hint = self._host_hint if self.host_policy is not None else None
+        denial = check_denial(data, self.policy, hint=hint, nested=nested)
         if denial.internal and denial.rule.startswith(_NEVER_INTERNAL):
-            changes["internal"] = False
-        return dataclasses.replace(denial, **changes)
+            denial = dataclasses.replace(denial, internal=False)
+        return denial
 
     def add_denial(self, denial: Denial) -> int:
         """Keep one refusal (merged with the same one, bounded); returns its index."""
@@ -289,64 +400,190 @@ class ResultBuilder:
             return len(self.denials) - 1
         old = self.denials[pos]
         self.denials[pos] = dataclasses.replace(
-            old, count=min(old.count + denial.count, 10**15), last=denial.last or denial
+            old, count=min(old.count + denial.count, MAX_COUNT), last=denial.last or denial
         )
         return pos
 
-    def _counts(self, data: list[Any]) -> None:
-        for item in data[: len(self._wire)]:
+    def add(self, kind: str, data: Any) -> tuple[str, Any] | None:
+        """Judge and keep one event; returns it as accepted (None: nothing to forward)."""
+        self.events += 1
+        if self.events > self.bounds.events:
+            raise over("the worker's events in one call", self.events, self.bounds.events)
+        self.order.step(kind)
+        handler = getattr(self, "_on_" + kind, None)
+        if handler is None:  # pragma: no cover - the parser knows every kind
+            raise WorkerMisbehaved(f"the worker sent an unknown event kind {kind!r}")
+        result: tuple[str, Any] | None = handler(data)
+        # Each kind has its own bound; their sum is the call's total (checked all the same).
+        kept = self.output_chars + self.denial_chars + self.image_chars + 1024 * len(self.notices)
+        if kept > self.bounds.total:
+            raise over("what the host kept of one call", kept, self.bounds.total)
+        return result
+
+    # -- one handler per kind ------------------------------------------------------------
+
+    def _on_start(self, data: Any) -> None:
+        if not isinstance(data, dict) or set(data) != {"call"} or type(data["call"]) is not int:
+            raise WorkerMisbehaved("the worker's `start` event is malformed")
+        # The worker may count fewer calls than the host (a call cancelled before it ran),
+        # never more.
+        if self.call is not None and not 1 <= data["call"] <= self.call:
+            raise WorkerMisbehaved(
+                f"the worker says this is its call {data['call']}, the host sent {self.call}"
+            )
+        return None  # framing only: not forwarded
+
+    def _on_stdout(self, data: Any) -> tuple[str, Any]:
+        return self._output_event("stdout", data)
+
+    def _on_stderr(self, data: Any) -> tuple[str, Any]:
+        return self._output_event("stderr", data)
+
+    def _output_event(self, kind: str, data: Any) -> tuple[str, Any]:
+        if not isinstance(data, str):
+            raise WorkerMisbehaved(f"the worker's {kind} event is not text")
+        room = self.bounds.output_chars - self.output_chars
+        if len(data) > room:
+            kept = data[: max(room, 0)]
+            self._output[kind] += kept.encode("utf-8", "surrogatepass")
+            self.output_chars += len(kept)
+            raise over(
+                "the worker's stdout and stderr",
+                self.output_chars - len(kept) + len(data),
+                self.bounds.output_chars,
+            )
+        self._output[kind] += data.encode("utf-8", "surrogatepass")
+        self.output_chars += len(data)
+        return kind, data
+
+    def _on_denial(self, data: Any) -> tuple[str, Any]:
+        denial = self._check(data)
+        if self.denial_events >= self.bounds.denials:
+            raise over(
+                "the worker's denials (a count)", self.denial_events + 1, self.bounds.denials
+            )
+        self.denial_events += 1
+        self.denial_chars += denial_chars(denial)
+        if self.denial_chars > self.bounds.denial_chars:
+            raise over("the worker's denials", self.denial_chars, self.bounds.denial_chars)
+        self._wire.append(self.add_denial(denial))
+        return "denial", denial.to_dict()
+
+    def _on_counts(self, data: Any) -> tuple[str, Any]:
+        """How often each streamed refusal happened, with its last occurrence (after the
+        call). Each entry is `[n, count, last]`: the worker's n-th denial event of the call."""
+        if not isinstance(data, list) or len(data) > len(self._wire):
+            raise WorkerMisbehaved("the worker's `counts` event is malformed")
+        accepted = []
+        for item in data:
             if not (isinstance(item, list) and len(item) == 3):
-                continue
-            index, count, last = item
-            if not (isinstance(index, int) and 0 <= index < len(self._wire)):
-                continue
-            if not (isinstance(count, int) and 1 <= count <= 10**15 and isinstance(last, dict)):
-                continue
+                raise WorkerMisbehaved("the worker's `counts` event is malformed")
+            index, count, raw_last = item
+            if type(index) is not int or not 0 <= index < len(self._wire):
+                raise WorkerMisbehaved("the worker's `counts` event names no denial of this call")
+            if type(count) is not int or not 1 <= count <= MAX_COUNT:
+                raise WorkerMisbehaved("the worker's `counts` event has a malformed count")
+            last = self._check(raw_last, nested=False)
             pos = self._wire[index]
             old = self.denials[pos]
-            self.denials[pos] = dataclasses.replace(
-                old,
-                count=max(old.count, count),
-                last=self._vet(Denial.from_dict(last, nested=False)),
-            )
+            if last.rule != old.rule:
+                raise WorkerMisbehaved("the worker's `counts` event mixes up two rules")
+            self.denial_chars += denial_chars(last)
+            if self.denial_chars > self.bounds.denial_chars:
+                raise over("the worker's denials", self.denial_chars, self.bounds.denial_chars)
+            self.denials[pos] = dataclasses.replace(old, count=max(old.count, count), last=last)
+            accepted.append([index, count, last.to_dict()])
+        return "counts", accepted
 
-    def add(self, kind: str, data: Any) -> None:
-        if kind == "stdout" and isinstance(data, str):
-            self.stdout.append(data)
-        elif kind == "stderr" and isinstance(data, str):
-            self.stderr.append(data)
-        elif kind == "denial" and isinstance(data, dict):
-            pos = self.add_denial(self._vet(Denial.from_dict(data, nested=False)))
-            if len(self._wire) < MAX_DENIALS * 4:
-                self._wire.append(pos)
-        elif kind == "counts" and isinstance(data, list):
-            self._counts(data)
-        elif kind == "result" and isinstance(data, dict):
-            if "pickle" in data:
-                self._decode_value(data)
-            else:
-                self.value = data.get("value")
-        elif kind == "error" and isinstance(data, dict):
-            self.error = error_from_wire(data, self.decoder, self.notices)
-            refusals = data.get("refusals")
-            if isinstance(refusals, list):
-                self._error_refusals = [
-                    Denial.from_dict(r, nested=False) for r in refusals[:10] if isinstance(r, dict)
-                ]
-        elif kind == "image" and isinstance(data, dict):
-            self.images.append(
-                Image(
-                    str(data.get("name", "")), str(data.get("mime", "")), str(data.get("data", ""))
-                )
+    def _on_internal(self, data: Any) -> tuple[str, Any]:
+        if not isinstance(data, list) or len(data) > len(self._wire):
+            raise WorkerMisbehaved("the worker's `internal` event is malformed")
+        for i in data:
+            if type(i) is not int or not 0 <= i < len(self._wire):
+                raise WorkerMisbehaved("the worker's `internal` event names no denial of this call")
+            pos = self._wire[i]
+            if not self.denials[pos].rule.startswith(_NEVER_INTERNAL):
+                self.denials[pos] = dataclasses.replace(self.denials[pos], internal=True)
+        return "internal", data
+
+    def _on_image(self, data: Any) -> tuple[str, Any]:
+        if (
+            not isinstance(data, dict)
+            or set(data) != {"name", "mime", "data"}
+            or not all(isinstance(v, str) for v in data.values())
+        ):
+            raise WorkerMisbehaved("the worker's `image` event is malformed")
+        if data["mime"] != "image/png" or not _BASE64.fullmatch(data["data"]):
+            raise WorkerMisbehaved("the worker's image is not base64 PNG data")
+        if len(self.images) >= self.bounds.images:
+            raise over("the worker's images (a count)", len(self.images) + 1, self.bounds.images)
+        self.image_chars += len(data["data"])
+        if self.image_chars > self.bounds.image_chars:
+            raise over(
+                "the worker's images",
+                self.image_chars,
+                self.bounds.image_chars,
+                "limits.result_bytes",
             )
-        elif kind == "files" and isinstance(data, list):
-            self.files = [f for f in data if isinstance(f, dict)]
-        elif kind == "notice" and isinstance(data, str):
-            self.notices.append(data)
-        elif kind == "done":
-            self.done = True
-            if isinstance(data, dict):
-                self.discard = bool(data.get("discard"))
+        image = Image(clean_text(data["name"], 255), "image/png", data["data"])
+        self.images.append(image)
+        return "image", image.to_dict()
+
+    def _on_files(self, data: Any) -> tuple[str, Any]:
+        if not isinstance(data, list) or len(data) > self.bounds.files:
+            raise WorkerMisbehaved("the worker's `files` event is malformed")
+        files = []
+        for entry in data:
+            if (
+                not isinstance(entry, dict)
+                or set(entry) != {"name", "size"}
+                or not isinstance(entry["name"], str)
+                or type(entry["size"]) is not int
+                or entry["size"] < 0
+            ):
+                raise WorkerMisbehaved("the worker's `files` event is malformed")
+            files.append({"name": clean_text(entry["name"], 255), "size": entry["size"]})
+        self.files = files
+        return "files", files
+
+    def _on_notice(self, data: Any) -> tuple[str, Any]:
+        text = render_notice(data)
+        if len(self.notices) >= self.bounds.notices:
+            raise over("the worker's notices (a count)", len(self.notices) + 1, self.bounds.notices)
+        self.notices.append(text)
+        return "notice", text
+
+    def _on_result(self, data: Any) -> tuple[str, Any]:
+        if not isinstance(data, dict):
+            raise WorkerMisbehaved("the worker's `result` event is malformed")
+        if set(data) == {"encoding", "pickle"}:
+            self._decode_value(data)
+        elif set(data) == {"value"}:
+            self.value = data["value"]
+        else:
+            raise WorkerMisbehaved("the worker's `result` event is malformed")
+        return "result", data
+
+    def _on_error(self, data: Any) -> tuple[str, Any]:
+        hint = self._host_hint if self.host_policy is not None else None
+        self.error = check_error(data, self.decoder, self.notices, self.policy, hint=hint)
+        # The refusals the error carries (its exception chain's): the user's (`verdict()`).
+        self._error_refusals = [self._check(r, nested=False) for r in data.get("refusals", ())]
+        return "error", data
+
+    def _on_done(self, data: Any) -> tuple[str, Any]:
+        if (
+            not isinstance(data, dict)
+            or not set(data) <= {"duration", "discard", "denials"}
+            or type(data.get("discard", False)) is not bool
+            or type(data.get("denials", 0)) is not int
+            or not isinstance(data.get("duration", 0.0), int | float)
+            or isinstance(data.get("duration"), bool)
+        ):
+            raise WorkerMisbehaved("the worker's `done` event is malformed")
+        self.done = True
+        self.discard = bool(data.get("discard"))
+        return "done", data
 
     def verdict(self) -> None:
         """The host's own checks on the worker's classification (see the class docstring).
@@ -410,8 +647,8 @@ class ResultBuilder:
     def build(self, **fields: Any) -> RunResult:
         self.verdict()
         return RunResult(
-            stdout="".join(self.stdout),
-            stderr="".join(self.stderr),
+            stdout=self.stdout,
+            stderr=self.stderr,
             value=self.value,
             error=self.error,
             denials=tuple(self.denials),
@@ -420,6 +657,85 @@ class ResultBuilder:
             notices=tuple(self.notices) + tuple(fields.pop("notices", ())),
             **fields,
         )
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+#: The error kinds a worker may report (`crashed` is only ever the host's verdict).
+_WORKER_ERROR_KINDS = frozenset({"exception", "syntax", "denied", "limit", "internal"})
+_ERROR_KEYS = frozenset(
+    {
+        "kind",
+        "type",
+        "message",
+        "traceback",
+        "rule",
+        "line",
+        "column",
+        "text",
+        "denial",
+        "exception",
+        "refusals",
+    }
+)
+_TYPE_NAME = re.compile(r"[\w.<>\[\]]{1,200}")  # a dotted class path (`f.<locals>.E`)
+
+
+def check_error(
+    data: Any,
+    decoder: Decoder | None,
+    notices: list[str],
+    policy: str,
+    *,
+    hint: HintMaker | None = None,
+) -> RunError:
+    """The worker's `error` event, judged: its shape, its kind, and the host's wording.
+
+    For a refusal or a limit, the message the model may read is the host's: the checked
+    denial's message, or the rule's catalogue line with the worker's text quoted. For an
+    internal failure, the worker's words are quoted as its report.
+    """
+    if not isinstance(data, dict) or not set(data) <= _ERROR_KEYS:
+        raise WorkerMisbehaved("the worker's `error` event is malformed")
+    kind = data.get("kind", "exception")
+    if kind not in _WORKER_ERROR_KINDS:
+        raise WorkerMisbehaved(f"the worker reported an error of kind {quote(str(kind), 40)}")
+    for key in ("type", "message", "traceback", "text"):
+        if key in data and not isinstance(data[key], str):
+            raise WorkerMisbehaved(f"the worker's error has a {key!r} that is not text")
+    for key in ("line", "column"):
+        value = data.get(key)
+        if value is not None and type(value) is not int:
+            raise WorkerMisbehaved(f"the worker's error has a {key!r} that is not a number")
+    if "type" in data and not _TYPE_NAME.fullmatch(data["type"]):
+        raise WorkerMisbehaved("the worker's error names a malformed exception type")
+    rule = data.get("rule")
+    if rule is not None and (not isinstance(rule, str) or rule not in RULES):
+        raise WorkerMisbehaved("the worker's error names an unknown rule")
+    refusals = data.get("refusals", [])
+    if not isinstance(refusals, list) or len(refusals) > MAX_ERROR_REFUSALS:
+        raise WorkerMisbehaved("the worker's error carries a malformed list of refusals")
+    for refusal in refusals:
+        check_denial(refusal, policy, nested=False)
+    if kind in ("denied", "limit") and rule is None:
+        raise WorkerMisbehaved(f"the worker reported a {kind!r} error without its rule")
+    message = str(data.get("message", ""))
+    if kind in ("denied", "limit"):
+        assert isinstance(rule, str)
+        if "denial" in data:
+            denial = check_denial(data["denial"], policy, hint=hint)
+            if denial.rule != rule:
+                raise WorkerMisbehaved("the worker's error and its denial name different rules")
+            message = denial.message()
+        else:
+            message = f"[{rule}] {rule_doc(rule)}" + (
+                f" (the worker's message: {quote(message)})" if message else ""
+            )
+    elif kind == "internal":
+        message = f"the worker reported a failure of its own: {quote(message)}"
+    elif "denial" in data:
+        raise WorkerMisbehaved("the worker's error carries a denial but is not a refusal")
+    fixed = {**data, "message": message}
+    return error_from_wire(fixed, decoder, notices)
 
 
 def error_from_wire(
@@ -480,6 +796,8 @@ def _error_exception(error: RunError, denials: tuple[Denial, ...]) -> BaseExcept
             if family == prefix or (prefix.endswith(".") and family.startswith(prefix)):
                 return cls(denial)  # type: ignore[no-any-return]
         return _errors.SandboxDenied(denial)
+    if error.rule == "worker.protocol":
+        return _errors.TransportError(error.message)
     if error.kind == "crashed":
         return _errors.WorkerCrashed(None, log_tail=error.traceback)
     if error.kind == "internal" or error.type == "UnpickleRefused":

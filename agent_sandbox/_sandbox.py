@@ -185,6 +185,18 @@ class Session:
             ownership.abandon()
             raise
 
+    def interrupt(self, grace: float | None = None) -> bool:
+        """Interrupt this session's running call, as Ctrl-C in a Jupyter kernel.
+
+        The code sees KeyboardInterrupt and the call returns it as its error; the session's
+        variables stay. A cell that does not stop within `grace` seconds (2 by default) has
+        its worker replaced, and the result says so. False when no call was running.
+        """
+        worker = self._worker
+        if worker is None or not self._lock.locked():
+            return False
+        return worker.interrupt(grace)
+
     def reset(self) -> None:
         """Drop this session's interpreter; the next call starts from a clean one."""
         self._lock.acquire()

@@ -8,6 +8,10 @@ h11 on both ends is the fastest well-kept stack for one POST answered by an SSE 
 
 Every wait has a deadline; a closed or garbled channel is a `TransportError` (or
 `ConnectionLost`, which the caller turns into `WorkerCrashed` after looking at the process).
+Reading is incremental and bounded: one `recv` of at most 256 KiB at a time, h11's own cap
+on headers and chunk lines, and the SSE parser's per-kind cap on one event. An exception
+raised by the event callback (the host's judge, `agent_sandbox._intake`, refusing an event
+or a bound) stops the reading at once and closes the connection.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import h11
 
 from agent_sandbox._errors import TransportError
-from agent_sandbox._wire import Event, SSEParser
+from agent_sandbox._wire import Event, KindCaps, SSEParser, value_budget
 
 __all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
 
@@ -36,13 +40,18 @@ class ConnectionLost(TransportError):
 class _Protocol:
     """Sans-IO HTTP/1.1 client for one connection to a worker."""
 
-    def __init__(self, token: str, max_event_bytes: int) -> None:
+    def __init__(self, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None) -> None:
         self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
         self.auth = "Bearer " + token
         self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
+        # The worker keeps its results within value_budget(result_bytes); the host's budget,
+        # from the result's byte cap (which has slack), is never below it.
+        result_cap = kind_caps.get("result") if kind_caps is not None else None
+        self.max_values = value_budget(result_cap[0]) if result_cap is not None else None
         self.status: int | None = None
         self.streaming = False
-        self.parser = SSEParser(max_event_bytes)
+        self.parser = SSEParser(max_event_bytes, kind_caps, self.max_values)
         self.body = bytearray()
         self.done = False
 
@@ -59,7 +68,7 @@ class _Protocol:
             headers.append(("content-type", "application/json"))
         self.status = None
         self.streaming = False
-        self.parser = SSEParser(self.max_event_bytes)
+        self.parser = SSEParser(self.max_event_bytes, self.kind_caps, self.max_values)
         self.body = bytearray()
         self.done = False
         out = self.conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
@@ -116,10 +125,13 @@ class _Protocol:
 class WorkerClient:
     """A blocking client with one persistent connection to one worker."""
 
-    def __init__(self, path: str, token: str, max_event_bytes: int) -> None:
+    def __init__(
+        self, path: str, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None
+    ) -> None:
         self.path = path
         self.token = token
         self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
         self._sock: socket.socket | None = None
         self._proto: _Protocol | None = None
 
@@ -134,7 +146,7 @@ class WorkerClient:
         except OSError as exc:
             sock.close()
             raise ConnectionLost(f"cannot connect to the worker: {exc}") from None
-        self._sock, self._proto = sock, _Protocol(self.token, self.max_event_bytes)
+        self._sock, self._proto = sock, _Protocol(self.token, self.max_event_bytes, self.kind_caps)
         return sock, self._proto
 
     def _exchange(
@@ -204,10 +216,13 @@ class WorkerClient:
 class AsyncWorkerClient:
     """An asyncio client; one connection per call (the worker multiplexes connections)."""
 
-    def __init__(self, path: str, token: str, max_event_bytes: int) -> None:
+    def __init__(
+        self, path: str, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None
+    ) -> None:
         self.path = path
         self.token = token
         self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
 
     async def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
@@ -223,7 +238,7 @@ class AsyncWorkerClient:
             reader, writer = await asyncio.open_unix_connection(self.path)
         except OSError as exc:
             raise ConnectionLost(f"cannot connect to the worker: {exc}") from None
-        proto = _Protocol(self.token, self.max_event_bytes)
+        proto = _Protocol(self.token, self.max_event_bytes, self.kind_caps)
         try:
             writer.write(proto.request("POST", "/run", body))
             await writer.drain()

@@ -65,6 +65,7 @@ import tblib
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ChildException, UnpickleRefused
 from agent_sandbox._errors import SandboxDenied as _SandboxDenied
+from agent_sandbox._intake import quote
 
 __all__ = [
     "BUILTIN_TYPES",
@@ -1149,8 +1150,8 @@ class Decoder:
                 )
         elif cls is not None and self.objects and isinstance(rich, dict) and "refused" in rich:
             notes.append(
-                f"the attributes of {desc.path} could not be sent "
-                f"({str(rich['refused'])[:200]}); it was rebuilt from its descriptor"
+                f"the attributes of {desc.path} could not be sent (the worker says: "
+                f"{quote(str(rich['refused']))}); it was rebuilt from its descriptor"
             )
         if exc is None and cls is not None:
             try:

@@ -4,7 +4,7 @@ The runner owns the session namespace (variables persist between calls on one wo
 compiles the code so the value of a last expression is returned, captures `sys.stdout` and
 `sys.stderr` as live, coalesced event streams with an output cap, and encodes the value as
 JSON-safe data. Output written straight to file descriptor 1 or 2 by native code is not
-captured here; it goes to the worker log.
+captured here; it goes to the worker log, a 1 MiB memory file the host bounds.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import collections
 import errno
 import io
 import json
@@ -30,6 +31,7 @@ from agent_sandbox import _audit, _objects
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
 from agent_sandbox._hints import grant_hint
+from agent_sandbox._wire import json_values, value_budget
 
 __all__ = ["Runner", "to_data"]
 
@@ -126,6 +128,21 @@ class _Budget:
         )
 
 
+#: Whether the user's code is running now: only then does SIGINT (the host's interrupt)
+#: raise KeyboardInterrupt, as in a Jupyter kernel; between calls it is ignored.
+_INTERRUPTIBLE = [False]
+
+#: The bound on cell sources kept for tracebacks (see `Runner._keep_source`).
+_SOURCE_CELLS = 200
+_SOURCE_BYTES = 4 * 1024 * 1024
+
+
+def on_interrupt(signum: int, frame: Any) -> None:
+    """The worker's SIGINT handler (installed by `_worker_server.serve`)."""
+    if _INTERRUPTIBLE[0]:
+        raise KeyboardInterrupt
+
+
 class Runner:
     """Executes calls in one persistent namespace; one runner per worker."""
 
@@ -143,6 +160,8 @@ class Runner:
         self.register_file: Callable[[str], None] | None = None
         #: The scratch files as they were when the last call started: (mtime_ns, size).
         self._scratch_seen: dict[str, tuple[int, int]] = {}
+        self._sources: collections.deque[tuple[str, int]] = collections.deque()
+        self._source_size = 0
 
     def run(self, code: str, emit: Emit, filename: str | None = None) -> None:
         """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`).
@@ -226,9 +245,13 @@ class Runner:
             if self.objects:
                 return "result", _objects.encode_value(value, cap)
             data = {"value": to_data(value)}
-            size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
-            if size > cap:
-                raise _objects.TooLarge(size, cap)
+            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+            if len(text) > cap:
+                raise _objects.TooLarge(len(text), cap)
+            budget = value_budget(cap)
+            if json_values(text, budget) > budget:
+                # The host refuses more values than this (decoding costs more than the text).
+                raise _objects.TooLarge(json_values(text, budget) * 32, cap)
             return "result", data
         except _objects.TooLarge as big:
             denial = _audit.record(_objects.result_too_large(big.size, big.cap, self.policy_name))
@@ -249,13 +272,27 @@ class Runner:
                     "message": "the value or exception could not be encoded",
                 }
 
+    def _keep_source(self, filename: str, code: str) -> None:
+        """Keep the cell's source for tracebacks, within a bound: the newest cells up to
+        `_SOURCE_CELLS` cells and `_SOURCE_BYTES` characters (a long session does not grow
+        by every cell it ran; a traceback into an older cell shows no source line)."""
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._sources.append((filename, len(code)))
+        self._source_size += len(code)
+        while len(self._sources) > 1 and (
+            len(self._sources) > _SOURCE_CELLS or self._source_size > _SOURCE_BYTES
+        ):
+            old, size = self._sources.popleft()
+            self._source_size -= size
+            linecache.cache.pop(old, None)
+
     def _failure(self, exc: BaseException, filename: str, cap: int) -> dict[str, Any]:
         info = _error_info(exc, filename)
         info["exception"] = _objects.exception_payload(exc, objects=self.objects, cap=cap // 8)
         return info
 
     def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
-        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._keep_source(filename, code)
         tree = ast.parse(code, filename, "exec")
         if self.code_check is not None:
             self.code_check(code, tree)
@@ -272,12 +309,16 @@ class Runner:
     def _execute(self, compiled: tuple[Any, Any]) -> Any:
         body, tail = compiled
         ns = self.namespace
-        if _is_async(body) or (tail is not None and _is_async(tail)):
-            import asyncio  # only for code that uses top-level await
+        _INTERRUPTIBLE[0] = True
+        try:
+            if _is_async(body) or (tail is not None and _is_async(tail)):
+                import asyncio  # only for code that uses top-level await
 
-            return asyncio.run(_run_async(body, tail, ns))
-        exec(body, ns)
-        return eval(tail, ns) if tail is not None else None
+                return asyncio.run(_run_async(body, tail, ns))
+            exec(body, ns)
+            return eval(tail, ns) if tail is not None else None
+        finally:
+            _INTERRUPTIBLE[0] = False
 
     def _scan_scratch(self) -> dict[str, tuple[int, int]]:
         seen: dict[str, tuple[int, int]] = {}
@@ -294,40 +335,65 @@ class Runner:
 
     def _collect_outputs(self, emit: Emit, started: float) -> None:
         """Send the images this call produced, once: PNG files it wrote to scratch, and the
-        matplotlib figures it left open that were not already drawn into a file."""
-        images = 0
+        matplotlib figures it left open that were not already drawn into a file.
+
+        At most `_MAX_IMAGES` images, and their base64 text together within
+        `limits.result_bytes` (the host's own bounds, `agent_sandbox._intake`); the rest are
+        counted in an `images.dropped` notice.
+        """
+        budget = int(self.policy.get("limits", {}).get("result_bytes", 4_000_000))
+        sent = {"count": 0, "chars": 0, "dropped": 0}
+
+        def send(name: str, data: bytes) -> None:
+            chars = (len(data) + 2) // 3 * 4
+            if (
+                sent["count"] >= _MAX_IMAGES
+                or len(data) > _MAX_IMAGE_BYTES
+                or sent["chars"] + chars > budget
+            ):
+                sent["dropped"] += 1
+                return
+            emit("image", _image(name, data))
+            sent["count"] += 1
+            sent["chars"] += chars
+
         before = self._scratch_seen
         now = self._scan_scratch()
         changed = sorted(n for n, sig in now.items() if before.get(n) != sig)
         for name in changed:
-            size = now[name][1]
-            if name.lower().endswith(".png") and images < _MAX_IMAGES and size <= _MAX_IMAGE_BYTES:
-                try:
-                    with open(os.path.join(self.scratch, name), "rb") as fh:
-                        emit("image", _image(name, fh.read()))
-                    images += 1
-                except OSError:
-                    pass
+            if not name.lower().endswith(".png"):
+                continue
+            if now[name][1] > _MAX_IMAGE_BYTES or sent["count"] >= _MAX_IMAGES:
+                sent["dropped"] += 1
+                continue
+            try:
+                with open(os.path.join(self.scratch, name), "rb") as fh:
+                    send(name, fh.read())
+            except OSError:
+                pass
         plt = sys.modules.get("matplotlib.pyplot")
         if plt is not None:
             try:
-                for num in list(plt.get_fignums())[:_MAX_IMAGES]:
+                for num in list(plt.get_fignums()):
                     fig = plt.figure(num)
                     # A figure drawn since its last change was saved (or shown) by the code:
                     # the file carries it. One never drawn is sent as the code left it.
-                    if images >= _MAX_IMAGES or (changed and not getattr(fig, "stale", True)):
+                    if changed and not getattr(fig, "stale", True):
+                        continue
+                    if sent["count"] >= _MAX_IMAGES:
+                        sent["dropped"] += 1
                         continue
                     buf = io.BytesIO()
                     fig.savefig(buf, format="png")
-                    data = buf.getvalue()
-                    if len(data) <= _MAX_IMAGE_BYTES:
-                        emit("image", _image(f"figure-{num}.png", data))
-                        images += 1
+                    send(f"figure-{num}.png", buf.getvalue())
                 plt.close("all")
             except Exception:
                 pass
         if changed:
             emit("files", [{"name": n, "size": now[n][1]} for n in changed[:100]])
+        if sent["dropped"]:
+            data = {"count": sent["dropped"], "max_images": _MAX_IMAGES, "max_chars": budget}
+            emit("notice", {"code": "images.dropped", "data": data})
 
 
 _CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect at start-up
@@ -397,6 +463,9 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
     elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
         info["kind"] = "limit"
         info["rule"] = "limits.file-size"
+    elif isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        info["kind"] = "limit"
+        info["rule"] = "limits.scratch"
     elif isinstance(exc, OSError) and exc.errno == errno.EMFILE:
         info["kind"] = "limit"
         info["rule"] = "limits.open-files"

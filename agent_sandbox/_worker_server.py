@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import socket
 import sys
 import threading
@@ -30,7 +31,7 @@ import h11
 from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
-from agent_sandbox._worker_run import Runner
+from agent_sandbox._worker_run import Runner, on_interrupt
 
 __all__ = ["serve"]
 
@@ -176,6 +177,7 @@ class _Server:
         except (OSError, h11.LocalProtocolError):
             return  # the caller left (a cancelled call): nobody waits for this code's result
         filename = request.get("filename")
+        emit("start", {"call": self.runner.calls + 1})
         _audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
@@ -222,6 +224,8 @@ def serve(boot: dict[str, Any]) -> None:
     from agent_sandbox._worker_setup import prepare
 
     runner, checks, hooks = prepare(boot)
+    # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).
+    signal.signal(signal.SIGINT, on_interrupt)
     server = _Server(boot, runner, checks)
     server.tamper_check = hooks.get("tamper_check")
     listener = socket.socket(fileno=int(boot["listen_fd"]))

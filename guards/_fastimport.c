@@ -101,8 +101,11 @@ fastimport_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                      * for this very module object (a module imported again gets a new one
                      * from the slow path). */
                     PyObject *view = PyDict_GetItemWithError(self->views, args[0]);
-                    if (view != NULL && Py_IS_TYPE(view, &ModuleView_Type)
-                        && view_real(view) == module) {
+                    if (view != NULL
+                        && (view == module
+                            || (Py_IS_TYPE(view, &ModuleView_Type)
+                                && view_real(view) == module))) {
+                        /* the module itself when it needs no view (the guard decided) */
                         return Py_NewRef(view);
                     }
                     if (view == NULL && PyErr_Occurred()) {
@@ -224,6 +227,7 @@ static PyTypeObject FastImport_Type = {
  */
 
 typedef struct {
+    PyObject *dict;  /* the module's namespace (fixed for the module's life) */
     PyObject *real;  /* the module */
     PyObject *hook;  /* callable(real, name, value) -> what the reader gets */
     PyObject *cache; /* dict: name -> (value, answer), for module values */
@@ -263,13 +267,30 @@ static PyObject *
 view_getattro(PyObject *self, PyObject *name)
 {
     ViewExtra *x = VIEW_EXTRA(self);
-    if (x->real == NULL || x->hook == NULL || x->cache == NULL) {
+    if (x->real == NULL || x->hook == NULL || x->cache == NULL || x->dict == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the module view was cleared");
         return NULL;
     }
-    PyObject *value = PyObject_GetAttr(x->real, name);
+    /* The common case first: a plain name found in the module's namespace. Only dunder
+     * names can be data descriptors of the module type (`__dict__`, `__class__`), which
+     * the generic lookup below would prefer over the namespace. */
+    PyObject *value = NULL;
+    if (PyUnicode_CheckExact(name) && PyUnicode_GET_LENGTH(name) > 0
+        && PyUnicode_READ_CHAR(name, 0) != '_') {
+        value = PyDict_GetItemWithError(x->dict, name); /* borrowed */
+        if (value == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (value != NULL && !PyModule_Check(value) && !special_name(name)) {
+            return Py_NewRef(value);
+        }
+        Py_XINCREF(value);
+    }
     if (value == NULL) {
-        return NULL;
+        value = PyObject_GetAttr(x->real, name);
+        if (value == NULL) {
+            return NULL;
+        }
     }
     int is_module = PyModule_Check(value);
     if (is_module && Py_IS_TYPE(value, &ModuleView_Type)) {
@@ -359,6 +380,12 @@ view_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         Py_DECREF(self);
         return NULL;
     }
+    PyObject *dict = PyModule_GetDict(real); /* borrowed; never NULL for a module */
+    if (dict == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    x->dict = Py_NewRef(dict);
     x->real = Py_NewRef(real);
     x->hook = Py_NewRef(hook);
     return self;
@@ -375,6 +402,7 @@ static int
 view_traverse(PyObject *self, visitproc visit, void *arg)
 {
     ViewExtra *x = VIEW_EXTRA(self);
+    Py_VISIT(x->dict);
     Py_VISIT(x->real);
     Py_VISIT(x->hook);
     Py_VISIT(x->cache);
@@ -385,6 +413,7 @@ static int
 view_clear(PyObject *self)
 {
     ViewExtra *x = VIEW_EXTRA(self);
+    Py_CLEAR(x->dict);
     Py_CLEAR(x->real);
     Py_CLEAR(x->hook);
     Py_CLEAR(x->cache);
@@ -396,6 +425,7 @@ view_dealloc(PyObject *self)
 {
     PyObject_GC_UnTrack(self);
     ViewExtra *x = VIEW_EXTRA(self);
+    Py_CLEAR(x->dict);
     Py_CLEAR(x->real);
     Py_CLEAR(x->hook);
     Py_CLEAR(x->cache);

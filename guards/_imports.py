@@ -28,7 +28,9 @@ What it enforces:
    `_fastimport.c`): reads and writes go to the module, and a module reached through it
    as an attribute (`typing.sys`, `random._os`, `numpy.ctypeslib.ctypes`) is judged like an
    import of that module, by its own name, unless it is the attribute's own submodule
-   (`os.path`, `numpy.linalg`). `__dict__` (so `vars()` and `dir()`) lists the allowed
+   (`os.path`, `numpy.linalg`). An extension module that leads to no other module (`math`,
+   `itertools`: no module among its attributes, no `__builtins__`, not a package) is handed
+   out as it is. `__dict__` (so `vars()` and `dir()`) lists the allowed
    modules as views and leaves the refused ones out; `sys.modules` read through the view
    of `sys` is a table that judges each module it hands out; `__builtins__` is the user
    namespace's own. Library code keeps the modules themselves: only what user code reaches
@@ -165,9 +167,20 @@ def view_of(module: Any) -> Any:
     hit = _by_id.get(id(module))
     if hit is not None and hit[0] is module:
         return hit[1]
-    view = ModuleView(module, _attribute_hook)
+    namespace = module.__dict__
+    if (
+        module is not sys  # its `modules` is the module table
+        and "__builtins__" not in namespace
+        and "__path__" not in namespace
+        and not any(isinstance(value, _ModuleType) for value in list(namespace.values()))
+    ):
+        # An extension module that leads to no other module (math, itertools): nothing to
+        # judge, so user code gets the module itself and pays nothing per attribute.
+        view = module
+    else:
+        view = ModuleView(module, _attribute_hook)
+        _real_of[id(view)] = (view, module)
     _by_id[id(module)] = (module, view)
-    _real_of[id(view)] = (view, module)
     name = module.__dict__.get("__name__")
     if isinstance(name, str) and "." not in name:
         _views[name] = view

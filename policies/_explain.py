@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from agent_sandbox.policies._paths import visible
+
 if TYPE_CHECKING:
     from agent_sandbox.policies._model import Policy
 
@@ -11,7 +13,8 @@ __all__ = ["explain_policy"]
 
 
 def _items(values: tuple[str, ...] | list[str], empty: str) -> str:
-    return ", ".join(values) if values else empty
+    # Control and invisible characters in a name are shown as escapes (see `_paths.visible`).
+    return ", ".join(visible(v) for v in values) if values else empty
 
 
 def explain_policy(policy: Policy) -> str:

@@ -305,6 +305,7 @@ def policy_from_dict(
     data = dict(data)
     grants = data.pop("grant", None)
     extends = data.pop("extends", None)
+    sources: tuple[str, ...] = ()
     if extends is not None:
         try:
             base = _resolve_extends(extends, source)
@@ -324,6 +325,7 @@ def policy_from_dict(
         # would otherwise claim, say, "no network" while it adds a net rule.
         inherited.pop("description", None)
         data = merge_dicts(inherited, data)
+        sources = tuple(s for s in (base.source, *base.sources) if s)
     if grants is not None:
         if extends is None:
             # Grants add to what the policy has, defaults included.
@@ -331,8 +333,8 @@ def policy_from_dict(
         data = apply_grants(data, grants, source=source)
     with map_validation_errors(source, text):
         policy = Policy.model_validate(data)
-    if source is not None:
-        policy = policy.model_copy(update={"source": source})
+    if source is not None or sources:
+        policy = policy.model_copy(update={"source": source, "sources": sources})
     return policy
 
 
@@ -490,7 +492,8 @@ def map_validation_errors(source: str | None, text: str | None) -> Iterator[None
         if len(problems) == 1:
             # The file, line and key go in front of the message once, by PolicyError.
             only = problems[0].removeprefix(f"line {first_line}: ").removeprefix(f"[{first_key}] ")
-            raise PolicyError(only, source=source, key=first_key, line=first_line) from None
+            root_key = None if first_key == "<root>" else first_key  # a rule across keys
+            raise PolicyError(only, source=source, key=root_key, line=first_line) from None
         message = "\n  " + "\n  ".join(problems)
         raise PolicyError(
             f"invalid policy: {message}", source=source, key=first_key, line=first_line

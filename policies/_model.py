@@ -333,9 +333,15 @@ class LimitsPolicy(_Section):
     cpu_seconds: int = Field(default=60, ge=1)
     memory_mb: int = Field(default=2048, ge=32)
     processes: int = Field(default=64, ge=1)
+    #: The CPU share of the whole sandbox (the worker and all it starts), in cores: a
+    #: per-worker cgroup quota (`cpu.cfs_quota_us` on cgroup v1, `cpu.max` on v2).
+    cpu_cores: float = Field(default=1.0, ge=0.01, le=1024)
     output_bytes: int = Field(default=1_000_000, ge=1024)
     result_bytes: int = Field(default=4_000_000, ge=1024)
     file_size_mb: int = Field(default=256, ge=1)
+    #: The scratch directory's size: a tmpfs of this size under the namespace providers
+    #: (and under Landlock when the worker may mount), else a check after every call.
+    scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
 
 
@@ -412,6 +418,9 @@ class Policy(_Section):
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
     #: Where the policy was loaded from (not part of the fingerprint).
     source: Annotated[str | None, Field(exclude=True)] = None
+    #: The files it `extends`, nearest first (not part of the fingerprint); with `source`,
+    #: the files the kernel providers keep from the worker (`providers/_masks.py`).
+    sources: Annotated[tuple[str, ...], Field(exclude=True)] = ()
     _pins: dict[str, tuple[str, ...]] | None = PrivateAttr(default=None)
 
     @field_validator("name")
@@ -526,7 +535,8 @@ class Policy(_Section):
         from agent_sandbox.policies._load import merge_dicts, policy_from_dict
 
         base = self.model_dump(mode="json", by_alias=True)
-        return policy_from_dict(merge_dicts(base, overrides), source=self.source)
+        merged = policy_from_dict(merge_dicts(base, overrides), source=self.source)
+        return merged.model_copy(update={"sources": self.sources})
 
     def to_toml(self) -> str:
         """The policy as TOML text that loads back into an equal policy (see `_toml.py`)."""

@@ -19,6 +19,7 @@ A provider named explicitly never goes through here: it runs or raises.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from typing import IO, Any, ClassVar
 
@@ -29,6 +30,25 @@ from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._unshare import UnshareProvider
 
 __all__ = ["AUTO_CANDIDATES", "AutoProvider", "choose_plan"]
+
+_log = logging.getLogger("agent_sandbox.provider")
+_logged: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _log_choice(policy: Any, plan: LaunchPlan, refused: list[str]) -> None:
+    """INFO the first time a policy gets a stack in this process (and why not a deeper one);
+    DEBUG after that."""
+    key = (str(getattr(policy, "name", "")), tuple(plan.stack))
+    level = logging.DEBUG if key in _logged else logging.INFO
+    _logged.add(key)
+    _log.log(
+        level,
+        "auto chose %s for policy %r%s",
+        "+".join(plan.stack),
+        key[0],
+        f" (not available for it: {'; '.join(refused)})" if refused else "",
+    )
+
 
 #: The providers `auto` considers, strongest first. NOTE: firejail is left out on purpose.
 AUTO_CANDIDATES: tuple[type[Provider], ...] = (
@@ -104,7 +124,9 @@ class AutoProvider(Provider):
                     f"no kernel sandbox can serve this policy here ({'; '.join(refused)})",
                 )
             self.require()
-        return choose_plan(plans)[1]
+        plan = choose_plan(plans)[1]
+        _log_choice(policy, plan, refused)
+        return plan
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
         """Launch with the provider that built the plan (its launcher may be special)."""

@@ -43,16 +43,16 @@ from agent_sandbox.providers._base import (
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     Mount,
     allow_proxy_port,
     egress_plan,
-    host_layout,
+    host_layout_for,
     mounts_for,
     path_view,
-    policy_paths,
 )
 
 __all__ = ["SECCOMP_FD_SLOT", "BwrapPlan", "BwrapProvider", "bwrap_argv", "stacked_layers"]
@@ -88,6 +88,8 @@ def _mount_args(mount: Mount) -> list[str]:
         return ["--proc", dst]
     if kind == "tmpfs":
         return ["--size", str(TMPFS_BYTES), "--tmpfs", dst]
+    if kind == "scratch":
+        return ["--perms", "0700", "--size", src, "--tmpfs", dst]
     if kind == "mask-dir":
         return ["--size", str(_MASK_BYTES), "--tmpfs", dst, "--remount-ro", dst]
     if kind == "mask-file":
@@ -178,7 +180,10 @@ def _probe(bwrap: str) -> ProbeResult:
 
 
 def stacked_layers(
-    policy: Any, spec: WorkerSpec, view: Mapping[str, str]
+    policy: Any,
+    spec: WorkerSpec,
+    view: Mapping[str, str],
+    pins: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], bytes, tuple[str, ...]]:
     """Landlock (the worker applies it) and seccomp (raw BPF) when each works here.
 
@@ -190,11 +195,13 @@ def stacked_layers(
     setup: dict[str, Any] = {}
     layers: list[str] = []
     if _landlock.probe_landlock().available:
-        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view)
+        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view, pins=pins)
         layers.append("landlock")
     bpf = b""
     if _seccomp.probe_seccomp()[0]:
         bpf = _seccomp.build_bpf(policy)
+        # bwrap loads `bpf` before it execs the worker; the exec program must come after.
+        setup.update(_seccomp.exec_setup(policy))
         layers.append("seccomp")
     return setup, bpf, tuple(layers)
 
@@ -214,16 +221,19 @@ class BwrapProvider(Provider):
         return _probe(self.bwrap)
 
     def build(self, policy: Any, spec: WorkerSpec) -> BwrapPlan:
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
-        host = host_layout(policy_paths(policy, spec)[2])
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {}
         bpf = b""
         layers: tuple[str, ...] = ()
         if self.stack:
             view = path_view(mounts_for(policy, spec, host))
-            setup, bpf, layers = stacked_layers(policy, spec, view)
+            setup, bpf, layers = stacked_layers(policy, spec, view, pins)
+        if pins:
+            setup = {**setup, "pins": pins}
         if egress:
             setup.update(egress)
             allow_proxy_port(setup, egress["egress"]["port"])

@@ -44,10 +44,11 @@ from agent_sandbox.providers._base import (
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     HostLayout,
     bound_paths,
-    host_layout,
+    host_layout_for,
     policy_paths,
     require_local_network,
 )
@@ -131,7 +132,7 @@ def firejail_argv(
         argv += [f"--whitelist={path}", f"--read-only={path}"]
     for path in writable:
         argv += [f"--whitelist={path}", f"--read-write={path}"]
-    argv += [f"--blacklist={p}" for p in deny]
+    argv += [f"--blacklist={p}" for p in dict.fromkeys([*deny, *sorted(host.masked)])]
     argv += [
         f"--keep-fd={spec.listen_fd},{spec.boot_fd}",
         "--deterministic-exit-code",
@@ -211,14 +212,17 @@ class FirejailProvider(Provider):
         details = self.probe().details
         exe = str(details.get("path", self.firejail))
         setpriv = str(details.get("setpriv", "setpriv"))
-        host = host_layout(policy_paths(policy, spec)[2])
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:
             from agent_sandbox.providers._unshare import stack_in_worker
 
-            more, layers = stack_in_worker(policy, spec, host)
+            more, layers = stack_in_worker(policy, spec, host, pins)
             setup.update(more)
+        if pins:
+            setup["pins"] = pins
         return LaunchPlan(
             provider=self.name,
             argv=firejail_argv(policy, spec, host, firejail=exe, setpriv=setpriv),

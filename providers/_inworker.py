@@ -13,7 +13,8 @@ serves, and the parent reports a start error with the worker's log):
 4. Apply Landlock (`_landlock_sys.restrict_self`).
 5. Clear the effective, permitted and inheritable capabilities: uid 0 keeps owning its
    files, but loses CAP_DAC_OVERRIDE, CAP_SYS_ADMIN, CAP_NET_RAW, CAP_MKNOD, ...
-6. Load the seccomp BPF program the parent built (`_seccomp.build_bpf`).
+6. Load the seccomp BPF program the parent built (`_seccomp.build_bpf`), then the exec
+   program (`_seccomp.exec_setup`: execve and execveat refused without a process grant).
 7. Report what holds, read back from the kernel: NoNewPrivs, CapEff, the Landlock ABI and
    the seccomp mode. The parent refuses a worker whose report does not match its plan.
 
@@ -40,6 +41,18 @@ _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
+
+
+_KERNEL_KEYS = (
+    "no_new_privs",
+    "drop_caps",
+    "landlock",
+    "seccomp",
+    "seccomp_exec",
+    "scratch_tmpfs",
+)
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 
 
 class SetupError(RuntimeError):
@@ -142,6 +155,30 @@ def _load_seccomp(bpf: bytes) -> None:
     _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
 
 
+def _mount_scratch(path: str, size: int) -> None:
+    """Mount a tmpfs of `size` bytes over `path` in a new mount namespace of this process
+    (it ends with the worker's last process: nothing to clean up on the host), and move
+    into it. Needs CAP_SYS_ADMIN, so it runs before the capabilities are dropped; seccomp
+    and Landlock forbid unmounting it afterwards."""
+    import ctypes
+
+    libc = _libc()
+
+    def check(rc: int, what: str) -> None:
+        if rc < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    options = f"size={size},mode=0700".encode()
+    check(
+        libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options),
+        f"mount a tmpfs on {path}",
+    )
+    os.chdir(path)
+
+
 def open_egress_listener(setup: Mapping[str, Any]) -> int:
     """Listen on the egress proxy's address inside this network namespace, hand the
     listening socket to the host over the inherited channel, keep no copy; return the port.
@@ -182,11 +219,17 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     """Apply `setup` (a launch plan's `worker_setup`) to this process; return the checks.
 
     Keys understood: `no_new_privs`, `drop_caps`, `landlock` (a `landlock_setup()`
-    fragment) and `seccomp` (`{"bpf": base64}`). Unknown keys are ignored (they belong to
-    the provider's launcher). Raises SetupError or OSError when any step fails.
+    fragment), `seccomp` and `seccomp_exec` (each `{"bpf": base64}`). Unknown keys are
+    ignored (they belong to the provider's launcher). Raises SetupError or OSError when any
+    step fails.
     """
     checks: dict[str, Any] = {}
-    wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
+    # 0. The policy's grants are the objects the parent pinned (see `_grants.py`).
+    pins = setup.get("pins")
+    if pins:
+        check_pins(pins)
+        checks["pins"] = len(pins)
+    wants_kernel = any(k in setup for k in _KERNEL_KEYS)
     if not wants_kernel:
         return checks
     # 1. One thread only.
@@ -197,6 +240,11 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
             "they would stay unrestricted"
         )
     checks["threads"] = threads
+    # 1b. A scratch directory of bounded size, in a mount namespace of the worker's own.
+    scratch = setup.get("scratch_tmpfs")
+    if scratch:
+        _mount_scratch(str(scratch["path"]), int(scratch["bytes"]))
+        checks["scratch_tmpfs"] = int(scratch["bytes"])
     # 2. NO_NEW_PRIVS (always when anything kernel-side is asked: Landlock/seccomp need it).
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     # 3. Bounding and ambient sets.
@@ -215,15 +263,42 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     seccomp = setup.get("seccomp")
     if seccomp:
         _load_seccomp(base64.b64decode(seccomp["bpf"]))
+    no_exec = setup.get("seccomp_exec")
+    if no_exec:
+        _load_seccomp(base64.b64decode(no_exec["bpf"]))
+        checks["exec_denied"] = True
     # 7. Read back.
     checks.update(kernel_status())
     if checks["no_new_privs"] != 1:
         raise SetupError("NO_NEW_PRIVS did not stick")
     if setup.get("drop_caps") and checks["cap_eff"] != "0" * 16:
         raise SetupError(f"capabilities remain after the drop (CapEff {checks['cap_eff']})")
-    if seccomp and checks["seccomp"] != _SECCOMP_MODE_FILTER:
+    if (seccomp or no_exec) and checks["seccomp"] != _SECCOMP_MODE_FILTER:
         raise SetupError(f"seccomp mode is {checks['seccomp']}, not filter")
     return checks
+
+
+def check_pins(pins: Mapping[str, Any]) -> None:
+    """Each granted path, as this process sees it, must be the object the parent pinned
+    (device, inode), or still absent when it was absent (see `providers/_grants.py`).
+
+    Raises SetupError naming the path otherwise: the worker must not serve.
+    """
+    for path, pin in pins.items():
+        try:
+            info = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            if pin is None:
+                continue
+            raise SetupError(
+                f"the granted path {path} is missing; it existed at the check"
+            ) from None
+        if pin is None or [info.st_dev, info.st_ino] != list(pin):
+            raise SetupError(
+                f"the granted path {path} is not the object the policy check pinned (a link "
+                "planted or a directory swapped between the check and the start); start the "
+                "worker again, and see which tool can write there"
+            )
 
 
 def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]:
@@ -232,7 +307,7 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
     An empty list means the worker reported every restriction its plan asked for.
     """
     problems = []
-    wants_kernel = any(k in setup for k in ("no_new_privs", "drop_caps", "landlock", "seccomp"))
+    wants_kernel = any(k in setup for k in _KERNEL_KEYS)
     if wants_kernel and checks.get("no_new_privs") != 1:
         problems.append("NO_NEW_PRIVS is not set")
     if wants_kernel and checks.get("threads") != 1:
@@ -245,4 +320,12 @@ def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[s
             problems.append("Landlock is not enforced")
     if setup.get("seccomp") and checks.get("seccomp") != _SECCOMP_MODE_FILTER:
         problems.append(f"seccomp mode is {checks.get('seccomp')!r}, not a filter")
+    if setup.get("scratch_tmpfs") and checks.get("scratch_tmpfs") != setup["scratch_tmpfs"].get(
+        "bytes"
+    ):
+        problems.append("its scratch directory is not the bounded tmpfs")
+    if setup.get("seccomp_exec") and checks.get("exec_denied") is not True:
+        problems.append("the exec filter (no process grant) is not loaded")
+    if setup.get("pins") and checks.get("pins") != len(setup["pins"]):
+        problems.append("it did not check the grants the parent pinned")
     return problems

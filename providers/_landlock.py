@@ -23,10 +23,12 @@ What it does NOT enforce (see `docs/providers.md` for what covers each):
 * Connecting to a pathname Unix socket outside the policy (seccomp refuses
   `socket(AF_UNIX)` for that reason), and `stat()`/`access()` of any path: names, sizes
   and existence of files leak.
-* Host names: the TCP rules name ports, not hosts (the Python guards name hosts; a
-  namespace provider with no network removes them).
-* Memory, CPU and processes (see `_limits.py`), and a `files.deny` entry inside a granted
-  directory (the Python guards only).
+* Host names: the TCP rules name ports, not hosts (the Python guards name hosts; under a
+  namespace provider the host's egress proxy enforces them, `_egress.py`).
+* Memory, CPU and processes (see `_limits.py`).
+
+Hidden and denied names (`files.hide`, `files.deny`) and the policy's own files inside a
+granted directory are kept out of reach by narrowing the grants around them (`_narrow`).
 
 The module has three parts: the pure builder `landlock_setup()`, the probe
 `probe_landlock()`, and the thin syscall layer (`landlock_abi()`, `restrict_self()`) that
@@ -58,6 +60,7 @@ from agent_sandbox.providers._landlock_sys import (
     landlock_abi,
     restrict_self,
 )
+from agent_sandbox.providers._masks import Masks, find_masks
 
 __all__ = [
     "ACCESS_SETS",
@@ -107,6 +110,8 @@ def landlock_setup(
     *,
     view: Mapping[str, str] | None = None,
     private_dirs: Iterable[str] = (),
+    masks: Masks | None = None,
+    pins: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON-safe `worker_setup["landlock"]` fragment for `policy` and `spec`.
 
@@ -115,7 +120,11 @@ def landlock_setup(
     prefix covers is kept as is). The applier skips paths that do not exist in the worker.
     `private_dirs` are in-sandbox directories private to this worker (a namespace provider's
     own tmpfs, such as `/dev/shm` for `multiprocessing` locks): they are granted read-write
-    as given. Never pass a host directory other workers share.
+    as given. Never pass a host directory other workers share. `pins` (host path -> device
+    and inode, or None for absent; `_grants.grant_pins`) become `pins` in the fragment, keyed
+    by in-sandbox path: the applier refuses a path whose descriptor is not the pinned object.
+    `masks` (from `_masks.find_masks`, Landlock alone) are host paths no rule may reach: the
+    grants around them are narrowed (`_narrow`).
 
     Keys: `min_abi`; `paths`, a sorted list of `[path, access]` with access one of
     `ACCESS_SETS`; `tcp_connect` / `tcp_bind`, sorted port lists, or None when the right is
@@ -166,6 +175,8 @@ def landlock_setup(
                 _refuse_kernel_views(path, f"files.{key}", entry, policy)
             grant(path, access)
     grant(spec.scratch, "rw")
+    if masks:
+        _narrow(rules, masks, policy)
     for inside in private_dirs:
         rules[os.path.normpath(inside)] = "rw"
 
@@ -177,7 +188,7 @@ def landlock_setup(
                 f"TCP {kind} is not filtered by Landlock: the policy allows more than "
                 f"{MAX_PORT_RULES} ports"
             )
-    return {
+    fragment: dict[str, Any] = {
         "min_abi": MIN_ABI,
         "paths": [[path, rules[path]] for path in sorted(rules)],
         "tcp_connect": connect,
@@ -185,6 +196,9 @@ def landlock_setup(
         "scope": ["abstract_unix", "signal"],
         "notes": notes,
     }
+    if pins:
+        fragment["pins"] = {_map_view(path, view): pin for path, pin in sorted(pins.items())}
+    return fragment
 
 
 #: Host hierarchies Landlock alone must never grant: `/proc/<pid>/environ` of the parent and
@@ -215,7 +229,60 @@ def _get_source(policy: Any) -> str | None:
 
 
 def _rank(access: str) -> int:
-    return {"": 0, "dev-ro": 1, "ro": 2, "dev-rw": 3, "rx": 4, "rw": 5}[access]
+    return {"": 0, "ls": 1, "dev-ro": 2, "ro": 3, "dev-rw": 4, "rx": 5, "rw": 6}[access]
+
+
+#: Rules above which a narrowed ruleset is refused (each is a descriptor the worker opens).
+MAX_NARROWED_RULES = 20_000
+
+
+def _narrow(rules: dict[str, str], masks: Masks, policy: Any) -> None:
+    """Take every masked path out of reach: no rule may sit on it or on a directory above it.
+
+    A directory above a masked path keeps only the right to be listed ("ls"); its other
+    entries get its former access one by one, recursively down to the masked path. Landlock
+    grants whole hierarchies, so this is the only way to leave one name out. A directory
+    split this way allows no new entry at its own level (creating a file needs a right on
+    the directory itself); its subdirectories keep their full access.
+    """
+    for masked in sorted(masks.paths):
+        while True:
+            above = [r for r, a in rules.items() if a != "ls" and _is_under(masked, r)]
+            if not above:
+                break
+            for root in above:
+                access = rules.pop(root)
+                if root != masked:
+                    _split(rules, root, access, masked, masks, policy)
+    if len(rules) > MAX_NARROWED_RULES:
+        from agent_sandbox._errors import PolicyError
+
+        raise PolicyError(
+            f"keeping the names of [files] hide and deny out of reach under Landlock alone "
+            f"takes {len(rules)} rules (more than {MAX_NARROWED_RULES}); grant narrower "
+            "paths, or use a namespace provider (bwrap, unshare), which masks them",
+            source=_get_source(policy),
+            key="files.hide",
+            expected="fewer entries beside the hidden names",
+        )
+
+
+def _split(
+    rules: dict[str, str], folder: str, access: str, masked: str, masks: Masks, policy: Any
+) -> None:
+    rules[folder] = "ls"
+    for name, _kind in masks.listings.get(folder, ()):
+        child = os.path.join(folder, name)
+        if child == masked:
+            continue
+        if _is_under(masked, child):
+            _split(rules, child, access, masked, masks, policy)
+        elif _rank(access) > _rank(rules.get(child, "")):
+            rules[child] = access
+
+
+def _is_under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _map_view(path: str, view: Mapping[str, str] | None) -> str:
@@ -379,14 +446,23 @@ class LandlockProvider(Provider):
         return ProbeResult(self.name, True, version=result.version, details=details)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._seccomp import seccomp_setup
 
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         setup: dict[str, Any] = {
             "no_new_privs": True,
             "drop_caps": True,
-            "landlock": landlock_setup(policy, spec),
+            "landlock": landlock_setup(policy, spec, pins=pins, masks=find_masks(policy, spec)),
         }
         setup.update(seccomp_setup(policy))
+        if os.geteuid() == 0:
+            # NOTE: mounting needs CAP_SYS_ADMIN, which a root-run worker has until step 5
+            # of `_inworker`; otherwise the parent checks the scratch size after each call.
+            setup["scratch_tmpfs"] = {
+                "path": spec.scratch,
+                "bytes": int(getattr(policy.limits, "scratch_mb", 512)) * 1024 * 1024,
+            }
         return LaunchPlan(
             provider=self.name,
             argv=worker_argv(spec),

@@ -63,6 +63,9 @@ ACCESS_SETS: Mapping[str, int] = {
     "rw": _FS_ALL & ~(FS_EXECUTE | FS_MAKE_CHAR | FS_MAKE_BLOCK | FS_IOCTL_DEV),
     "dev-rw": FS_READ_FILE | FS_WRITE_FILE,
     "dev-ro": FS_READ_FILE,
+    # A directory listed but nothing read below it: the parent of a masked name, whose
+    # other entries are granted one by one (`_landlock._narrow`).
+    "ls": FS_READ_DIR,
 }
 
 #: The lowest ABI the provider accepts: below 4 the TCP rules would silently not apply.
@@ -162,6 +165,7 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
     )
     added = 0
     skipped: list[str] = []
+    pins = setup.get("pins") or {}
     try:
         for path, access in setup.get("paths", ()):
             try:
@@ -170,6 +174,8 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
                 skipped.append(path)
                 continue
             try:
+                if path in pins:
+                    _check_pin(fd, path, pins[path])
                 rights = ACCESS_SETS[access] & handled_fs
                 if not _is_dir(fd):
                     rights &= _FILE_RIGHTS
@@ -218,6 +224,18 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
         "rules": added,
         "skipped": skipped,
     }
+
+
+def _check_pin(fd: int, path: str, pin: Any) -> None:
+    """The descriptor about to be granted must be the object the parent pinned (see
+    `providers/_grants.py`): a link planted since the check would otherwise be followed."""
+    info = os.fstat(fd)
+    if pin is None or [info.st_dev, info.st_ino] != list(pin):
+        raise OSError(
+            0,
+            f"{path} is not the object the policy check pinned (a link planted or a "
+            "directory swapped between the check and the start); not granting it",
+        )
 
 
 def _is_dir(fd: int) -> bool:

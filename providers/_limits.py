@@ -8,6 +8,10 @@ What it enforces, on top of the rlimits the worker applies to itself
   controller. It bounds the worker and every child together, which an rlimit cannot.
 * processes: a cgroup v1 `pids` group (`pids.max`), or `pids.max` on v2; `RLIMIT_NPROC` is
   no bound for uid 0, which the kernel exempts.
+* CPU share: a cgroup v1 `cpu` group (`cpu.cfs_quota_us` over a 100 ms period), or
+  `cpu.max` on v2, at `limits.cpu_cores`: the worker and every process it starts together
+  get at most that many cores, however many of them spin (`RLIMIT_CPU` bounds each
+  process's total CPU time only).
 * a certain end: a cgroup v2 group per worker, whose `cgroup.kill` ends the worker and every
   descendant, including setsid and double-forked ones a process-group kill misses.
 
@@ -49,6 +53,8 @@ __all__ = [
 
 _MB = 1024 * 1024
 _PREFIX = "agent-sandbox-"
+#: The CPU quota's period (microseconds): `limits.cpu_cores` of it per period.
+_CPU_PERIOD = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +110,8 @@ def _hierarchies(mountinfo: str | None = None, cgroup: str | None = None) -> dic
             found.setdefault("memory-v1", _Hierarchy("memory-v1", mount, own["memory"]))
         elif fstype == "cgroup" and "pids" in opts and "pids" in own:
             found.setdefault("pids-v1", _Hierarchy("pids-v1", mount, own["pids"]))
+        elif fstype == "cgroup" and "cpu" in opts and "cpu" in own:
+            found.setdefault("cpu-v1", _Hierarchy("cpu-v1", mount, own["cpu"]))
         elif fstype == "cgroup2" and "" in own:
             found.setdefault("unified", _Hierarchy("unified", mount, own[""]))
     return {k: h for k, h in found.items() if os.access(h.base, os.W_OK)}
@@ -130,6 +138,7 @@ def cgroup_support() -> dict[str, Any]:
     return {
         "memory": "memory-v1" in hs or "memory" in delegated,
         "processes": "pids-v1" in hs or "pids" in delegated,
+        "cpu": "cpu-v1" in hs or "cpu" in delegated,
         "kill": unified is not None,
         "hierarchies": {k: h.base for k, h in sorted(hs.items())},
     }
@@ -188,6 +197,7 @@ class WorkerCgroups:
         """Make the groups for one worker with `limits` (a `LimitsPolicy` or its dict)."""
         memory_mb = int(_limit(limits, "memory_mb", 2048))
         processes = int(_limit(limits, "processes", 64)) + extra_processes
+        quota = max(1000, int(float(_limit(limits, "cpu_cores", 1.0)) * _CPU_PERIOD))
         name = f"{_PREFIX}{os.getpid()}-{worker_id}"
         dirs: dict[str, str] = {}
         hs = _hierarchies()
@@ -207,6 +217,9 @@ class WorkerCgroups:
                 if "pids" in delegated:
                     _write(os.path.join(path, "pids.max"), str(processes))
                     dirs["pids-v2"] = path
+                if "cpu" in delegated:
+                    _write(os.path.join(path, "cpu.max"), f"{quota} {_CPU_PERIOD}")
+                    dirs["cpu-v2"] = path
             memory = hs.get("memory-v1")
             if memory is not None and "memory-v2" not in dirs:
                 path = os.path.join(memory.base, name)
@@ -221,6 +234,13 @@ class WorkerCgroups:
                 os.mkdir(path, 0o755)
                 dirs["pids-v1"] = path
                 _write(os.path.join(path, "pids.max"), str(processes))
+            cpu = hs.get("cpu-v1")
+            if cpu is not None and "cpu-v2" not in dirs:
+                path = os.path.join(cpu.base, name)
+                os.mkdir(path, 0o755)
+                dirs["cpu-v1"] = path
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(_CPU_PERIOD))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(quota))
         except OSError:
             WorkerCgroups(dirs).remove(timeout=0)
             raise
@@ -320,6 +340,11 @@ class WorkerCgroups:
             if key in self.dirs:
                 out["processes"] = _counter(
                     _read(os.path.join(self.dirs[key], "pids.events")), "max"
+                )
+        for key in ("cpu-v1", "cpu-v2"):
+            if key in self.dirs:
+                out["cpu_throttled"] = _counter(
+                    _read(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
                 )
         return out
 
@@ -422,7 +447,7 @@ def _sweep_stale(hs: Mapping[str, _Hierarchy]) -> None:
                 os.rmdir(os.path.join(h.base, name))  # fails (and stays) while not empty
 
 
-def _limit(limits: Any, key: str, default: int) -> Any:
+def _limit(limits: Any, key: str, default: float) -> Any:
     if isinstance(limits, Mapping):
         return limits.get(key, default)
     return getattr(limits, key, default)
@@ -465,6 +490,7 @@ REPLACING_RULES = frozenset(
         "limits.open-files",
         "limits.output",
         "limits.processes",
+        "limits.scratch",
     }
 )
 _REPORTED_BY_WORKER = frozenset({"limits.output"})
@@ -475,6 +501,7 @@ _SETTINGS = {
     "limits.open-files": "open_files",
     "limits.output": "output_bytes",
     "limits.processes": "processes",
+    "limits.scratch": "scratch_mb",
 }
 
 
@@ -494,11 +521,45 @@ def start_cgroups(worker_id: str, policy: Any, worker_depth: int | None) -> Work
         raise WorkerStartError(f"could not create the worker's cgroups ({exc})") from None
 
 
-def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) -> bool:
+def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> bool:
+    """Whether the host directory `path` holds more than `limit_bytes` (allocated blocks),
+    walking it without following links; a tree of more than `max_entries` entries counts as
+    over. The bound where scratch is a host directory (the `subprocess` and `firejail`
+    providers, Landlock without the right to mount): checked after every call, so one call
+    can overshoot until RLIMIT_FSIZE or the disk stops it."""
+    total = 0
+    seen = 0
+    stack = [path]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        seen += len(entries)
+        if seen > max_entries:
+            return True
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if total > limit_bytes:
+                return True
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return False
+
+
+def record_limit_hits(
+    builder: Any, cgroups: WorkerCgroups | None, policy: Any, *, scratch: str = ""
+) -> bool:
     """Turn every limit hit of the call into a `limits.<name>` denial in `builder`.
 
-    Sources: new cgroup events (an OOM kill, a refused fork) and a limit error the worker
-    reported (MemoryError, EFBIG, EMFILE, EAGAIN). A worker killed by the memory cgroup is
+    Sources: new cgroup events (an OOM kill, a refused fork), a host `scratch` directory over
+    `limits.scratch_mb` (`scratch_over`), and a limit error the worker reported
+    (MemoryError, EFBIG, ENOSPC, EMFILE, EAGAIN). A worker killed by the memory cgroup is
     reported as `limits.memory`, not as a crash. Returns True when the worker must be
     replaced.
     """
@@ -509,6 +570,8 @@ def record_limit_hits(builder: Any, cgroups: WorkerCgroups | None, policy: Any) 
     hits: list[str] = []
     if cgroups is not None:
         hits += [limit_denial_rule(event)[0] for event in cgroups.new_events()]
+    if scratch and scratch_over(scratch, int(policy.limits.scratch_mb) * _MB):
+        hits.append("limits.scratch")
     error = builder.error
     if error is not None and error.kind == "limit" and error.rule in REPLACING_RULES:
         hits.append(error.rule)

@@ -194,6 +194,8 @@ def build_view(cfg: dict[str, Any]) -> None:
             os.symlink(src, target)
         elif kind == "tmpfs":
             tmpfs(target, cfg["tmpfs_bytes"], "1777")
+        elif kind == "scratch":
+            tmpfs(target, int(src), "0700")
         elif kind == "proc":
             os.makedirs(target, exist_ok=True)
             mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

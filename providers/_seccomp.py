@@ -20,8 +20,15 @@ fail with EPERM:
 A syscall of another ABI (x32, i386) kills the process (libseccomp's bad-arch action).
 
 What it does NOT enforce: anything about paths, ports or hosts (Landlock and the namespace
-providers do that), and `execve` (a launcher such as `bwrap --seccomp FD` must still exec
-the worker after loading it; Landlock's EXECUTE right covers exec).
+providers do that). `execve` is left to a second, separate program (`exec_rules`): a
+launcher such as `bwrap --seccomp FD` must still exec the worker after loading the first.
+
+The exec program: without the `process-exec` grant, `execve` and `execveat` fail with EPERM
+once the worker has started (the worker loads it itself, last of its restrictions). That
+closes what Landlock's EXECUTE right cannot: handing any readable ELF file to the dynamic
+loader (`ld-linux.so /usr/lib/git-core/git`, or a copy written into scratch), which the
+kernel maps without an exec check on the file. With the grant, exec stays open and Landlock
+decides which files may be executed (see `docs/providers.md` for how precisely that holds).
 
 The filter is built in the PARENT with pyseccomp and exported as raw BPF bytes. The worker
 loads those bytes itself with one `prctl` (see `_inworker.py`), so it never imports
@@ -45,6 +52,9 @@ __all__ = [
     "DENIED_SYSCALLS",
     "SeccompRule",
     "build_bpf",
+    "exec_rules",
+    "exec_setup",
+    "grants_exec",
     "probe_seccomp",
     "seccomp_rules",
     "seccomp_setup",
@@ -218,9 +228,45 @@ def _read_all(fd: int) -> bytes:
 
 
 def seccomp_setup(policy: Any) -> dict[str, Any]:
-    """The `worker_setup` fragment: `{"seccomp": {"bpf": <base64>, "rules": n}}`."""
+    """The `worker_setup` fragment: `{"seccomp": {"bpf": <base64>, "rules": n}}`, plus the
+    exec program of `exec_setup` when the policy grants no `process-exec`."""
     bpf = build_bpf(policy)
-    return {"seccomp": {"bpf": base64.b64encode(bpf).decode(), "rules": len(seccomp_rules(policy))}}
+    return {
+        "seccomp": {"bpf": base64.b64encode(bpf).decode(), "rules": len(seccomp_rules(policy))},
+        **exec_setup(policy),
+    }
+
+
+def grants_exec(policy: Any) -> bool:
+    """Whether the policy grants the `process-exec` category (a kernel-level process grant).
+
+    A rule naming one function (`subprocess.run`) lifts the Python guard only.
+    """
+    api = policy.get("api", {}) if isinstance(policy, dict) else getattr(policy, "api", None)
+    if api is None:
+        return False
+    allow = api.get("allow", ()) if isinstance(api, dict) else getattr(api, "allow", ())
+    return "process-exec" in allow
+
+
+def exec_rules(policy: Any) -> list[SeccompRule]:
+    """The exec program: `execve` and `execveat` refused unless `process-exec` is granted."""
+    if grants_exec(policy):
+        return []
+    return [SeccompRule("execve", errno.EPERM), SeccompRule("execveat", errno.EPERM)]
+
+
+def exec_setup(policy: Any) -> dict[str, Any]:
+    """`{"seccomp_exec": {"bpf": <base64>, "rules": 2}}`, or {} when the policy grants exec.
+
+    The worker loads it after every other restriction, so its own start (and a launcher's
+    exec of the interpreter) is not affected.
+    """
+    rules = exec_rules(policy)
+    if not rules:
+        return {}
+    bpf = _compile(tuple(rules))
+    return {"seccomp_exec": {"bpf": base64.b64encode(bpf).decode(), "rules": len(rules)}}
 
 
 def describe(rules: Iterable[SeccompRule]) -> list[str]:

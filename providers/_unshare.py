@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
@@ -42,16 +43,17 @@ from agent_sandbox.providers._base import (
     WorkerSpec,
     base_env,
 )
+from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     allow_proxy_port,
     egress_plan,
     host_layout,
+    host_layout_for,
     mounts_for,
     network_mode,
     path_view,
-    policy_paths,
 )
 
 __all__ = [
@@ -161,13 +163,16 @@ class UnshareProvider(Provider):
         return _probe(os.path.realpath(sys.executable))
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
-        host = host_layout(policy_paths(policy, spec)[2])
+        host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
         if self.stack:
-            setup_more, layers = stack_in_worker(policy, spec, host)
+            setup_more, layers = stack_in_worker(policy, spec, host, pins)
             setup.update(setup_more)
+        if pins:
+            setup["pins"] = pins
         if egress:
             setup.update(egress)
             allow_proxy_port(setup, egress["egress"]["port"])
@@ -184,7 +189,7 @@ class UnshareProvider(Provider):
 
 
 def stack_in_worker(
-    policy: Any, spec: WorkerSpec, host: HostLayout
+    policy: Any, spec: WorkerSpec, host: HostLayout, pins: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """Landlock and seccomp as `worker_setup` fragments, each only when it works here."""
     from agent_sandbox.providers import _landlock, _seccomp
@@ -193,7 +198,7 @@ def stack_in_worker(
     layers: list[str] = []
     if _landlock.probe_landlock().available:
         view = path_view(mounts_for(policy, spec, host))
-        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view)
+        setup["landlock"] = _landlock.landlock_setup(policy, spec, view=view, pins=pins)
         layers.append("landlock")
     if _seccomp.probe_seccomp()[0]:
         setup.update(_seccomp.seccomp_setup(policy))

@@ -8,9 +8,9 @@ handshake, `$SCRATCH` and reported files all agree).
 
 What it does not decide: how the mounts are made (each provider turns the list into its own
 argv or set-up script), and fine-grained rules inside a bound tree: a glob in the policy binds
-its fixed leading directory, and names in `files.hide` are left to the Python guards and to
-Landlock when it is stacked. `files.deny` entries without a glob are masked (an empty
-read-only tmpfs over a directory, `/dev/null` over a file).
+its fixed leading directory. Every existing path inside what is bound that matches
+`files.hide` or `files.deny`, and the policy's own files, is masked (an empty read-only
+tmpfs over a directory, an empty unreadable file over a file; see `_masks.py`).
 
 `network_mode(policy)` says whether the worker gets no network or its own loopback with the
 host's egress proxy on it (`egress_plan`); a rule the proxy cannot serve (UDP, a listener
@@ -33,6 +33,7 @@ __all__ = [
     "HostLayout",
     "Mount",
     "host_layout",
+    "host_layout_for",
     "mounts_for",
     "network_mode",
     "allow_proxy_port",
@@ -55,7 +56,17 @@ _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _FRESH = ("/proc", "/dev")
 
 Kind = Literal[
-    "ro", "rw", "ro-try", "rw-try", "tmpfs", "symlink", "dev", "proc", "mask-dir", "mask-file"
+    "ro",
+    "rw",
+    "ro-try",
+    "rw-try",
+    "tmpfs",
+    "scratch",
+    "symlink",
+    "dev",
+    "proc",
+    "mask-dir",
+    "mask-file",
 ]
 
 
@@ -65,7 +76,8 @@ class Mount:
 
     `ro`/`rw` bind `src` at `dst` and fail when `src` is missing; the `-try` forms skip a
     missing source. `symlink` creates `dst` pointing at `src`. `tmpfs`, `dev` and `proc`
-    create fresh file systems at `dst`; `mask-dir`/`mask-file` hide a host path.
+    create fresh file systems at `dst`; `scratch` is the worker's scratch directory, a
+    fresh tmpfs of `src` bytes (`limits.scratch_mb`); `mask-dir`/`mask-file` hide a host path.
     """
 
     kind: Kind
@@ -86,6 +98,17 @@ class HostLayout:
     #: Every entry of the host's `/` and of `/run` (firejail hides those not needed).
     top: tuple[str, ...] = ()
     run: tuple[str, ...] = ()
+    #: Paths to mask inside what is bound (hidden and denied names, the policy files):
+    #: host path -> "dir" or "file", from `_masks.find_masks`.
+    masked: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def host_layout_for(policy: Any, spec: Any) -> HostLayout:
+    """`host_layout` for one worker: the policy's denied paths, and the masks it needs."""
+    from agent_sandbox.providers._masks import find_masks
+
+    layout = host_layout(policy_paths(policy, spec)[2])
+    return dataclasses.replace(layout, masked=dict(find_masks(policy, spec).paths))
 
 
 def host_layout(deny: Iterable[str] = ()) -> HostLayout:
@@ -214,19 +237,25 @@ def mounts_for(policy: Any, spec: Any, host: HostLayout) -> list[Mount]:
     binds: list[Mount] = [Mount("ro", p, p) for p in ro_needed]
     binds += [Mount("ro-try", p, p) for p in _ETC_FILES]
     binds += [Mount("ro-try", p, p) for p in ro_policy]
-    binds += [Mount("rw", spec.scratch, spec.scratch)]
+    binds += [Mount("scratch", spec.scratch, str(scratch_bytes(policy)))]
     binds += [Mount("rw-try", p, p) for p in writable if p != spec.scratch]
     binds.sort(key=lambda m: _depth(m.dst))  # stable: keeps the order above within a depth
 
     bound = [m.dst for m in system + binds if m.kind in ("ro", "rw", "ro-try", "rw-try")]
     masks: list[Mount] = []
-    for path in deny:
-        kind = host.kinds.get(path, "")
+    wanted = {path: host.kinds.get(path, "") for path in deny}
+    wanted.update(host.masked)
+    for path, kind in sorted(wanted.items()):
         if kind and any(_under(path, b) for b in bound):
             masks.append(Mount("mask-dir" if kind == "dir" else "mask-file", path))
     masks.sort(key=lambda m: _depth(m.dst))
     # One stable sort by depth, so a shallow policy path cannot cover the fresh /proc or /dev.
     return sorted(system + binds, key=lambda m: _depth(m.dst)) + masks
+
+
+def scratch_bytes(policy: Any) -> int:
+    """The size of the worker's scratch tmpfs: `limits.scratch_mb`."""
+    return int(getattr(policy.limits, "scratch_mb", 512)) * 1024 * 1024
 
 
 def path_view(mounts: Iterable[Mount]) -> dict[str, str]:

@@ -83,6 +83,23 @@ def test_policy_check_and_explain(tmp_path: Path) -> None:
     assert f"{bad}:3" in out.stderr and "limits.wal" in out.stderr
 
 
+def test_policy_check_warns_about_a_policy_file_the_tool_may_write(tmp_path: Path) -> None:
+    """It warns when the policy file (or one it extends) lies in a `files.write` directory."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "base.toml").write_text('name = "base"\n')
+    policy = tools / "tool.toml"
+    policy.write_text(f'extends = "base.toml"\nname = "tool"\n[files]\nwrite = ["{tools}"]\n')
+    out = run_cli("policy", "check", str(policy))
+    assert out.returncode == 0, out.stderr
+    warned = [line for line in out.stdout.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 2
+    assert str(policy) in warned[0] and str(tools / "base.toml") in warned[1]
+    safe = tmp_path / "safe.toml"
+    safe.write_text(f'name = "safe"\n[files]\nwrite = ["{tools}"]\n')
+    assert "warning" not in run_cli("policy", "check", str(safe)).stdout
+
+
 def test_policy_list_shows_presets() -> None:
     """It lists the shipped policies."""
     out = run_cli("policy", "list")

@@ -16,7 +16,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
     for name, field in model.model_fields.items():
-        if name == "source":
+        if name in ("source", "sources"):  # where it was loaded from: set by the loader
             continue
         key = field.alias or name
         annotation = field.annotation

@@ -362,3 +362,115 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
         if n.startswith(f"agent-sandbox-{os.getpid()}-")
     ]
     assert groups == []
+
+
+# -- interrupts ------------------------------------------------------------------------------
+
+
+def test_session_interrupt_stops_the_cell_and_keeps_the_variables(policy: Policy) -> None:
+    """It raises KeyboardInterrupt in the running cell; the session's variables survive."""
+    with Sandbox(policy, warm=0) as sb:
+        session = sb.session("i")
+        assert session.run("kept = 41").ok
+        out: dict[str, object] = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault(
+                "r", session.run("import time\nprint('go', flush=True)\ntime.sleep(30)")
+            )
+        )
+        t.start()
+        while not (session._lock.locked() and session.worker and session.worker._in_call):
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.3)
+        assert session.interrupt()
+        t.join(15)
+        result = out["r"]
+        assert result.error is not None and result.error.type == "KeyboardInterrupt"  # type: ignore[attr-defined]
+        after = session.run("kept + 1")
+        assert after.value == 42 and not after.state_lost
+
+
+async def test_a_cancelled_arun_interrupts_the_cell_and_keeps_the_variables(
+    policy: Policy,
+) -> None:
+    """It interrupts the cell of a cancelled call: the next call runs at once (it does not
+    wait for the old cell) and finds the variables."""
+    with Sandbox(policy, warm=0) as sb:
+        session = sb.session("c")
+        await session.arun("kept = 7")
+        task = asyncio.ensure_future(session.arun("import time\ntime.sleep(30)"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = await asyncio.wait_for(session.arun("kept"), 10)
+        assert after.value == 7 and not after.state_lost
+
+
+def test_ctrl_c_in_the_caller_interrupts_the_cell(policy: Policy) -> None:
+    """It interrupts the worker's cell when the caller's main thread gets SIGINT mid-call."""
+    import signal
+
+    assert threading.current_thread() is threading.main_thread()
+    with Sandbox(policy, warm=0) as sb:
+        session = sb.session("k")
+        assert session.run("kept = 3").ok
+        main = threading.main_thread().ident
+        assert main is not None
+        timer = threading.Timer(0.5, signal.pthread_kill, args=(main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            session.run("import time\ntime.sleep(30)")
+        timer.join()
+        after = session.run("kept")
+        assert after.value == 3 and not after.state_lost
+
+
+def test_a_cell_that_ignores_the_interrupt_is_replaced_after_the_grace(policy: Policy) -> None:
+    """It replaces the worker when the cell swallows KeyboardInterrupt past the grace period,
+    and the result says so."""
+    with Sandbox(policy, warm=0) as sb:
+        session = sb.session("stubborn")
+        assert session.run("kept = 1").ok
+        out: dict[str, object] = {}
+        code = (
+            "import time\nwhile True:\n    try:\n        time.sleep(30)\n"
+            "    except KeyboardInterrupt:\n        pass"
+        )
+        t = threading.Thread(target=lambda: out.setdefault("r", session.run(code)))
+        t.start()
+        while not (session.worker and session.worker._in_call):
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.3)
+        assert session.interrupt(grace=0.5)
+        t.join(15)
+        result = out["r"]
+        assert result.error is not None and result.error.type == "Interrupted"  # type: ignore[attr-defined]
+        assert "did not stop within 0.5 s" in result.error.message  # type: ignore[attr-defined]
+        after = session.run("'kept' in dir()")
+        assert after.value is False and after.state_lost
+
+
+# -- bounded worker memory -------------------------------------------------------------------
+
+
+def test_cell_sources_kept_for_tracebacks_are_bounded() -> None:
+    """It keeps the sources of the newest 200 cells only (and 4 MB at most), so a long
+    session does not grow by every cell; a traceback still shows the current cell's line."""
+    policy = Policy(
+        name="sources",
+        imports={"allow": ["linecache"]},
+        limits={"wall_seconds": 10},
+    )
+    with Sandbox(policy, warm=0) as sb:
+        session = sb.session()
+        for i in range(230):
+            assert session.run(f"x{i} = {i}").ok
+        count = "import linecache\nsum(1 for k in linecache.cache if k.startswith('<cell-'))"
+        assert session.run(count).value == 200
+        big = "y = '" + "z" * 1_500_000 + "'"
+        for _ in range(4):
+            assert session.run(big).ok
+        assert session.run(count).value <= 3  # 4 MB at most: two big cells and this one
+        failed = session.run("1 / 0  # the line shown")
+        assert failed.error is not None and "# the line shown" in failed.error.traceback

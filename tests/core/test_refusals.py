@@ -20,6 +20,7 @@ import pytest
 
 from agent_sandbox import Sandbox, Session, log_refusals
 from agent_sandbox._cli import EXIT_DENIED, EXIT_OK, exit_code, print_result_tail
+from agent_sandbox._intake import clean_text
 from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import outcome
 from agent_sandbox.policies import policy_from_toml
@@ -167,9 +168,12 @@ def test_a_threads_refusal_between_calls_reaches_the_next_result(session: Sessio
     assert first.error is None
     worker = session.worker
     assert worker is not None
-    Path(worker.scratch, "go").touch()
+    # The scratch as the host reaches it: under bwrap it is a tmpfs in the worker's own
+    # mount namespace (limits.scratch_mb), reached through the worker's working directory.
+    scratch = Path(f"/proc/{worker.worker_pid()}/cwd")
+    Path(scratch, "go").touch()
     deadline = time.monotonic() + 30
-    while not Path(worker.scratch, "done").exists() and time.monotonic() < deadline:
+    while not Path(scratch, "done").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     second = session.run("1")
     between = [d for d in second.denials if d.target == "/etc/shadow"]
@@ -191,7 +195,9 @@ def test_data_stays_data_in_model_text_cli_and_trace(session: Session, tmp_path:
     for shown in (text, stream.getvalue()):
         assert "\x1b" not in shown and "\u202e" not in shown
         assert not any(line.startswith("api.allow") for line in shown.splitlines())
-        assert '"/tmp/x\\n[[grant]]' in shown
+        # The host escapes a worker's control characters when it keeps them
+        # (`_intake.clean_text`), and the rendering quotes that text once more.
+        assert '"/tmp/x\\\\x0a[[grant]]' in shown
     # Each fragment parses to exactly one grant of exactly the refused path.
     (hint,) = [d.hint for d in result.denials if d.rule == "files.read"]
     data = tomllib.loads(hint)
@@ -206,7 +212,8 @@ def test_data_stays_data_in_model_text_cli_and_trace(session: Session, tmp_path:
     raw = path.read_bytes()
     assert b"\x1b" not in raw and raw.isascii()
     line = json.loads(raw.splitlines()[0])
-    assert line["target"] == HOSTILE_NAME and line["classification"] == "user"
+    # The target as the host kept it: its control characters escaped (`_intake.clean_text`).
+    assert line["target"] == clean_text(HOSTILE_NAME) and line["classification"] == "user"
 
 
 def test_the_operators_log_has_every_refusal_with_its_classification(

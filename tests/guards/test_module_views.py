@@ -141,3 +141,12 @@ def test_every_write_of_the_armed_flag_is_counted() -> None:
     assert _state.block_read()[0] == before + 2
     info = _state.block_info()
     assert info is not None and info["size"] == 40 and info["address"] > 0
+
+
+def test_odd_attribute_names_behave_as_on_the_module(armed: Callable[..., Any]) -> None:
+    """It answers an empty or missing name, and dunders, as the module itself would."""
+    guard = armed(imports={"allow": ["json"]})
+    assert outcome(guard, "import json\nresult = getattr(json, '')") == "AttributeError"
+    assert outcome(guard, "import json\nresult = json.no_such_name") == "AttributeError"
+    guard.run("import json\nresult = [json.__name__, json.__class__.__name__]")
+    assert guard.namespace["result"] == ["json", "module"]

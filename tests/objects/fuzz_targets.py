@@ -127,6 +127,7 @@ def target_events(data: bytes) -> None:
     builder = ResultBuilder(_DECODER)
     _ACTIVE = True
     try:
+        builder.add("start", {"call": 1})
         for kind, payload in _wire.SSEParser(1_000_000).feed(data):
             builder.add(kind, payload)
         result = builder.build()

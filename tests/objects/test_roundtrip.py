@@ -154,6 +154,7 @@ def test_oversized_result_is_refused_in_the_worker_and_it_survives(sess) -> None
 def test_data_only_mode_never_unpickles() -> None:
     """It denies a pickle sent by a data-only worker without reading it."""
     builder = ResultBuilder(Decoder(objects=False))
+    builder.add("start", {"call": 1})
     builder.add("result", {"encoding": "pickle-b64", "pickle": "gAVLAS4="})
     builder.add("done", {})
     result = builder.build()

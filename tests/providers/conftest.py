@@ -213,6 +213,12 @@ def hostile() -> Any:
 
 
 @pytest.fixture
+def native() -> str:
+    """The native helpers (`NATIVE`), for a test that runs its own sandbox."""
+    return NATIVE
+
+
+@pytest.fixture
 def is_received() -> Any:
     return received_connection
 

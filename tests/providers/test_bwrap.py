@@ -121,8 +121,11 @@ MOUNTS = [
     "--bind-try",
     "/srv/out",
     "/srv/out",
-    "--bind",
-    "/tmp/as-1/scratch",
+    "--perms",
+    "0700",
+    "--size",
+    str(512 * 1024 * 1024),  # limits.scratch_mb
+    "--tmpfs",
     "/tmp/as-1/scratch",
     "--ro-bind",
     "/dev/null",

@@ -368,3 +368,279 @@ def test_udp_reaches_only_what_a_udp_rule_names(
             sink.recv(64)
     finally:
         sink.close()
+
+
+# -- issue 13: no program runs without a process grant -----------------------------------
+
+#: Runs `argv` in a forked child with a raw libc execv, so no Python-level API is involved;
+#: prints the child's exit status (42: the exec was refused).
+_EXECV = """
+def nexecv(argv):
+    pid = os.fork()
+    if pid == 0:
+        arr = (ctypes.c_char_p * (len(argv) + 1))(*[a.encode() for a in argv], None)
+        _libc.execv(argv[0].encode(), arr)
+        os._exit(42)
+    return os.waitpid(pid, 0)[1] >> 8
+"""
+_LOADER = "/lib64/ld-linux-x86-64.so.2"
+
+
+@pytest.mark.parametrize("where", ["system", "scratch-copy"])
+def test_the_loader_cannot_run_a_program_without_a_process_grant(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any, where: str
+) -> None:
+    """It refuses `ld-linux.so <program>` (the loader maps a readable ELF without an exec
+    check on it) for a system program and for a copy written into scratch."""
+    if not os.path.exists(_LOADER):
+        pytest.skip(f"no {_LOADER} here")
+    marker = arena["rw"] / f"loader-ran-{where}"
+    program = "'/usr/bin/touch'"
+    if where == "scratch-copy":
+        program = "_copy('/usr/bin/touch')"
+    code = (
+        _EXECV
+        + """
+def _copy(src):
+    fin, fout = nopen(src), nopen('touch-copy', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o755)
+    buf = ctypes.create_string_buffer(1 << 16)
+    while (n := _libc.read(fin, buf, 1 << 16)) > 0:
+        _libc.write(fout, buf, n)
+    _libc.close(fin), _libc.close(fout)
+    return os.getcwd() + '/touch-copy'
+"""
+        + f"print(nexecv([{_LOADER!r}, {program}, {str(marker)!r}]))"
+    )
+    result = hostile(kernel_provider, make_policy(arena), code)
+    assert result.error is None, _output(result)
+    assert not marker.exists(), _output(result)
+    assert result.stdout.strip() == "42", _output(result)
+
+
+def test_a_process_grant_lets_a_granted_program_run(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """With `process-exec` granted, a program in `/usr/bin` runs (the exec filter is off)."""
+    marker = arena["rw"] / "granted-ran"
+    policy = make_policy(
+        arena, api={"allow": ["native-code", "process-control", "introspection", "process-exec"]}
+    )
+    result = hostile(
+        kernel_provider, policy, _EXECV + f"print(nexecv(['/usr/bin/touch', {str(marker)!r}]))"
+    )
+    assert result.stdout.strip() == "0", _output(result)
+    assert marker.exists()
+
+
+# -- issue 13: hidden and denied names, and the policy file, are kept by the kernel -------
+
+
+def test_hidden_and_denied_names_inside_granted_directories_stay_unread(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It keeps `.env` (files.hide) and a `files.deny` glob match inside a granted directory
+    from native reads, in a read path and in a write path, and leaves their siblings usable."""
+    secrets = {
+        arena["ro"] / ".env": "hide-ro-" + os.urandom(6).hex(),
+        arena["rw"] / "sub" / ".env": "hide-rw-" + os.urandom(6).hex(),
+        arena["ro"] / "private" / "q3.csv": "deny-glob-" + os.urandom(6).hex(),
+        arena["rw"] / "keys" / "prod.pem": "hide-pem-" + os.urandom(6).hex(),
+    }
+    for path, text in secrets.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text + "\n")
+    (arena["ro"] / "private" / "notes.txt").write_text("sibling of a denied file\n")
+    (arena["rw"] / "other").mkdir()
+    policy = make_policy(arena, files={"deny": [f"{arena['ro']}/private/*.csv"]})
+    reads = "\n".join(f"print(repr(nread({str(p)!r})))" for p in secrets)
+    code = (
+        reads
+        + f"\nprint(repr(nread({str(arena['ro'] / 'private' / 'notes.txt')!r})))"
+        + f"\nprint(nwrite({str(arena['rw'] / 'other' / 'fresh.txt')!r}))"
+    )
+    result = hostile(kernel_provider, policy, code)
+    assert result.error is None, _output(result)
+    for text in secrets.values():
+        assert text not in _output(result)
+    assert "sibling of a denied file" in result.stdout, _output(result)
+    assert (arena["rw"] / "other" / "fresh.txt").read_bytes() == b"pwned"
+
+
+def _policy_files(arena: dict[str, Path], make_policy: Any) -> tuple[Any, Path, Path]:
+    """A hostile policy loaded from `rw/child.toml`, which extends `rw/base.toml`."""
+    import warnings
+
+    from agent_sandbox import load_policy
+
+    base = arena["rw"] / "base.toml"
+    base.write_text(make_policy(arena).to_toml())
+    child = arena["rw"] / "child.toml"
+    child.write_text('extends = "base.toml"\nname = "danger-hostile-child"\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return load_policy(child), child, base
+
+
+@pytest.mark.parametrize("mode", ["enforce", "learn"])
+def test_the_policy_files_cannot_be_rewritten_from_inside(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any, mode: str
+) -> None:
+    """It keeps the policy file and the file it extends from native writes (and renames
+    over them), in enforce and in learn mode, even inside a directory the policy writes."""
+    policy, child, base = _policy_files(arena, make_policy)
+    if mode == "learn":
+        import warnings
+
+        from agent_sandbox._learn import learning_envelope
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            policy = learning_envelope(policy, provider=kernel_provider)
+    before = {p: p.read_bytes() for p in (child, base)}
+    code = "\n".join(
+        f"print(nwrite({str(p)!r}, b'provider = \"subprocess\"\\n'))" for p in (child, base)
+    )
+    code += f"\nnwrite({str(arena['rw'] / 'evil.toml')!r})"
+    code += f"\nprint(_libc.rename({str(arena['rw'] / 'evil.toml')!r}.encode(), {str(child)!r}.encode()))"
+    result = hostile(kernel_provider, policy, code)
+    assert result.error is None, _output(result)
+    assert {p: p.read_bytes() for p in (child, base)} == before, _output(result)
+
+
+# -- issue 13: CPU is bounded per sandbox --------------------------------------------------
+
+_SPIN = """
+import time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+    kids.append(pid)
+t0 = time.monotonic()
+for pid in kids:
+    os.waitpid(pid, 0)
+used = os.times()
+(used.children_user + used.children_system, time.monotonic() - t0)
+"""
+
+
+def test_four_spinning_processes_share_the_sandboxs_cpu_quota(
+    kernel_provider: str, arena: dict[str, Path], make_policy: Any, native: str
+) -> None:
+    """It holds 4 spinning processes to `limits.cpu_cores` together: the worker's cgroup is
+    throttled, and their CPU time stays within the quota of the wall time they ran."""
+    from agent_sandbox import Sandbox
+
+    if not cgroup_support().get("cpu"):
+        pytest.skip("no cpu cgroup controller the parent can use here")
+    # A twentieth of a core: far below what 4 spinners take even on this busy machine.
+    policy = make_policy(arena, limits={"cpu_cores": 0.05})
+    with Sandbox(policy, provider=kernel_provider, warm=0) as sb:
+        session = sb.session("spin")
+        result = session.run(native + _SPIN)
+        worker = session.worker
+        assert worker is not None and worker.cgroups is not None
+        throttled = worker.cgroups.events().get("cpu_throttled", 0)
+    assert result.error is None, _output(result)
+    cpu, wall = result.value
+    assert throttled > 0
+    # 0.05 core over `wall` seconds, plus a period of slack for each process.
+    assert cpu <= 0.05 * wall + 0.1, (cpu, wall)
+
+
+# -- issue 13: disk is bounded -------------------------------------------------------------
+
+_FILL = """
+import errno
+written, err = 0, 0
+chunk = b"x" * (1 << 20)
+for i in range(64):
+    fd = nopen(f"fill-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if fd < 0:
+        err = -fd
+        break
+    n = _libc.write(fd, chunk, len(chunk))
+    _libc.close(fd)
+    if n < 0:
+        err = ctypes.get_errno()
+        break
+    written += n
+    if n < len(chunk):
+        break
+print("written", written, "errno", err)
+"""
+
+
+def _scratch_gap(request: pytest.FixtureRequest, provider: str) -> None:
+    if provider == "firejail":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="firejail cannot size a tmpfs: its scratch is a host directory, "
+                "checked after each call only",
+            )
+        )
+
+
+def test_a_call_cannot_write_more_than_scratch_mb(
+    request: pytest.FixtureRequest,
+    kernel_provider: str,
+    arena: dict[str, Path],
+    hostile: Any,
+    make_policy: Any,
+) -> None:
+    """It stops native writes into scratch at `limits.scratch_mb` within the call (ENOSPC)."""
+    _scratch_gap(request, kernel_provider)
+    policy = make_policy(arena, limits={"scratch_mb": 8, "memory_mb": 512})
+    result = hostile(kernel_provider, policy, _FILL)
+    words = result.stdout.split()
+    assert words[:1] == ["written"], _output(result)
+    assert int(words[1]) <= 8 * 1024 * 1024, _output(result)
+
+
+def test_filling_scratch_is_a_limits_denial(
+    kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
+) -> None:
+    """It reports a scratch directory filled past `limits.scratch_mb` as `limits.scratch`,
+    with the setting that would allow it (from the host's own check where scratch is a
+    host directory)."""
+    policy = make_policy(arena, limits={"scratch_mb": 8, "memory_mb": 512})
+    code = _FILL + "\nwith open('last', 'wb') as fh:\n    fh.write(b'y' * (16 << 20))\n"
+    result = hostile(kernel_provider, policy, code)
+    denial = next((d for d in result.denials if d.rule == "limits.scratch"), None)
+    assert denial is not None, _output(result)
+    assert "scratch_mb" in denial.hint
+
+
+@pytest.mark.parametrize("provider", ["subprocess", "landlock", "unshare", "bwrap", "firejail"])
+def test_fd_level_output_never_grows_a_host_file(
+    provider: str, arena: dict[str, Path], make_policy: Any, native: str
+) -> None:
+    """It keeps what native code writes straight to descriptors 1 and 2 (not through
+    `print`) in a sealed 1 MiB memory file: 8 MiB written leave no host file larger."""
+    from agent_sandbox import Sandbox
+    from agent_sandbox._process import LOG_BYTES
+    from agent_sandbox.providers import get_provider
+
+    probe = get_provider(provider).probe()
+    if not probe.available:
+        pytest.skip(f"{provider} unavailable here: {probe.reason}")
+    code = "for fd in (1, 2):\n    for _ in range(4):\n        os.write(fd, b'z' * (1 << 20))\n"
+    opt_out = {"no_kernel_boundary": "accepted"} if provider == "subprocess" else {}
+    with Sandbox(make_policy(arena, **opt_out), provider=provider, warm=0) as sb:
+        session = sb.session("fd")
+        session.run(native + "import os\n" + code)
+        worker = session.worker
+        assert worker is not None and worker._log is not None
+        sizes = [
+            os.lstat(os.path.join(root, name)).st_blocks * 512
+            for root, _dirs, names in os.walk(worker.control_dir)
+            for name in names
+        ]
+        log_size = os.fstat(worker._log.fileno()).st_size
+    assert max(sizes, default=0) < LOG_BYTES, sizes
+    assert log_size == LOG_BYTES

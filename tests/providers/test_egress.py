@@ -268,6 +268,26 @@ def test_an_upstream_that_refuses_is_a_502_not_a_denial() -> None:
         policy_route.close()
 
 
+def test_a_host_that_does_not_resolve_is_a_denial_naming_it(
+    names: dict[str, list[str]],
+) -> None:
+    """A named host the host's resolver cannot find is `net.resolve` naming it, not a raw
+    error (and the resolver's own failure, whatever it raises, is contained)."""
+    requests = pytest.importorskip("requests")
+    route = egress_proxy().attach(
+        _policy([{"host": "gone.test", "ports": "80"}]), _listener_for_test()
+    )
+    try:
+        port = route.listener.getsockname()[1]
+        response = requests.get("http://gone.test/", proxies={"http": f"http://127.0.0.1:{port}"})
+        assert response.status_code == 403
+        [denial] = route.drain()
+        assert (denial.rule, denial.target) == ("net.resolve", "gone.test")
+        assert "does not resolve" in denial.detail
+    finally:
+        route.close()
+
+
 def _listener_for_test() -> socket.socket:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from agent_sandbox.providers._landlock import (
     LandlockProvider,
     _elf_interpreter,
     _libpython,
+    landlock_abi,
     landlock_setup,
     probe_landlock,
 )
@@ -177,7 +178,14 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
     plan = LandlockProvider().build(Policy(name="p"), _spec())
     assert plan.provider == "landlock" and plan.stack == ("landlock", "seccomp")
     assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "6")
-    assert sorted(plan.worker_setup) == ["drop_caps", "landlock", "no_new_privs", "seccomp"]
+    assert sorted(plan.worker_setup) == [
+        "drop_caps",
+        "landlock",
+        "no_new_privs",
+        "scratch_tmpfs",  # the tests run as root: the worker may mount
+        "seccomp",
+        "seccomp_exec",
+    ]
     assert plan.pass_fds == (5, 6)
 
 
@@ -372,3 +380,14 @@ def test_blocks_opening_device_nodes_beyond_null_zero_and_random(
     )
     result = hostile("landlock", make_policy(arena), code)
     assert result.stdout.strip() == "[True, True, True] True", result.stdout
+
+
+def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
+    """It reports whether Landlock's denial records are readable (audit on, ABI 7) and why
+    not, asking the kernel only: a second probe sees the same audit state."""
+    from agent_sandbox.providers._denial_log import probe_denial_logging
+
+    first = probe_denial_logging(landlock_abi())
+    assert first["works"] is False and first["reason"]
+    assert probe_denial_logging(landlock_abi())["audit_enabled"] == first["audit_enabled"]
+    assert probe_denial_logging(6)["reason"] == "Landlock ABI 6 < 7"

@@ -278,13 +278,15 @@ _V2_OWN = "0::/user.slice/app\n"
 
 
 def test_hierarchies_are_found_on_hybrid_and_pure_v2_hosts(tmp_path: Path) -> None:
-    """It finds v1 memory/pids plus the v2 tree on a hybrid host, and the v2 tree on a v2 host."""
+    """It finds v1 memory/pids/cpu plus the v2 tree on a hybrid host, and the v2 tree on a v2
+    host."""
     for sub in ("memory/job/a", "pids", "unified", "cpu", "v2/user.slice/app"):
         (tmp_path / sub).mkdir(parents=True)
     hybrid = _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
     assert {k: h.base for k, h in hybrid.items()} == {
         "memory-v1": f"{tmp_path}/memory/job/a",
         "pids-v1": f"{tmp_path}/pids/",
+        "cpu-v1": f"{tmp_path}/cpu/",
         "unified": f"{tmp_path}/unified/",
     }
     pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
@@ -310,7 +312,7 @@ def test_output_limit_is_a_denial_and_the_worker_is_replaced() -> None:
         assert second.worker_id != first.worker_id
 
 
-def test_pure_v2_groups_carry_memory_and_processes(
+def test_pure_v2_groups_carry_memory_processes_and_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """It puts memory.max, swap 0 and pids.max in one v2 group on a pure v2 host, reads its
@@ -333,11 +335,14 @@ def test_pure_v2_groups_carry_memory_and_processes(
     groups = WorkerCgroups.create("w-v2", {"memory_mb": 64, "processes": 8})
     assert groups is not None
     name = os.path.basename(groups.dirs["unified"])
-    assert groups.dirs == {k: str(base / name) for k in ("unified", "memory-v2", "pids-v2")}
+    assert groups.dirs == {
+        k: str(base / name) for k in ("unified", "memory-v2", "pids-v2", "cpu-v2")
+    }
     assert written == [
         (f"{name}/memory.max", str(64 * 1024 * 1024)),
         (f"{name}/memory.swap.max", "0"),
         (f"{name}/pids.max", "8"),
+        (f"{name}/cpu.max", "100000 100000"),  # the default: one core
     ]
     argv = groups.joining_argv(["worker"])
     assert argv[4:] == (str(base / name / "cgroup.procs"), "--", "worker")  # joined once

@@ -210,8 +210,10 @@ def test_blocks_writes_outside_scratch_and_write_paths(
     assert out.split()[-2:] == ["0", "0"]  # the writable places stay writable
     for path in denied:
         assert not path.exists(), path
-    for path in allowed:
-        assert path.exists(), path
+    # Under bwrap and unshare scratch is a tmpfs of the sandbox's own (`limits.scratch_mb`):
+    # the write succeeded (the "0" above) but never reaches the host's disk.
+    assert allowed[0].exists(), allowed[0]
+    assert allowed[1].exists() == (worker.plan is not None and worker.plan.provider == "firejail")
 
 
 def test_blocks_remount_and_nested_user_namespaces(

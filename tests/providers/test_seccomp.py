@@ -16,6 +16,9 @@ from agent_sandbox.providers._seccomp import (
     DENIED_SYSCALLS,
     SeccompRule,
     build_bpf,
+    describe,
+    exec_rules,
+    exec_setup,
     probe_seccomp,
     seccomp_rules,
 )
@@ -167,3 +170,13 @@ def test_worker_cannot_create_a_user_namespace_or_udp_socket(
     rc_unshare, err_unshare, rc_udp, _ = (int(x) for x in result.stdout.split())
     assert rc_unshare == -1 and err_unshare == -EPERM
     assert rc_udp == -1
+
+
+def test_exec_program_refuses_execve_and_execveat_without_a_process_grant() -> None:
+    """The exec program denies execve and execveat unless `process-exec` is granted; a grant
+    of one function (`subprocess.run`) lifts the Python guard only and keeps it."""
+    assert describe(exec_rules(Policy(name="p"))) == ["execve -> EPERM", "execveat -> EPERM"]
+    by_function = Policy(name="p", api={"allow": ["subprocess.run"]})
+    assert "seccomp_exec" in exec_setup(by_function)
+    granted = Policy(name="p", api={"allow": ["process-exec"]})
+    assert exec_rules(granted) == [] and exec_setup(granted) == {}

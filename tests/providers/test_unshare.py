@@ -86,7 +86,7 @@ MOUNTS = [
     ["ro-try", "/etc/localtime", "/etc/localtime"],
     ["ro-try", "/data/in", "/data/in"],
     ["rw-try", "/srv/out", "/srv/out"],
-    ["rw", "/tmp/as-1/scratch", "/tmp/as-1/scratch"],
+    ["scratch", "/tmp/as-1/scratch", str(512 * 1024 * 1024)],  # limits.scratch_mb
     ["mask-file", "/data/in/secret.csv", ""],
 ]
 
