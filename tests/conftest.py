@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +33,14 @@ def sandbox(policy: Policy) -> Iterator[Sandbox]:
         yield sb
     finally:
         sb.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_crewai_lock_files_left() -> Iterator[None]:
+    """CrewAI leaves a `crewai:<md5>.lock` file in the temp dir for every lock it takes; the
+    ones this test session made are removed at its end (tests leave nothing behind)."""
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("crewai:*.lock"))
+    yield
+    for path in set(tmp.glob("crewai:*.lock")) - before:
+        path.unlink(missing_ok=True)
