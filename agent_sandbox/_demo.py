@@ -18,9 +18,11 @@ to drive both frameworks offline. Frameworks are imported inside the functions o
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,9 +59,12 @@ CREWAI_OFFLINE_ENV = {
 def crewai_offline_env(storage_dir: str | None = None) -> dict[str, str]:
     """Set (and return) the variables that keep CrewAI offline; storage goes to a temp dir."""
     env = dict(CREWAI_OFFLINE_ENV)
-    env["CREWAI_STORAGE_DIR"] = storage_dir or os.environ.get(
-        "CREWAI_STORAGE_DIR", tempfile.mkdtemp(prefix="agent-sandbox-crewai-")
-    )
+    folder = storage_dir or os.environ.get("CREWAI_STORAGE_DIR")
+    if not folder:
+        # Made here only when none is given, and removed when the process exits.
+        folder = tempfile.mkdtemp(prefix="agent-sandbox-crewai-")
+        atexit.register(shutil.rmtree, folder, True)
+    env["CREWAI_STORAGE_DIR"] = folder
     os.environ.update(env)
     return env
 
