@@ -94,7 +94,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             if os.path.isfile(meta_path):
                 with open(meta_path) as fh:
                     templates.append({"key": name, **json.load(fh)})
-    info = {
+    info: dict[str, Any] = {
         "available": probe.available,
         "reason": probe.reason,
         "qemu": probe.version,

@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import time
+from typing import Any
 
 MAX_FRAME = 1 << 20
 _HEAD = struct.Struct(">BII")
@@ -137,7 +138,7 @@ def _reseed(entropy: bytes) -> None:
         os.close(fd)
 
 
-def _libc():  # type: ignore[no-untyped-def]
+def _libc() -> Any:
     import ctypes
 
     return ctypes.CDLL(None, use_errno=True)
