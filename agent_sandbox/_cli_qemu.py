@@ -101,7 +101,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "accel": f"TCG ({kvm_state()})",
         "cache": os.path.join(cache_root(), "qemu"),
         "image": image.directory if image else None,
-        "templates": [t for t in templates if image is None or t.get("image") == image.digest],
+        "templates": [t for t in templates if image is not None and t.get("image") == image.digest],
+        "stale_templates": sum(
+            1 for t in templates if image is None or t.get("image") != image.digest
+        ),
     }
     if args.json:
         print(json.dumps(info, indent=1))
@@ -113,6 +116,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"  image: {info['image'] or '(none for this interpreter and version)'}")
     for t in info["templates"]:
         print(f"  template {t['key']}: {t['mem_mb']} MiB, booted in {t['boot_seconds']} s")
+    if info["stale_templates"]:
+        print(f"  {info['stale_templates']} template(s) of other images (qemu clean removes them)")
     return 0 if probe.available else 69
 
 

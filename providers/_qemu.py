@@ -47,6 +47,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -343,6 +344,36 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
 # -- the provider ----------------------------------------------------------------------
 
 
+def _landlock_works() -> bool:
+    from agent_sandbox.providers._landlock import probe_landlock
+
+    return probe_landlock().available
+
+
+def qemu_landlock_rules(
+    run_dir: str, template: Template, shares: Sequence[str]
+) -> list[tuple[str, str]]:
+    """What QEMU (and the host relay) may touch under Landlock: the system's programs and
+    libraries, its configuration, the template (its RAM file opened read-write, as QEMU
+    opens every memory-backend file, but mapped privately: nothing is written), the read
+    shares, `/dev/null` and `/dev/urandom`, and the run directory for its sockets. Nothing
+    else of the host: not `/proc` of other processes, not the user's files."""
+    rules: list[tuple[str, str]] = []
+    for path in ("/usr", "/lib", "/lib64", "/bin", "/sbin", sys.base_prefix, sys.prefix):
+        if os.path.exists(path):
+            rules.append((path, "rx"))
+    rules += [
+        ("/etc", "ro"),
+        (template.state, "dev-ro"),
+        (template.ram, "dev-rw"),
+        ("/dev/null", "dev-rw"),
+        ("/dev/urandom", "dev-ro"),
+        (run_dir, "rw"),
+    ]
+    rules += [(path, "ro") for path in shares]
+    return rules
+
+
 @functools.cache
 def _probe(qemu: str, _cache: str) -> ProbeResult:
     path = shutil.which(qemu)
@@ -351,8 +382,8 @@ def _probe(qemu: str, _cache: str) -> ProbeResult:
         names = ", ".join(tool for tool, _pkg in missing) or qemu
         return ProbeResult("qemu", False, f"missing {names}: {install_hint(missing)}")
     image = find_image()
-    version = qemu_version(path)
     accel = f"TCG ({kvm_state()})"
+    version = f"{qemu_version(path)}; {accel}"
     if image is None:
         return ProbeResult(
             "qemu",
@@ -498,5 +529,10 @@ class QemuProvider(Provider):
             "start_timeout": 30.0,
             "trace": self.trace,
         }
+        if _landlock_works():
+            host["landlock"] = qemu_landlock_rules(run_dir, template, dirs)
+            host["landlock_module"] = os.path.join(
+                os.path.dirname(os.path.abspath(__file__)), "_landlock_sys.py"
+            )
         real = dataclasses.replace(plan, argv=(*plan.argv[:-1], json.dumps(host)))
         return super().launch(real, log)

@@ -388,10 +388,17 @@ def _stdlib_files(stdlib: str) -> Iterator[str]:
             yield os.path.join(dirpath, name)
 
 
+#: The qemu provider's host-side modules: never imported in the guest, so neither baked in
+#: nor part of the image's hash (the guest agent is baked as /sb/agent.py).
+_HOST_ONLY = frozenset({"_qemu.py", "_qemu_host.py", "_qemu_image.py", "_cli_qemu.py"})
+
+
 def _tree_files(root: str) -> Iterator[str]:
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "tests"))
         for name in sorted(files):
+            if name in _HOST_ONLY:
+                continue
             if name.endswith((".py", ".so")) or name == "py.typed":
                 yield os.path.join(dirpath, name)
 

@@ -225,11 +225,16 @@ def test_values_errors_and_output_cross_the_vm_boundary(vm_cache: str) -> None:
 
 
 def test_a_runaway_call_times_out_and_the_vm_is_gone(vm_cache: str) -> None:
-    """It ends a call at its wall limit, reports the timeout, and kills QEMU by pid."""
+    """It runs QEMU under its own seccomp filter with no new privileges, ends a call at its
+    wall limit, reports the timeout, and kills QEMU by pid."""
     worker = _start(_vm_policy(limits={"memory_mb": MEMORY_MB, "wall_seconds": 2}))
     try:
         qemu = [p for p in _qemu_pids() if _under(p, worker.pid)]
         assert qemu, "no QEMU below the worker's host process"
+        with open(f"/proc/{qemu[0]}/status") as fh:
+            status = dict(line.split(":", 1) for line in fh if ":" in line)
+        assert status["Seccomp"].strip() == "2"  # QEMU's own -sandbox filter
+        assert status["NoNewPrivs"].strip() == "1"  # set for Landlock (where it works)
         t0 = time.monotonic()
         result = worker.run("while True:\n    pass")
         assert time.monotonic() - t0 < 10
