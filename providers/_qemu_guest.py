@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any
 
+__all__ = ["MAX_FRAME", "main"]
+
 MAX_FRAME = 1 << 20
 _HEAD = struct.Struct(">BII")
 _WORKER_SOCK = "/run/sb-worker.sock"

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+__all__ = ["MAX_FRAME", "QMP", "main"]
+
 MAX_FRAME = 1 << 20
 _HEAD = struct.Struct(">BII")
 _PR_SET_PDEATHSIG = 1
