@@ -530,6 +530,9 @@ def test_a_udp_rule_is_refused_at_construction_under_auto() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         policy = _policy([{"host": "10.0.0.0/8", "ports": "53", "protocol": "udp"}])
-    with pytest.raises(Exception, match=r'host = "10\.0\.0\.0/8" ports = "53" protocol = "udp": UDP does not go through'):
+    with pytest.raises(
+        Exception,
+        match=r'host = "10\.0\.0\.0/8" ports = "53" protocol = "udp": UDP does not go through',
+    ):
         with Sandbox(policy, provider="auto", warm=0) as sb:
             sb.run("1")
