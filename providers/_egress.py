@@ -187,6 +187,9 @@ class EgressRules:
 
     def __init__(self, policy: Any) -> None:
         self.policy_name = str(policy.name)
+        # In learning mode a refusal still refuses (the envelope never widens the network)
+        # and is marked learned, so `agent-sandbox learn` proposes a rule for the host.
+        self.learn = str(getattr(policy, "mode", "enforce")) == "learn"
         self.rules: list[_Rule] = []
         for rule in policy.net.rules:
             if rule.protocol not in ("tcp", "any") or rule.direction not in ("connect", "any"):
@@ -211,6 +214,7 @@ class EgressRules:
             self.policy_name,
             hint=hint,
             detail=detail + " (refused by the host's egress proxy)",
+            learned=self.learn,
         )
 
     def before_resolve(self, host: str, port: int) -> Denial | None:
@@ -249,7 +253,7 @@ class EgressRules:
             "net.resolve",
             "resolve",
             host,
-            "no [net] rule names this host, so it is not resolved",
+            f"no [net] rule names this host, so it is not resolved (port {port})",
             grant_hint({"net.rules": [{"host": host, "ports": str(port)}]}),
         )
 

@@ -536,3 +536,36 @@ def test_a_udp_rule_is_refused_at_construction_under_auto() -> None:
     ):
         with Sandbox(policy, provider="auto", warm=0) as sb:
             sb.run("1")
+
+
+def test_learning_mode_proposes_the_hosts_the_proxy_refused(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """In learning mode the proxy still refuses a host outside the rules (the envelope never
+    widens the network), records it as learned, and the proposal gets a `[[net]]` rule for
+    that host and port."""
+    from agent_sandbox._learn import propose
+
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    policy = _policy(
+        [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}],
+        mode="learn",
+    )
+    code = (
+        "import requests\n"
+        "try:\n"
+        "    requests.get('http://wanted.test:8080/').status_code\n"
+        "except requests.exceptions.ProxyError:\n"
+        "    pass\n"
+        f"requests.get('http://allowed.test:{port}/ok').text"
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        result = sb.run(code)
+    assert result.value == f"hello from {port} /ok", result
+    seen = [(d.rule, d.target, d.learned) for d in _net_denials(result)]
+    assert ("net.resolve", "wanted.test", True) in seen, seen
+    proposal = propose(policy, [result])
+    rules = [(r.host, r.ports) for r in proposal.proposed.net.rules]
+    assert ("wanted.test", "8080") in rules, proposal
+    assert ("allowed.test", str(port)) in rules
