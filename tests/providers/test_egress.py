@@ -569,3 +569,30 @@ def test_learning_mode_proposes_the_hosts_the_proxy_refused(
     rules = [(r.host, r.ports) for r in proposal.proposed.net.rules]
     assert ("wanted.test", "8080") in rules, proposal
     assert ("allowed.test", str(port)) in rules
+
+
+def test_a_host_that_does_not_resolve_is_a_denial_in_the_result_not_a_warning(
+    ns_provider: str, names: dict[str, list[str]]
+) -> None:
+    """End to end: the model reads a `net.resolve` denial naming the host, recorded by the
+    host's proxy; no UserWarning reaches the host's warnings or the call's stderr."""
+    policy = _policy([{"host": "gone.test", "ports": "80"}])
+    code = (
+        "import requests\n"
+        "try:\n"
+        "    r = requests.get('http://gone.test/').status_code\n"
+        "except requests.exceptions.ProxyError:\n"
+        "    r = 'proxy-error'\n"
+        "r"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+            result = sb.run(code)
+    assert result.value in (403, "proxy-error"), result
+    denials = [(d.rule, d.target) for d in _net_denials(result)]
+    assert ("net.resolve", "gone.test") in denials, denials
+    [denial] = [d for d in _net_denials(result) if d.target == "gone.test"]
+    assert "does not resolve" in denial.detail and "egress proxy" in denial.detail
+    assert "Warning" not in result.stderr
+    assert not [w for w in caught if "does not resolve" in str(w.message)]
