@@ -112,6 +112,10 @@ class RemoteWorker(WorkerProcess):
             client.close()
             self.dead = True
             raise WorkerStartError(f"the remote worker did not answer in time ({exc})") from None
+        except TransportError as exc:
+            client.close()
+            self.dead = True
+            raise WorkerStartError(f"cannot reach the remote worker at {url}: {exc}") from None
         except BaseException:
             client.close()
             self.dead = True

@@ -454,10 +454,22 @@ class RemoteSession:
 
                 raise SandboxClosed("this remote session is closed")
             worker = self.worker
+            notice = ""
             if worker is None or not worker.alive():
+                if worker is not None:
+                    notice = (
+                        f"the previous remote interpreter of this session ended "
+                        f"({worker.death_reason or 'it ended'}); its variables and imports "
+                        "were lost, so define them again"
+                    )
                 self._drop()
                 worker = self._connect()
-            return worker.run(code, session=self.thread, **kwargs)
+            result = worker.run(code, session=self.thread, **kwargs)
+            if notice:
+                result = dataclasses.replace(
+                    result, notices=(notice, *result.notices), state_lost=True
+                )
+            return result
 
     async def arun(self, code: str, **kwargs: Any) -> RunResult:
         import asyncio
