@@ -297,6 +297,6 @@ class RemoteWorkerClient:
         if self._client is not None:
             try:
                 self._client.close()
-            except Exception:  # noqa: BLE001 - closing never raises to the caller
+            except Exception:  # closing never raises to the caller
                 pass
         self._client = None

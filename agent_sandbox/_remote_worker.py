@@ -43,7 +43,8 @@ def session_token(key: bytes, claim_name: str) -> str:
     """The session token for a claim: HMAC(key, claim name). Every agent process holding the
     tenant's key derives the same token, so two processes serving one thread share its pod
     without the token ever being sent anywhere but in the token header."""
-    return hmac.new(key, b"agent-sandbox-session:" + claim_name.encode(), hashlib.sha256).hexdigest()
+    message = b"agent-sandbox-session:" + claim_name.encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 class RemoteWorker(WorkerProcess):
@@ -144,7 +145,7 @@ class RemoteWorker(WorkerProcess):
                 f"the remote worker runs with no kernel boundary ({'+'.join(stack)}), and "
                 f"policy {self.policy.name!r} does not accept that: run the pod under a "
                 "runtime that is a boundary (--runtime-boundary gvisor) or a kernel provider "
-                "(--provider landlock), or opt out with no_kernel_boundary = \"accepted\""
+                '(--provider landlock), or opt out with no_kernel_boundary = "accepted"'
             )
         self.remote = dict(remote)
         self.plan = LaunchPlan(
@@ -178,9 +179,7 @@ class RemoteWorker(WorkerProcess):
         if self._busy:
             return  # a refused (busy) call leaves the session as it was
         if not self.dead:
-            _logger.info(
-                "remote worker %s ended: %s", self.id, self.death_reason or "discarded"
-            )
+            _logger.info("remote worker %s ended: %s", self.id, self.death_reason or "discarded")
         self.kill()
 
     def close(self) -> None:

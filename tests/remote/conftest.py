@@ -63,7 +63,10 @@ def certs() -> Iterator[Certs]:
                 "rogue_server",
                 rogue.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem,
             ),
-            ("rogue_client", rogue.issue_cert("agent@tenant.example").private_key_and_cert_chain_pem),
+            (
+                "rogue_client",
+                rogue.issue_cert("agent@tenant.example").private_key_and_cert_chain_pem,
+            ),
         ):
             path = os.path.join(d, name + ".pem")
             pem.write_to_path(path)

@@ -132,7 +132,10 @@ def stream(chunks: list[bytes], end: bool = True, delay: float = 0.0) -> RunBody
             conn.send(
                 h11.Response(
                     status_code=200,
-                    headers=[("content-type", "text/event-stream"), ("transfer-encoding", "chunked")],
+                    headers=[
+                        ("content-type", "text/event-stream"),
+                        ("transfer-encoding", "chunked"),
+                    ],
                 )
             )
             or b""

@@ -142,9 +142,7 @@ def test_replayed_bind_is_refused_and_changes_nothing(server: WorkerServer, cert
     attacker = secrets.token_hex(16)
     with _raw(certs) as http:
         for body in (_bind_body(token), _bind_body(attacker)):
-            r = http.post(
-                _url(server) + "/v1/bind", json=body, headers={BIND_HEADER: BIND_SECRET}
-            )
+            r = http.post(_url(server) + "/v1/bind", json=body, headers={BIND_HEADER: BIND_SECRET})
             assert r.status_code == 409
         r = http.get(_url(server) + "/hello", headers={TOKEN_HEADER: attacker})
         assert r.status_code == 403
@@ -196,7 +194,10 @@ def test_plaintext_is_refused_unless_accepted(certs: Certs) -> None:
         _config(certs, bind_secret=None).check()
     # The explicit opt-out works end to end.
     config = ServeConfig(
-        host="127.0.0.1", port=0, bind_secret=BIND_SECRET, plaintext="accepted",
+        host="127.0.0.1",
+        port=0,
+        bind_secret=BIND_SECRET,
+        plaintext="accepted",
         provider="subprocess",
     )
     with serving(config) as srv:
@@ -220,12 +221,15 @@ def test_keepalive_comments_flow_on_an_idle_stream(certs: Certs) -> None:
         worker = _connect(srv, certs, token)
         # The host's judge reads the comments and skips them.
         assert worker.run("import time\ntime.sleep(1)\n8").value == 8
-        with _raw(certs) as http, http.stream(
-            "POST",
-            _url(srv) + "/run",
-            json={"code": "import time\ntime.sleep(1)\n7"},
-            headers={TOKEN_HEADER: token},
-        ) as r:
+        with (
+            _raw(certs) as http,
+            http.stream(
+                "POST",
+                _url(srv) + "/run",
+                json={"code": "import time\ntime.sleep(1)\n7"},
+                headers={TOKEN_HEADER: token},
+            ) as r,
+        ):
             raw = b"".join(r.iter_raw())
         assert raw.count(b": keep-alive\n\n") >= 2
         worker.close()
@@ -238,13 +242,16 @@ def test_the_pod_enforces_the_wall_time_itself(certs: Certs) -> None:
         token = secrets.token_hex(16)
         _connect(srv, certs, token)
         t0 = time.monotonic()
-        with _raw(certs) as http, http.stream(
-            "POST",
-            _url(srv) + "/run",
-            json={"code": "import time\ntime.sleep(60)", "wall": 0.5},
-            headers={TOKEN_HEADER: token},
-            timeout=30,
-        ) as r:
+        with (
+            _raw(certs) as http,
+            http.stream(
+                "POST",
+                _url(srv) + "/run",
+                json={"code": "import time\ntime.sleep(60)", "wall": 0.5},
+                headers={TOKEN_HEADER: token},
+                timeout=30,
+            ) as r,
+        ):
             with pytest.raises(httpx.RemoteProtocolError):
                 b"".join(r.iter_raw())
         assert time.monotonic() - t0 < 10
@@ -371,6 +378,9 @@ def test_a_pod_running_another_policy_is_refused(certs: Certs) -> None:
     with HostilePod(certs.server, remote, stream([])) as pod:
         with pytest.raises(WorkerStartError, match="runs policy"):
             RemoteWorker.connect(
-                remote_policy(), pod.url, token="t" * 32, bind_secret=BIND_SECRET,
+                remote_policy(),
+                pod.url,
+                token="t" * 32,
+                bind_secret=BIND_SECRET,
                 tls=certs.tls(),
             )
