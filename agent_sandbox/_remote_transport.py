@@ -36,6 +36,7 @@ __all__ = [
     "TOKEN_HEADER",
     "BIND_HEADER",
     "RemoteBusy",
+    "RemoteNotReady",
     "RemoteTLS",
     "RemoteWorkerClient",
     "import_httpx",
@@ -47,6 +48,10 @@ TOKEN_HEADER = "x-agent-sandbox-token"
 BIND_HEADER = "x-agent-sandbox-bind"
 
 OnEvent = Callable[[Event], None]
+
+
+class RemoteNotReady(TransportError):
+    """The worker is being bound by another process of the same session (HTTP 503)."""
 
 
 class RemoteBusy(TransportError):
@@ -221,6 +226,8 @@ class RemoteWorkerClient:
 
     def hello(self, timeout: float) -> dict[str, Any]:
         status, data = self._request_json("GET", "/hello", None, time.monotonic() + timeout)
+        if status == 503:
+            raise RemoteNotReady("the remote worker is being bound by this session's other process")
         if status != 200:
             raise TransportError(f"the remote worker refused the handshake (HTTP {status})")
         if not isinstance(data, dict):

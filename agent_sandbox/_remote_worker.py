@@ -28,15 +28,24 @@ from agent_sandbox._boundary import NO_BOUNDARY, boundary_name
 from agent_sandbox._errors import TransportError, WorkerStartError
 from agent_sandbox._intake import HostBounds
 from agent_sandbox._process import OnEvent, WorkerProcess
-from agent_sandbox._remote_transport import RemoteBusy, RemoteTLS, RemoteWorkerClient
+from agent_sandbox._remote_transport import (
+    RemoteBusy,
+    RemoteNotReady,
+    RemoteTLS,
+    RemoteWorkerClient,
+)
 from agent_sandbox._result import ResultBuilder, RunError, RunResult
 from agent_sandbox._unpickle import Decoder
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan
 
-__all__ = ["RemoteWorker", "session_token"]
+__all__ = ["RemoteWorker", "SessionConflict", "session_token"]
 
 _logger = logging.getLogger("agent_sandbox")
+
+
+class SessionConflict(WorkerStartError):
+    """The claimed worker is bound to another session (its token is not this one's)."""
 
 
 def session_token(key: bytes, claim_name: str) -> str:
@@ -98,12 +107,20 @@ class RemoteWorker(WorkerProcess):
                 self.adopted = True  # bound already: only the same session's token works
             elif status != 200:
                 raise WorkerStartError(f"the remote worker refused the bind (HTTP {status})")
-            remaining = max(0.05, start_timeout - (time.monotonic() - t0))
             try:
-                self.hello = client.hello(remaining)
+                while True:
+                    remaining = max(0.05, start_timeout - (time.monotonic() - t0))
+                    try:
+                        self.hello = client.hello(remaining)
+                        break
+                    except RemoteNotReady:
+                        # Adopted while the other process's bind still starts the worker.
+                        if time.monotonic() - t0 > start_timeout:
+                            raise TimeoutError("the other process's bind did not end") from None
+                        time.sleep(0.02)
             except TransportError as exc:
                 if self.adopted:
-                    raise WorkerStartError(
+                    raise SessionConflict(
                         "the remote worker is bound to another session (its token does not "
                         "match this one's)"
                     ) from None
@@ -185,6 +202,14 @@ class RemoteWorker(WorkerProcess):
     def close(self) -> None:
         self.kill()
 
+    def detach(self) -> None:
+        """Drop this host's channel but leave the worker running (another process bound it)."""
+        with self._lock:
+            self.dead = True
+            client, self.client = self.client, None
+        if client is not None:
+            client.close()
+
     def interrupt(self, grace: float | None = None) -> bool:
         return False  # no signal reaches a pod; its wall time is enforced there
 
@@ -217,6 +242,13 @@ class RemoteWorker(WorkerProcess):
             timeout_source=timeout_source,
             filename=filename,
         )
+
+    def _builder(self, wall: float) -> ResultBuilder:
+        # The worker's call number is not checked against this host's count: another agent
+        # process serving the same thread makes calls on the same worker too.
+        builder = super()._builder(wall)
+        builder.call = None
+        return builder
 
     def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
         if isinstance(exc, RemoteBusy):

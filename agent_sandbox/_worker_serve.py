@@ -134,6 +134,7 @@ class WorkerServer:
         self._token_hash: bytes | None = None
         self._bound = False
         self._binding = False
+        self._pending_hash = b""
         self.worker: Any = None  # a WorkerProcess once bound
         self.remote_info: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -261,6 +262,11 @@ class WorkerServer:
         given = headers.get(b"x-agent-sandbox-token", b"")
         return hmac.compare_digest(hashlib.sha256(given).digest(), expected)
 
+    def _is_pending(self, headers: dict[bytes, bytes]) -> bool:
+        pending = self._pending_hash
+        given = headers.get(b"x-agent-sandbox-token", b"")
+        return bool(pending) and hmac.compare_digest(hashlib.sha256(given).digest(), pending)
+
     def _handle(self, sock: socket.socket, conn: h11.Connection) -> bool:
         # The largest body any route takes; bind is checked against its own cap below.
         request, body = self._read(sock, conn, _MAX_RUN_BODY)
@@ -276,6 +282,10 @@ class WorkerServer:
         if method == b"POST" and target == b"/v1/bind":
             return self._bind(sock, conn, headers, body)
         if not self._authorized(headers):
+            if self._binding and self._is_pending(headers):
+                # The same session's other process, while its bind starts the worker.
+                self._reply(sock, conn, 503, {"error": "the session is being bound; retry"})
+                return True
             self._reply(sock, conn, 403, {"error": "missing or wrong session token"}, close=True)
             return False
         if method == b"GET" and target == b"/hello":
@@ -303,12 +313,17 @@ class WorkerServer:
         if not hmac.compare_digest(secret, self._bind_secret):
             self._reply(sock, conn, 403, {"error": "missing or wrong bind secret"}, close=True)
             return False
+        try:
+            pending = bytes.fromhex(str(json.loads(body)["token_sha256"]))
+        except (ValueError, KeyError, TypeError):
+            pending = b""
         with self._lock:
             if self._bound or self._binding:
                 # Refused whoever asks: a replayed bind never changes the session.
                 self._reply(sock, conn, 409, {"error": "this worker is already bound"})
                 return True
             self._binding = True
+            self._pending_hash = pending
         ok = False
         try:
             if len(body) > _MAX_BIND_BODY:
@@ -321,6 +336,7 @@ class WorkerServer:
         finally:
             with self._lock:
                 self._binding = False
+                self._pending_hash = b""
                 self._bound = self._bound or ok
             if not ok and self.worker is None:
                 pass  # still warm and unbound: a bad bind does not use the worker up

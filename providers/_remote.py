@@ -425,7 +425,7 @@ class RemoteSession:
 
     def _connect(self) -> RemoteWorker:
         from agent_sandbox._errors import WorkerStartError
-        from agent_sandbox._remote_worker import RemoteWorker, session_token
+        from agent_sandbox._remote_worker import RemoteWorker, SessionConflict, session_token
 
         p = self.provider
         claim = p.backend.claim(self.name, p.claim_timeout)
@@ -440,6 +440,9 @@ class RemoteSession:
                 headers=claim.headers,
                 start_timeout=p.start_timeout,
             )
+        except SessionConflict:
+            self.claim = None  # someone else's live session: never deleted from here
+            raise
         except WorkerStartError:
             p.backend.release(claim)
             self.claim = None
@@ -477,11 +480,20 @@ class RemoteSession:
         return await asyncio.to_thread(self.run, code, **kwargs)
 
     def _drop(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        """Leave the claim: delete it when this session bound its worker, or when the worker
+        is dead (a dead claim must go before the same name can be claimed again); a live
+        worker another process bound (adopted here) stays for that process."""
+        worker, claim = self.worker, self.claim
+        adopted_alive = worker is not None and worker.adopted and worker.alive()
+        if worker is not None:
+            if adopted_alive:
+                worker.detach()
+            else:
+                worker.close()
             self.worker = None
-        if self.claim is not None:
-            self.provider.backend.release(self.claim)
+        if claim is not None:
+            if not adopted_alive:
+                self.provider.backend.release(claim)
             self.claim = None
 
     def close(self) -> None:
