@@ -21,18 +21,18 @@ import pytest
 
 pytest.importorskip("k8s_agent_sandbox")
 
-from agent_sandbox._errors import SandboxError  # noqa: E402
-from agent_sandbox._worker_serve import ServeConfig  # noqa: E402
-from agent_sandbox.providers._remote import (  # noqa: E402
+from agent_sandbox._errors import SandboxError
+from agent_sandbox._worker_serve import ServeConfig
+from agent_sandbox.providers._remote import (
     ClaimCapacityError,
     RemoteProvider,
     claim_name,
 )
-from agent_sandbox.providers._remote_k8s import K8sClaimBackend, import_sdk  # noqa: E402
+from agent_sandbox.providers._remote_k8s import K8sClaimBackend, import_sdk
 
-from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy  # noqa: E402
-from .fake_k8s import FakeKube, FakeRouter  # noqa: E402
-from .fakes import serving  # noqa: E402
+from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy
+from .fake_k8s import FakeKube, FakeRouter
+from .fakes import serving
 
 POOL = "python-pool"
 ROUTER_TOKEN = "router-" + secrets.token_hex(8)
