@@ -187,8 +187,10 @@ def load_test(certs: dict[str, str], procs: int, threads: int, calls: int) -> No
         print(f"  first call (claim + bind + start + call) {ms(claim)}  n={len(claim)}")
     if call:
         print(f"  warm call under load                     {ms(call)}  n={len(call)}")
-    print(f"  errors {len(errors)}  back-pressure (CapacityError) {capacity}  "
-          f"worker-serve processes left {len(left)}")
+    print(
+        f"  errors {len(errors)}  back-pressure (CapacityError) {capacity}  "
+        f"worker-serve processes left {len(left)}"
+    )
     for e in errors[:5]:
         print("   ", e)
 
