@@ -137,7 +137,8 @@ from agent_sandbox import Policy
 from agent_sandbox._errors import CapacityError
 from agent_sandbox._remote_transport import RemoteTLS
 from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
-ca, server, client, threads, calls = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+ca, server, client = sys.argv[1:4]
+threads, calls = int(sys.argv[4]), int(sys.argv[5])
 policy = Policy(name="bench-remote", provider="subprocess", no_kernel_boundary="accepted")
 secret = secrets.token_hex(16)
 out = {"claim": [], "call": [], "errors": [], "capacity": 0}
