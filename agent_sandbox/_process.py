@@ -557,7 +557,7 @@ class WorkerProcess:
         if self.stopped():
             return "stopped", None
         inner = self.worker_pid() if self.hello else self.proc.pid
-        state, flags = _proc_state(inner if inner is not None else self.proc.pid)
+        state, flags = _proc_state(inner) if inner is not None else ("", 0)  # None: gone
         template = getattr(self.proc, "_template", None)
         exiting = (
             state in ("", "Z", "X")
@@ -894,7 +894,7 @@ class WorkerProcess:
                 rule="worker.crashed",
             )
             return
-        if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
+        if status == -signal.SIGXCPU or (status not in (None, 0) and self._cpu_exhausted()):
             cpu = self.policy.limits.cpu_seconds
             self.death_reason = "it used up its CPU time"
             self._limit(
@@ -953,8 +953,8 @@ class WorkerProcess:
             return status
 
     def _cpu_exhausted(self) -> bool:
-        # A SIGKILL after the worker's group used up its CPU time: the hard RLIMIT_CPU (user
-        # code ignored SIGXCPU), or a launcher relaying it.
+        # A death after the worker's group used up its CPU time: the hard RLIMIT_CPU's
+        # SIGKILL (user code ignored SIGXCPU), however a launcher relays it.
         assert self.policy is not None
         used = self.cgroups.cpu_seconds() if self.cgroups is not None else 0.0
         return used >= self.policy.limits.cpu_seconds
