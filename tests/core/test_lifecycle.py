@@ -176,12 +176,10 @@ def test_call_lock_passes_on_a_grant_to_a_closed_event_loop() -> None:
 
 
 def _own_dirs() -> list[str]:
-    import tempfile
+    from agent_sandbox._leftovers import control_dirs
+    from agent_sandbox._lifecycle import owner_tag
 
-    from agent_sandbox._lifecycle import control_dir_prefix
-
-    prefix = control_dir_prefix()
-    return sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix))
+    return control_dirs(owner_tag())
 
 
 def _deep_tree(path: str | Path, depth: int) -> None:
@@ -315,8 +313,8 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     """It serves 50 threads, each with its own session and 5 calls, with the default
     max_sessions: every call succeeds, worker starts stay within the start gate, and after
     close() no worker process, control directory or cgroup of this agent is left."""
+    from agent_sandbox._leftovers import agent_cgroups, marked
     from agent_sandbox._lifecycle import START_GATE, owner_tag
-    from agent_sandbox.providers._limits import hierarchy_bases
 
     errors: list[BaseException] = []
     results: list[object] = []
@@ -345,25 +343,8 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     assert START_GATE.peak <= START_GATE.slots
     sb.close()
     assert _own_dirs() == before
-    tag = owner_tag()
-    mark = f"AGENT_SANDBOX_OWNER={tag}".encode() + b"\0"
-    marked = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                env = Path(f"/proc/{name}/environ").read_bytes()
-            except OSError:
-                continue
-            if (b"\0" + env).find(b"\0" + mark) >= 0:
-                marked.append(name)
-    assert marked == []
-    groups = [
-        n
-        for base in hierarchy_bases()
-        for n in os.listdir(base)
-        if n.startswith(f"agent-sandbox-{os.getpid()}-")
-    ]
-    assert groups == []
+    assert marked(owner_tag()) == []
+    assert agent_cgroups(os.getpid()) == []
 
 
 # -- interrupts ------------------------------------------------------------------------------
