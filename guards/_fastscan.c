@@ -824,9 +824,13 @@ PyInit__fastscan(void)
     if (module == NULL) {
         return NULL;
     }
-    if (PyModule_AddIntConstant(module, "VERSION", 1) < 0) {
+    PyObject *all = Py_BuildValue("[sss]", "VERSION", "b64decode", "prescan_data");
+    if (all == NULL || PyModule_AddIntConstant(module, "VERSION", 1) < 0
+        || PyModule_AddObjectRef(module, "__all__", all) < 0) {
+        Py_XDECREF(all);
         Py_DECREF(module);
         return NULL;
     }
+    Py_DECREF(all);
     return module;
 }

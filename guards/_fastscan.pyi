@@ -1,6 +1,8 @@
 """Type stub of the C extension `_fastscan.c` (the host's pickle prescan for plain data and
 strict base64)."""
 
+__all__ = ["VERSION", "b64decode", "prescan_data"]
+
 VERSION: int
 
 def prescan_data(
