@@ -20,7 +20,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal, ParamSpec, cast
 
 from agent_sandbox._boundary import NO_BOUNDARY, Boundary, resolve_boundary
 from agent_sandbox._denial import Denial
@@ -48,6 +48,41 @@ __all__ = [
 PolicySpec = Policy | str | os.PathLike[str] | None
 SessionMode = Literal["thread", "tool", "none"]
 CodeErrorsAs = Literal["output", "error"]
+
+
+_P = ParamSpec("_P")
+
+
+def _signature_of(model: Callable[_P, None]) -> Callable[[Callable[..., None]], Callable[_P, None]]:
+    """A decorator giving the function it decorates the signature of `model` (for type
+    checkers; at run time it returns the function unchanged)."""
+    return lambda function: function  # type: ignore[return-value]
+
+
+def _tool_init(
+    self: Any,
+    *,
+    policy: PolicySpec = None,
+    session: SessionMode = ...,
+    code_errors_as: CodeErrorsAs = ...,
+    provider: str | None = None,
+    warm: int = ...,
+    timeout: float | None = None,
+    max_sessions: int = ...,
+    session_ttl: float = ...,
+    mode: Literal["enforce", "learn"] = ...,
+    **fields: Any,
+) -> None:
+    """The constructor both adapters' `SandboxedPythonTool` show a type checker: `policy`
+    takes a name or a path as well as a `Policy` (the tool's validator resolves it), while the
+    field itself is always a `Policy` once built."""
+
+
+#: Decorates the `if TYPE_CHECKING:` `__init__` stub of each adapter's tool (pydantic's own
+#: `__init__` runs; a stub is needed because type checkers derive a model's constructor from
+#: its fields, which would make `policy="data-analysis"` an error).
+tool_init = _signature_of(_tool_init)
+
 
 #: `RunError.kind`s that are a refusal or a failure of the sandbox, never ordinary output.
 FAILURE_KINDS = frozenset({"denied", "limit", "crashed", "internal"})

@@ -38,7 +38,6 @@ from agent_sandbox._result import RunResult
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
     Outcome,
-    PolicySpec,
     SessionMode,
     ToolRunner,
     coerce_policy,
@@ -47,6 +46,9 @@ from agent_sandbox.adapters._common import (
     outcome,
 )
 from agent_sandbox.policies import Policy, resolve_policy
+
+if TYPE_CHECKING:
+    from agent_sandbox.adapters._common import tool_init
 
 _ToolFailure: Any
 try:
@@ -101,22 +103,9 @@ class SandboxedPythonTool(BaseTool):
     _runner: ToolRunner = PrivateAttr()
 
     if TYPE_CHECKING:
-        # What type checkers see: `policy` takes a name or a path as well as a `Policy` (the
-        # validator resolves it); the field itself is always a `Policy` once built.
-        def __init__(
-            self,
-            *,
-            policy: PolicySpec = None,
-            session: SessionMode = ...,
-            code_errors_as: CodeErrorsAs = ...,
-            provider: str | None = None,
-            warm: int = ...,
-            timeout: float | None = None,
-            max_sessions: int = ...,
-            session_ttl: float = ...,
-            mode: Literal["enforce", "learn"] = ...,
-            **fields: Any,
-        ) -> None: ...
+
+        @tool_init
+        def __init__(self, **fields: Any) -> None: ...
 
     #: The last `RunResult` (for inspection in notebooks and tests).
     _last: RunResult | None = PrivateAttr(default=None)

@@ -29,6 +29,7 @@ from agent_sandbox._render import toml_fragment
 __all__ = [
     "DENY_BEATS_GRANT",
     "HIDDEN",
+    "NO_SYNTAX_RULE",
     "glob_escape",
     "grant_hint",
     "host_hint",
@@ -42,6 +43,10 @@ DENY_BEATS_GRANT = (
 HIDDEN = (
     "no line added to a policy can allow this: the name is listed in [files] hide; remove it "
     "from the hide list of the policy file that lists it"
+)
+NO_SYNTAX_RULE = (
+    "no line added to a policy can allow this: the code checker has no rule for this syntax "
+    "(a construct newer than the checker); write it with other syntax"
 )
 _GLOB = re.compile(r"([*?\[])")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -168,6 +173,8 @@ def host_hint(
             return ""
         key = {"code.dunder": "dunders", "code.attribute": "attributes", "code.name": "names"}
         return grant_hint({f"code.{key[rule]}": [target]})
+    if rule == "code.syntax":
+        return _syntax_hint(worker, policy)
     if rule in _BUDGET_KEYS:
         name, cap = _BUDGET_KEYS[rule]
         current = int(((policy.get("code") or {}).get("budgets") or {}).get(name, 0) or 0)
@@ -200,3 +207,20 @@ def _worker_rule_field(worker: Mapping[str, Any] | None, field: str) -> Any:
     if isinstance(rules, list) and len(rules) == 1 and isinstance(rules[0], dict):
         return rules[0].get(field)
     return None
+
+
+def _syntax_hint(worker: Mapping[str, Any] | None, policy: Mapping[str, Any]) -> str:
+    """The grant of the one syntax group the worker named, if it is a real group the policy
+    lacks; the checker's sentence when the worker named none (a node it has no rule for)."""
+    if not worker:
+        return NO_SYNTAX_RULE
+    groups = worker.get("code.syntax")
+    if not (isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], str)):
+        return ""
+    from agent_sandbox.guards._code_check import SYNTAX_GROUPS
+
+    group = groups[0]
+    listed = (policy.get("code") or {}).get("syntax")
+    if group not in SYNTAX_GROUPS or (isinstance(listed, list | tuple) and group in listed):
+        return ""
+    return grant_hint({"code.syntax": [group]})

@@ -1140,6 +1140,11 @@ def _learn_net(
             findings.append(Finding("net.rules", target, "flagged", unwritable, "net.resolve"))
             continue
         if port is None:
+            # The host's egress proxy says which port the name was wanted for.
+            asked = re.search(r"\(port (\d{1,5})\)", detail)
+            if asked and 0 < int(asked.group(1)) < 65536:
+                port = int(asked.group(1))
+        if port is None:
             pending_resolves.append((host, target))
             continue
         protocol = _protocol(action, target, detail)

@@ -106,6 +106,11 @@ _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
 #: How long an interrupted cell has to stop before its worker is replaced.
 _INTERRUPT_GRACE = 2.0
+#: How long a worker seen exiting (after its connection closed) has to give its status.
+_EXITING_WAIT = 2.0
+_PF_EXITING = 0x4
+_STOPPED_REASON = "it was stopped by a signal (SIGSTOP or SIGTSTP) and could not run"
+_TEMPLATE_REASON = "its worker template (the process that forks workers) ended, and it with it"
 _logger = logging.getLogger("agent_sandbox")
 _unwatched_warned = False
 
@@ -511,7 +516,57 @@ class WorkerProcess:
         return self.proc.pid if self.proc else -1
 
     def alive(self) -> bool:
-        return not self.dead and self.proc is not None and self.proc.poll() is None
+        """Running and able to answer: a worker stopped by a signal (SIGSTOP) is not."""
+        if self.dead or self.proc is None or self.proc.poll() is not None:
+            return False
+        if self.stopped():
+            self.death_reason = self.death_reason or _STOPPED_REASON
+            return False
+        return True
+
+    def stopped(self) -> bool:
+        """Whether the worker (or its launcher) is stopped by a signal (state T or t)."""
+        if self.proc is None:
+            return False
+        pids = [self.proc.pid]
+        if self._host_pid is not None or self.hello:
+            inner = self.worker_pid()
+            if inner is not None and inner != self.proc.pid:
+                pids.append(inner)
+        return any(_proc_state(pid)[0] in ("T", "t") for pid in pids)
+
+    def end_cause(self) -> str:
+        """Why a worker that is no longer alive ended, in words for the model."""
+        if self.death_reason:
+            return self.death_reason
+        template = getattr(self.proc, "_template", None)
+        if template is not None and not template.alive():
+            return _TEMPLATE_REASON
+        status = self.proc.poll() if self.proc is not None else None
+        return f"it ended ({describe_exit(self._worker_status(status))})"
+
+    def _status_now(self) -> tuple[str, int | None]:
+        """After the transport was lost: ("exited", status), ("stopped", None) or
+        ("running", None), decided now; the only wait is for a worker already exiting
+        (its connection closes before its exit status exists), and it ends as soon as the
+        status does."""
+        assert self.proc is not None
+        status = self.proc.poll()
+        if status is not None:
+            return "exited", status
+        if self.stopped():
+            return "stopped", None
+        inner = self.worker_pid() if self.hello else self.proc.pid
+        state, flags = _proc_state(inner) if inner is not None else ("", 0)  # None: gone
+        template = getattr(self.proc, "_template", None)
+        exiting = (
+            state in ("", "Z", "X")
+            or bool(flags & _PF_EXITING)
+            or (template is not None and not template.alive())
+        )
+        if not exiting:
+            return "running", None
+        return "exited", self.wait_exit(_EXITING_WAIT)
 
     def run(
         self,
@@ -783,6 +838,9 @@ class WorkerProcess:
         self, builder: ResultBuilder, wall: float, timeout: float | None, source: str | None
     ) -> None:
         assert self.policy is not None
+        if self.stopped():
+            self._on_stopped(builder)
+            return
         self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
         self.kill()
         policy_wall = self.policy.limits.wall_seconds
@@ -817,10 +875,26 @@ class WorkerProcess:
                 rule="worker.crashed",
             )
             return
-        status = self._worker_status(self.wait_exit(1.0))
+        how, raw = self._status_now()
+        status = self._worker_status(raw)
         self.dead = True
         self.kill()
-        if status == -signal.SIGXCPU or (status == -signal.SIGKILL and self._cpu_exhausted()):
+        if how == "stopped":
+            self._on_stopped(builder)
+            return
+        if how == "running":
+            self.death_reason = "it closed its connection to the host during a call"
+            builder.error = RunError(
+                kind="crashed",
+                type="TransportLost",
+                message="the sandbox worker closed its connection to the host during the "
+                "call while it was still running; it was killed, the session's variables "
+                "are lost and the next call starts a fresh interpreter",
+                traceback=self.log_tail(),
+                rule="worker.crashed",
+            )
+            return
+        if status == -signal.SIGXCPU or (status not in (None, 0) and self._cpu_exhausted()):
             cpu = self.policy.limits.cpu_seconds
             self.death_reason = "it used up its CPU time"
             self._limit(
@@ -832,6 +906,19 @@ class WorkerProcess:
                 "LimitExceeded",
             )
             return
+        template = getattr(self.proc, "_template", None)
+        if template is not None and not template.alive():
+            self.death_reason = _TEMPLATE_REASON
+            builder.error = RunError(
+                kind="crashed",
+                type="TemplateEnded",
+                message="the sandbox worker ended during the call because its worker "
+                "template (the process that forks workers) ended; the session's variables "
+                "are lost and the next call starts a fresh interpreter",
+                traceback=self.log_tail(),
+                rule="worker.crashed",
+            )
+            return
         self.death_reason = f"it crashed ({describe_exit(status)})"
         builder.error = RunError(
             kind="crashed",
@@ -839,6 +926,19 @@ class WorkerProcess:
             message=f"the sandbox worker died during the call ({describe_exit(status)}); "
             "the session's variables are lost and the next call starts a fresh interpreter",
             traceback=self.log_tail(),
+            rule="worker.crashed",
+        )
+
+    def _on_stopped(self, builder: ResultBuilder) -> None:
+        """The worker was stopped by a signal (SIGSTOP): it cannot run; it was killed."""
+        self.death_reason = _STOPPED_REASON
+        self.kill()
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerStopped",
+            message="the sandbox worker was stopped by a signal (SIGSTOP or SIGTSTP) and "
+            "could not finish the call; it was killed, the session's variables are lost and "
+            "the next call starts a fresh interpreter",
             rule="worker.crashed",
         )
 
@@ -853,8 +953,8 @@ class WorkerProcess:
             return status
 
     def _cpu_exhausted(self) -> bool:
-        # A SIGKILL after the worker's group used up its CPU time: the hard RLIMIT_CPU (user
-        # code ignored SIGXCPU), or a launcher relaying it.
+        # A death after the worker's group used up its CPU time: the hard RLIMIT_CPU's
+        # SIGKILL (user code ignored SIGXCPU), however a launcher relays it.
         assert self.policy is not None
         used = self.cgroups.cpu_seconds() if self.cgroups is not None else 0.0
         return used >= self.policy.limits.cpu_seconds
@@ -1050,6 +1150,20 @@ def worker_python() -> str:
 def _venv_safe() -> bool:
     """Whether resolving sys.executable keeps the environment (it does not inside a venv)."""
     return sys.prefix == sys.base_prefix
+
+
+def _proc_state(pid: int) -> tuple[str, int]:
+    """A process's state letter and flags from /proc (("", 0) when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return "", 0
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[6])
+    except (IndexError, ValueError):
+        return "", 0
 
 
 def _signal_group(pid: int, sig: int) -> None:

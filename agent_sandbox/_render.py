@@ -22,6 +22,10 @@ __all__ = ["clean", "clean_block", "quote", "toml_fragment", "toml_key", "toml_s
 #: line/paragraph separators, bidirectional embeddings/overrides/isolates, zero-width ones.
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+#: A backslash that does not start an escape `clean()` writes (`\x0a`, `\u202e`): the host
+#: keeps a worker's text with its control characters already escaped that way
+#: (`_intake.clean_text`), and quoting it again must not double them (`\\x0a`).
+_LONE_BACKSLASH = re.compile(r"\\(?!x[0-9a-f]{2}|u[0-9a-f]{4})")
 _DEFAULT_LIMIT = 300
 
 
@@ -51,9 +55,13 @@ def clean_block(text: Any, limit: int = 20_000) -> str:
 
 
 def quote(text: Any, limit: int = _DEFAULT_LIMIT) -> str:
-    """`text` as a quoted, escaped, one-line literal: what data looks like in our prose."""
+    """`text` as a quoted, escaped, one-line literal: what data looks like in our prose.
+
+    A control character shows as one escape (`"/tmp/x\\x0ay"`) whether it arrives raw or
+    already escaped by the host's intake; any other backslash is doubled.
+    """
     value = text if isinstance(text, str) else str(text)
-    value = value.replace("\\", "\\\\").replace('"', '\\"')
+    value = _LONE_BACKSLASH.sub(r"\\\\", value).replace('"', '\\"')
     return '"' + clean(value, limit) + '"'
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -73,7 +74,7 @@ class Session:
             notices.append(self._evicted_notice)
             self._evicted_notice = ""
         if self._worker is not None and not self._worker.alive():
-            self._lost_reason = self._worker.death_reason or "it ended"
+            self._lost_reason = self._worker.end_cause()
             self._worker.discard()
             self._worker = None
         if self._worker is None:
@@ -83,7 +84,11 @@ class Session:
                     f"the previous interpreter of this session ended ({self._lost_reason}); "
                     "its variables and imports were lost, so define them again"
                 )
-            self._worker = self.sandbox._pool.acquire()
+            worker = self.sandbox._pool.acquire()
+            if self._closed or self.sandbox.closed:
+                worker.discard()  # closed while it started: it runs nothing
+                raise SandboxClosed(f"session {self.key!r} is closed")
+            self._worker = worker
             self._had_worker = True
         return self._worker, notices, lost
 
@@ -92,7 +97,7 @@ class Session:
     ) -> RunResult:
         self.last_used = time.monotonic()
         if not worker.alive():
-            self._lost_reason = worker.death_reason or "it ended"
+            self._lost_reason = worker.end_cause()
         if self._closed or self.sandbox.closed:
             result = _closed_error(result)
         if notices or lost:
@@ -327,12 +332,8 @@ class Sandbox:
         filename: str | None = None,
     ) -> RunResult:
         """Run `code` in a fresh worker that is discarded afterwards (see `Session.run`)."""
-        if self.closed:
-            raise SandboxClosed("the sandbox is closed")
-        worker = self._pool.acquire()
-        with self._lock:
-            self._active.add(worker)
-        try:
+        self._check_open()
+        with self._borrowed(self._pool.acquire()) as worker:
             result = worker.run(
                 code,
                 timeout=timeout,
@@ -340,13 +341,7 @@ class Sandbox:
                 timeout_source=timeout_source,
                 filename=filename,
             )
-        finally:
-            with self._lock:
-                self._active.discard(worker)
-            worker.discard()
-        if self.closed:
-            result = _closed_error(result)
-        return self._logged(result)
+        return self._stateless_end(result)
 
     async def arun(
         self,
@@ -358,15 +353,8 @@ class Sandbox:
         filename: str | None = None,
     ) -> RunResult:
         """The async twin of `run()`."""
-        if self.closed:
-            raise SandboxClosed("the sandbox is closed")
-        if self._pool.ready_count():
-            worker = self._pool.acquire()
-        else:
-            worker = await asyncio.to_thread(self._pool.acquire)
-        with self._lock:
-            self._active.add(worker)
-        try:
+        self._check_open()
+        with self._borrowed(await self._acquire_async()) as worker:
             result = await worker.arun(
                 code,
                 timeout=timeout,
@@ -374,10 +362,42 @@ class Sandbox:
                 timeout_source=timeout_source,
                 filename=filename,
             )
+        return self._stateless_end(result)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SandboxClosed("the sandbox is closed")
+
+    async def _acquire_async(self) -> WorkerProcess:
+        """A pool worker without blocking the loop; one started for a cancelled caller is
+        discarded when its start ends (never left running untracked)."""
+        if self._pool.ready_count():
+            return self._pool.acquire()
+        future = asyncio.ensure_future(asyncio.to_thread(self._pool.acquire))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_discard_started)
+            raise
+
+    @contextlib.contextmanager
+    def _borrowed(self, worker: WorkerProcess) -> Iterator[WorkerProcess]:
+        """One stateless call's worker: tracked while it runs (close() ends it), discarded
+        after; a sandbox closed while the worker was acquired runs nothing."""
+        with self._lock:
+            admitted = not self.closed
+            if admitted:
+                self._active.add(worker)
+        try:
+            if not admitted:
+                raise SandboxClosed("the sandbox is closed")
+            yield worker
         finally:
             with self._lock:
                 self._active.discard(worker)
             worker.discard()
+
+    def _stateless_end(self, result: RunResult) -> RunResult:
         if self.closed:
             result = _closed_error(result)
         return self._logged(result)
@@ -554,6 +574,11 @@ class Sandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+def _discard_started(future: asyncio.Future[WorkerProcess]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().discard()
 
 
 def _closed_error(result: RunResult) -> RunResult:

@@ -24,66 +24,16 @@ import argparse
 import asyncio
 import os
 import random
-import secrets
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import warnings
-from pathlib import Path
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._guardian import OWNER_ENV, owner_tag
-from agent_sandbox._lifecycle import control_dir_prefix
+from agent_sandbox._leftovers import agent_cgroups, control_dirs, marked, run_agent
+from agent_sandbox._lifecycle import owner_tag
 from agent_sandbox.providers import get_provider
-from agent_sandbox.providers._limits import hierarchy_bases
 
 PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
-
-AGENT = r"""
-import sys, threading, time, warnings
-from agent_sandbox import Policy, Sandbox
-provider, marker, moment = sys.argv[1:4]
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    policy = Policy(name="danger-soak", imports={"allow": ["*"]},
-                    api={"allow": ["native-code", "process-control"]},
-                    code={"enabled": False}, limits={"wall_seconds": 60, "processes": 16},
-                    no_kernel_boundary="accepted")
-FORK = '''
-import ctypes
-libc = ctypes.CDLL(None)
-pid = libc.fork()
-if pid == 0:
-    libc.setsid()
-    if libc.fork() == 0:
-        libc.prctl(15, MARKER, 0, 0, 0)
-        while True:
-            libc.sleep(1000)
-    libc._exit(0)
-libc.waitpid(pid, None, 0)
-print("forked", flush=True)
-'''.replace("MARKER", repr(marker.encode()))
-sb = Sandbox(policy, provider=provider, warm=1)
-def say():
-    sys.stdout.write("READY\n"); sys.stdout.flush()
-if moment == "running":
-    def on_event(kind, data):
-        if kind == "stdout" and "forked" in str(data):
-            say()
-    threading.Thread(target=lambda: sb.session("a").run(FORK + "libc.sleep(1000)",
-                     on_event=on_event), daemon=True).start()
-else:
-    assert sb.session("a").run(FORK).ok
-    for i in range(3):
-        threading.Thread(target=lambda i=i: sb.session(f"s{i}").run("1"), daemon=True).start()
-    say()
-    if moment == "exit":
-        sys.exit(0)
-time.sleep(600)
-"""
 
 
 def policy() -> Policy:
@@ -147,82 +97,18 @@ async def _storm(provider: str) -> int:
     return failures
 
 
-def _comm(marker: str) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if Path(f"/proc/{name}/comm").read_text().strip() == marker:
-                    out.append(int(name))
-            except OSError:
-                pass
-    return out
-
-
-def _marked(tag: str) -> list[int]:
-    mark = f"{OWNER_ENV}={tag}".encode() + b"\0"
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                env = Path(f"/proc/{name}/environ").read_bytes()
-            except OSError:
-                continue
-            if (b"\0" + env).find(b"\0" + mark) >= 0:
-                out.append(int(name))
-    return out
-
-
 def kill_scenario(provider: str, moment: str) -> tuple[int, int]:
-    marker = "asbx" + secrets.token_hex(5)
-    agent = subprocess.Popen(
-        [sys.executable, "-c", AGENT, provider, marker, moment],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    tag = owner_tag(agent.pid)
-    try:
-        line = agent.stdout.readline() if agent.stdout else ""
-        if line.strip() != "READY":
-            print(f"    {moment}: the agent did not get ready")
-        if moment != "exit":
-            agent.send_signal(signal.SIGKILL)
-        agent.wait(60)
-        deadline = time.monotonic() + 15
-        while True:
-            procs = set(_comm(marker)) | set(_marked(tag))
-            dirs = [
-                n
-                for n in os.listdir(tempfile.gettempdir())
-                if n.startswith(f"agent-sandbox-{tag}-")
-            ]
-            if not (procs or dirs) or time.monotonic() > deadline:
-                return len(procs), len(dirs)
-            time.sleep(0.05)
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(10)
-        if agent.stdout:
-            agent.stdout.close()
-        for pid in set(_comm(marker)) | set(_marked(tag)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    """The agent of `agent_sandbox._leftovers` (the one `tests/providers/test_no_orphans.py`
+    runs), ended at `moment`: the processes and control directories that outlived it."""
+    left = run_agent(provider, moment)
+    if left.ready != "READY":
+        print(f"    {moment}: the agent did not get ready: {left.ready[:200]}")
+    return len(left.named) + len(left.marked), len(left.dirs)
 
 
 def leftovers() -> int:
-    prefix = control_dir_prefix()
-    dirs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
-    groups = [
-        n
-        for base in hierarchy_bases()
-        for n in os.listdir(base)
-        if n.startswith(f"agent-sandbox-{os.getpid()}-")
-    ]
-    return len(dirs) + len(_marked(owner_tag())) + len(groups)
+    tag = owner_tag()
+    return len(control_dirs(tag)) + len(marked(tag)) + len(agent_cgroups(os.getpid()))
 
 
 def main() -> None:

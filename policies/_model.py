@@ -367,6 +367,8 @@ def check_boundary_opt_out(provider: str, acknowledgement: str) -> None:
 
 
 def _is_ip_or_cidr(host: str) -> bool:
+    if host.strip().lower() in ("*", "any"):
+        return True  # every address: nothing to resolve
     try:
         ipaddress.ip_network(host, strict=False)
     except ValueError:

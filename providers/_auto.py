@@ -100,23 +100,27 @@ class AutoProvider(Provider):
                 refused.append(f"{provider.name}: {exc.reason}")
         if policy.net.allows_any():
             # Never weaker for a policy with network rules than for one without: host names
-            # hold only behind the egress proxy of a namespace provider.
-            proxied = [(p, plan) for p, plan in plans if "egress" in plan.worker_setup]
-            if not proxied:
-                ports_only = [p.name for p, _ in plans]
+            # hold only behind the egress proxy of a namespace provider (Landlock alone
+            # refuses such rules in its own build, `_netcheck`).
+            from agent_sandbox.providers._netcheck import refuse_unenforceable
+
+            held = []
+            for p, plan in plans:
+                try:
+                    refuse_unenforceable(p.name, policy)
+                except ProviderUnavailable as exc:
+                    refused.append(f"{p.name}: {exc.reason}")
+                    continue
+                if "egress" in plan.worker_setup or p.name == "landlock":
+                    held.append((p, plan))
+            if not held:
                 raise ProviderUnavailable(
                     "auto",
                     "the policy's [net] rules need a namespace provider (bwrap or unshare) "
                     "whose egress proxy enforces host names"
-                    + (f" ({'; '.join(refused)})" if refused else "")
-                    + (
-                        f"; {', '.join(ports_only)} would enforce ports only: name one "
-                        "explicitly (provider = ...) to accept that"
-                        if ports_only
-                        else ""
-                    ),
+                    + (f" ({'; '.join(refused)})" if refused else ""),
                 )
-            plans = proxied
+            plans = held
         if not plans:
             if refused:
                 raise ProviderUnavailable(

@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox._hints import grant_hint
 
 __all__ = [
@@ -58,7 +57,6 @@ __all__ = [
     "Route",
     "egress_proxy",
     "proxy_env",
-    "require_proxyable",
     "set_resolver",
 ]
 
@@ -139,46 +137,6 @@ def _allow_rules(policy: Any) -> list[Any]:
     return [r for r in policy.net.rules if r.action == "allow"]
 
 
-def require_proxyable(provider: str, policy: Any) -> None:
-    """Refuse (ProviderUnavailable) the rules the proxy cannot serve, naming each.
-
-    The proxy carries TCP connections out; a rule allowing UDP to, or a listener on, a
-    non-loopback address cannot be served by a namespace provider. The same rules for a
-    loopback address are served by the namespace's own loopback (the sandbox talks to
-    itself there; the host's loopback is reached only through the proxy, over TCP).
-    """
-    problems = []
-    for rule in _allow_rules(policy):
-        if rule.protocol in ("udp", "any") and not _is_loopback_host(rule.host):
-            problems.append(
-                f'{rule.host}:{rule.ports} protocol = "{rule.protocol}" (UDP does not go '
-                "through the egress proxy)"
-            )
-        if rule.direction in ("bind", "any") and not _is_loopback_host(rule.host):
-            problems.append(
-                f'{rule.host}:{rule.ports} direction = "{rule.direction}" (a listener in the '
-                "sandbox's network namespace is reachable from inside it only)"
-            )
-    if problems:
-        raise ProviderUnavailable(
-            provider,
-            f"the policy's [net] rules {'; '.join(problems)} cannot be served: {provider} "
-            "gives the worker a network namespace whose only way out is the host's TCP "
-            'egress proxy; narrow the rule to protocol = "tcp", direction = "connect", or '
-            'name provider = "landlock" to accept port-only enforcement',
-        )
-
-
-def _is_loopback_host(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        net = ipaddress.ip_network(host, strict=False)
-    except ValueError:
-        return False
-    return net.network_address.is_loopback and net.broadcast_address.is_loopback
-
-
 # -- decisions (pure) --------------------------------------------------------------------
 
 
@@ -229,6 +187,9 @@ class EgressRules:
 
     def __init__(self, policy: Any) -> None:
         self.policy_name = str(policy.name)
+        # In learning mode a refusal still refuses (the envelope never widens the network)
+        # and is marked learned, so `agent-sandbox learn` proposes a rule for the host.
+        self.learn = str(getattr(policy, "mode", "enforce")) == "learn"
         self.rules: list[_Rule] = []
         for rule in policy.net.rules:
             if rule.protocol not in ("tcp", "any") or rule.direction not in ("connect", "any"):
@@ -253,6 +214,7 @@ class EgressRules:
             self.policy_name,
             hint=hint,
             detail=detail + " (refused by the host's egress proxy)",
+            learned=self.learn,
         )
 
     def before_resolve(self, host: str, port: int) -> Denial | None:
@@ -291,7 +253,7 @@ class EgressRules:
             "net.resolve",
             "resolve",
             host,
-            "no [net] rule names this host, so it is not resolved",
+            f"no [net] rule names this host, so it is not resolved (port {port})",
             grant_hint({"net.rules": [{"host": host, "ports": str(port)}]}),
         )
 

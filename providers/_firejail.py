@@ -45,12 +45,12 @@ from agent_sandbox.providers._base import (
     worker_argv,
 )
 from agent_sandbox.providers._grants import grant_pins
+from agent_sandbox.providers._netcheck import refuse_unenforceable
 from agent_sandbox.providers._view import (
     HostLayout,
     bound_paths,
     host_layout_for,
     policy_paths,
-    require_local_network,
 )
 
 __all__ = ["FirejailProvider", "firejail_argv"]
@@ -208,7 +208,7 @@ class FirejailProvider(Provider):
         return _probe(self.firejail)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        require_local_network(self.name, policy, "runs the worker with --net=none")
+        refuse_unenforceable(self.name, policy)  # --net=none: its own loopback only
         details = self.probe().details
         exe = str(details.get("path", self.firejail))
         setpriv = str(details.get("setpriv", "setpriv"))

@@ -447,8 +447,10 @@ class LandlockProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         from agent_sandbox.providers._grants import grant_pins
+        from agent_sandbox.providers._netcheck import refuse_unenforceable
         from agent_sandbox.providers._seccomp import seccomp_setup
 
+        refuse_unenforceable(self.name, policy)  # Landlock alone filters ports only
         pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         setup: dict[str, Any] = {
             "no_new_privs": True,

@@ -578,28 +578,28 @@ def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> 
     over. The bound where scratch is a host directory (the `subprocess` and `firejail`
     providers, Landlock without the right to mount): checked after every call, so one call
     can overshoot until RLIMIT_FSIZE or the disk stops it."""
+    from agent_sandbox.providers._walk import TooManyEntries, walk_capped
+
     total = 0
-    seen = 0
-    stack = [path]
-    while stack:
-        folder = stack.pop()
+
+    class _Over(Exception):
+        pass
+
+    def visit(entry: os.DirEntry[str], is_dir: bool) -> bool:
+        nonlocal total
         try:
-            entries = list(os.scandir(folder))
+            st = entry.stat(follow_symlinks=False)
         except OSError:
-            continue
-        seen += len(entries)
-        if seen > max_entries:
-            return True
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            total += st.st_blocks * 512
-            if total > limit_bytes:
-                return True
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(entry.path)
+            return False
+        total += st.st_blocks * 512
+        if total > limit_bytes:
+            raise _Over
+        return is_dir
+
+    try:
+        walk_capped(path, visit, max_entries)
+    except (TooManyEntries, _Over):
+        return True
     return False
 
 

@@ -41,6 +41,7 @@ from agent_sandbox.policies._paths import (
     static_prefix,
     unescape,
 )
+from agent_sandbox.providers._walk import TooManyEntries, walk_capped
 
 __all__ = ["MAX_ENTRIES", "Masks", "find_masks", "policy_file_warnings", "policy_files"]
 
@@ -154,37 +155,27 @@ def find_masks(policy: Any, spec: Any, *, limit: int = MAX_ENTRIES) -> Masks:
             continue
         if root_kind != "dir":
             continue
-        stack = [root]
-        while stack:
-            folder = stack.pop()
-            try:
-                entries = list(os.scandir(folder))
-            except OSError:
-                continue
-            seen += len(entries)
-            if seen > limit:
-                raise PolicyError(
-                    f"the directories granted in [files] hold more than {limit} entries, too "
-                    f"many to search for the names in [files] hide and deny at each start "
-                    f"(while walking {root}); grant narrower paths",
-                    source=_source(policy),
-                    key="files.read",
-                    expected="granted directories small enough to search",
-                )
-            for entry in entries:
-                path = entry.path
-                try:
-                    is_link = entry.is_symlink()
-                    is_dir = not is_link and entry.is_dir(follow_symlinks=False)
-                except OSError:
-                    continue
-                if is_link:
-                    continue  # never followed: the rules apply to what a link resolves to
-                why = verdict(path, entry.name)
-                if why:
-                    add(path, "dir" if is_dir else "file", why)
-                elif is_dir:
-                    stack.append(path)
+
+        def visit(entry: os.DirEntry[str], is_dir: bool) -> bool:
+            if entry.is_symlink():
+                return False  # never followed: the rules apply to what a link resolves to
+            why = verdict(entry.path, entry.name)
+            if why:
+                add(entry.path, "dir" if is_dir else "file", why)
+                return False
+            return is_dir
+
+        try:
+            seen = walk_capped(root, visit, limit, seen)
+        except TooManyEntries:
+            raise PolicyError(
+                f"the directories granted in [files] hold more than {limit} entries, too "
+                f"many to search for the names in [files] hide and deny at each start "
+                f"(while walking {root}); grant narrower paths",
+                source=_source(policy),
+                key="files.read",
+                expected="granted directories small enough to search",
+            ) from None
     for path in deny_plain:
         add(path, _kind(path), "files.deny")
     for path in policy_files(policy):

@@ -332,7 +332,8 @@ def relay(status: int) -> None:
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        _signal.signal(sig, _signal.SIG_DFL)
+        if sig not in (SIGKILL, _signal.SIGSTOP):  # (their handlers cannot be set)
+            _signal.signal(sig, _signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)

@@ -20,13 +20,11 @@ for outside peers) is an error naming the rule, never a silent cut.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import stat
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.policies._paths import expand_entry, is_glob, static_prefix, unescape
 
 __all__ = [
@@ -41,8 +39,6 @@ __all__ = [
     "egress_plan",
     "path_view",
     "policy_paths",
-    "require_local_network",
-    "unsupported_network",
 ]
 
 #: Size of the private tmpfs mounts (bytes); without a size a tmpfs may take half the RAM.
@@ -263,40 +259,6 @@ def path_view(mounts: Iterable[Mount]) -> dict[str, str]:
     return {m.src: m.dst for m in mounts if m.kind in ("ro", "rw", "ro-try", "rw-try")}
 
 
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        net = ipaddress.ip_network(host, strict=False)
-    except ValueError:
-        return False
-    return net.network_address.is_loopback and net.broadcast_address.is_loopback
-
-
-def unsupported_network(policy: Any) -> list[str]:
-    """The allowed hosts a namespace without network cannot serve (empty when all is fine)."""
-    return [
-        rule.host
-        for rule in policy.net.rules
-        if rule.action == "allow" and not _is_loopback(rule.host)
-    ]
-
-
-def require_local_network(provider: str, policy: Any, how: str) -> None:
-    """Refuse (ProviderUnavailable) a policy that allows hosts a namespace without network
-    cannot reach; `how` says what the provider gives the worker instead."""
-    hosts = unsupported_network(policy)
-    if hosts:
-        raise ProviderUnavailable(
-            provider,
-            f"the policy allows network to {', '.join(hosts)} [net], but {provider} {how}; "
-            "use bwrap or unshare (their egress proxy enforces host names)",
-        )
-
-
 def network_mode(policy: Any) -> Literal["none", "proxy"]:
     """`proxy` when the policy allows any network (`lo` up, the host's egress proxy on it,
     `providers/_egress.py`), else `none` (no interface up)."""
@@ -310,11 +272,12 @@ def egress_plan(
     `worker_setup` fragment, the proxy variables for the environment and the descriptor
     to pass. Raises ProviderUnavailable for a rule the proxy cannot serve (UDP, a
     listener), naming it; returns empty parts for a policy without network."""
-    from agent_sandbox.providers._egress import PROXY_HOST, PROXY_PORT, proxy_env, require_proxyable
+    from agent_sandbox.providers._egress import PROXY_HOST, PROXY_PORT, proxy_env
+    from agent_sandbox.providers._netcheck import refuse_unenforceable
 
     if network_mode(policy) != "proxy":
         return {}, {}, ()
-    require_proxyable(provider, policy)
+    refuse_unenforceable(provider, policy)
     # A dry build (no channel yet: egress_fd -1) describes the same plan; a real start
     # always prepares the channel, and a worker without it fails its start.
     setup = {"egress": {"fd": spec.egress_fd, "host": PROXY_HOST, "port": PROXY_PORT}}

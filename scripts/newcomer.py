@@ -67,12 +67,32 @@ def copy_distribution(name: str, site: Path) -> None:
 
 
 def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, **kw)  # type: ignore[call-overload, no-any-return]
+    kw.setdefault("timeout", 180)
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)  # type: ignore[call-overload, no-any-return]
 
 
-def build_env(root: Path, base: str) -> Path:
-    """A fresh venv under `root` on `base` with the wheel and the core dependencies."""
-    wheels = root / "wheels"
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.so",
+    ".*_cache",
+    ".hypothesis",
+)
+
+
+def build_wheel(out: Path) -> Path | str:
+    """The wheel of this checkout, built offline without build isolation into `out` (also used
+    by tests/core/test_wheel_install.py), or pip's error text.
+
+    It builds from a copy of the sources under `out`: setuptools writes `build/` into the tree
+    it builds, which would leave files in the checkout, and fail for a user who cannot write
+    to it (the suite also runs as an unprivileged user)."""
+    source = out / "source"
+    shutil.copytree(REPO, source, ignore=_NOT_SOURCE, symlinks=True)
     build = run(
         [
             sys.executable,
@@ -84,12 +104,23 @@ def build_env(root: Path, base: str) -> Path:
             "--no-index",
             "-q",
             "-w",
-            str(wheels),
-            str(REPO),
-        ]
+            str(out),
+            str(source),
+        ],
+        timeout=300,
     )
+    shutil.rmtree(source, ignore_errors=True)
     if build.returncode != 0:
-        raise SystemExit(f"newcomer: cannot build the wheel: {build.stderr[-800:]}")
+        return build.stderr[-800:]
+    return next(out.glob("*.whl"))
+
+
+def build_env(root: Path, base: str) -> Path:
+    """A fresh venv under `root` on `base` with the wheel and the core dependencies."""
+    wheels = root / "wheels"
+    build = build_wheel(wheels)
+    if isinstance(build, str):
+        raise SystemExit(f"newcomer: cannot build the wheel: {build}")
     venv = root / "venv"
     made = run([base, "-m", "venv", str(venv)])
     if made.returncode != 0:
@@ -102,7 +133,7 @@ def build_env(root: Path, base: str) -> Path:
     )
     for name in core_distributions():
         copy_distribution(name, site)
-    wheel = next(wheels.glob("*.whl"))
+    wheel = build
     inst = run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)])
     if inst.returncode != 0:
         raise SystemExit(f"newcomer: cannot install the wheel: {inst.stderr[-800:]}")

@@ -67,3 +67,40 @@ def test_toml_block_loads(where: str, text: str, why: str | None) -> None:
     if why is not None:
         pytest.skip(f"placeholder: {why}")
     policy_from_toml(text, source=where)
+
+
+MODEL_TEXT = re.compile(
+    r"^```python\n(?P<code>.*?)^```\n(?:(?!```).)*?"
+    r"^<!-- model-text: (?P<policy>[\w-]+) -->\n```\n(?P<text>.*?)^```",
+    re.S | re.M,
+)
+
+
+def _model_texts() -> list[tuple[str, str, str, str]]:
+    out = []
+    for path in FILES:
+        text = path.read_text()
+        for match in MODEL_TEXT.finditer(text):
+            line = text.count("\n", 0, match.start("text")) + 1
+            where = f"{path.relative_to(ROOT)}:{line}"
+            out.append((where, match["policy"], match["code"], match["text"]))
+    return out
+
+
+def test_docs_show_model_texts() -> None:
+    """It finds the marked samples of model text (the code-layer doc's refusal among them)."""
+    assert any(where.startswith("docs/code-layer.md") for where, *_ in _model_texts())
+
+
+@pytest.mark.parametrize(("where", "policy", "code", "expected"), _model_texts(), ids=_ids)
+def test_a_sample_of_model_text_is_what_the_model_reads(
+    where: str, policy: str, code: str, expected: str
+) -> None:
+    """It runs the Python block before a `<!-- model-text: POLICY -->` sample under that
+    preset and compares the tool's text (`outcome(...).text`) with the sample, exactly."""
+    from agent_sandbox import Sandbox
+    from agent_sandbox.adapters._common import outcome
+
+    with Sandbox(policy, warm=0) as sandbox:
+        shown = outcome(sandbox.run(code)).text
+    assert shown == expected.rstrip("\n"), f"{where}: the model reads\n{shown}"

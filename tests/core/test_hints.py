@@ -13,7 +13,14 @@ import pytest
 
 from agent_sandbox import Policy
 from agent_sandbox._denial import Denial
-from agent_sandbox._hints import DENY_BEATS_GRANT, HIDDEN, host_hint, parse_grant
+from agent_sandbox._hints import (
+    DENY_BEATS_GRANT,
+    HIDDEN,
+    NO_SYNTAX_RULE,
+    host_hint,
+    parse_grant,
+)
+from agent_sandbox._render import quote
 from agent_sandbox._result import ResultBuilder
 from agent_sandbox.policies import list_presets, policy_from_toml
 from agent_sandbox.policies._paths import entry_regex
@@ -189,3 +196,50 @@ def test_the_host_bounds_what_a_worker_sends() -> None:
     assert len(result.denials) <= 257
     assert sum(d.count for d in result.denials) == 1000
     assert result.denials[-1].last is not None and result.denials[-1].last.target == "/f999"
+
+
+SYNTAXLESS = """
+name = "no-lambda"
+provider = "subprocess"
+no_kernel_boundary = "accepted"
+
+[code]
+syntax = ["assignment", "functions"]
+"""
+
+
+def test_a_syntax_refusal_hints_the_group_that_allows_it() -> None:
+    """It gives a `code.syntax` refusal the grant of its syntax group, and that grant allows
+    the code when pasted into the policy."""
+    from agent_sandbox import Sandbox
+
+    policy = policy_from_toml(SYNTAXLESS, source="no-lambda.toml")
+    wire = policy.to_wire()
+    worker = '[[grant]]\ncode.syntax = ["lambda"]'
+    hint = host_hint("code.syntax", "lambda: 1", worker, wire)
+    assert hint == '[[grant]]\ncode.syntax = ["lambda"]'
+    # A worker cannot name a group that does not exist, several groups, or one already listed.
+    assert host_hint("code.syntax", "x", '[[grant]]\ncode.syntax = ["calls"]', wire) == ""
+    two = '[[grant]]\ncode.syntax = ["lambda", "loops"]'
+    assert host_hint("code.syntax", "x", two, wire) == ""
+    assert host_hint("code.syntax", "x", '[[grant]]\ncode.syntax = ["functions"]', wire) == ""
+    # A node the checker has no rule for: a sentence, since no line can allow it.
+    assert host_hint("code.syntax", "FutureNode", "", wire) == NO_SYNTAX_RULE
+    with Sandbox(policy, warm=0) as sandbox:
+        refused = sandbox.run("f = lambda: 1\nf()")
+        [denial] = refused.denials
+        assert (denial.rule, denial.hint) == ("code.syntax", hint)
+        assert "To allow it, add to the policy file:\n    [[grant]]" in denial.message()
+    granted = policy_from_toml(SYNTAXLESS + "\n" + hint + "\n", source="no-lambda.toml")
+    with Sandbox(granted, warm=0) as sandbox:
+        assert sandbox.run("f = lambda: 1\nf()").value == 1
+
+
+def test_a_control_character_is_escaped_once() -> None:
+    """It shows a control character as one escape, raw or already escaped by the intake,
+    and still doubles every other backslash."""
+    assert quote("/tmp/x\ny") == '"/tmp/x\\ny"'
+    assert quote("/tmp/x\\x0ay") == '"/tmp/x\\x0ay"'  # as `_intake.clean_text` keeps it
+    assert quote("/tmp/x\x1by") == '"/tmp/x\\x1by"'
+    assert quote("C:\\new\\x") == '"C:\\\\new\\\\x"'
+    assert quote('say "hi"') == '"say \\"hi\\""'

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -174,12 +176,10 @@ def test_call_lock_passes_on_a_grant_to_a_closed_event_loop() -> None:
 
 
 def _own_dirs() -> list[str]:
-    import tempfile
+    from agent_sandbox._leftovers import control_dirs
+    from agent_sandbox._lifecycle import owner_tag
 
-    from agent_sandbox._lifecycle import control_dir_prefix
-
-    prefix = control_dir_prefix()
-    return sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix))
+    return control_dirs(owner_tag())
 
 
 def _deep_tree(path: str | Path, depth: int) -> None:
@@ -313,8 +313,8 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     """It serves 50 threads, each with its own session and 5 calls, with the default
     max_sessions: every call succeeds, worker starts stay within the start gate, and after
     close() no worker process, control directory or cgroup of this agent is left."""
+    from agent_sandbox._leftovers import agent_cgroups, marked
     from agent_sandbox._lifecycle import START_GATE, owner_tag
-    from agent_sandbox.providers._limits import hierarchy_bases
 
     errors: list[BaseException] = []
     results: list[object] = []
@@ -343,25 +343,8 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     assert START_GATE.peak <= START_GATE.slots
     sb.close()
     assert _own_dirs() == before
-    tag = owner_tag()
-    mark = f"AGENT_SANDBOX_OWNER={tag}".encode() + b"\0"
-    marked = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                env = Path(f"/proc/{name}/environ").read_bytes()
-            except OSError:
-                continue
-            if (b"\0" + env).find(b"\0" + mark) >= 0:
-                marked.append(name)
-    assert marked == []
-    groups = [
-        n
-        for base in hierarchy_bases()
-        for n in os.listdir(base)
-        if n.startswith(f"agent-sandbox-{os.getpid()}-")
-    ]
-    assert groups == []
+    assert marked(owner_tag()) == []
+    assert agent_cgroups(os.getpid()) == []
 
 
 # -- interrupts ------------------------------------------------------------------------------
@@ -474,3 +457,57 @@ def test_cell_sources_kept_for_tracebacks_are_bounded() -> None:
         assert session.run(count).value <= 3  # 4 MB at most: two big cells and this one
         failed = session.run("1 / 0  # the line shown")
         assert failed.error is not None and "# the line shown" in failed.error.traceback
+
+
+# -- a sandbox closed while a worker starts ----------------------------------------------------
+
+
+def _recording_acquire(sb: Sandbox, then: Callable[[], object] | None = None) -> list[Any]:
+    started: list[Any] = []
+    real = sb._pool.acquire
+
+    def acquire() -> Any:
+        worker = real()
+        started.append(worker)
+        if then is not None:
+            then()
+        return worker
+
+    sb._pool.acquire = acquire  # type: ignore[method-assign]
+    return started
+
+
+@pytest.mark.parametrize("path", ["sandbox", "session"])
+def test_a_sandbox_closed_while_a_worker_starts_runs_nothing(policy: Policy, path: str) -> None:
+    """It raises SandboxClosed for a call whose worker was still starting when close()
+    ran, and ends that worker (it runs no code and leaves no directory)."""
+    sb = Sandbox(policy, warm=0)
+    started = _recording_acquire(sb, sb.close)
+    with pytest.raises(SandboxClosed):
+        if path == "sandbox":
+            sb.run("print('ran')")
+        else:
+            sb.session("s").run("print('ran')")
+    assert len(started) == 1
+    assert not started[0].alive()
+    assert not os.path.exists(started[0].control_dir)
+
+
+async def test_a_stateless_arun_cancelled_while_its_worker_starts_leaves_no_worker(
+    policy: Policy,
+) -> None:
+    """It ends the worker a cancelled `sandbox.arun` was starting, once the start is done
+    (it is not left running untracked until the sandbox closes)."""
+    with Sandbox(policy, warm=0) as sb:
+        started = _recording_acquire(sb)
+        task = asyncio.ensure_future(sb.arun("1"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(1500):
+            if started and not started[0].alive():
+                break
+            await asyncio.sleep(0.01)
+        assert started and not started[0].alive()
+        assert not os.path.exists(started[0].control_dir)

@@ -196,8 +196,8 @@ def test_data_stays_data_in_model_text_cli_and_trace(session: Session, tmp_path:
         assert "\x1b" not in shown and "\u202e" not in shown
         assert not any(line.startswith("api.allow") for line in shown.splitlines())
         # The host escapes a worker's control characters when it keeps them
-        # (`_intake.clean_text`), and the rendering quotes that text once more.
-        assert '"/tmp/x\\\\x0a[[grant]]' in shown
+        # (`_intake.clean_text`); quoting it again keeps one escape per character, not `\\x0a`.
+        assert '"/tmp/x\\x0a[[grant]]' in shown
     # Each fragment parses to exactly one grant of exactly the refused path.
     (hint,) = [d.hint for d in result.denials if d.rule == "files.read"]
     data = tomllib.loads(hint)

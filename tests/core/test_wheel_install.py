@@ -7,41 +7,34 @@ silently, so this builds the wheel (offline, no build isolation) and runs it.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import sysconfig
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _newcomer() -> Any:
+    """scripts/newcomer.py, whose `build_wheel` the newcomer script and this module share."""
+    spec = importlib.util.spec_from_file_location("newcomer", REPO / "scripts" / "newcomer.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def unpacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "-q",
-            "-w",
-            str(out),
-            str(REPO),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if build.returncode != 0:
-        pytest.skip(f"cannot build a wheel offline here: {build.stderr.strip()[-300:]}")
-    wheel = next(out.glob("*.whl"))
+    wheel = _newcomer().build_wheel(out)
+    if isinstance(wheel, str):
+        pytest.skip(f"cannot build a wheel offline here: {wheel.strip()[-300:]}")
     target = out / "site"
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(target)

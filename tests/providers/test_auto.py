@@ -155,7 +155,10 @@ def test_auto_refuses_a_networked_policy_when_only_port_rules_are_left() -> None
     """It raises, naming what is missing, rather than hand network rules to Landlock alone."""
     auto = AutoProvider((fake("landlock", strength=20, layers=("landlock", "seccomp")),))
     policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
-    with pytest.raises(ProviderUnavailable, match=r"namespace provider.*landlock would enforce"):
+    with pytest.raises(
+        ProviderUnavailable,
+        match=r"namespace provider.*landlock: it cannot enforce this \[net\] rule.*\[net\] rules\[0\] host = \"api\.example\.com\" ports = \"443\": Landlock filters TCP by port only.*enforced by: bwrap or unshare",
+    ):
         auto.build(policy, SPEC)
     assert auto.build(Policy(name="t"), SPEC).provider == "landlock"
 

@@ -185,7 +185,9 @@ def test_refuses_a_udp_rule_naming_it() -> None:
     policy = Policy(
         name="t", net={"rules": [{"host": "10.0.0.0/8", "ports": 53, "protocol": "udp"}]}
     )
-    with pytest.raises(ProviderUnavailable, match=r"10\.0\.0\.0/8:53 protocol = \"udp\""):
+    with pytest.raises(
+        ProviderUnavailable, match=r'host = "10\.0\.0\.0/8" ports = "53" protocol = "udp": UDP'
+    ):
         BwrapProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
 
 

@@ -530,6 +530,69 @@ def test_a_udp_rule_is_refused_at_construction_under_auto() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         policy = _policy([{"host": "10.0.0.0/8", "ports": "53", "protocol": "udp"}])
-    with pytest.raises(Exception, match=r"10\.0\.0\.0/8:53 protocol = \"udp\""):
+    with pytest.raises(
+        Exception,
+        match=r'host = "10\.0\.0\.0/8" ports = "53" protocol = "udp": UDP does not go through',
+    ):
         with Sandbox(policy, provider="auto", warm=0) as sb:
             sb.run("1")
+
+
+def test_learning_mode_proposes_the_hosts_the_proxy_refused(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """In learning mode the proxy still refuses a host outside the rules (the envelope never
+    widens the network), records it as learned, and the proposal gets a `[[net]]` rule for
+    that host and port."""
+    from agent_sandbox._learn import propose
+
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    policy = _policy(
+        [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}],
+        mode="learn",
+    )
+    code = (
+        "import requests\n"
+        "try:\n"
+        "    requests.get('http://wanted.test:8080/').status_code\n"
+        "except requests.exceptions.ProxyError:\n"
+        "    pass\n"
+        f"requests.get('http://allowed.test:{port}/ok').text"
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        result = sb.run(code)
+    assert result.value == f"hello from {port} /ok", result
+    seen = [(d.rule, d.target, d.learned) for d in _net_denials(result)]
+    assert ("net.resolve", "wanted.test", True) in seen, seen
+    proposal = propose(policy, [result])
+    rules = [(r.host, r.ports) for r in proposal.proposed.net.rules]
+    assert ("wanted.test", "8080") in rules, proposal
+    assert ("allowed.test", str(port)) in rules
+
+
+def test_a_host_that_does_not_resolve_is_a_denial_in_the_result_not_a_warning(
+    ns_provider: str, names: dict[str, list[str]]
+) -> None:
+    """End to end: the model reads a `net.resolve` denial naming the host, recorded by the
+    host's proxy; no UserWarning reaches the host's warnings or the call's stderr."""
+    policy = _policy([{"host": "gone.test", "ports": "80"}])
+    code = (
+        "import requests\n"
+        "try:\n"
+        "    r = requests.get('http://gone.test/').status_code\n"
+        "except requests.exceptions.ProxyError:\n"
+        "    r = 'proxy-error'\n"
+        "r"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+            result = sb.run(code)
+    assert result.value in (403, "proxy-error"), result
+    denials = [(d.rule, d.target) for d in _net_denials(result)]
+    assert ("net.resolve", "gone.test") in denials, denials
+    [denial] = [d for d in _net_denials(result) if d.target == "gone.test"]
+    assert "does not resolve" in denial.detail and "egress proxy" in denial.detail
+    assert "Warning" not in result.stderr
+    assert not [w for w in caught if "does not resolve" in str(w.message)]

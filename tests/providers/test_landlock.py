@@ -256,28 +256,42 @@ def test_handshake_reports_what_the_kernel_enforces(landlock: ProbeResult) -> No
     assert checks["seccomp"] == 2
 
 
-def test_tcp_connect_only_to_the_policys_port(
+def test_tcp_bind_only_to_the_policys_port_and_no_connect(
     landlock: ProbeResult, arena: Any, hostile: Any, make_policy: Any, is_received: Any
 ) -> None:
-    """It lets ctypes connect to the allowed port and denies the neighbouring one."""
-    socks = []
-    for _ in range(2):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.listen(4)
-        s.setblocking(False)
-        socks.append(s)
-    allowed, other = (s.getsockname()[1] for s in socks)
-    policy = make_policy(arena, net={"rules": [{"host": "127.0.0.1", "ports": str(allowed)}]})
+    """ctypes may listen on the port a `host = "*"` bind rule opens, not on the next one, and
+    connects nowhere (a connect rule would be port-only here, so it is refused at build:
+    tests/providers/test_enforceable.py)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        allowed = probe.getsockname()[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        other = probe.getsockname()[1]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.setblocking(False)
+    policy = make_policy(
+        arena, net={"rules": [{"host": "*", "ports": str(allowed), "direction": "bind"}]}
+    )
+    code = (
+        "def nbind(port):\n"
+        "    s = _libc.socket(2, 1, 0)\n"
+        "    a = struct.pack('=H', 2) + struct.pack('!H4s8x', port, bytes([127, 0, 0, 1]))\n"
+        "    r = _libc.bind(s, a, len(a))\n"
+        "    return r if r == 0 else _err()\n"
+        f"print(nbind({allowed}), nbind({other}), "
+        f"nconnect_tcp({listener.getsockname()[1]}))"
+    )
     try:
-        result = hostile(
-            "landlock", policy, f"print(nconnect_tcp({allowed}), nconnect_tcp({other}))"
-        )
+        result = hostile("landlock", policy, code)
         assert result.error is None, result.error
-        assert is_received(socks[0]) and not is_received(socks[1])
+        bound, refused, connect = result.stdout.strip().split(" ", 2)
+        assert bound == "0" and refused == "-13", result.stdout
+        assert "-13" in connect and not is_received(listener), result.stdout
     finally:
-        for s in socks:
-            s.close()
+        listener.close()
 
 
 def test_blocks_signalling_a_process_outside_the_sandbox(

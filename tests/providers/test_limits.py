@@ -23,6 +23,8 @@ from agent_sandbox.providers._limits import (
     record_limit_hits,
 )
 
+from .conftest import skip_unless_available
+
 SUPPORT = cgroup_support()
 needs_cgroups = pytest.mark.skipif(
     not (SUPPORT["memory"] or SUPPORT["processes"] or SUPPORT["kill"]),
@@ -357,3 +359,51 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     groups.kill()
     assert (f"{name}/cgroup.kill", "1") in written
     _limits._LIVE.discard(groups)  # not a real group: nothing to remove at exit
+
+
+ALL_PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
+
+
+@pytest.mark.parametrize("ignore_sigxcpu", [False, True], ids=["plain", "sigxcpu-ignored"])
+@pytest.mark.parametrize("provider", ALL_PROVIDERS)
+def test_cpu_limit_is_named_under_every_provider(provider: str, ignore_sigxcpu: bool) -> None:
+    """It reports limits.cpu (never a crash or an exit status) when a busy loop uses up
+    limits.cpu_seconds, under each provider and the subprocess opt-out, whether the code
+    lets SIGXCPU end it or ignores it (then the hard limit's SIGKILL does)."""
+    skip_unless_available(provider)
+    if ignore_sigxcpu and not SUPPORT["kill"]:
+        pytest.skip("no cgroup v2 group for CPU accounting here")
+    policy = Policy(
+        name="danger-cpu",
+        imports={"allow": ["*"]},
+        api={"allow": ["process-control"]},
+        code={"enabled": False},
+        limits={"cpu_seconds": 1, "wall_seconds": 30},
+        no_kernel_boundary="accepted",  # read only under "subprocess"
+    )
+    code = "while True:\n    pass"
+    if ignore_sigxcpu:
+        code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" + code
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        result = sb.run(code)
+    assert result.error is not None and result.error.rule == "limits.cpu", result.error
+    assert "limits.cpu" in [d.rule for d in result.denials]
+    assert "exit status" not in result.error.message
+
+
+@pytest.mark.parametrize("provider", ALL_PROVIDERS)
+def test_a_killed_worker_is_reported_with_its_signal_under_every_provider(provider: str) -> None:
+    """It reports a worker killed by SIGKILL as "killed by SIGKILL" under each provider
+    (a launcher relays the signal; it does not turn it into an exit status)."""
+    skip_unless_available(provider)
+    policy = Policy(
+        name="p",
+        imports={"allow": ["os", "signal"]},
+        api={"allow": ["process-control"]},
+        limits={"wall_seconds": 30},
+        no_kernel_boundary="accepted",  # read only under "subprocess"
+    )
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        result = sb.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert result.error is not None and result.error.type == "WorkerCrashed", result.error
+    assert "killed by SIGKILL" in result.error.message, result.error

@@ -148,7 +148,10 @@ def test_refuses_a_rule_the_proxy_cannot_serve_naming_it() -> None:
             ]
         },
     )
-    with pytest.raises(ProviderUnavailable, match=r"example\.org:53 .*0\.0\.0\.0/0:8080"):
+    with pytest.raises(
+        ProviderUnavailable,
+        match=r'rules\[0\] host = "example\.org" ports = "53" protocol = "any": UDP.*rules\[1\] host = "0\.0\.0\.0/0" ports = "8080" direction = "bind"',
+    ):
         UnshareProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox.adapters import sandboxed
+from agent_sandbox.adapters.crewai import SandboxedPythonTool as CrewAITool
 from agent_sandbox.adapters.langchain import SandboxedPythonTool
 
 
@@ -18,6 +19,7 @@ def documented_calls() -> None:
     tool = SandboxedPythonTool(policy="data-analysis")
     SandboxedPythonTool(policy=Policy(name="mine"), session="none", timeout=30)
     SandboxedPythonTool()
+    CrewAITool(policy="data-analysis", session="tool")
     with Sandbox("data-analysis") as sandbox:
         value = sandbox.session("thread-1").run("1 + 1").value
         print(value)

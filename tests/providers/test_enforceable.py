@@ -1,0 +1,230 @@
+"""A `[net]` rule the chosen provider cannot enforce below Python refuses the policy at build.
+
+One test per refused combination (the message names the rule, its place, the provider and the
+provider that can), the allowed cases beside them, and the same refusal through `Sandbox`,
+`sandboxed()` and `agent-sandbox policy check`. The allowed case end to end per namespace
+provider is `test_egress.py::test_requests_reaches_an_allowed_server_by_name`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, ProviderUnavailable, Sandbox
+from agent_sandbox.providers._netcheck import refuse_unenforceable, unenforceable
+
+from .conftest import skip_unless_available
+
+NS = "enforced by: bwrap or unshare"
+
+#: (provider, rules, the text the refusal must contain)
+REFUSED: list[tuple[str, list[dict[str, Any]], str]] = [
+    (
+        "landlock",
+        [{"host": "api.example.com", "ports": "443"}],
+        '[net] rules[0] host = "api.example.com" ports = "443": Landlock filters TCP by port '
+        f"only: the port would be open to every address, the agent's own loopback services "
+        f"and the cloud metadata address too; {NS}",
+    ),
+    (
+        "landlock",
+        [{"host": "10.0.0.0/8", "ports": "8000-8080"}],
+        'host = "10.0.0.0/8" ports = "8000-8080": Landlock filters TCP by port only',
+    ),
+    (
+        "landlock",
+        [{"host": "127.0.0.1", "ports": "8765"}],
+        'host = "127.0.0.1" ports = "8765": Landlock filters TCP by port only',
+    ),
+    (
+        "landlock",
+        [{"host": "*", "ports": "443"}],
+        'host = "*" ports = "443": Landlock filters TCP by port only',
+    ),
+    (
+        "landlock",
+        [{"host": "127.0.0.1", "ports": "53", "protocol": "udp"}],
+        'protocol = "udp": Landlock does not filter UDP: it would reach every address; '
+        "enforced by: bwrap or unshare",
+    ),
+    (
+        "landlock",
+        [{"host": "8.8.8.8", "ports": "53", "protocol": "udp"}],
+        'protocol = "udp": Landlock does not filter UDP: it would reach every address; '
+        "enforced by: none (remove the rule)",
+    ),
+    (
+        "landlock",
+        [{"host": "127.0.0.1", "ports": "9000", "direction": "bind"}],
+        'direction = "bind": Landlock filters bind by port only: a listener could take any '
+        f"address; {NS}",
+    ),
+    (
+        "landlock",
+        [
+            {"host": "*", "ports": "9000", "direction": "bind"},
+            {"host": "10.0.0.1", "ports": "9000", "direction": "bind", "action": "deny"},
+        ],
+        '[net] rules[1] host = "10.0.0.1" ports = "9000" direction = "bind" action = "deny": '
+        "Landlock cannot close a port to one host while a rule opens it; " + NS,
+    ),
+    (
+        "firejail",
+        [{"host": "api.example.com", "ports": "443"}],
+        'host = "api.example.com" ports = "443": firejail runs the worker with --net=none: '
+        f"there is no route out; {NS}",
+    ),
+    (
+        "firejail",
+        [{"host": "127.0.0.1", "ports": "8765"}],
+        "firejail's --net=none gives the worker its own loopback: the host's service on that "
+        f"port is not reachable, and nothing in the sandbox may listen there; {NS}",
+    ),
+    (
+        "bwrap",
+        [{"host": "10.0.0.0/8", "ports": "53", "protocol": "udp"}],
+        'protocol = "udp": UDP does not go through the host\'s egress proxy (TCP only); '
+        "enforced by: none (remove the rule)",
+    ),
+    (
+        "unshare",
+        [{"host": "10.0.0.0/8", "ports": "53", "protocol": "udp"}],
+        "UDP does not go through the host's egress proxy",
+    ),
+    (
+        "bwrap",
+        [{"host": "*", "ports": "9000", "direction": "bind"}],
+        "a listener in the sandbox's network namespace is reachable from inside it only; "
+        'enforced by: landlock, for host = "*"',
+    ),
+    (
+        "unshare",
+        [{"host": "192.168.1.2", "ports": "9000", "direction": "bind"}],
+        "a listener in the sandbox's network namespace is reachable from inside it only",
+    ),
+]
+
+#: (provider, rules) that are enforced below Python as written.
+ALLOWED: list[tuple[str, list[dict[str, Any]]]] = [
+    ("landlock", [{"host": "*", "ports": "9000", "direction": "bind"}]),
+    ("landlock", [{"host": "*", "ports": "22", "action": "deny"}]),
+    ("landlock", [{"host": "10.0.0.1", "ports": "22", "action": "deny"}]),
+    (
+        "firejail",
+        [
+            {"host": "127.0.0.1", "ports": "8765", "direction": "bind"},
+            {"host": "127.0.0.1", "ports": "8765"},
+        ],
+    ),
+    (
+        "bwrap",
+        [
+            {"host": "api.example.com", "ports": "443"},
+            {"host": "10.0.0.1", "ports": "1-65535", "action": "deny"},
+        ],
+    ),
+    (
+        "unshare",
+        [
+            {"host": "127.0.0.1", "ports": "8765"},
+            {"host": "127.0.0.1", "ports": "53", "protocol": "udp"},
+        ],
+    ),
+]
+
+
+def _policy(rules: list[dict[str, Any]], **extra: Any) -> Policy:
+    with _quiet():
+        return Policy(name="enf", net={"rules": rules}, **extra)
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("ignore")
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cm.__exit__(*exc)
+
+
+@pytest.mark.parametrize(("provider", "rules", "text"), REFUSED)
+def test_a_rule_the_provider_cannot_enforce_is_refused_naming_it(
+    provider: str, rules: list[dict[str, Any]], text: str
+) -> None:
+    with pytest.raises(ProviderUnavailable) as info:
+        refuse_unenforceable(provider, _policy(rules))
+    message = str(info.value)
+    assert f"provider {provider!r}" in message
+    assert "it cannot enforce" in message and "below Python" in message
+    assert text in message, message
+
+
+@pytest.mark.parametrize(("provider", "rules"), ALLOWED)
+def test_a_rule_the_provider_enforces_is_accepted(
+    provider: str, rules: list[dict[str, Any]]
+) -> None:
+    assert unenforceable(provider, _policy(rules)) == []
+
+
+def test_subprocess_with_the_opt_out_refuses_nothing_more() -> None:
+    """No rule holds below Python there; the policy's opt-out says so in words."""
+    assert unenforceable("subprocess", _policy([{"host": "api.example.com", "ports": "443"}])) == []
+
+
+def test_sandbox_construction_refuses_a_host_rule_under_landlock() -> None:
+    skip_unless_available("landlock")
+    policy = _policy([{"host": "api.example.com", "ports": "443"}], provider="landlock")
+    with pytest.raises(ProviderUnavailable, match="Landlock filters TCP by port only"):
+        Sandbox(policy, warm=0)
+
+
+def test_sandboxed_refuses_a_host_rule_under_landlock() -> None:
+    skip_unless_available("landlock")
+    from agent_sandbox.adapters import sandboxed
+
+    policy = _policy([{"host": "api.example.com", "ports": "443"}], provider="landlock")
+    with pytest.raises(ProviderUnavailable, match="Landlock filters TCP by port only"):
+        sandboxed(_one, policy=policy)
+
+
+def _one() -> int:
+    return 1
+
+
+def test_policy_check_names_the_file_line_rule_and_alternative(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    skip_unless_available("landlock")
+    from agent_sandbox._cli import main
+
+    path = tmp_path / "p.toml"
+    path.write_text(
+        'name = "p"\nprovider = "landlock"\n\n[[net.rules]]\nhost = "127.0.0.1"\nports = "8765"\n'
+    )
+    status = main(["policy", "check", str(path)])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert status != 0
+    assert re.search(
+        re.escape(f"{path}:5 [net] rules[0]") + r'.*host = "127\.0\.0\.1" ports = "8765": '
+        r"Landlock filters TCP by port only.*enforced by: bwrap or unshare",
+        text.replace("\n", " "),
+    ), text
+
+
+def test_auto_takes_landlock_for_rules_it_enforces_exactly() -> None:
+    """A listener on any address is a port rule Landlock holds as written."""
+    from agent_sandbox.providers._auto import AutoProvider
+
+    from .test_auto import SPEC, fake
+
+    auto = AutoProvider((fake("landlock", strength=20, layers=("landlock", "seccomp")),))
+    policy = _policy([{"host": "*", "ports": "9000", "direction": "bind"}])
+    assert auto.build(policy, SPEC).provider == "landlock"
