@@ -138,7 +138,7 @@ def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
-    "after the imports hashed with it); documented in _worker_template.py and providers.md",
+    "after the imports hashed with it); documented in _worker_template.py and docs/performance.md",
 )
 def test_workers_of_one_template_have_their_own_hash_secret() -> None:
     with Sandbox(POLICY, warm=0) as sb:
