@@ -37,7 +37,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   if .venv/bin/python -m pip show -q agent-sandbox >/dev/null 2>&1; then
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
+  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
   touch "$stamp"
 fi
 # A second environment on Debian's own Python, inside the checkout (.venv-nonroot), so the tests
