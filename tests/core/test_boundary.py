@@ -112,7 +112,10 @@ def test_the_opt_out_runs_says_none_and_warns_once_per_pool(
     """It runs under the opt-out, names no boundary, and logs one warning per pool."""
     policy = Policy(name="opt-out-warning", **OPT_OUT)
     with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
-        with Sandbox(policy, warm=0) as a, Sandbox(policy, warm=0) as b:
+        with (
+            Sandbox(policy, warm=0, share_workers=True) as a,
+            Sandbox(policy, warm=0, share_workers=True) as b,
+        ):
             assert a._pool is b._pool
             assert a.boundary.name == "none" and not a.boundary.is_kernel
             result = a.run("1")
