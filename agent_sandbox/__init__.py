@@ -6,6 +6,9 @@ Layout: this package is the core (public API, orchestration, worker pool, transp
 `agent_sandbox.adapters` the LangChain and CrewAI tools.
 """
 
+import importlib as _importlib
+import typing as _typing
+
 from agent_sandbox._denial import RULES as RULES
 from agent_sandbox._denial import Denial as Denial
 from agent_sandbox._errors import AttributeDenied as AttributeDenied
@@ -32,20 +35,55 @@ from agent_sandbox._errors import UnpickleRefused as UnpickleRefused
 from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
-from agent_sandbox._learn import Learner as Learner
-from agent_sandbox._learn import apply_proposal as apply_proposal
-from agent_sandbox._learn import learn_run as learn_run
-from agent_sandbox._learn import learning_envelope as learning_envelope
-from agent_sandbox._learn import write_proposal as write_proposal
-from agent_sandbox._oplog import log_refusals as log_refusals
-from agent_sandbox._result import Image as Image
-from agent_sandbox._result import RunError as RunError
-from agent_sandbox._result import RunResult as RunResult
-from agent_sandbox._sandbox import Sandbox as Sandbox
-from agent_sandbox._sandbox import Session as Session
-from agent_sandbox.policies import Policy as Policy
-from agent_sandbox.policies import load_policy as load_policy
-from agent_sandbox.policies import resolve_policy as resolve_policy
+
+# The rest loads on first use (PEP 562): `import agent_sandbox` alone imports neither the
+# learning code nor pydantic and the policy models; type checkers see the names below.
+if _typing.TYPE_CHECKING:
+    from agent_sandbox._learn import Learner as Learner
+    from agent_sandbox._learn import apply_proposal as apply_proposal
+    from agent_sandbox._learn import learn_run as learn_run
+    from agent_sandbox._learn import learning_envelope as learning_envelope
+    from agent_sandbox._learn import write_proposal as write_proposal
+    from agent_sandbox._oplog import log_refusals as log_refusals
+    from agent_sandbox._result import Image as Image
+    from agent_sandbox._result import RunError as RunError
+    from agent_sandbox._result import RunResult as RunResult
+    from agent_sandbox._sandbox import Sandbox as Sandbox
+    from agent_sandbox._sandbox import Session as Session
+    from agent_sandbox.policies import Policy as Policy
+    from agent_sandbox.policies import load_policy as load_policy
+    from agent_sandbox.policies import resolve_policy as resolve_policy
+
+_LAZY = {
+    "Learner": "agent_sandbox._learn",
+    "apply_proposal": "agent_sandbox._learn",
+    "learn_run": "agent_sandbox._learn",
+    "learning_envelope": "agent_sandbox._learn",
+    "write_proposal": "agent_sandbox._learn",
+    "log_refusals": "agent_sandbox._oplog",
+    "Image": "agent_sandbox._result",
+    "RunError": "agent_sandbox._result",
+    "RunResult": "agent_sandbox._result",
+    "Sandbox": "agent_sandbox._sandbox",
+    "Session": "agent_sandbox._sandbox",
+    "Policy": "agent_sandbox.policies",
+    "load_policy": "agent_sandbox.policies",
+    "resolve_policy": "agent_sandbox.policies",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agent_sandbox' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

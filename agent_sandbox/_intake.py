@@ -18,9 +18,9 @@ The worker may be compromised (see "What stays as trustworthy as the worker" in
 * **Voice.** Text the model reads in the sandbox's voice is host text: a notice is a
   code from `NOTICES` plus typed data fields that the host renders; a denial's rule and
   policy name are the host's, its target is quoted data, its detail is shown as the
-  sandbox's words only when it has the shape of one the guards write (`DETAIL_SHAPES`),
+  sandbox's words only when it has the shape of one the guards write (`shapes().detail`),
   and otherwise as the worker's quoted, unverified words; the same for a hint
-  (`HINT_SHAPE`). Control characters in worker strings are escaped before they are kept.
+  (`shapes().hint`). Control characters in worker strings are escaped before they are kept.
 
 Standard library only; used by `agent_sandbox._result.ResultBuilder`.
 """
@@ -28,6 +28,7 @@ Standard library only; used by `agent_sandbox._result.ResultBuilder`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,7 @@ from agent_sandbox._denial import BETWEEN_CALLS, DURING_CALL, RULES, Denial
 from agent_sandbox._errors import MessageTooLarge, TransportError
 
 __all__ = [
-    "DETAIL_SHAPES",
-    "HINT_SHAPE",
+    "shapes",
     "HostBounds",
     "NOTICES",
     "StreamOrder",
@@ -261,7 +261,7 @@ def render_notice(data: Any) -> str:
 
 #: An action is a verb of a few lowercase words (`read`, `connect`, `format field`), or
 #: `*` for the refusals counted per rule past the worker's bound on distinct ones.
-_ACTION = re.compile(r"\*|(?=.{1,24}$)[a-z][a-z0-9_.-]*(?: [a-z][a-z0-9_.-]*){0,2}")
+_ACTION = r"\*|(?=.{1,24}$)[a-z][a-z0-9_.-]*(?: [a-z][a-z0-9_.-]*){0,2}"
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Denial)}
 _NOT = _CONTROL_CHARS
 # One quoted data slot (a repr, a TOML string or a code span; backslash escapes allowed),
@@ -274,13 +274,9 @@ def _fill(pattern: str) -> str:
     return pattern.replace("Q", _Q).replace("N", _N)
 
 
-def _shapes(*patterns: str) -> tuple[re.Pattern[str], ...]:
-    return tuple(re.compile(_fill(p)) for p in patterns)
-
-
 #: The shapes of the details the guards write: fixed words around quoted or numeric data
 #: (`Q`, `N`). A detail of another shape is still shown, as the worker's quoted words.
-DETAIL_SHAPES: tuple[re.Pattern[str], ...] = _shapes(
+_DETAIL_PATTERNS = (
     # files
     r"the name matches Q in \[files\] hide, so it looks absent",
     r"the worker's control directory \(its socket and log\) is never reachable from user code",
@@ -316,7 +312,7 @@ DETAIL_SHAPES: tuple[re.Pattern[str], ...] = _shapes(
     r"calls nested deeper than N frames \(code budget max_call_depth = N\)",
 )
 #: The code layer's checks, after `line N, column N: ` (static) or `at run time: `.
-CODE_SHAPES: tuple[re.Pattern[str], ...] = _shapes(
+_CODE_PATTERNS = (
     r"Q reaches interpreter internals; no policy can grant it",
     r"the dunder Q is not granted",
     r"the attribute Q is not in the sub-language",
@@ -332,44 +328,63 @@ CODE_SHAPES: tuple[re.Pattern[str], ...] = _shapes(
     r"the keyword Q is reserved",
     r"a string naming Q, which reaches interpreter internals; no policy can grant it",
 )
-_CODE_WHERE = re.compile(r"(?:line [0-9]+, column [0-9]+|at run time): (.*)")
+_CODE_WHERE = r"(?:line [0-9]+, column [0-9]+|at run time): (.*)"
 #: The code layer's summary of a rejected cell: one line per violation.
-_CODE_SUMMARY = re.compile(
-    _fill(
-        r"the code leaves the policy's sub-language in N places?; fix all of them and run "
-        r"it again:\n(?:  line N, column N: Q: (?:"
-        + "|".join(shape.pattern for shape in CODE_SHAPES)
-        + r")(?: \(to allow it: [^\n]*\))?\n)+"
-    )
+_CODE_SUMMARY = (
+    r"the code leaves the policy's sub-language in N places?; fix all of them and run "
+    r"it again:\n(?:  line N, column N: Q: (?:"
+    + "|".join(_CODE_PATTERNS)
+    + r")(?: \(to allow it: [^\n]*\))?\n)+"
 )
 #: A file guard adds how the path was asked for.
-_REQUESTED = re.compile(r"(.*) \(requested as " + _Q + r"\)")
+_REQUESTED = r"(.*) \(requested as Q\)"
 #: A hint is a policy line: `[section] key = value` (repeated for `[[net.rules]]`),
 #: `[code] key: remove Q`, `remove Q from [section] key` or `remove the deny rule for Q
 #: from [net] rules`; its values are data (quoted, lists of quoted, or numbers).
-HINT_SHAPE = re.compile(
-    _fill(
-        r"\[\[?[a-z_.]+\]\]?(?: [a-z_]+ (?:= (?:Q|N|\[(?:Q(?:, )?)*\])|: remove Q))+"
-        r"|remove (?:the deny rule for )?Q from \[[a-z_.]+\](?: [a-z_]+)?"
-    )
+_HINT = (
+    r"\[\[?[a-z_.]+\]\]?(?: [a-z_]+ (?:= (?:Q|N|\[(?:Q(?:, )?)*\])|: remove Q))+"
+    r"|remove (?:the deny rule for )?Q from \[[a-z_.]+\](?: [a-z_]+)?"
 )
+
+
+class _Shapes:
+    """The patterns above, compiled on first use: about 40 regular expressions, some large,
+    which cost tens of milliseconds at import (every `import agent_sandbox`) while only a
+    denial needs them."""
+
+    def __init__(self) -> None:
+        self.action = re.compile(_ACTION)
+        self.detail = tuple(re.compile(_fill(p)) for p in _DETAIL_PATTERNS)
+        self.code = tuple(re.compile(_fill(p)) for p in _CODE_PATTERNS)
+        self.code_where = re.compile(_CODE_WHERE)
+        self.code_summary = re.compile(_fill(_CODE_SUMMARY))
+        self.requested = re.compile(_fill(_REQUESTED))
+        self.hint = re.compile(_fill(_HINT))
+
+
+@functools.cache
+def shapes() -> _Shapes:
+    """The compiled shapes: `.detail` (the guards' details), `.code` (the code layer's),
+    `.hint` (a policy line), and the helpers."""
+    return _Shapes()
 
 
 def _detail_is_the_sandboxes(detail: str) -> bool:
     """Whether `detail` has the shape of one the guards write (data slots hold no control)."""
-    if _CODE_SUMMARY.fullmatch(detail):
+    compiled = shapes()
+    if compiled.code_summary.fullmatch(detail):
         return True
-    match = _REQUESTED.fullmatch(detail)
+    match = compiled.requested.fullmatch(detail)
     if match is not None:
         detail = match.group(1)
-    if any(shape.fullmatch(detail) for shape in DETAIL_SHAPES):
+    if any(shape.fullmatch(detail) for shape in compiled.detail):
         return True
-    match = _CODE_WHERE.fullmatch(detail)
+    match = compiled.code_where.fullmatch(detail)
     if match is not None:
         detail = match.group(1)
         if detail.startswith("at run time: "):
             detail = detail[len("at run time: ") :]
-        return any(shape.fullmatch(detail) for shape in CODE_SHAPES)
+        return any(shape.fullmatch(detail) for shape in compiled.code)
     return False
 
 
@@ -384,7 +399,7 @@ def _hint_is_well_formed(hint: str) -> bool:
         return True
     if len(hint) > MAX_FIELD_CHARS:
         return False
-    if HINT_SHAPE.fullmatch(hint):
+    if shapes().hint.fullmatch(hint):
         return True
     from agent_sandbox._hints import parse_grant
 
@@ -423,7 +438,7 @@ def check_denial(
         shown = quote(rule, 60) if isinstance(rule, str) else "none"
         raise WorkerMisbehaved(f"the worker sent a denial with an unknown rule {shown}")
     action = data.get("action", "")
-    if not _ACTION.fullmatch(action):
+    if not shapes().action.fullmatch(action):
         raise WorkerMisbehaved(
             f"the worker sent a denial with a malformed action {quote(action, 60)}"
         )
@@ -461,7 +476,7 @@ def check_denial(
     well_formed = (
         _hint_is_well_formed(shown_hint)
         if hint is not None
-        else len(shown_hint) <= MAX_FIELD_CHARS and bool(HINT_SHAPE.fullmatch(shown_hint))
+        else len(shown_hint) <= MAX_FIELD_CHARS and bool(shapes().hint.fullmatch(shown_hint))
     )
     if not well_formed:
         shown_hint = clean_text(shown_hint)

@@ -1,0 +1,50 @@
+"""`import agent_sandbox` stays lean: the heavy parts load when first used (issue 19)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import agent_sandbox
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return set(out.split())
+
+
+def test_importing_the_package_loads_neither_learning_nor_pydantic() -> None:
+    """It imports neither the learning code, pydantic and the policy models, nor the
+    denial shapes' regular expressions until they are used."""
+    loaded = _modules_after("import agent_sandbox")
+    assert "agent_sandbox._learn" not in loaded
+    assert "pydantic" not in loaded
+    assert "agent_sandbox.policies._model" not in loaded
+
+
+def test_the_public_names_still_resolve() -> None:
+    """Every name in `__all__` resolves, also the ones loaded on first use."""
+    for name in agent_sandbox.__all__:
+        assert getattr(agent_sandbox, name) is not None, name
+    from agent_sandbox import Policy, Sandbox
+
+    assert Sandbox.__module__ == "agent_sandbox._sandbox"
+    assert Policy.__name__ == "Policy"
+
+
+def test_using_a_sandbox_does_not_load_the_learning_code() -> None:
+    loaded = _modules_after("from agent_sandbox import Policy, Sandbox")
+    assert "agent_sandbox._learn" not in loaded
+
+
+def test_the_denial_shapes_compile_on_first_use() -> None:
+    loaded = _modules_after(
+        "import agent_sandbox._intake as i\nassert i.shapes.cache_info().currsize == 0"
+    )
+    assert "agent_sandbox._intake" in loaded
