@@ -1,6 +1,6 @@
 """Objects-mode benchmark: what decoding a worker's result costs the host, in both modes.
 
-Run: `.venv/bin/python benchmarks/bench_objects.py [--rounds N]`
+Run: `.venv/bin/python benchmarks/bench_objects.py [--rounds N] [--runs 3] [--no-end-to-end]`
 
 For each typical result (a dict of 10k numbers, a pandas DataFrame when pandas is
 installed, a 1 MB bytes value) it measures, in one run, the host-side decode of the event
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import io
 import json
+import os
 import pickle
 import statistics
 import time
@@ -43,6 +45,34 @@ def measure(fn: Callable[[], object], rounds: int, warmup: int = 2) -> list[floa
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def paired(
+    floor: Callable[[], object], fn: Callable[[], object], rounds: int
+) -> tuple[list[float], list[float]]:
+    """Both functions timed alternately, round by round, so load spikes hit both alike; the
+    cyclic collector is run between rounds and paused within one (both build the same
+    objects, and a collection landing in one of them measures the collector)."""
+    for _ in range(2):
+        floor()
+        fn()
+    a: list[float] = []
+    b: list[float] = []
+    try:
+        for _ in range(rounds):
+            gc.collect()
+            gc.disable()
+            t0 = time.perf_counter()
+            floor()
+            t1 = time.perf_counter()
+            fn()
+            t2 = time.perf_counter()
+            gc.enable()
+            a.append(t1 - t0)
+            b.append(t2 - t1)
+    finally:
+        gc.enable()
+    return a, b
 
 
 def row(name: str, samples: list[float], base: float | None, note: str = "") -> str:
@@ -87,7 +117,11 @@ def _globals(raw: bytes) -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=3, help="runs of the paired ratio")
+    parser.add_argument("--no-end-to-end", action="store_true")
     args = parser.parse_args()
+    print(f"load average {os.getloadavg()}")
+    summary: list[str] = []
     for title, value, types in cases():
         raw = pickle.dumps(value, protocol=5)
         event = {"encoding": "pickle-b64", "pickle": base64.b64encode(raw).decode()}
@@ -114,6 +148,19 @@ def main() -> None:
                 b,
             )
         )
+        ratios = []
+        for _ in range(args.runs):
+            floor_s, decode_s = paired(
+                lambda raw=raw: pickle.loads(raw),
+                lambda e=event, d=decoder: d.decode_value(e),
+                args.rounds,
+            )
+            ratios.append(statistics.median(decode_s) / statistics.median(floor_s))
+        summary.append(
+            f"  {title[:40]:<40} full decode / pickle.loads, paired: median "
+            f"x{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] over "
+            f"{args.runs} runs (target <= 3x; met in {sum(r <= 3 for r in ratios)})"
+        )
         lossy = "" if isinstance(value, dict) else "(a marked repr: not the value)"
         print(
             row(
@@ -123,6 +170,11 @@ def main() -> None:
                 lossy,
             )
         )
+    print("\n-- summary (issue 19)")
+    print("\n".join(summary))
+    print(f"load average {os.getloadavg()}")
+    if args.no_end_to_end:
+        return
     print("\nend to end, one call returning the dict (warm session, median of rounds):")
     code = "{f'k{i}': i * 1.5 for i in range(10_000)}"
     for mode in ("data-only", "objects"):
