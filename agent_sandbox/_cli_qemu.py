@@ -35,6 +35,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="MB",
         help="guest RAM of a template to save (repeatable; default: the default policy's)",
     )
+    build.add_argument(
+        "--package",
+        action="append",
+        metavar="NAME",
+        help="also bake this installed package into the image (repeatable; the list is "
+        "remembered for later builds; --package '' clears it)",
+    )
     build.add_argument("--force", action="store_true", help="rebuild even when up to date")
     build.add_argument("--no-template", action="store_true", help="build the image only")
     build.set_defaults(func=_cmd_build)
@@ -62,7 +69,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - t0:5.1f} s] {message}", file=sys.stderr, flush=True)
 
     try:
-        image = build_image(args.kernel_deb, download=True, force=args.force, progress=say)
+        packages = None if args.package is None else [p for p in args.package if p]
+        image = build_image(
+            args.kernel_deb, download=True, force=args.force, packages=packages, progress=say
+        )
     except ImageError as exc:
         print(f"agent-sandbox qemu build: {exc}", file=sys.stderr)
         return 69

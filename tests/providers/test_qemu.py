@@ -389,3 +389,21 @@ def test_nothing_outlives_an_agent_killed_with_sigkill(vm_cache: str) -> None:
             agent.wait()
         if agent.stdout is not None:
             agent.stdout.close()
+
+
+def test_extra_packages_are_found_or_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It bakes an installed package (with its wheel's `.libs` folder) and refuses an
+    unknown one by name, before anything is recorded or built."""
+    from agent_sandbox.providers._qemu_image import (
+        ImageError,
+        _package_trees,
+        build_image,
+        configured_packages,
+    )
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    trees = _package_trees(["h11"])
+    assert trees["h11"].endswith("h11") and os.path.isdir(trees["h11"])
+    with pytest.raises(ImageError, match="no_such_package_xyz"):
+        build_image(packages=["no_such_package_xyz"])
+    assert configured_packages() == []
