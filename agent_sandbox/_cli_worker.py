@@ -165,7 +165,7 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
         return 0
     try:
-        import yaml
+        import yaml  # type: ignore[import-untyped]
     except ImportError:
         print(
             "agent-sandbox k8s manifests: no YAML library here; use --format json", file=sys.stderr

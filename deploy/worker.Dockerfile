@@ -13,7 +13,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 COPY dist/agent_sandbox_kit-*.whl /tmp/
-RUN python -m pip install --no-cache-dir /tmp/agent_sandbox_kit-*.whl \
+RUN python -m pip install --no-cache-dir "$(ls /tmp/agent_sandbox_kit-*.whl)[seccomp]" \
  && rm /tmp/agent_sandbox_kit-*.whl \
  && python -m compileall -q "$(python -c 'import agent_sandbox, os; print(os.path.dirname(agent_sandbox.__file__))')"
 
