@@ -8,7 +8,8 @@ It serves the worker protocol on TCP with TLS (optionally mTLS) and starts the a
   template-wide bootstrap secret (`X-Agent-Sandbox-Bind`); a second bind is refused (409),
   whoever sends it. The worker is started here, under `--provider` (Landlock under runc;
   `subprocess` under a runtime that is itself the boundary, `--runtime-boundary gvisor`).
-* `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, authenticated by the
+* `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, and `POST /interrupt`
+  (SIGINT to the running cell, replaced after `grace` seconds, as locally), authenticated by the
   session token (`X-Agent-Sandbox-Token`, compared by SHA-256 in constant time; the token
   itself is never stored, logged or echoed). `/run` is streamed through from the worker's
   Unix socket; an idle stream gets an SSE comment (`: keep-alive`) every `keepalive`
@@ -294,6 +295,14 @@ class WorkerServer:
             return True
         if method == b"POST" and target == b"/run":
             return self._run(sock, conn, body)
+        if method == b"POST" and target == b"/interrupt":
+            try:
+                grace = float(json.loads(body or b"{}").get("grace", 2.0))
+            except (ValueError, TypeError, AttributeError):
+                grace = 2.0
+            sent = bool(self._call.locked() and self.worker.interrupt(min(max(grace, 0.1), 60)))
+            self._reply(sock, conn, 200, {"sent": sent})
+            return True
         if method == b"POST" and target == b"/shutdown":
             self._reply(sock, conn, 200, {"ok": True}, close=True)
             self.stop("the host ended the session")

@@ -474,6 +474,14 @@ class RemoteSession:
                 )
             return result
 
+    def interrupt(self, grace: float | None = None) -> bool:
+        """Interrupt the running call (KeyboardInterrupt in the cell; variables kept). False
+        when no call runs."""
+        worker = self.worker
+        if worker is None or not self._lock.locked():
+            return False
+        return worker.interrupt(grace)
+
     async def arun(self, code: str, **kwargs: Any) -> RunResult:
         import asyncio
 
