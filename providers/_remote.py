@@ -483,9 +483,15 @@ class RemoteSession:
         return worker.interrupt(grace)
 
     async def arun(self, code: str, **kwargs: Any) -> RunResult:
+        """`run()` in a thread; a cancelled await interrupts the cell (variables kept)."""
         import asyncio
 
-        return await asyncio.to_thread(self.run, code, **kwargs)
+        call = asyncio.ensure_future(asyncio.to_thread(self.run, code, **kwargs))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self.interrupt()
+            raise
 
     def _drop(self) -> None:
         """Leave the claim: delete it when this session bound its worker, or when the worker

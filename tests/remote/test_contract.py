@@ -161,3 +161,21 @@ def test_interrupt_stops_the_cell_and_keeps_the_variables(make: Any) -> None:
     assert result.error is not None and result.error.type == "KeyboardInterrupt"
     after = s.run("kept + 1")
     assert after.value == 42 and not after.state_lost
+
+
+async def test_a_cancelled_async_call_interrupts_the_cell(make: Any) -> None:
+    import asyncio
+
+    s = make()
+    assert s.run("kept = 1").ok
+    task = asyncio.ensure_future(s.arun("import time\ntime.sleep(30)"))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):  # the interrupted call finishes in its thread
+        after = s.run("kept + 1")
+        if after.error is None or after.error.rule != "remote.busy":
+            break
+        await asyncio.sleep(0.1)
+    assert after.value == 2 and not after.state_lost
