@@ -7,7 +7,7 @@ skipped; it counts against the same per-event cap. Kinds: `start`, `stdout`, `st
 incremental, caps the size of one event (per kind, once the kind line has arrived, so no
 event is buffered past its own cap), and turns anything malformed into a `TransportError`;
 it never evaluates what it reads. What an event may contain, in which order, and how much
-of it the host keeps is judged by `agent_sandbox._intake`.
+of it the host keeps is judged by `agent_sandbox._host.intake.events`.
 
 Standard library only: the worker imports it before arming.
 """

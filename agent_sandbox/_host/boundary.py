@@ -57,7 +57,7 @@ def boundary_name(stack: tuple[str, ...] | list[str], is_boundary: bool | None =
 
 
 def _dry_spec(policy: Policy) -> WorkerSpec:
-    from agent_sandbox._process import (
+    from agent_sandbox._host.process import (
         BOOT_SCRIPT,
         import_roots,
         package_dirs,

@@ -1,4 +1,4 @@
-"""The agent's side of "nothing outlives the agent" (see `_guardian.py` for the mechanisms).
+"""The agent's side of "nothing outlives the agent" (see `_host/guardian.py` for the mechanisms).
 
 * `owner_tag()`, `control_dir_prefix()` and `owner_env()`: the marks every control directory
   and every launched process carries.
@@ -30,8 +30,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from agent_sandbox import _guardian
 from agent_sandbox._errors import SandboxClosed
+from agent_sandbox._host import guardian
 
 __all__ = [
     "START_GATE",
@@ -57,17 +57,17 @@ def owner_tag() -> str:
     pid = os.getpid()
     with _LOCK:
         if _STATE["pid"] != pid:
-            _STATE.update(pid=pid, tag=_guardian.owner_tag(pid), guardian=None, pipe=-1)
+            _STATE.update(pid=pid, tag=guardian.owner_tag(pid), guardian=None, pipe=-1)
         return str(_STATE["tag"])
 
 
 def control_dir_prefix() -> str:
-    return f"{_guardian.DIR_PREFIX}{owner_tag()}-"
+    return f"{guardian.DIR_PREFIX}{owner_tag()}-"
 
 
 def owner_env() -> dict[str, str]:
     """The variable a launched process starts with (dropped from the worker's os.environ)."""
-    return {_guardian.OWNER_ENV: owner_tag()}
+    return {guardian.OWNER_ENV: owner_tag()}
 
 
 def shutting_down() -> bool:
@@ -94,10 +94,10 @@ def ensure_guardian() -> None:
                 os.close(_STATE["pipe"])
             _STATE["pipe"] = -1
         read_end, write_end = os.pipe()  # neither is inheritable
-        folder = os.path.dirname(os.path.abspath(_guardian.__file__))
+        folder = os.path.dirname(os.path.abspath(guardian.__file__))
         code = (
-            f"import sys; sys.path.insert(0, {folder!r}); import _guardian; "
-            "del sys.path[0]; _guardian.main()"
+            f"import sys; sys.path.insert(0, {folder!r}); import guardian; "
+            "del sys.path[0]; guardian.main()"
         )
         argv = [
             sys.executable,
@@ -238,11 +238,11 @@ def _at_exit() -> None:
     _SHUTDOWN.set()
     _LAUNCHER.drain(5.0)
     with contextlib.suppress(Exception):
-        from agent_sandbox._pool import REGISTRY
+        from agent_sandbox._host.pool import REGISTRY
 
         REGISTRY.close_all()
     with contextlib.suppress(Exception):
-        _guardian.clean_owner(owner_tag(), _bases(), tempfile.gettempdir())
+        guardian.clean_owner(owner_tag(), _bases(), tempfile.gettempdir())
     fd = _STATE["pipe"]
     if fd >= 0:
         with contextlib.suppress(OSError):

@@ -5,11 +5,11 @@ in a background thread after each acquire. Pools are shared between sandboxes wi
 policy through `PoolRegistry` only when they ask for it (`Sandbox(share_workers=True)`), and
 closed when the last sandbox using one is closed. By default each sandbox has its own pool,
 so workers forked for one sandbox never come from another sandbox's template: forked workers
-share their template's hash secret and memory layout (see `_worker_template.py`), and that
+share their template's hash secret and memory layout (see `_worker/template.py`), and that
 sharing stays within one sandbox. The cost is one template (and `warm` workers) per sandbox.
 
 For providers whose worker is a plain child (`subprocess`, `landlock`), the pool also keeps
-a worker template (`_templates.py`): a pre-imported process that forks new workers, so a
+a worker template (`_host/templates.py`): a pre-imported process that forks new workers, so a
 start costs a fork instead of the worker's imports. If the template cannot start, workers
 are started directly (the same plan and restrictions either way).
 """
@@ -21,10 +21,10 @@ import itertools
 import logging
 import threading
 
-from agent_sandbox import _lifecycle
 from agent_sandbox._errors import SandboxClosed, WorkerStartError
-from agent_sandbox._process import WorkerProcess
-from agent_sandbox._templates import TEMPLATE_PROVIDERS, WorkerTemplate
+from agent_sandbox._host import lifecycle
+from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.templates import TEMPLATE_PROVIDERS, WorkerTemplate
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import Provider
 
@@ -82,7 +82,7 @@ class WorkerPool:
             return self._template
 
     def _start(self) -> WorkerProcess:
-        with _lifecycle.START_GATE.slot():
+        with lifecycle.START_GATE.slot():
             return self._start_now()
 
     def _start_now(self) -> WorkerProcess:

@@ -42,7 +42,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from agent_sandbox import _guard_block, _lifecycle
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
@@ -50,17 +49,19 @@ from agent_sandbox._errors import (
     WorkerStartError,
     describe_exit,
 )
-from agent_sandbox._guardian import remove_tree
 from agent_sandbox._hints import limit_hint
-from agent_sandbox._intake import HostBounds
-from agent_sandbox._result import Mark, ResultBuilder, RunError, RunResult
-from agent_sandbox._transport import AsyncWorkerClient, ConnectionLost, WorkerClient
-from agent_sandbox._unpickle import Decoder
+from agent_sandbox._host import lifecycle
+from agent_sandbox._host.guardian import remove_tree
+from agent_sandbox._host.intake import guard_block
+from agent_sandbox._host.intake.builder import Mark, ResultBuilder, RunError, RunResult
+from agent_sandbox._host.intake.events import HostBounds
+from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox._host.intake.unpickle import Decoder
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
 if TYPE_CHECKING:
-    from agent_sandbox._templates import WorkerTemplate
+    from agent_sandbox._host.templates import WorkerTemplate
 from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
@@ -85,7 +86,7 @@ OnEvent = Callable[[str, Any], None]
 
 class ChildProcess(Protocol):
     """What the parent needs of a worker process: a `subprocess.Popen`, or a worker forked by
-    a template (`_templates.TemplateChild`)."""
+    a template (`_host.templates.TemplateChild`)."""
 
     pid: int
     returncode: int | None
@@ -95,7 +96,9 @@ class ChildProcess(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_boot.py")
+BOOT_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_worker", "boot.py"
+)
 _PACKAGES = (
     "agent_sandbox",
     "agent_sandbox.guards",
@@ -145,7 +148,7 @@ def refresh_bytecode(folders: tuple[str, ...]) -> None:
 
     for folder in folders:
         with contextlib.suppress(OSError):
-            compileall.compile_dir(folder, maxlevels=0, quiet=2, optimize=0)
+            compileall.compile_dir(folder, maxlevels=2, quiet=2, optimize=0)
 
 
 def import_roots() -> tuple[str, ...]:
@@ -223,11 +226,12 @@ class WorkerProcess:
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
         self._egress_channel: socket.socket | None = None
-        #: The host's own reader of the worker's arming counter (`_guard_block.py`), and the
+        #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`), and
+        #: the
         self._held_mark: Mark | None = None
         self.bounds: HostBounds | None = None
         #: events of the current call it holds back until the call's end is verified.
-        self.guard_watch: _guard_block.GuardWatch | None = None
+        self.guard_watch: guard_block.GuardWatch | None = None
         self._held: list[tuple[str, Any]] = []
 
     # -- start ---------------------------------------------------------------------------
@@ -243,7 +247,7 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start a worker for `policy` under `provider` and wait for its handshake.
 
-        With a `template` (see `_templates.py`) the worker is forked from a pre-imported
+        With a `template` (see `_host/templates.py`) the worker is forked from a pre-imported
         template instead of started from scratch; the plan, the boot configuration, the
         limits and every restriction are the same.
         """
@@ -251,8 +255,8 @@ class WorkerProcess:
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
         t0 = time.monotonic()
-        _lifecycle.ensure_guardian()
-        self.control_dir = tempfile.mkdtemp(prefix=_lifecycle.control_dir_prefix())
+        lifecycle.ensure_guardian()
+        self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
         os.chmod(self.control_dir, 0o700)
         self.scratch = os.path.join(self.control_dir, "scratch")
         os.mkdir(self.scratch, 0o700)
@@ -300,8 +304,8 @@ class WorkerProcess:
                 if self.cgroups is not None and depth is None:
                     # A launcher of no fixed shape joins the groups itself before it runs.
                     plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
-                plan = dataclasses.replace(plan, env={**plan.env, **_lifecycle.owner_env()})
-                self.proc = _lifecycle.launch(provider.launch, plan, log)
+                plan = dataclasses.replace(plan, env={**plan.env, **lifecycle.owner_env()})
+                self.proc = lifecycle.launch(provider.launch, plan, log)
         except BaseException:
             listener.close()
             os.close(boot_r)
@@ -452,7 +456,7 @@ class WorkerProcess:
         """Open the host's reader of the arming counter the handshake reported."""
         global _unwatched_warned
         assert self.proc is not None
-        self.guard_watch = _guard_block.GuardWatch.open(self.proc.pid, self.hello)
+        self.guard_watch = guard_block.GuardWatch.open(self.proc.pid, self.hello)
         if self.guard_watch is None and not _unwatched_warned:
             _unwatched_warned = True
             _logger.warning(
@@ -466,7 +470,7 @@ class WorkerProcess:
     ) -> Callable[[tuple[str, Any]], None]:
         """What the transport calls with each event: the host's judge, then its guard check.
 
-        Every event is judged as it arrives (`agent_sandbox._intake`: order, shape, the
+        Every event is judged as it arrives (`agent_sandbox._host.intake.events`: order, shape, the
         host's bounds and wording), held or not, so nothing the worker sends escapes the
         bounds. Then the guard check: events read while the guards are armed are passed on;
         events after the disarming are held (and marked in the builder, so they can be
@@ -490,13 +494,13 @@ class WorkerProcess:
                 return
             if watch is not None:
                 verdict = watch.judge(event[0])
-                if verdict == _guard_block.HOLD:
+                if verdict == guard_block.HOLD:
                     if self._held_mark is None:
                         self._held_mark = builder.mark()
                     if accepted is not None:
                         held.append(accepted)
                     return
-                if verdict == _guard_block.TAMPERED:
+                if verdict == guard_block.TAMPERED:
                     held.clear()
                     return
                 self._held_mark = None
@@ -650,7 +654,8 @@ class WorkerProcess:
         return self._finish(builder, t0, session)
 
     def _builder(self, wall: float) -> ResultBuilder:
-        """The judge and accumulator of the next call's events (`agent_sandbox._intake`):
+        """The judge and accumulator of the next call's events
+        (`agent_sandbox._host.intake.events`):
         it has the host's policy, to make the hints it shows itself (`_hints.host_hint`)."""
         assert self.policy is not None
         self.calls += 1
@@ -1040,7 +1045,7 @@ class WorkerProcess:
 
         Synchronous (a killed process is reaped within milliseconds); only a process that
         does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
-        (`_lifecycle`) removes whatever that one has not.
+        (`_host.lifecycle`) removes whatever that one has not.
         """
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call

@@ -62,7 +62,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 @dataclasses.dataclass
 class ServeConfig:
-    """What `worker serve` was started with (see `_cli_worker.py` for the flags)."""
+    """What `worker serve` was started with (see `_tools/cli_worker.py` for the flags)."""
 
     host: str = "0.0.0.0"
     port: int = 8888
@@ -342,9 +342,9 @@ class WorkerServer:
                 pass  # still warm and unbound: a bad bind does not use the worker up
 
     def _start_session(self, body: bytes) -> tuple[int, dict[str, Any]]:
-        from agent_sandbox._boundary import resolve_boundary
         from agent_sandbox._errors import SandboxError
-        from agent_sandbox._process import WorkerProcess
+        from agent_sandbox._host.boundary import resolve_boundary
+        from agent_sandbox._host.process import WorkerProcess
         from agent_sandbox.policies import policy_from_dict
 
         try:

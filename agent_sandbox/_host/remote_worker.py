@@ -3,12 +3,12 @@
 `RemoteWorker` is a `WorkerProcess` whose channel is `RemoteWorkerClient` (httpx, TLS) and
 whose process is somewhere else (a pod started by `agent-sandbox worker serve`). The call
 logic is the local one, unchanged: every event goes through `ResultBuilder`
-(`agent_sandbox._intake`) with the host's bounds, and a worker that breaks the protocol,
+(`agent_sandbox._host.intake.events`) with the host's bounds, and a worker that breaks the protocol,
 sends too much or passes its deadline is dropped exactly as a local one is.
 
 What the host cannot do remotely, and so does not claim: signal the worker (no interrupt;
 the pod enforces the wall time itself and the host ends the session), read its guard
-counter (`_guard_block`), or put it in cgroups (the pod's resources are its limits). The
+counter (`_host.intake.guard_block`), or put it in cgroups (the pod's resources are its limits). The
 boundary it reports (`RunResult.stack`) is what the pod said at bind time, before any user
 code ran there; a pod that reports no kernel boundary is refused unless the policy accepts
 that in so many words (`no_kernel_boundary = "accepted"`).
@@ -24,18 +24,18 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from agent_sandbox._boundary import NO_BOUNDARY, boundary_name
 from agent_sandbox._errors import TransportError, WorkerStartError
-from agent_sandbox._intake import HostBounds
-from agent_sandbox._process import OnEvent, WorkerProcess
-from agent_sandbox._remote_transport import (
+from agent_sandbox._host.boundary import NO_BOUNDARY, boundary_name
+from agent_sandbox._host.intake.builder import ResultBuilder, RunError, RunResult
+from agent_sandbox._host.intake.events import HostBounds
+from agent_sandbox._host.intake.remote_transport import (
     RemoteBusy,
     RemoteNotReady,
     RemoteTLS,
     RemoteWorkerClient,
 )
-from agent_sandbox._result import ResultBuilder, RunError, RunResult
-from agent_sandbox._unpickle import Decoder
+from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.process import OnEvent, WorkerProcess
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan
 

@@ -25,12 +25,12 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
-from agent_sandbox._boundary import Boundary, resolve_boundary
-from agent_sandbox._calllock import CallLock
 from agent_sandbox._errors import CapacityError, SandboxClosed
-from agent_sandbox._pool import REGISTRY, WorkerPool
-from agent_sandbox._process import WorkerProcess
-from agent_sandbox._result import RunError, RunResult
+from agent_sandbox._host.boundary import Boundary, resolve_boundary
+from agent_sandbox._host.calllock import CallLock
+from agent_sandbox._host.intake.builder import RunError, RunResult
+from agent_sandbox._host.pool import REGISTRY, WorkerPool
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.policies import Policy, resolve_policy
 from agent_sandbox.providers import Provider
 
@@ -315,9 +315,9 @@ class Sandbox:
         self.tool = tool
 
     def _logged(self, result: RunResult) -> RunResult:
-        from agent_sandbox import _oplog
+        from agent_sandbox._host import oplog
 
-        _oplog.write(result, tool=self.tool)
+        oplog.write(result, tool=self.tool)
         return result
 
     # -- stateless calls -----------------------------------------------------------------

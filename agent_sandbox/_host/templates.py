@@ -1,4 +1,4 @@
-"""The parent's side of worker templates (see `_worker_template.py` for the worker side).
+"""The parent's side of worker templates (see `_worker/template.py` for the worker side).
 
 `WorkerTemplate.start(policy, provider)` launches one pre-imported template for a pool whose
 provider starts its workers as plain children (`subprocess`, `landlock`); `spawn(plan, log)`
@@ -23,9 +23,9 @@ import threading
 import time
 from typing import IO, Any
 
-from agent_sandbox import _lifecycle
 from agent_sandbox._errors import WorkerStartError
-from agent_sandbox._guardian import remove_tree
+from agent_sandbox._host import lifecycle
+from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
@@ -104,7 +104,7 @@ class WorkerTemplate:
     @classmethod
     def start(cls, policy: Policy, provider: Provider, *, timeout: float = 15.0) -> WorkerTemplate:
         """Launch the template with the provider's environment for this policy."""
-        from agent_sandbox._process import (
+        from agent_sandbox._host.process import (
             BOOT_SCRIPT,
             import_roots,
             package_dirs,
@@ -116,8 +116,8 @@ class WorkerTemplate:
         if provider.name not in TEMPLATE_PROVIDERS:
             raise WorkerStartError(f"provider {provider.name!r} does not use worker templates")
         self = cls()
-        _lifecycle.ensure_guardian()
-        self.folder = tempfile.mkdtemp(prefix=_lifecycle.control_dir_prefix() + "template-")
+        lifecycle.ensure_guardian()
+        self.folder = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix() + "template-")
         spec = WorkerSpec(
             python=worker_python(),
             boot_script=BOOT_SCRIPT,
@@ -139,7 +139,7 @@ class WorkerTemplate:
             argv = (spec.python, "-I", "-S", "-B", spec.boot_script, str(boot_r))
             self.proc = subprocess.Popen(
                 argv,
-                env={**base_env(spec), **_lifecycle.owner_env()},
+                env={**base_env(spec), **lifecycle.owner_env()},
                 cwd=self.folder,
                 pass_fds=(child.fileno(), boot_r),
                 stdin=subprocess.DEVNULL,

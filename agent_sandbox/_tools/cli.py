@@ -32,10 +32,10 @@ __all__ = ["Style", "main"]
 
 #: Modules that add their own sub-commands (`add_parser(subparsers)`).
 _COMMAND_MODULES: tuple[str, ...] = (
-    "agent_sandbox._cli_demo",
-    "agent_sandbox._cli_doctor",
-    "agent_sandbox._cli_learn",
-    "agent_sandbox._cli_worker",
+    "agent_sandbox._tools.cli_demo",
+    "agent_sandbox._tools.cli_doctor",
+    "agent_sandbox._tools.cli_learn",
+    "agent_sandbox._tools.cli_worker",
 )
 
 EXIT_OK = 0
@@ -227,7 +227,7 @@ def _read_source(args: argparse.Namespace) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from agent_sandbox._sandbox import Sandbox
+    from agent_sandbox._host.sandbox import Sandbox
 
     code = _read_source(args)
     out, err = sys.stdout, sys.stderr
@@ -324,7 +324,7 @@ def print_result_tail(result: Any, stream: TextIO) -> None:
 
 
 def _cmd_policy_check(args: argparse.Namespace) -> int:
-    from agent_sandbox._boundary import NO_BOUNDARY, resolve_boundary
+    from agent_sandbox._host.boundary import NO_BOUNDARY, resolve_boundary
     from agent_sandbox.policies import resolve_policy
     from agent_sandbox.providers._masks import policy_file_warnings
 

@@ -22,9 +22,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from agent_sandbox._cli import Style
-    from agent_sandbox._demo import run_demo
     from agent_sandbox._errors import install_hint
+    from agent_sandbox._tools.cli import Style
+    from agent_sandbox._tools.demo import run_demo
 
     only = args.only
     missing = [

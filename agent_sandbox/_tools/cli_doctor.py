@@ -107,7 +107,7 @@ def _json_safe(value: Any) -> bool:
 
 def _live(name: str) -> dict[str, Any]:
     from agent_sandbox._errors import SandboxError
-    from agent_sandbox._process import WorkerProcess
+    from agent_sandbox._host.process import WorkerProcess
     from agent_sandbox.policies import Policy
     from agent_sandbox.providers import get_provider
 
@@ -126,7 +126,7 @@ def _live(name: str) -> dict[str, Any]:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from agent_sandbox._cli import EXIT_ERROR, EXIT_OK, Style
+    from agent_sandbox._tools.cli import EXIT_ERROR, EXIT_OK, Style
 
     report = collect(live=args.live)
     boundary = any(p["available"] and p["details"].get("boundary") for p in report["providers"])

@@ -1,7 +1,7 @@
 """`agent-sandbox worker serve|check`: the remote worker's entry point and its self-report.
 
 `serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/remote.md and
-`_worker_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
+`_host/remote_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
 port when `:0` was asked). `check` says which layer is the kernel boundary in this place:
 the runtime the operator declares (`--runtime-boundary gvisor`) and what the in-pod provider
 finds (Landlock is absent under gVisor, present under runc with the default seccomp profile).
@@ -70,7 +70,7 @@ def _read_secret(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from agent_sandbox._worker_serve import ServeConfig, WorkerServer, parse_listen
+    from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer, parse_listen
 
     try:
         host, port = parse_listen(args.listen)

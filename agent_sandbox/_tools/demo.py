@@ -253,7 +253,7 @@ _MAX_LINES = 12
 
 
 def _style(stream: TextIO) -> Any:
-    from agent_sandbox._cli import Style
+    from agent_sandbox._tools.cli import Style
 
     return Style(stream)
 
@@ -408,7 +408,7 @@ def run_crewai_demo(script: DemoScript | None = None, policy: Policy | None = No
 
 def _stack_text(policy: Policy) -> str:
     """The sandbox stack the policy's provider gives a worker on this machine."""
-    from agent_sandbox._sandbox import Sandbox
+    from agent_sandbox._host.sandbox import Sandbox
 
     with Sandbox(policy, warm=0) as sandbox:
         result = sandbox.run("None")

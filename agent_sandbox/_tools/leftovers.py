@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent_sandbox._guardian import DIR_PREFIX, OWNER_ENV, owner_tag
+from agent_sandbox._host.guardian import DIR_PREFIX, OWNER_ENV, owner_tag
 
 __all__ = [
     "NO_GUARDIAN",
@@ -105,7 +105,7 @@ time.sleep(600)
 """
 
 #: Prepended to the agent to switch its guardian off: what remains is the exit hook's work.
-NO_GUARDIAN = "import agent_sandbox._lifecycle as L\nL.ensure_guardian = lambda: None\n"
+NO_GUARDIAN = "import agent_sandbox._host.lifecycle as L\nL.ensure_guardian = lambda: None\n"
 
 
 def _pids() -> list[str]:

@@ -21,8 +21,8 @@ the exception. Three things happen to each refusal:
 3. **Attribution**: refusals recorded by a thread of the code between two calls are kept and
    handed to the next call, marked `between-calls`.
 
-The host treats `internal` as a presentation downgrade only (agent_sandbox/_result.py): it
-never makes a failed call succeed, and a refusal that shows up in the call's error is the
+The host treats `internal` as a presentation downgrade only (agent_sandbox/_host/intake/builder.py):
+it never makes a failed call succeed, and a refusal that shows up in the call's error is the
 user's whatever the worker says.
 
 Standard library only (the worker imports it before arming).

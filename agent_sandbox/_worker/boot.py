@@ -1,6 +1,6 @@
 """The worker's entry point: the first code that runs in the sandboxed process.
 
-Started as `python -I -S -B _worker_boot.py <boot-fd>`. The order matters:
+Started as `python -I -S -B _worker/boot.py <boot-fd>`. The order matters:
 
 1. Read the boot configuration (JSON) from the inherited pipe and close it.
 2. Set `sys.path` to the explicit import roots and map the `agent_sandbox` packages to
@@ -46,7 +46,7 @@ def _map_packages(package_dirs: dict) -> None:  # type: ignore[type-arg]
 def load(fd: int) -> dict:  # type: ignore[type-arg]
     """Steps 1 and 2: the boot configuration, then the import roots and packages."""
     boot = _read_boot(fd)
-    # The agent's owner mark (see `_guardian.py`) stays in /proc/self/environ for the
+    # The agent's owner mark (see `_host/guardian.py`) stays in /proc/self/environ for the
     # agent's clean-up, but is none of the code's business.
     os.environ.pop("AGENT_SANDBOX_OWNER", None)
     sys.path[:] = list(boot["sys_path"])
@@ -59,8 +59,8 @@ def import_worker(boot: dict) -> None:  # type: ignore[type-arg]
 
     Optional: the `unshare` launcher calls it while its init still builds the view.
     """
-    from agent_sandbox._worker_server import serve  # noqa: F401
-    from agent_sandbox._worker_setup import import_ahead
+    from agent_sandbox._worker.server import serve  # noqa: F401
+    from agent_sandbox._worker.setup import import_ahead
 
     import_ahead(boot)
 
@@ -68,10 +68,10 @@ def import_worker(boot: dict) -> None:  # type: ignore[type-arg]
 def run(boot: dict) -> None:  # type: ignore[type-arg]
     """Steps 3 and 4 (or the template's loop); never returns."""
     if "template_fd" in boot:  # a pre-imported template that forks workers on request
-        from agent_sandbox._worker_template import run_template
+        from agent_sandbox._worker.template import run_template
 
         run_template(int(boot["template_fd"]))
-    from agent_sandbox._worker_server import serve
+    from agent_sandbox._worker.server import serve
 
     serve(boot)
 

@@ -27,11 +27,11 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from agent_sandbox import _audit, _objects
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
 from agent_sandbox._hints import grant_hint
 from agent_sandbox._wire import json_values, value_budget
+from agent_sandbox._worker import audit, objects
 
 __all__ = ["Runner", "to_data"]
 
@@ -111,7 +111,7 @@ class _Budget:
             if self.used + n > self.cap:
                 if not self.exceeded:
                     self.exceeded = True
-                    _audit.record(self.denial())
+                    audit.record(self.denial())
                 return False
             self.used += n
             return True
@@ -138,7 +138,7 @@ _SOURCE_BYTES = 4 * 1024 * 1024
 
 
 def on_interrupt(signum: int, frame: Any) -> None:
-    """The worker's SIGINT handler (installed by `_worker_server.serve`)."""
+    """The worker's SIGINT handler (installed by `_worker.server.serve`)."""
     if _INTERRUPTIBLE[0]:
         raise KeyboardInterrupt
 
@@ -236,7 +236,7 @@ class Runner:
                     pass
 
     def _outcome(self, value: Any, failure: BaseException | None, filename: str) -> tuple[str, Any]:
-        """The `result` or `error` event of a call (see `agent_sandbox._objects`).
+        """The `result` or `error` event of a call (see `agent_sandbox._worker.objects`).
 
         An encoded result larger than `limits.result_bytes` is refused here with a
         `limits.result` error, so the worker survives and nothing is truncated.
@@ -248,18 +248,18 @@ class Runner:
                     return self._outcome(None, None, filename)
                 return "error", self._failure(failure, filename, cap)
             if self.objects:
-                return "result", _objects.encode_value(value, cap)
+                return "result", objects.encode_value(value, cap)
             data = {"value": to_data(value)}
             text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
             if len(text) > cap:
-                raise _objects.TooLarge(len(text), cap)
+                raise objects.TooLarge(len(text), cap)
             budget = value_budget(cap)
             if json_values(text, budget) > budget:
                 # The host refuses more values than this (decoding costs more than the text).
-                raise _objects.TooLarge(json_values(text, budget) * 32, cap)
+                raise objects.TooLarge(json_values(text, budget) * 32, cap)
             return "result", data
-        except _objects.TooLarge as big:
-            denial = _audit.record(_objects.result_too_large(big.size, big.cap, self.policy_name))
+        except objects.TooLarge as big:
+            denial = audit.record(objects.result_too_large(big.size, big.cap, self.policy_name))
             return "error", {
                 "kind": "limit",
                 "type": "LimitExceeded",
@@ -293,7 +293,7 @@ class Runner:
 
     def _failure(self, exc: BaseException, filename: str, cap: int) -> dict[str, Any]:
         info = _error_info(exc, filename)
-        info["exception"] = _objects.exception_payload(exc, objects=self.objects, cap=cap // 8)
+        info["exception"] = objects.exception_payload(exc, objects=self.objects, cap=cap // 8)
         return info
 
     def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
@@ -343,8 +343,8 @@ class Runner:
         matplotlib figures it left open that were not already drawn into a file.
 
         At most `_MAX_IMAGES` images, and their base64 text together within
-        `limits.result_bytes` (the host's own bounds, `agent_sandbox._intake`); the rest are
-        counted in an `images.dropped` notice.
+        `limits.result_bytes` (the host's own bounds, `agent_sandbox._host.intake.events`); the rest
+        are counted in an `images.dropped` notice.
         """
         budget = int(self.policy.get("limits", {}).get("result_bytes", 4_000_000))
         sent = {"count": 0, "chars": 0, "dropped": 0}

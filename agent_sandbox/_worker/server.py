@@ -28,10 +28,10 @@ from typing import Any
 
 import h11
 
-from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
-from agent_sandbox._worker_run import Runner, on_interrupt
+from agent_sandbox._worker import audit
+from agent_sandbox._worker.run import Runner, on_interrupt
 
 __all__ = ["serve"]
 
@@ -208,12 +208,12 @@ class _Server:
             sock.sendall(head)
         except OSError:
             return  # the caller left (a cancelled call): nobody waits for this code's result
-        _audit.begin_call(lambda d: emit("denial", d.to_dict()))
+        audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
-            counted = _audit.end_call()
+            counted = audit.end_call()
             with lock:
                 holding = True
         # First occurrences streamed as they were classified; counts and last ones now.
@@ -256,7 +256,7 @@ class _Server:
 
 def serve(boot: dict[str, Any]) -> None:
     """Set up the worker from its boot configuration, then serve until shutdown."""
-    from agent_sandbox._worker_setup import prepare
+    from agent_sandbox._worker.setup import prepare
 
     runner, checks, hooks = prepare(boot)
     # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).

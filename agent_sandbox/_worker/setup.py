@@ -18,8 +18,8 @@ from __future__ import annotations
 import resource
 from typing import Any
 
-from agent_sandbox import _audit
-from agent_sandbox._worker_run import Runner
+from agent_sandbox._worker import audit
+from agent_sandbox._worker.run import Runner
 
 __all__ = ["apply_rlimits", "import_ahead", "prepare", "rlimits_for"]
 
@@ -79,7 +79,7 @@ def import_ahead(boot: dict[str, Any]) -> None:
 def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any]]:
     """Run the set-up steps above; see the module docstring for the order."""
     policy: dict[str, Any] = boot["policy"]
-    _audit.set_policy_name(str(policy.get("name", "")))
+    audit.set_policy_name(str(policy.get("name", "")))
     checks: dict[str, Any] = {"rlimits": apply_rlimits(policy.get("limits", {}))}
     setup = boot.get("worker_setup") or {}
     if setup.get("egress"):

@@ -49,9 +49,9 @@ _MAX_MESSAGE = 1 << 20
 def _warm_up() -> Any:
     import ctypes
 
-    import agent_sandbox._objects
-    import agent_sandbox._worker_server
-    import agent_sandbox._worker_setup
+    import agent_sandbox._worker.objects
+    import agent_sandbox._worker.server
+    import agent_sandbox._worker.setup
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._code_check
     import agent_sandbox.guards._install
@@ -96,8 +96,8 @@ def _become_worker(
         for name, value in request["env"].items():
             os.putenv(name, value)
         _renew_secrets()
-        from agent_sandbox._worker_boot import _read_boot
-        from agent_sandbox._worker_server import serve
+        from agent_sandbox._worker.boot import _read_boot
+        from agent_sandbox._worker.server import serve
 
         boot = _read_boot(boot_fd)
         boot["listen_fd"] = listen_fd

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import pytest
 
 from agent_sandbox import Policy, PolicyError, ProviderUnavailable, Sandbox
-from agent_sandbox._boundary import boundary_name, resolve_boundary
+from agent_sandbox._host.boundary import boundary_name, resolve_boundary
 from agent_sandbox.policies import list_presets, load_policy, resolve_policy
 from agent_sandbox.providers import ProbeResult, Provider, WorkerSpec, _auto, get_provider
 

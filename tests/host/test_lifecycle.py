@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import CapacityError, Policy, Sandbox, SandboxClosed, _guardian
-from agent_sandbox._calllock import CallLock
-from agent_sandbox._guardian import remove_tree
+from agent_sandbox import CapacityError, Policy, Sandbox, SandboxClosed
+from agent_sandbox._host import guardian
+from agent_sandbox._host.calllock import CallLock
+from agent_sandbox._host.guardian import remove_tree
 
 
 async def test_an_arun_cancelled_while_it_waits_for_the_lock_does_not_lock_the_session(
@@ -176,8 +177,8 @@ def test_call_lock_passes_on_a_grant_to_a_closed_event_loop() -> None:
 
 
 def _own_dirs() -> list[str]:
-    from agent_sandbox._leftovers import control_dirs
-    from agent_sandbox._lifecycle import owner_tag
+    from agent_sandbox._host.lifecycle import owner_tag
+    from agent_sandbox._tools.leftovers import control_dirs
 
     return control_dirs(owner_tag())
 
@@ -242,10 +243,10 @@ def test_sweep_removes_what_a_dead_owner_left_and_keeps_a_live_ones(tmp_path: Pa
     keeps those of a live owner, including one whose pid matches but start time does not."""
     import subprocess
 
-    from agent_sandbox._lifecycle import owner_tag
+    from agent_sandbox._host.lifecycle import owner_tag
 
     child = subprocess.Popen(["sleep", "30"])
-    dead = _guardian.owner_tag(child.pid)
+    dead = guardian.owner_tag(child.pid)
     child.kill()
     child.wait()
     mine = owner_tag()
@@ -255,7 +256,7 @@ def test_sweep_removes_what_a_dead_owner_left_and_keeps_a_live_ones(tmp_path: Pa
         (tmp_path / f"agent-sandbox-{tag}-x").mkdir()
         (tmp_path / f"agent-sandbox-{tag}-x" / "scratch").mkdir()
     (tmp_path / "agent-sandbox-plain").mkdir()  # not ours to judge
-    assert _guardian.sweep([], str(tmp_path), skip=mine) == 2
+    assert guardian.sweep([], str(tmp_path), skip=mine) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"agent-sandbox-{mine}-x", "agent-sandbox-plain"]
     )
@@ -313,8 +314,8 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     """It serves 50 threads, each with its own session and 5 calls, with the default
     max_sessions: every call succeeds, worker starts stay within the start gate, and after
     close() no worker process, control directory or cgroup of this agent is left."""
-    from agent_sandbox._leftovers import agent_cgroups, marked
-    from agent_sandbox._lifecycle import START_GATE, owner_tag
+    from agent_sandbox._host.lifecycle import START_GATE, owner_tag
+    from agent_sandbox._tools.leftovers import agent_cgroups, marked
 
     errors: list[BaseException] = []
     results: list[object] = []

@@ -64,7 +64,7 @@ def test_exception_traceback_shows_user_code_only(sandbox: Sandbox) -> None:
     assert result.error is not None and result.error.kind == "exception"
     assert result.error.type == "ZeroDivisionError"
     assert "<cell-1>" in result.error.traceback and "line 2" in result.error.traceback
-    assert "_worker_run.py" not in result.error.traceback
+    assert "_worker/run.py" not in result.error.traceback
 
 
 def test_infinite_loop_is_killed_and_reported_as_timeout(sandbox: Sandbox) -> None:

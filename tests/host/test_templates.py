@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Policy, Sandbox, WorkerStartError
-from agent_sandbox._templates import WorkerTemplate
+from agent_sandbox._host.templates import WorkerTemplate
 
 # Templates serve the plain-child providers; `landlock` is the kernel one (auto picks a
 # namespace provider where one works, and those start every worker from scratch).
@@ -138,7 +138,7 @@ def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
-    "after the imports hashed with it); documented in _worker_template.py and docs/performance.md",
+    "after the imports hashed with it); documented in _worker/template.py and docs/performance.md",
 )
 def test_workers_of_one_template_have_their_own_hash_secret() -> None:
     with Sandbox(POLICY, warm=0) as sb:
@@ -149,7 +149,7 @@ def test_workers_of_one_template_have_their_own_hash_secret() -> None:
 def test_a_forked_worker_renews_the_multiprocessing_key() -> None:
     """Each forked worker gets its own `multiprocessing` authentication key when the
     template had the module loaded."""
-    from agent_sandbox import _worker_template
+    from agent_sandbox._worker import template as _worker_template
 
     key = os.urandom(32)
     import multiprocessing.process as mp

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox._process import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
+from agent_sandbox._host.process import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
 
-# Imports a worker makes before its handshake (see `_worker_setup.prepare`).
+# Imports a worker makes before its handshake (see `_worker.setup.prepare`).
 WORKER_MODULES = [
-    "agent_sandbox._worker_server",
-    "agent_sandbox._worker_setup",
+    "agent_sandbox._worker.server",
+    "agent_sandbox._worker.setup",
     "agent_sandbox.guards._install",
     "agent_sandbox.guards._code_budget",
     "agent_sandbox.providers._inworker",
@@ -67,10 +67,10 @@ def test_package_dirs_leaves_every_worker_module_with_current_bytecode(tmp_path:
         dest = tmp_path / name
         shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         copies[name] = str(dest)
-    assert not any(_pyc_is_current(p) for d in copies.values() for p in Path(d).glob("*.py"))
+    assert not any(_pyc_is_current(p) for d in copies.values() for p in Path(d).rglob("*.py"))
     refresh_bytecode(tuple(sorted(copies.values())))
     stale = [
-        str(p) for d in copies.values() for p in Path(d).glob("*.py") if not _pyc_is_current(p)
+        str(p) for d in copies.values() for p in Path(d).rglob("*.py") if not _pyc_is_current(p)
     ]
     assert stale == []
 

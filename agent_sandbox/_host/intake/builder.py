@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import RULES, Denial, rule_doc
-from agent_sandbox._intake import (
+from agent_sandbox._host.intake.events import (
     MAX_COUNT,
     MAX_ERROR_REFUSALS,
     HintMaker,
@@ -24,7 +24,7 @@ from agent_sandbox._intake import (
 )
 
 if TYPE_CHECKING:
-    from agent_sandbox._unpickle import Decoder
+    from agent_sandbox._host.intake.unpickle import Decoder
 
 __all__ = ["Image", "Mark", "RunError", "RunResult", "ResultBuilder", "check_error"]
 
@@ -104,7 +104,7 @@ class RunResult:
     def boundary(self) -> str:
         """The kernel boundary that held the worker, e.g. `"bwrap+landlock+seccomp"`;
         `"none"` under the `subprocess` opt-out; `""` when no worker ran."""
-        from agent_sandbox._boundary import boundary_name
+        from agent_sandbox._host.boundary import boundary_name
 
         return boundary_name(self.stack)
 
@@ -245,8 +245,8 @@ class Mark:
 class ResultBuilder:
     """Accumulates one call's events from the worker into a `RunResult`.
 
-    Every event goes through `add()`, which judges it with `agent_sandbox._intake` (order,
-    shape, the host's bounds, the host's wording) before anything is kept, and returns the
+    Every event goes through `add()`, which judges it with `agent_sandbox._host.intake.events`
+    (order, shape, the host's bounds, the host's wording) before anything is kept, and returns the
     event as the host accepted it (for live forwarding). A bound crossed raises
     `MessageTooLarge` after keeping what fits; anything malformed, out of order or
     contradictory raises `WorkerMisbehaved`. Either way the caller kills the worker.
@@ -618,7 +618,7 @@ class ResultBuilder:
         """Decode an objects-mode value; a refusal becomes the call's error and a denial."""
         from agent_sandbox._errors import UnpickleRefused
         from agent_sandbox._hints import grant_hint
-        from agent_sandbox._unpickle import Decoder
+        from agent_sandbox._host.intake.unpickle import Decoder
 
         decoder = self.decoder or Decoder(objects=False)
         try:
@@ -743,7 +743,7 @@ def error_from_wire(
 ) -> RunError:
     """Build a RunError from the worker's `error` event, tolerating missing fields.
 
-    The `exception` entry (see `agent_sandbox._objects`) is rebuilt into a host exception by
+    The `exception` entry (see `agent_sandbox._worker.objects`) is rebuilt into a host exception by
     the decoder: its rich form only in objects mode, else from the primitive descriptor.
     """
 
@@ -767,7 +767,7 @@ def _rebuild(payload: Any, decoder: Decoder | None, notices: list[str] | None) -
     if not isinstance(payload, dict):
         return {}
     from agent_sandbox._errors import UnpickleRefused
-    from agent_sandbox._unpickle import Decoder
+    from agent_sandbox._host.intake.unpickle import Decoder
 
     try:
         rebuilt = (decoder or Decoder(objects=False)).rebuild_exception(payload)

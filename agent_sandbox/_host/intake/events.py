@@ -22,7 +22,7 @@ The worker may be compromised (see "What stays as trustworthy as the worker" in
   and otherwise as the worker's quoted, unverified words; the same for a hint
   (`HINT_SHAPE`). Control characters in worker strings are escaped before they are kept.
 
-Standard library only; used by `agent_sandbox._result.ResultBuilder`.
+Standard library only; used by `agent_sandbox._host.intake.builder.ResultBuilder`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The host's side of the channel to a remote worker: the same HTTP/SSE protocol over TCP + TLS.
 
-The local transport (`_transport.py`) speaks h11 over a Unix socket; this one speaks the same
-routes (`GET /hello`, `POST /run` answered by an SSE stream, `POST /shutdown`) plus the remote
+The local transport (`_host/intake/transport.py`) speaks h11 over a Unix socket; this one speaks the
+same routes (`GET /hello`, `POST /run` answered by an SSE stream, `POST /shutdown`) plus the remote
 worker's `POST /v1/bind`, through `httpx` (an optional dependency, the `remote` extra): TLS with
 verification on by default, client certificates for mTLS, per-phase timeouts and proxies.
 
 What the host receives is judged exactly as on the local path: the bytes go through the same
 bounded `SSEParser` (per-kind caps, value budget) and every event through the caller's judge
-(`agent_sandbox._intake`). The stream is read incrementally (`iter_raw`) and the call's
+(`agent_sandbox._host.intake.events`). The stream is read incrementally (`iter_raw`) and the call's
 deadline is checked after every chunk, so a worker that trickles bytes cannot outlive it.
 
 The session token travels in `X-Agent-Sandbox-Token`, not `Authorization`: the
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent_sandbox._errors import DIST_NAME, TransportError, install_hint
-from agent_sandbox._transport import ConnectionLost
+from agent_sandbox._host.intake.transport import ConnectionLost
 from agent_sandbox._wire import Event, KindCaps, SSEParser, value_budget
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ class RemoteTLS:
 class RemoteWorkerClient:
     """A blocking client for one remote worker (one persistent TLS connection).
 
-    Same interface as `_transport.WorkerClient` (`hello`, `run`, `shutdown`, `close`), so
-    `WorkerProcess`'s call logic runs unchanged over it.
+    Same interface as `_host.intake.transport.WorkerClient` (`hello`, `run`, `shutdown`, `close`),
+    so `WorkerProcess`'s call logic runs unchanged over it.
     """
 
     def __init__(

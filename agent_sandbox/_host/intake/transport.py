@@ -10,8 +10,8 @@ Every wait has a deadline; a closed or garbled channel is a `TransportError` (or
 `ConnectionLost`, which the caller turns into `WorkerCrashed` after looking at the process).
 Reading is incremental and bounded: one `recv` of at most 256 KiB at a time, h11's own cap
 on headers and chunk lines, and the SSE parser's per-kind cap on one event. An exception
-raised by the event callback (the host's judge, `agent_sandbox._intake`, refusing an event
-or a bound) stops the reading at once and closes the connection.
+raised by the event callback (the host's judge, `agent_sandbox._host.intake.events`, refusing an
+event or a bound) stops the reading at once and closes the connection.
 """
 
 from __future__ import annotations

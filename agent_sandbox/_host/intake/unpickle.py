@@ -65,7 +65,7 @@ import tblib
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ChildException, UnpickleRefused
 from agent_sandbox._errors import SandboxDenied as _SandboxDenied
-from agent_sandbox._intake import quote
+from agent_sandbox._host.intake.events import quote
 
 try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
     from agent_sandbox.guards import _fastscan

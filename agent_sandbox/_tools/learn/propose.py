@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LearningError, PolicyError
-from agent_sandbox._result import RunResult
+from agent_sandbox._host.intake.builder import RunResult
 from agent_sandbox.policies import NetRule, Policy, policy_from_toml
 from agent_sandbox.policies._paths import (
     entry_regex,
@@ -443,8 +443,9 @@ def _default_import_roots() -> tuple[str, ...]:
     for entry in (*sys.path, paths["stdlib"], paths["purelib"], paths["platlib"]):
         if entry and os.path.isabs(entry):
             roots.setdefault(os.path.realpath(entry), None)
+    # The import root of agent_sandbox itself (this file is agent_sandbox/_tools/learn/).
     package = os.path.dirname(os.path.realpath(__file__))
-    roots.setdefault(os.path.dirname(package), None)
+    roots.setdefault(str(Path(package).parents[2]), None)
     return tuple(roots)
 
 
@@ -1727,7 +1728,7 @@ def learn_run(
     Nothing is written: pass the result's proposal and digest to `write_proposal`. Raises
     `LearningError` when the policy file changed during the run.
     """
-    from agent_sandbox._sandbox import Sandbox
+    from agent_sandbox._host.sandbox import Sandbox
     from agent_sandbox.policies import resolve_policy
 
     current = resolve_policy(policy)

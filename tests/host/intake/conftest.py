@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent_sandbox import Policy, Sandbox, _process
+from agent_sandbox import Policy, Sandbox
+from agent_sandbox._host import process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -85,11 +86,11 @@ def objects_policy() -> Policy:
 
 @pytest.fixture(scope="module")
 def objects_sandbox(objects_policy: Policy) -> Iterator[Sandbox]:
-    original = _process.import_roots
-    _process.import_roots = lambda: (*original(), HERE)  # type: ignore[assignment]
+    original = process.import_roots
+    process.import_roots = lambda: (*original(), HERE)  # type: ignore[assignment]
     sb = Sandbox(objects_policy, warm=0)
     try:
         yield sb
     finally:
         sb.close()
-        _process.import_roots = original  # type: ignore[assignment]
+        process.import_roots = original  # type: ignore[assignment]

@@ -2,9 +2,9 @@
 
 Run one target by hand, for as long as you like:
 
-    .venv/bin/python tests/objects/fuzz_targets.py unpickle -max_total_time=600
-    .venv/bin/python tests/objects/fuzz_targets.py sse -runs=100000
-    .venv/bin/python tests/objects/fuzz_targets.py events
+    .venv/bin/python tests/host/intake/fuzz_targets.py unpickle -max_total_time=600
+    .venv/bin/python tests/host/intake/fuzz_targets.py sse -runs=100000
+    .venv/bin/python tests/host/intake/fuzz_targets.py events
 
 Targets:
 
@@ -48,9 +48,10 @@ def _bare_package() -> None:
 
 _bare_package()
 with atheris.instrument_imports(include=["agent_sandbox"]):
-    from agent_sandbox import _unpickle, _wire
+    from agent_sandbox import _wire
     from agent_sandbox._errors import ChildException, TransportError, UnpickleRefused
-    from agent_sandbox._result import ResultBuilder
+    from agent_sandbox._host.intake import unpickle
+    from agent_sandbox._host.intake.builder import ResultBuilder
 
 import tblib  # noqa: E402,F401 - imported now: the decoder imports it lazily
 
@@ -97,14 +98,14 @@ SEEDS = [
         [ValueError("x"), range(3), slice(1, 2), complex(1, 2)],
     )
 ]
-_DECODER = _unpickle.Decoder(objects=True, max_bytes=1_000_000)
+_DECODER = unpickle.Decoder(objects=True, max_bytes=1_000_000)
 
 
 def target_unpickle(data: bytes) -> None:
     global _ACTIVE
     _ACTIVE = True
     try:
-        _unpickle.load_restricted(data, _unpickle.Allowlist(), _unpickle.Budgets(max_bytes=100_000))
+        unpickle.load_restricted(data, unpickle.Allowlist(), unpickle.Budgets(max_bytes=100_000))
     except UnpickleRefused:
         pass
     finally:

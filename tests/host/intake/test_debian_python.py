@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DEBIAN_PY = Path(__file__).resolve().parents[2] / ".venv-nonroot" / "bin" / "python"
+DEBIAN_PY = Path(__file__).resolve().parents[3] / ".venv-nonroot" / "bin" / "python"
 
 SCRIPT = """
 from agent_sandbox import Policy, Sandbox

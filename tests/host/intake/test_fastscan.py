@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_sandbox._errors import UnpickleRefused
-from agent_sandbox._unpickle import Allowlist, Budgets, Decoder, prescan, python_prescan
+from agent_sandbox._host.intake.unpickle import Allowlist, Budgets, Decoder, prescan, python_prescan
 
 _fastscan = pytest.importorskip(
     "agent_sandbox.guards._fastscan", reason="the C extension is not built (pip install -e .)"

@@ -1,4 +1,4 @@
-"""The host's judge of a worker's events (`agent_sandbox._intake`), without a real worker.
+"""The host's judge of a worker's events (`agent_sandbox._host.intake.events`), without a real worker.
 
 A fake worker speaks the wire protocol on a Unix socket (raw HTTP/1.1 with chunked SSE),
 so the transport, the parser and the judge are measured together, exactly as a call runs;
@@ -18,11 +18,16 @@ import pytest
 
 from agent_sandbox import Policy, TransportError
 from agent_sandbox._denial import Denial
-from agent_sandbox._intake import HostBounds, WorkerMisbehaved, check_denial, render_notice
-from agent_sandbox._process import WorkerProcess
-from agent_sandbox._result import ResultBuilder
-from agent_sandbox._transport import WorkerClient
-from agent_sandbox._unpickle import Decoder
+from agent_sandbox._host.intake.builder import ResultBuilder
+from agent_sandbox._host.intake.events import (
+    HostBounds,
+    WorkerMisbehaved,
+    check_denial,
+    render_notice,
+)
+from agent_sandbox._host.intake.transport import WorkerClient
+from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox._wire import encode_event
 from agent_sandbox.adapters._common import outcome
 

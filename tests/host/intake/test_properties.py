@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_sandbox._errors import MessageTooLarge, TransportError, UnpickleRefused
-from agent_sandbox._result import ResultBuilder
-from agent_sandbox._unpickle import Allowlist, Budgets, Decoder, load_restricted
+from agent_sandbox._host.intake.builder import ResultBuilder
+from agent_sandbox._host.intake.unpickle import Allowlist, Budgets, Decoder, load_restricted
 from agent_sandbox._wire import SSEParser, encode_event
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,7 @@ import pytest
 
 from agent_sandbox import Sandbox, load_policy
 from agent_sandbox._errors import LearningError
-from agent_sandbox._learn import apply_proposal, learn_run, write_proposal
+from agent_sandbox._tools.learn.propose import apply_proposal, learn_run, write_proposal
 from agent_sandbox.providers import get_provider
 
 pytestmark = pytest.mark.slow
@@ -222,7 +222,7 @@ def test_a_policy_edited_during_the_run_yields_no_proposal(policy_file) -> None:
 @needs_kernel
 def test_cli_learn_writes_the_proposal_beside_the_policy(policy_file, capsys) -> None:
     """It runs `agent-sandbox learn`, prints the envelope and the diff, and changes nothing else."""
-    from agent_sandbox._cli import main
+    from agent_sandbox._tools.cli import main
 
     before = policy_file.read_bytes()
     code = main(["learn", "-c", "import csv\nprint('hi')", "--policy", str(policy_file)])
@@ -296,7 +296,7 @@ def test_a_learned_port_is_reached_after_apply_and_others_stay_refused(policy_fi
 
 def test_cli_learn_for_a_shipped_policy_needs_out(tmp_path, capsys) -> None:
     """It refuses to learn for a shipped policy without --out (before running anything), and writes there with it."""
-    from agent_sandbox._cli import main
+    from agent_sandbox._tools.cli import main
 
     assert main(["learn", "-c", "import csv", "--policy", "pure-computation"]) == 1
     assert "--out" in capsys.readouterr().err

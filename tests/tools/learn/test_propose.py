@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Denial, Policy, RunResult
-from agent_sandbox._learn import DIR_MIN_FILES, Proposal, propose
+from agent_sandbox._tools.learn.propose import DIR_MIN_FILES, Proposal, propose
 from agent_sandbox.policies import policy_from_toml
 
 
