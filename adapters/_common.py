@@ -27,7 +27,7 @@ from agent_sandbox._host.boundary import NO_BOUNDARY, Boundary, resolve_boundary
 from agent_sandbox._host.intake.builder import RunError, RunResult
 from agent_sandbox._host.sandbox import OnEvent, Sandbox
 from agent_sandbox._render import clean, clean_block, quote
-from agent_sandbox._tools.learn.propose import Learner
+from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.policies import Policy, resolve_policy
 
 __all__ = [

@@ -34,7 +34,7 @@ from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from agent_sandbox._host.intake.builder import RunResult
-from agent_sandbox._tools.learn.propose import Learner
+from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
     Outcome,

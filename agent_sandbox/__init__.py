@@ -41,11 +41,11 @@ from agent_sandbox._host.intake.builder import RunResult as RunResult
 from agent_sandbox._host.oplog import log_refusals as log_refusals
 from agent_sandbox._host.sandbox import Sandbox as Sandbox
 from agent_sandbox._host.sandbox import Session as Session
-from agent_sandbox._tools.learn.propose import Learner as Learner
-from agent_sandbox._tools.learn.propose import apply_proposal as apply_proposal
-from agent_sandbox._tools.learn.propose import learn_run as learn_run
-from agent_sandbox._tools.learn.propose import learning_envelope as learning_envelope
-from agent_sandbox._tools.learn.propose import write_proposal as write_proposal
+from agent_sandbox._tools.learn.observe import Learner as Learner
+from agent_sandbox._tools.learn.observe import learn_run as learn_run
+from agent_sandbox._tools.learn.observe import learning_envelope as learning_envelope
+from agent_sandbox._tools.learn.review import apply_proposal as apply_proposal
+from agent_sandbox._tools.learn.review import write_proposal as write_proposal
 from agent_sandbox.policies import Policy as Policy
 from agent_sandbox.policies import load_policy as load_policy
 from agent_sandbox.policies import resolve_policy as resolve_policy

@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _cmd_learn(args: argparse.Namespace) -> int:
     from agent_sandbox._tools.cli import _read_source
-    from agent_sandbox._tools.learn.propose import learn_run, write_proposal
+    from agent_sandbox._tools.learn.observe import learn_run
+    from agent_sandbox._tools.learn.review import write_proposal
 
     code = _read_source(args)
     err = sys.stderr
@@ -77,7 +78,7 @@ def _cmd_learn(args: argparse.Namespace) -> int:
             err.write(data)
             err.flush()
 
-    from agent_sandbox._tools.learn.propose import envelope_report, learning_envelope
+    from agent_sandbox._tools.learn.observe import envelope_report, learning_envelope
     from agent_sandbox.policies import resolve_policy
 
     current = resolve_policy(args.policy)
@@ -109,7 +110,7 @@ def _cmd_learn(args: argparse.Namespace) -> int:
 
 
 def _cmd_policy_diff(args: argparse.Namespace) -> int:
-    from agent_sandbox._tools.learn.propose import diff_files
+    from agent_sandbox._tools.learn.review import diff_files
 
     print(diff_files(args.current, args.proposed), end="")
     return EXIT_OK
@@ -117,7 +118,7 @@ def _cmd_policy_diff(args: argparse.Namespace) -> int:
 
 def _cmd_policy_apply(args: argparse.Namespace) -> int:
     from agent_sandbox._errors import LearningError
-    from agent_sandbox._tools.learn.propose import apply_proposal, diff_files
+    from agent_sandbox._tools.learn.review import apply_proposal, diff_files
 
     proposed = str(args.proposed)
     target = args.to

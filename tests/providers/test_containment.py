@@ -497,7 +497,7 @@ def test_the_policy_files_cannot_be_rewritten_from_inside(
     if mode == "learn":
         import warnings
 
-        from agent_sandbox._tools.learn.propose import learning_envelope
+        from agent_sandbox._tools.learn.observe import learning_envelope
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

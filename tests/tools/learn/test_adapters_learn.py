@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent_sandbox import load_policy
-from agent_sandbox._tools.learn.propose import Learner
+from agent_sandbox._tools.learn.observe import Learner
 
 pytestmark = pytest.mark.slow
 

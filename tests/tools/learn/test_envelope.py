@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent_sandbox import Policy, PolicyError, ProviderUnavailable
-from agent_sandbox._tools.learn.propose import envelope_report, learning_envelope
+from agent_sandbox._tools.learn.observe import envelope_report, learning_envelope
 from agent_sandbox.providers import get_provider
 
 

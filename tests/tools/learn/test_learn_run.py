@@ -15,7 +15,8 @@ import pytest
 
 from agent_sandbox import Sandbox, load_policy
 from agent_sandbox._errors import LearningError
-from agent_sandbox._tools.learn.propose import apply_proposal, learn_run, write_proposal
+from agent_sandbox._tools.learn.observe import learn_run
+from agent_sandbox._tools.learn.review import apply_proposal, write_proposal
 from agent_sandbox.providers import get_provider
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Denial, Policy, RunResult
-from agent_sandbox._tools.learn.propose import DIR_MIN_FILES, Proposal, propose
+from agent_sandbox._tools.learn.findings import DIR_MIN_FILES
+from agent_sandbox._tools.learn.propose import propose
+from agent_sandbox._tools.learn.review import Proposal
 from agent_sandbox.policies import policy_from_toml
 
 

@@ -19,7 +19,9 @@ import pytest
 from agent_sandbox import load_policy
 from agent_sandbox._errors import LearningError
 from agent_sandbox._tools.cli import main
-from agent_sandbox._tools.learn.propose import Learner, apply_proposal, propose, write_proposal
+from agent_sandbox._tools.learn.observe import Learner
+from agent_sandbox._tools.learn.propose import propose
+from agent_sandbox._tools.learn.review import apply_proposal, write_proposal
 from agent_sandbox.policies import policy_from_toml
 
 
@@ -104,7 +106,7 @@ def test_an_unwritable_out_dir_is_a_clear_error(proposal, tmp_path, where) -> No
 
 def test_a_policy_edited_during_the_run_blocks_the_proposal(proposal, policy_file) -> None:
     """It refuses to write a proposal when the policy file changed since the run began."""
-    from agent_sandbox._tools.learn.propose import file_digest
+    from agent_sandbox._tools.learn.review import file_digest
 
     digest = file_digest(policy_file)
     policy_file.write_text(policy_file.read_text() + '\n[files]\nread = ["/"]\n')
