@@ -30,7 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._host.intake.unpickle import Decoder, prescan
+from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.intake.unpickle_prescan import prescan
 from agent_sandbox._worker.run import to_data
 
 

@@ -50,8 +50,10 @@ _bare_package()
 with atheris.instrument_imports(include=["agent_sandbox"]):
     from agent_sandbox import _wire
     from agent_sandbox._errors import ChildException, TransportError, UnpickleRefused
-    from agent_sandbox._host.intake import unpickle
     from agent_sandbox._host.intake.builder import ResultBuilder
+    from agent_sandbox._host.intake.unpickle import Decoder, load_restricted
+    from agent_sandbox._host.intake.unpickle_classes import Allowlist
+    from agent_sandbox._host.intake.unpickle_prescan import Budgets
 
 import tblib  # noqa: E402,F401 - imported now: the decoder imports it lazily
 
@@ -98,14 +100,14 @@ SEEDS = [
         [ValueError("x"), range(3), slice(1, 2), complex(1, 2)],
     )
 ]
-_DECODER = unpickle.Decoder(objects=True, max_bytes=1_000_000)
+_DECODER = Decoder(objects=True, max_bytes=1_000_000)
 
 
 def target_unpickle(data: bytes) -> None:
     global _ACTIVE
     _ACTIVE = True
     try:
-        unpickle.load_restricted(data, unpickle.Allowlist(), unpickle.Budgets(max_bytes=100_000))
+        load_restricted(data, Allowlist(), Budgets(max_bytes=100_000))
     except UnpickleRefused:
         pass
     finally:

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_sandbox._errors import UnpickleRefused
-from agent_sandbox._host.intake.unpickle import Allowlist, Budgets, Decoder, prescan, python_prescan
+from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.intake.unpickle_classes import Allowlist
+from agent_sandbox._host.intake.unpickle_prescan import Budgets, prescan, python_prescan
 
 _fastscan = pytest.importorskip(
     "agent_sandbox.guards._fastscan", reason="the C extension is not built (pip install -e .)"

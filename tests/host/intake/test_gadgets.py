@@ -42,7 +42,9 @@ from conftest import (
 
 from agent_sandbox import Policy, PolicyError
 from agent_sandbox._errors import UnpickleRefused
-from agent_sandbox._host.intake.unpickle import Allowlist, Budgets, load_restricted
+from agent_sandbox._host.intake.unpickle import load_restricted
+from agent_sandbox._host.intake.unpickle_classes import Allowlist
+from agent_sandbox._host.intake.unpickle_prescan import Budgets
 
 _EVENTS: list[str] | None = None
 _WATCH = (
