@@ -33,7 +33,7 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the ins
 from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from agent_sandbox._host.intake.builder import RunResult
+from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,

@@ -44,7 +44,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from agent_sandbox._host.intake.builder import RunResult
+from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,

@@ -35,10 +35,10 @@ from agent_sandbox._errors import UnpickleRefused as UnpickleRefused
 from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
-from agent_sandbox._host.intake.builder import Image as Image
-from agent_sandbox._host.intake.builder import RunError as RunError
-from agent_sandbox._host.intake.builder import RunResult as RunResult
 from agent_sandbox._host.oplog import log_refusals as log_refusals
+from agent_sandbox._host.result import Image as Image
+from agent_sandbox._host.result import RunError as RunError
+from agent_sandbox._host.result import RunResult as RunResult
 from agent_sandbox._host.sandbox import Sandbox as Sandbox
 from agent_sandbox._host.sandbox import Session as Session
 from agent_sandbox._tools.learn.observe import Learner as Learner

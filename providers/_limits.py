@@ -616,7 +616,7 @@ def record_limit_hits(
     """
     from agent_sandbox._denial import Denial
     from agent_sandbox._hints import grant_hint
-    from agent_sandbox._host.intake.builder import RunError
+    from agent_sandbox._host.result import RunError
 
     hits: list[str] = []
     if cgroups is not None:

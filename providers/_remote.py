@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agent_sandbox._errors import CapacityError, SandboxError
 
 if TYPE_CHECKING:
-    from agent_sandbox._host.intake.builder import RunResult
     from agent_sandbox._host.intake.remote_transport import RemoteTLS
     from agent_sandbox._host.remote_worker import RemoteWorker
+    from agent_sandbox._host.result import RunResult
     from agent_sandbox.policies import Policy
 
 __all__ = [

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from agent_sandbox._host.intake.builder import RunResult
+from agent_sandbox._host.result import RunResult
 
 __all__ = ["log_refusals", "write"]
 

@@ -53,10 +53,11 @@ from agent_sandbox._hints import limit_hint
 from agent_sandbox._host import lifecycle
 from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.intake import guard_block
-from agent_sandbox._host.intake.builder import Mark, ResultBuilder, RunError, RunResult
+from agent_sandbox._host.intake.builder import Mark, ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
 from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
 from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 

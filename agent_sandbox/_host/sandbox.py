@@ -28,9 +28,9 @@ from typing import Any
 from agent_sandbox._errors import CapacityError, SandboxClosed
 from agent_sandbox._host.boundary import Boundary, resolve_boundary
 from agent_sandbox._host.calllock import CallLock
-from agent_sandbox._host.intake.builder import RunError, RunResult
 from agent_sandbox._host.pool import REGISTRY, WorkerPool
 from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox.policies import Policy, resolve_policy
 from agent_sandbox.providers import Provider
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Sandbox, Session, log_refusals
-from agent_sandbox._host.intake.builder import RunResult
 from agent_sandbox._host.intake.events import clean_text
+from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.cli import EXIT_DENIED, EXIT_OK, exit_code, print_result_tail
 from agent_sandbox.adapters._common import outcome
 from agent_sandbox.policies import policy_from_toml

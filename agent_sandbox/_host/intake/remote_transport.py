@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent_sandbox._errors import DIST_NAME, TransportError, install_hint
+from agent_sandbox._host.intake.framing import KindCaps, SSEParser
 from agent_sandbox._host.intake.transport import ConnectionLost
-from agent_sandbox._wire import Event, KindCaps, SSEParser, value_budget
+from agent_sandbox._wire import Event, value_budget
 
 if TYPE_CHECKING:
     import httpx

@@ -26,7 +26,8 @@ from typing import Any
 import h11
 
 from agent_sandbox._errors import TransportError
-from agent_sandbox._wire import Event, KindCaps, SSEParser, value_budget
+from agent_sandbox._host.intake.framing import KindCaps, SSEParser
+from agent_sandbox._wire import Event, value_budget
 
 __all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LearningError
-from agent_sandbox._host.intake.builder import RunResult
+from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.findings import _LOADER_ENV, _SECRET_ENV, _rule_text, _source_path
 from agent_sandbox._tools.learn.propose import propose
 from agent_sandbox._tools.learn.review import file_digest, proposal_paths, write_proposal

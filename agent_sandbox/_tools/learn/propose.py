@@ -20,7 +20,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LearningError, PolicyError
-from agent_sandbox._host.intake.builder import RunResult
+from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.findings import (
     _CATEGORY_RISK,
     _ENV_NAME_RE,

@@ -48,9 +48,9 @@ def _bare_package() -> None:
 
 _bare_package()
 with atheris.instrument_imports(include=["agent_sandbox"]):
-    from agent_sandbox import _wire
     from agent_sandbox._errors import ChildException, TransportError, UnpickleRefused
     from agent_sandbox._host.intake.builder import ResultBuilder
+    from agent_sandbox._host.intake.framing import SSEParser
     from agent_sandbox._host.intake.unpickle import Decoder, load_restricted
     from agent_sandbox._host.intake.unpickle_classes import Allowlist
     from agent_sandbox._host.intake.unpickle_prescan import Budgets
@@ -117,7 +117,7 @@ def target_unpickle(data: bytes) -> None:
 def target_sse(data: bytes) -> None:
     cut = data[0] if data else 0
     body = data[1:]
-    parser = _wire.SSEParser(4096)
+    parser = SSEParser(4096)
     try:
         parser.feed(body[:cut])
         parser.feed(body[cut:])
@@ -131,7 +131,7 @@ def target_events(data: bytes) -> None:
     _ACTIVE = True
     try:
         builder.add("start", {"call": 1})
-        for kind, payload in _wire.SSEParser(1_000_000).feed(data):
+        for kind, payload in SSEParser(1_000_000).feed(data):
             builder.add(kind, payload)
         result = builder.build()
         try:

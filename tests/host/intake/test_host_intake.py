@@ -333,7 +333,8 @@ def test_a_refusal_error_takes_the_hosts_wording() -> None:
 def test_the_value_budget_refuses_a_result_that_decodes_large() -> None:
     """It refuses, before decoding, a result whose values would cost far more than its text."""
     from agent_sandbox import MessageTooLarge
-    from agent_sandbox._wire import SSEParser, value_budget
+    from agent_sandbox._host.intake.framing import SSEParser
+    from agent_sandbox._wire import value_budget
 
     bounds = HostBounds(result_bytes=1_000_000)
 

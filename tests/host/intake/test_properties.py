@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 
 from agent_sandbox._errors import MessageTooLarge, TransportError, UnpickleRefused
 from agent_sandbox._host.intake.builder import ResultBuilder
+from agent_sandbox._host.intake.framing import SSEParser
 from agent_sandbox._host.intake.unpickle import Decoder, load_restricted
 from agent_sandbox._host.intake.unpickle_classes import Allowlist
 from agent_sandbox._host.intake.unpickle_prescan import Budgets
-from agent_sandbox._wire import SSEParser, encode_event
+from agent_sandbox._wire import encode_event
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent_sandbox import MessageTooLarge, TransportError
-from agent_sandbox._wire import SSEParser, encode_event
+from agent_sandbox._host.intake.framing import SSEParser
+from agent_sandbox._wire import encode_event
 
 
 def test_round_trip_in_pieces() -> None:
