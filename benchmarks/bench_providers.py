@@ -66,7 +66,7 @@ def wrapper_only(provider: Provider, policy: Policy) -> Callable[[], None]:
     import socket
     import tempfile
 
-    from agent_sandbox._host.process import import_roots, package_dirs
+    from agent_sandbox._host.launch import import_roots, package_dirs
     from agent_sandbox.providers._base import WorkerSpec, worker_argv
 
     control = tempfile.mkdtemp(prefix="bench-providers-")
@@ -191,12 +191,7 @@ def start_up_parts(runs: int) -> None:
     import shutil
     import tempfile
 
-    from agent_sandbox._host.process import (
-        BOOT_SCRIPT,
-        import_roots,
-        package_dirs,
-        refresh_bytecode,
-    )
+    from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
     from agent_sandbox.providers._limits import WorkerCgroups, cgroup_support
 
     dirs = package_dirs()

@@ -18,6 +18,13 @@ import os
 import sys
 
 from agent_sandbox._errors import PolicyError
+from agent_sandbox._host.launch import (
+    BOOT_SCRIPT,
+    import_roots,
+    package_dirs,
+    worker_env,
+    worker_python,
+)
 from agent_sandbox.policies import Policy
 from agent_sandbox.policies._model import check_boundary_opt_out
 from agent_sandbox.providers import AutoProvider, Provider, WorkerSpec, get_provider
@@ -57,13 +64,6 @@ def boundary_name(stack: tuple[str, ...] | list[str], is_boundary: bool | None =
 
 
 def _dry_spec(policy: Policy) -> WorkerSpec:
-    from agent_sandbox._host.process import (
-        BOOT_SCRIPT,
-        import_roots,
-        package_dirs,
-        worker_env,
-        worker_python,
-    )
 
     return WorkerSpec(
         python=worker_python(),

@@ -39,6 +39,7 @@ __all__ = [
     "control_dir_prefix",
     "ensure_guardian",
     "launch",
+    "on_exit",
     "owner_env",
     "owner_tag",
     "shutting_down",
@@ -230,6 +231,16 @@ def launch(fn: Callable[..., T], *args: Any) -> T:
     return _LAUNCHER.submit(fn, *args).result()
 
 
+#: Clean-ups run at exit, after the launch thread drained and before the owner's clean-up.
+_EXIT_HOOKS: list[Callable[[], object]] = []
+
+
+def on_exit(hook: Callable[[], object]) -> None:
+    """Run `hook` at interpreter exit, before the owner's clean-up (the pool registry
+    closes its workers there); an exception it raises is ignored."""
+    _EXIT_HOOKS.append(hook)
+
+
 @atexit.register
 def _at_exit() -> None:
     """End and remove everything of this agent, whether or not it was closed."""
@@ -237,10 +248,9 @@ def _at_exit() -> None:
         return  # nothing was started by this process
     _SHUTDOWN.set()
     _LAUNCHER.drain(5.0)
-    with contextlib.suppress(Exception):
-        from agent_sandbox._host.pool import REGISTRY
-
-        REGISTRY.close_all()
+    for hook in list(_EXIT_HOOKS):
+        with contextlib.suppress(Exception):
+            hook()
     with contextlib.suppress(Exception):
         guardian.clean_owner(owner_tag(), _bases(), tempfile.gettempdir())
     fd = _STATE["pipe"]

@@ -233,3 +233,4 @@ class PoolRegistry:
 
 #: The process-wide registry used by `Sandbox`.
 REGISTRY = PoolRegistry()
+lifecycle.on_exit(REGISTRY.close_all)

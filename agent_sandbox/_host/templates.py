@@ -26,6 +26,13 @@ from typing import IO, Any
 from agent_sandbox._errors import WorkerStartError
 from agent_sandbox._host import lifecycle
 from agent_sandbox._host.guardian import remove_tree
+from agent_sandbox._host.launch import (
+    BOOT_SCRIPT,
+    import_roots,
+    package_dirs,
+    worker_env,
+    worker_python,
+)
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
@@ -104,13 +111,6 @@ class WorkerTemplate:
     @classmethod
     def start(cls, policy: Policy, provider: Provider, *, timeout: float = 15.0) -> WorkerTemplate:
         """Launch the template with the provider's environment for this policy."""
-        from agent_sandbox._host.process import (
-            BOOT_SCRIPT,
-            import_roots,
-            package_dirs,
-            worker_env,
-            worker_python,
-        )
         from agent_sandbox.providers._base import base_env
 
         if provider.name not in TEMPLATE_PROVIDERS:

@@ -5,6 +5,10 @@ compiles the code so the value of a last expression is returned, captures `sys.s
 `sys.stderr` as live, coalesced event streams with an output cap, and encodes the value as
 JSON-safe data. Output written straight to file descriptor 1 or 2 by native code is not
 captured here; it goes to the worker log, a 1 MiB memory file the host bounds.
+
+Why this module is longer than 600 lines: it is what the user's code runs inside, and
+the host believes none of it; keeping the runner, the output streams and the encoding
+of an outcome together keeps the worker's whole part of one call in one reading.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import os
 import selectors
 import signal
 import socket
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["run_template"]
@@ -74,6 +75,7 @@ def _become_worker(
     selector: selectors.BaseSelector,
     wakeup: tuple[int, int],
     libc: Any,
+    read_boot: Callable[[int], dict[str, Any]],
 ) -> None:
     """In the forked child: set up like a fresh worker process, then serve (never returns)."""
     try:
@@ -96,10 +98,9 @@ def _become_worker(
         for name, value in request["env"].items():
             os.putenv(name, value)
         _renew_secrets()
-        from agent_sandbox._worker.boot import _read_boot
         from agent_sandbox._worker.server import serve
 
-        boot = _read_boot(boot_fd)
+        boot = read_boot(boot_fd)
         boot["listen_fd"] = listen_fd
         serve(boot)
     except BaseException as exc:
@@ -131,8 +132,12 @@ def _reap(control: socket.socket) -> None:
         _send(control, {"exit": pid, "returncode": code})
 
 
-def run_template(control_fd: int) -> None:
-    """Serve fork requests on the control socket until it closes (then exit)."""
+def run_template(control_fd: int, read_boot: Callable[[int], dict[str, Any]]) -> None:
+    """Serve fork requests on the control socket until it closes (then exit).
+
+    `read_boot` is the boot script's reader of a boot configuration: the boot script runs
+    by path, so it hands its reader over instead of being imported a second time.
+    """
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
     # A child's exit wakes the loop through this pipe (no polling while idle).
@@ -173,7 +178,7 @@ def run_template(control_fd: int) -> None:
             continue
         pid = os.fork()
         if pid == 0:
-            _become_worker(request, fds, control, selector, wakeup, libc)
+            _become_worker(request, fds, control, selector, wakeup, libc, read_boot)
         for fd in fds:
             os.close(fd)
         _send(control, {"spawned": pid, "req": request.get("req")})

@@ -18,7 +18,7 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import Denial
-from agent_sandbox._host.process import import_roots, package_dirs
+from agent_sandbox._host.launch import import_roots, package_dirs
 from agent_sandbox._worker import audit
 from agent_sandbox.guards._install import Guards, install_guards
 

@@ -629,7 +629,7 @@ def test_fd_level_output_never_grows_a_host_file(
     """It keeps what native code writes straight to descriptors 1 and 2 (not through
     `print`) in a sealed 1 MiB memory file: 8 MiB written leave no host file larger."""
     from agent_sandbox import Sandbox
-    from agent_sandbox._host.process import LOG_BYTES
+    from agent_sandbox._host.launch import LOG_BYTES
     from agent_sandbox.providers import get_provider
 
     probe = get_provider(provider).probe()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox._host.process import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
+from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
 
 # Imports a worker makes before its handshake (see `_worker.setup.prepare`).
 WORKER_MODULES = [
