@@ -11,6 +11,10 @@
 
 A worker that dies (timeout, crash, tampering) is replaced on the next call of its
 session, and that call's result says the state was lost.
+
+Why this module is longer than 600 lines: `Sandbox` and `Session` are one public surface;
+admission, eviction, interrupts and closing share the sandbox's lock and its sessions, and
+read as one piece (the call lock itself is `agent_sandbox._host.calllock`).
 """
 
 from __future__ import annotations

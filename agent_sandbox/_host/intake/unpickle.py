@@ -61,13 +61,13 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ChildException, UnpickleRefused
 from agent_sandbox._errors import SandboxDenied as _SandboxDenied
 from agent_sandbox._host.intake.events import quote
+from agent_sandbox._host.intake.unpickle_classes import _MAX_NAME, _NAME_RE, Allowlist, _resolve
+from agent_sandbox._host.intake.unpickle_prescan import Budgets, prescan
 
 try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
     from agent_sandbox.guards import _fastscan
 except ImportError:  # pragma: no cover - built by `pip install -e .`
     _fastscan = None  # type: ignore[assignment]
-from agent_sandbox._host.intake.unpickle_classes import _MAX_NAME, _NAME_RE, Allowlist, _resolve
-from agent_sandbox._host.intake.unpickle_prescan import Budgets, prescan
 
 __all__ = ["Decoder", "Rebuilt", "load_restricted"]
 

@@ -14,16 +14,9 @@ import dataclasses
 import operator
 import struct
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import UnpickleRefused
-
-try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
-    from agent_sandbox.guards import _fastscan
-except ImportError:  # pragma: no cover - built by `pip install -e .`
-    _fastscan = None  # type: ignore[assignment]
-from typing import TYPE_CHECKING
-
 from agent_sandbox._host.intake.unpickle_classes import (
     _DATA,
     _SCALARS,
@@ -38,6 +31,11 @@ from agent_sandbox._host.intake.unpickle_classes import (
 
 if TYPE_CHECKING:
     from agent_sandbox._host.intake.unpickle_classes import _Entry
+
+try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
+    from agent_sandbox.guards import _fastscan
+except ImportError:  # pragma: no cover - built by `pip install -e .`
+    _fastscan = None  # type: ignore[assignment]
 
 __all__ = ["Budgets", "prescan"]
 
