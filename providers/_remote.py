@@ -474,10 +474,24 @@ class RemoteSession:
                 )
             return result
 
+    def interrupt(self, grace: float | None = None) -> bool:
+        """Interrupt the running call (KeyboardInterrupt in the cell; variables kept). False
+        when no call runs."""
+        worker = self.worker
+        if worker is None or not self._lock.locked():
+            return False
+        return worker.interrupt(grace)
+
     async def arun(self, code: str, **kwargs: Any) -> RunResult:
+        """`run()` in a thread; a cancelled await interrupts the cell (variables kept)."""
         import asyncio
 
-        return await asyncio.to_thread(self.run, code, **kwargs)
+        call = asyncio.ensure_future(asyncio.to_thread(self.run, code, **kwargs))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self.interrupt()
+            raise
 
     def _drop(self) -> None:
         """Leave the claim: delete it when this session bound its worker, or when the worker

@@ -8,7 +8,8 @@ It serves the worker protocol on TCP with TLS (optionally mTLS) and starts the a
   template-wide bootstrap secret (`X-Agent-Sandbox-Bind`); a second bind is refused (409),
   whoever sends it. The worker is started here, under `--provider` (Landlock under runc;
   `subprocess` under a runtime that is itself the boundary, `--runtime-boundary gvisor`).
-* `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, authenticated by the
+* `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, and `POST /interrupt`
+  (SIGINT to the running cell, replaced after `grace` seconds, as locally), authenticated by the
   session token (`X-Agent-Sandbox-Token`, compared by SHA-256 in constant time; the token
   itself is never stored, logged or echoed). `/run` is streamed through from the worker's
   Unix socket; an idle stream gets an SSE comment (`: keep-alive`) every `keepalive`
@@ -135,6 +136,7 @@ class WorkerServer:
         self._bound = False
         self._binding = False
         self._pending_hash = b""
+        self._upstream: tuple[socket.socket, h11.Connection] | None = None
         self.worker: Any = None  # a WorkerProcess once bound
         self.remote_info: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -293,6 +295,14 @@ class WorkerServer:
             return True
         if method == b"POST" and target == b"/run":
             return self._run(sock, conn, body)
+        if method == b"POST" and target == b"/interrupt":
+            try:
+                grace = float(json.loads(body or b"{}").get("grace", 2.0))
+            except (ValueError, TypeError, AttributeError):
+                grace = 2.0
+            sent = bool(self._call.locked() and self.worker.interrupt(min(max(grace, 0.1), 60)))
+            self._reply(sock, conn, 200, {"sent": sent})
+            return True
         if method == b"POST" and target == b"/shutdown":
             self._reply(sock, conn, 200, {"ok": True}, close=True)
             self.stop("the host ended the session")
@@ -410,26 +420,49 @@ class WorkerServer:
             self._reply(sock, conn, 400, {"error": "bad run request"}, close=True)
             return False
         deadline = time.monotonic() + wall + _WALL_GRACE
-        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        up = h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
+        headers = [
+            ("host", "worker"),
+            ("authorization", "Bearer " + worker.token),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+        ]
+        upstream = self._upstream
+        self._upstream = None
+        if upstream is None:
+            upstream = self._connect_worker(worker)
+            if upstream is None:
+                return False
+        inner, up = upstream
+        kept = False
         try:
-            inner.settimeout(5.0)
-            inner.connect(os.path.join(worker.control_dir, "ctl.sock"))
-            headers = [
-                ("host", "worker"),
-                ("authorization", "Bearer " + worker.token),
-                ("content-type", "application/json"),
-                ("content-length", str(len(body))),
-            ]
-            inner.sendall(up.send(h11.Request(method="POST", target="/run", headers=headers)))
-            inner.sendall(up.send(h11.Data(data=body)) or b"")
-            inner.sendall(up.send(h11.EndOfMessage()) or b"")
-            return self._relay(sock, conn, inner, up, deadline)
-        except OSError:
+            if up.our_state is h11.DONE and up.their_state is h11.DONE:
+                up.start_next_cycle()  # the worker's connection, kept from the last call
+            out = up.send(h11.Request(method="POST", target="/run", headers=headers)) or b""
+            out += up.send(h11.Data(data=body)) or b""
+            out += up.send(h11.EndOfMessage()) or b""
+            inner.sendall(out)
+            ok = self._relay(sock, conn, inner, up, deadline)
+            kept = ok and up.our_state is h11.DONE and up.their_state is h11.DONE
+            return ok
+        except (OSError, h11.LocalProtocolError):
             worker.discard()
             return False
         finally:
+            if kept:
+                self._upstream = (inner, up)
+            else:
+                inner.close()
+
+    def _connect_worker(self, worker: Any) -> tuple[socket.socket, h11.Connection] | None:
+        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            inner.settimeout(5.0)
+            inner.connect(os.path.join(worker.control_dir, "ctl.sock"))
+        except OSError:
             inner.close()
+            worker.discard()
+            return None
+        return inner, h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
 
     def _relay(
         self,

@@ -6,8 +6,9 @@ logic is the local one, unchanged: every event goes through `ResultBuilder`
 (`agent_sandbox._host.intake.events`) with the host's bounds, and a worker that breaks the protocol,
 sends too much or passes its deadline is dropped exactly as a local one is.
 
-What the host cannot do remotely, and so does not claim: signal the worker (no interrupt;
-the pod enforces the wall time itself and the host ends the session), read its guard
+What the host cannot do remotely, and so does not claim: signal the worker itself (an
+interrupt is a request to the pod, which signals it; the pod enforces the wall time itself
+and the host ends the session), read its guard
 counter (`_host.intake.guard_block`), or put it in cgroups (the pod's resources are its limits). The
 boundary it reports (`RunResult.stack`) is what the pod said at bind time, before any user
 code ran there; a pod that reports no kernel boundary is refused unless the policy accepts
@@ -66,6 +67,7 @@ class RemoteWorker(WorkerProcess):
         self.remote: dict[str, Any] = {}
         self.adopted = False
         self._busy = False
+        self.remote_client: RemoteWorkerClient | None = None
 
     @classmethod
     def connect(
@@ -97,6 +99,7 @@ class RemoteWorker(WorkerProcess):
             headers=headers,
         )
         self.client = client  # type: ignore[assignment]
+        self.remote_client = client
         payload = {
             "token_sha256": hashlib.sha256(token.encode()).hexdigest(),
             "policy": policy.model_dump(mode="json", by_alias=True),
@@ -212,7 +215,11 @@ class RemoteWorker(WorkerProcess):
             client.close()
 
     def interrupt(self, grace: float | None = None) -> bool:
-        return False  # no signal reaches a pod; its wall time is enforced there
+        """Ask the pod to interrupt the running cell (SIGINT there; replaced after `grace`)."""
+        client = self.remote_client
+        if self.dead or client is None:
+            return False
+        return client.interrupt(2.0 if grace is None else grace)
 
     def run(self, code: str, **kwargs: Any) -> RunResult:
         if self.client is None:

@@ -1,10 +1,14 @@
-"""`agent-sandbox worker serve|check`: the remote worker's entry point and its self-report.
+"""`agent-sandbox worker serve|check` and `agent-sandbox k8s manifests POLICY`.
+
+`worker serve|check`: the remote worker's entry point and its self-report.
 
 `serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/remote.md and
 `_host/remote_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
 port when `:0` was asked). `check` says which layer is the kernel boundary in this place:
 the runtime the operator declares (`--runtime-boundary gvisor`) and what the in-pod provider
 finds (Landlock is absent under gVisor, present under runc with the default seccomp profile).
+`k8s manifests` prints the SandboxTemplate and SandboxWarmPool for a policy
+(`providers/_k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ def add_parser(subparsers: Any) -> None:
     check = wsub.add_parser("check", help="say which layer is the kernel boundary here")
     _common(check)
     check.set_defaults(func=_cmd_check)
+    k8s = subparsers.add_parser("k8s", help="Kubernetes agent-sandbox manifests for a policy")
+    ksub = k8s.add_subparsers(dest="k8s_command", required=True)
+    man = ksub.add_parser("manifests", help="print the SandboxTemplate and SandboxWarmPool")
+    man.add_argument("policy", help="a policy file or the name of a shipped policy")
+    man.add_argument("--image", required=True, help="the worker image (see docs/remote.md)")
+    man.add_argument("--namespace", default="default")
+    man.add_argument("--runtime", choices=("runc", "gvisor", "kata"), default="gvisor")
+    man.add_argument("--replicas", type=int, default=2)
+    man.add_argument("--mtls", action="store_true", help="require client certificates")
+    man.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    man.set_defaults(func=_cmd_manifests)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +139,40 @@ def boundary_report(provider: str, runtime: str) -> list[str]:
         "landlock: " + ("available" if landlock.available else f"absent ({landlock.reason})")
     )
     return lines
+
+
+def _cmd_manifests(args: argparse.Namespace) -> int:
+    import json
+
+    from agent_sandbox._errors import PolicyError
+    from agent_sandbox.policies import resolve_policy
+    from agent_sandbox.providers._k8s_manifests import ManifestError, manifests
+
+    try:
+        policy = resolve_policy(args.policy)
+        docs = manifests(
+            policy,
+            image=args.image,
+            namespace=args.namespace,
+            runtime=args.runtime,
+            replicas=args.replicas,
+            mtls=args.mtls,
+        )
+    except (PolicyError, ManifestError) as exc:
+        print(f"agent-sandbox k8s manifests: error: {exc}", file=sys.stderr)
+        return 78 if isinstance(exc, PolicyError) else 64
+    if args.format == "json":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
+        return 0
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        print(
+            "agent-sandbox k8s manifests: no YAML library here; use --format json", file=sys.stderr
+        )
+        return 69
+    print(yaml.safe_dump_all(docs, sort_keys=False), end="")
+    return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

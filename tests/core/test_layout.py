@@ -38,6 +38,15 @@ SHARED = frozenset(
 )
 #: The public entry points at the top of the package.
 API = frozenset({"agent_sandbox", "agent_sandbox.__main__", "agent_sandbox.testing"})
+#: The providers' modules that run in the worker, its launcher or its VM: the worker side.
+WORKER_PROVIDERS = frozenset(
+    {
+        "agent_sandbox.providers._inworker",  # the in-worker steps (Landlock, seccomp, ...)
+        "agent_sandbox.providers._landlock_sys",  # the Landlock system calls they make
+        "agent_sandbox.providers._ns_launch",  # the unshare launcher, inside the namespaces
+        "agent_sandbox.providers._qemu_guest",  # the guest agent, inside the VM
+    }
+)
 #: Outside agent_sandbox/'s own layout, but stdlib-only and read on both sides.
 SHARED_OUTSIDE = frozenset(
     {
@@ -129,6 +138,8 @@ RUNTIME = {name: _imports(name, path, runtime=True) for name, path in MODULES.it
 
 
 def _side(name: str) -> str:
+    if name in WORKER_PROVIDERS:
+        return "worker-providers"
     if name in SHARED:
         return "shared"
     if name in API:
@@ -158,13 +169,27 @@ def test_every_module_of_the_package_has_a_side() -> None:
 
 def test_the_worker_side_imports_nothing_of_the_host_side() -> None:
     """It keeps `_worker/` to its own modules, the shared ones, the guards and the providers."""
-    allowed = {"_worker", "shared", "guards", "providers"}
+    allowed = {"_worker", "shared", "guards", "providers", "worker-providers"}
     bad = {
         name: sorted(
             m for m in _ours(imports) if _side(m) not in allowed and m not in SHARED_OUTSIDE
         )
         for name, imports in GRAPH.items()
         if _side(name) == "_worker"
+    }
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_the_providers_worker_steps_import_nothing_of_the_host_side() -> None:
+    """It keeps the providers' modules that run in the worker, its launcher or its VM off
+    the host side and the tools, as the worker's own modules are."""
+    allowed = {"_worker", "shared", "guards", "providers", "worker-providers"}
+    bad = {
+        name: sorted(
+            m for m in _ours(imports) if _side(m) not in allowed and m not in SHARED_OUTSIDE
+        )
+        for name, imports in GRAPH.items()
+        if name in WORKER_PROVIDERS
     }
     assert {k: v for k, v in bad.items() if v} == {}
 

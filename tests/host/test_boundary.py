@@ -212,9 +212,13 @@ def test_a_provider_that_cannot_run_here_fails_at_construction(
         Sandbox(Policy(name="p", provider="landlock"), warm=0)
 
 
-def test_policy_check_validates_the_provider(tmp_path: Path) -> None:
+def test_policy_check_validates_the_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """It fails `policy check` for a provider that cannot run here or a bare subprocess,
     and names the boundary of a good one."""
+    # qemu cannot run without its guest image, and an empty cache has none.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     bare = tmp_path / "bare.toml"
     bare.write_text('name = "bare"\nprovider = "subprocess"\n')
     proc = cli("policy", "check", str(bare))

@@ -293,6 +293,26 @@ class RemoteWorkerClient:
             self.close()
             raise
 
+    def interrupt(self, grace: float, timeout: float = 2.0) -> bool:
+        """`POST /interrupt` on a connection of its own (the call's is streaming)."""
+        probe = RemoteWorkerClient(
+            self.url,
+            self.token,
+            self.max_event_bytes,
+            self.kind_caps,
+            tls=self.tls,
+            headers=self.headers,
+        )
+        try:
+            status, data = probe._request_json(
+                "POST", "/interrupt", {"grace": grace}, time.monotonic() + timeout
+            )
+        except (TransportError, TimeoutError):
+            return False
+        finally:
+            probe.close()
+        return status == 200 and isinstance(data, dict) and data.get("sent") is True
+
     def shutdown(self, timeout: float = 1.0) -> None:
         try:
             self._request_json("POST", "/shutdown", None, time.monotonic() + timeout)
