@@ -107,7 +107,7 @@ _SLIM_DROP = frozenset(
     }
 )
 _APPLETS = ("sh", "mount", "mkdir", "insmod", "cat", "sed", "sleep", "poweroff", "echo")
-#: The worker's third-party modules (imported by `agent_sandbox._worker_server`).
+#: The worker's third-party modules (imported by `agent_sandbox._worker.server`).
 _WORKER_DISTS = ("h11", "wrapt")
 
 ProgressFn = Callable[[str], None]
@@ -398,7 +398,7 @@ def _package_trees(names: Iterable[str]) -> dict[str, str]:
 
 def _worker_trees() -> dict[str, str]:
     """Folders whose content the worker imports: agent_sandbox's packages, h11 and wrapt."""
-    from agent_sandbox._process import package_dirs
+    from agent_sandbox._host.launch import package_dirs
 
     trees = dict(package_dirs())
     for dist in _WORKER_DISTS:
@@ -422,7 +422,7 @@ def _stdlib_files(stdlib: str) -> Iterator[str]:
 
 #: The qemu provider's host-side modules: never imported in the guest, so neither baked in
 #: nor part of the image's hash (the guest agent is baked as /sb/agent.py).
-_HOST_ONLY = frozenset({"_qemu.py", "_qemu_host.py", "_qemu_image.py", "_cli_qemu.py"})
+_HOST_ONLY = frozenset({"_qemu.py", "_qemu_host.py", "_qemu_image.py", "cli_qemu.py"})
 
 
 def _tree_files(root: str) -> Iterator[str]:
@@ -451,7 +451,7 @@ def _ldd(paths: Iterable[str]) -> list[str]:
 
 def _python() -> tuple[str, str]:
     """The interpreter workers run (resolved) and its standard library folder."""
-    from agent_sandbox._process import worker_python
+    from agent_sandbox._host.launch import worker_python
 
     exe = os.path.realpath(worker_python())
     return exe, sysconfig.get_paths()["stdlib"]

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable, Sandbox
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._qemu import SHARE_SLOTS, QemuProvider, qemu_argv
@@ -32,7 +32,7 @@ from tests.providers.conftest import NATIVE, hostile_policy, received_connection
 
 SPEC = WorkerSpec(
     python="/opt/py/bin/python3.11",
-    boot_script="/src/agent_sandbox/_worker_boot.py",
+    boot_script="/src/agent_sandbox/_worker/boot.py",
     scratch="/tmp/as-1/scratch",
     control_dir="/tmp/as-1",
     listen_fd=3,
@@ -351,7 +351,7 @@ AGENT = """
 import json, os, sys, time
 sys.path[:0] = {paths!r}
 os.environ["XDG_CACHE_HOME"] = {cache!r}
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers._qemu import QemuProvider
 policy = Policy(name="vm", provider="qemu", limits={{"memory_mb": {mem}}})
