@@ -23,7 +23,7 @@ def test_importing_the_package_loads_neither_learning_nor_pydantic() -> None:
     """It imports neither the learning code, pydantic and the policy models, nor the
     denial shapes' regular expressions until they are used."""
     loaded = _modules_after("import agent_sandbox")
-    assert "agent_sandbox._learn" not in loaded
+    assert not {m for m in loaded if m.startswith("agent_sandbox._tools.learn")}
     assert "pydantic" not in loaded
     assert "agent_sandbox.policies._model" not in loaded
 
@@ -34,17 +34,17 @@ def test_the_public_names_still_resolve() -> None:
         assert getattr(agent_sandbox, name) is not None, name
     from agent_sandbox import Policy, Sandbox
 
-    assert Sandbox.__module__ == "agent_sandbox._sandbox"
+    assert Sandbox.__module__ == "agent_sandbox._host.sandbox"
     assert Policy.__name__ == "Policy"
 
 
 def test_using_a_sandbox_does_not_load_the_learning_code() -> None:
     loaded = _modules_after("from agent_sandbox import Policy, Sandbox")
-    assert "agent_sandbox._learn" not in loaded
+    assert not {m for m in loaded if m.startswith("agent_sandbox._tools.learn")}
 
 
 def test_the_denial_shapes_compile_on_first_use() -> None:
     loaded = _modules_after(
-        "import agent_sandbox._intake as i\nassert i.shapes.cache_info().currsize == 0"
+        "import agent_sandbox._host.intake.events as i\nassert i.shapes.cache_info().currsize == 0"
     )
-    assert "agent_sandbox._intake" in loaded
+    assert "agent_sandbox._host.intake.events" in loaded
