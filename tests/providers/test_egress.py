@@ -600,6 +600,39 @@ def test_a_host_that_does_not_resolve_is_a_denial_in_the_result_not_a_warning(
     assert not [w for w in caught if "does not resolve" in str(w.message)]
 
 
+def test_subprocess_a_named_host_that_does_not_resolve_is_a_resolve_denial() -> None:
+    """Under `subprocess` (the opt-out; names pinned when the policy loads), a rule's host
+    that does not resolve is a `net.resolve` denial naming the host that says it did not
+    resolve (not "no rule names this host"), and the host prints no warning."""
+    policy = Policy(
+        name="unresolved",
+        imports={"allow": ["socket"]},
+        net={"rules": [{"host": "no-such-host.invalid", "ports": "80"}]},
+        limits={"wall_seconds": 30},
+        no_kernel_boundary="accepted",
+    )
+    code = (
+        "import socket\n"
+        "try:\n"
+        "    socket.create_connection(('no-such-host.invalid', 80), timeout=2)\n"
+        "    r = 'connected'\n"
+        "except OSError as exc:\n"
+        "    r = type(exc).__name__\n"
+        "r"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Sandbox(policy, provider="subprocess", warm=0) as sb:
+            result = sb.run(code)
+    assert result.value == "NetworkDenied", result
+    resolves = [d for d in result.denials if d.rule == "net.resolve"]
+    assert [d.target for d in resolves] == ["no-such-host.invalid"], result.denials
+    assert "did not resolve" in resolves[0].detail, resolves[0].detail
+    assert "no [net] rule names" not in resolves[0].detail
+    assert "Warning" not in result.stderr
+    assert not [w for w in caught if "resolve" in str(w.message)], [str(w.message) for w in caught]
+
+
 def _socks_connect(proxy_port: int, host: str, port: int) -> tuple[socket.socket, int]:
     """A SOCKS5 handshake by hand (no auth, CONNECT to a name); the socket and reply code."""
     s = socket.create_connection(("127.0.0.1", proxy_port), timeout=5)
