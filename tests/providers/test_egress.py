@@ -853,3 +853,60 @@ def test_the_proxy_drops_an_answer_with_ambiguous_framing(
         proxy_port, f"GET http://127.0.0.1:{port}/smuggle HTTP/1.1\r\nhost: a\r\n\r\n".encode()
     )
     assert b"ok" not in out
+
+
+# -- SOCKS5 from inside a worker ---------------------------------------------------------------
+
+_SOCKS_IN_WORKER = """
+import socket
+def socks(host, port):
+    s = socket.create_connection(('127.0.0.1', {proxy}), timeout=10)
+    s.sendall(b'\\x05\\x01\\x00')
+    assert s.recv(2) == b'\\x05\\x00'
+    name = host.encode()
+    s.sendall(b'\\x05\\x01\\x00\\x03' + bytes([len(name)]) + name + port.to_bytes(2, 'big'))
+    reply = b''
+    while len(reply) < 10:
+        chunk = s.recv(10 - len(reply))
+        if not chunk:
+            break
+        reply += chunk
+    return s, reply[1]
+s, code = socks({host!r}, {port})
+body = b''
+if code == 0:
+    s.sendall(b'GET /socks HTTP/1.0\\r\\nhost: x\\r\\n\\r\\n')
+    while chunk := s.recv(4096):
+        body += chunk
+s.close()
+(code, body.decode(errors='replace'))
+"""
+
+
+def test_socks5_from_inside_a_worker_allowed_and_refused(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """Code in the sandbox speaking SOCKS5 (`socks5h`: the name goes to the proxy) over a raw
+    socket reaches an allowed name; a name no rule names gets reply 2 (not allowed by the
+    ruleset), and the refusal is the host's recorded `net.resolve` denial in the result."""
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    policy = _policy(
+        [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}]
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        ok = sb.run(
+            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
+        )
+        refused = sb.run(
+            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
+        )
+    assert ok.error is None, ok
+    code, body = ok.value
+    assert code == 0 and f"hello from {port} /socks" in body, ok.value
+    assert _net_denials(ok) == []
+    assert refused.error is None, refused
+    assert list(refused.value) == [2, ""], refused.value
+    denials = _net_denials(refused)
+    assert [(d.rule, d.target) for d in denials] == [("net.resolve", "other.test")], denials
+    assert "egress proxy" in denials[0].detail
