@@ -5,6 +5,8 @@ same worker behind it). Each test runs once per transport and expects the same r
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +30,9 @@ class _Local:
 
     async def arun(self, code: str, **kwargs: Any) -> Any:
         return await self.session.arun(code, **kwargs)
+
+    def interrupt(self) -> bool:
+        return self.session.interrupt()
 
     def close(self) -> None:
         self.session.close()
@@ -133,3 +138,44 @@ def test_the_result_names_its_boundary(make: Any, request: pytest.FixtureRequest
     result = s.run("1")
     assert result.boundary == "none"  # the Python layer only, in both places (opted out)
     assert result.provider == ("remote" if "tls" in request.node.name else "subprocess")
+
+
+def test_interrupt_stops_the_cell_and_keeps_the_variables(make: Any) -> None:
+    s = make()
+    assert s.run("kept = 41").ok
+    out: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "r", s.run("import time\nprint('go', flush=True)\ntime.sleep(30)")
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 10
+    sent = False
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.3)
+        sent = s.interrupt()
+    t.join(15)
+    assert sent
+    result = out["r"]
+    assert result.error is not None and result.error.type == "KeyboardInterrupt"
+    after = s.run("kept + 1")
+    assert after.value == 42 and not after.state_lost
+
+
+async def test_a_cancelled_async_call_interrupts_the_cell(make: Any) -> None:
+    import asyncio
+
+    s = make()
+    assert s.run("kept = 1").ok
+    task = asyncio.ensure_future(s.arun("import time\ntime.sleep(30)"))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(50):  # the interrupted call finishes in its thread
+        after = s.run("kept + 1")
+        if after.error is None or after.error.rule != "remote.busy":
+            break
+        await asyncio.sleep(0.1)
+    assert after.value == 2 and not after.state_lost
