@@ -14,9 +14,9 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
 3. The proxy speaks HTTP `CONNECT` (a TLS tunnel: it sees the host name and the port, never
    the contents) and plain HTTP proxying (absolute-form requests; the client and upstream
    connections kept alive; only the heads are parsed, strictly, and bodies are relayed as
-   bytes with their framing tracked, see `_Session`). It judges each target against the policy's rules
-   by host name and port (`EgressRules`), resolves names itself on the host (the worker
-   never resolves), and refuses a name that resolves to a loopback, private, link-local,
+   bytes with their framing tracked, see `_Session`). It judges each target against the
+   policy's rules by host name and port (`EgressRules`), resolves names itself on the host
+   (the worker never resolves), and refuses a name that resolves to a loopback, private, link-local,
    metadata or other non-global address unless a rule names that address. The host's
    own loopback services are reachable only through a rule naming them.
 4. Each refusal becomes a `Denial` (`net.connect`, `net.resolve`) recorded on the host, on
