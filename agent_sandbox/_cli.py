@@ -35,6 +35,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "agent_sandbox._cli_demo",
     "agent_sandbox._cli_doctor",
     "agent_sandbox._cli_learn",
+    "agent_sandbox._cli_qemu",
+    "agent_sandbox._cli_worker",
 )
 
 EXIT_OK = 0

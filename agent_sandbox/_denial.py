@@ -56,6 +56,8 @@ RULES: dict[str, str] = {
     "net.bind": "binding or listening on an address outside `net.rules`",
     "net.connect": "connecting or sending to an address outside `net.rules`",
     "net.resolve": "resolving a host name that no `net.rules` entry names",
+    "remote.busy": "a remote session's worker was already in a call (one at a time); "
+    "nothing was run and the session is kept",
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
     "worker.crashed": "the worker process died during the call; its state is lost",

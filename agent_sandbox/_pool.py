@@ -2,7 +2,11 @@
 
 A pool keeps `warm` started, handshaken workers for one (policy, provider) pair and refills
 in a background thread after each acquire. Pools are shared between sandboxes with the same
-policy through `PoolRegistry`, and closed when the last sandbox using one is closed.
+policy through `PoolRegistry` only when they ask for it (`Sandbox(share_workers=True)`), and
+closed when the last sandbox using one is closed. By default each sandbox has its own pool,
+so workers forked for one sandbox never come from another sandbox's template: forked workers
+share their template's hash secret and memory layout (see `_worker_template.py`), and that
+sharing stays within one sandbox. The cost is one template (and `warm` workers) per sandbox.
 
 For providers whose worker is a plain child (`subprocess`, `landlock`), the pool also keeps
 a worker template (`_templates.py`): a pre-imported process that forks new workers, so a
@@ -13,6 +17,7 @@ are started directly (the same plan and restrictions either way).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 
@@ -176,13 +181,22 @@ class PoolRegistry:
     """Pools shared by fingerprint and provider, reference-counted by the sandboxes using them."""
 
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, str, int], tuple[WorkerPool, int]] = {}
+        self._pools: dict[tuple[str, str, int, int], tuple[WorkerPool, int]] = {}
+        self._owners = itertools.count(1)
         self._lock = threading.Lock()
 
     def get(
-        self, policy: Policy, provider: Provider, *, warm: int, start_timeout: float
+        self,
+        policy: Policy,
+        provider: Provider,
+        *,
+        warm: int,
+        start_timeout: float,
+        owner: int = 0,
     ) -> WorkerPool:
-        key = (policy.fingerprint(), provider.name, warm)
+        """The pool for (policy, provider, warm); a non-zero `owner` (from `new_owner()`) keeps
+        it private to that owner, 0 shares it with every other caller that passes 0."""
+        key = (policy.fingerprint(), provider.name, warm, owner)
         with self._lock:
             entry = self._pools.get(key)
             if entry is None:
@@ -192,6 +206,10 @@ class PoolRegistry:
             pool, refs = entry
             self._pools[key] = (pool, refs + 1)
             return pool
+
+    def new_owner(self) -> int:
+        """A token no other caller gets (for a private pool)."""
+        return next(self._owners)
 
     def close_all(self) -> None:
         """Close every pool (at interpreter exit)."""

@@ -263,6 +263,10 @@ class Sandbox:
     `ProviderUnavailable` here, at construction; `auto` never falls back to no boundary, and
     `subprocess` needs the policy's `no_kernel_boundary = "accepted"` (else `PolicyError`).
     `boundary.name` says what holds the workers, e.g. `"bwrap+landlock+seccomp"`.
+    `share_workers=True` lets sandboxes with the same policy share one pool (its warm workers
+    and its worker template, so one template start for all of them); by default each
+    sandbox has its own, and workers of different sandboxes never share a template's hash
+    secret or memory layout.
     """
 
     def __init__(
@@ -276,6 +280,7 @@ class Sandbox:
         start_timeout: float = 15.0,
         session_wait: float = 30.0,
         tool: str = "",
+        share_workers: bool = False,
     ) -> None:
         resolved = resolve_policy(policy)
         # Everything that can be wrong about the provider fails here, not at the first call.
@@ -287,8 +292,15 @@ class Sandbox:
         self.provider: Provider = self.boundary.provider
         self.max_sessions = max(1, max_sessions)
         self.session_ttl = session_ttl
+        # Private unless asked: forked workers share their template's hash secret and memory
+        # layout, so templates (and warm workers) are not shared between sandboxes by default.
+        self._pool_owner = 0 if share_workers else REGISTRY.new_owner()
         self._pool: WorkerPool = REGISTRY.get(
-            resolved, self.provider, warm=warm, start_timeout=start_timeout
+            resolved,
+            self.provider,
+            warm=warm,
+            start_timeout=start_timeout,
+            owner=self._pool_owner,
         )
         self.session_wait = session_wait
         # Sessions holding a slot (least recently used first), and evicted ones kept usable.

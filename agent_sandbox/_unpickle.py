@@ -67,6 +67,11 @@ from agent_sandbox._errors import ChildException, UnpickleRefused
 from agent_sandbox._errors import SandboxDenied as _SandboxDenied
 from agent_sandbox._intake import quote
 
+try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
+    from agent_sandbox.guards import _fastscan
+except ImportError:  # pragma: no cover - built by `pip install -e .`
+    _fastscan = None  # type: ignore[assignment]
+
 __all__ = [
     "BUILTIN_TYPES",
     "DENIED_GLOBALS",
@@ -1010,8 +1015,30 @@ def prescan(
 ) -> set[str]:
     """Check a stream before anything is built; return the globals it names.
 
-    Raises `UnpickleRefused` naming the opcode, the global or the budget at fault.
+    Raises `UnpickleRefused` naming the opcode, the global or the budget at fault. A stream
+    of plain data (no globals) is first offered to the C prescan (`guards/_fastscan.c`),
+    which accepts only what this Python scan accepts and answers "not sure" for everything
+    else; then this scan runs and decides.
     """
+    data = bytes(data)
+    budgets = budgets or Budgets()
+    if _fastscan is not None and _fastscan.prescan_data(
+        data,
+        budgets.max_bytes,
+        budgets.max_opcodes,
+        budgets.max_depth,
+        budgets.max_memo,
+        budgets.max_int_bytes,
+        budgets.max_same_hash,
+    ):
+        return set()
+    return python_prescan(data, allow, budgets)
+
+
+def python_prescan(
+    data: bytes, allow: Allowlist | None = None, budgets: Budgets | None = None
+) -> set[str]:
+    """`prescan` without the C fast path (the reference the C prescan is tested against)."""
     scan = _Scan(bytes(data), allow or Allowlist(), budgets or Budgets())
     try:
         scan.run()
@@ -1117,6 +1144,10 @@ class Decoder:
                 f"{self.budgets.max_bytes} bytes",
                 budget="max_bytes",
             )
+        if _fastscan is not None:
+            fast = _fastscan.b64decode(text)  # canonical base64, or None: then binascii decides
+            if fast is not None:
+                return fast
         try:
             return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
         except (binascii.Error, UnicodeEncodeError, ValueError):

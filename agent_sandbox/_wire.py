@@ -1,6 +1,8 @@
 """The wire format shared by parent and worker: Server-Sent Events carrying JSON.
 
-One event is `event: <kind>\\ndata: <json>\\n\\n`. Kinds: `start`, `stdout`, `stderr`,
+One event is `event: <kind>\\ndata: <json>\\n\\n`. A block of comment lines only (`: keep-alive`,
+which a remote worker's supervisor sends on an idle stream so proxies keep it open) is
+skipped; it counts against the same per-event cap. Kinds: `start`, `stdout`, `stderr`,
 `denial`, `counts`, `internal`, `image`, `files`, `notice`, `result`, `error`, `done`. The parser is
 incremental, caps the size of one event (per kind, once the kind line has arrived, so no
 event is buffered past its own cap), and turns anything malformed into a `TransportError`;
@@ -144,7 +146,10 @@ class SSEParser:
                     return events
                 if end - start > cap:
                     raise MessageTooLarge("one event from the worker", end - start, cap, setting)
-                events.append(self._parse(start, end))
+                if self._buf.startswith(b":", start):
+                    self._skip_comment(start, end)
+                else:
+                    events.append(self._parse(start, end))
                 start = self._scanned = end + 2
                 self._cap = None
         finally:
@@ -156,6 +161,11 @@ class SSEParser:
     def pending(self) -> int:
         """Bytes buffered that do not yet form a complete event."""
         return len(self._buf)
+
+    def _skip_comment(self, start: int, end: int) -> None:
+        """A keep-alive block: every line must be a comment (no event hides behind one)."""
+        if any(not line.startswith(b":") for line in bytes(self._buf[start:end]).split(b"\n")):
+            raise TransportError("an event from the worker mixes comment and field lines")
 
     def _parse(self, start: int, end: int) -> Event:
         """The event in `_buf[start:end]`: exactly `event: <kind>` then `data: <json>`.

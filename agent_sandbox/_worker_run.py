@@ -163,8 +163,13 @@ class Runner:
         self._sources: collections.deque[tuple[str, int]] = collections.deque()
         self._source_size = 0
 
-    def run(self, code: str, emit: Emit, filename: str | None = None) -> None:
+    def run(
+        self, code: str, emit: Emit, filename: str | None = None, *, last: Emit | None = None
+    ) -> None:
         """Run `code`, emitting stdout/stderr/image/files/result/error events (not `done`).
+
+        The final `result` or `error` event goes to `last` when given (the server batches it
+        with the end of the response).
 
         `filename` is the name the code's frames carry (a script run from the CLI keeps its
         own); by default `<cell-N>`. Every call arms the guards exactly once and disarms them
@@ -191,7 +196,7 @@ class Runner:
                 outcome = self._run_armed(code, filename, emit, out, err, started)
         except BaseException as exc:
             outcome = "error", _error_info(exc, filename)
-        emit(*outcome)
+        (last or emit)(*outcome)
 
     def _run_armed(
         self, code: str, filename: str, emit: Emit, out: _Output, err: _Output, started: float

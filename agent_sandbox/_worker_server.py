@@ -156,8 +156,23 @@ class _Server:
         ]
         lock = threading.Lock()
         broken = False
+        # The events after the cell (its result, the counts, `done`) and the end of the
+        # response go out in one write, as do the headers and `start` before it: fewer
+        # wake-ups of the host per call. Events emitted while the cell runs (its output, its
+        # denials) are written at once, in order.
+        held: list[bytes] = []
+        holding = False
 
         owner = os.getpid()
+
+        def write(data: bytes) -> None:
+            nonlocal broken
+            if broken:
+                return
+            try:
+                sock.sendall(data)
+            except OSError:
+                broken = True
 
         def emit(kind: str, data: Any) -> None:
             nonlocal broken
@@ -168,22 +183,39 @@ class _Server:
                 if broken:
                     return
                 try:
-                    sock.sendall(conn.send(h11.Data(data=chunk)) or b"")
-                except (OSError, h11.LocalProtocolError):
+                    framed = conn.send(h11.Data(data=chunk)) or b""
+                except h11.LocalProtocolError:
                     broken = True
+                    return
+                if holding:
+                    held.append(framed)
+                else:
+                    write(framed)
+
+        def hold(kind: str, data: Any) -> None:
+            nonlocal holding
+            with lock:
+                holding = True  # from here on, emit() keeps its events for the last write
+            emit(kind, data)
 
         try:
-            sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
-        except (OSError, h11.LocalProtocolError):
-            return  # the caller left (a cancelled call): nobody waits for this code's result
+            head = conn.send(h11.Response(status_code=200, headers=headers)) or b""
+        except h11.LocalProtocolError:
+            return
         filename = request.get("filename")
-        emit("start", {"call": self.runner.calls + 1})
+        head += conn.send(h11.Data(data=encode_event("start", {"call": self.runner.calls + 1})))
+        try:
+            sock.sendall(head)
+        except OSError:
+            return  # the caller left (a cancelled call): nobody waits for this code's result
         _audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
-            self.runner.run(code, emit, filename if isinstance(filename, str) else None)
+            self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
             counted = _audit.end_call()
+            with lock:
+                holding = True
         # First occurrences streamed as they were classified; counts and last ones now.
         counts = [
             [i, d.count, d.last.to_dict()] for i, d in enumerate(counted) if d.last is not None
@@ -211,10 +243,13 @@ class _Server:
             },
         )
         with lock:
-            try:
-                sock.sendall(conn.send(h11.EndOfMessage()) or b"")
-            except (OSError, h11.LocalProtocolError):
-                pass
+            if not broken:
+                try:
+                    held.append(conn.send(h11.EndOfMessage()) or b"")
+                except h11.LocalProtocolError:
+                    pass
+            write(b"".join(held))
+            held.clear()
         if tampered:
             raise _Stop
 

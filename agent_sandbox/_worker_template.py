@@ -16,8 +16,17 @@ secret, arms nothing, and on request forks a child that becomes a worker. In ord
    it reaps it, so the parent sees signals and exit codes as from a direct child.
 
 What it does not change: every worker still applies its own limits and restrictions; the
-template only saves the imports. Workers forked from one template share its address-space
-layout and its hash seed (`random` reseeds itself after a fork).
+template only saves the imports.
+
+Per-process secrets: `random` reseeds itself after a fork, and the child replaces the
+`multiprocessing` authentication key when that module is loaded. Two things cannot be
+renewed in a forked process, and are a documented limit: the string hash secret (every
+string and dict made during the imports carries hashes under it, so changing it would break
+them) and the address-space layout (ASLR is applied at exec). Workers forked from one
+template share both. A template belongs to one pool, and a pool to one `Sandbox` unless the
+user asks to share (`Sandbox(share_workers=True)`), so workers of different sandboxes never
+share them; a worker that knows the secret can only use it against its own siblings, which
+run the same sandbox's code under the same policy.
 
 Standard library only until the worker's modules are imported.
 """
@@ -86,6 +95,7 @@ def _become_worker(
         os.environ.update(request["env"])
         for name, value in request["env"].items():
             os.putenv(name, value)
+        _renew_secrets()
         from agent_sandbox._worker_boot import _read_boot
         from agent_sandbox._worker_server import serve
 
@@ -98,6 +108,15 @@ def _become_worker(
         finally:
             os._exit(70)
     os._exit(0)
+
+
+def _renew_secrets() -> None:
+    """Per-process secrets the child must not share with its siblings (see the docstring)."""
+    import sys
+
+    mp = sys.modules.get("multiprocessing.process")
+    if mp is not None:
+        mp.current_process().authkey = os.urandom(32)  # type: ignore[attr-defined]
 
 
 def _reap(control: socket.socket) -> None:

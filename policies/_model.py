@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import warnings
+import weakref
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -346,6 +347,11 @@ class LimitsPolicy(_Section):
 
 
 #: Providers that are no kernel boundary: a policy names one only with the explicit opt-out.
+#: Fingerprints computed so far, by the id of their (frozen) policy. Kept beside the model, not
+#: in a private attribute: pydantic compares private attributes in `==` and copies them in
+#: `model_copy` (also when an update changes fields).
+_FINGERPRINTS: dict[int, tuple[weakref.ref[Policy], str]] = {}
+
 NO_BOUNDARY_PROVIDERS = frozenset({"subprocess"})
 
 
@@ -524,10 +530,22 @@ class Policy(_Section):
         """A stable hash: the same policy always gives the same fingerprint.
 
         It covers the declared fields only (not the pinned addresses or the file path).
+        Computed once per policy object (the model is frozen), not once per call.
         """
+        cached = _FINGERPRINTS.get(id(self))
+        if cached is not None and cached[0]() is self:
+            return cached[1]
         data = self.model_dump(mode="json", by_alias=True)
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        value = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        key = id(self)
+
+        def forget(ref: weakref.ref[Policy], key: int = key) -> None:
+            if _FINGERPRINTS.get(key, (None, ""))[0] is ref:
+                del _FINGERPRINTS[key]
+
+        _FINGERPRINTS[key] = (weakref.ref(self, forget), value)
+        return value
 
     def merged(self, overrides: dict[str, Any]) -> Policy:
         """A new policy: this one with `overrides` (nested dicts) applied section by section.

@@ -27,8 +27,14 @@ back-pressure), and timeouts on the head, the name lookup, the upstream connect 
 relays. The proxy runs as one event-loop thread of the agent's process, started with the
 first route and stopped with the last (a pool or sandbox closing its workers stops it).
 
+SOCKS5 (RFC 1928, no authentication, `CONNECT` only) is served on the same port: a
+connection whose first byte is 5 is a SOCKS5 client (`socks5h://127.0.0.1:3128`, names
+resolved and judged on the host like a `CONNECT`); a refusal is reply code 2 and the same
+recorded denial.
+
 What it does NOT do: UDP (a namespace provider refuses a UDP rule at build; seccomp denies
-datagram sockets), SOCKS, listening sockets reachable from outside, or looking into TLS.
+datagram sockets), SOCKS4 or SOCKS5 `BIND`/`UDP ASSOCIATE`, listening sockets reachable
+from outside, or looking into TLS.
 Code that connects directly (not through the proxy) reaches nothing: the namespace has no
 route out.
 """
@@ -663,6 +669,11 @@ class _Session:
     async def serve(self) -> None:
         import h11
 
+        first = await self.read(self.reader)
+        if first[:1] == b"\x05":
+            await self._socks(first)
+            return
+        self.conn.receive_data(first)
         while True:
             try:
                 event = await self.next_event(self.conn, self.reader)
@@ -677,6 +688,74 @@ class _Session:
             if self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
                 return
             self.conn.start_next_cycle()
+
+    async def _socks(self, data: bytes) -> None:
+        """A SOCKS5 client (RFC 1928): no authentication, `CONNECT` only, judged like a
+        `CONNECT` request (a name is resolved and judged on the host: `socks5h://`)."""
+
+        async def need(n: int) -> bytes:
+            nonlocal data
+            while len(data) < n:
+                if len(data) > MAX_HEAD_BYTES:
+                    raise ConnectionError("SOCKS5 head too long")
+                more = await self.read(self.reader)
+                if not more:
+                    raise ConnectionError("SOCKS5 client went away")
+                data += more
+            return data
+
+        def reply(code: int) -> None:
+            self.writer.write(bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0]))
+
+        await need(2)
+        count = data[1]
+        await need(2 + count)
+        if 0 not in data[2 : 2 + count]:
+            self.writer.write(b"\x05\xff")  # no acceptable method
+            return
+        self.writer.write(b"\x05\x00")
+        data = data[2 + count :]
+        await need(5)
+        version, command, _reserved, kind = data[0], data[1], data[2], data[3]
+        if kind == 1:
+            end = 4 + 4
+            await need(end + 2)
+            host = str(ipaddress.IPv4Address(data[4:end]))
+        elif kind == 4:
+            end = 4 + 16
+            await need(end + 2)
+            host = str(ipaddress.IPv6Address(data[4:end]))
+        elif kind == 3:
+            end = 5 + data[4]
+            await need(end + 2)
+            host = data[5:end].decode("ascii", "replace")
+        else:
+            reply(8)  # address type not supported
+            return
+        port = int.from_bytes(data[end : end + 2], "big")
+        leftover = data[end + 2 :]
+        if version != 5 or command != 1:
+            reply(7)  # command not supported: CONNECT only
+            return
+        self.limit = IDLE_TIMEOUT
+        addresses, denial = await _decide(self.route, host, port)
+        if denial is not None:
+            self.route.record(denial)  # recorded before the refusal reaches the worker
+            reply(2)  # connection not allowed by ruleset
+            return
+        error = await self._connect(addresses, port)
+        if error:
+            reply(5)  # connection refused
+            return
+        assert self.up_reader is not None and self.up_writer is not None
+        reply(0)
+        if leftover:
+            self.up_writer.write(leftover)
+        await asyncio.gather(
+            self._pump(self.reader, self.up_writer),
+            self._pump(self.up_reader, self.writer),
+            return_exceptions=True,
+        )
 
     async def _connect(self, addresses: list[str], port: int) -> str:
         """Open the upstream connection to the first address that answers; "" or the error."""

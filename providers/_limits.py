@@ -160,6 +160,15 @@ def _read(path: str) -> str:
         return ""
 
 
+def _counter_bytes(text: bytes, key: str) -> int:
+    needle = key.encode() + b" "
+    for line in text.splitlines():
+        if line.startswith(needle):
+            value = line[len(needle) :].strip()
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
 def _counter(text: str, key: str) -> int:
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -186,6 +195,7 @@ class WorkerCgroups:
     def __init__(self, dirs: Mapping[str, str]) -> None:
         self.dirs = dict(dirs)
         self._final: dict[str, int] | None = None
+        self._fds: dict[str, int] = {}
         self._seen = self.events()
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -349,15 +359,45 @@ class WorkerCgroups:
         return out
 
     def new_events(self) -> list[str]:
-        """The limit names hit since the last call of this method (`memory`, `processes`)."""
-        now = self.events()
-        hit = [
-            name
-            for name, count in sorted(now.items())
-            if name in _EVENT_RULES and count > self._seen.get(name, 0)
-        ]
-        self._seen = now
+        """The limit names hit since the last call of this method (`memory`, `processes`).
+
+        Run after every call, so it reads only the two counters it compares, through
+        descriptors opened once (`pread` at offset 0 makes the kernel render the file
+        afresh): no `cpu.stat`, no open and close per call.
+        """
+        if self._final is not None:
+            now = self._final
+        else:
+            now = {"memory": 0, "processes": 0}
+            for key, file, counter, name in _EVENT_FILES:
+                if key in self.dirs:
+                    count = _counter_bytes(self._pread(os.path.join(self.dirs[key], file)), counter)
+                    now[name] = count
+        hit = [name for name in sorted(_EVENT_RULES) if now.get(name, 0) > self._seen.get(name, 0)]
+        self._seen = {**self._seen, **{name: now.get(name, 0) for name in _EVENT_RULES}}
         return hit
+
+    def _pread(self, path: str) -> bytes:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return b""
+            self._fds[path] = fd
+        try:
+            return os.pread(fd, 4096, 0)
+        except OSError:
+            return b""
+
+    def _close_fds(self) -> None:
+        fds, self._fds = getattr(self, "_fds", {}), {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self._close_fds()
 
     def cpu_seconds(self) -> float:
         """CPU time used by every process of the worker so far (v2 `cpu.stat`; 0 without)."""
@@ -369,6 +409,7 @@ class WorkerCgroups:
         """Kill every process in the groups (cgroup.kill on v2, else SIGKILL each pid)."""
         if self._final is None:
             self._final = self.events()
+            self._close_fds()
         unified = self.dirs.get("unified")
         if unified is not None:
             with contextlib.suppress(OSError):
@@ -384,6 +425,7 @@ class WorkerCgroups:
 
     def remove(self, *, timeout: float = 2.0) -> bool:
         """Remove the groups (they must be empty: call `kill()` first); True when all went."""
+        self._close_fds()
         deadline = time.monotonic() + timeout
         left = sorted(set(self.dirs.values()), key=len, reverse=True)
         while left:
@@ -468,6 +510,15 @@ def _descendants(pid: int) -> Iterator[tuple[int, int]]:
                 yield child
                 stack.append(child)
 
+
+#: The files `new_events` reads: (group key, file, counter, event name); a later row for the
+#: same event wins, as in `events()`.
+_EVENT_FILES = (
+    ("memory-v1", "memory.oom_control", "oom_kill", "memory"),
+    ("memory-v2", "memory.events", "oom_kill", "memory"),
+    ("pids-v1", "pids.events", "max", "processes"),
+    ("pids-v2", "pids.events", "max", "processes"),
+)
 
 #: The limit name a cgroup event maps to, and the policy setting that raises it.
 _EVENT_RULES = {

@@ -9,10 +9,27 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v bwrap >/dev/null || need+=(bubblewrap)
   command -v firejail >/dev/null || need+=(firejail firejail-profiles)
   ldconfig -p | grep -q libseccomp.so.2 || need+=(libseccomp2)
+  # The qemu provider: QEMU, a static busybox for the guest's /init, strip for the image.
+  command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+  [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
+  command -v strip >/dev/null || need+=(binutils)
+  kernels=/var/cache/agent-sandbox/qemu
+  if [ ${#need[@]} -gt 0 ] || ! ls "$kernels"/linux-image-*-amd64_*.deb >/dev/null 2>&1; then
+    apt-get update -qq
+  fi
   if [ ${#need[@]} -gt 0 ]; then
     echo "setup: installing ${need[*]} with apt-get" >&2
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
+  # The qemu provider's guest kernel: Debian's generic kernel package, kept (not installed)
+  # where `agent-sandbox qemu build` and the qemu tests look for it.
+  if ! ls "$kernels"/linux-image-*-amd64_*.deb >/dev/null 2>&1; then
+    kpkg=$(apt-cache depends linux-image-amd64 2>/dev/null \
+      | sed -n 's/.*Depends: \(linux-image-.*-amd64\)$/\1/p' | head -n1)
+    mkdir -p "$kernels"
+    if [ -z "$kpkg" ] || ! (cd "$kernels" && apt-get download -qq "$kpkg" >/dev/null 2>&1); then
+      echo "setup: could not fetch the qemu guest kernel; the qemu provider and its tests will skip" >&2
+    fi
   fi
 fi
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -37,6 +54,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   if .venv/bin/python -m pip show -q agent-sandbox >/dev/null 2>&1; then
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp]"
+  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
   touch "$stamp"
 fi

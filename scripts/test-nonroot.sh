@@ -23,11 +23,12 @@ if [ ! -x "$env_dir/bin/python" ]; then
   }
 fi
 # pip's output goes to the log, shown only when the install fails. The editable install also
-# builds guards/_fastimport*.so with Debian's headers (the same 3.11 ABI as .venv's).
+# builds guards/_fastimport*.so and _fastscan*.so with Debian's headers (the same 3.11 ABI as .venv's).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-   || [ setup.py -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ]
+   || [ setup.py -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ] \
+   || [ guards/_fastscan.c -nt "$stamp" ]
 then
-  "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp]" >"$log" 2>&1 \
+  "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]" >"$log" 2>&1 \
     || { cat "$log" >&2; exit 1; }
   touch "$stamp"
 fi

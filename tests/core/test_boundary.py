@@ -112,7 +112,10 @@ def test_the_opt_out_runs_says_none_and_warns_once_per_pool(
     """It runs under the opt-out, names no boundary, and logs one warning per pool."""
     policy = Policy(name="opt-out-warning", **OPT_OUT)
     with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
-        with Sandbox(policy, warm=0) as a, Sandbox(policy, warm=0) as b:
+        with (
+            Sandbox(policy, warm=0, share_workers=True) as a,
+            Sandbox(policy, warm=0, share_workers=True) as b,
+        ):
             assert a._pool is b._pool
             assert a.boundary.name == "none" and not a.boundary.is_kernel
             result = a.run("1")
@@ -209,9 +212,13 @@ def test_a_provider_that_cannot_run_here_fails_at_construction(
         Sandbox(Policy(name="p", provider="landlock"), warm=0)
 
 
-def test_policy_check_validates_the_provider(tmp_path: Path) -> None:
+def test_policy_check_validates_the_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """It fails `policy check` for a provider that cannot run here or a bare subprocess,
     and names the boundary of a good one."""
+    # qemu cannot run without its guest image, and an empty cache has none.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     bare = tmp_path / "bare.toml"
     bare.write_text('name = "bare"\nprovider = "subprocess"\n')
     proc = cli("policy", "check", str(bare))

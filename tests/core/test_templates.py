@@ -114,3 +114,46 @@ def test_a_forked_worker_holds_only_its_own_descriptors() -> None:
         )
     assert kinds.count("anon_inode") == 1  # its own server's epoll, none from the template
     assert kinds.count("socket") == 2  # its listening socket and its one connection
+
+
+_HASH = "hash('x'), hash(b'agent')"
+
+
+def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
+    """Workers of two sandboxes with the same policy come from different templates, so they
+    do not share a hash secret (or memory layout); `share_workers=True` shares the pool."""
+    with Sandbox(POLICY, warm=0) as first, Sandbox(POLICY, warm=0) as second:
+        assert first._pool is not second._pool
+        a, b = first.run(_HASH).value, second.run(_HASH).value
+        assert first._pool._template is not None and second._pool._template is not None
+        assert first._pool._template is not second._pool._template
+    assert a != b
+    with (
+        Sandbox(POLICY, warm=0, share_workers=True) as first,
+        Sandbox(POLICY, warm=0, share_workers=True) as second,
+    ):
+        assert first._pool is second._pool
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
+    "after the imports hashed with it); documented in _worker_template.py and docs/performance.md",
+)
+def test_workers_of_one_template_have_their_own_hash_secret() -> None:
+    with Sandbox(POLICY, warm=0) as sb:
+        values = {tuple(sb.run(_HASH).value) for _ in range(2)}
+    assert len(values) == 2
+
+
+def test_a_forked_worker_renews_the_multiprocessing_key() -> None:
+    """Each forked worker gets its own `multiprocessing` authentication key when the
+    template had the module loaded."""
+    from agent_sandbox import _worker_template
+
+    key = os.urandom(32)
+    import multiprocessing.process as mp
+
+    mp.current_process().authkey = key
+    _worker_template._renew_secrets()
+    assert mp.current_process().authkey != key

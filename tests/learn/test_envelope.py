@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agent_sandbox import Policy, PolicyError, ProviderUnavailable
@@ -47,8 +49,11 @@ def test_a_named_kernel_provider_is_kept() -> None:
     assert envelope_report(POLICY, envelope)[0] == "provider: landlock (kernel boundary)"
 
 
-def test_an_unavailable_requested_provider_is_an_error() -> None:
+def test_an_unavailable_requested_provider_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """It raises ProviderUnavailable for a named provider that cannot run, never a downgrade."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # qemu: no guest image here
     with pytest.raises(ProviderUnavailable):
         learning_envelope(POLICY, provider="qemu")
 

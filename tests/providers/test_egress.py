@@ -477,11 +477,13 @@ def test_the_proxy_stops_with_the_sandbox(
 
 
 def test_the_refusal_reaches_the_langsmith_metadata(
-    names: dict[str, list[str]], http_server: _Server, monkeypatch: pytest.MonkeyPatch
+    ns_provider: str,
+    names: dict[str, list[str]],
+    http_server: _Server,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The proxy's refusal is in the tool run's LangSmith tags and metadata."""
     pytest.importorskip("langchain_core")
-    skip_unless_available("bwrap")
     from langchain_core.tracers.langchain import LangChainTracer
     from langsmith import Client
 
@@ -502,7 +504,7 @@ def test_the_refusal_reaches_the_langsmith_metadata(
             self.payloads.append(dict(kwargs))
 
     monkeypatch.setenv("LANGSMITH_TRACING", "true")
-    policy = _policy([{"host": "127.0.0.1", "ports": str(http_server.port)}], provider="bwrap")
+    policy = _policy([{"host": "127.0.0.1", "ports": str(http_server.port)}], provider=ns_provider)
     tool = SandboxedPythonTool(policy=policy, warm=0)
     client = RecordingClient()
     tracer = LangChainTracer(client=client, project_name="offline")
@@ -596,3 +598,56 @@ def test_a_host_that_does_not_resolve_is_a_denial_in_the_result_not_a_warning(
     assert "does not resolve" in denial.detail and "egress proxy" in denial.detail
     assert "Warning" not in result.stderr
     assert not [w for w in caught if "does not resolve" in str(w.message)]
+
+
+def _socks_connect(proxy_port: int, host: str, port: int) -> tuple[socket.socket, int]:
+    """A SOCKS5 handshake by hand (no auth, CONNECT to a name); the socket and reply code."""
+    s = socket.create_connection(("127.0.0.1", proxy_port), timeout=5)
+    s.sendall(b"\x05\x01\x00")
+    assert s.recv(2) == b"\x05\x00"
+    name = host.encode()
+    s.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + port.to_bytes(2, "big"))
+    reply = b""
+    while len(reply) < 10:
+        chunk = s.recv(10 - len(reply))
+        if not chunk:
+            break
+        reply += chunk
+    return s, reply[1]
+
+
+def test_socks5_connect_is_judged_like_connect(
+    names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """A SOCKS5 client on the proxy's port reaches an allowed name (resolved on the host) and
+    gets reply 2 for a name no rule names, recorded as the same `net.resolve` denial."""
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    route = egress_proxy().attach(
+        _policy(
+            [
+                {"host": "allowed.test", "ports": str(port)},
+                {"host": "127.0.0.1", "ports": str(port)},
+            ]
+        ),
+        _listener_for_test(),
+    )
+    try:
+        proxy_port = route.listener.getsockname()[1]
+        s, code = _socks_connect(proxy_port, "allowed.test", port)
+        with s:
+            assert code == 0
+            s.sendall(b"GET /socks HTTP/1.0\r\nhost: allowed.test\r\n\r\n")
+            body = b""
+            while b"/socks" not in body:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                body += chunk
+        assert f"hello from {port} /socks".encode() in body
+        s, code = _socks_connect(proxy_port, "other.test", port)
+        s.close()
+        assert code == 2
+        assert [(d.rule, d.target) for d in route.drain()] == [("net.resolve", "other.test")]
+    finally:
+        route.close()

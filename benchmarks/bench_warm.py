@@ -1,0 +1,204 @@
+"""Warm call on a session beside its floor: one POST answered by SSE over a Unix socket, h11 on
+both ends, in the same run.
+
+The floor is the transport alone: a forked server that reads a POST with a JSON body and
+answers with the same three SSE events a worker sends for `1+1` (start, result, done), and a
+client that sends the request and parses the events with h11. The rows are `session.run('1+1')`
+on a warm session per provider (`subprocess` with its explicit opt-out, `landlock`, `auto`),
+interleaved with the floor so that load spikes hit all alike. Each run prints the medians and
+the ratio to the floor; the summary gives the median and the min-max range of the ratio over
+the runs, and the load average. Target (issue 19): <= 1.5x the floor.
+
+    .venv/bin/python benchmarks/bench_warm.py [--runs 3] [--calls 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import h11
+
+from agent_sandbox import Policy, Sandbox
+from agent_sandbox.providers import get_provider
+
+TARGET = 1.5
+_EVENTS = (
+    b'event: start\ndata: {"call":2}\n\n',
+    b'event: result\ndata: {"value":2}\n\n',
+    b'event: done\ndata: {"duration":0.0006039489999238867,"discard":false,"denials":0}\n\n',
+)
+
+
+def _serve(listener: socket.socket) -> None:
+    conn, _ = listener.accept()
+    h = h11.Connection(h11.SERVER)
+    while True:
+        event = h.next_event()
+        if event is h11.NEED_DATA:
+            data = conn.recv(65536)
+            h.receive_data(data)
+            if not data:
+                os._exit(0)
+            continue
+        if isinstance(event, h11.Request):
+            body = b""
+            while True:
+                ev = h.next_event()
+                if ev is h11.NEED_DATA:
+                    h.receive_data(conn.recv(65536))
+                    continue
+                if isinstance(ev, h11.Data):
+                    body += ev.data
+                if isinstance(ev, h11.EndOfMessage):
+                    break
+            json.loads(body)
+            out = h.send(
+                h11.Response(
+                    status_code=200,
+                    headers=[("content-type", "text/event-stream"), ("cache-control", "no-store")],
+                )
+            )
+            assert out is not None
+            for chunk in _EVENTS:
+                out += h.send(h11.Data(data=chunk)) or b""
+            out += h.send(h11.EndOfMessage()) or b""
+            conn.sendall(out)
+            h.start_next_cycle()
+        elif isinstance(event, h11.ConnectionClosed):
+            os._exit(0)
+
+
+class Floor:
+    """The forked h11 server and a persistent h11 client connection to it."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="bench-warm-")
+        path = os.path.join(self.dir, "s")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                _serve(listener)
+            finally:
+                os._exit(0)
+        listener.close()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.conn = h11.Connection(h11.CLIENT)
+
+    def call(self) -> None:
+        conn = self.conn
+        if conn.our_state is h11.DONE:
+            conn.start_next_cycle()
+        body = json.dumps({"code": "1+1"}).encode()
+        headers = [
+            ("host", "worker"),
+            ("authorization", "Bearer " + "x" * 43),
+            ("content-length", str(len(body))),
+            ("content-type", "application/json"),
+        ]
+        out = conn.send(h11.Request(method="POST", target="/run", headers=headers)) or b""
+        out += conn.send(h11.Data(data=body)) or b""
+        out += conn.send(h11.EndOfMessage()) or b""
+        self.sock.sendall(out)
+        buffer = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(self.sock.recv(262144))
+                continue
+            if isinstance(event, h11.Data):
+                buffer += event.data
+                while b"\n\n" in buffer:
+                    block, _, buffer = buffer.partition(b"\n\n")
+                    for line in block.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            json.loads(line[6:])
+            elif isinstance(event, h11.EndOfMessage):
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        os.waitpid(self.pid, 0)
+        os.unlink(os.path.join(self.dir, "s"))
+        os.rmdir(self.dir)
+
+
+def _policy(provider: str) -> Policy:
+    if provider == "subprocess":
+        return Policy(
+            name="bench", provider="subprocess", no_kernel_boundary="accepted"
+        )  # the Python layer only, opted out explicitly
+    return Policy(name="bench", provider=provider)
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, float]:
+    for fn in fns.values():
+        for _ in range(30):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--providers", default="subprocess,landlock,auto")
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}; {os.cpu_count()} cores; load {os.getloadavg()}")
+    providers = [p for p in args.providers.split(",") if get_provider(p).probe().available]
+    ratios: dict[str, list[float]] = {p: [] for p in providers}
+    floors: list[float] = []
+    for run in range(1, args.runs + 1):
+        floor = Floor()
+        sandboxes = [Sandbox(_policy(p), warm=0) for p in providers]
+        try:
+            fns: dict[str, Callable[[], object]] = {"floor": floor.call}
+            for name, sb in zip(providers, sandboxes, strict=True):
+                session = sb.session("bench")
+                session.run("0")
+                fns[name] = lambda s=session: s.run("1+1")
+            medians = _interleaved(fns, args.calls)
+        finally:
+            for sb in sandboxes:
+                sb.close()
+            floor.close()
+        base = medians["floor"]
+        floors.append(base)
+        line = f"run {run}: floor (h11 POST+SSE, Unix socket) {base * 1000:.3f} ms"
+        for name in providers:
+            ratios[name].append(medians[name] / base)
+            line += f" | {name} {medians[name] * 1000:.3f} ms x{medians[name] / base:.2f}"
+        print(line, f"| load {os.getloadavg()[0]:.2f}")
+    print("-- summary: warm session.run('1+1') / floor, median [min-max] over runs")
+    print(
+        f"floor {statistics.median(floors) * 1000:.3f} ms [{min(floors) * 1000:.3f}-"
+        f"{max(floors) * 1000:.3f}]"
+    )
+    for name, values in ratios.items():
+        met = sum(v <= TARGET for v in values)
+        print(
+            f"{name:10} x{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+            f"  target <= {TARGET}x met in {met}/{len(values)} runs"
+        )
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

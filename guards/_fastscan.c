@@ -1,0 +1,836 @@
+/* The host's native decoding helpers: a pickle prescan for plain-data streams, and a strict
+ * base64 decoder for canonical input.
+ *
+ * Both only ever say "yes, and here is the answer" or "not sure": `prescan_data` returns True
+ * when a stream holds plain data only (no globals, so nothing is called while building) and
+ * passes every check and budget of the Python prescan (`agent_sandbox._unpickle._Scan`), and
+ * False for anything else, hostile or merely unusual; `b64decode` returns None for anything
+ * that is not canonical base64. On "not sure" the caller runs its Python path, which decides
+ * and words the refusal. So this file can only be stricter than the Python code, never looser:
+ * tests/objects/test_fastscan.py checks that on valid, mutated and crafted streams.
+ *
+ * The prescan mirrors `_Scan.run` for the opcodes of plain data: scalars, strings, bytes,
+ * containers, MARK/POP, FRAME and the memo (MEMOIZE, BINGET, LONG_BINGET). A stack slot is a
+ * pointer to a value record, so a memoized value fetched again is the same record (its depth
+ * and its hash counts are shared, as the Python scan shares its `_Val` objects). Keys counted
+ * for hash flooding: ints (the numeric hash, |n| mod 2**61-1 with the sign), floats (but not
+ * NaN, whose hash is per object) and bools; a tuple key, an int wider than 64 bits or a NaN key
+ * makes the answer "not sure".
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum {
+    K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_BYTES, K_BYTEARRAY,
+    K_LIST, K_DICT, K_SET, K_FROZENSET, K_TUPLE,
+};
+
+typedef struct Counts {
+    Py_hash_t *keys;
+    int32_t *counts;
+    uint8_t *used;
+    size_t cap;
+    size_t len;
+    struct Counts *next; /* every table, for freeing */
+} Counts;
+
+typedef struct Val {
+    uint8_t kind;
+    uint8_t exact; /* K_INT: `i` holds the value (it fits in 64 bits) */
+    int64_t depth;
+    union {
+        int64_t i;
+        double d;
+    } v;
+    Counts *hashes;
+} Val;
+
+#define CHUNK 4096
+
+typedef struct Chunk {
+    struct Chunk *next;
+    size_t used;
+    Val vals[CHUNK];
+} Chunk;
+
+typedef struct {
+    Chunk *chunks;
+    Counts *tables;
+    Val **stack;
+    size_t sp, stack_cap;
+    size_t *marks;
+    size_t nmarks, marks_cap;
+    Val **memo;
+    size_t memo_len, memo_cap;
+    int64_t max_depth, max_memo, max_int_bytes, max_same_hash;
+} Scan;
+
+static Val *
+new_val(Scan *s, int kind)
+{
+    if (s->chunks == NULL || s->chunks->used == CHUNK) {
+        Chunk *c = PyMem_Malloc(sizeof(Chunk));
+        if (c == NULL) {
+            return NULL;
+        }
+        c->next = s->chunks;
+        c->used = 0;
+        s->chunks = c;
+    }
+    Val *v = &s->chunks->vals[s->chunks->used++];
+    v->kind = (uint8_t)kind;
+    v->exact = 0;
+    v->depth = 0;
+    v->v.i = 0;
+    v->hashes = NULL;
+    return v;
+}
+
+static int
+grow_ptrs(void ***arr, size_t *cap, size_t need, size_t size)
+{
+    if (need <= *cap) {
+        return 0;
+    }
+    size_t n = *cap ? *cap * 2 : 256;
+    while (n < need) {
+        n *= 2;
+    }
+    void *p = PyMem_Realloc(*arr, n * size);
+    if (p == NULL) {
+        return -1;
+    }
+    *arr = p;
+    *cap = n;
+    return 0;
+}
+
+static int
+push(Scan *s, Val *v)
+{
+    if (grow_ptrs((void ***)&s->stack, &s->stack_cap, s->sp + 1, sizeof(Val *)) < 0) {
+        return -1;
+    }
+    s->stack[s->sp++] = v;
+    return 0;
+}
+
+/* The start of the current segment (the stack above the last MARK). */
+static size_t
+base(Scan *s)
+{
+    return s->nmarks ? s->marks[s->nmarks - 1] : 0;
+}
+
+/* Raise target's depth to cover items; -1 when it goes over the budget. */
+static int
+grow(Scan *s, Val *target, Val **items, size_t n)
+{
+    if (n) {
+        int64_t deepest = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (items[i]->depth > deepest) {
+                deepest = items[i]->depth;
+            }
+        }
+        deepest += 1;
+        if (deepest > target->depth) {
+            target->depth = deepest;
+        }
+    }
+    return target->depth > s->max_depth ? -1 : 0;
+}
+
+static Py_hash_t
+int_hash(int64_t value)
+{
+    const uint64_t P = ((uint64_t)1 << 61) - 1; /* sys.hash_info.modulus on 64-bit builds */
+    uint64_t a = value < 0 ? (uint64_t)0 - (uint64_t)value : (uint64_t)value;
+    int64_t h = (int64_t)(a % P);
+    if (value < 0) {
+        h = -h;
+    }
+    return h == -1 ? -2 : (Py_hash_t)h;
+}
+
+/* The first slot to probe for h (the hashes here are attacker-chosen: scramble them). */
+static size_t
+slot(Py_hash_t h, size_t cap)
+{
+    uint64_t x = (uint64_t)h * 0x9E3779B97F4A7C15ULL;
+    return (size_t)(x >> 32) & (cap - 1);
+}
+
+/* Count one more key with hash h in target's table; -1 over the budget or on failure. */
+static int
+count_hash(Scan *s, Val *target, Py_hash_t h)
+{
+    Counts *t = target->hashes;
+    if (t == NULL) {
+        t = PyMem_Calloc(1, sizeof(Counts));
+        if (t == NULL) {
+            return -1;
+        }
+        t->next = s->tables;
+        s->tables = t;
+        target->hashes = t;
+    }
+    if ((t->len + 1) * 2 > t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 64;
+        Py_hash_t *keys = PyMem_Calloc(cap, sizeof(Py_hash_t));
+        int32_t *counts = PyMem_Calloc(cap, sizeof(int32_t));
+        uint8_t *used = PyMem_Calloc(cap, 1);
+        if (keys == NULL || counts == NULL || used == NULL) {
+            PyMem_Free(keys);
+            PyMem_Free(counts);
+            PyMem_Free(used);
+            return -1;
+        }
+        for (size_t i = 0; i < t->cap; i++) {
+            if (t->used[i]) {
+                size_t j = slot(t->keys[i], cap);
+                while (used[j]) {
+                    j = (j + 1) & (cap - 1);
+                }
+                used[j] = 1;
+                keys[j] = t->keys[i];
+                counts[j] = t->counts[i];
+            }
+        }
+        PyMem_Free(t->keys);
+        PyMem_Free(t->counts);
+        PyMem_Free(t->used);
+        t->keys = keys;
+        t->counts = counts;
+        t->used = used;
+        t->cap = cap;
+    }
+    size_t j = slot(h, t->cap);
+    while (t->used[j] && t->keys[j] != h) {
+        j = (j + 1) & (t->cap - 1);
+    }
+    if (!t->used[j]) {
+        t->used[j] = 1;
+        t->keys[j] = h;
+        t->counts[j] = 0;
+        t->len++;
+    }
+    t->counts[j] += 1;
+    return t->counts[j] > s->max_same_hash ? -1 : 0;
+}
+
+/* Mirror of `_Scan.count_hashes`; -1 for "not sure" (or over the budget). */
+static int
+count_hashes(Scan *s, Val *target, Val **keys, size_t n, size_t step)
+{
+    for (size_t i = 0; i < n; i += step) {
+        Val *k = keys[i];
+        Py_hash_t h;
+        switch (k->kind) {
+        case K_INT:
+            if (!k->exact) {
+                return -1;
+            }
+            h = int_hash(k->v.i);
+            break;
+        case K_BOOL:
+            h = (Py_hash_t)k->v.i;
+            break;
+        case K_FLOAT: {
+            if (Py_IS_NAN(k->v.d)) {
+                return -1;
+            }
+            PyObject *f = PyFloat_FromDouble(k->v.d);
+            if (f == NULL) {
+                return -1;
+            }
+            h = PyObject_Hash(f);
+            Py_DECREF(f);
+            if (h == -1) {
+                return -1;
+            }
+            break;
+        }
+        case K_TUPLE:
+            return -1;
+        default:
+            continue; /* str and bytes hashes are salted per process */
+        }
+        if (count_hash(s, target, h) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Valid UTF-8, surrogates allowed (what `decode("utf-8", "surrogatepass")` accepts). */
+static int
+utf8_ok(const unsigned char *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = p[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t extra;
+        unsigned char lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF) {
+            extra = 1;
+        }
+        else if (c == 0xE0) {
+            extra = 2;
+            lo = 0xA0;
+        }
+        else if (c >= 0xE1 && c <= 0xEF) {
+            extra = 2; /* 0xED: surrogates pass */
+        }
+        else if (c == 0xF0) {
+            extra = 3;
+            lo = 0x90;
+        }
+        else if (c >= 0xF1 && c <= 0xF3) {
+            extra = 3;
+        }
+        else if (c == 0xF4) {
+            extra = 3;
+            hi = 0x8F;
+        }
+        else {
+            return 0;
+        }
+        if (n - i <= extra) {
+            return 0;
+        }
+        if (p[i + 1] < lo || p[i + 1] > hi) {
+            return 0;
+        }
+        for (size_t k = 2; k <= extra; k++) {
+            if (p[i + k] < 0x80 || p[i + k] > 0xBF) {
+                return 0;
+            }
+        }
+        i += extra + 1;
+    }
+    return 1;
+}
+
+static uint64_t
+le(const unsigned char *p, size_t width)
+{
+    uint64_t v = 0;
+    for (size_t i = 0; i < width; i++) {
+        v |= (uint64_t)p[i] << (8 * i);
+    }
+    return v;
+}
+
+/* A length field of `width` bytes at *pos, then that many bytes: 0 and *size when they fit. */
+static int
+length(const unsigned char *d, size_t n, size_t *pos, size_t width, int is_signed, size_t *size)
+{
+    if (n - *pos < width) {
+        return -1;
+    }
+    uint64_t raw = le(d + *pos, width);
+    *pos += width;
+    if (is_signed && width == 4 && (raw & 0x80000000u)) {
+        return -1; /* negative */
+    }
+    if (raw > (uint64_t)(n - *pos)) {
+        return -1;
+    }
+    *size = (size_t)raw;
+    return 0;
+}
+
+/* 1: accepted; 0: not sure; -1: an exception is set (memory). */
+static int
+run(Scan *s, const unsigned char *d, size_t n, int64_t max_opcodes)
+{
+    size_t pos = 2;
+    int64_t ops = 0;
+    Val *v;
+    for (;;) {
+        if (pos >= n) {
+            return 0;
+        }
+        if (++ops > max_opcodes) {
+            return 0;
+        }
+        unsigned char op = d[pos++];
+        size_t size, width;
+        switch (op) {
+        case 0x8C: /* SHORT_BINUNICODE */
+            if (pos >= n) {
+                return 0;
+            }
+            size = d[pos];
+            if (size > n - pos - 1) {
+                return 0;
+            }
+            if (!utf8_ok(d + pos + 1, size)) {
+                return 0;
+            }
+            pos += 1 + size;
+            if ((v = new_val(s, K_STR)) == NULL || push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        case 0x94: /* MEMOIZE */
+            if ((int64_t)s->memo_len >= s->max_memo || s->sp == base(s)) {
+                return 0;
+            }
+            if (grow_ptrs((void ***)&s->memo, &s->memo_cap, s->memo_len + 1, sizeof(Val *)) < 0) {
+                return -1;
+            }
+            s->memo[s->memo_len++] = s->stack[s->sp - 1];
+            break;
+        case 0x47: /* BINFLOAT */
+            if (n - pos < 8) {
+                return 0;
+            }
+            if ((v = new_val(s, K_FLOAT)) == NULL) {
+                return -1;
+            }
+            v->v.d = PyFloat_Unpack8((const char *)d + pos, 0);
+            if (v->v.d == -1.0 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return 0;
+            }
+            pos += 8;
+            if (push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        case 0x2E: /* STOP */
+            return (s->nmarks == 0 && s->sp == 1 && pos == n) ? 1 : 0;
+        case 0x95: /* FRAME */
+            if (n - pos < 8) {
+                return 0;
+            }
+            if (le(d + pos, 8) > (uint64_t)(n - pos - 8)) {
+                return 0;
+            }
+            pos += 8;
+            break;
+        case 0x58: /* BINUNICODE */
+        case 0x8D: /* BINUNICODE8 */
+            if (length(d, n, &pos, op == 0x58 ? 4 : 8, 0, &size) < 0) {
+                return 0;
+            }
+            if (!utf8_ok(d + pos, size)) {
+                return 0;
+            }
+            pos += size;
+            if ((v = new_val(s, K_STR)) == NULL || push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        case 0x68: /* BINGET */
+        case 0x6A: /* LONG_BINGET */ {
+            width = op == 0x68 ? 1 : 4;
+            if (n - pos < width) {
+                return 0;
+            }
+            uint64_t idx = le(d + pos, width);
+            pos += width;
+            if (idx >= s->memo_len) {
+                return 0;
+            }
+            v = s->memo[idx];
+            if (v->depth > s->max_depth) {
+                return 0;
+            }
+            if (push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        }
+        case 0x4B: /* BININT1 */
+        case 0x4D: /* BININT2 */
+        case 0x4A: /* BININT */ {
+            width = op == 0x4B ? 1 : op == 0x4D ? 2 : 4;
+            if (n - pos < width) {
+                return 0;
+            }
+            uint64_t raw = le(d + pos, width);
+            pos += width;
+            if ((v = new_val(s, K_INT)) == NULL) {
+                return -1;
+            }
+            v->exact = 1;
+            v->v.i = op == 0x4A ? (int64_t)(int32_t)(uint32_t)raw : (int64_t)raw;
+            if (push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        }
+        case 0x8A: /* LONG1 */
+        case 0x8B: /* LONG4 */
+            if (length(d, n, &pos, op == 0x8A ? 1 : 4, op == 0x8B, &size) < 0) {
+                return 0;
+            }
+            if ((int64_t)size > s->max_int_bytes) {
+                return 0;
+            }
+            if ((v = new_val(s, K_INT)) == NULL) {
+                return -1;
+            }
+            if (size <= 8) {
+                uint64_t raw = le(d + pos, size);
+                if (size > 0 && size < 8 && (raw >> (8 * size - 1)) & 1) {
+                    raw |= ~(uint64_t)0 << (8 * size); /* sign-extend */
+                }
+                v->v.i = (int64_t)raw;
+                v->exact = 1;
+            }
+            pos += size;
+            if (push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        case 0x43: /* SHORT_BINBYTES */
+        case 0x42: /* BINBYTES */
+        case 0x8E: /* BINBYTES8 */
+        case 0x96: /* BYTEARRAY8 */
+            width = op == 0x43 ? 1 : op == 0x42 ? 4 : 8;
+            if (length(d, n, &pos, width, 0, &size) < 0) {
+                return 0;
+            }
+            pos += size;
+            if ((v = new_val(s, op == 0x96 ? K_BYTEARRAY : K_BYTES)) == NULL || push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        case 0x28: /* MARK */
+            if ((int64_t)s->nmarks >= s->max_depth) {
+                return 0;
+            }
+            if (grow_ptrs((void ***)&s->marks, &s->marks_cap, s->nmarks + 1, sizeof(size_t)) < 0) {
+                return -1;
+            }
+            s->marks[s->nmarks++] = s->sp;
+            break;
+        case 0x4E: /* NONE */
+        case 0x88: /* NEWTRUE */
+        case 0x89: /* NEWFALSE */
+            if ((v = new_val(s, op == 0x4E ? K_NONE : K_BOOL)) == NULL) {
+                return -1;
+            }
+            v->v.i = op == 0x88;
+            if (push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        case 0x5D: /* EMPTY_LIST */
+        case 0x7D: /* EMPTY_DICT */
+        case 0x8F: /* EMPTY_SET */
+        case 0x29: /* EMPTY_TUPLE */ {
+            int kind = op == 0x5D ? K_LIST : op == 0x7D ? K_DICT : op == 0x8F ? K_SET : K_TUPLE;
+            if ((v = new_val(s, kind)) == NULL || push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        }
+        case 0x61: /* APPEND */
+        case 0x73: /* SETITEM */ {
+            size_t count = op == 0x61 ? 1 : 2;
+            if (s->sp - base(s) < count + 1) {
+                return 0; /* the items, then the target below them */
+            }
+            s->sp -= count;
+            Val **items = s->stack + s->sp;
+            Val *target = s->stack[s->sp - 1];
+            if (target->kind != (op == 0x61 ? K_LIST : K_DICT)) {
+                return 0;
+            }
+            if (op == 0x73 && count_hashes(s, target, items, 1, 1) < 0) {
+                return PyErr_Occurred() ? -1 : 0;
+            }
+            if (grow(s, target, items, count) < 0) {
+                return 0;
+            }
+            break;
+        }
+        case 0x65: /* APPENDS */
+        case 0x75: /* SETITEMS */
+        case 0x90: /* ADDITEMS */ {
+            if (s->nmarks == 0) {
+                return 0;
+            }
+            size_t mark = s->marks[--s->nmarks];
+            Val **items = s->stack + mark;
+            size_t count = s->sp - mark;
+            s->sp = mark;
+            if (s->sp == base(s)) {
+                return 0;
+            }
+            Val *target = s->stack[s->sp - 1];
+            int want = op == 0x65 ? K_LIST : op == 0x75 ? K_DICT : K_SET;
+            if (target->kind != want || (op == 0x75 && count % 2)) {
+                return 0;
+            }
+            if (op != 0x65 && count_hashes(s, target, items, count, op == 0x75 ? 2 : 1) < 0) {
+                return PyErr_Occurred() ? -1 : 0;
+            }
+            if (grow(s, target, items, count) < 0) {
+                return 0;
+            }
+            break;
+        }
+        case 0x91: /* FROZENSET */
+        case 0x74: /* TUPLE */
+        case 0x85: /* TUPLE1 */
+        case 0x86: /* TUPLE2 */
+        case 0x87: /* TUPLE3 */ {
+            size_t start;
+            if (op == 0x91 || op == 0x74) {
+                if (s->nmarks == 0) {
+                    return 0;
+                }
+                start = s->marks[--s->nmarks];
+            }
+            else {
+                size_t count = (size_t)(op - 0x84);
+                if (s->sp - base(s) < count) {
+                    return 0;
+                }
+                start = s->sp - count;
+            }
+            Val **items = s->stack + start;
+            size_t count = s->sp - start;
+            if ((v = new_val(s, op == 0x91 ? K_FROZENSET : K_TUPLE)) == NULL) {
+                return -1;
+            }
+            if (op == 0x91 && count_hashes(s, v, items, count, 1) < 0) {
+                return PyErr_Occurred() ? -1 : 0;
+            }
+            if (grow(s, v, items, count) < 0) {
+                return 0;
+            }
+            s->sp = start;
+            if (push(s, v) < 0) {
+                return -1;
+            }
+            break;
+        }
+        case 0x30: /* POP */
+            if (s->sp > base(s)) {
+                s->sp--;
+            }
+            else if (s->nmarks) {
+                s->nmarks--; /* POP of an empty segment drops its MARK */
+            }
+            else {
+                return 0;
+            }
+            break;
+        case 0x31: /* POP_MARK */
+            if (s->nmarks == 0) {
+                return 0;
+            }
+            s->sp = s->marks[--s->nmarks];
+            break;
+        default:
+            return 0; /* globals, calls, BUILD and everything outside the allowed families */
+        }
+    }
+}
+
+static int64_t
+budget(PyObject *value)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow > 0) {
+        return INT64_MAX / 4;
+    }
+    if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+        return -1;
+    }
+    return (int64_t)v;
+}
+
+PyDoc_STRVAR(prescan_data_doc,
+"prescan_data(data, max_bytes, max_opcodes, max_depth, max_memo, max_int_bytes,\n"
+"             max_same_hash, /)\n--\n\n"
+"True when `data` is a protocol 4/5 pickle of plain data that the Python prescan accepts\n"
+"with these budgets; False when not sure (run the Python prescan).");
+
+static PyObject *
+prescan_data(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "prescan_data takes 7 arguments");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    int64_t b[6];
+    for (int i = 0; i < 6; i++) {
+        if (!PyLong_Check(args[i + 1])) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "the budgets must be ints");
+            return NULL;
+        }
+        b[i] = budget(args[i + 1]);
+        if (PyErr_Occurred()) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+    }
+    const unsigned char *d = view.buf;
+    size_t n = (size_t)view.len;
+    int answer = 0;
+    Scan s;
+    memset(&s, 0, sizeof(s));
+    s.max_depth = b[2];
+    s.max_memo = b[3];
+    s.max_int_bytes = b[4];
+    s.max_same_hash = b[5];
+    int budgets_ok = b[0] >= 0 && b[1] >= 0 && b[2] >= 0 && b[3] >= 0 && b[4] >= 0 && b[5] >= 0;
+    if (budgets_ok && (int64_t)n <= b[0] && n >= 3 && d[0] == 0x80 && (d[1] == 4 || d[1] == 5)) {
+        answer = run(&s, d, n, b[1]);
+    }
+    while (s.chunks) {
+        Chunk *next = s.chunks->next;
+        PyMem_Free(s.chunks);
+        s.chunks = next;
+    }
+    while (s.tables) {
+        Counts *next = s.tables->next;
+        PyMem_Free(s.tables->keys);
+        PyMem_Free(s.tables->counts);
+        PyMem_Free(s.tables->used);
+        PyMem_Free(s.tables);
+        s.tables = next;
+    }
+    PyMem_Free(s.stack);
+    PyMem_Free(s.marks);
+    PyMem_Free(s.memo);
+    PyBuffer_Release(&view);
+    if (answer < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        return NULL;
+    }
+    return PyBool_FromLong(answer == 1);
+}
+
+/* -- base64 ---------------------------------------------------------------------------- */
+
+static signed char b64_table[256];
+
+static void
+b64_init(void)
+{
+    const char *alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    memset(b64_table, -1, sizeof(b64_table));
+    for (int i = 0; i < 64; i++) {
+        b64_table[(unsigned char)alphabet[i]] = (signed char)i;
+    }
+}
+
+PyDoc_STRVAR(b64decode_doc,
+"b64decode(text, /)\n--\n\n"
+"The bytes of canonical base64 text (the alphabet A-Z a-z 0-9 + /, a length that is a\n"
+"multiple of 4, at most two '=' at the end, zero padding bits); None for anything else.");
+
+static PyObject *
+b64decode(PyObject *module, PyObject *text)
+{
+    if (!PyUnicode_Check(text)) {
+        PyErr_SetString(PyExc_TypeError, "b64decode takes a str");
+        return NULL;
+    }
+    if (PyUnicode_READY(text) < 0) {
+        return NULL;
+    }
+    if (!PyUnicode_IS_ASCII(text)) {
+        Py_RETURN_NONE;
+    }
+    const unsigned char *p = PyUnicode_1BYTE_DATA(text);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    if (n % 4) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t pad = 0;
+    if (n >= 1 && p[n - 1] == '=') {
+        pad = (n >= 2 && p[n - 2] == '=') ? 2 : 1;
+    }
+    Py_ssize_t out_len = n / 4 * 3 - pad;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, out_len);
+    if (out == NULL) {
+        return NULL;
+    }
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    Py_ssize_t full = pad ? n - 4 : n;
+    for (Py_ssize_t i = 0; i < full; i += 4) {
+        int a = b64_table[p[i]], b = b64_table[p[i + 1]];
+        int c = b64_table[p[i + 2]], e = b64_table[p[i + 3]];
+        if ((a | b | c | e) < 0) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        uint32_t w = ((uint32_t)a << 18) | ((uint32_t)b << 12) | ((uint32_t)c << 6) | (uint32_t)e;
+        *o++ = (unsigned char)(w >> 16);
+        *o++ = (unsigned char)(w >> 8);
+        *o++ = (unsigned char)w;
+    }
+    if (pad) {
+        const unsigned char *q = p + n - 4;
+        int a = b64_table[q[0]], b = b64_table[q[1]];
+        int c = pad == 2 ? 0 : b64_table[q[2]];
+        if ((a | b | c) < 0 || (pad == 2 && (b & 0x0F)) || (pad == 1 && (c & 0x03))) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        uint32_t w = ((uint32_t)a << 18) | ((uint32_t)b << 12) | ((uint32_t)c << 6);
+        *o++ = (unsigned char)(w >> 16);
+        if (pad == 1) {
+            *o++ = (unsigned char)(w >> 8);
+        }
+    }
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"prescan_data", (PyCFunction)(void (*)(void))prescan_data, METH_FASTCALL, prescan_data_doc},
+    {"b64decode", b64decode, METH_O, b64decode_doc},
+    {NULL},
+};
+
+static struct PyModuleDef fastscan_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "agent_sandbox.guards._fastscan",
+    .m_doc = PyDoc_STR("The host's native decoding helpers (see agent_sandbox._unpickle)."),
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__fastscan(void)
+{
+    b64_init();
+    PyObject *module = PyModule_Create(&fastscan_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    PyObject *all = Py_BuildValue("[sss]", "VERSION", "b64decode", "prescan_data");
+    if (all == NULL || PyModule_AddIntConstant(module, "VERSION", 1) < 0
+        || PyModule_AddObjectRef(module, "__all__", all) < 0) {
+        Py_XDECREF(all);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_DECREF(all);
+    return module;
+}

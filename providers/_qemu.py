@@ -1,0 +1,538 @@
+"""The `qemu` provider: each worker in its own micro-VM, restored from a snapshot.
+
+The boundary is a guest kernel: the worker (the same code and wire protocol as under every
+other provider) runs inside a QEMU `microvm` guest booted from an image built on this machine
+(`_qemu_image.py`, `agent-sandbox qemu build`). What the guest can reach of the host:
+
+* one virtio-serial port, bound to a Unix socket in the worker's private control directory,
+  which carries the parent's connections to the worker (`_qemu_host.py` relays them);
+* the policy's read paths as 9p shares, read-only in QEMU (`readonly=on`: the guest's root
+  cannot remount them writable), mounted at their host paths after the restore;
+* nothing else: no network device at all (`-nodefaults`, no `-nic`), no other share, no
+  disk; the scratch directory and `/tmp` are size-capped tmpfs inside the guest, gone with
+  the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
+  elevation and resource control denied).
+
+Limits: the VM's RAM is the policy's `memory_mb` (at least 256 MiB), one vCPU; the wall
+limit, the output bounds and the kill by pid stay on the host as for every provider; the
+rlimits apply inside the guest too.
+
+Start-up: one template per (image, QEMU version, RAM size, device set) is booted once and
+saved with file-backed RAM and the `x-ignore-shared` migration capability
+(`ensure_template`); each worker restores a private copy-on-write mapping of it in about
+0.1 s (TCG, this machine), then reseeds the guest RNG and mounts its shares.
+
+Not served (refused at construction, naming the rule): `[net]` allow rules (the egress proxy
+over a second port is not built yet), `files.write` outside the scratch directory, more than
+`SHARE_SLOTS` read directories, read grants of single files (9p shares directories).
+Inside the guest the worker applies the same seccomp filter and exec program as under
+Landlock (`_seccomp.seccomp_setup`); interrupting a running cell (SIGINT) is not forwarded yet.
+
+Acceleration: TCG. `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`, which
+only runs PVM-enabled guests), so KVM would be used only after a probe boot succeeds; that
+probe is not built yet, and `probe()` says which accelerator is used and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import IO, Any, ClassVar
+
+from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec, base_env
+from agent_sandbox.providers._qemu_image import (
+    Image,
+    cache_root,
+    find_image,
+    install_hint,
+    missing_tools,
+)
+from agent_sandbox.providers._view import network_mode, policy_paths
+
+__all__ = [
+    "SHARE_SLOTS",
+    "QemuProvider",
+    "Template",
+    "TemplateError",
+    "ensure_template",
+    "kvm_state",
+    "qemu_argv",
+    "vm_memory_mb",
+]
+
+#: 9p devices every VM has (a template's device set is fixed; unused slots share an empty dir).
+SHARE_SLOTS = 4
+#: Bumped when the device set or the guest protocol changes (a new template).
+DEVICE_SET = "1"
+_HOST_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_qemu_host.py")
+_TEMPLATE_BOOT_TIMEOUT = 120.0
+_QEMU = "qemu-system-x86_64"
+_KERNEL_ARGS = (
+    "console=ttyS0 panic=-1 reboot=t tsc=reliable quiet loglevel=1 mitigations=off nokaslr "
+    "8250.nr_uarts=1 cryptomgr.notests no_timer_check random.trust_cpu=on audit=0 "
+    "apparmor=0 security=none pci=off"
+)
+_SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+class TemplateError(Exception):
+    """The template could not be booted or saved; the message says why."""
+
+
+def vm_memory_mb(policy: Any) -> int:
+    """The guest's RAM: the policy's memory limit, at least 256 MiB, in 2 MiB steps."""
+    mb = max(256, int(policy.limits.memory_mb))
+    return (mb + 1) // 2 * 2
+
+
+@functools.cache
+def tsc_khz() -> int:
+    """The host's TSC rate in kHz (microvm under TCG has no timer to calibrate against)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("cpu MHz"):
+                    return int(float(line.split(":")[1]) * 1000)
+    return 2_000_000
+
+
+@functools.cache
+def qemu_version(qemu: str) -> str:
+    try:
+        out = subprocess.run([qemu, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    match = re.search(r"version (\S+)", out.stdout)
+    return match.group(1) if match else ""
+
+
+def kvm_state() -> str:
+    """Why KVM is not used here (one phrase)."""
+    if not os.path.exists("/dev/kvm"):
+        return "no /dev/kvm"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        return "KVM present but cannot boot stock kernels: kvm_pvm"
+    return "KVM present but unprobed (the probe boot is not built yet)"
+
+
+def kernel_args(extra: str = "") -> str:
+    khz = tsc_khz()
+    return f"{_KERNEL_ARGS} tsc_early_khz={khz} lpj={khz * 4} {extra}".strip()
+
+
+def qemu_argv(
+    *,
+    qemu: str,
+    mem_mb: int,
+    ram_path: str,
+    run_dir: str,
+    shares: Sequence[str],
+    image: Image | None = None,
+    restore: bool = False,
+) -> list[str]:
+    """The QEMU command line; a template's save (`image` given) and every restore share the
+    device set exactly (a migration needs the same devices)."""
+    if len(shares) != SHARE_SLOTS:
+        raise ValueError(f"need {SHARE_SLOTS} share directories")
+    argv = [
+        qemu,
+        "-M",
+        "microvm,memory-backend=mem",
+        "-object",
+        f"memory-backend-file,id=mem,size={mem_mb}M,mem-path={ram_path},"
+        f"share={'off' if restore else 'on'}",
+        "-accel",
+        "tcg,tb-size=32",
+        "-cpu",
+        "max",
+        "-m",
+        f"{mem_mb}M",
+        "-smp",
+        "1",
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+        "-device",
+        "virtio-serial-device",
+        "-chardev",
+        f"socket,id=sb,path={os.path.join(run_dir, 'port.sock')},server=on,wait=off",
+        "-device",
+        "virtserialport,chardev=sb,name=sb",
+    ]
+    for slot, path in enumerate(shares):
+        argv += [
+            "-fsdev",
+            f"local,id=ro{slot},path={path},security_model=none,readonly=on",
+            "-device",
+            f"virtio-9p-device,fsdev=ro{slot},mount_tag=ro{slot}",
+        ]
+    argv += ["-qmp", f"unix:{os.path.join(run_dir, 'qmp.sock')},server=on,wait=off"]
+    if restore:
+        argv += ["-incoming", "defer", "-sandbox", _SANDBOX]
+    elif image is not None:
+        argv += ["-kernel", image.vmlinux, "-initrd", image.initrd, "-append", kernel_args()]
+    return argv
+
+
+# -- templates -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """A saved guest: its RAM file, its device state, and what it was made from."""
+
+    directory: str
+    ram: str
+    state: str
+    mem_mb: int
+    key: str
+
+
+def _template_key(image: Image, qemu: str, mem_mb: int) -> str:
+    parts = [image.digest, qemu_version(qemu), str(mem_mb), DEVICE_SET, str(tsc_khz())]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def template_dir(image: Image, qemu: str, mem_mb: int) -> str:
+    return os.path.join(cache_root(), "qemu", "templates", _template_key(image, qemu, mem_mb))
+
+
+def find_template(image: Image, qemu: str, mem_mb: int) -> Template | None:
+    directory = template_dir(image, qemu, mem_mb)
+    if not os.path.isfile(os.path.join(directory, "template.json")):
+        return None
+    return Template(
+        directory,
+        os.path.join(directory, "ram"),
+        os.path.join(directory, "state"),
+        mem_mb,
+        os.path.basename(directory),
+    )
+
+
+def ensure_template(image: Image, mem_mb: int, *, qemu: str = _QEMU) -> Template:
+    """The template for (image, QEMU, RAM size): found, or booted once and saved (~5-10 s)."""
+    found = find_template(image, qemu, mem_mb)
+    if found is not None:
+        return found
+    directory = template_dir(image, qemu, mem_mb)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    lock_fd = os.open(os.path.join(parent, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        found = find_template(image, qemu, mem_mb)
+        if found is not None:
+            return found
+        work = tempfile.mkdtemp(prefix=".save-", dir=parent)
+        try:
+            _save_template(image, qemu, mem_mb, work)
+            if os.path.isdir(directory):
+                shutil.rmtree(directory)
+            os.rename(work, directory)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        os.close(lock_fd)
+    found = find_template(image, qemu, mem_mb)
+    assert found is not None
+    return found
+
+
+def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
+    """Boot the image to the guest agent's SBREADY, then save it (file-backed RAM)."""
+    run_dir = tempfile.mkdtemp(prefix="agent-sandbox-qemu-save-")
+    empty = os.path.join(run_dir, "empty")
+    os.mkdir(empty)
+    ram = os.path.join(work, "ram")
+    state = os.path.join(work, "state")
+    argv = qemu_argv(
+        qemu=qemu,
+        mem_mb=mem_mb,
+        ram_path=ram,
+        run_dir=run_dir,
+        shares=[empty] * SHARE_SLOTS,
+        image=image,
+    )
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    output = b""
+    try:
+        assert proc.stdout is not None
+        deadline = t0 + _TEMPLATE_BOOT_TIMEOUT
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        while b"SBREADY" not in output:
+            if time.monotonic() > deadline:
+                raise TemplateError(f"the guest was not ready within {_TEMPLATE_BOOT_TIMEOUT:g} s")
+            if proc.poll() is not None:
+                raise TemplateError(f"QEMU exited ({proc.returncode}) before the guest was ready")
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                time.sleep(0.02)
+                continue
+            output = (output + chunk)[-65536:]
+        booted = time.monotonic() - t0
+        from agent_sandbox.providers._qemu_host import QMP
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(os.path.join(run_dir, "qmp.sock"))
+        qmp = QMP(sock, time.monotonic() + 60)
+        qmp.cmd(
+            "migrate-set-capabilities",
+            capabilities=[{"capability": "x-ignore-shared", "state": True}],
+        )
+        # No "stop" first: a stopped source stays paused after the restore.
+        qmp.cmd("migrate", uri=f"exec:cat > {shlex.quote(state)}")
+        while True:
+            status = qmp.cmd("query-migrate")
+            done = status.get("status") if isinstance(status, dict) else None
+            if done == "completed":
+                break
+            if done in ("failed", "cancelled"):
+                raise TemplateError(f"saving the template failed: {status}")
+            if time.monotonic() > deadline:
+                raise TemplateError("saving the template did not finish in time")
+            time.sleep(0.01)
+        with contextlib.suppress(Exception):
+            qmp.cmd("quit")
+        proc.wait(10)
+        meta = {
+            "qemu": qemu_version(qemu),
+            "image": image.digest,
+            "mem_mb": mem_mb,
+            "device_set": DEVICE_SET,
+            "boot_seconds": round(booted, 2),
+            "created": time.time(),
+        }
+        with open(os.path.join(work, "template.json"), "w") as fh:
+            json.dump(meta, fh)
+    except (OSError, RuntimeError, TemplateError) as exc:
+        tail = output[-2000:].decode("utf-8", "replace").strip()
+        raise TemplateError(f"saving the template failed: {exc}; the guest said: {tail}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# -- the provider ----------------------------------------------------------------------
+
+
+def _landlock_works() -> bool:
+    from agent_sandbox.providers._landlock import probe_landlock
+
+    return probe_landlock().available
+
+
+def qemu_landlock_rules(
+    run_dir: str, template: Template, shares: Sequence[str]
+) -> list[tuple[str, str]]:
+    """What QEMU (and the host relay) may touch under Landlock: the system's programs and
+    libraries, its configuration, the template (its RAM file opened read-write, as QEMU
+    opens every memory-backend file, but mapped privately: nothing is written), the read
+    shares, `/dev/null` and `/dev/urandom`, and the run directory for its sockets. Nothing
+    else of the host: not `/proc` of other processes, not the user's files."""
+    rules: list[tuple[str, str]] = []
+    for path in ("/usr", "/lib", "/lib64", "/bin", "/sbin", sys.base_prefix, sys.prefix):
+        if os.path.exists(path):
+            rules.append((path, "rx"))
+    rules += [
+        ("/etc", "ro"),
+        (template.state, "dev-ro"),
+        (template.ram, "dev-rw"),
+        ("/dev/null", "dev-rw"),
+        ("/dev/urandom", "dev-ro"),
+        (run_dir, "rw"),
+    ]
+    rules += [(path, "ro") for path in shares]
+    return rules
+
+
+@functools.cache
+def _probe(qemu: str, _cache: str) -> ProbeResult:
+    path = shutil.which(qemu)
+    missing = missing_tools()
+    if path is None or missing:
+        names = ", ".join(tool for tool, _pkg in missing) or qemu
+        return ProbeResult("qemu", False, f"missing {names}: {install_hint(missing)}")
+    image = find_image()
+    accel = f"TCG ({kvm_state()})"
+    version = f"{qemu_version(path)}; {accel}"
+    if image is None:
+        return ProbeResult(
+            "qemu",
+            False,
+            "no guest image for this interpreter and agent_sandbox version: run "
+            "`agent-sandbox qemu build` (as root the first time: it fetches the Debian kernel)",
+            version=version,
+            details={"path": path, "accel": accel},
+        )
+    return ProbeResult(
+        "qemu",
+        True,
+        version=version,
+        details={"path": path, "accel": accel, "image": image.directory, "boundary": True},
+    )
+
+
+def _share_plan(policy: Any, spec: WorkerSpec) -> list[str]:
+    """The read directories to share (refusing what the VM cannot serve)."""
+    read, write, _deny = policy_paths(policy, spec)
+    scratch = os.path.normpath(spec.scratch)
+    for path in write:
+        if not (path == scratch or path.startswith(scratch + "/")):
+            raise ProviderUnavailable(
+                "qemu",
+                f"files.write {path!r} is outside the scratch directory, which is the only "
+                "writable place in the VM; use provider bwrap or landlock for host writes",
+            )
+    dirs: list[str] = []
+    for path in sorted(set(read), key=lambda p: (p.count("/"), p)):
+        if path == scratch or path.startswith(scratch + "/"):
+            continue
+        if any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs):
+            continue
+        if os.path.isdir(path):
+            dirs.append(path)
+        elif os.path.exists(path):
+            raise ProviderUnavailable(
+                "qemu",
+                f"files.read {path!r} is a file; the VM shares directories only (grant its "
+                "directory, or use provider bwrap)",
+            )
+    if len(dirs) > SHARE_SLOTS:
+        raise ProviderUnavailable(
+            "qemu",
+            f"files.read names {len(dirs)} directories; the VM has {SHARE_SLOTS} share slots "
+            "(grant a common parent, or use provider bwrap)",
+        )
+    return dirs
+
+
+class QemuProvider(Provider):
+    """Run the worker in a micro-VM restored from a snapshot template."""
+
+    name: ClassVar[str] = "qemu"
+    #: Stronger than every namespace sandbox (its own kernel), but `auto` never picks it
+    #: (`_auto.py` chooses among the others): guest Python under TCG is ~20x slower.
+    strength: ClassVar[int] = 60
+    is_boundary: ClassVar[bool] = True
+
+    def __init__(self, *, qemu: str = _QEMU, trace: bool = False) -> None:
+        self.qemu = qemu
+        #: Timing lines for each start-up step in the worker log (benchmarks, debugging).
+        self.trace = trace
+
+    def probe(self) -> ProbeResult:
+        return _probe(self.qemu, cache_root())
+
+    def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        if network_mode(policy) != "none":
+            raise ProviderUnavailable(
+                "qemu",
+                "the policy has [net] allow rules; the VM has no network device and the "
+                "egress proxy over a virtio-serial port is not built yet (use provider bwrap)",
+            )
+        shares = _share_plan(policy, spec)
+        from agent_sandbox.providers import _seccomp
+
+        setup: dict[str, Any] = {}
+        layers: tuple[str, ...] = ()
+        if _seccomp.probe_seccomp()[0]:
+            # Inside the guest too: the same filter and exec program as under Landlock.
+            setup = _seccomp.seccomp_setup(policy)
+            layers = ("guest-seccomp",)
+        run_dir = os.path.join(spec.control_dir, "vm")
+        config = {
+            "mem_mb": vm_memory_mb(policy),
+            "run_dir": run_dir,
+            "share_paths": shares,
+            "listen_fd": spec.listen_fd,
+            "boot_fd": spec.boot_fd,
+            "scratch_mb": int(policy.limits.scratch_mb),
+        }
+        return LaunchPlan(
+            provider=self.name,
+            argv=(spec.python, "-I", "-S", "-B", _HOST_SCRIPT, json.dumps(config)),
+            env=base_env(spec),
+            pass_fds=(spec.listen_fd, spec.boot_fd),
+            cwd=spec.control_dir,
+            worker_setup=setup,
+            stack=(self.name, *layers),
+            worker_depth=None,
+        )
+
+    def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        """Find the image and template (saving the template on first use), then start the
+        host side (`_qemu_host.py`) with the full QEMU command line."""
+        probe = self.require()
+        qemu = str(probe.details.get("path", self.qemu))
+        image = find_image()
+        if image is None:
+            raise ProviderUnavailable(
+                "qemu", "the guest image is gone: run `agent-sandbox qemu build`"
+            )
+        config = json.loads(plan.argv[-1])
+        mem_mb = int(config["mem_mb"])
+        try:
+            template = ensure_template(image, mem_mb, qemu=qemu)
+        except TemplateError as exc:
+            raise ProviderUnavailable("qemu", str(exc)) from None
+        run_dir = config["run_dir"]
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        empty = os.path.join(run_dir, "empty")
+        os.makedirs(empty, mode=0o500, exist_ok=True)
+        dirs = list(config["share_paths"])
+        slots = dirs + [empty] * (SHARE_SLOTS - len(dirs))
+        host = {
+            "qemu_argv": qemu_argv(
+                qemu=qemu,
+                mem_mb=mem_mb,
+                ram_path=template.ram,
+                run_dir=run_dir,
+                shares=slots,
+                restore=True,
+            ),
+            "state": template.state,
+            "qmp": os.path.join(run_dir, "qmp.sock"),
+            "port": os.path.join(run_dir, "port.sock"),
+            "listen_fd": config["listen_fd"],
+            "boot_fd": config["boot_fd"],
+            "shares": [[f"ro{i}", path] for i, path in enumerate(dirs)],
+            "scratch_mb": config["scratch_mb"],
+            "start_timeout": 30.0,
+            "trace": self.trace,
+        }
+        if _landlock_works():
+            host["landlock"] = qemu_landlock_rules(run_dir, template, dirs)
+            host["landlock_module"] = os.path.join(
+                os.path.dirname(os.path.abspath(__file__)), "_landlock_sys.py"
+            )
+        real = dataclasses.replace(plan, argv=(*plan.argv[:-1], json.dumps(host)))
+        return super().launch(real, log)

@@ -1,0 +1,342 @@
+"""The guest agent of the `qemu` provider: PID 1 of the micro-VM (copied into the image as
+`/sb/agent.py`; it never runs on the host).
+
+Boot (`/init` execs it): import the worker's modules ahead (the template is saved with them
+loaded), find the virtio-serial port named `sb`, print `SBREADY` on the console, then wait
+for the host. While no host is connected the port reads as end-of-file, so it polls (1 ms).
+
+On the host's first frame (`B`, after a snapshot restore) it:
+
+1. reseeds the kernel's RNG with the host's 32 random bytes (RNDADDENTROPY, then
+   RNDRESEEDCRNG): clones of one template would otherwise share their RNG state;
+2. mounts the policy's read-only 9p shares at their host paths and a size-capped tmpfs as
+   the scratch directory; any failure is reported (`E`) and stops the VM, never skipped;
+3. forks the worker: its own session, the policy's environment, a fresh `random` seed, the
+   same `serve()` as every other provider on a listening socket inside the guest;
+4. relays: each host connection (`O`) becomes a connection to that socket; bytes go both
+   ways in `D` frames, `C` closes one; `S` forwards SIGINT to the worker; when the worker
+   ends, `X` carries its wait status and the VM powers off.
+
+Frames: kind (1 byte), channel (4 bytes), length (4 bytes, at most `MAX_FRAME`), payload.
+Only the standard library and the worker's own modules are used.
+"""
+
+import json
+import os
+import select
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+__all__ = ["MAX_FRAME", "main"]
+
+MAX_FRAME = 1 << 20
+_HEAD = struct.Struct(">BII")
+_WORKER_SOCK = "/run/sb-worker.sock"
+_RNDADDENTROPY = 0x40085203
+_RNDRESEEDCRNG = 0x5207
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
+_RB_POWER_OFF = 0x4321FEDC
+
+
+def _console(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _preload() -> None:
+    """Map agent_sandbox's packages (as `_worker_boot` does) and import the worker ahead."""
+    import types
+
+    with open("/sb/trees.json") as fh:
+        trees = json.load(fh)
+    roots = sorted({os.path.dirname(trees.pop(dist)) for dist in ("h11", "wrapt")})
+    sys.path[:] = [p for p in sys.path if p] + roots
+    for name in sorted(trees, key=len):
+        module = types.ModuleType(name)
+        module.__path__ = [trees[name]]
+        module.__package__ = name
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    import ctypes  # noqa: F401
+    import fcntl  # noqa: F401
+    import random  # noqa: F401
+
+    import agent_sandbox._worker_server
+    import agent_sandbox._worker_setup
+    import agent_sandbox.guards._code_budget
+    import agent_sandbox.guards._install
+    import agent_sandbox.guards._state
+    import agent_sandbox.providers._inworker  # noqa: F401
+    from agent_sandbox.guards import _patch
+
+    _patch._function_wrapper_type()
+
+
+def _find_port(name: str = "sb", wait: float = 10.0) -> str:
+    end = time.monotonic() + wait
+    while True:
+        try:
+            for entry in os.listdir("/sys/class/virtio-ports"):
+                with open(f"/sys/class/virtio-ports/{entry}/name") as fh:
+                    if fh.read().strip() == name:
+                        return "/dev/" + entry
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            raise SystemExit(f"sb-agent: no virtio port named {name!r}")
+        time.sleep(0.01)
+
+
+class Port:
+    """The virtio-serial port: framed reads and writes."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDWR)
+        self.buf = b""
+        #: Frames read but not yet handled (the host may send more right behind `B`).
+        self.pending: list[tuple[int, int, bytes]] = []
+
+    def send(self, kind: bytes, chan: int = 0, payload: bytes = b"") -> None:
+        data = _HEAD.pack(kind[0], chan, len(payload)) + payload
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def read_some(self) -> bool:
+        """One read; False when no host is connected (the port reads as end-of-file)."""
+        data = os.read(self.fd, 262144)
+        if not data:
+            return False
+        self.buf += data
+        return True
+
+    def frames(self) -> list[tuple[int, int, bytes]]:
+        out, self.pending = self.pending, []
+        while len(self.buf) >= _HEAD.size:
+            kind, chan, size = _HEAD.unpack_from(self.buf)
+            if size > MAX_FRAME:
+                raise SystemExit("sb-agent: oversized frame from the host")
+            if len(self.buf) < _HEAD.size + size:
+                break
+            out.append((kind, chan, self.buf[_HEAD.size : _HEAD.size + size]))
+            self.buf = self.buf[_HEAD.size + size :]
+        return out
+
+
+def _reseed(entropy: bytes) -> None:
+    import fcntl
+
+    fd = os.open("/dev/urandom", os.O_WRONLY)
+    try:
+        info = struct.pack("ii", len(entropy) * 8, len(entropy)) + entropy
+        fcntl.ioctl(fd, _RNDADDENTROPY, info)
+        fcntl.ioctl(fd, _RNDRESEEDCRNG)
+    finally:
+        os.close(fd)
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str, target: str, fstype: str, flags: int, options: str) -> None:
+    import ctypes
+
+    os.makedirs(target, exist_ok=True)
+    libc = _libc()
+    if libc.mount(source.encode(), target.encode(), fstype.encode(), flags, options.encode()):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype} {source} on {target}: {os.strerror(err)}")
+
+
+def _setup(msg: dict) -> dict:  # type: ignore[type-arg]
+    """Steps 1 and 2; returns the boot configuration for the worker."""
+    _reseed(bytes.fromhex(msg["entropy"]))
+    for tag, path in msg.get("shares", []):
+        _mount(
+            tag,
+            path,
+            "9p",
+            _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+            "trans=virtio,version=9p2000.L,msize=512000,cache=loose,ro",
+        )
+    boot: dict = msg["boot"]  # type: ignore[type-arg]
+    scratch = str(boot["scratch"])
+    _mount(
+        "scratch",
+        scratch,
+        "tmpfs",
+        _MS_NOSUID | _MS_NODEV,
+        f"size={int(msg['scratch_mb'])}m,mode=0700",
+    )
+    for name, folder in boot.get("package_dirs", {}).items():
+        mapped = sys.modules.get(name)
+        if mapped is None or list(getattr(mapped, "__path__", [])) != [folder]:
+            raise RuntimeError(
+                f"the image's {name} is not the host's {folder} (rebuild: agent-sandbox qemu build)"
+            )
+    return boot
+
+
+def _worker(boot: dict, env: dict, listener: socket.socket, port: Port) -> None:  # type: ignore[type-arg]
+    """Step 3, in the forked child; never returns."""
+    try:
+        os.close(port.fd)
+        os.setsid()
+        os.environ.clear()
+        os.environ.update({k: v for k, v in env.items() if k != "AGENT_SANDBOX_OWNER"})
+        os.chdir(boot["scratch"])
+        import random
+
+        random.seed()
+        sys.path[:] = list(boot["sys_path"])
+        boot["listen_fd"] = listener.fileno()
+        from agent_sandbox._worker_server import serve
+
+        serve(boot)
+    except BaseException as exc:
+        sys.stderr.write(f"sb-agent: worker failed: {exc!r}\n")
+        sys.stderr.flush()
+    os._exit(70)
+
+
+def _relay(port: Port, listener: socket.socket, child: int) -> int:
+    """Step 4; returns the worker's wait status."""
+    conns: dict[int, socket.socket] = {}
+    by_fd: dict[int, int] = {}
+    poller = select.poll()
+    poller.register(port.fd, select.POLLIN)
+    status: int | None = None
+    while status is None:
+        events = poller.poll(0 if port.pending else 50)
+        if port.pending and not any(fd == port.fd for fd, _ev in events):
+            events.append((port.fd, 0))
+        for fd, _ev in events:
+            if fd == port.fd:
+                if not port.pending and not port.read_some():
+                    time.sleep(0.001)
+                    continue
+                for kind, chan, payload in port.frames():
+                    if kind == ord("O"):
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        try:
+                            sock.connect(_WORKER_SOCK)
+                        except OSError:
+                            sock.close()
+                            port.send(b"C", chan)
+                            continue
+                        conns[chan] = sock
+                        by_fd[sock.fileno()] = chan
+                        poller.register(sock.fileno(), select.POLLIN)
+                    elif kind == ord("D") and chan in conns:
+                        try:
+                            conns[chan].sendall(payload)
+                        except OSError:
+                            pass
+                    elif kind == ord("C") and chan in conns:
+                        sock = conns.pop(chan)
+                        by_fd.pop(sock.fileno(), None)
+                        poller.unregister(sock.fileno())
+                        sock.close()
+                    elif kind == ord("S"):
+                        import signal
+
+                        try:
+                            os.killpg(child, signal.SIGINT)
+                        except OSError:
+                            pass
+            else:
+                chan = by_fd.get(fd, -1)
+                sock2 = conns.get(chan)
+                if sock2 is None:
+                    continue
+                try:
+                    data = sock2.recv(65536)
+                except OSError:
+                    data = b""
+                if data:
+                    port.send(b"D", chan, data)
+                else:
+                    port.send(b"C", chan)
+                    conns.pop(chan, None)
+                    by_fd.pop(fd, None)
+                    poller.unregister(fd)
+                    sock2.close()
+        while True:  # PID 1 reaps every orphan; the worker's status ends the session
+            try:
+                pid, st = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid == child:
+                status = st
+    for sock in conns.values():
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                port.send(b"D", by_fd.get(sock.fileno(), 0), data)
+        except OSError:
+            pass
+    return status
+
+
+def _power_off() -> None:
+    try:
+        libc = _libc()
+        libc.sync()
+        libc.reboot(_RB_POWER_OFF)
+    finally:
+        os._exit(0)
+
+
+def main() -> None:
+    _preload()
+    port = Port(_find_port())
+    _console("SBREADY")
+    while True:
+        if not port.read_some():
+            time.sleep(0.001)
+            continue
+        frames = port.frames()
+        if frames:
+            break
+    kind, _chan, payload = frames[0]
+    port.pending = frames[1:]
+    if kind != ord("B"):
+        _console("sb-agent: the host's first frame is not B")
+        _power_off()
+    msg = json.loads(payload)
+    try:
+        boot = _setup(msg)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(_WORKER_SOCK)
+        listener.listen(16)
+    except Exception as exc:
+        port.send(b"E", 0, f"guest set-up failed: {exc}".encode()[:4096])
+        _power_off()
+    child = os.fork()
+    if child == 0:
+        _worker(boot, dict(msg.get("env", {})), listener, port)
+    listener.close()
+    port.send(b"R")
+    status = _relay(port, listener, child)
+    port.send(b"X", 0, str(status).encode())
+    _power_off()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as exc:
+        _console(f"sb-agent: {exc!r}")
+        _power_off()

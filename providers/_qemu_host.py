@@ -1,0 +1,309 @@
+"""The host side of one `qemu` worker: starts QEMU, restores the guest, relays the channel.
+
+Run as `python -I -S -B _qemu_host.py CONFIG-JSON` by `QemuProvider.launch`, in the worker's
+process group: this process is what the parent sees as "the worker" (its exit status is
+the guest worker's), and QEMU is its only child. Standard library only.
+
+1. It asks to be killed when its parent thread ends, and QEMU to be killed when it ends
+   (PR_SET_PDEATHSIG); SIGTERM kills QEMU by pid, then exits.
+2. It starts QEMU from the template (`-incoming defer`, then over QMP: the `x-ignore-shared`
+   capability and `migrate-incoming fd:N` on the saved state, which it opened itself), or
+   boots the image cold when there is no template.
+3. It reads the boot configuration from the inherited pipe (as every worker does), and sends
+   it, with 32 fresh random bytes and its own environment (the plan's), as the `B` frame.
+4. It relays: each connection accepted on the inherited listening socket (the parent's
+   `ctl.sock`) becomes a channel over the virtio-serial port; `D`/`C` frames carry bytes
+   and closes. What the guest sends is decoded here, and only here, into frames of at most
+   `MAX_FRAME` bytes on channels this side opened; anything else ends the session.
+5. When the guest reports the worker's end (`X`) or QEMU exits, it exits with that status.
+"""
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+__all__ = ["MAX_FRAME", "QMP", "main"]
+
+MAX_FRAME = 1 << 20
+_HEAD = struct.Struct(">BII")
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+def _pdeathsig() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _confine(config: dict) -> str:  # type: ignore[type-arg]
+    """Landlock this process and QEMU (inherited across exec): only the paths the plan lists,
+    no TCP, no abstract Unix sockets or signals outside. Returns "" or why it was skipped."""
+    rules = config.get("landlock")
+    if not rules:
+        return "no rules"
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sb_landlock", config["landlock_module"])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.landlock_abi() < 1:
+        return "no Landlock"
+    if ctypes.CDLL(None).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise RuntimeError("PR_SET_NO_NEW_PRIVS failed")
+    module.restrict_self(
+        {
+            "paths": [tuple(r) for r in rules],
+            "tcp_connect": [],
+            "tcp_bind": [],
+            "scope": ["abstract_unix", "signal"],
+            "min_abi": 1,
+        }
+    )
+    return ""
+
+
+def _connect(path: str, deadline: float, qemu: "subprocess.Popen[bytes]") -> socket.socket:
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if qemu.poll() is not None:
+                raise RuntimeError(
+                    f"QEMU exited ({qemu.returncode}) before {path} appeared"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"QEMU did not open {path} in time") from None
+            time.sleep(0.002)
+
+
+class QMP:
+    """A minimal QMP client (one command at a time, events skipped)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.deadline = deadline
+        self._line()  # greeting
+        self.cmd("qmp_capabilities")
+
+    def _line(self) -> dict:  # type: ignore[type-arg]
+        while b"\n" not in self.buf:
+            self.sock.settimeout(max(0.01, self.deadline - time.monotonic()))
+            data = self.sock.recv(65536)
+            if not data:
+                raise RuntimeError("QMP closed")
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def cmd(self, name: str, **args: object) -> object:
+        self.sock.sendall(json.dumps({"execute": name, "arguments": args}).encode() + b"\n")
+        while True:
+            reply = self._line()
+            if "error" in reply:
+                raise RuntimeError(f"QMP {name}: {reply['error'].get('desc', reply)}")
+            if "return" in reply:
+                return reply["return"]
+
+
+def _send(sock: socket.socket, kind: bytes, chan: int = 0, payload: bytes = b"") -> None:
+    sock.sendall(_HEAD.pack(kind[0], chan, len(payload)) + payload)
+
+
+def _read_boot(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _exit_with(status: int) -> None:
+    """Exit as the guest worker did (a signal as a signal, so the parent words it the same)."""
+    sys.stdout.flush()
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        time.sleep(1)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70)
+
+
+_T0 = time.monotonic()
+_TRACE = False
+
+
+def _trace(what: str) -> None:
+    """With `trace` in the configuration: one timing line per start-up step in the log."""
+    if _TRACE:
+        sys.stderr.write(f"agent-sandbox qemu: {what} at {time.monotonic() - _T0:.3f} s\n")
+        sys.stderr.flush()
+
+
+def main() -> None:
+    global _TRACE
+    config = json.loads(sys.argv[1])
+    _TRACE = bool(config.get("trace"))
+    _pdeathsig()
+    deadline = time.monotonic() + float(config["start_timeout"])
+    state_fd = -1
+    pass_fds: tuple[int, ...] = ()
+    argv = list(config["qemu_argv"])
+    if config.get("state"):
+        state_fd = os.open(config["state"], os.O_RDONLY)
+        pass_fds = (state_fd,)
+    skipped = _confine(config)
+    _trace(f"landlock {'skipped: ' + skipped if skipped else 'applied'}")
+    qemu = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        pass_fds=pass_fds,
+        preexec_fn=_pdeathsig,
+        close_fds=True,
+    )
+
+    def stop(_sig: int = 0, _frame: object = None) -> None:
+        if qemu.poll() is None:
+            qemu.kill()
+            qemu.wait()
+        os._exit(143 if _sig else 70)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if state_fd >= 0:
+            qmp = QMP(_connect(config["qmp"], deadline, qemu), deadline)
+            qmp.cmd(
+                "migrate-set-capabilities",
+                capabilities=[{"capability": "x-ignore-shared", "state": True}],
+            )
+            qmp.cmd("migrate-incoming", uri=f"fd:{state_fd}")
+            os.close(state_fd)
+            _trace("migrate-incoming sent")
+        port = _connect(config["port"], deadline, qemu)
+        _trace("port connected")
+        boot = json.loads(_read_boot(int(config["boot_fd"])))
+        env = {k: v for k, v in os.environ.items()}
+        msg = {
+            "entropy": os.urandom(32).hex(),
+            "boot": boot,
+            "env": env,
+            "shares": config["shares"],
+            "scratch_mb": config["scratch_mb"],
+        }
+        _send(port, b"B", 0, json.dumps(msg).encode())
+        _trace("boot sent")
+        status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu)
+    except Exception as exc:
+        sys.stderr.write(f"agent-sandbox qemu: {exc}\n")
+        stop()
+        return
+    if qemu.poll() is None:
+        try:
+            qemu.wait(2.0)
+        except subprocess.TimeoutExpired:
+            qemu.kill()
+            qemu.wait()
+    _exit_with(status)
+
+
+def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen[bytes]") -> int:
+    """Step 4 and 5: returns the guest worker's wait status."""
+    sel = selectors.DefaultSelector()
+    sel.register(port, selectors.EVENT_READ, "port")
+    listener.setblocking(False)
+    sel.register(listener, selectors.EVENT_READ, "listener")
+    conns: dict[int, socket.socket] = {}
+    next_chan = 1
+    buf = b""
+    while True:
+        for key, _ev in sel.select(0.1):
+            if key.data == "listener":
+                try:
+                    client, _addr = listener.accept()
+                except BlockingIOError:
+                    continue
+                client.setblocking(True)
+                chan = next_chan
+                next_chan += 1
+                _trace(f"connection {chan}")
+                conns[chan] = client
+                sel.register(client, selectors.EVENT_READ, chan)
+                _send(port, b"O", chan)
+            elif key.data == "port":
+                data = port.recv(262144)
+                if not data:
+                    qemu.wait()
+                    return (qemu.returncode or 0) << 8 if qemu.returncode >= 0 else -qemu.returncode
+                buf += data
+                while len(buf) >= _HEAD.size:
+                    kind, chan, size = _HEAD.unpack_from(buf)
+                    if size > MAX_FRAME:
+                        raise RuntimeError("the guest sent an oversized frame")
+                    if len(buf) < _HEAD.size + size:
+                        break
+                    payload = buf[_HEAD.size : _HEAD.size + size]
+                    buf = buf[_HEAD.size + size :]
+                    if kind == ord("D") and chan in conns:
+                        try:
+                            conns[chan].sendall(payload)
+                        except OSError:
+                            pass
+                    elif kind == ord("C") and chan in conns:
+                        client = conns.pop(chan)
+                        sel.unregister(client)
+                        client.close()
+                    elif kind == ord("X"):
+                        return _status(payload)
+                    elif kind == ord("E"):
+                        raise RuntimeError(payload[:4096].decode("utf-8", "replace"))
+                    elif kind == ord("R"):
+                        _trace("guest set up, worker forked")
+                    elif kind in (ord("D"), ord("C")):
+                        pass
+                    else:
+                        raise RuntimeError(f"the guest sent an unknown frame kind {kind}")
+            else:
+                chan = int(key.data)
+                client = conns[chan]
+                try:
+                    data = client.recv(65536)
+                except OSError:
+                    data = b""
+                if data:
+                    _send(port, b"D", chan, data)
+                else:
+                    sel.unregister(client)
+                    client.close()
+                    del conns[chan]
+                    _send(port, b"C", chan)
+        if qemu.poll() is not None:
+            code = qemu.returncode
+            return (code & 0xFF) << 8 if code >= 0 else -code
+
+
+def _status(payload: bytes) -> int:
+    try:
+        value = int(payload[:16])
+    except ValueError:
+        raise RuntimeError("the guest sent a malformed exit status") from None
+    return value & 0xFFFF
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""The qemu provider: plans and refusals (pure), then real micro-VMs where QEMU works.
+
+The real runs build the guest image and one snapshot template once per test session into a
+temporary cache (`XDG_CACHE_HOME`), from the Debian kernel package `scripts/setup.sh` stores;
+they skip with the reason when QEMU, busybox-static or that package is missing. Under TCG a
+template boot takes 5-30 s (load-dependent) and a restore well under a second, so every
+real test restores clones of that one template. Hostile code uses `NATIVE` (libc through
+ctypes) with the Python layer opened, so only the VM boundary can stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, ProviderUnavailable, Sandbox
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox.providers import get_provider
+from agent_sandbox.providers._base import WorkerSpec
+from agent_sandbox.providers._qemu import SHARE_SLOTS, QemuProvider, qemu_argv
+from tests.providers.conftest import NATIVE, hostile_policy, received_connection
+
+SPEC = WorkerSpec(
+    python="/opt/py/bin/python3.11",
+    boot_script="/src/agent_sandbox/_worker_boot.py",
+    scratch="/tmp/as-1/scratch",
+    control_dir="/tmp/as-1",
+    listen_fd=3,
+    boot_fd=4,
+    sys_path=("/opt/py/lib/python3.11",),
+    package_dirs={"agent_sandbox": "/src/agent_sandbox"},
+    env={},
+    prefix="/opt/py",
+    base_prefix="/opt/py",
+)
+#: Small guest RAM: one template serves every real test.
+MEMORY_MB = 512
+
+
+# -- pure: the plan, the command line, the refusals -------------------------------------
+
+
+def test_the_plan_runs_the_host_relay_with_no_network_and_the_guest_seccomp() -> None:
+    """It plans the host relay (`_qemu_host.py`) with the worker's listening socket and
+    boot pipe, the guest RAM from memory_mb, and seccomp inside the guest."""
+    plan = QemuProvider().build(Policy(name="t", limits={"memory_mb": 300}), SPEC)
+    assert plan.argv[4].endswith("_qemu_host.py")
+    config = json.loads(plan.argv[-1])
+    assert config["mem_mb"] == 300
+    assert (config["listen_fd"], config["boot_fd"]) == (3, 4)
+    assert config["run_dir"] == "/tmp/as-1/vm"
+    assert plan.pass_fds == (3, 4)
+    assert plan.stack[0] == "qemu"
+
+
+def test_the_vm_has_no_network_device_and_read_only_shares() -> None:
+    """It starts QEMU with no default devices and no NIC, every 9p share `readonly=on`,
+    the restore under QEMU's own seccomp with spawning denied, and no kernel on restore
+    (passing one would overwrite the restored RAM)."""
+    shares = [f"/s{i}" for i in range(SHARE_SLOTS)]
+    argv = qemu_argv(
+        qemu="qemu", mem_mb=512, ram_path="/t/ram", run_dir="/r", shares=shares, restore=True
+    )
+    text = " ".join(argv)
+    assert "-nodefaults" in argv
+    assert not any(a in argv for a in ("-nic", "-netdev", "-net"))
+    assert "virtio-net" not in text
+    fsdevs = [a for a in argv if a.startswith("local,id=ro")]
+    assert len(fsdevs) == SHARE_SLOTS and all("readonly=on" in a for a in fsdevs)
+    assert "spawn=deny" in argv[argv.index("-sandbox") + 1]
+    assert "-kernel" not in argv and "-incoming" in argv
+    assert "share=off" in argv[argv.index("-object") + 1]  # a private copy-on-write clone
+
+
+@pytest.mark.parametrize(
+    ("policy", "words"),
+    [
+        (
+            Policy(name="t", net={"rules": [{"action": "allow", "host": "example.com"}]}),
+            "no network device",
+        ),
+        (Policy(name="t", files={"write": ["/srv/out"]}), "outside the scratch directory"),
+    ],
+)
+def test_what_the_vm_cannot_serve_is_refused_at_construction(policy: Policy, words: str) -> None:
+    """It refuses net allow rules and host writes with the reason and an alternative."""
+    with pytest.raises(ProviderUnavailable, match=words) as info:
+        QemuProvider().build(policy, SPEC)
+    assert "bwrap" in str(info.value)
+
+
+def test_more_read_directories_than_share_slots_are_refused(tmp_path: Path) -> None:
+    """It refuses more read directories than the VM has 9p slots, and a single-file grant."""
+    dirs = []
+    for i in range(SHARE_SLOTS + 1):
+        (tmp_path / f"d{i}").mkdir()
+        dirs.append(str(tmp_path / f"d{i}"))
+    with pytest.raises(ProviderUnavailable, match="share slots"):
+        QemuProvider().build(Policy(name="t", files={"read": dirs}), SPEC)
+    single = tmp_path / "one.txt"
+    single.write_text("x")
+    with pytest.raises(ProviderUnavailable, match="directories only"):
+        QemuProvider().build(Policy(name="t", files={"read": [str(single)]}), SPEC)
+
+
+def test_qemu_is_registered_and_auto_never_picks_it() -> None:
+    """It is a named provider; `auto` does not choose it by itself (guest Python under TCG
+    is ~20x slower)."""
+    assert get_provider("qemu").name == "qemu"
+    from agent_sandbox.providers._auto import AUTO_CANDIDATES
+
+    assert QemuProvider not in AUTO_CANDIDATES
+
+
+def test_a_missing_image_is_one_error_naming_the_build_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It reports the provider unavailable, naming `agent-sandbox qemu build`, when the
+    cache holds no image (or names the install command when a tool is missing)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    result = QemuProvider().probe()
+    assert not result.available
+    assert "agent-sandbox qemu build" in result.reason or "apt-get install" in result.reason
+
+
+# -- real VMs ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Build the image and one template into a temporary cache (skip with the reason)."""
+    from agent_sandbox.providers._qemu import TemplateError, ensure_template
+    from agent_sandbox.providers._qemu_image import (
+        ImageError,
+        build_image,
+        install_hint,
+        locate_kernel_deb,
+        missing_tools,
+    )
+
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"qemu provider: missing tools: {install_hint(missing)}")
+    try:
+        locate_kernel_deb()
+    except ImageError as exc:
+        pytest.skip(f"qemu provider: {exc}")
+    cache = tmp_path_factory.mktemp("qemu-cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    try:
+        try:
+            image = build_image()
+            ensure_template(image, MEMORY_MB)
+        except (ImageError, TemplateError) as exc:
+            pytest.fail(f"the qemu image or template could not be built: {exc}")
+        assert QemuProvider().probe().available
+        yield str(cache)
+    finally:
+        if old is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+
+
+def _qemu_pids() -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if b"qemu-system-x86_64" in fh.read().split(b"\0")[0]:
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def _vm_policy(**overrides: Any) -> Policy:
+    data: dict[str, Any] = {
+        "name": "vm",
+        "provider": "qemu",
+        "imports": {"allow": ["os", "sys", "time"]},
+        "limits": {"memory_mb": MEMORY_MB, "wall_seconds": 20},
+    }
+    data.update(overrides)
+    return Policy(**data)
+
+
+def _hostile(arena: dict[str, Path]) -> Policy:
+    """The containment suite's hostile policy under qemu: host writes are not served (the
+    scratch lives in the VM), so only the read-only directory is granted."""
+    return hostile_policy(
+        arena, provider="qemu", files={"write": []}, limits={"memory_mb": MEMORY_MB}
+    )
+
+
+def _start(policy: Policy) -> WorkerProcess:
+    return WorkerProcess.start(policy, QemuProvider(), start_timeout=60)
+
+
+def test_values_errors_and_output_cross_the_vm_boundary(vm_cache: str) -> None:
+    """It returns values, printed output and the code's own exception from the guest."""
+    before = set(_qemu_pids())
+    with Sandbox(_vm_policy(), warm=0) as sb:
+        ok = sb.run("import os\nprint('hello from', os.uname().sysname)\n6 * 7")
+        assert ok.error is None, ok.error
+        assert ok.value == 42 and "hello from Linux" in ok.stdout
+        assert ok.provider == "qemu"
+        bad = sb.run("raise ValueError('no')")
+        assert bad.error is not None and "ValueError" in bad.error.type
+        kernel = sb.run("import os\nos.uname().release")
+        assert kernel.value != os.uname().release  # the guest's own kernel
+    assert set(_qemu_pids()) <= before  # nothing left running
+
+
+def test_a_runaway_call_times_out_and_the_vm_is_gone(vm_cache: str) -> None:
+    """It runs QEMU under its own seccomp filter with no new privileges, ends a call at its
+    wall limit, reports the timeout, and kills QEMU by pid."""
+    worker = _start(_vm_policy(limits={"memory_mb": MEMORY_MB, "wall_seconds": 2}))
+    try:
+        qemu = [p for p in _qemu_pids() if _under(p, worker.pid)]
+        assert qemu, "no QEMU below the worker's host process"
+        with open(f"/proc/{qemu[0]}/status") as fh:
+            status = dict(line.split(":", 1) for line in fh if ":" in line)
+        assert status["Seccomp"].strip() == "2"  # QEMU's own -sandbox filter
+        assert status["NoNewPrivs"].strip() == "1"  # set for Landlock (where it works)
+        t0 = time.monotonic()
+        result = worker.run("while True:\n    pass")
+        assert time.monotonic() - t0 < 10
+        assert result.error is not None and result.error.rule == "limits.timeout", result.error
+    finally:
+        worker.kill()
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{p}") for p in qemu) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in qemu)
+    assert not os.path.exists(worker.control_dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _under(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+def test_clones_of_one_template_get_their_own_randomness(vm_cache: str) -> None:
+    """It reseeds each restored clone: two workers from one template draw different bytes."""
+    code = "import os, random\n(os.urandom(16).hex(), random.random())"
+    draws = []
+    for _ in range(2):
+        worker = _start(_vm_policy(imports={"allow": ["os", "random"]}))
+        try:
+            result = worker.run(code)
+            assert result.error is None, result.error
+            draws.append(tuple(result.value))
+        finally:
+            worker.kill()
+    assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1]
+
+
+def test_hostile_native_code_meets_the_vm_boundary(
+    vm_cache: str, arena: dict[str, Path], canary: str, tcp_listener: Any
+) -> None:
+    """Native code (libc through ctypes, guards open) in the guest: it reads the shared
+    read-only directory, cannot write it (QEMU refuses), cannot see the host's files, its
+    writes outside stay in the guest, it reaches no host port, and host pids are not there."""
+    listener, port = tcp_listener
+    outside = arena["outside"]
+    host_target = arena["root"] / "written-from-vm"
+    code = NATIVE + textwrap.dedent(
+        f"""
+        out = {{}}
+        out["ro_read"] = nread({str(arena["ro"] / "data.txt")!r})
+        out["ro_write"] = nwrite({str(arena["ro"] / "new.txt")!r})
+        out["canary"] = nread({str(outside)!r})
+        out["shadow"] = nread("/etc/shadow")
+        out["host_write"] = nwrite({str(host_target)!r})
+        out["tcp"] = nconnect_tcp({port})
+        out["kill_host"] = _libc.kill({os.getpid()}, 0) if {os.getpid()} > 4096 else -3
+        out
+        """
+    )
+    worker = _start(_hostile(arena))
+    try:
+        result = worker.run(code)
+    finally:
+        worker.kill()
+    assert result.error is None, result.error
+    out = result.value
+    assert out["ro_read"] == "readable data\n"
+    assert isinstance(out["ro_write"], int) and out["ro_write"] < 0  # EROFS/EACCES
+    assert not (arena["ro"] / "new.txt").exists()
+    assert canary not in str(out["canary"]) and out["canary"] == -2  # ENOENT: not there
+    assert not str(out["shadow"]).startswith("root:")
+    assert not host_target.exists()  # the write landed in the guest's own tmpfs, if at all
+    assert out["tcp"][1] != 0 and not received_connection(listener)
+    assert out["kill_host"] != 0
+
+
+def test_exec_in_the_guest_is_refused_without_a_process_grant(
+    vm_cache: str, arena: dict[str, Path]
+) -> None:
+    """It refuses a raw execv in the guest (the seccomp exec program, applied in the guest
+    as under Landlock) when the policy grants no `process-exec`."""
+    code = NATIVE + textwrap.dedent(
+        """
+        pid = os.fork()
+        if pid == 0:
+            argv = (ctypes.c_char_p * 3)(b"/bin/sh", b"-c", None)
+            _libc.execv(b"/bin/sh", argv)
+            os._exit(100 + ctypes.get_errno())
+        _, status = os.waitpid(pid, 0)
+        os.WEXITSTATUS(status)
+        """
+    )
+    worker = _start(_hostile(arena))
+    try:
+        result = worker.run(code)
+    finally:
+        worker.kill()
+    assert result.error is None, result.error
+    assert result.value == 100 + 1  # EPERM from the exec program
+
+
+AGENT = """
+import json, os, sys, time
+sys.path[:0] = {paths!r}
+os.environ["XDG_CACHE_HOME"] = {cache!r}
+from agent_sandbox._process import WorkerProcess
+from agent_sandbox.policies import Policy
+from agent_sandbox.providers._qemu import QemuProvider
+policy = Policy(name="vm", provider="qemu", limits={{"memory_mb": {mem}}})
+w = WorkerProcess.start(policy, QemuProvider(), start_timeout=60)
+print(json.dumps({{"pid": w.pid, "dir": w.control_dir}}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_nothing_outlives_an_agent_killed_with_sigkill(vm_cache: str) -> None:
+    """It leaves no QEMU and no control directory when the agent dies by SIGKILL."""
+    code = AGENT.format(paths=sys.path, cache=vm_cache, mem=MEMORY_MB)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert agent.stdout is not None
+        line = agent.stdout.readline()
+        assert line, "the agent did not start a worker"
+        info = json.loads(line)
+        qemu = [p for p in _qemu_pids() if _under(p, info["pid"])]
+        assert qemu
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (
+            any(_alive(p) for p in [info["pid"], *qemu]) or os.path.exists(info["dir"])
+        ):
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in [info["pid"], *qemu])
+        assert not os.path.exists(info["dir"])
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        if agent.stdout is not None:
+            agent.stdout.close()

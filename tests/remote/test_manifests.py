@@ -1,0 +1,203 @@
+"""The pure builders Policy -> SandboxTemplate / SandboxWarmPool, compared exactly, and the
+`agent-sandbox k8s manifests` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from agent_sandbox import Policy
+from agent_sandbox.providers._k8s_manifests import ManifestError, manifests, template_name
+
+
+def _policy(**changes: object) -> Policy:
+    base: dict[str, object] = {
+        "name": "Net_Small.v2",
+        "limits": {"memory_mb": 512, "cpu_cores": 0.5, "scratch_mb": 64},
+        "net": {
+            "rules": [
+                {"host": "10.1.2.0/24", "ports": "443"},
+                {"host": "192.0.2.7", "ports": "8000-8100,53", "protocol": "any"},
+                {"host": "127.0.0.1", "ports": "9000", "direction": "bind"},
+            ]
+        },
+    }
+    base.update(changes)
+    return Policy(**base)  # type: ignore[arg-type]
+
+
+def test_the_template_and_pool_are_exactly_these() -> None:
+    policy = _policy()
+    template, pool = manifests(
+        policy, image="registry.example/ags:0.1", namespace="agents", runtime="runc", replicas=3
+    )
+    name = template_name(policy)
+    assert name == f"ags-net-small-v2-{policy.fingerprint()[:8]}"
+    labels = {
+        "app.kubernetes.io/managed-by": "agent-sandbox-kit",
+        "agent-sandbox-kit/policy-fingerprint": policy.fingerprint(),
+    }
+    assert template == {
+        "apiVersion": "extensions.agents.x-k8s.io/v1beta1",
+        "kind": "SandboxTemplate",
+        "metadata": {"name": name, "namespace": "agents", "labels": labels},
+        "spec": {
+            "envVarsInjectionPolicy": "Disallowed",
+            "networkPolicyManagement": "Managed",
+            "networkPolicy": {
+                "ingress": [
+                    {
+                        "from": [{"podSelector": {"matchLabels": {"app": "sandbox-router"}}}],
+                        "ports": [{"protocol": "TCP", "port": 8888}],
+                    }
+                ],
+                "egress": [
+                    {
+                        "to": [{"ipBlock": {"cidr": "10.1.2.0/24"}}],
+                        "ports": [{"protocol": "TCP", "port": 443}],
+                    },
+                    {
+                        "to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}],
+                        "ports": [
+                            {"protocol": "TCP", "port": 8000, "endPort": 8100},
+                            {"protocol": "TCP", "port": 53},
+                            {"protocol": "UDP", "port": 8000, "endPort": 8100},
+                            {"protocol": "UDP", "port": 53},
+                        ],
+                    },
+                ],
+            },
+            "podTemplate": {
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 10001,
+                        "runAsGroup": 10001,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [
+                        {
+                            "name": "worker",
+                            "image": "registry.example/ags:0.1",
+                            "args": [
+                                "worker",
+                                "serve",
+                                "--listen",
+                                "tcp://0.0.0.0:8888",
+                                "--tls-cert",
+                                "/tls/tls.crt",
+                                "--tls-key",
+                                "/tls/tls.key",
+                                "--bind-secret-file",
+                                "/bind/secret",
+                                "--provider",
+                                "landlock",
+                                "--idle-exit",
+                                "900",
+                            ],
+                            "ports": [{"containerPort": 8888, "name": "worker", "protocol": "TCP"}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/healthz", "port": 8888, "scheme": "HTTPS"},
+                                "periodSeconds": 2,
+                            },
+                            "resources": {
+                                "requests": {"cpu": "500m", "memory": "768Mi"},
+                                "limits": {"cpu": "500m", "memory": "768Mi"},
+                            },
+                            "securityContext": {
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                            "volumeMounts": [
+                                {"name": "tls", "mountPath": "/tls", "readOnly": True},
+                                {"name": "bind", "mountPath": "/bind", "readOnly": True},
+                                {"name": "scratch", "mountPath": "/tmp"},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "tls", "secret": {"secretName": "ags-worker-tls"}},
+                        {"name": "bind", "secret": {"secretName": "ags-bind-secret"}},
+                        {"name": "scratch", "emptyDir": {"sizeLimit": "64Mi"}},
+                    ],
+                }
+            },
+        },
+    }
+    assert pool == {
+        "apiVersion": "extensions.agents.x-k8s.io/v1beta1",
+        "kind": "SandboxWarmPool",
+        "metadata": {"name": name, "namespace": "agents", "labels": labels},
+        "spec": {
+            "replicas": 3,
+            "sandboxTemplateRef": {"name": name},
+            "updateStrategy": {"type": "Recreate"},
+        },
+    }
+
+
+def test_gvisor_runs_subprocess_inside_and_says_the_runtime_is_the_boundary() -> None:
+    template, _ = manifests(_policy(), image="i", runtime="gvisor", mtls=True)
+    spec = template["spec"]["podTemplate"]["spec"]
+    assert spec["runtimeClassName"] == "gvisor"
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--provider") + 1] == "subprocess"
+    assert args[args.index("--runtime-boundary") + 1] == "gvisor"
+    assert args[args.index("--client-ca") + 1] == "/tls/ca.crt"
+
+
+@pytest.mark.parametrize(
+    ("rule", "words"),
+    [
+        ({"host": "api.example.com", "ports": "443"}, "not host names"),
+        ({"host": "10.0.0.0/8", "action": "deny"}, "only allows"),
+    ],
+)
+def test_rules_a_networkpolicy_cannot_hold_refuse_the_build(
+    rule: dict[str, str], words: str
+) -> None:
+    with pytest.raises(ManifestError, match=words) as info:
+        manifests(_policy(net={"rules": [rule]}), image="i")
+    assert "[[net.rules]] #1" in str(info.value)
+
+
+def test_the_pod_spec_deserializes_as_a_kubernetes_podspec() -> None:
+    client = pytest.importorskip("kubernetes.client")
+    template, _ = manifests(_policy(), image="i", runtime="kata")
+    spec = client.ApiClient()._ApiClient__deserialize(  # the client's own model check
+        template["spec"]["podTemplate"]["spec"], "V1PodSpec"
+    )
+    assert spec.runtime_class_name == "kata"
+    assert spec.containers[0].security_context.read_only_root_filesystem is True
+
+
+def test_the_command_prints_the_same_manifests() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent_sandbox",
+            "k8s",
+            "manifests",
+            "data-analysis",
+            "--image",
+            "reg/ags:1",
+            "--format",
+            "json",
+            "--runtime",
+            "runc",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    from agent_sandbox.policies import resolve_policy
+
+    expected = manifests(resolve_policy("data-analysis"), image="reg/ags:1", runtime="runc")
+    assert json.loads(out)["items"] == expected
