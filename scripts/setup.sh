@@ -46,7 +46,7 @@ stamp=.venv/.agent-sandbox-installed
 log=.venv/setup.log
 quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; return 1; }; }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ guards/_fastimport.c -nt "$stamp" ]; then
+   || [ guards/_fastimport.c -nt "$stamp" ] || [ guards/_fastscan.c -nt "$stamp" ]; then
   : >"$log"
   quiet .venv/bin/python -m pip install -q --upgrade pip
   # This project was once installed as `agent-sandbox`, a name that belongs to an unrelated
