@@ -12,8 +12,8 @@ setup(
         Extension(
             "agent_sandbox.guards._fastimport", sources=["guards/_fastimport.c"], optional=True
         ),
-        # The host's pickle prescan for plain data and strict base64 (agent_sandbox/_unpickle.py
-        # falls back to its Python path without it).
+        # The host's pickle prescan for plain data and strict base64
+        # (agent_sandbox/_host/intake/unpickle.py falls back to its Python path without it).
         Extension("agent_sandbox.guards._fastscan", sources=["guards/_fastscan.c"], optional=True),
     ]
 )

@@ -22,12 +22,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, cast
 
-from agent_sandbox._boundary import NO_BOUNDARY, Boundary, resolve_boundary
 from agent_sandbox._denial import Denial
-from agent_sandbox._learn import Learner
+from agent_sandbox._host.boundary import NO_BOUNDARY, Boundary, resolve_boundary
+from agent_sandbox._host.result import RunError, RunResult
+from agent_sandbox._host.sandbox import OnEvent, Sandbox
 from agent_sandbox._render import clean, clean_block, quote
-from agent_sandbox._result import RunError, RunResult
-from agent_sandbox._sandbox import OnEvent, Sandbox
+from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.policies import Policy, resolve_policy
 
 __all__ = [

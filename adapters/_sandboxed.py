@@ -40,10 +40,10 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast, overload
 
-from agent_sandbox._boundary import resolve_boundary
 from agent_sandbox._errors import SandboxError
-from agent_sandbox._result import RunResult
-from agent_sandbox._sandbox import Sandbox
+from agent_sandbox._host.boundary import resolve_boundary
+from agent_sandbox._host.result import RunResult
+from agent_sandbox._host.sandbox import Sandbox
 from agent_sandbox.adapters._common import PolicySpec, internal_failure
 from agent_sandbox.policies import resolve_policy
 

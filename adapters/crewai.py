@@ -33,8 +33,8 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the ins
 from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from agent_sandbox._learn import Learner
-from agent_sandbox._result import RunResult
+from agent_sandbox._host.result import RunResult
+from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
     Outcome,
@@ -97,7 +97,7 @@ class SandboxedPythonTool(BaseTool):
     """Seconds an idle session lives before it is closed."""
     mode: Literal["enforce", "learn"] = "enforce"
     """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
-    `agent_sandbox._learn.Learner`; write it with `tool.learner.write()`)."""
+    `agent_sandbox._tools.learn.propose.Learner`; write it with `tool.learner.write()`)."""
     learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()

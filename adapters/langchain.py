@@ -44,8 +44,8 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from agent_sandbox._learn import Learner
-from agent_sandbox._result import RunResult
+from agent_sandbox._host.result import RunResult
+from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
     Outcome,
@@ -123,7 +123,7 @@ class SandboxedPythonTool(BaseTool):
     """Send live stdout/stderr through LangGraph's stream writer when there is one."""
     mode: Literal["enforce", "learn"] = "enforce"
     """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
-    `agent_sandbox._learn.Learner`; write it with `tool.learner.write()`)."""
+    `agent_sandbox._tools.learn.propose.Learner`; write it with `tool.learner.write()`)."""
     learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()

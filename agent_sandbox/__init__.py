@@ -1,7 +1,10 @@
 """agent_sandbox: run an LLM agent's Python in a sandboxed worker under a per-tool policy.
 
-Layout: this package is the core (public API, orchestration, worker pool, transport, CLI);
-`agent_sandbox.policies` is the policy model, `agent_sandbox.providers` the OS sandboxes,
+Layout (see docs/architecture.md): this package is the public API and the modules both
+sides share; `agent_sandbox._host` runs in the agent's process and never trusts a worker,
+`agent_sandbox._worker` runs inside the sandbox, `agent_sandbox._tools` holds the CLI,
+learning mode and the demo. `agent_sandbox.policies` is the policy model,
+`agent_sandbox.providers` the OS sandboxes,
 `agent_sandbox.guards` the Python-level guards that run inside the worker, and
 `agent_sandbox.adapters` the LangChain and CrewAI tools.
 """
@@ -32,17 +35,17 @@ from agent_sandbox._errors import UnpickleRefused as UnpickleRefused
 from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
-from agent_sandbox._learn import Learner as Learner
-from agent_sandbox._learn import apply_proposal as apply_proposal
-from agent_sandbox._learn import learn_run as learn_run
-from agent_sandbox._learn import learning_envelope as learning_envelope
-from agent_sandbox._learn import write_proposal as write_proposal
-from agent_sandbox._oplog import log_refusals as log_refusals
-from agent_sandbox._result import Image as Image
-from agent_sandbox._result import RunError as RunError
-from agent_sandbox._result import RunResult as RunResult
-from agent_sandbox._sandbox import Sandbox as Sandbox
-from agent_sandbox._sandbox import Session as Session
+from agent_sandbox._host.oplog import log_refusals as log_refusals
+from agent_sandbox._host.result import Image as Image
+from agent_sandbox._host.result import RunError as RunError
+from agent_sandbox._host.result import RunResult as RunResult
+from agent_sandbox._host.sandbox import Sandbox as Sandbox
+from agent_sandbox._host.sandbox import Session as Session
+from agent_sandbox._tools.learn.observe import Learner as Learner
+from agent_sandbox._tools.learn.observe import learn_run as learn_run
+from agent_sandbox._tools.learn.observe import learning_envelope as learning_envelope
+from agent_sandbox._tools.learn.review import apply_proposal as apply_proposal
+from agent_sandbox._tools.learn.review import write_proposal as write_proposal
 from agent_sandbox.policies import Policy as Policy
 from agent_sandbox.policies import load_policy as load_policy
 from agent_sandbox.policies import resolve_policy as resolve_policy

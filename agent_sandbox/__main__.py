@@ -1,5 +1,5 @@
 """`python -m agent_sandbox` is the `agent-sandbox` command."""
 
-from agent_sandbox._cli import main
+from agent_sandbox._tools.cli import main
 
 raise SystemExit(main())

@@ -189,7 +189,8 @@ class MessageTooLarge(TransportError):
 
 
 class UnpickleRefused(TransportError):
-    """A pickle from the worker was refused before it was built (`agent_sandbox._unpickle`).
+    """A pickle from the worker was refused before it was built
+    (`agent_sandbox._host.intake.unpickle`).
 
     It names the opcode, the global or the budget at fault, and for a global outside the
     allowlist the policy line that would admit it. A TransportError because the bytes on the

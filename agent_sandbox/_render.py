@@ -24,7 +24,7 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 #: A backslash that does not start an escape `clean()` writes (`\x0a`, `\u202e`): the host
 #: keeps a worker's text with its control characters already escaped that way
-#: (`_intake.clean_text`), and quoting it again must not double them (`\\x0a`).
+#: (`_host.intake.events.clean_text`), and quoting it again must not double them (`\\x0a`).
 _LONE_BACKSLASH = re.compile(r"\\(?!x[0-9a-f]{2}|u[0-9a-f]{4})")
 _DEFAULT_LIMIT = 300
 

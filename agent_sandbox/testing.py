@@ -12,7 +12,7 @@ The frameworks are imported only when these are called.
 
 from __future__ import annotations
 
-from agent_sandbox._demo import (
+from agent_sandbox._tools.demo import (
     crewai_offline_env,
     scripted_chat_model,
     scripted_crewai_llm,

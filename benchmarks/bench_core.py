@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     cold_samples = measure(cold, args.cold_rounds, warmup=2)
     print(row("cold start: worker started and handshaken", cold_samples, statistics.median(bare)))
 
-    from agent_sandbox._templates import WorkerTemplate
+    from agent_sandbox._host.templates import WorkerTemplate
 
     template_samples: dict[str, list[float]] = {}
     for name in ("subprocess", "landlock"):

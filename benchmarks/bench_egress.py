@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._egress import egress_proxy
 

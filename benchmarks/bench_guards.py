@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from agent_sandbox import Policy
-from agent_sandbox._process import import_roots, package_dirs
+from agent_sandbox._host.launch import import_roots, package_dirs
 from agent_sandbox.guards import _imports
 from agent_sandbox.guards._install import install_guards
 

@@ -30,8 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._unpickle import Decoder, prescan
-from agent_sandbox._worker_run import to_data
+from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.intake.unpickle_prescan import prescan
+from agent_sandbox._worker.run import to_data
 
 
 def measure(fn: Callable[[], object], rounds: int, warmup: int = 2) -> list[float]:

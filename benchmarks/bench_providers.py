@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from agent_sandbox import Policy
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
@@ -66,7 +66,7 @@ def wrapper_only(provider: Provider, policy: Policy) -> Callable[[], None]:
     import socket
     import tempfile
 
-    from agent_sandbox._process import import_roots, package_dirs
+    from agent_sandbox._host.launch import import_roots, package_dirs
     from agent_sandbox.providers._base import WorkerSpec, worker_argv
 
     control = tempfile.mkdtemp(prefix="bench-providers-")
@@ -169,7 +169,7 @@ def main() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-# The worker's start-up imports, in a bare interpreter mapped the way `_worker_boot` maps it.
+# The worker's start-up imports, in a bare interpreter mapped the way `_worker.boot` maps it.
 _IMPORT_WORKER = """
 import importlib.util, json, sys
 boot_script, dirs, roots = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
@@ -178,7 +178,7 @@ boot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(boot)
 sys.path[:] = roots
 boot._map_packages(dirs)
-import agent_sandbox._worker_server, agent_sandbox._worker_setup
+import agent_sandbox._worker.server, agent_sandbox._worker.setup
 import agent_sandbox.guards._install, agent_sandbox.guards._code_budget
 import os; os._exit(0)  # a worker never finalises its interpreter before it is ready
 """
@@ -191,7 +191,7 @@ def start_up_parts(runs: int) -> None:
     import shutil
     import tempfile
 
-    from agent_sandbox._process import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
+    from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
     from agent_sandbox.providers._limits import WorkerCgroups, cgroup_support
 
     dirs = package_dirs()

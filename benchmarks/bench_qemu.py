@@ -27,7 +27,7 @@ import sys
 import time
 
 from agent_sandbox import Policy
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import Provider
 from agent_sandbox.providers._qemu import QemuProvider, ensure_template

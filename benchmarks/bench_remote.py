@@ -32,9 +32,9 @@ import tempfile
 import time
 
 from agent_sandbox import Policy
-from agent_sandbox._process import WorkerProcess
-from agent_sandbox._remote_transport import RemoteTLS
-from agent_sandbox._remote_worker import RemoteWorker
+from agent_sandbox._host.intake.remote_transport import RemoteTLS
+from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.remote_worker import RemoteWorker
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
 
@@ -135,7 +135,7 @@ _LOAD_CHILD = r"""
 import json, secrets, sys, threading, time
 from agent_sandbox import Policy
 from agent_sandbox._errors import CapacityError
-from agent_sandbox._remote_transport import RemoteTLS
+from agent_sandbox._host.intake.remote_transport import RemoteTLS
 from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
 ca, server, client = sys.argv[1:4]
 threads, calls = int(sys.argv[4]), int(sys.argv[5])

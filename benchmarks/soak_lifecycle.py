@@ -29,8 +29,8 @@ import time
 import warnings
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._leftovers import agent_cgroups, control_dirs, marked, run_agent
-from agent_sandbox._lifecycle import owner_tag
+from agent_sandbox._host.lifecycle import owner_tag
+from agent_sandbox._tools.leftovers import agent_cgroups, control_dirs, marked, run_agent
 from agent_sandbox.providers import get_provider
 
 PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
@@ -98,7 +98,7 @@ async def _storm(provider: str) -> int:
 
 
 def kill_scenario(provider: str, moment: str) -> tuple[int, int]:
-    """The agent of `agent_sandbox._leftovers` (the one `tests/providers/test_no_orphans.py`
+    """The agent of `agent_sandbox._tools.leftovers` (the one `tests/providers/test_no_orphans.py`
     runs), ended at `moment`: the processes and control directories that outlived it."""
     left = run_agent(provider, moment)
     if left.ready != "READY":

@@ -43,9 +43,9 @@ import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import AttributeDenied, LimitExceeded
+from agent_sandbox._worker import audit
 from agent_sandbox.guards._code_check import _CHILD_FIELDS, Rules, _child_fields, compile_rules
 
 __all__ = [
@@ -408,7 +408,7 @@ def _deny(rule: str, action: str, target: str, detail: str, hint: str) -> Denial
     key = (rule, target)
     known = _recorded.get(key)
     if known is None:
-        known = _recorded[key] = _audit.record(denial)
+        known = _recorded[key] = audit.record(denial)
     return known
 
 

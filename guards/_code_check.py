@@ -38,10 +38,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, overload
 
-from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import CodeRejected
 from agent_sandbox._hints import grant_hint
+from agent_sandbox._worker import audit
 
 __all__ = [
     "ATTRIBUTE_GROUPS",
@@ -727,7 +727,7 @@ def find_violations(
 def reject(violations: list[Violation], filename: str, policy_name: str = "") -> CodeRejected:
     """Record each violation as a denial and build the one exception that carries them all."""
     for v in violations:
-        _audit.record(v.to_denial(policy_name))
+        audit.record(v.to_denial(policy_name))
     first = violations[0]
     count = len(violations)
     listing = "\n".join(f"  {v.describe()}" for v in violations)

@@ -3,7 +3,7 @@
  *
  * Both only ever say "yes, and here is the answer" or "not sure": `prescan_data` returns True
  * when a stream holds plain data only (no globals, so nothing is called while building) and
- * passes every check and budget of the Python prescan (`agent_sandbox._unpickle._Scan`), and
+ * passes every check and budget of the Python prescan (`agent_sandbox._host.intake.unpickle_prescan._Scan`), and
  * False for anything else, hostile or merely unusual; `b64decode` returns None for anything
  * that is not canonical base64. On "not sure" the caller runs its Python path, which decides
  * and words the refusal. So this file can only be stricter than the Python code, never looser:
@@ -811,7 +811,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef fastscan_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "agent_sandbox.guards._fastscan",
-    .m_doc = PyDoc_STR("The host's native decoding helpers (see agent_sandbox._unpickle)."),
+    .m_doc = PyDoc_STR("The host's native decoding helpers (see agent_sandbox._host.intake)."),
     .m_size = -1,
     .m_methods = module_methods,
 };

@@ -46,10 +46,10 @@ from _thread import get_ident
 from collections.abc import Iterable
 from typing import Any
 
-from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
 from agent_sandbox._hints import grant_hint
+from agent_sandbox._worker import audit
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import refuse, state
 from agent_sandbox.policies._paths import (
@@ -646,7 +646,7 @@ def _attach_authorizer(then: Any) -> Any:
                 except (FileAccessDenied, HiddenPathDenied) as exc:
                     # Recorded already; SQLite fails the user's statement ("not
                     # authorized"), so the refusal did reach user code.
-                    _audit.forget_raised(exc)
+                    audit.forget_raised(exc)
                     return deny
         if then is None:
             return ok

@@ -1,6 +1,6 @@
 """Installing the guards in a worker, arming them around each call, and checking them after.
 
-The order, at worker start (hook 5b of `_worker_setup.prepare`):
+The order, at worker start (hook 5b of `_worker.setup.prepare`):
 
 1. Configure every guard from the boot configuration (the wire policy, the scratch
    directory, the host's variable names, the import roots whose code is not user code).

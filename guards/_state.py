@@ -34,8 +34,8 @@ import sys
 from _thread import get_ident
 from typing import Any, NoReturn
 
-from agent_sandbox import _audit
 from agent_sandbox._denial import Denial
+from agent_sandbox._worker import audit
 
 _getframe = sys._getframe
 
@@ -102,7 +102,7 @@ def configure(*, learn: bool, policy_name: str, trusted_roots: tuple[str, ...]) 
     roots = {os.path.join(os.path.realpath(r), "") for r in trusted_roots if r}
     roots |= {os.path.join(r, "") for r in trusted_roots if r}
     state.trusted_roots = tuple(sorted(roots))
-    _audit.set_user_frame_test(is_user_frame)
+    audit.set_user_frame_test(is_user_frame)
 
 
 def is_active() -> bool:
@@ -127,7 +127,7 @@ def refuse(exc_class: type[BaseException], denial: Denial, *, always: bool = Fal
     file, hidden names) is refused in learning mode too.
     """
     if state.learn and not always:
-        _audit.record(dataclasses.replace(denial, learned=True))
+        audit.record(dataclasses.replace(denial, learned=True))
         return
     _raise(exc_class, denial)
 
@@ -135,7 +135,7 @@ def refuse(exc_class: type[BaseException], denial: Denial, *, always: bool = Fal
 def _raise(exc_class: type[BaseException], denial: Denial) -> NoReturn:
     # Stamped first (policy name, origin), so the exception carries what the trace holds;
     # recorded before the raise, and classified by whether the raise reaches user code.
-    stamped = _audit.stamp(denial)
+    stamped = audit.stamp(denial)
     exc: Any = exc_class(stamped)
-    _audit.record_raised(stamped, exc)
+    audit.record_raised(stamped, exc)
     raise exc

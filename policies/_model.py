@@ -441,7 +441,7 @@ class Policy(_Section):
     @field_validator("result_types")
     @classmethod
     def _result_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        from agent_sandbox._unpickle import denied_name
+        from agent_sandbox._host.intake.unpickle_classes import denied_name
 
         for entry in value:
             name = entry.removesuffix(".*")

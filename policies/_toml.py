@@ -5,7 +5,7 @@ array of tables (`[[net.rules]]`). It writes the fields that differ from the def
 the model's field order, one list item per line, so two policies diff line by line. Any
 list item can carry a trailing comment (learning mode marks risky entries that way) and
 the file can start with a comment block. The output always loads back with
-`policy_from_toml` into an equal policy; `tests/learn/test_toml_writer.py` pins that.
+`policy_from_toml` into an equal policy; `tests/policies/test_toml_writer.py` pins that.
 """
 
 from __future__ import annotations

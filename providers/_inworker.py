@@ -1,6 +1,6 @@
 """The worker's own kernel set-up: what a provider's `worker_setup` asks it to apply.
 
-Called by `_worker_setup.prepare` before any user code runs and before any thread exists.
+Called by `_worker.setup.prepare` before any user code runs and before any thread exists.
 The order is fixed, and every step fails closed (an exception ends the worker before it
 serves, and the parent reports a start error with the worker's log):
 
@@ -19,7 +19,7 @@ serves, and the parent reports a start error with the worker's log):
    the seccomp mode. The parent refuses a worker whose report does not match its plan.
 
 What it does NOT do: choose the rules (the pure builders do) or limit resources (rlimits
-are applied just before this by `_worker_setup.apply_rlimits`; cgroups by the parent).
+are applied just before this by `_worker.setup.apply_rlimits`; cgroups by the parent).
 Standard library only; `ctypes` is imported here, never pyseccomp.
 """
 

@@ -1,7 +1,7 @@
 """Resource limits for every provider: per-worker cgroups made by the parent, and the report.
 
 What it enforces, on top of the rlimits the worker applies to itself
-(`_worker_setup.apply_rlimits`: CPU, address space, file size, open files, no core):
+(`_worker.setup.apply_rlimits`: CPU, address space, file size, open files, no core):
 
 * memory: a cgroup v1 `memory` group per worker (`memory.limit_in_bytes` and the memsw
   limit at `limits.memory_mb`), or `memory.max` on a unified (v2) host that delegates the
@@ -616,7 +616,7 @@ def record_limit_hits(
     """
     from agent_sandbox._denial import Denial
     from agent_sandbox._hints import grant_hint
-    from agent_sandbox._result import RunError
+    from agent_sandbox._host.result import RunError
 
     hits: list[str] = []
     if cgroups is not None:

@@ -291,7 +291,7 @@ def init(cfg: dict[str, Any], report: int) -> None:
 def fork_worker_early(cfg: dict[str, Any], report: int) -> tuple[int, int]:
     """Fork C as soon as the namespaces exist; return its pid and the write end of `go`.
 
-    C loads the worker's entry point (`_worker_boot.py`, from its bytecode cache) in this
+    C loads the worker's entry point (`_worker/boot.py`, from its bytecode cache) in this
     interpreter, which already runs isolated (`-I -S -B`) with the worker's environment,
     and imports the worker's modules while B builds the view (the second core works). Then
     it waits for B's `go`: only once the view is complete, pivoted into and the namespace

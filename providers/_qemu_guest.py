@@ -47,7 +47,7 @@ def _console(text: str) -> None:
 
 
 def _preload() -> None:
-    """Map agent_sandbox's packages (as `_worker_boot` does) and import the worker ahead."""
+    """Map agent_sandbox's packages (as `_worker.boot` does) and import the worker ahead."""
     import types
 
     with open("/sb/trees.json") as fh:
@@ -66,8 +66,8 @@ def _preload() -> None:
     import fcntl  # noqa: F401
     import random  # noqa: F401
 
-    import agent_sandbox._worker_server
-    import agent_sandbox._worker_setup
+    import agent_sandbox._worker.server
+    import agent_sandbox._worker.setup
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._install
     import agent_sandbox.guards._state
@@ -198,7 +198,7 @@ def _worker(boot: dict, env: dict, listener: socket.socket, port: Port) -> None:
         random.seed()
         sys.path[:] = list(boot["sys_path"])
         boot["listen_fd"] = listener.fileno()
-        from agent_sandbox._worker_server import serve
+        from agent_sandbox._worker.server import serve
 
         serve(boot)
     except BaseException as exc:

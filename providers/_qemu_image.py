@@ -43,7 +43,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "BUILDER_VERSION",
@@ -107,7 +107,7 @@ _SLIM_DROP = frozenset(
     }
 )
 _APPLETS = ("sh", "mount", "mkdir", "insmod", "cat", "sed", "sleep", "poweroff", "echo")
-#: The worker's third-party modules (imported by `agent_sandbox._worker_server`).
+#: The worker's third-party modules (imported by `agent_sandbox._worker.server`).
 _WORKER_DISTS = ("h11", "wrapt")
 
 ProgressFn = Callable[[str], None]
@@ -364,9 +364,41 @@ def _unpack_kernel(
 # -- the initramfs ---------------------------------------------------------------------
 
 
+def packages_file() -> str:
+    return os.path.join(cache_root(), "qemu", "packages.json")
+
+
+def configured_packages() -> list[str]:
+    """The extra packages baked into the image (`agent-sandbox qemu build --package`)."""
+    try:
+        with open(packages_file()) as fh:
+            names = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    return sorted({str(n) for n in names}) if isinstance(names, list) else []
+
+
+def _package_trees(names: Iterable[str]) -> dict[str, str]:
+    """Each extra package's folder (and its wheel's `<name>.libs` folder of shared libraries)."""
+    out: dict[str, str] = {}
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or (spec.origin is None and not spec.submodule_search_locations):
+            raise ImageError(f"the package {name!r} is not installed in this environment")
+        if spec.submodule_search_locations:
+            folder = os.path.realpath(next(iter(spec.submodule_search_locations)))
+        else:
+            folder = os.path.realpath(str(spec.origin))
+        out[name] = folder
+        libs = os.path.join(os.path.dirname(folder), name + ".libs")
+        if os.path.isdir(libs):
+            out[name + ".libs"] = os.path.realpath(libs)
+    return out
+
+
 def _worker_trees() -> dict[str, str]:
     """Folders whose content the worker imports: agent_sandbox's packages, h11 and wrapt."""
-    from agent_sandbox._process import package_dirs
+    from agent_sandbox._host.launch import package_dirs
 
     trees = dict(package_dirs())
     for dist in _WORKER_DISTS:
@@ -390,10 +422,13 @@ def _stdlib_files(stdlib: str) -> Iterator[str]:
 
 #: The qemu provider's host-side modules: never imported in the guest, so neither baked in
 #: nor part of the image's hash (the guest agent is baked as /sb/agent.py).
-_HOST_ONLY = frozenset({"_qemu.py", "_qemu_host.py", "_qemu_image.py", "_cli_qemu.py"})
+_HOST_ONLY = frozenset({"_qemu.py", "_qemu_host.py", "_qemu_image.py", "cli_qemu.py"})
 
 
 def _tree_files(root: str) -> Iterator[str]:
+    if os.path.isfile(root):
+        yield root
+        return
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "tests"))
         for name in sorted(files):
@@ -416,7 +451,7 @@ def _ldd(paths: Iterable[str]) -> list[str]:
 
 def _python() -> tuple[str, str]:
     """The interpreter workers run (resolved) and its standard library folder."""
-    from agent_sandbox._process import worker_python
+    from agent_sandbox._host.launch import worker_python
 
     exe = os.path.realpath(worker_python())
     return exe, sysconfig.get_paths()["stdlib"]
@@ -454,7 +489,18 @@ def image_inputs(deb: str) -> dict[str, object]:
                 content.update(fh.read())
     with open(_guest_agent_source(), "rb") as fh:
         content.update(fh.read())
+    packages = configured_packages()
+    extra = hashlib.sha256()
+    for name, tree in sorted(_package_trees(packages).items()):
+        for path in _tree_files(tree):
+            st = os.stat(path)
+            extra.update(f"{name}\0{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    with open(os.path.abspath(__file__), "rb") as fh:
+        builder_source = hashlib.sha256(fh.read()).hexdigest()
     return {
+        "builder_source": builder_source,
+        "packages": packages,
+        "packages_files": extra.hexdigest(),
         "builder": BUILDER_VERSION,
         "kernel_deb": deb_hash,
         "python": exe,
@@ -531,6 +577,18 @@ def _stage(root: str, modules: list[tuple[str, str]], progress: ProgressFn) -> s
     for lib in _ldd(elfs):
         _copy(lib, root)
         elfs.append(lib)
+    for tree in _package_trees(configured_packages()).values():
+        for path in _tree_files(tree):
+            _copy(path, root)
+            if path.endswith(".so") or ".so." in os.path.basename(path):
+                elfs.append(path)
+            elif path.endswith(".py"):
+                staged = os.path.join(root, path.lstrip("/"))
+                _compile(path, importlib.util.cache_from_source(staged), hashed=True)
+        libs = [e for e in _ldd(elfs) if not os.path.lexists(os.path.join(root, e.lstrip("/")))]
+        for lib in libs:
+            _copy(lib, root)
+            elfs.append(lib)
     with open(os.path.join(root, "sb", "trees.json"), "w") as fh:
         json.dump(trees, fh)
     progress("bytecode")
@@ -542,7 +600,12 @@ def _stage(root: str, modules: list[tuple[str, str]], progress: ProgressFn) -> s
                 cached = importlib.util.cache_from_source(staged)
                 _compile(path, cached, hashed=True)
     progress("stripping")
+    # A wheel's libraries stay as shipped: stripping what auditwheel/patchelf rewrote can
+    # leave an ELF the loader refuses ("load command address/offset not page-aligned").
+    wheel_roots = tuple(t.rstrip("/") + "/" for t in _package_trees(configured_packages()).values())
     for elf in set(elfs):
+        if os.path.realpath(elf).startswith(wheel_roots):
+            continue
         staged = os.path.join(root, os.path.realpath(elf).lstrip("/"))
         if os.path.isfile(staged) and not os.path.islink(staged):
             os.chmod(staged, os.stat(staged).st_mode | stat.S_IWUSR)
@@ -670,16 +733,24 @@ def build_image(
     *,
     download: bool = False,
     force: bool = False,
+    packages: Sequence[str] | None = None,
     progress: ProgressFn | None = None,
 ) -> Image:
     """Build (or find) the image for the current inputs; see the module docstring."""
     say = progress or (lambda _msg: None)
+    if packages is not None:
+        _package_trees(packages)  # each one must exist before anything is recorded
     missing = missing_tools()
     if missing:
         tools = ", ".join(tool for tool, _pkg in missing)
         raise ImageError(f"missing {tools}: {install_hint(missing)}")
     deb = locate_kernel_deb(kernel_deb, download=download)
     say(f"kernel package {os.path.basename(deb)}")
+    if packages is not None:
+        os.makedirs(os.path.dirname(packages_file()), exist_ok=True)
+        with open(packages_file(), "w") as fh:
+            json.dump(sorted(set(packages)), fh)
+        _DIGESTS.clear()
     inputs = image_inputs(deb)
     digest = _digest(inputs)
     directory = os.path.join(images_dir(), digest)

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from agent_sandbox._errors import CapacityError, SandboxError
 
 if TYPE_CHECKING:
-    from agent_sandbox._remote_transport import RemoteTLS
-    from agent_sandbox._remote_worker import RemoteWorker
-    from agent_sandbox._result import RunResult
+    from agent_sandbox._host.intake.remote_transport import RemoteTLS
+    from agent_sandbox._host.remote_worker import RemoteWorker
+    from agent_sandbox._host.result import RunResult
     from agent_sandbox.policies import Policy
 
 __all__ = [
@@ -201,9 +201,9 @@ class LocalClaimBackend:
         return argv
 
     def _start_server(self) -> _Server:
-        from agent_sandbox import _lifecycle
+        from agent_sandbox._host import lifecycle
 
-        env = {**os.environ, **_lifecycle.owner_env(), "AGENT_SANDBOX_BIND_SECRET": self._secret}
+        env = {**os.environ, **lifecycle.owner_env(), "AGENT_SANDBOX_BIND_SECRET": self._secret}
         proc = subprocess.Popen(
             self._argv(),
             stdin=subprocess.DEVNULL,
@@ -425,7 +425,7 @@ class RemoteSession:
 
     def _connect(self) -> RemoteWorker:
         from agent_sandbox._errors import WorkerStartError
-        from agent_sandbox._remote_worker import RemoteWorker, SessionConflict, session_token
+        from agent_sandbox._host.remote_worker import RemoteWorker, SessionConflict, session_token
 
         p = self.provider
         claim = p.backend.claim(self.name, p.claim_timeout)
@@ -549,7 +549,7 @@ class RemoteProvider:
         claim_timeout: float = 30.0,
         start_timeout: float = 15.0,
     ) -> None:
-        from agent_sandbox._remote_transport import RemoteTLS
+        from agent_sandbox._host.intake.remote_transport import RemoteTLS
 
         if len(session_key) < 16:
             raise ValueError("session_key must be at least 16 random bytes")

@@ -11,6 +11,9 @@ tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 mkdir "$tree/agent_sandbox"
 for f in agent_sandbox/*.py agent_sandbox/py.typed; do ln -s "$PWD/$f" "$tree/agent_sandbox/"; done
+for d in agent_sandbox/*/; do
+  if [ -f "$d/__init__.py" ]; then ln -s "$PWD/${d%/}" "$tree/agent_sandbox/"; fi
+done
 for d in adapters guards providers policies; do ln -s "$PWD/$d" "$tree/agent_sandbox/$d"; done
 (cd "$tree" && "$OLDPWD/$PY" -m mypy --config-file "$OLDPWD/pyproject.toml" -p agent_sandbox)
 # What a user's type checker sees of the documented calls (tests/typing/user_calls.py).

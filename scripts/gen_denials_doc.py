@@ -35,7 +35,7 @@ One classification decides everything that follows: the model's text, `RunResult
   support at import. A successful plot has zero refusals of the user's; its probes stay in
   the trace (`RunResult.internal_denials()`, `denial_counts()`), never in the model's text.
 
-How the worker decides (`agent_sandbox/_audit.py`): when a refusal is raised, the innermost
+How the worker decides (`agent_sandbox/_worker/audit.py`): when a refusal is raised, the innermost
 frame of user code on the stack is watched until the library call it made ends. If an
 exception reaches that frame, the refusals whose exception is in its chain (`__cause__`,
 `__context__`, exception groups) are the user's, the others were handled inside the library;
@@ -45,7 +45,7 @@ when the call ends, is the user's: in doubt, the user's.
 
 ### What the host checks
 
-The worker runs the code; it may be compromised. The host (`agent_sandbox/_result.py`)
+The worker runs the code; it may be compromised. The host (`agent_sandbox/_host/intake/builder.py`)
 therefore treats "internal" as a presentation downgrade only:
 
 - a call whose code raised is never `ok`, whatever its refusals are said to be;
@@ -132,7 +132,7 @@ TAIL = """
 | the session was idle longer than `session_ttl` | a notice naming `session_ttl`, on its next call | `notices`, `state_lost == True` |
 | every session slot stayed in a call for `session_wait` seconds | nothing (no call ran) | `CapacityError` with `max_sessions`, `busy` and `waited` |
 | the sandbox or session was closed | "the sandbox was closed while the call was running" for a call cut short | `error.type == "SandboxClosed"`; a new call (`run` or `arun`) raises `SandboxClosed`, and so does a call waiting for the session |
-| the agent's process ended (any way, SIGKILL included) | nothing | no process, cgroup or control directory of it remains (`_guardian.py`) |
+| the agent's process ended (any way, SIGKILL included) | nothing | no process, cgroup or control directory of it remains (`_host/guardian.py`) |
 """
 
 

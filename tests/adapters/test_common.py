@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from agent_sandbox import Denial, Policy, RunError, RunResult
-from agent_sandbox._result import Image
+from agent_sandbox._host.result import Image
 from agent_sandbox.adapters import describe_policy
 from agent_sandbox.adapters._common import image_blocks, outcome
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._demo import CREWAI_OFFLINE_ENV, scripted_crewai_llm
+from agent_sandbox._tools.demo import CREWAI_OFFLINE_ENV, scripted_crewai_llm
 
 pytestmark = [
     pytest.mark.crewai,

@@ -19,7 +19,7 @@ from langchain_tests.integration_tests import ToolsIntegrationTests
 from langchain_tests.unit_tests import ToolsUnitTests
 
 from agent_sandbox import Policy
-from agent_sandbox._demo import scripted_chat_model, tool_call
+from agent_sandbox._tools.demo import scripted_chat_model, tool_call
 from agent_sandbox.adapters.langchain import SandboxedPythonTool, SandboxToolError
 
 # A tiny valid PNG (1x1, grey): code that writes it to scratch produces an image.

@@ -21,7 +21,7 @@ from langchain_core.messages import ToolMessage
 from langchain_core.tracers.langchain import LangChainTracer
 from langsmith import Client
 
-from agent_sandbox._demo import tool_call
+from agent_sandbox._tools.demo import tool_call
 from agent_sandbox.adapters.langchain import SandboxedPythonTool
 from agent_sandbox.policies import policy_from_toml
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import CapacityError, Policy, Sandbox, SandboxClosed
-from agent_sandbox._result import RunResult
+from agent_sandbox._host.result import RunResult
 from agent_sandbox.adapters._common import outcome
 from agent_sandbox.providers import get_provider
 

@@ -20,8 +20,8 @@ from agent_sandbox._hints import (
     host_hint,
     parse_grant,
 )
+from agent_sandbox._host.intake.builder import ResultBuilder
 from agent_sandbox._render import quote
-from agent_sandbox._result import ResultBuilder
 from agent_sandbox.policies import list_presets, policy_from_toml
 from agent_sandbox.policies._paths import entry_regex
 
@@ -187,7 +187,7 @@ def test_rules_that_are_never_library_internal_stay_the_users() -> None:
 def test_the_host_bounds_what_a_worker_sends() -> None:
     """It keeps at most a bounded number of distinct refusals, counting the rest per rule."""
     builder = _builder()
-    # (`_intake` bounds the denial events of one call at 1024; past that the worker is killed.)
+    # (`_host.intake.events` bounds the denial events of one call at 1024; past that the worker is killed.)
     for i in range(1000):
         builder.add("denial", Denial(rule="files.read", action="read", target=f"/f{i}").to_dict())
     builder.add("result", {"value": None})
@@ -239,7 +239,7 @@ def test_a_control_character_is_escaped_once() -> None:
     """It shows a control character as one escape, raw or already escaped by the intake,
     and still doubles every other backslash."""
     assert quote("/tmp/x\ny") == '"/tmp/x\\ny"'
-    assert quote("/tmp/x\\x0ay") == '"/tmp/x\\x0ay"'  # as `_intake.clean_text` keeps it
+    assert quote("/tmp/x\\x0ay") == '"/tmp/x\\x0ay"'  # as `_host.intake.events.clean_text` keeps it
     assert quote("/tmp/x\x1by") == '"/tmp/x\\x1by"'
     assert quote("C:\\new\\x") == '"C:\\\\new\\\\x"'
     assert quote('say "hi"') == '"say \\"hi\\""'

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Sandbox, Session, log_refusals
-from agent_sandbox._cli import EXIT_DENIED, EXIT_OK, exit_code, print_result_tail
-from agent_sandbox._intake import clean_text
-from agent_sandbox._result import RunResult
+from agent_sandbox._host.intake.events import clean_text
+from agent_sandbox._host.result import RunResult
+from agent_sandbox._tools.cli import EXIT_DENIED, EXIT_OK, exit_code, print_result_tail
 from agent_sandbox.adapters._common import outcome
 from agent_sandbox.policies import policy_from_toml
 from agent_sandbox.policies._paths import literal
@@ -196,7 +196,7 @@ def test_data_stays_data_in_model_text_cli_and_trace(session: Session, tmp_path:
         assert "\x1b" not in shown and "\u202e" not in shown
         assert not any(line.startswith("api.allow") for line in shown.splitlines())
         # The host escapes a worker's control characters when it keeps them
-        # (`_intake.clean_text`); quoting it again keeps one escape per character, not `\\x0a`.
+        # (`_host.intake.events.clean_text`); quoting it again keeps one escape per character, not `\\x0a`.
         assert '"/tmp/x\\x0a[[grant]]' in shown
     # Each fragment parses to exactly one grant of exactly the refused path.
     (hint,) = [d.hint for d in result.denials if d.rule == "files.read"]
@@ -212,7 +212,7 @@ def test_data_stays_data_in_model_text_cli_and_trace(session: Session, tmp_path:
     raw = path.read_bytes()
     assert b"\x1b" not in raw and raw.isascii()
     line = json.loads(raw.splitlines()[0])
-    # The target as the host kept it: its control characters escaped (`_intake.clean_text`).
+    # The target as the host kept it: its control characters escaped (`_host.intake.events.clean_text`).
     assert line["target"] == clean_text(HOSTILE_NAME) and line["classification"] == "user"
 
 

@@ -46,7 +46,7 @@ def test_wheel_holds_every_package_and_the_presets(unpacked: Path) -> None:
     root = unpacked / "agent_sandbox"
     for sub in ("guards", "providers", "policies", "adapters"):
         assert (root / sub / "__init__.py").is_file(), sub
-    assert (root / "_worker_boot.py").is_file()
+    assert (root / "_worker/boot.py").is_file()
     assert sorted(p.name for p in (root / "policies" / "presets").glob("*.toml")) == [
         "data-analysis.toml",
         "pure-computation.toml",

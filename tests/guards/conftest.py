@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import Policy, Sandbox, _audit
+from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import Denial
-from agent_sandbox._process import import_roots, package_dirs
+from agent_sandbox._host.launch import import_roots, package_dirs
+from agent_sandbox._worker import audit
 from agent_sandbox.guards._install import Guards, install_guards
 
 
@@ -43,13 +44,13 @@ class Harness:
         """Execute `code` as a cell, armed; returns the namespace's `result` if set."""
         self.calls += 1
         compiled = compile(code, f"<cell-{self.calls}>", "exec", dont_inherit=True)
-        _audit.take()
+        audit.take()
         with self.guards.arming():
             exec(compiled, self.namespace)
         return self.namespace.get("result")
 
     def denials(self) -> list[Denial]:
-        return _audit.take()
+        return audit.take()
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def armed() -> Iterator[Callable[..., Harness]]:
         for harness in made:
             harness.guards.uninstall()
         os.chdir(saved_cwd)
-        _audit.take()
+        audit.take()
         import shutil
 
         for control in scratch_dirs:

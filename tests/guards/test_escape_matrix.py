@@ -164,7 +164,7 @@ def test_blocks_importing_a_module_the_worker_already_loaded() -> None:
 
 def test_blocks_relative_import_into_the_worker(session: Any) -> None:
     """It judges a relative import by its absolute name."""
-    result = run(session, "__package__ = 'agent_sandbox'\nfrom . import _audit\n_audit")
+    result = run(session, "__package__ = 'agent_sandbox._worker'\nfrom . import audit\naudit")
     assert result.error and result.error.rule == "imports"
     run(session, "__package__ = None")
 

@@ -86,11 +86,11 @@ def test_deny_beats_allow(armed: Callable[..., Any]) -> None:
 
 
 def test_blocks_relative_import_into_the_worker(armed: Callable[..., Any]) -> None:
-    """It judges a relative import by its absolute name (`from . import _audit`)."""
+    """It judges a relative import by its absolute name (`from . import audit`)."""
     guard = armed(imports={"allow": ["json"]})
-    body = "__package__ = 'agent_sandbox'\nfrom . import _audit\nresult = _audit"
+    body = "__package__ = 'agent_sandbox._worker'\nfrom . import audit\nresult = audit"
     assert attempt(guard, body) == "ImportDenied"
-    assert guard.denials()[-1].target == "agent_sandbox._audit"
+    assert guard.denials()[-1].target == "agent_sandbox._worker.audit"
 
 
 def test_blocks_importlib_import_module(armed: Callable[..., Any]) -> None:

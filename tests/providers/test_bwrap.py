@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._bwrap import SECCOMP_FD_SLOT, BwrapPlan, BwrapProvider, bwrap_argv
 from agent_sandbox.providers._view import HostLayout
@@ -26,7 +26,7 @@ HOST = HostLayout(
 )
 SPEC = WorkerSpec(
     python="/opt/venv/bin/python",
-    boot_script="/src/agent_sandbox/_worker_boot.py",
+    boot_script="/src/agent_sandbox/_worker/boot.py",
     scratch="/tmp/as-1/scratch",
     control_dir="/tmp/as-1",
     listen_fd=3,
@@ -54,7 +54,7 @@ POLICY = Policy(
         "deny": ["/data/in/secret.csv", "/srv/out/*.key"],
     },
 )
-WORKER = ["--", "/opt/venv/bin/python", "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "4"]
+WORKER = ["--", "/opt/venv/bin/python", "-I", "-S", "-B", "/src/agent_sandbox/_worker/boot.py", "4"]
 PROLOGUE = [
     "bwrap",
     "--unshare-all",

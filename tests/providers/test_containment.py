@@ -497,7 +497,7 @@ def test_the_policy_files_cannot_be_rewritten_from_inside(
     if mode == "learn":
         import warnings
 
-        from agent_sandbox._learn import learning_envelope
+        from agent_sandbox._tools.learn.observe import learning_envelope
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -629,7 +629,7 @@ def test_fd_level_output_never_grows_a_host_file(
     """It keeps what native code writes straight to descriptors 1 and 2 (not through
     `print`) in a sealed 1 MiB memory file: 8 MiB written leave no host file larger."""
     from agent_sandbox import Sandbox
-    from agent_sandbox._process import LOG_BYTES
+    from agent_sandbox._host.launch import LOG_BYTES
     from agent_sandbox.providers import get_provider
 
     probe = get_provider(provider).probe()

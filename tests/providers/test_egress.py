@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox, WorkerStartError
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import _egress, get_provider
 from agent_sandbox.providers._egress import EgressError, EgressRules, egress_proxy
 
@@ -487,7 +487,7 @@ def test_the_refusal_reaches_the_langsmith_metadata(
     from langchain_core.tracers.langchain import LangChainTracer
     from langsmith import Client
 
-    from agent_sandbox._demo import tool_call
+    from agent_sandbox._tools.demo import tool_call
     from agent_sandbox.adapters.langchain import SandboxedPythonTool
 
     class RecordingClient(Client):
@@ -546,7 +546,7 @@ def test_learning_mode_proposes_the_hosts_the_proxy_refused(
     """In learning mode the proxy still refuses a host outside the rules (the envelope never
     widens the network), records it as learned, and the proposal gets a `[[net]]` rule for
     that host and port."""
-    from agent_sandbox._learn import propose
+    from agent_sandbox._tools.learn.propose import propose
 
     names["allowed.test"] = ["127.0.0.1"]
     port = http_server.port

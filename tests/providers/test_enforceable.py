@@ -202,7 +202,7 @@ def test_policy_check_names_the_file_line_rule_and_alternative(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     skip_unless_available("landlock")
-    from agent_sandbox._cli import main
+    from agent_sandbox._tools.cli import main
 
     path = tmp_path / "p.toml"
     path.write_text(

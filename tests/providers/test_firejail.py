@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._firejail import FirejailProvider, firejail_argv
 from agent_sandbox.providers._view import HostLayout
@@ -29,7 +29,7 @@ HOST = HostLayout(
 )
 SPEC = WorkerSpec(
     python="/tmp/venv-x/bin/python",
-    boot_script="/src/agent_sandbox/_worker_boot.py",
+    boot_script="/src/agent_sandbox/_worker/boot.py",
     scratch="/tmp/as-1/scratch",
     control_dir="/tmp/as-1",
     listen_fd=3,
@@ -102,7 +102,7 @@ def test_argv_is_exact_for_a_venv_under_tmp() -> None:
         "-I",
         "-S",
         "-B",
-        "/src/agent_sandbox/_worker_boot.py",
+        "/src/agent_sandbox/_worker/boot.py",
         "4",
     ]
     assert firejail_argv(POLICY, SPEC, HOST) == tuple(expected)
@@ -170,7 +170,7 @@ def test_runs_a_worker_whose_venv_lives_under_tmp(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import sys
         from agent_sandbox import Policy
-        from agent_sandbox._process import WorkerProcess
+        from agent_sandbox._host.process import WorkerProcess
         from agent_sandbox.providers._firejail import FirejailProvider
         policy = Policy(name="t", imports={"allow": ["sys", "h11"]})
         w = WorkerProcess.start(policy, FirejailProvider(stack=False))

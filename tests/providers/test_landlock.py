@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import ProbeResult, WorkerSpec, select_provider
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._landlock import (
@@ -35,7 +35,7 @@ LIBPY = _libpython()
 def _spec(**changes: Any) -> WorkerSpec:
     fields: dict[str, Any] = {
         "python": PY,
-        "boot_script": "/src/agent_sandbox/_worker_boot.py",
+        "boot_script": "/src/agent_sandbox/_worker/boot.py",
         "scratch": "/run/ctl/scratch",
         "control_dir": "/run/ctl",
         "listen_fd": 5,
@@ -57,6 +57,7 @@ def _base_paths() -> dict[str, str]:
         "/opt/py/lib/python3.11": "ro",
         "/opt/py/lib/python3.11/lib-dynload": "ro",
         "/src/agent_sandbox": "ro",
+        "/src/agent_sandbox/_worker": "ro",  # the boot script's folder
         "/src/g": "ro",
         "/usr/lib": "ro",
         "/dev/null": "dev-rw",
@@ -177,7 +178,7 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
     """It plans NO_NEW_PRIVS, the capability drop, Landlock and a seccomp program."""
     plan = LandlockProvider().build(Policy(name="p"), _spec())
     assert plan.provider == "landlock" and plan.stack == ("landlock", "seccomp")
-    assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker_boot.py", "6")
+    assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker/boot.py", "6")
     assert sorted(plan.worker_setup) == [
         "drop_caps",
         "landlock",
@@ -330,8 +331,8 @@ print(_libc.socket(17, 3, 0), _err())
 
 def test_doctor_reports_providers_abi_and_reasons(capsys: pytest.CaptureFixture[str]) -> None:
     """It lists every provider with its availability or reason, and the Landlock ABI."""
-    from agent_sandbox._cli import main
-    from agent_sandbox._cli_doctor import collect
+    from agent_sandbox._tools.cli import main
+    from agent_sandbox._tools.cli_doctor import collect
 
     report = collect()
     names = {p["name"] for p in report["providers"]}

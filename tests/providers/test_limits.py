@@ -14,7 +14,8 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import RULES
-from agent_sandbox._result import ResultBuilder, RunError
+from agent_sandbox._host.intake.builder import ResultBuilder
+from agent_sandbox._host.result import RunError
 from agent_sandbox.providers._limits import (
     REPLACING_RULES,
     WorkerCgroups,

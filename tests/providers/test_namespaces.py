@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers._base import Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._firejail import FirejailProvider
@@ -238,7 +238,7 @@ def test_dies_with_its_parent(provider_name: str) -> None:
     script = textwrap.dedent(f"""
         import time
         from agent_sandbox import Policy
-        from agent_sandbox._process import WorkerProcess
+        from agent_sandbox._host.process import WorkerProcess
         from agent_sandbox.providers._{provider_name} import {FACTORIES[provider_name]} as P
         w = WorkerProcess.start(Policy(name="t"), P(stack=False))
         print(w.scratch, flush=True)

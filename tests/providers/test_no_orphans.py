@@ -8,14 +8,14 @@ and looks for any survivor: a process named with the marker, or a process starte
 agent's owner mark (a worker, a launcher, a template), plus the agent's control
 directories in the temp dir. The survivors are looked for until a bound passes (the
 guardian cleans up asynchronously); none may remain. The agent and the survey are in
-`agent_sandbox/_leftovers.py`, shared with `benchmarks/soak_lifecycle.py`.
+`agent_sandbox/_tools/leftovers.py`, shared with `benchmarks/soak_lifecycle.py`.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from agent_sandbox._leftovers import run_agent
+from agent_sandbox._tools.leftovers import run_agent
 
 from .conftest import skip_unless_available
 

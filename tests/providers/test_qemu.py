@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable, Sandbox
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._qemu import SHARE_SLOTS, QemuProvider, qemu_argv
@@ -32,7 +32,7 @@ from tests.providers.conftest import NATIVE, hostile_policy, received_connection
 
 SPEC = WorkerSpec(
     python="/opt/py/bin/python3.11",
-    boot_script="/src/agent_sandbox/_worker_boot.py",
+    boot_script="/src/agent_sandbox/_worker/boot.py",
     scratch="/tmp/as-1/scratch",
     control_dir="/tmp/as-1",
     listen_fd=3,
@@ -351,7 +351,7 @@ AGENT = """
 import json, os, sys, time
 sys.path[:0] = {paths!r}
 os.environ["XDG_CACHE_HOME"] = {cache!r}
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers._qemu import QemuProvider
 policy = Policy(name="vm", provider="qemu", limits={{"memory_mb": {mem}}})
@@ -389,3 +389,21 @@ def test_nothing_outlives_an_agent_killed_with_sigkill(vm_cache: str) -> None:
             agent.wait()
         if agent.stdout is not None:
             agent.stdout.close()
+
+
+def test_extra_packages_are_found_or_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It bakes an installed package (with its wheel's `.libs` folder) and refuses an
+    unknown one by name, before anything is recorded or built."""
+    from agent_sandbox.providers._qemu_image import (
+        ImageError,
+        _package_trees,
+        build_image,
+        configured_packages,
+    )
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    trees = _package_trees(["h11"])
+    assert trees["h11"].endswith("h11") and os.path.isdir(trees["h11"])
+    with pytest.raises(ImageError, match="no_such_package_xyz"):
+        build_image(packages=["no_such_package_xyz"])
+    assert configured_packages() == []

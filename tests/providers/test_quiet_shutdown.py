@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from agent_sandbox._guardian import owner_tag
-from agent_sandbox._leftovers import agent_cgroups, control_dirs, marked
+from agent_sandbox._host.guardian import owner_tag
+from agent_sandbox._tools.leftovers import agent_cgroups, control_dirs, marked
 
 from .conftest import skip_unless_available
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
-from agent_sandbox._process import WorkerProcess
+from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._unshare import (
     LAUNCHER,
@@ -38,7 +38,7 @@ HOST = HostLayout(
 )
 SPEC = WorkerSpec(
     python="/opt/venv/bin/python",
-    boot_script="/src/agent_sandbox/_worker_boot.py",
+    boot_script="/src/agent_sandbox/_worker/boot.py",
     scratch="/tmp/as-1/scratch",
     control_dir="/tmp/as-1",
     listen_fd=3,
@@ -66,7 +66,7 @@ POLICY = Policy(
         "deny": ["/data/in/secret.csv", "/srv/out/*.key"],
     },
 )
-BOOT = ["/src/agent_sandbox/_worker_boot.py", 4]
+BOOT = ["/src/agent_sandbox/_worker/boot.py", 4]
 MOUNTS = [
     ["ro", "/usr", "/usr"],
     ["symlink", "/bin", "usr/bin"],
@@ -251,7 +251,7 @@ def test_launcher_relays_the_workers_death_signal() -> None:
 
 # -- process C: imports early, runs only after the view is complete ------------------------
 
-# A stand-in for `_worker_boot.py` with the same three stages. `load` and `import_worker`
+# A stand-in for `_worker/boot.py` with the same three stages. `load` and `import_worker`
 # run as soon as C exists (before the view); `run` only after B's go. `run` records what
 # the worker would start with.
 _FAKE_BOOT = r"""

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._remote_transport import RemoteTLS
+from agent_sandbox._host.intake.remote_transport import RemoteTLS
 from agent_sandbox.providers._remote import (
     LocalClaimBackend,
     RemoteProvider,

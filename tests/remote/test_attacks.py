@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from agent_sandbox._errors import WorkerStartError
-from agent_sandbox._remote_transport import BIND_HEADER, TOKEN_HEADER, RemoteTLS
-from agent_sandbox._remote_worker import RemoteWorker
+from agent_sandbox._host.intake.remote_transport import BIND_HEADER, TOKEN_HEADER, RemoteTLS
+from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
+from agent_sandbox._host.remote_worker import RemoteWorker
 from agent_sandbox._wire import encode_event
-from agent_sandbox._worker_serve import ServeConfig, WorkerServer
 
 from .conftest import BIND_SECRET, Certs, remote_policy
 from .fakes import HostilePod, serving, stream

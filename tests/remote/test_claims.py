@@ -115,7 +115,7 @@ def _zombie(pid: int) -> bool:
 _RACER = textwrap.dedent(
     """
     import json, os, sys, time
-    from agent_sandbox._remote_transport import RemoteTLS
+    from agent_sandbox._host.intake.remote_transport import RemoteTLS
     from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
     from agent_sandbox import Policy
     state, server, ca, client, secret, key, go, done = sys.argv[1:9]

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("k8s_agent_sandbox")
 
 from agent_sandbox._errors import SandboxError
-from agent_sandbox._worker_serve import ServeConfig
+from agent_sandbox._host.remote_serve import ServeConfig
 from agent_sandbox.providers._remote import (
     ClaimCapacityError,
     RemoteProvider,

@@ -1,0 +1,100 @@
+"""Which kernel boundary a policy runs behind, decided when a `Sandbox` or a tool is built.
+
+`resolve_boundary(policy, provider)` does everything that can fail about a provider before the
+first call: the name is known, the provider works here (its probe), it can serve this policy
+(a dry `build()` on placeholder paths, which is pure), and a provider without a kernel boundary
+is only taken with the policy's explicit opt-out (`no_kernel_boundary = "accepted"`). For
+`auto` it returns the concrete provider `auto` chose for this policy, so the pool starts workers
+with it directly (and keeps a template where that provider allows one).
+
+`boundary_name(stack)` is the text every result, tool description and trace shows:
+`"bwrap+landlock+seccomp"`, or `"none"` when no kernel boundary held the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from agent_sandbox._errors import PolicyError
+from agent_sandbox._host.launch import (
+    BOOT_SCRIPT,
+    import_roots,
+    package_dirs,
+    worker_env,
+    worker_python,
+)
+from agent_sandbox.policies import Policy
+from agent_sandbox.policies._model import check_boundary_opt_out
+from agent_sandbox.providers import AutoProvider, Provider, WorkerSpec, get_provider
+
+__all__ = ["NO_BOUNDARY", "Boundary", "boundary_name", "resolve_boundary"]
+
+#: What `boundary_name` says when no kernel mechanism held the worker.
+NO_BOUNDARY = "none"
+
+# Placeholder paths for the dry build: never created, never used to start anything.
+_DRY_DIR = "/nonexistent/agent-sandbox-dry-build"
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """The provider a policy's workers start with and the stack it builds for that policy."""
+
+    provider: Provider
+    stack: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return boundary_name(self.stack, self.provider.is_boundary)
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.provider.is_boundary
+
+
+def boundary_name(stack: tuple[str, ...] | list[str], is_boundary: bool | None = None) -> str:
+    """`"bwrap+landlock+seccomp"`; `"none"` for the `subprocess` provider; `""` if unknown."""
+    if not stack:
+        return ""
+    if is_boundary is False or stack[0] == "subprocess":
+        return NO_BOUNDARY
+    return "+".join(stack)
+
+
+def _dry_spec(policy: Policy) -> WorkerSpec:
+
+    return WorkerSpec(
+        python=worker_python(),
+        boot_script=BOOT_SCRIPT,
+        scratch=os.path.join(_DRY_DIR, "scratch"),
+        control_dir=_DRY_DIR,
+        listen_fd=3,
+        boot_fd=4,
+        sys_path=import_roots(),
+        package_dirs=package_dirs(),
+        env=worker_env(policy, os.environ),
+        prefix=sys.prefix,
+        base_prefix=sys.base_prefix,
+    )
+
+
+def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
+    """The provider and stack `policy`'s workers get here; raises what is wrong, with the fix.
+
+    `provider` overrides the policy's own. Raises `PolicyError` for a provider without a
+    kernel boundary that the policy does not accept in words, `ProviderUnavailable` for an
+    unknown provider, one that does not work here, or one that cannot serve this policy.
+    """
+    name = provider or policy.provider
+    try:
+        check_boundary_opt_out(name, policy.no_kernel_boundary)
+    except ValueError as exc:
+        raise PolicyError(str(exc), source=policy.source, key="provider") from None
+    chosen = get_provider(name)
+    chosen.require()
+    plan = chosen.build(policy, _dry_spec(policy))
+    if isinstance(chosen, AutoProvider):
+        chosen = next(p for p in chosen.candidates if p.name == plan.provider)
+    return Boundary(chosen, tuple(plan.stack))

@@ -1,0 +1,146 @@
+"""The host's reading of the wire format: an incremental Server-Sent Events parser.
+
+The format is `agent_sandbox._wire`. The parser caps the size of one event (per kind, once
+the kind line has arrived, so no event is buffered past its own cap), counts the JSON values
+of an outcome before decoding it, and turns anything malformed into a `TransportError`; it
+never evaluates what it reads. What an event may contain, in which order, and how much of it
+the host keeps is judged by `agent_sandbox._host.intake.events`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from agent_sandbox._errors import MessageTooLarge, TransportError
+from agent_sandbox._wire import EVENT_KINDS, json_values
+
+if TYPE_CHECKING:
+    from agent_sandbox._wire import Event
+
+__all__ = ["KindCaps", "SSEParser"]
+#: The kinds whose data may be a large structure (the others are small and fixed-shape).
+_STRUCTURED = frozenset({"result", "error"})
+
+
+#: A per-kind cap: (largest event block in bytes, the policy setting that raises it).
+KindCaps = Mapping[str, tuple[int, str]]
+
+
+class SSEParser:
+    """Incremental SSE parser: `feed(bytes)` returns the complete events seen so far.
+
+    `max_event_bytes` caps every event; `kind_caps` lowers the cap for some kinds (an
+    event's cap is known as soon as its first line, `event: <kind>`, has arrived).
+    """
+
+    def __init__(
+        self,
+        max_event_bytes: int,
+        kind_caps: KindCaps | None = None,
+        max_values: int | None = None,
+    ) -> None:
+        self._buf = bytearray()
+        self._max_values = max_values
+        self._max = max_event_bytes
+        self._setting = "limits.result_bytes"
+        self._kind_caps = kind_caps or {}
+        self._cap: tuple[int, str] | None = None  # the current event's cap, once known
+        self._scanned = 0  # bytes of _buf already searched for a terminator
+
+    def _current_cap(self, start: int) -> tuple[int, str]:
+        if self._cap is None:
+            head = self._buf.find(b"\n", start, start + 64)
+            if head < 0:
+                return self._max, self._setting
+            kind = bytes(self._buf[start:head]).partition(b"event: ")[2].decode("ascii", "replace")
+            cap, setting = self._kind_caps.get(kind, (self._max, self._setting))
+            self._cap = (min(cap, self._max), setting)
+        return self._cap
+
+    def feed(self, data: bytes) -> list[Event]:
+        self._buf += data
+        events: list[Event] = []
+        start = 0  # where the current event begins in _buf
+        try:
+            while True:
+                # Resume the search where the last one stopped: a worker that trickles one
+                # byte at a time must not make each feed rescan the whole buffer.
+                end = self._buf.find(b"\n\n", max(start, self._scanned - 1))
+                cap, setting = self._current_cap(start)
+                if end < 0:
+                    self._scanned = len(self._buf)
+                    if len(self._buf) - start > cap:
+                        raise MessageTooLarge(
+                            "one event from the worker", len(self._buf) - start, cap, setting
+                        )
+                    return events
+                if end - start > cap:
+                    raise MessageTooLarge("one event from the worker", end - start, cap, setting)
+                if self._buf.startswith(b":", start):
+                    self._skip_comment(start, end)
+                else:
+                    events.append(self._parse(start, end))
+                start = self._scanned = end + 2
+                self._cap = None
+        finally:
+            if start:
+                # A fresh buffer for the rest: the consumed events' memory is released.
+                self._buf = self._buf[start:]
+                self._scanned = max(0, self._scanned - start)
+
+    def pending(self) -> int:
+        """Bytes buffered that do not yet form a complete event."""
+        return len(self._buf)
+
+    def _skip_comment(self, start: int, end: int) -> None:
+        """A keep-alive block: every line must be a comment (no event hides behind one)."""
+        if any(not line.startswith(b":") for line in bytes(self._buf[start:end]).split(b"\n")):
+            raise TransportError("an event from the worker mixes comment and field lines")
+
+    def _parse(self, start: int, end: int) -> Event:
+        """The event in `_buf[start:end]`: exactly `event: <kind>` then `data: <json>`.
+
+        Read in place: the data is never copied before it is decoded, and a structured
+        event is refused on its value count before it is decoded at all.
+        """
+        buf = self._buf
+        head = buf.find(b"\n", start, min(end, start + 64))
+        if head < 0 or not buf.startswith(b"event: ", start):
+            line = bytes(buf[start : min(end, start + 80)])
+            raise TransportError(f"malformed event line from the worker: {line!r}")
+        try:
+            kind = bytes(buf[start + 7 : head]).decode("ascii")
+        except UnicodeDecodeError:
+            raise TransportError("an event kind from the worker is not ASCII") from None
+        if not buf.startswith(b"data: ", head + 1):
+            line = bytes(buf[head + 1 : min(end, head + 81)])
+            name = line.partition(b": ")[0]
+            if name == b"event":
+                raise TransportError("an event from the worker names two kinds")
+            if name == b"data" or not line:
+                raise TransportError("an event from the worker lacks its kind or its data")
+            raise TransportError(f"unknown field {name[:40]!r} in an event from the worker")
+        if buf.find(b"\n", head + 1, end) >= 0:
+            raise TransportError("an event from the worker has lines after its data")
+        if kind not in EVENT_KINDS:
+            raise TransportError(f"unknown event kind {kind[:40]!r} from the worker")
+        first = head + 7
+        if self._max_values is not None and kind in _STRUCTURED:
+            values = json_values(buf, self._max_values, first, end)
+            if values > self._max_values:
+                raise MessageTooLarge(
+                    f"one {kind} from the worker (counted in JSON values)",
+                    values,
+                    self._max_values,
+                    "limits.result_bytes",
+                )
+        try:
+            # Strict UTF-8 first: json.loads(bytes) would guess UTF-16/32 from the bytes and
+            # import the codec the worker's bytes chose (found by fuzzing).
+            with memoryview(buf) as view:
+                text = str(view[first:end], "utf-8")
+            return kind, json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise TransportError(f"an event from the worker is not valid JSON: {exc}") from None

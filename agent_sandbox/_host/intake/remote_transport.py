@@ -1,0 +1,330 @@
+"""The host's side of the channel to a remote worker: the same HTTP/SSE protocol over TCP + TLS.
+
+The local transport (`_host/intake/transport.py`) speaks h11 over a Unix socket; this one speaks the
+same routes (`GET /hello`, `POST /run` answered by an SSE stream, `POST /shutdown`) plus the remote
+worker's `POST /v1/bind`, through `httpx` (an optional dependency, the `remote` extra): TLS with
+verification on by default, client certificates for mTLS, per-phase timeouts and proxies.
+
+What the host receives is judged exactly as on the local path: the bytes go through the same
+bounded `SSEParser` (per-kind caps, value budget) and every event through the caller's judge
+(`agent_sandbox._host.intake.events`). The stream is read incrementally (`iter_raw`) and the call's
+deadline is checked after every chunk, so a worker that trickles bytes cannot outlive it.
+
+The session token travels in `X-Agent-Sandbox-Token`, not `Authorization`: the
+agent-sandbox router strips `Authorization` (it may carry the router's own scoped token).
+Plain `http://` is refused unless the caller accepts it in so many words
+(`plaintext="accepted"`, for a hop a TLS-terminating router already protects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import ssl
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from agent_sandbox._errors import DIST_NAME, TransportError, install_hint
+from agent_sandbox._host.intake.framing import KindCaps, SSEParser
+from agent_sandbox._host.intake.transport import ConnectionLost
+from agent_sandbox._wire import Event, value_budget
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "TOKEN_HEADER",
+    "BIND_HEADER",
+    "RemoteBusy",
+    "RemoteNotReady",
+    "RemoteTLS",
+    "RemoteWorkerClient",
+    "import_httpx",
+]
+
+#: The header carrying the per-session token (the router strips `Authorization`).
+TOKEN_HEADER = "x-agent-sandbox-token"
+#: The header carrying the template-wide bootstrap secret, on `POST /v1/bind` only.
+BIND_HEADER = "x-agent-sandbox-bind"
+
+OnEvent = Callable[[Event], None]
+
+
+class RemoteNotReady(TransportError):
+    """The worker is being bound by another process of the same session (HTTP 503)."""
+
+
+class RemoteBusy(TransportError):
+    """The remote worker is already running a call for this session (one call at a time)."""
+
+
+def import_httpx() -> Any:
+    """httpx, or an ImportError that says which extra installs it."""
+    try:
+        import httpx
+    except ImportError:
+        raise ImportError(
+            f"the remote transport needs httpx, which {DIST_NAME} installs as an extra: "
+            f"{install_hint('remote')}"
+        ) from None
+    return httpx
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteTLS:
+    """How the host reaches remote workers: the CA it trusts, its client certificate, a proxy.
+
+    `ca_file` is the CA bundle that signs the workers' (or the router's) certificates; None
+    means the system's trust store. Verification cannot be switched off; a hop without TLS
+    needs `plaintext="accepted"` and an `http://` URL.
+    """
+
+    ca_file: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    proxy: str | None = None
+    connect_timeout: float = 5.0
+    plaintext: Literal["", "accepted"] = ""
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.client_cert:
+            ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
+
+    def check_url(self, url: str) -> None:
+        if url.startswith("https://"):
+            return
+        if url.startswith("http://"):
+            if self.plaintext == "accepted":
+                return
+            raise ValueError(
+                f"the remote worker's URL {url!r} is plain HTTP: the session token and the "
+                "code would cross the network unencrypted; use https:// (the default), or, "
+                "for a hop already inside a TLS-terminating router, opt out in so many words "
+                'with RemoteTLS(plaintext="accepted")'
+            )
+        raise ValueError(f"the remote worker's URL {url!r} must start with https://")
+
+
+class RemoteWorkerClient:
+    """A blocking client for one remote worker (one persistent TLS connection).
+
+    Same interface as `_host.intake.transport.WorkerClient` (`hello`, `run`, `shutdown`, `close`),
+    so `WorkerProcess`'s call logic runs unchanged over it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        max_event_bytes: int,
+        kind_caps: KindCaps | None = None,
+        *,
+        tls: RemoteTLS | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.tls = tls or RemoteTLS()
+        self.tls.check_url(url)
+        self.url = url.rstrip("/")
+        self.path = self.url  # what WorkerProcess shows; no socket path here
+        self.token = token
+        self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
+        result_cap = kind_caps.get("result") if kind_caps is not None else None
+        self.max_values = value_budget(result_cap[0]) if result_cap is not None else None
+        self.headers = dict(headers or {})
+        self._client: httpx.Client | None = None
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _http(self) -> httpx.Client:
+        if self._client is None:
+            httpx = import_httpx()
+            self._client = httpx.Client(
+                verify=self.tls.ssl_context(),
+                proxy=self.tls.proxy,
+                trust_env=False,  # a proxy comes from RemoteTLS, never from the environment
+                http1=True,
+                http2=False,
+                follow_redirects=False,
+                timeout=httpx.Timeout(30.0, connect=self.tls.connect_timeout),
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=1),
+            )
+        return self._client
+
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        headers = {**self.headers, TOKEN_HEADER: self.token}
+        if extra:
+            headers.update(extra)
+        return headers
+
+    def _timeout(self, deadline: float) -> Any:
+        httpx = import_httpx()
+        remaining = max(0.001, deadline - time.monotonic())
+        return httpx.Timeout(remaining, connect=min(remaining, self.tls.connect_timeout))
+
+    def _request_json(
+        self,
+        method: str,
+        route: str,
+        payload: Any,
+        deadline: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        httpx = import_httpx()
+        body = b"" if payload is None else json.dumps(payload).encode()
+        try:
+            with self._http().stream(
+                method,
+                self.url + route,
+                content=body,
+                headers={**self._headers(headers), "content-type": "application/json"},
+                timeout=self._timeout(deadline),
+            ) as response:
+                data = bytearray()
+                for chunk in response.iter_raw():
+                    data += chunk
+                    if len(data) > self.max_event_bytes:
+                        raise TransportError("the remote worker's reply exceeds the size cap")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the request exceeded its deadline")
+                status = response.status_code
+        except httpx.TimeoutException:
+            self.close()
+            raise TimeoutError("the remote worker did not answer in time") from None
+        except httpx.TransportError as exc:
+            self.close()
+            raise ConnectionLost(f"the connection to the remote worker failed: {exc}") from None
+        try:
+            return status, json.loads(data) if data else None
+        except ValueError:
+            raise TransportError("the remote worker's reply is not JSON") from None
+
+    # -- routes ----------------------------------------------------------------------------
+
+    def healthz(self, timeout: float) -> bool:
+        """The readiness probe's route (no token needed); True when the worker is ready."""
+        try:
+            status, _ = self._request_json("GET", "/healthz", None, time.monotonic() + timeout)
+        except (TransportError, TimeoutError):
+            return False
+        return status == 200
+
+    def bind(self, bind_secret: str, payload: dict[str, Any], timeout: float) -> int:
+        """`POST /v1/bind`: hand the worker its session; returns the HTTP status (200 bound,
+        409 already bound). The bootstrap secret goes in its own header, never in the body."""
+        status, _body = self._request_json(
+            "POST",
+            "/v1/bind",
+            payload,
+            time.monotonic() + timeout,
+            headers={BIND_HEADER: bind_secret},
+        )
+        return status
+
+    def hello(self, timeout: float) -> dict[str, Any]:
+        status, data = self._request_json("GET", "/hello", None, time.monotonic() + timeout)
+        if status == 503:
+            raise RemoteNotReady("the remote worker is being bound by this session's other process")
+        if status != 200:
+            raise TransportError(f"the remote worker refused the handshake (HTTP {status})")
+        if not isinstance(data, dict):
+            raise TransportError("the remote worker's handshake is not a JSON object")
+        return data
+
+    def run(
+        self,
+        code: str,
+        deadline: float,
+        on_event: OnEvent,
+        filename: str | None = None,
+        wall: float | None = None,
+    ) -> None:
+        """POST the code and deliver each event until the stream ends (or the deadline)."""
+        for event in self._stream(code, deadline, filename, wall):
+            on_event(event)
+
+    def _stream(
+        self, code: str, deadline: float, filename: str | None, wall: float | None
+    ) -> Iterator[Event]:
+        httpx = import_httpx()
+        body: dict[str, Any] = {"code": code}
+        if filename:
+            body["filename"] = filename
+        # The pod enforces the call's wall time itself (and kills its worker past it).
+        body["wall"] = wall if wall is not None else round(max(0.0, deadline - time.monotonic()), 3)
+        parser = SSEParser(self.max_event_bytes, self.kind_caps, self.max_values)
+        try:
+            with self._http().stream(
+                "POST",
+                self.url + "/run",
+                content=json.dumps(body).encode(),
+                headers={**self._headers(), "content-type": "application/json"},
+                timeout=self._timeout(deadline),
+            ) as response:
+                if response.status_code == 409:
+                    raise RemoteBusy("the remote worker is already running a call")
+                if response.status_code != 200:
+                    raise TransportError(
+                        f"the remote worker refused the call (HTTP {response.status_code})"
+                    )
+                ctype = response.headers.get("content-type", "")
+                if not ctype.startswith("text/event-stream"):
+                    raise TransportError("the remote worker did not answer with an event stream")
+                done = False
+                for chunk in response.iter_raw():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the call exceeded its deadline")
+                    for event in parser.feed(chunk):
+                        done = done or event[0] == "done"
+                        yield event
+                if not done:
+                    raise ConnectionLost("the remote worker ended the stream before `done`")
+        except httpx.TimeoutException:
+            self.close()
+            raise TimeoutError("the call exceeded its deadline") from None
+        except httpx.TransportError as exc:
+            self.close()
+            raise ConnectionLost(f"the connection to the remote worker failed: {exc}") from None
+        except (TransportError, TimeoutError):
+            self.close()
+            raise
+
+    def interrupt(self, grace: float, timeout: float = 2.0) -> bool:
+        """`POST /interrupt` on a connection of its own (the call's is streaming)."""
+        probe = RemoteWorkerClient(
+            self.url,
+            self.token,
+            self.max_event_bytes,
+            self.kind_caps,
+            tls=self.tls,
+            headers=self.headers,
+        )
+        try:
+            status, data = probe._request_json(
+                "POST", "/interrupt", {"grace": grace}, time.monotonic() + timeout
+            )
+        except (TransportError, TimeoutError):
+            return False
+        finally:
+            probe.close()
+        return status == 200 and isinstance(data, dict) and data.get("sent") is True
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        try:
+            self._request_json("POST", "/shutdown", None, time.monotonic() + timeout)
+        except (TransportError, TimeoutError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # closing never raises to the caller
+                pass
+        self._client = None

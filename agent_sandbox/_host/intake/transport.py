@@ -1,0 +1,266 @@
+"""The parent's side of the channel: an HTTP/1.1 client (h11) over the worker's Unix socket.
+
+The protocol logic is sans-IO (`_Protocol`): it turns a request into bytes and received
+bytes into a status, a JSON body or SSE events. `WorkerClient` (blocking, one persistent
+connection) and `AsyncWorkerClient` (asyncio) only move bytes. Measured on this machine,
+h11 on both ends is the fastest well-kept stack for one POST answered by an SSE stream
+(see `benchmarks/bench_core.py`), which is why the hot path does not go through httpx.
+
+Every wait has a deadline; a closed or garbled channel is a `TransportError` (or
+`ConnectionLost`, which the caller turns into `WorkerCrashed` after looking at the process).
+Reading is incremental and bounded: one `recv` of at most 256 KiB at a time, h11's own cap
+on headers and chunk lines, and the SSE parser's per-kind cap on one event. An exception
+raised by the event callback (the host's judge, `agent_sandbox._host.intake.events`, refusing an
+event or a bound) stops the reading at once and closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import h11
+
+from agent_sandbox._errors import TransportError
+from agent_sandbox._host.intake.framing import KindCaps, SSEParser
+from agent_sandbox._wire import Event, value_budget
+
+__all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
+
+OnEvent = Callable[[Event], None]
+
+
+class ConnectionLost(TransportError):
+    """The worker closed the connection before the response ended (it probably died)."""
+
+
+class _Protocol:
+    """Sans-IO HTTP/1.1 client for one connection to a worker."""
+
+    def __init__(self, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None) -> None:
+        self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
+        self.auth = "Bearer " + token
+        self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
+        # The worker keeps its results within value_budget(result_bytes); the host's budget,
+        # from the result's byte cap (which has slack), is never below it.
+        result_cap = kind_caps.get("result") if kind_caps is not None else None
+        self.max_values = value_budget(result_cap[0]) if result_cap is not None else None
+        self.status: int | None = None
+        self.streaming = False
+        self.parser = SSEParser(max_event_bytes, kind_caps, self.max_values)
+        self.body = bytearray()
+        self.done = False
+
+    def request(self, method: str, target: str, payload: Any | None = None) -> bytes:
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+        body = b"" if payload is None else json.dumps(payload).encode()
+        headers = [
+            ("host", "worker"),
+            ("authorization", self.auth),
+            ("content-length", str(len(body))),
+        ]
+        if payload is not None:
+            headers.append(("content-type", "application/json"))
+        self.status = None
+        self.streaming = False
+        self.parser = SSEParser(self.max_event_bytes, self.kind_caps, self.max_values)
+        self.body = bytearray()
+        self.done = False
+        out = self.conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
+        if body:
+            out += self.conn.send(h11.Data(data=body)) or b""
+        out += self.conn.send(h11.EndOfMessage()) or b""
+        return out
+
+    def receive(self, data: bytes) -> list[Event]:
+        """Feed bytes; return complete SSE events. Sets `done` at the end of the response."""
+        try:
+            self.conn.receive_data(data)
+        except h11.RemoteProtocolError as exc:
+            raise TransportError(f"the worker broke HTTP framing: {exc}") from None
+        events: list[Event] = []
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if not data:
+                    raise ConnectionLost("the worker closed the connection mid-response") from None
+                raise TransportError(f"the worker broke HTTP framing: {exc}") from None
+            if event is h11.NEED_DATA:
+                if not data:
+                    raise ConnectionLost("the worker closed the connection mid-response")
+                return events
+            if isinstance(event, h11.Response):
+                self.status = event.status_code
+                ctype = dict(event.headers).get(b"content-type", b"")
+                self.streaming = ctype.startswith(b"text/event-stream")
+            elif isinstance(event, h11.Data):
+                if self.streaming:
+                    events.extend(self.parser.feed(event.data))
+                else:
+                    self.body += event.data
+                    if len(self.body) > self.max_event_bytes:
+                        raise TransportError("the worker's reply exceeds the size cap")
+            elif isinstance(event, h11.EndOfMessage):
+                self.done = True
+                return events
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ConnectionLost("the worker closed the connection")
+
+    def json_body(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise TransportError("the worker's reply is not JSON") from None
+
+    def reusable(self) -> bool:
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+
+class WorkerClient:
+    """A blocking client with one persistent connection to one worker."""
+
+    def __init__(
+        self, path: str, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None
+    ) -> None:
+        self.path = path
+        self.token = token
+        self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
+        self._sock: socket.socket | None = None
+        self._proto: _Protocol | None = None
+
+    def _connect(self, deadline: float) -> tuple[socket.socket, _Protocol]:
+        if self._sock is not None and self._proto is not None and self._proto.reusable():
+            return self._sock, self._proto
+        self.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionLost(f"cannot connect to the worker: {exc}") from None
+        self._sock, self._proto = sock, _Protocol(self.token, self.max_event_bytes, self.kind_caps)
+        return sock, self._proto
+
+    def _exchange(
+        self, method: str, target: str, payload: Any, deadline: float, on_event: OnEvent | None
+    ) -> _Protocol:
+        sock, proto = self._connect(deadline)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(proto.request(method, target, payload))
+            while not proto.done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    # Checked here too: a worker that never stops sending never lets recv time out.
+                    raise TimeoutError("the call exceeded its deadline")
+                sock.settimeout(remaining)
+                data = sock.recv(262144)
+                for event in proto.receive(data):
+                    if on_event is not None:
+                        on_event(event)
+        except TimeoutError:
+            self.close()
+            raise
+        except OSError as exc:
+            self.close()
+            raise ConnectionLost(f"the connection to the worker failed: {exc}") from None
+        except TransportError:
+            self.close()
+            raise
+        return proto
+
+    def hello(self, timeout: float) -> dict[str, Any]:
+        """The handshake; raises TimeoutError when the worker does not answer in time."""
+        proto = self._exchange("GET", "/hello", None, time.monotonic() + timeout, None)
+        if proto.status != 200:
+            raise TransportError(f"the worker refused the handshake (HTTP {proto.status})")
+        data = proto.json_body()
+        if not isinstance(data, dict):
+            raise TransportError("the worker's handshake is not a JSON object")
+        return data
+
+    def run(
+        self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
+    ) -> None:
+        """POST the code and deliver each event until the stream ends (or the deadline)."""
+        proto = self._exchange("POST", "/run", _run_body(code, filename), deadline, on_event)
+        if proto.status != 200:
+            raise TransportError(f"the worker refused the call (HTTP {proto.status})")
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        try:
+            self._exchange("POST", "/shutdown", None, time.monotonic() + timeout, None)
+        except (TransportError, TimeoutError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+        self._proto = None
+
+
+class AsyncWorkerClient:
+    """An asyncio client; one connection per call (the worker multiplexes connections)."""
+
+    def __init__(
+        self, path: str, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None
+    ) -> None:
+        self.path = path
+        self.token = token
+        self.max_event_bytes = max_event_bytes
+        self.kind_caps = kind_caps
+
+    async def run(
+        self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
+    ) -> None:
+        remaining = max(0.001, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
+        except TimeoutError:
+            raise TimeoutError("the call exceeded its deadline") from None
+
+    async def _run(self, body: dict[str, Any], on_event: OnEvent) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.path)
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect to the worker: {exc}") from None
+        proto = _Protocol(self.token, self.max_event_bytes, self.kind_caps)
+        try:
+            writer.write(proto.request("POST", "/run", body))
+            await writer.drain()
+            while not proto.done:
+                data = await reader.read(262144)
+                for event in proto.receive(data):
+                    on_event(event)
+            if proto.status != 200:
+                raise TransportError(f"the worker refused the call (HTTP {proto.status})")
+        except OSError as exc:
+            raise ConnectionLost(f"the connection to the worker failed: {exc}") from None
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+
+
+def _run_body(code: str, filename: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code}
+    if filename:
+        body["filename"] = filename
+    return body

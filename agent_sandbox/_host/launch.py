@@ -1,0 +1,166 @@
+"""What a worker starts from, as the host prepares it: interpreter, import roots, folders, log.
+
+Shared by a direct start (`agent_sandbox._host.process`), a worker template
+(`agent_sandbox._host.templates`) and the boundary's dry build of a launch plan
+(`agent_sandbox._host.boundary`):
+
+* `BOOT_SCRIPT`: the worker's entry point (`agent_sandbox/_worker/boot.py`), run by path
+  with `python -I -S -B`;
+* `worker_python()`: the interpreter; `import_roots()`: the worker's `sys.path`;
+  `package_dirs()`: where each `agent_sandbox` package lives (its bytecode refreshed once);
+* `worker_env()`: the environment a policy passes;
+* `bounded_log()`: the memory file, of `LOG_BYTES`, that takes the worker's descriptors 1
+  and 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import functools
+import importlib.util
+import os
+import stat
+import sys
+import sysconfig
+from collections.abc import Mapping
+from typing import IO
+
+from agent_sandbox._errors import WorkerStartError
+from agent_sandbox.policies import Policy
+
+__all__ = [
+    "BOOT_SCRIPT",
+    "LOG_BYTES",
+    "bounded_log",
+    "import_roots",
+    "package_dirs",
+    "refresh_bytecode",
+    "worker_env",
+    "worker_python",
+]
+
+
+BOOT_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_worker", "boot.py"
+)
+_PACKAGES = (
+    "agent_sandbox",
+    "agent_sandbox.guards",
+    "agent_sandbox.policies",
+    "agent_sandbox.providers",
+)
+
+
+def package_dirs() -> dict[str, str]:
+    """Where each `agent_sandbox` package lives on disk (works for editable installs too).
+
+    Also makes sure, once per parent process, that the bytecode caches of those folders are
+    current (see `refresh_bytecode`).
+    """
+    out = {}
+    for name in _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise WorkerStartError(f"cannot locate the package {name}")
+        out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
+    refresh_bytecode(tuple(sorted(out.values())))
+    return out
+
+
+@functools.cache
+def refresh_bytecode(folders: tuple[str, ...]) -> None:
+    """Compile the stale or missing `__pycache__` entries of the worker's package folders.
+
+    Workers run with `-B` and read-only views of these folders, so they never write
+    bytecode; most of their modules are never imported by the parent, so nothing else
+    writes it either. Without this, every worker compiles those modules from source at
+    start-up (`benchmarks/bench_providers.py` times both). A folder the parent cannot write
+    is left as it is (an installed wheel has its bytecode from the installer).
+    """
+    import compileall
+
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            compileall.compile_dir(folder, maxlevels=2, quiet=2, optimize=0)
+
+
+def import_roots() -> tuple[str, ...]:
+    """The worker's `sys.path`: the standard library, this environment's site-packages, then
+    the other import roots the parent uses (a user site, `PYTHONPATH` entries).
+
+    The parent's current directory (`''`) is never passed: it is where a planted module
+    would shadow a real one. Nor is a directory every user can write (`/tmp`, when the
+    parent's script lives there): the same planting risk, and binding it would show the
+    worker everyone's temporary files. No `.pth` file is processed in the worker, so
+    nothing in site-packages runs at start-up.
+    """
+    paths = sysconfig.get_paths()
+    dynload = [p for p in sys.path if os.path.basename(p) == "lib-dynload"]
+    roots = [
+        paths["stdlib"],
+        *(dynload or [os.path.join(paths["stdlib"], "lib-dynload")]),
+        paths["purelib"],
+        paths["platlib"],
+    ]
+    cwd = os.getcwd()
+    for entry in sys.path:
+        if entry and os.path.isabs(entry) and entry != cwd and not _shared_or_missing(entry):
+            roots.append(entry)
+    seen: dict[str, None] = {}
+    for root in roots:
+        seen.setdefault(os.path.realpath(root), None)
+    return tuple(seen)
+
+
+def _shared_or_missing(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True
+    return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_IWOTH)
+
+
+def worker_env(policy: Policy, host: Mapping[str, str]) -> dict[str, str]:
+    """The worker's environment: only host variables the policy passes, plus its `set` values."""
+    env = {}
+    patterns = policy.env.passthrough
+    for name, value in host.items():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            env[name] = value
+    env.update(policy.env.set)
+    return env
+
+
+#: The size of a worker's log: what it writes to descriptors 1 and 2 (native code writing
+#: there directly, a crash's traceback) goes to memory the host bounds, never to its disk.
+LOG_BYTES = 1024 * 1024
+_F_ADD_SEALS = 1033
+_F_SEAL_SHRINK = 0x0002
+_F_SEAL_GROW = 0x0004
+
+
+def bounded_log() -> IO[bytes]:
+    """A memfd of `LOG_BYTES`, sealed so it can neither grow nor shrink: a write past its
+    end fails (EPERM) instead of filling the host's disk, whatever the worker does with
+    its descriptors. The worker shares the file offset with the parent, which reads the
+    tail just before it (`WorkerProcess.log_tail`)."""
+    fd = os.memfd_create("agent-sandbox-worker-log", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, LOG_BYTES)
+        fcntl.fcntl(fd, _F_ADD_SEALS, _F_SEAL_GROW | _F_SEAL_SHRINK)
+        return os.fdopen(fd, "r+b", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def worker_python() -> str:
+    """The interpreter workers run: this one (resolved unless that would leave a venv)."""
+    return os.path.realpath(sys.executable) if _venv_safe() else sys.executable
+
+
+def _venv_safe() -> bool:
+    """Whether resolving sys.executable keeps the environment (it does not inside a venv)."""
+    return sys.prefix == sys.base_prefix

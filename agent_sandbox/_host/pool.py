@@ -1,0 +1,236 @@
+"""Warm workers per policy fingerprint: acquiring one is a pop, not a process start.
+
+A pool keeps `warm` started, handshaken workers for one (policy, provider) pair and refills
+in a background thread after each acquire. Pools are shared between sandboxes with the same
+policy through `PoolRegistry` only when they ask for it (`Sandbox(share_workers=True)`), and
+closed when the last sandbox using one is closed. By default each sandbox has its own pool,
+so workers forked for one sandbox never come from another sandbox's template: forked workers
+share their template's hash secret and memory layout (see `_worker/template.py`), and that
+sharing stays within one sandbox. The cost is one template (and `warm` workers) per sandbox.
+
+For providers whose worker is a plain child (`subprocess`, `landlock`), the pool also keeps
+a worker template (`_host/templates.py`): a pre-imported process that forks new workers, so a
+start costs a fork instead of the worker's imports. If the template cannot start, workers
+are started directly (the same plan and restrictions either way).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+
+from agent_sandbox._errors import SandboxClosed, WorkerStartError
+from agent_sandbox._host import lifecycle
+from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.templates import TEMPLATE_PROVIDERS, WorkerTemplate
+from agent_sandbox.policies import Policy
+from agent_sandbox.providers import Provider
+
+__all__ = ["PoolRegistry", "WorkerPool"]
+
+_log = logging.getLogger("agent_sandbox.pool")
+
+
+class WorkerPool:
+    """Started workers for one policy and provider, ready to be handed out."""
+
+    def __init__(
+        self, policy: Policy, provider: Provider, *, warm: int = 1, start_timeout: float = 15.0
+    ) -> None:
+        self.policy = policy
+        self.provider = provider
+        self.warm = max(0, warm)
+        self.start_timeout = start_timeout
+        self._ready: collections.deque[WorkerProcess] = collections.deque()
+        self._lock = threading.Lock()
+        self._refilling = False
+        self._refill_thread: threading.Thread | None = None
+        self._closed = False
+        self.started = 0
+        self.last_error: BaseException | None = None
+        self.use_template = provider.name in TEMPLATE_PROVIDERS
+        if not provider.is_boundary:
+            _log.warning(
+                "policy %r runs under provider %r with no kernel boundary (its explicit "
+                "no_kernel_boundary opt-out): only the Python guards and rlimits hold the "
+                "code, and hostile code gets past them",
+                policy.name,
+                provider.name,
+            )
+        self._template: WorkerTemplate | None = None
+        self._template_lock = threading.Lock()
+
+    def template(self) -> WorkerTemplate | None:
+        """The pool's worker template, started on first use (None where it does not apply)."""
+        if not self.use_template or self._closed:
+            return None
+        with self._template_lock:
+            if self._template is not None and self._template.alive():
+                return self._template
+            if self._template is not None:
+                self._template.close()
+            try:
+                self._template = WorkerTemplate.start(
+                    self.policy, self.provider, timeout=self.start_timeout
+                )
+            except (WorkerStartError, OSError) as exc:
+                self.last_error = exc
+                self.use_template = False  # start workers directly from now on
+                self._template = None
+            return self._template
+
+    def _start(self) -> WorkerProcess:
+        with lifecycle.START_GATE.slot():
+            return self._start_now()
+
+    def _start_now(self) -> WorkerProcess:
+        template = self.template()
+        worker = None
+        if template is not None:
+            try:
+                worker = WorkerProcess.start(
+                    self.policy, self.provider, start_timeout=self.start_timeout, template=template
+                )
+            except WorkerStartError as exc:
+                self.last_error = exc  # then started directly, below
+        if worker is None:
+            worker = WorkerProcess.start(
+                self.policy, self.provider, start_timeout=self.start_timeout
+            )
+        self.started += 1
+        return worker
+
+    def acquire(self) -> WorkerProcess:
+        """A ready worker: a warm one if there is one, otherwise a freshly started one."""
+        if self._closed:
+            raise SandboxClosed("the worker pool is closed")
+        worker = None
+        with self._lock:
+            while self._ready:
+                candidate = self._ready.popleft()
+                if candidate.alive():
+                    worker = candidate
+                    break
+                candidate.discard()
+        if worker is None:
+            worker = self._start()
+        self._schedule_refill()
+        return worker
+
+    def fill(self) -> None:
+        """Start workers until `warm` are ready (blocking; used to pre-warm)."""
+        while not self._closed:
+            with self._lock:
+                if len(self._ready) >= self.warm:
+                    return
+            worker = self._start()
+            with self._lock:
+                if self._closed:
+                    worker.discard()
+                    return
+                self._ready.append(worker)
+
+    def _schedule_refill(self) -> None:
+        with self._lock:
+            if self._refilling or self._closed or len(self._ready) >= self.warm:
+                return
+            self._refilling = True
+            thread = threading.Thread(target=self._refill, name="agent-sandbox-refill", daemon=True)
+            self._refill_thread = thread
+        thread.start()
+
+    def _refill(self) -> None:
+        try:
+            self.fill()
+            self.last_error = None
+        except (WorkerStartError, OSError) as exc:
+            # Reported on the next acquire, which starts a worker in the caller's thread.
+            self.last_error = exc
+        except SandboxClosed:
+            pass
+        finally:
+            with self._lock:
+                self._refilling = False
+
+    def ready_count(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+    def close(self) -> None:
+        """Stop refilling and end every warm worker."""
+        with self._lock:
+            self._closed = True
+            ready = list(self._ready)
+            self._ready.clear()
+        for worker in ready:
+            worker.discard()
+        thread = self._refill_thread
+        if thread is not None and thread is not threading.current_thread():
+            # A start in progress discards its worker when it sees the pool closed; wait for
+            # it, so that nothing of this pool is left once close() returns.
+            thread.join(self.start_timeout + 1.0)
+        with self._template_lock:
+            if self._template is not None:
+                self._template.close()
+                self._template = None
+
+
+class PoolRegistry:
+    """Pools shared by fingerprint and provider, reference-counted by the sandboxes using them."""
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[str, str, int, int], tuple[WorkerPool, int]] = {}
+        self._owners = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def get(
+        self,
+        policy: Policy,
+        provider: Provider,
+        *,
+        warm: int,
+        start_timeout: float,
+        owner: int = 0,
+    ) -> WorkerPool:
+        """The pool for (policy, provider, warm); a non-zero `owner` (from `new_owner()`) keeps
+        it private to that owner, 0 shares it with every other caller that passes 0."""
+        key = (policy.fingerprint(), provider.name, warm, owner)
+        with self._lock:
+            entry = self._pools.get(key)
+            if entry is None:
+                pool = WorkerPool(policy, provider, warm=warm, start_timeout=start_timeout)
+                self._pools[key] = (pool, 1)
+                return pool
+            pool, refs = entry
+            self._pools[key] = (pool, refs + 1)
+            return pool
+
+    def new_owner(self) -> int:
+        """A token no other caller gets (for a private pool)."""
+        return next(self._owners)
+
+    def close_all(self) -> None:
+        """Close every pool (at interpreter exit)."""
+        with self._lock:
+            pools = [pool for pool, _refs in self._pools.values()]
+            self._pools.clear()
+        for pool in pools:
+            pool.close()
+
+    def release(self, pool: WorkerPool) -> None:
+        with self._lock:
+            for key, (candidate, refs) in list(self._pools.items()):
+                if candidate is pool:
+                    if refs <= 1:
+                        del self._pools[key]
+                        pool.close()
+                    else:
+                        self._pools[key] = (candidate, refs - 1)
+                    return
+
+
+#: The process-wide registry used by `Sandbox`.
+REGISTRY = PoolRegistry()
+lifecycle.on_exit(REGISTRY.close_all)

@@ -1,0 +1,1075 @@
+"""One worker process, seen from the parent: start, handshake, calls, and a certain end.
+
+Start-up, in order:
+
+1. Create a private 0700 control directory holding the listening socket and the scratch
+   directory (the worker's working directory); the worker log is a bounded memfd
+   (`bounded_log`).
+2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
+   no path to the socket, and the parent connects by path.
+3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
+4. Write the boot configuration (policy, token, import roots) into an inherited pipe.
+5. Handshake (`GET /hello`): the worker must answer in time and run the same interpreter
+   version and base prefix as the parent (this catches a silently swapped libpython).
+
+A call has a wall-clock deadline; on expiry the whole process group gets SIGTERM, then
+SIGKILL. A worker that dies is reported with its exit status, never waited on forever.
+
+Why this module is longer than 600 lines: it is one class, `WorkerProcess`, whose start,
+calls, interrupts and end share the same state (the process, its cgroups, its log, its
+guard watch, its egress route); the inputs of a start are in `agent_sandbox._host.launch`
+and the reading of what the worker sends is in `agent_sandbox._host.intake`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from agent_sandbox._denial import Denial
+from agent_sandbox._errors import (
+    MessageTooLarge,
+    TransportError,
+    WorkerStartError,
+    describe_exit,
+)
+from agent_sandbox._hints import limit_hint
+from agent_sandbox._host import lifecycle
+from agent_sandbox._host.guardian import remove_tree
+from agent_sandbox._host.intake import guard_block
+from agent_sandbox._host.intake.builder import Mark, ResultBuilder
+from agent_sandbox._host.intake.events import HostBounds
+from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox._host.intake.unpickle import Decoder
+from agent_sandbox._host.launch import (
+    BOOT_SCRIPT,
+    LOG_BYTES,
+    bounded_log,
+    import_roots,
+    package_dirs,
+    worker_env,
+    worker_python,
+)
+from agent_sandbox._host.result import RunError, RunResult
+from agent_sandbox.policies import Policy
+from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
+from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
+from agent_sandbox.providers._inworker import verify_checks
+from agent_sandbox.providers._limits import (
+    WorkerCgroups,
+    _descendants,
+    record_limit_hits,
+    start_cgroups,
+)
+
+if TYPE_CHECKING:
+    from agent_sandbox._host.templates import WorkerTemplate
+
+__all__ = ["WorkerProcess"]
+
+OnEvent = Callable[[str, Any], None]
+
+
+class ChildProcess(Protocol):
+    """What the parent needs of a worker process: a `subprocess.Popen`, or a worker forked by
+    a template (`_host.templates.TemplateChild`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+_TERM_GRACE = 0.5
+_DISCARD_WAIT = 2.0
+#: How long an interrupted cell has to stop before its worker is replaced.
+_INTERRUPT_GRACE = 2.0
+#: How long a worker seen exiting (after its connection closed) has to give its status.
+_EXITING_WAIT = 2.0
+_PF_EXITING = 0x4
+_STOPPED_REASON = "it was stopped by a signal (SIGSTOP or SIGTSTP) and could not run"
+_TEMPLATE_REASON = "its worker template (the process that forks workers) ended, and it with it"
+_logger = logging.getLogger("agent_sandbox")
+_unwatched_warned = False
+
+
+class WorkerProcess:
+    """A started, handshaken worker; use `start()` to make one."""
+
+    def __init__(self) -> None:
+        self.id = "w-" + secrets.token_hex(4)
+        self.proc: ChildProcess | None = None
+        self.control_dir = ""
+        self.scratch = ""
+        self.plan: LaunchPlan | None = None
+        self.hello: dict[str, Any] = {}
+        self.policy: Policy | None = None
+        self.decoder: Decoder | None = None
+        self.token = secrets.token_urlsafe(32)
+        self.client: WorkerClient | None = None
+        self.started_at = 0.0
+        self.calls = 0
+        self.dead = False
+        self.death_reason = ""
+        self._log: IO[bytes] | None = None
+        self._reaped = False
+        self._lock = threading.Lock()
+        self.cgroups: WorkerCgroups | None = None
+        self._in_call = False
+        self._host_pid: int | None = None
+        self._interrupt_expired: float | None = None
+        #: The worker's route on the host's egress proxy (namespace providers with [net]).
+        self.egress: Route | None = None
+        self._egress_channel: socket.socket | None = None
+        #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`), and
+        #: the
+        self._held_mark: Mark | None = None
+        self.bounds: HostBounds | None = None
+        #: events of the current call it holds back until the call's end is verified.
+        self.guard_watch: guard_block.GuardWatch | None = None
+        self._held: list[tuple[str, Any]] = []
+
+    # -- start ---------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        policy: Policy,
+        provider: Provider,
+        *,
+        start_timeout: float = 15.0,
+        template: WorkerTemplate | None = None,
+    ) -> WorkerProcess:
+        """Start a worker for `policy` under `provider` and wait for its handshake.
+
+        With a `template` (see `_host/templates.py`) the worker is forked from a pre-imported
+        template instead of started from scratch; the plan, the boot configuration, the
+        limits and every restriction are the same.
+        """
+        self = cls()
+        self.policy = policy
+        self.decoder = Decoder.from_policy(policy)
+        t0 = time.monotonic()
+        lifecycle.ensure_guardian()
+        self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
+        os.chmod(self.control_dir, 0o700)
+        self.scratch = os.path.join(self.control_dir, "scratch")
+        os.mkdir(self.scratch, 0o700)
+        sock_path = os.path.join(self.control_dir, "ctl.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        boot_r, boot_w = os.pipe()
+        # The channel that brings the worker's egress-proxy listener to the host (used only
+        # when the plan has an egress proxy; see providers/_egress.py).
+        egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
+        try:
+            listener.bind(sock_path)
+            listener.listen(8)
+            listener.set_inheritable(True)
+            os.set_inheritable(boot_r, True)
+            egress_worker.set_inheritable(True)
+            spec = WorkerSpec(
+                python=worker_python(),
+                boot_script=BOOT_SCRIPT,
+                scratch=self.scratch,
+                control_dir=self.control_dir,
+                listen_fd=listener.fileno(),
+                boot_fd=boot_r,
+                sys_path=import_roots(),
+                package_dirs=package_dirs(),
+                env=worker_env(policy, os.environ),
+                prefix=sys.prefix,
+                base_prefix=sys.base_prefix,
+                egress_fd=egress_worker.fileno(),
+            )
+            self.plan = provider.build(policy, spec)
+            if "egress" in self.plan.worker_setup:
+                try:
+                    egress_proxy().start()
+                except EgressError as exc:
+                    raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
+            depth = self.plan.worker_depth
+            self.cgroups = start_cgroups(self.id, policy, depth)
+            log = bounded_log()
+            self._log = log
+            if template is not None:
+                self.proc = template.spawn(self.plan, log)
+            else:
+                plan = self.plan
+                if self.cgroups is not None and depth is None:
+                    # A launcher of no fixed shape joins the groups itself before it runs.
+                    plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
+                plan = dataclasses.replace(plan, env={**plan.env, **lifecycle.owner_env()})
+                self.proc = lifecycle.launch(provider.launch, plan, log)
+        except BaseException:
+            listener.close()
+            os.close(boot_r)
+            os.close(boot_w)
+            egress_worker.close()
+            self._cleanup_dirs()
+            raise
+        finally:
+            listener.close()
+            egress_worker.close()
+            with contextlib.suppress(OSError):
+                os.close(boot_r)
+        try:
+            boot = {
+                "token": self.token,
+                "worker_id": self.id,
+                "listen_fd": spec.listen_fd,
+                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
+                "sys_path": list(spec.sys_path),
+                "package_dirs": dict(spec.package_dirs),
+                "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
+                "worker_setup": dict(self.plan.worker_setup),
+                "host_env_names": sorted(os.environ),
+            }
+            try:
+                _write_all(boot_w, json.dumps(boot).encode())
+            except OSError as exc:
+                tail = self.log_tail()
+                self.kill()
+                raise WorkerStartError(
+                    f"could not send the boot configuration ({exc})", log_tail=tail
+                ) from None
+            finally:
+                os.close(boot_w)
+            cgroups, proc = self.cgroups, self.proc
+            if cgroups is not None and depth is not None:
+                # While the worker boots (it has its configuration already). It runs no user code
+                # and forks nothing before its handshake, so joining now covers all it will start.
+                if depth == 0:
+                    self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
+                else:
+                    alive = lambda: proc.poll() is None  # noqa: E731
+                    self._place_in_cgroups(
+                        lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
+                    )
+            self.bounds = HostBounds.from_policy(policy)
+            self.client = WorkerClient(
+                sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
+            )
+            try:
+                remaining = start_timeout - (time.monotonic() - t0)
+                self.hello = self.client.hello(max(0.05, remaining))
+            except (TimeoutError, TransportError) as exc:
+                status = self.proc.poll()
+                tail = self.log_tail()
+                self.kill()
+                reason = (
+                    f"it exited early ({describe_exit(status)})"
+                    if status is not None
+                    else f"no handshake within {start_timeout:g} s ({exc})"
+                )
+                raise WorkerStartError(reason, log_tail=tail) from None
+            self._verify_hello()
+            self._watch_guards()
+            if "egress" in self.plan.worker_setup:
+                self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
+            self._egress_channel = None
+            egress_host.close()
+            if cgroups is not None and depth:
+                # Whatever the first pass missed at the worker's depth or below (normally
+                # nothing: one read per group); the launcher's own processes stay outside.
+                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
+        except BaseException:
+            # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
+            self.kill()
+            raise
+        self.started_at = time.monotonic()
+        _logger.debug(
+            "worker %s started under %s in %.0f ms",
+            self.id,
+            "+".join(self.plan.stack),
+            (self.started_at - t0) * 1000,
+        )
+        return self
+
+    def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
+        """Take the worker's proxy listener (sent before its handshake) onto the host's
+        egress proxy; a worker whose proxy cannot serve is never kept."""
+        assert self.policy is not None
+        try:
+            listener = receive_listener(channel, timeout)
+            self.egress = egress_proxy().attach(self.policy, listener)
+        except EgressError as exc:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the egress proxy could not start: {exc}", log_tail=tail
+            ) from None
+
+    def _place_in_cgroups(self, place: Callable[[], object]) -> None:
+        """Run one placement step; a worker alive but outside its groups is never kept."""
+        assert self.proc is not None
+        try:
+            place()
+        except OSError as exc:
+            if self.proc.poll() is None:
+                tail = self.log_tail()
+                self.kill()
+                raise WorkerStartError(
+                    f"could not place the worker in its cgroups ({exc})", log_tail=tail
+                ) from None
+
+    def _verify_hello(self) -> None:
+        version = tuple(self.hello.get("version", ()))
+        if version != tuple(sys.version_info[:3]):
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the worker runs Python {'.'.join(map(str, version))}, the parent "
+                f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)",
+                log_tail=tail,
+            )
+        if (
+            os.path.realpath(str(self.hello.get("base_prefix", "")))
+            != os.path.realpath(sys.base_prefix)
+            and not self.plan_hides_prefix()
+        ):
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the worker's interpreter prefix {self.hello.get('base_prefix')!r} is not "
+                f"the parent's {sys.base_prefix!r}",
+                log_tail=tail,
+            )
+
+        problems = verify_checks(
+            self.plan.worker_setup if self.plan else {}, self.hello.get("checks") or {}
+        )
+        if problems:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                "the worker's kernel restrictions do not match its plan: " + "; ".join(problems),
+                log_tail=tail,
+            )
+
+    def _watch_guards(self) -> None:
+        """Open the host's reader of the arming counter the handshake reported."""
+        global _unwatched_warned
+        assert self.proc is not None
+        self.guard_watch = guard_block.GuardWatch.open(self.proc.pid, self.hello)
+        if self.guard_watch is None and not _unwatched_warned:
+            _unwatched_warned = True
+            _logger.warning(
+                "agent_sandbox: the host cannot read the worker's guard counter (the "
+                "_fastimport extension is not built, or this process may not read the "
+                "worker's memory); only the worker's own tamper check remains"
+            )
+
+    def _forwarder(
+        self, builder: ResultBuilder, on_event: OnEvent | None
+    ) -> Callable[[tuple[str, Any]], None]:
+        """What the transport calls with each event: the host's judge, then its guard check.
+
+        Every event is judged as it arrives (`agent_sandbox._host.intake.events`: order, shape, the
+        host's bounds and wording), held or not, so nothing the worker sends escapes the
+        bounds. Then the guard check: events read while the guards are armed are passed on;
+        events after the disarming are held (and marked in the builder, so they can be
+        withdrawn) until the end of the call is verified; after tampering nothing is passed on.
+        """
+        watch = self.guard_watch
+        held = self._held = []
+        self._held_mark = None
+        if watch is not None:
+            watch.begin_call()
+
+        def live(event: tuple[str, Any] | None) -> None:
+            if event is not None and on_event is not None:
+                on_event(*event)
+
+        def forward(event: tuple[str, Any]) -> None:
+            accepted = builder.add(*event)
+            if event[0] == "start":
+                # Framing, sent before the call arms and never passed on: the guard check
+                # (which expects a call under way) starts with the first event of the call.
+                return
+            if watch is not None:
+                verdict = watch.judge(event[0])
+                if verdict == guard_block.HOLD:
+                    if self._held_mark is None:
+                        self._held_mark = builder.mark()
+                    if accepted is not None:
+                        held.append(accepted)
+                    return
+                if verdict == guard_block.TAMPERED:
+                    held.clear()
+                    return
+                self._held_mark = None
+                while held:
+                    live(held.pop(0))
+            live(accepted)
+
+        return forward
+
+    def plan_hides_prefix(self) -> bool:
+        return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
+
+    # -- calls ---------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else -1
+
+    def alive(self) -> bool:
+        """Running and able to answer: a worker stopped by a signal (SIGSTOP) is not."""
+        if self.dead or self.proc is None or self.proc.poll() is not None:
+            return False
+        if self.stopped():
+            self.death_reason = self.death_reason or _STOPPED_REASON
+            return False
+        return True
+
+    def stopped(self) -> bool:
+        """Whether the worker (or its launcher) is stopped by a signal (state T or t)."""
+        if self.proc is None:
+            return False
+        pids = [self.proc.pid]
+        if self._host_pid is not None or self.hello:
+            inner = self.worker_pid()
+            if inner is not None and inner != self.proc.pid:
+                pids.append(inner)
+        return any(_proc_state(pid)[0] in ("T", "t") for pid in pids)
+
+    def end_cause(self) -> str:
+        """Why a worker that is no longer alive ended, in words for the model."""
+        if self.death_reason:
+            return self.death_reason
+        template = getattr(self.proc, "_template", None)
+        if template is not None and not template.alive():
+            return _TEMPLATE_REASON
+        status = self.proc.poll() if self.proc is not None else None
+        return f"it ended ({describe_exit(self._worker_status(status))})"
+
+    def _status_now(self) -> tuple[str, int | None]:
+        """After the transport was lost: ("exited", status), ("stopped", None) or
+        ("running", None), decided now; the only wait is for a worker already exiting
+        (its connection closes before its exit status exists), and it ends as soon as the
+        status does."""
+        assert self.proc is not None
+        status = self.proc.poll()
+        if status is not None:
+            return "exited", status
+        if self.stopped():
+            return "stopped", None
+        inner = self.worker_pid() if self.hello else self.proc.pid
+        state, flags = _proc_state(inner) if inner is not None else ("", 0)  # None: gone
+        template = getattr(self.proc, "_template", None)
+        exiting = (
+            state in ("", "Z", "X")
+            or bool(flags & _PF_EXITING)
+            or (template is not None and not template.alive())
+        )
+        if not exiting:
+            return "running", None
+        return "exited", self.wait_exit(_EXITING_WAIT)
+
+    def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        session: str | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
+    ) -> RunResult:
+        """Run one call; never raises for the code's own failures (they are in the result).
+
+        `timeout_source` says who set `timeout` (the tool's option, the CLI's flag), for the
+        refusal's hint; `filename` is the name the code's frames carry (default `<cell-N>`).
+        """
+        assert self.client is not None and self.policy is not None
+        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
+        builder = self._builder(wall)
+        t0 = time.monotonic()
+        forward = self._forwarder(builder, on_event)
+        self._in_call = True
+        try:
+            self.client.run(code, t0 + wall, forward, filename)
+        except KeyboardInterrupt:
+            # Ctrl-C in the caller: the cell in the worker is interrupted too (its variables
+            # stay), and the caller gets its KeyboardInterrupt.
+            self.client.close()
+            self._in_call = False
+            self.interrupt()
+            raise
+        except TimeoutError:
+            self._on_timeout(builder, wall, timeout, timeout_source)
+        except ConnectionLost:
+            self._on_lost(builder)
+        except MessageTooLarge as exc:
+            self._on_too_large(builder, exc)
+        except TransportError as exc:
+            self._on_transport_error(builder, exc)
+        finally:
+            self._in_call = False
+        return self._finish(builder, t0, session)
+
+    async def arun(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_event: OnEvent | None = None,
+        session: str | None = None,
+        timeout_source: str | None = None,
+        filename: str | None = None,
+    ) -> RunResult:
+        """The async twin of `run()` (an asyncio connection; no thread)."""
+        assert self.client is not None and self.policy is not None
+        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
+        builder = self._builder(wall)
+        t0 = time.monotonic()
+        client = AsyncWorkerClient(
+            self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
+        )
+        forward = self._forwarder(builder, on_event)
+        self._in_call = True
+        try:
+            await client.run(code, t0 + wall, forward, filename)
+        except asyncio.CancelledError:
+            # A cancelled call: the cell in the worker is interrupted too (state kept).
+            self._in_call = False
+            self.interrupt()
+            raise
+        except TimeoutError:
+            self._on_timeout(builder, wall, timeout, timeout_source)
+        except ConnectionLost:
+            self._on_lost(builder)
+        except MessageTooLarge as exc:
+            self._on_too_large(builder, exc)
+        except TransportError as exc:
+            self._on_transport_error(builder, exc)
+        finally:
+            self._in_call = False
+        return self._finish(builder, t0, session)
+
+    def _builder(self, wall: float) -> ResultBuilder:
+        """The judge and accumulator of the next call's events
+        (`agent_sandbox._host.intake.events`):
+        it has the host's policy, to make the hints it shows itself (`_hints.host_hint`)."""
+        assert self.policy is not None
+        self.calls += 1
+        return ResultBuilder(
+            self.decoder,
+            self.policy,
+            wall,
+            bounds=self.bounds or HostBounds.from_policy(self.policy),
+            call=self.calls,
+        )
+
+    # -- interrupts ----------------------------------------------------------------------
+
+    def worker_pid(self) -> int | None:
+        """The worker's pid on the host (below its launcher, in its pid namespace or not)."""
+        if self._host_pid is not None or self.proc is None:
+            return self._host_pid
+        inner = str(self.hello.get("pid", ""))
+        for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    status = fh.read()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == inner:
+                    self._host_pid = pid
+                    return pid
+        return None
+
+    def interrupt(self, grace: float | None = None) -> bool:
+        """Interrupt the running cell (SIGINT: KeyboardInterrupt in the code, as in Jupyter).
+
+        The session's variables stay. If the cell has not stopped `grace` seconds later,
+        the worker is replaced and the next result says so. False when nothing was sent.
+        """
+        grace = _INTERRUPT_GRACE if grace is None else grace
+        if not self.alive():
+            return False
+        pid = self.worker_pid()
+        if pid is None:
+            return False
+        attached = self._in_call
+        seq = self.calls
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            return False
+
+        def expire() -> None:
+            if not self.alive() or self.calls != seq:
+                return
+            stuck = self._in_call if attached else not self._responds(0.25)
+            if stuck:
+                self._interrupt_expired = grace
+                self.death_reason = f"it did not stop within {grace:g} s of an interrupt"
+                self.kill()
+
+        timer = threading.Timer(grace, expire)
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _responds(self, timeout: float) -> bool:
+        if self.client is None:
+            return False
+        probe = WorkerClient(self.client.path, self.token, self.client.max_event_bytes)
+        try:
+            probe.hello(timeout)
+            return True
+        except (TimeoutError, TransportError, OSError):
+            return False
+        finally:
+            probe.close()
+
+    def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
+        assert self.policy is not None
+        if self.egress is not None:
+            # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
+            for denial in self.egress.drain():
+                builder.add_denial(denial)
+        watch = self.guard_watch
+        if watch is not None and watch.reason:
+            self._on_tampered(builder, watch.reason)
+        elif watch is not None and watch.lost:
+            self._on_unverified(builder)
+        self.rewind_log()
+        if (
+            record_limit_hits(builder, self.cgroups, self.policy, scratch=self.scratch)
+            and not self.dead
+        ):
+            self.death_reason = "it hit a resource limit"
+            self.discard()
+        for denial in builder.denials:
+            if denial.rule.startswith("limits."):
+                _logger.info("worker %s: %s hit (%s)", self.id, denial.rule, denial.target)
+        if builder.discard:
+            self.death_reason = "a guard was tampered with"
+            self.discard()
+        if not builder.done and not self.dead:
+            # The stream ended without `done`: the worker is in an unknown state.
+            self.death_reason = "the call ended without completing its stream"
+            self.discard()
+        return builder.build(
+            duration=time.monotonic() - t0,
+            worker_id=self.id,
+            session=session,
+            policy=self.policy.name,
+            fingerprint=self.policy.fingerprint(),
+            provider=self.plan.provider if self.plan else "",
+            stack=tuple(self.plan.stack) if self.plan else (),
+        )
+
+    def _limit(
+        self,
+        builder: ResultBuilder,
+        rule: str,
+        target: str,
+        detail: str,
+        hint: str,
+        error_type: str,
+    ) -> None:
+        assert self.policy is not None
+        denial = Denial(
+            rule=rule,
+            action="run",
+            target=target,
+            policy=self.policy.name,
+            detail=detail,
+            hint=hint,
+        )
+        builder.add_denial(denial)
+        builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
+
+    def _on_tampered(self, builder: ResultBuilder, reason: str) -> None:
+        """The host saw the guards switched off: withhold the call's output, end the worker."""
+        assert self.policy is not None
+        self.death_reason = "its guards were switched off during a call"
+        self.discard()
+        builder.withhold()
+        denial = Denial(
+            rule="guard.tampered",
+            action="tamper",
+            target="the guards' arming state",
+            policy=self.policy.name,
+            detail=f"the host read the worker's guard counter: {reason}; the call's output "
+            "was withheld and the worker discarded (the next call starts a fresh interpreter)",
+        )
+        builder.add_denial(denial)
+        builder.error = RunError(
+            kind="denied",
+            type="GuardTampered",
+            message=denial.message(),
+            rule="guard.tampered",
+        )
+
+    def _on_unverified(self, builder: ResultBuilder) -> None:
+        """The worker ended before the host could verify the call: what it held stays
+        withheld. A tampering the worker reported itself is believed (it only discards)."""
+        reported = [
+            str(data.get("target", ""))
+            for kind, data in self._held
+            if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
+        ]
+        self._held = []
+        if self._held_mark is not None:
+            builder.rollback(self._held_mark)
+            self._held_mark = None
+        if reported:
+            self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
+            return
+        if builder.error is None:
+            self.death_reason = "it ended before its call could be verified"
+            self.discard()
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker ended before the host could verify its guards for "
+                "this call; the rest of the call's output was withheld and the next call "
+                "starts a fresh interpreter",
+                rule="worker.crashed",
+            )
+
+    def _on_timeout(
+        self, builder: ResultBuilder, wall: float, timeout: float | None, source: str | None
+    ) -> None:
+        assert self.policy is not None
+        if self.stopped():
+            self._on_stopped(builder)
+            return
+        self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
+        self.kill()
+        policy_wall = self.policy.limits.wall_seconds
+        if timeout is None:
+            origin = f"the policy's limits.wall_seconds = {policy_wall:g}"
+            hint = limit_hint("limits.timeout", {"limits": {"wall_seconds": policy_wall}})
+        else:
+            who = source or "the caller's timeout argument"
+            origin = f"{who} = {timeout:g} (the policy's own limit is {policy_wall:g} s)"
+            hint = f"raise {who} (now {timeout:g} s); the policy is not what stopped it"
+        self._limit(
+            builder,
+            "limits.timeout",
+            "the call",
+            f"it ran longer than {wall:g} s, the limit set by {origin}; its process group was "
+            "killed and the session's variables are lost",
+            hint,
+            "TimeoutError",
+        )
+
+    def _on_lost(self, builder: ResultBuilder) -> None:
+        assert self.policy is not None
+        if self._interrupt_expired is not None:
+            self.dead = True
+            self.kill()
+            builder.error = RunError(
+                kind="crashed",
+                type="Interrupted",
+                message=f"the call was interrupted and did not stop within "
+                f"{self._interrupt_expired:g} s, so its worker was replaced; the session's "
+                "variables are lost and the next call starts a fresh interpreter",
+                rule="worker.crashed",
+            )
+            return
+        how, raw = self._status_now()
+        status = self._worker_status(raw)
+        self.dead = True
+        self.kill()
+        if how == "stopped":
+            self._on_stopped(builder)
+            return
+        if how == "running":
+            self.death_reason = "it closed its connection to the host during a call"
+            builder.error = RunError(
+                kind="crashed",
+                type="TransportLost",
+                message="the sandbox worker closed its connection to the host during the "
+                "call while it was still running; it was killed, the session's variables "
+                "are lost and the next call starts a fresh interpreter",
+                traceback=self.log_tail(),
+                rule="worker.crashed",
+            )
+            return
+        if status == -signal.SIGXCPU or (status not in (None, 0) and self._cpu_exhausted()):
+            cpu = self.policy.limits.cpu_seconds
+            self.death_reason = "it used up its CPU time"
+            self._limit(
+                builder,
+                "limits.cpu",
+                "the call",
+                f"it used more than {cpu} s of CPU time and was killed",
+                limit_hint("limits.cpu", {"limits": {"cpu_seconds": cpu}}),
+                "LimitExceeded",
+            )
+            return
+        template = getattr(self.proc, "_template", None)
+        if template is not None and not template.alive():
+            self.death_reason = _TEMPLATE_REASON
+            builder.error = RunError(
+                kind="crashed",
+                type="TemplateEnded",
+                message="the sandbox worker ended during the call because its worker "
+                "template (the process that forks workers) ended; the session's variables "
+                "are lost and the next call starts a fresh interpreter",
+                traceback=self.log_tail(),
+                rule="worker.crashed",
+            )
+            return
+        self.death_reason = f"it crashed ({describe_exit(status)})"
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerCrashed",
+            message=f"the sandbox worker died during the call ({describe_exit(status)}); "
+            "the session's variables are lost and the next call starts a fresh interpreter",
+            traceback=self.log_tail(),
+            rule="worker.crashed",
+        )
+
+    def _on_stopped(self, builder: ResultBuilder) -> None:
+        """The worker was stopped by a signal (SIGSTOP): it cannot run; it was killed."""
+        self.death_reason = _STOPPED_REASON
+        self.kill()
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerStopped",
+            message="the sandbox worker was stopped by a signal (SIGSTOP or SIGTSTP) and "
+            "could not finish the call; it was killed, the session's variables are lost and "
+            "the next call starts a fresh interpreter",
+            rule="worker.crashed",
+        )
+
+    def _worker_status(self, status: int | None) -> int | None:
+        """The worker's own status: a launcher (bwrap, unshare) relays a worker killed by
+        signal N as exit status 128 + N, read back here as -N."""
+        if status is None or status <= 128 or self.plan is None or self.plan.worker_depth == 0:
+            return status
+        try:
+            return -signal.Signals(status - 128)
+        except ValueError:
+            return status
+
+    def _cpu_exhausted(self) -> bool:
+        # A death after the worker's group used up its CPU time: the hard RLIMIT_CPU's
+        # SIGKILL (user code ignored SIGXCPU), however a launcher relays it.
+        assert self.policy is not None
+        used = self.cgroups.cpu_seconds() if self.cgroups is not None else 0.0
+        return used >= self.policy.limits.cpu_seconds
+
+    def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
+        """A host bound was crossed: the host stopped reading; the worker is killed, and the
+        call keeps what fit (the output up to the cap, the denials so far)."""
+        assert self.policy is not None
+        self.death_reason = "it sent more than the host accepts from one call"
+        self.kill()
+        builder.value = None
+        output = {"limits": {"output_bytes": self.policy.limits.output_bytes}}
+        if exc.setting == "limits.output_bytes":
+            self._limit(
+                builder,
+                "limits.output",
+                "the worker's output",
+                f"{exc}; the host stopped reading, the worker was killed and its variables "
+                "are lost",
+                limit_hint("limits.output", output),
+                "MessageTooLarge",
+            )
+        else:
+            self._limit(
+                builder,
+                "limits.result",
+                "the result",
+                f"{exc}; the host stopped reading and the worker was killed",
+                limit_hint("limits.result", {"limits": {"result_bytes": exc.cap}}),
+                "MessageTooLarge",
+            )
+
+    def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
+        """The worker broke the protocol (malformed, out of order or contradictory): nothing
+        more it says in this call is believed; it is killed and the call says so."""
+        self.death_reason = "it broke the protocol"
+        self.kill()
+        builder.value = None
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerMisbehaved",
+            message=f"the sandbox worker broke the protocol and was discarded ({exc}); "
+            "its result is not trusted, the session's variables are lost and the next call "
+            "starts a fresh interpreter",
+            rule="worker.protocol",
+        )
+
+    # -- end -----------------------------------------------------------------------------
+
+    def wait_exit(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """TERM the whole process group, then KILL it; reap and remove the directories."""
+        with self._lock:
+            self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
+            if self.client is not None:
+                self.client.close()
+            proc = self.proc
+            if proc is not None and not self._reaped:
+                _signal_group(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(_TERM_GRACE)
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(proc.pid, signal.SIGKILL)
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._reaped = True
+            self._cleanup_dirs()
+
+    def discard(self) -> None:
+        """End the worker now: KILL its group and cgroups, reap it, remove its directories.
+
+        Synchronous (a killed process is reaped within milliseconds); only a process that
+        does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
+        (`_host.lifecycle`) removes whatever that one has not.
+        """
+        if self.egress is not None:
+            self.egress.close()  # no connection of a discarded worker outlives this call
+        if not self.dead:
+            level = logging.INFO if self.death_reason else logging.DEBUG
+            _logger.log(level, "worker %s ended: %s", self.id, self.death_reason or "discarded")
+        with self._lock:
+            self.dead = True
+            if self.guard_watch is not None:
+                self.guard_watch.close()
+            if self.client is not None:
+                self.client.close()
+            proc = self.proc
+            if proc is not None and not self._reaped:
+                _signal_group(proc.pid, signal.SIGKILL)
+                if self.cgroups is not None:
+                    self.cgroups.kill()
+                self._reaped = True
+                try:
+                    proc.wait(_DISCARD_WAIT)
+                except subprocess.TimeoutExpired:
+                    threading.Thread(target=self._reap, args=(proc,), daemon=True).start()
+                    return
+            self._cleanup_dirs()
+
+    def _reap(self, proc: ChildProcess) -> None:
+        try:
+            proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self._cleanup_dirs()
+
+    def close(self) -> None:
+        """Ask the worker to exit, then make sure it did."""
+        if self.alive() and self.client is not None:
+            self.client.shutdown(0.5)
+        self.kill()
+
+    def _cleanup_dirs(self) -> None:
+        if self._egress_channel is not None:
+            self._egress_channel.close()
+        if self.egress is not None:
+            self.egress.close()
+        if self.cgroups is not None:
+            self.cgroups.kill()
+            self.cgroups.remove()
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                self._log.close()
+        if self.plan is not None:
+            for path in self.plan.cleanup_paths:
+                remove_tree(path)
+        if self.control_dir:
+            remove_tree(self.control_dir)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines the worker wrote to its descriptors 1 and 2 (see `bounded_log`)."""
+        if self._log is None or self._log.closed:
+            return ""
+        try:
+            fd = self._log.fileno()
+            end = os.lseek(fd, 0, os.SEEK_CUR)  # the offset the worker shares with us
+            data = os.pread(fd, min(end, 8192), max(0, end - 8192))
+        except OSError:
+            return ""
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    def rewind_log(self) -> None:
+        """Between calls: once past half the log's size, write the next output from its
+        start again, so the tail stays the latest output (the size stays `LOG_BYTES`)."""
+        if self._log is None or self._log.closed:
+            return
+        with contextlib.suppress(OSError):
+            fd = self._log.fileno()
+            if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
+                os.lseek(fd, 0, os.SEEK_SET)
+
+
+def _proc_state(pid: int) -> tuple[str, int]:
+    """A process's state letter and flags from /proc (("", 0) when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return "", 0
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return fields[0].decode(), int(fields[6])
+    except (IndexError, ValueError):
+        return "", 0
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                time.sleep(0.001)
+                continue
+            raise
+        view = view[n:]

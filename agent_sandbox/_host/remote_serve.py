@@ -1,0 +1,531 @@
+"""`agent-sandbox worker serve`: a remote worker's entry point (a pod's main process).
+
+It serves the worker protocol on TCP with TLS (optionally mTLS) and starts the actual worker
+(the same code as a local worker, under a local kernel provider) only once a session is bound:
+
+* `GET /healthz`  readiness (no token; says nothing about the session)
+* `POST /v1/bind` once: the session's token hash, policy and limits, authenticated by the
+  template-wide bootstrap secret (`X-Agent-Sandbox-Bind`); a second bind is refused (409),
+  whoever sends it. The worker is started here, under `--provider` (Landlock under runc;
+  `subprocess` under a runtime that is itself the boundary, `--runtime-boundary gvisor`).
+* `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, and `POST /interrupt`
+  (SIGINT to the running cell, replaced after `grace` seconds, as locally), authenticated by the
+  session token (`X-Agent-Sandbox-Token`, compared by SHA-256 in constant time; the token
+  itself is never stored, logged or echoed). `/run` is streamed through from the worker's
+  Unix socket; an idle stream gets an SSE comment (`: keep-alive`) every `keepalive`
+  seconds, at an event boundary, so proxies (the agent-sandbox router) keep it open.
+
+One call at a time (a second one is answered 409, not queued). A call that passes its wall
+time (plus a grace) has its worker killed here too, whatever the host does. When the worker
+dies, the session is over and the server exits; it also exits after `idle_exit` seconds
+without a request once bound (the pod ends, and the claim's TTL reaps it), and with
+`exit_with_parent` when the process that started it is gone (the local claim backend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import socket
+import ssl
+import sys
+import threading
+import time
+from typing import Any
+
+import h11
+
+__all__ = ["ServeConfig", "WorkerServer", "parse_listen"]
+
+_log = logging.getLogger("agent_sandbox.serve")
+
+_MAX_BIND_BODY = 1024 * 1024
+_MAX_RUN_BODY = 16 * 1024 * 1024
+_READ_TIMEOUT = 30.0
+_WALL_GRACE = 2.0
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`tcp://HOST:PORT` -> (host, port); anything else is a ValueError naming the form."""
+    if not text.startswith("tcp://"):
+        raise ValueError(f"--listen {text!r}: expected tcp://HOST:PORT, e.g. tcp://0.0.0.0:8888")
+    host, sep, port = text[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen {text!r}: expected tcp://HOST:PORT, e.g. tcp://0.0.0.0:8888")
+    return host.strip("[]"), int(port)
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """What `worker serve` was started with (see `_tools/cli_worker.py` for the flags)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8888
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    client_ca: str | None = None
+    plaintext: str = ""
+    bind_secret: str | None = None
+    provider: str = "auto"
+    runtime_boundary: str = ""
+    idle_exit: float = 900.0
+    keepalive: float = 15.0
+    exit_with_parent: bool = False
+    start_timeout: float = 15.0
+
+    def check(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_cert is None and self.plaintext != "accepted":
+            raise ValueError(
+                "no --tls-cert/--tls-key: the worker would serve the session token and the "
+                "code in plain text; give a certificate, or, behind a TLS-terminating router "
+                "on a NetworkPolicy-restricted pod network, opt out with --plaintext accepted"
+            )
+        if self.client_ca is not None and self.tls_cert is None:
+            raise ValueError("--client-ca (mTLS) needs --tls-cert and --tls-key")
+        if not self.bind_secret:
+            raise ValueError(
+                "no bind secret: anyone who reaches the port could bind the worker; give "
+                "--bind-secret-file (or AGENT_SANDBOX_BIND_SECRET), the template-wide secret "
+                "the host also holds"
+            )
+        if self.keepalive <= 0 or self.idle_exit <= 0:
+            raise ValueError("--keepalive and --idle-exit must be positive")
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls_cert is None:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        if self.client_ca is not None:
+            ctx.load_verify_locations(self.client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+
+class _Stop(Exception):
+    pass
+
+
+class WorkerServer:
+    """The server; `serve_forever()` returns when the session ends (shutdown, death, idle)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        config.check()
+        self.config = config
+        self._ssl = config.ssl_context()
+        self._bind_secret = (config.bind_secret or "").encode()
+        self.listener = socket.create_server(
+            (config.host, config.port),
+            family=socket.AF_INET6 if ":" in config.host else socket.AF_INET,
+            backlog=64,
+        )
+        self.listener.settimeout(0.25)
+        self.port = int(self.listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._call = threading.Lock()
+        self._token_hash: bytes | None = None
+        self._bound = False
+        self._binding = False
+        self._pending_hash = b""
+        self._upstream: tuple[socket.socket, h11.Connection] | None = None
+        self.worker: Any = None  # a WorkerProcess once bound
+        self.remote_info: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self.exit_reason = ""
+        self._last_activity = time.monotonic()
+        self._parent = os.getppid()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.exit_reason = reason
+            self._stop.set()
+
+    def serve_forever(self) -> str:
+        watchdog = threading.Thread(target=self._watchdog, name="serve-watchdog", daemon=True)
+        watchdog.start()
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _addr = self.listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self._stop.is_set():
+                        break
+                    raise
+                threading.Thread(
+                    target=self._connection, args=(conn,), name="serve-conn", daemon=True
+                ).start()
+        finally:
+            self.listener.close()
+            worker = self.worker
+            if worker is not None:
+                worker.close()
+        return self.exit_reason
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.config.exit_with_parent and os.getppid() != self._parent:
+                self.stop("the process that started it is gone")
+            worker = self.worker
+            if self._bound and not self._call.locked():
+                if worker is not None and not worker.alive():
+                    self.stop("its worker ended")
+                elif time.monotonic() - self._last_activity > self.config.idle_exit:
+                    self.stop(f"idle for {self.config.idle_exit:g} s")
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _connection(self, raw: socket.socket) -> None:
+        raw.settimeout(_READ_TIMEOUT)
+        # Small SSE chunks must not wait for Nagle + the peer's delayed ACK (40 ms a call).
+        with contextlib.suppress(OSError):
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock: socket.socket = raw
+        try:
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(raw, server_side=True)
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
+            while not self._stop.is_set():
+                if not self._handle(sock, conn):
+                    break
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    break
+                try:
+                    conn.start_next_cycle()
+                except h11.LocalProtocolError:
+                    break
+        except (OSError, ssl.SSLError, h11.LocalProtocolError):
+            pass  # a failed handshake (wrong certificate) or a broken connection: drop it
+        except _Stop:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _read(
+        self, sock: socket.socket, conn: h11.Connection, cap: int
+    ) -> tuple[h11.Request | None, bytes]:
+        request = None
+        body = bytearray()
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    sock.settimeout(_READ_TIMEOUT)
+                    conn.receive_data(sock.recv(65536))
+                    continue
+                if isinstance(event, h11.Request):
+                    request = event
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > cap:
+                        self._reply(sock, conn, 413, {"error": "request too large"}, close=True)
+                        return None, b""
+                elif isinstance(event, h11.EndOfMessage):
+                    return request, bytes(body)
+                else:
+                    return None, b""
+        except (h11.RemoteProtocolError, OSError):
+            return None, b""
+
+    def _reply(
+        self,
+        sock: socket.socket,
+        conn: h11.Connection,
+        status: int,
+        payload: dict[str, Any],
+        close: bool = False,
+    ) -> None:
+        body = json.dumps(payload).encode()
+        headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+        if close:
+            headers.append(("connection", "close"))
+        with contextlib.suppress(OSError, h11.LocalProtocolError):
+            sock.sendall(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
+            sock.sendall(conn.send(h11.Data(data=body)) or b"")
+            sock.sendall(conn.send(h11.EndOfMessage()) or b"")
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        expected = self._token_hash
+        if expected is None:
+            return False
+        given = headers.get(b"x-agent-sandbox-token", b"")
+        return hmac.compare_digest(hashlib.sha256(given).digest(), expected)
+
+    def _is_pending(self, headers: dict[bytes, bytes]) -> bool:
+        pending = self._pending_hash
+        given = headers.get(b"x-agent-sandbox-token", b"")
+        return bool(pending) and hmac.compare_digest(hashlib.sha256(given).digest(), pending)
+
+    def _handle(self, sock: socket.socket, conn: h11.Connection) -> bool:
+        # The largest body any route takes; bind is checked against its own cap below.
+        request, body = self._read(sock, conn, _MAX_RUN_BODY)
+        if request is None:
+            return False
+        self._last_activity = time.monotonic()
+        method, target = request.method, request.target
+        headers = dict(request.headers)
+        if method == b"GET" and target == b"/healthz":
+            ready = not self._stop.is_set() and (not self._bound or self._worker_alive())
+            self._reply(sock, conn, 200 if ready else 503, {"ready": ready})
+            return True
+        if method == b"POST" and target == b"/v1/bind":
+            return self._bind(sock, conn, headers, body)
+        if not self._authorized(headers):
+            if self._binding and self._is_pending(headers):
+                # The same session's other process, while its bind starts the worker.
+                self._reply(sock, conn, 503, {"error": "the session is being bound; retry"})
+                return True
+            self._reply(sock, conn, 403, {"error": "missing or wrong session token"}, close=True)
+            return False
+        if method == b"GET" and target == b"/hello":
+            self._reply(sock, conn, 200, {**self.worker.hello, "remote": self.remote_info})
+            return True
+        if method == b"POST" and target == b"/run":
+            return self._run(sock, conn, body)
+        if method == b"POST" and target == b"/interrupt":
+            try:
+                grace = float(json.loads(body or b"{}").get("grace", 2.0))
+            except (ValueError, TypeError, AttributeError):
+                grace = 2.0
+            sent = bool(self._call.locked() and self.worker.interrupt(min(max(grace, 0.1), 60)))
+            self._reply(sock, conn, 200, {"sent": sent})
+            return True
+        if method == b"POST" and target == b"/shutdown":
+            self._reply(sock, conn, 200, {"ok": True}, close=True)
+            self.stop("the host ended the session")
+            return False
+        self._reply(sock, conn, 404, {"error": "no such route"}, close=True)
+        return False
+
+    def _worker_alive(self) -> bool:
+        worker = self.worker
+        return worker is not None and bool(worker.alive())
+
+    # -- bind ------------------------------------------------------------------------------
+
+    def _bind(
+        self, sock: socket.socket, conn: h11.Connection, headers: dict[bytes, bytes], body: bytes
+    ) -> bool:
+        secret = headers.get(b"x-agent-sandbox-bind", b"")
+        if not hmac.compare_digest(secret, self._bind_secret):
+            self._reply(sock, conn, 403, {"error": "missing or wrong bind secret"}, close=True)
+            return False
+        try:
+            pending = bytes.fromhex(str(json.loads(body)["token_sha256"]))
+        except (ValueError, KeyError, TypeError):
+            pending = b""
+        with self._lock:
+            if self._bound or self._binding:
+                # Refused whoever asks: a replayed bind never changes the session.
+                self._reply(sock, conn, 409, {"error": "this worker is already bound"})
+                return True
+            self._binding = True
+            self._pending_hash = pending
+        ok = False
+        try:
+            if len(body) > _MAX_BIND_BODY:
+                self._reply(sock, conn, 413, {"error": "bind request too large"}, close=True)
+                return False
+            status, payload = self._start_session(body)
+            ok = status == 200
+            self._reply(sock, conn, status, payload)
+            return True
+        finally:
+            with self._lock:
+                self._binding = False
+                self._pending_hash = b""
+                self._bound = self._bound or ok
+            if not ok and self.worker is None:
+                pass  # still warm and unbound: a bad bind does not use the worker up
+
+    def _start_session(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        from agent_sandbox._errors import SandboxError
+        from agent_sandbox._host.boundary import resolve_boundary
+        from agent_sandbox._host.process import WorkerProcess
+        from agent_sandbox.policies import policy_from_dict
+
+        try:
+            request = json.loads(body)
+            token_hash = bytes.fromhex(str(request["token_sha256"]))
+            if len(token_hash) != 32:
+                raise ValueError("token_sha256 must be 64 hex digits")
+            wanted = str(request["fingerprint"])
+            policy = policy_from_dict(dict(request["policy"]), source="<bind>")
+        except (ValueError, KeyError, TypeError) as exc:
+            return 400, {"error": f"bad bind request: {exc}"}
+        if policy.fingerprint() != wanted:
+            return 400, {
+                "error": f"the policy's fingerprint here is {policy.fingerprint()}, the host "
+                f"sent {wanted}: host and worker disagree on the policy schema (versions?)"
+            }
+        update: dict[str, Any] = {"provider": self.config.provider}
+        if self.config.runtime_boundary and self.config.provider == "subprocess":
+            # The runtime (gVisor, Kata) is the kernel boundary; the in-pod provider adds none.
+            update["no_kernel_boundary"] = "accepted"
+        inside = policy.model_copy(update=update)
+        try:
+            boundary = resolve_boundary(inside, self.config.provider)
+            worker = WorkerProcess.start(
+                inside, boundary.provider, start_timeout=self.config.start_timeout
+            )
+        except SandboxError as exc:
+            return 422, {"error": f"the worker could not start for this policy: {exc}"}
+        stack = list(worker.plan.stack) if worker.plan else []
+        if self.config.runtime_boundary:
+            stack = [self.config.runtime_boundary, *stack]
+        self.remote_info = {
+            "fingerprint": policy.fingerprint(),
+            "provider": boundary.provider.name,
+            "runtime": self.config.runtime_boundary,
+            "stack": stack,
+        }
+        self.worker = worker
+        self._token_hash = token_hash
+        _log.info("bound a session for policy %r (%s)", policy.name, "+".join(stack))
+        return 200, {"bound": True, **self.remote_info}
+
+    # -- run -------------------------------------------------------------------------------
+
+    def _run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bool:
+        if not self._call.acquire(blocking=False):
+            self._reply(sock, conn, 409, {"error": "a call is already running"})
+            return True
+        try:
+            return self._proxy_run(sock, conn, body)
+        finally:
+            self._last_activity = time.monotonic()
+            self._call.release()
+            if not self._worker_alive():
+                self.stop("its worker ended")
+
+    def _proxy_run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bool:
+        worker = self.worker
+        try:
+            request = json.loads(body)
+            wall = float(request.get("wall") or worker.policy.limits.wall_seconds)
+        except (ValueError, TypeError, AttributeError):
+            self._reply(sock, conn, 400, {"error": "bad run request"}, close=True)
+            return False
+        deadline = time.monotonic() + wall + _WALL_GRACE
+        headers = [
+            ("host", "worker"),
+            ("authorization", "Bearer " + worker.token),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+        ]
+        upstream = self._upstream
+        self._upstream = None
+        if upstream is None:
+            upstream = self._connect_worker(worker)
+            if upstream is None:
+                return False
+        inner, up = upstream
+        kept = False
+        try:
+            if up.our_state is h11.DONE and up.their_state is h11.DONE:
+                up.start_next_cycle()  # the worker's connection, kept from the last call
+            out = up.send(h11.Request(method="POST", target="/run", headers=headers)) or b""
+            out += up.send(h11.Data(data=body)) or b""
+            out += up.send(h11.EndOfMessage()) or b""
+            inner.sendall(out)
+            ok = self._relay(sock, conn, inner, up, deadline)
+            kept = ok and up.our_state is h11.DONE and up.their_state is h11.DONE
+            return ok
+        except (OSError, h11.LocalProtocolError):
+            worker.discard()
+            return False
+        finally:
+            if kept:
+                self._upstream = (inner, up)
+            else:
+                inner.close()
+
+    def _connect_worker(self, worker: Any) -> tuple[socket.socket, h11.Connection] | None:
+        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            inner.settimeout(5.0)
+            inner.connect(os.path.join(worker.control_dir, "ctl.sock"))
+        except OSError:
+            inner.close()
+            worker.discard()
+            return None
+        return inner, h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
+
+    def _relay(
+        self,
+        sock: socket.socket,
+        conn: h11.Connection,
+        inner: socket.socket,
+        up: h11.Connection,
+        deadline: float,
+    ) -> bool:
+        """Stream the worker's response to the host, with keep-alive comments when idle."""
+        worker = self.worker
+        tail = b"\n\n"  # the last two bytes sent: keep-alives only go between events
+        streaming = False
+        while True:
+            event = up.next_event()
+            if event is h11.NEED_DATA:
+                now = time.monotonic()
+                if now > deadline:
+                    worker.death_reason = "it ran past its wall time (seen by the pod)"
+                    worker.kill()
+                    return False  # the host's connection is dropped: it sees the call end
+                inner.settimeout(min(self.config.keepalive, deadline - now))
+                try:
+                    data = inner.recv(262144)
+                except TimeoutError:
+                    if streaming and tail == b"\n\n":
+                        sock.sendall(conn.send(h11.Data(data=KEEPALIVE_COMMENT)) or b"")
+                    continue
+                try:
+                    up.receive_data(data)
+                except h11.RemoteProtocolError:
+                    worker.discard()
+                    return False
+                continue
+            if isinstance(event, h11.Response):
+                if event.status_code != 200:
+                    self._reply(sock, conn, 502, {"error": "the worker refused the call"}, True)
+                    return False
+                headers = [
+                    ("content-type", "text/event-stream"),
+                    ("cache-control", "no-store"),
+                    ("x-accel-buffering", "no"),
+                    ("transfer-encoding", "chunked"),
+                ]
+                sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
+                streaming = True
+            elif isinstance(event, h11.Data):
+                data = bytes(event.data)
+                sock.sendall(conn.send(h11.Data(data=data)) or b"")
+                tail = (tail + data)[-2:]
+            elif isinstance(event, h11.EndOfMessage):
+                sock.sendall(conn.send(h11.EndOfMessage()) or b"")
+                return True
+            else:  # the worker closed mid-response: it died; the host sees the stream cut
+                return False
+
+
+def main(config: ServeConfig, announce: Any = None) -> int:
+    """Run a server until its session ends; `announce(port)` is called once it listens."""
+    server = WorkerServer(config)
+    if announce is not None:
+        announce(server.port)
+    reason = server.serve_forever()
+    _log.info("worker serve exits: %s", reason)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,181 @@
+"""`agent-sandbox worker serve|check` and `agent-sandbox k8s manifests POLICY`.
+
+`worker serve|check`: the remote worker's entry point and its self-report.
+
+`serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/remote.md and
+`_host/remote_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
+port when `:0` was asked). `check` says which layer is the kernel boundary in this place:
+the runtime the operator declares (`--runtime-boundary gvisor`) and what the in-pod provider
+finds (Landlock is absent under gVisor, present under runc with the default seccomp profile).
+`k8s manifests` prints the SandboxTemplate and SandboxWarmPool for a policy
+(`providers/_k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_parser"]
+
+_SECRET_ENV = "AGENT_SANDBOX_BIND_SECRET"
+
+
+def add_parser(subparsers: Any) -> None:
+    worker = subparsers.add_parser("worker", help="run as a remote worker (a pod's entry point)")
+    wsub = worker.add_subparsers(dest="worker_command", required=True)
+    serve = wsub.add_parser("serve", help="serve the worker protocol on TCP with TLS")
+    serve.add_argument("--listen", default="tcp://0.0.0.0:8888", help="tcp://HOST:PORT")
+    serve.add_argument("--tls-cert", help="the server certificate (PEM)")
+    serve.add_argument("--tls-key", help="its private key (PEM)")
+    serve.add_argument("--client-ca", help="require client certificates signed by this CA (mTLS)")
+    serve.add_argument(
+        "--plaintext",
+        choices=("accepted",),
+        default="",
+        help="serve without TLS (only behind a TLS-terminating router); explicit opt-out",
+    )
+    serve.add_argument(
+        "--bind-secret-file",
+        help=f"the template-wide bootstrap secret for POST /v1/bind (or ${_SECRET_ENV})",
+    )
+    _common(serve)
+    serve.add_argument("--idle-exit", type=float, default=900.0, help="seconds idle once bound")
+    serve.add_argument("--keepalive", type=float, default=15.0, help="SSE keep-alive period")
+    serve.add_argument(
+        "--exit-with-parent", action="store_true", help="exit when the starting process is gone"
+    )
+    serve.set_defaults(func=_cmd_serve)
+    check = wsub.add_parser("check", help="say which layer is the kernel boundary here")
+    _common(check)
+    check.set_defaults(func=_cmd_check)
+    k8s = subparsers.add_parser("k8s", help="Kubernetes agent-sandbox manifests for a policy")
+    ksub = k8s.add_subparsers(dest="k8s_command", required=True)
+    man = ksub.add_parser("manifests", help="print the SandboxTemplate and SandboxWarmPool")
+    man.add_argument("policy", help="a policy file or the name of a shipped policy")
+    man.add_argument("--image", required=True, help="the worker image (see docs/remote.md)")
+    man.add_argument("--namespace", default="default")
+    man.add_argument("--runtime", choices=("runc", "gvisor", "kata"), default="gvisor")
+    man.add_argument("--replicas", type=int, default=2)
+    man.add_argument("--mtls", action="store_true", help="require client certificates")
+    man.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    man.set_defaults(func=_cmd_manifests)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--provider", default="auto", help="the local provider inside (landlock under runc)"
+    )
+    parser.add_argument(
+        "--runtime-boundary",
+        default="",
+        choices=("", "gvisor", "kata"),
+        help="the container runtime that is itself a boundary (declared by the operator)",
+    )
+
+
+def _read_secret(args: argparse.Namespace) -> str | None:
+    if args.bind_secret_file:
+        with open(args.bind_secret_file, encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    value = os.environ.pop(_SECRET_ENV, None)  # not inherited by anything started later
+    return value or None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer, parse_listen
+
+    try:
+        host, port = parse_listen(args.listen)
+        config = ServeConfig(
+            host=host,
+            port=port,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            client_ca=args.client_ca,
+            plaintext=args.plaintext,
+            bind_secret=_read_secret(args),
+            provider=args.provider,
+            runtime_boundary=args.runtime_boundary,
+            idle_exit=args.idle_exit,
+            keepalive=args.keepalive,
+            exit_with_parent=args.exit_with_parent,
+        )
+        server = WorkerServer(config)
+    except (ValueError, OSError) as exc:
+        print(f"agent-sandbox worker serve: error: {exc}", file=sys.stderr)
+        return 64
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: server.stop("SIGTERM"))
+    shown = f"[{host}]" if ":" in host else host
+    print(f"listening on tcp://{shown}:{server.port}", flush=True)
+    reason = server.serve_forever()
+    print(f"exiting: {reason}", flush=True)
+    return 0
+
+
+def boundary_report(provider: str, runtime: str) -> list[str]:
+    """Lines saying which layer holds code in this place (for `worker check`)."""
+    from agent_sandbox._errors import SandboxError
+    from agent_sandbox.providers import get_provider
+
+    lines = []
+    if runtime:
+        lines.append(f"runtime: {runtime} (declared by the operator; the runtime is the boundary)")
+    else:
+        lines.append("runtime: none declared (runc or a plain host: the provider is the boundary)")
+    try:
+        chosen = get_provider(provider)
+        chosen.require()
+        probe = chosen.probe()
+        lines.append(f"provider: {provider} available ({probe.version or 'ok'})")
+    except SandboxError as exc:
+        lines.append(f"provider: {provider} NOT available here: {exc}")
+    landlock = get_provider("landlock").probe()
+    lines.append(
+        "landlock: " + ("available" if landlock.available else f"absent ({landlock.reason})")
+    )
+    return lines
+
+
+def _cmd_manifests(args: argparse.Namespace) -> int:
+    import json
+
+    from agent_sandbox._errors import PolicyError
+    from agent_sandbox.policies import resolve_policy
+    from agent_sandbox.providers._k8s_manifests import ManifestError, manifests
+
+    try:
+        policy = resolve_policy(args.policy)
+        docs = manifests(
+            policy,
+            image=args.image,
+            namespace=args.namespace,
+            runtime=args.runtime,
+            replicas=args.replicas,
+            mtls=args.mtls,
+        )
+    except (PolicyError, ManifestError) as exc:
+        print(f"agent-sandbox k8s manifests: error: {exc}", file=sys.stderr)
+        return 78 if isinstance(exc, PolicyError) else 64
+    if args.format == "json":
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
+        return 0
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        print(
+            "agent-sandbox k8s manifests: no YAML library here; use --format json", file=sys.stderr
+        )
+        return 69
+    print(yaml.safe_dump_all(docs, sort_keys=False), end="")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    for line in boundary_report(args.provider, args.runtime_boundary):
+        print(line)
+    return 0

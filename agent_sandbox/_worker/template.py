@@ -1,0 +1,184 @@
+"""The worker template: a pre-imported process that forks ready-to-configure workers.
+
+Most of a worker's start-up is importing its own code (h11, the guards, the code layer).
+A pool for a provider that starts its worker as a plain child (`subprocess`, `landlock`)
+keeps one template per policy: it imports all of that once, runs no user code, holds no
+secret, arms nothing, and on request forks a child that becomes a worker. In order:
+
+1. The template imports the worker's modules and says `ready` on its control socket.
+2. For each request (JSON plus three descriptors: the listening socket, the boot pipe and
+   the log) it forks. The child closes the control socket, starts a new session, points
+   stdout and stderr at the log, changes to its scratch directory, takes the environment it
+   was sent, reads its boot configuration and runs exactly what a freshly started worker
+   runs (`serve`): rlimits, kernel restrictions (Landlock applies to the single-threaded
+   child), guards, then serving.
+3. The template reports `spawned` with the child's pid, and each child's exit status when
+   it reaps it, so the parent sees signals and exit codes as from a direct child.
+
+What it does not change: every worker still applies its own limits and restrictions; the
+template only saves the imports.
+
+Per-process secrets: `random` reseeds itself after a fork, and the child replaces the
+`multiprocessing` authentication key when that module is loaded. Two things cannot be
+renewed in a forked process, and are a documented limit: the string hash secret (every
+string and dict made during the imports carries hashes under it, so changing it would break
+them) and the address-space layout (ASLR is applied at exec). Workers forked from one
+template share both. A template belongs to one pool, and a pool to one `Sandbox` unless the
+user asks to share (`Sandbox(share_workers=True)`), so workers of different sandboxes never
+share them; a worker that knows the secret can only use it against its own siblings, which
+run the same sandbox's code under the same policy.
+
+Standard library only until the worker's modules are imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["run_template"]
+
+_MAX_MESSAGE = 1 << 20
+
+
+def _warm_up() -> Any:
+    import ctypes
+
+    import agent_sandbox._worker.objects
+    import agent_sandbox._worker.server
+    import agent_sandbox._worker.setup
+    import agent_sandbox.guards._code_budget
+    import agent_sandbox.guards._code_check
+    import agent_sandbox.guards._install
+    import agent_sandbox.providers._inworker  # noqa: F401
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _become_worker(
+    request: dict[str, Any],
+    fds: list[int],
+    control: socket.socket,
+    selector: selectors.BaseSelector,
+    wakeup: tuple[int, int],
+    libc: Any,
+    read_boot: Callable[[int], dict[str, Any]],
+) -> None:
+    """In the forked child: set up like a fresh worker process, then serve (never returns)."""
+    try:
+        # Dies with the template, which exits when the parent's end of its socket closes.
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        selector.close()  # the template's descriptors are nothing the worker may keep
+        for fd in wakeup:
+            os.close(fd)
+        control.close()
+        listen_fd, boot_fd, log_fd = fds
+        os.setsid()
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for name, value in request["env"].items():
+            os.putenv(name, value)
+        _renew_secrets()
+        from agent_sandbox._worker.server import serve
+
+        boot = read_boot(boot_fd)
+        boot["listen_fd"] = listen_fd
+        serve(boot)
+    except BaseException as exc:
+        try:
+            os.write(2, f"agent-sandbox worker set-up failed: {exc!r}\n".encode())
+        finally:
+            os._exit(70)
+    os._exit(0)
+
+
+def _renew_secrets() -> None:
+    """Per-process secrets the child must not share with its siblings (see the docstring)."""
+    import sys
+
+    mp = sys.modules.get("multiprocessing.process")
+    if mp is not None:
+        mp.current_process().authkey = os.urandom(32)  # type: ignore[attr-defined]
+
+
+def _reap(control: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        _send(control, {"exit": pid, "returncode": code})
+
+
+def run_template(control_fd: int, read_boot: Callable[[int], dict[str, Any]]) -> None:
+    """Serve fork requests on the control socket until it closes (then exit).
+
+    `read_boot` is the boot script's reader of a boot configuration: the boot script runs
+    by path, so it hands its reader over instead of being imported a second time.
+    """
+    control = socket.socket(fileno=control_fd)
+    libc = _warm_up()
+    # A child's exit wakes the loop through this pipe (no polling while idle).
+    wakeup = os.pipe()
+    os.set_blocking(wakeup[0], False)
+    os.set_blocking(wakeup[1], False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wakeup[1])
+    _send(control, {"ready": os.getpid()})
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ, "control")
+    selector.register(wakeup[0], selectors.EVENT_READ, "child")
+    buffer = b""
+    while True:
+        events = selector.select()
+        _reap(control)
+        if not any(key.data == "control" for key, _ in events):
+            with contextlib.suppress(BlockingIOError):
+                os.read(wakeup[0], 4096)
+            continue
+        data, fds_list, _flags, _addr = socket.recv_fds(control, 65536, 3)
+        if not data:
+            os._exit(0)  # the parent is gone: its workers are killed by their own parent chain
+        fds = list(fds_list)
+        buffer += data
+        if len(buffer) > _MAX_MESSAGE:
+            os._exit(71)
+        if b"\n" not in buffer:
+            for fd in fds:
+                os.close(fd)
+            continue
+        line, _, buffer = buffer.partition(b"\n")
+        request = json.loads(line)
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            _send(control, {"error": "expected three descriptors", "req": request.get("req")})
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _become_worker(request, fds, control, selector, wakeup, libc, read_boot)
+        for fd in fds:
+            os.close(fd)
+        _send(control, {"spawned": pid, "req": request.get("req")})

@@ -1,0 +1,159 @@
+"""Worker templates: pools of plain-child providers fork workers from a pre-imported process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox import Policy, Sandbox, WorkerStartError
+from agent_sandbox._host.templates import WorkerTemplate
+
+# Templates serve the plain-child providers; `landlock` is the kernel one (auto picks a
+# namespace provider where one works, and those start every worker from scratch).
+POLICY = Policy(
+    name="templates",
+    provider="landlock",
+    imports={"allow": ["os", "random"]},
+    limits={"wall_seconds": 10},
+)
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rfind(")") + 2 :].split()[1])
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat[stat.rfind(")") + 2] in "ZX":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_workers_are_forked_from_the_pools_template() -> None:
+    """It starts a session's worker as a child of the pool's template, in its own session."""
+    with Sandbox(POLICY, warm=0) as sb:
+        session = sb.session()
+        result = session.run("import os\n[os.getpid(), os.getpgid(0), os.getsid(0)]")
+        pid, pgid, sid = result.value
+        template = sb._pool._template
+        assert template is not None and template.proc is not None
+        assert _ppid(pid) == template.proc.pid
+        assert pid == pgid == sid
+
+
+def test_workers_from_one_template_do_not_share_random_state() -> None:
+    """It gives each forked worker its own `random` state."""
+    with Sandbox(POLICY, warm=0) as sb:
+        values = {sb.run("import random\nrandom.random()").value for _ in range(3)}
+    assert len(values) == 3
+
+
+def test_the_template_ends_with_its_pool_and_takes_its_workers() -> None:
+    """It leaves neither the template nor a worker behind once the sandbox is closed."""
+    sb = Sandbox(POLICY, warm=0)
+    session = sb.session()
+    pid = session.run("import os\nos.getpid()").value
+    template = sb._pool._template
+    assert template is not None and template.proc is not None
+    template_pid = template.proc.pid
+    sb.close()
+    assert _gone(pid) and _gone(template_pid)
+
+
+def test_workers_die_with_their_template(tmp_path: Path) -> None:
+    """It kills a template's workers when the template dies; the session starts afresh."""
+    with Sandbox(POLICY, warm=0) as sb:
+        session = sb.session()
+        session.run("x = 1")
+        pid = session.worker.pid if session.worker else -1
+        template = sb._pool._template
+        assert template is not None and template.proc is not None
+        os.kill(template.proc.pid, signal.SIGKILL)
+        assert _gone(pid)
+        after = session.run(
+            "try:\n    x\n    seen = True\nexcept NameError:\n    seen = False\nseen"
+        )
+    assert after.value is False and after.state_lost
+
+
+def test_a_template_that_cannot_start_falls_back_to_direct_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It starts workers directly, with the same plan, when the template cannot start."""
+
+    def refuse(*args: object, **kwargs: object) -> WorkerTemplate:
+        raise WorkerStartError("template refused for the test")
+
+    monkeypatch.setattr(WorkerTemplate, "start", classmethod(refuse))
+    with Sandbox(POLICY, warm=0) as sb:
+        result = sb.run("import os\nos.getppid()")
+        assert result.ok and result.value == os.getpid()  # a direct child of this process
+        assert sb._pool._template is None and not sb._pool.use_template
+        assert isinstance(sb._pool.last_error, WorkerStartError)
+
+
+def test_a_forked_worker_holds_only_its_own_descriptors() -> None:
+    """It leaves the worker no descriptor of the template (control socket, epoll)."""
+    with Sandbox(POLICY, warm=0) as sb:
+        session = sb.session()
+        pid = session.run("import os\nos.getpid()").value
+        kinds = sorted(
+            os.readlink(f"/proc/{pid}/fd/{fd}").split(":")[0]
+            for fd in os.listdir(f"/proc/{pid}/fd")
+        )
+    assert kinds.count("anon_inode") == 1  # its own server's epoll, none from the template
+    assert kinds.count("socket") == 2  # its listening socket and its one connection
+
+
+_HASH = "hash('x'), hash(b'agent')"
+
+
+def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
+    """Workers of two sandboxes with the same policy come from different templates, so they
+    do not share a hash secret (or memory layout); `share_workers=True` shares the pool."""
+    with Sandbox(POLICY, warm=0) as first, Sandbox(POLICY, warm=0) as second:
+        assert first._pool is not second._pool
+        a, b = first.run(_HASH).value, second.run(_HASH).value
+        assert first._pool._template is not None and second._pool._template is not None
+        assert first._pool._template is not second._pool._template
+    assert a != b
+    with (
+        Sandbox(POLICY, warm=0, share_workers=True) as first,
+        Sandbox(POLICY, warm=0, share_workers=True) as second,
+    ):
+        assert first._pool is second._pool
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
+    "after the imports hashed with it); documented in _worker/template.py and docs/performance.md",
+)
+def test_workers_of_one_template_have_their_own_hash_secret() -> None:
+    with Sandbox(POLICY, warm=0) as sb:
+        values = {tuple(sb.run(_HASH).value) for _ in range(2)}
+    assert len(values) == 2
+
+
+def test_a_forked_worker_renews_the_multiprocessing_key() -> None:
+    """Each forked worker gets its own `multiprocessing` authentication key when the
+    template had the module loaded."""
+    from agent_sandbox._worker import template as _worker_template
+
+    key = os.urandom(32)
+    import multiprocessing.process as mp
+
+    mp.current_process().authkey = key
+    _worker_template._renew_secrets()
+    assert mp.current_process().authkey != key

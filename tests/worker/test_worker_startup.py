@@ -1,0 +1,114 @@
+"""What a worker starts from: current bytecode and import roots the parent chose.
+
+Bytecode: workers run with `-B` inside read-only views, so they cannot write `__pycache__`,
+and most of their modules are never imported by the parent. `package_dirs()` refreshes the
+caches once per parent process; without that, each worker start compiled about a dozen
+modules (`benchmarks/bench_providers.py` times the difference).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
+
+# Imports a worker makes before its handshake (see `_worker.setup.prepare`).
+WORKER_MODULES = [
+    "agent_sandbox._worker.server",
+    "agent_sandbox._worker.setup",
+    "agent_sandbox.guards._install",
+    "agent_sandbox.guards._code_budget",
+    "agent_sandbox.providers._inworker",
+]
+
+_CHILD = """
+import importlib.machinery, importlib.util, json, sys
+boot_script, dirs, modules = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+sys.path[:] = json.loads(sys.argv[4])
+spec = importlib.util.spec_from_file_location("worker_boot", boot_script)
+boot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(boot)
+boot._map_packages(dirs)
+compiled = []
+original = importlib.machinery.SourceFileLoader.source_to_code
+def recording(self, data, path, *args, **kwargs):
+    compiled.append(path)
+    return original(self, data, path, *args, **kwargs)
+importlib.machinery.SourceFileLoader.source_to_code = recording
+for name in modules:
+    importlib.import_module(name)
+print(json.dumps(compiled))
+"""
+
+
+def _pyc_is_current(source: Path) -> bool:
+    cached = Path(importlib.util.cache_from_source(str(source), optimization=""))
+    if not cached.exists():
+        return False
+    header = cached.read_bytes()[:16]
+    flags = int.from_bytes(header[4:8], "little")
+    if flags:  # hash-based: current by construction of compileall
+        return True
+    return int.from_bytes(header[8:12], "little") == int(source.stat().st_mtime) & 0xFFFFFFFF
+
+
+def test_package_dirs_leaves_every_worker_module_with_current_bytecode(tmp_path: Path) -> None:
+    # A copy of the packages without any cache, as in a fresh clone.
+    copies = {}
+    for name, folder in package_dirs().items():
+        dest = tmp_path / name
+        shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        copies[name] = str(dest)
+    assert not any(_pyc_is_current(p) for d in copies.values() for p in Path(d).rglob("*.py"))
+    refresh_bytecode(tuple(sorted(copies.values())))
+    stale = [
+        str(p) for d in copies.values() for p in Path(d).rglob("*.py") if not _pyc_is_current(p)
+    ]
+    assert stale == []
+
+
+def test_worker_start_up_imports_compile_nothing_from_source() -> None:
+    dirs = package_dirs()
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-B",
+            "-c",
+            _CHILD,
+            BOOT_SCRIPT,
+            json.dumps(dirs),
+            json.dumps(WORKER_MODULES),
+            json.dumps(list(import_roots())),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    compiled = json.loads(child.stdout)
+    ours = [p for p in compiled if any(p.startswith(d + os.sep) for d in dirs.values())]
+    assert ours == []
+
+
+def test_import_roots_leave_out_directories_everyone_can_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It never hands the worker a shared directory such as /tmp (a parent script there)."""
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    private.mkdir(mode=0o755)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(shared), str(private)])
+    roots = import_roots()
+    assert str(private) in roots
+    assert str(shared) not in roots
