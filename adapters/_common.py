@@ -214,7 +214,9 @@ class Outcome:
     `kind` is `ok`, `caught` (completed, but the code met a refusal and went on), `exception`,
     `denied`, `limit`, `crashed` or `internal`; `rule` is the first rule involved (the CrewAI
     `ToolFailure.code`), `rules` all of them. `refused` is true when any refusal was the
-    user's (caught or not): CrewAI reports every such call as a failure.
+    user's (caught or not): CrewAI reports every such call as a failure. `retryable` is true
+    for a crash or an internal failure, where the same call may work next time; never for a
+    closed sandbox (`SandboxClosed`), which refuses every later call too.
     """
 
     text: str
@@ -223,6 +225,7 @@ class Outcome:
     rule: str | None
     rules: tuple[str, ...]
     refused: bool = False
+    retryable: bool = False
 
 
 def coerce_policy(value: Any) -> Policy:
@@ -264,7 +267,8 @@ def outcome(result: RunResult, *, code_errors_as: CodeErrorsAs = "output") -> Ou
                 partial = partial[:_PARTIAL_CHARS] + f"\n[... {cut} more characters not shown]"
             parts.append("Output before it stopped:\n" + partial)
         rule = error.rule or (rules[0] if rules else None)
-        return Outcome("\n".join(parts), True, error.kind, rule, rules, refused)
+        retryable = error.kind in ("crashed", "internal") and error.type != "SandboxClosed"
+        return Outcome("\n".join(parts), True, error.kind, rule, rules, refused, retryable)
     out = _output_text(result)
     if out:
         parts.append(out)
@@ -350,6 +354,13 @@ def _failure_text(result: RunResult, error: RunError) -> str:
             f"The sandbox worker crashed ([{error.rule or 'worker.crashed'}]): "
             f"{clean(error.message, 1000)}. "
             "The next call starts a fresh interpreter: define your variables again."
+        )
+    if error.type == "SandboxClosed":
+        # Closed by its owner (the application is shutting the tool down): a retry meets the
+        # same closed sandbox, so the model is told not to try again.
+        return (
+            f"The sandbox is closed ({clean(error.message, 1000)}): this tool cannot run "
+            "code any more, so do not call it again. This was not caused by your code."
         )
     return (
         f"The sandbox failed internally ({clean(error.type, 120)}: {clean(error.message, 1000)}). "

@@ -186,7 +186,7 @@ class SandboxedPythonTool(BaseTool):
         return ToolFailure(
             message=out.text,
             code=out.rule or out.kind,
-            retryable=out.kind in ("crashed", "internal"),
+            retryable=out.retryable,
             details=_details(self.policy, result, out),
         )
 

@@ -109,19 +109,27 @@ def _fresh(host: str, port: int, target: str) -> Callable[[], None]:
     return get
 
 
+def _until_closed(s: socket.socket) -> None:
+    """Half-close and wait for the peer's close, so no connection outlives its round."""
+    s.shutdown(socket.SHUT_WR)
+    while s.recv(4096):
+        pass
+
+
 def _tunnel(proxy_port: int, server_port: int) -> Callable[[], None]:
     def setup() -> None:
         with socket.create_connection(("127.0.0.1", proxy_port)) as s:
             s.sendall(f"CONNECT 127.0.0.1:{server_port} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
             assert s.recv(64).startswith(b"HTTP/1.1 200")
+            _until_closed(s)
 
     return setup
 
 
 def _plain_connect(server_port: int) -> Callable[[], None]:
     def setup() -> None:
-        with socket.create_connection(("127.0.0.1", server_port)):
-            pass
+        with socket.create_connection(("127.0.0.1", server_port)) as s:
+            _until_closed(s)
 
     return setup
 
@@ -156,8 +164,8 @@ def bench_host(n: int, repeats: int) -> None:
                 "through the proxy, keep-alive": _keepalive("127.0.0.1", proxy_port, url),
                 "direct, new connection": _fresh("127.0.0.1", port, "/"),
                 "through the proxy, new connection": _fresh("127.0.0.1", proxy_port, url),
-                "TCP connect": _plain_connect(port),
-                "CONNECT tunnel set-up": _tunnel(proxy_port, port),
+                "TCP connect and close": _plain_connect(port),
+                "CONNECT tunnel set-up and close": _tunnel(proxy_port, port),
             },
             n,
             repeats,
@@ -171,7 +179,7 @@ def bench_host(n: int, repeats: int) -> None:
         [
             ("through the proxy, keep-alive", "direct, keep-alive"),
             ("through the proxy, new connection", "direct, new connection"),
-            ("CONNECT tunnel set-up", "TCP connect"),
+            ("CONNECT tunnel set-up and close", "TCP connect and close"),
         ],
     )
 

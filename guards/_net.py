@@ -176,6 +176,17 @@ class NetRules:
                 "resolves and judges each host; requests, urllib, httpx, pip and curl use it",
                 hint=grant_hint({"net.rules": [{"host": name, "ports": ports}]}),
             )
+        if self.pins.get(name.lower().rstrip(".")) == []:
+            # A rule names it, but it resolved to nothing when the policy loaded (the pin).
+            return Denial(
+                "net.resolve",
+                "resolve",
+                name,
+                self.policy_name,
+                detail="a [net] rule names this host but it did not resolve when the policy "
+                "loaded, so it reaches nothing",
+                hint="check the host name in the policy's [net] rules (or its DNS on the host)",
+            )
         return Denial(
             "net.resolve",
             "resolve",

@@ -377,15 +377,14 @@ def _is_ip_or_cidr(host: str) -> bool:
 
 
 def _resolve_host(host: str) -> tuple[str, ...]:
-    """The addresses `host` resolves to now (the pin), or () with a warning."""
+    """The addresses `host` resolves to now (the pin), or () when it does not resolve.
+
+    No warning: the worker's guard turns a lookup of such a name into a `net.resolve`
+    denial naming the host (the model reads it in the result; the host prints nothing).
+    """
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError):
-        warnings.warn(
-            f"the host {host!r} in [net] rules does not resolve; its rules match nothing",
-            UserWarning,
-            stacklevel=3,
-        )
         return ()
     return tuple(dict.fromkeys(str(info[4][0]) for info in infos))
 
@@ -513,8 +512,8 @@ class Policy(_Section):
     def pinned_addresses(self) -> dict[str, tuple[str, ...]]:
         """Host name -> the addresses it resolved to; resolved once, then kept.
 
-        A name that does not resolve pins no address: its rules then match nothing (a
-        warning says so).
+        A name that does not resolve pins no address: its rules then match nothing, and
+        the worker refuses a lookup of it as a `net.resolve` denial saying so.
         """
         pins = self.__pydantic_private__.get("_pins") if self.__pydantic_private__ else None
         if pins is None:

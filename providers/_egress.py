@@ -12,10 +12,11 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
    the lower-case forms, `NO_PROXY` empty), so `requests`, `urllib`, `httpx`, `pip` and
    `curl` use it unchanged.
 3. The proxy speaks HTTP `CONNECT` (a TLS tunnel: it sees the host name and the port, never
-   the contents) and plain HTTP proxying (absolute-form requests, forwarded one per
-   connection with `Connection: close`). It judges each target against the policy's rules
-   by host name and port (`EgressRules`), resolves names itself on the host (the worker
-   never resolves), and refuses a name that resolves to a loopback, private, link-local,
+   the contents) and plain HTTP proxying (absolute-form requests; the client and upstream
+   connections kept alive; only the heads are parsed, strictly, and bodies are relayed as
+   bytes with their framing tracked, see `_Session`). It judges each target against the
+   policy's rules by host name and port (`EgressRules`), resolves names itself on the host
+   (the worker never resolves), and refuses a name that resolves to a loopback, private, link-local,
    metadata or other non-global address unless a rule names that address. The host's
    own loopback services are reachable only through a rule naming them.
 4. Each refusal becomes a `Denial` (`net.connect`, `net.resolve`) recorded on the host, on
@@ -44,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http
 import ipaddress
 import socket
 import threading
@@ -592,8 +594,8 @@ class EgressProxy:
         session = _Session(route, reader, writer)
         try:
             await session.serve()
-        except (TimeoutError, OSError, asyncio.IncompleteReadError):
-            pass  # the peer went away or stalled: the connection just ends
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, _BadMessage):
+            pass  # the peer went away, stalled or broke the framing: the connection ends
         except Exception:  # a bug must end one connection, never the proxy
             import logging
 
@@ -603,6 +605,154 @@ class EgressProxy:
             session.close()
 
 
+class _BadMessage(ValueError):
+    """A request or response the proxy will not relay (malformed, ambiguous framing)."""
+
+
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _split_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The start line and the (lower-case name, value) headers of a message head.
+
+    Strict where a lenient reading could frame a message differently from the peer: bare
+    CR or LF, NUL, obsolete line folding, and a space before the colon are refused.
+    """
+    if b"\n" in head.replace(b"\r\n", b"") or b"\r" in head.replace(b"\r\n", b"") or b"\0" in head:
+        raise _BadMessage("a bare CR or LF, or a NUL, in the message head")
+    lines = head.split(b"\r\n")
+    headers: list[tuple[bytes, bytes]] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or not _TOKEN.issuperset(name):
+            raise _BadMessage(f"a malformed header line {line[:60]!r}")
+        headers.append((name.lower(), value.strip(b" \t")))
+    return lines[0], headers
+
+
+def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
+    """("length", n), ("chunked", 0) or ("close", 0) from Content-Length / Transfer-Encoding;
+    _BadMessage when they disagree, repeat with different values, or are malformed."""
+    lengths = {v for k, v in headers if k == b"content-length"}
+    codings = [
+        c.strip().lower() for k, v in headers if k == b"transfer-encoding" for c in v.split(b",")
+    ]
+    if codings:
+        if lengths:
+            raise _BadMessage("both Content-Length and Transfer-Encoding")
+        if codings[-1] != b"chunked" or codings.count(b"chunked") != 1:
+            return "close", 0  # only a response may be delimited by the close
+        return "chunked", 0
+    if not lengths:
+        return "close", 0
+    if len(lengths) != 1:
+        raise _BadMessage("conflicting Content-Length values")
+    (text,) = lengths
+    if not text.isdigit() or len(text) > 18:
+        raise _BadMessage(f"a malformed Content-Length {text[:20]!r}")
+    return "length", int(text)
+
+
+def _hop_by_hop(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+    named = {t.strip().lower() for k, v in headers if k == b"connection" for t in v.split(b",")}
+    return _HOP_BY_HOP | named
+
+
+class _Leg:
+    """One side of a session (the client or the upstream): its reader and unread bytes."""
+
+    __slots__ = ("buf", "reader", "session")
+
+    def __init__(self, session: _Session, reader: asyncio.StreamReader, buf: bytes = b"") -> None:
+        self.session = session
+        self.reader = reader
+        self.buf = buf
+
+    async def fill(self) -> bool:
+        data = await self.session.read(self.reader)
+        if not data:
+            return False
+        self.buf = self.buf + data if self.buf else data
+        return True
+
+    async def until(self, mark: bytes, bound: int) -> bytes | None:
+        """The bytes before `mark` (consumed with it); None at EOF with nothing buffered."""
+        start = 0
+        while True:
+            i = self.buf.find(mark, start)
+            if i >= 0:
+                if i > bound:
+                    raise _BadMessage(f"more than {bound} bytes before the end of a head or line")
+                out, self.buf = self.buf[:i], self.buf[i + len(mark) :]
+                return out
+            if len(self.buf) > bound:
+                raise _BadMessage(f"more than {bound} bytes before the end of a head or line")
+            start = max(0, len(self.buf) - len(mark) + 1)
+            if not await self.fill():
+                if self.buf:
+                    raise ConnectionError("the peer closed the connection mid-message")
+                return None
+
+    async def line(self) -> bytes:
+        line = await self.until(b"\r\n", MAX_HEAD_BYTES)
+        if line is None:
+            raise ConnectionError("the peer closed the connection mid-message")
+        return line
+
+    async def relay(self, n: int, dst: asyncio.StreamWriter) -> None:
+        """Copy exactly `n` bytes to `dst` (back-pressure by drain)."""
+        while n > 0:
+            if not self.buf and not await self.fill():
+                raise ConnectionError("the peer closed the connection mid-body")
+            if len(self.buf) > n:
+                piece, self.buf = self.buf[:n], self.buf[n:]
+            else:
+                piece, self.buf = self.buf, b""
+            dst.write(piece)
+            n -= len(piece)
+            if n:
+                await dst.drain()
+
+    async def relay_chunked(self, dst: asyncio.StreamWriter, raw: bool) -> None:
+        """Copy a chunked body, chunk by chunk and its trailers; `raw=False` unwraps it
+        (for an HTTP/1.0 client, whose answer then ends with the connection)."""
+        while True:
+            line = await self.line()
+            size = line.split(b";", 1)[0].strip(b" \t")
+            if not size or len(size) > 15 or not _HEX.issuperset(size):
+                raise _BadMessage(f"a malformed chunk size {line[:20]!r}")
+            n = int(size, 16)
+            if raw:
+                dst.write(line + b"\r\n")
+            if n == 0:
+                break
+            await self.relay(n, dst)
+            if await self.line() != b"":
+                raise _BadMessage("a chunk longer than its size")
+            if raw:
+                dst.write(b"\r\n")
+            await dst.drain()
+        total = 0
+        while True:  # trailers, up to the blank line
+            line = await self.line()
+            total += len(line)
+            if total > MAX_HEAD_BYTES:
+                raise _BadMessage("chunked trailers too long")
+            if raw:
+                dst.write(line + b"\r\n")
+            if not line:
+                return
+
+    async def relay_to_close(self, dst: asyncio.StreamWriter) -> None:
+        if self.buf:
+            dst.write(self.buf)
+            self.buf = b""
+        while data := await self.session.read(self.reader):
+            dst.write(data)
+            await dst.drain()
+
+
 class _Session:
     """One client connection: requests in order, each judged, forwarded and answered.
 
@@ -610,21 +760,22 @@ class _Session:
     while the target stays the same; `CONNECT` turns the connection into a tunnel. One
     timer per connection enforces the timeouts: the request head must arrive within
     HEAD_TIMEOUT, and any later silence longer than IDLE_TIMEOUT ends the connection.
+
+    Only the message heads are parsed (strictly: see `_split_head`, `_framing`); bodies are
+    relayed as they come, their framing (Content-Length, chunked, or the close of the
+    upstream) tracked just enough to know where a message ends.
     """
 
     def __init__(
         self, route: Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        import h11
-
         self.route = route
         self.reader = reader
         self.writer = writer
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.client = _Leg(self, reader)
         self.up_key: tuple[str, int] | None = None
-        self.up_reader: asyncio.StreamReader | None = None
+        self.up: _Leg | None = None
         self.up_writer: asyncio.StreamWriter | None = None
-        self.up_conn: Any = None
         self.loop = asyncio.get_running_loop()
         self.limit = HEAD_TIMEOUT
         self.last = self.loop.time()
@@ -645,15 +796,6 @@ class _Session:
         self.last = self.loop.time()
         return data
 
-    async def next_event(self, conn: Any, reader: asyncio.StreamReader) -> Any:
-        import h11
-
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            conn.receive_data(await self.read(reader))
-
     def close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -664,30 +806,32 @@ class _Session:
     def _close_upstream(self) -> None:
         if self.up_writer is not None:
             self.up_writer.close()
-        self.up_key = self.up_reader = self.up_writer = self.up_conn = None
+        self.up_key = self.up = self.up_writer = None
 
     async def serve(self) -> None:
-        import h11
-
         first = await self.read(self.reader)
         if first[:1] == b"\x05":
             await self._socks(first)
             return
-        self.conn.receive_data(first)
+        self.client.buf = first
         while True:
             try:
-                event = await self.next_event(self.conn, self.reader)
-            except h11.RemoteProtocolError:
-                await _reply(self.writer, self.conn, 400, "the proxy could not parse the request")
-                return
-            if not isinstance(event, h11.Request):
+                head = await self.client.until(b"\r\n\r\n", MAX_HEAD_BYTES)
+                if head is None:
+                    return
+                start, headers = _split_head(head)
+                method, target, version = _request_line(start)
+                framing = _framing(headers)
+                if framing[0] == "close":  # a request's body is never delimited by a close
+                    if any(name == b"transfer-encoding" for name, _ in headers):
+                        raise _BadMessage("a Transfer-Encoding that does not end in chunked")
+                    framing = ("length", 0)
+            except _BadMessage as exc:
+                await _reply(self.writer, 400, f"the proxy could not parse the request ({exc})")
                 return
             self.limit = IDLE_TIMEOUT  # the head is in; from here on, silence is what counts
-            if not await self._one(event):
+            if not await self._one(method, target, version, headers, framing):
                 return
-            if self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
-                return
-            self.conn.start_next_cycle()
 
     async def _socks(self, data: bytes) -> None:
         """A SOCKS5 client (RFC 1928): no authentication, `CONNECT` only, judged like a
@@ -747,13 +891,13 @@ class _Session:
         if error:
             reply(5)  # connection refused
             return
-        assert self.up_reader is not None and self.up_writer is not None
+        assert self.up is not None and self.up_writer is not None
         reply(0)
         if leftover:
             self.up_writer.write(leftover)
         await asyncio.gather(
             self._pump(self.reader, self.up_writer),
-            self._pump(self.up_reader, self.writer),
+            self._pump(self.up.reader, self.writer),
             return_exceptions=True,
         )
 
@@ -769,130 +913,159 @@ class _Session:
                 await asyncio.wait_for(
                     self.loop.sock_connect(sock, (address, port)), CONNECT_TIMEOUT
                 )
-                self.up_reader, self.up_writer = await asyncio.open_connection(
+                up_reader, self.up_writer = await asyncio.open_connection(
                     sock=sock, limit=BUFFER_BYTES
                 )
+                self.up = _Leg(self, up_reader)
                 return ""
             except (TimeoutError, OSError) as exc:
                 sock.close()
                 error = f"{address}:{port}: {exc or type(exc).__name__}"
         return error or "no address"
 
-    async def _one(self, request: Any) -> bool:
+    async def _one(
+        self,
+        method: str,
+        target: str,
+        version: bytes,
+        headers: list[tuple[bytes, bytes]],
+        framing: tuple[str, int],
+    ) -> bool:
         """Serve one request; False when the connection must end after it."""
-        import h11
-
-        method = request.method.decode("ascii", "replace").upper()
-        target = request.target.decode("ascii", "replace")
         try:
-            host, port, path = _parse_target(method, target)
+            host, port, path = _parse_target(method.upper(), target)
         except ValueError as exc:
-            await _reply(self.writer, self.conn, 400, str(exc))
+            await _reply(self.writer, 400, str(exc))
             return False
-        if (
-            self.up_key != (host, port)
-            or self.up_conn is None
-            or self.up_conn.our_state is not h11.IDLE
-        ):
+        connect = method.upper() == "CONNECT"
+        if connect or self.up_key != (host, port) or self.up is None:
             self._close_upstream()
             addresses, denial = await _decide(self.route, host, port)
             if denial is not None:
                 self.route.record(denial)  # recorded before the refusal reaches the worker
-                await _reply(self.writer, self.conn, 403, denial.message(), rule=denial.rule)
+                await _reply(self.writer, 403, denial.message(), rule=denial.rule)
                 return False
             error = await self._connect(addresses, port)
             if error:
                 why = f"the proxy could not reach {host}:{port} ({error})"
-                await _reply(self.writer, self.conn, 502, why)
+                await _reply(self.writer, 502, why)
                 return False
             self.up_key = (host, port)
-            self.up_conn = h11.Connection(h11.CLIENT)
-        assert self.up_reader is not None and self.up_writer is not None
-        if method == "CONNECT":
-            self.writer.write(self.conn.send(h11.Response(status_code=200, headers=[])) or b"")
-            leftover = self.conn.trailing_data[0]
-            if leftover:
-                self.up_writer.write(leftover)
+        assert self.up is not None and self.up_writer is not None
+        if connect:
+            self.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            if self.client.buf:
+                self.up_writer.write(self.client.buf)
+                self.client.buf = b""
             await asyncio.gather(
                 self._pump(self.reader, self.up_writer),
-                self._pump(self.up_reader, self.writer),
+                self._pump(self.up.reader, self.writer),
                 return_exceptions=True,
             )
             return False
-        return await self._forward(request, path)
+        return await self._forward(method, path, version, headers, framing, host, port)
 
-    async def _forward(self, request: Any, path: str) -> bool:
-        """One plain-HTTP exchange in origin form, both sides framed by h11."""
-        import h11
-
-        up, up_writer = self.up_conn, self.up_writer
+    async def _forward(
+        self,
+        method: str,
+        path: str,
+        version: bytes,
+        headers: list[tuple[bytes, bytes]],
+        framing: tuple[str, int],
+        host: str,
+        port: int,
+    ) -> bool:
+        """One plain-HTTP exchange in origin form: the heads rewritten, the bodies relayed."""
+        up, up_writer = self.up, self.up_writer
         assert up is not None and up_writer is not None
-        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
-        head = up.send(h11.Request(method=request.method, target=path, headers=headers)) or b""
-        event = self.conn.next_event()
-        if isinstance(event, h11.EndOfMessage):
-            # No body (most requests): one write up, then the response, in this task.
-            up_writer.write(head + (up.send(h11.EndOfMessage()) or b""))
-            await self._relay_response()
+        drop = _hop_by_hop(headers)
+        client_close = version != b"HTTP/1.1" or b"close" in drop
+        out = [f"{method} {path} HTTP/1.1\r\n".encode("ascii")]
+        has_host = False
+        for name, value in headers:
+            if name not in drop:
+                out.append(name + b": " + value + b"\r\n")
+                has_host = has_host or name == b"host"
+        if not has_host:
+            out.append(f"host: {host}:{port}\r\n".encode("ascii"))
+        out.append(b"\r\n")
+        kind, length = framing
+        if kind == "length" and length <= len(self.client.buf):
+            # No body, or all of it already read (most requests): one write up, then the
+            # response, in this task.
+            if length:
+                out.append(self.client.buf[:length])
+                self.client.buf = self.client.buf[length:]
+            up_writer.write(b"".join(out))
+            reuse, keep = await self._relay_response(method.upper(), client_close)
         else:
-            up_writer.write(head)
-            back = asyncio.ensure_future(self._relay_response())
+            up_writer.write(b"".join(out))
+            back = asyncio.ensure_future(self._relay_response(method.upper(), client_close))
             try:
-                while True:
-                    if event is h11.NEED_DATA:
-                        self.conn.receive_data(await self.read(self.reader))
-                    elif isinstance(event, h11.Data):
-                        up_writer.write(up.send(h11.Data(data=event.data)) or b"")
-                        await up_writer.drain()
-                    elif isinstance(event, h11.EndOfMessage):
-                        up_writer.write(up.send(h11.EndOfMessage()) or b"")
-                        break
-                    else:
-                        return False
-                    event = self.conn.next_event()
-                await back
+                if kind == "length":
+                    await self.client.relay(length, up_writer)
+                else:
+                    await self.client.relay_chunked(up_writer, raw=True)
+                await up_writer.drain()
+                reuse, keep = await back
             finally:
                 back.cancel()
-        if up.our_state is h11.DONE and up.their_state is h11.DONE:
-            up.start_next_cycle()
-        else:
+        if not reuse:
             self._close_upstream()
-        return True
+        return keep
 
-    async def _relay_response(self) -> None:
-        """Relay the upstream's answer, re-framed by h11, one client write per chunk read."""
-        import h11
-
-        up, up_reader = self.up_conn, self.up_reader
-        assert up is not None and up_reader is not None
-        out: list[bytes] = []
+    async def _relay_response(self, method: str, client_close: bool) -> tuple[bool, bool]:
+        """Relay the upstream's answer (interim 1xx heads, then the final one and its body);
+        (the upstream connection can be reused, the client's stays open)."""
+        up = self.up
+        assert up is not None
         while True:
-            event = up.next_event()
-            if event is h11.NEED_DATA:
-                if out:
-                    self.writer.write(b"".join(out))
-                    out.clear()
-                    await self.writer.drain()
-                up.receive_data(await self.read(up_reader))
-                continue
-            if isinstance(event, h11.InformationalResponse | h11.Response):
-                headers = [(k, v) for k, v in event.headers if k.lower() not in _HOP_BY_HOP]
-                kind = type(event)
-                out.append(
-                    self.conn.send(
-                        kind(status_code=event.status_code, headers=headers, reason=event.reason)
-                    )
-                    or b""
-                )
-            elif isinstance(event, h11.Data):
-                out.append(self.conn.send(h11.Data(data=event.data)) or b"")
-            elif isinstance(event, h11.EndOfMessage):
-                out.append(self.conn.send(h11.EndOfMessage()) or b"")
+            head = await up.until(b"\r\n\r\n", MAX_HEAD_BYTES)
+            if head is None:
+                raise ConnectionError("the upstream server closed the connection")
+            start, headers = _split_head(head)
+            version, _, rest = start.partition(b" ")
+            code_text = rest[:3]
+            if version[:7] != b"HTTP/1." or len(code_text) != 3 or not code_text.isdigit():
+                raise _BadMessage(f"a malformed status line {start[:60]!r}")
+            code = int(code_text)
+            drop = _hop_by_hop(headers)
+            out = [b"HTTP/1.1 " + rest + b"\r\n"]
+            out.extend(n + b": " + v + b"\r\n" for n, v in headers if n not in drop)
+            if 100 <= code < 200:
+                if code == 101:
+                    raise _BadMessage("the upstream switched protocols unasked")
+                out.append(b"\r\n")
                 self.writer.write(b"".join(out))
-                await self.writer.drain()
-                return
+                continue
+            break
+        if method == "HEAD" or code in (204, 304):
+            kind, length = "length", 0
+        else:
+            kind, length = _framing(headers)
+        reuse = version == b"HTTP/1.1" and b"close" not in drop and kind != "close"
+        keep = not client_close and kind != "close"
+        if kind == "chunked" and client_close:
+            kind = "unchunk"  # an HTTP/1.0 client: the body ends with the connection
+            out = [h for h in out if not h.lower().startswith(b"transfer-encoding:")]
+        if not keep:
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        if kind == "length" and length <= len(up.buf):
+            # The whole answer is already here (most small ones): one write to the client.
+            out.append(up.buf[:length])
+            up.buf = up.buf[length:]
+            self.writer.write(b"".join(out))
+        else:
+            self.writer.write(b"".join(out))
+            if kind == "length":
+                await up.relay(length, self.writer)
+            elif kind == "close":
+                await up.relay_to_close(self.writer)
             else:
-                raise ConnectionError("the upstream server closed the connection mid-response")
+                await up.relay_chunked(self.writer, raw=kind == "chunked")
+        await self.writer.drain()
+        return reuse and not up.buf, keep
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         """Copy until EOF, then half-close `dst` (back-pressure by drain)."""
@@ -965,28 +1138,38 @@ def _parse_target(method: str, target: str) -> tuple[str, int, str]:
 
 
 async def _reply(
-    writer: asyncio.StreamWriter, conn: Any, status: int, text: str, rule: str | None = None
+    writer: asyncio.StreamWriter, status: int, text: str, rule: str | None = None
 ) -> None:
-    """Answer the request `conn` has read (or failed to read) with a short text body."""
-    import h11
-
+    """Answer the request just read (or that failed to parse) with a short text body, and
+    end the connection."""
     body = (text + "\n").encode("utf-8", "replace")
-    headers = [
-        (b"content-type", b"text/plain; charset=utf-8"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
+    head = [
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n",
+        "content-type: text/plain; charset=utf-8\r\n",
+        f"content-length: {len(body)}\r\n",
+        "connection: close\r\n",
     ]
     if rule:
-        headers.append((b"x-agent-sandbox-denial", rule.encode()))
-    try:
-        data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
-        data += conn.send(h11.Data(data=body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-    except h11.LocalProtocolError:
-        return  # nothing sensible can be answered; the connection is closed
-    writer.write(data)
+        head.append(f"x-agent-sandbox-denial: {rule}\r\n")
+    head.append("\r\n")
+    writer.write("".join(head).encode("latin-1", "replace") + body)
     with contextlib.suppress(OSError, asyncio.TimeoutError):
         await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
+
+
+def _request_line(start: bytes) -> tuple[str, str, bytes]:
+    """(method, target, version) of a request line; _BadMessage when malformed."""
+    parts = start.split(b" ")
+    if (
+        len(parts) != 3
+        or not parts[0]
+        or not _TOKEN.issuperset(parts[0])
+        or not parts[1]
+        or not all(0x21 <= c <= 0x7E for c in parts[1])
+        or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0")
+    ):
+        raise _BadMessage(f"a malformed request line {start[:80]!r}")
+    return parts[0].decode("ascii"), parts[1].decode("ascii"), parts[2]
 
 
 _proxy: EgressProxy | None = None

@@ -52,6 +52,7 @@ _KERNEL_KEYS = (
     "scratch_tmpfs",
 )
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWUSER = 0x10000000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
 
 
@@ -155,11 +156,15 @@ def _load_seccomp(bpf: bytes) -> None:
     _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))
 
 
-def _mount_scratch(path: str, size: int) -> None:
+def _mount_scratch(path: str, size: int, *, user_ns: bool = False) -> None:
     """Mount a tmpfs of `size` bytes over `path` in a new mount namespace of this process
     (it ends with the worker's last process: nothing to clean up on the host), and move
     into it. Needs CAP_SYS_ADMIN, so it runs before the capabilities are dropped; seccomp
-    and Landlock forbid unmounting it afterwards."""
+    and Landlock forbid unmounting it afterwards.
+
+    `user_ns` (a worker run by a non-root user): first enter a user namespace of its own,
+    its uid and gid mapped to themselves (files keep their owners), which gives the
+    capability over the new mount namespace only; steps 3 and 5 drop it like root's."""
     import ctypes
 
     libc = _libc()
@@ -169,7 +174,14 @@ def _mount_scratch(path: str, size: int) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"{what}: {os.strerror(err)}")
 
-    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    if user_ns:
+        uid, gid = os.geteuid(), os.getegid()
+        check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1\n")):
+            _write_proc(name, text)
+        _write_proc("gid_map", f"{gid} {gid} 1\n")
+    else:
+        check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
     options = f"size={size},mode=0700".encode()
     check(
@@ -177,6 +189,14 @@ def _mount_scratch(path: str, size: int) -> None:
         f"mount a tmpfs on {path}",
     )
     os.chdir(path)
+
+
+def _write_proc(name: str, text: str) -> None:
+    fd = os.open(f"/proc/self/{name}", os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def open_egress_listener(setup: Mapping[str, Any]) -> int:
@@ -240,10 +260,13 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
             "they would stay unrestricted"
         )
     checks["threads"] = threads
-    # 1b. A scratch directory of bounded size, in a mount namespace of the worker's own.
+    # 1b. A scratch directory of bounded size, in a mount namespace of the worker's own (and,
+    #     for a non-root worker, a user namespace of its own that owns it).
     scratch = setup.get("scratch_tmpfs")
     if scratch:
-        _mount_scratch(str(scratch["path"]), int(scratch["bytes"]))
+        _mount_scratch(
+            str(scratch["path"]), int(scratch["bytes"]), user_ns=bool(scratch.get("user_ns"))
+        )
         checks["scratch_tmpfs"] = int(scratch["bytes"])
     # 2. NO_NEW_PRIVS (always when anything kernel-side is asked: Landlock/seccomp need it).
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)

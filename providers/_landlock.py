@@ -68,6 +68,7 @@ __all__ = [
     "landlock_abi",
     "landlock_setup",
     "probe_landlock",
+    "probe_user_tmpfs",
     "restrict_self",
 ]
 
@@ -422,6 +423,44 @@ def probe_landlock() -> ProbeResult:
     return ProbeResult("landlock", True, version=f"ABI {abi}", details=details)
 
 
+# The worker's own step (`_inworker` is standard library only), run on a scratch directory.
+_USER_TMPFS_TRIAL = (
+    "import sys; sys.path.insert(0, sys.argv[1]); import _inworker; "
+    "_inworker._mount_scratch(sys.argv[2], 65536, user_ns=True)"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def probe_user_tmpfs() -> str:
+    """Why a non-root worker cannot mount its scratch tmpfs here ("" when it can): the
+    worker's own step (`_inworker._mount_scratch(user_ns=True)`), tried once in a child."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="agent-sandbox-probe-")
+    try:
+        out = subprocess.run(
+            [
+                *(os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _USER_TMPFS_TRIAL),
+                *(os.path.dirname(os.path.abspath(__file__)), where),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the trial did not run: {exc}"
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines()
+        return lines[-1] if lines else f"exit status {out.returncode}"
+    return ""
+
+
 class LandlockProvider(Provider):
     """A plain child process that applies Landlock and seccomp to itself before serving."""
 
@@ -437,6 +476,20 @@ class LandlockProvider(Provider):
         result = probe_landlock()
         if not result.available:
             return result
+        if os.geteuid() != 0:
+            why = probe_user_tmpfs()
+            if why:
+                return ProbeResult(
+                    self.name,
+                    False,
+                    reason="run by a non-root user, the landlock worker bounds its scratch "
+                    "directory (limits.scratch_mb) with a tmpfs in a user namespace of its "
+                    f"own, and that fails here ({why}); enable unprivileged user namespaces "
+                    "(user.max_user_namespaces, kernel.unprivileged_userns_clone), run as "
+                    "root, or use the bwrap provider",
+                    version=result.version,
+                    details=result.details,
+                )
         seccomp_ok, seccomp_info = probe_seccomp()
         details = {**result.details, "seccomp": seccomp_info}
         if not seccomp_ok:
@@ -458,13 +511,15 @@ class LandlockProvider(Provider):
             "landlock": landlock_setup(policy, spec, pins=pins, masks=find_masks(policy, spec)),
         }
         setup.update(seccomp_setup(policy))
-        if os.geteuid() == 0:
-            # NOTE: mounting needs CAP_SYS_ADMIN, which a root-run worker has until step 5
-            # of `_inworker`; otherwise the parent checks the scratch size after each call.
-            setup["scratch_tmpfs"] = {
-                "path": spec.scratch,
-                "bytes": int(getattr(policy.limits, "scratch_mb", 512)) * 1024 * 1024,
-            }
+        # NOTE: mounting needs CAP_SYS_ADMIN, which a root-run worker has until step 5 of
+        # `_inworker`; a worker run by another user gets it over a mount namespace of its
+        # own by entering a user namespace first (the probe checks that works here).
+        setup["scratch_tmpfs"] = {
+            "path": spec.scratch,
+            "bytes": int(getattr(policy.limits, "scratch_mb", 512)) * 1024 * 1024,
+        }
+        if os.geteuid() != 0:
+            setup["scratch_tmpfs"]["user_ns"] = True
         return LaunchPlan(
             provider=self.name,
             argv=worker_argv(spec),

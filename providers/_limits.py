@@ -576,7 +576,7 @@ def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> 
     """Whether the host directory `path` holds more than `limit_bytes` (allocated blocks),
     walking it without following links; a tree of more than `max_entries` entries counts as
     over. The bound where scratch is a host directory (the `subprocess` and `firejail`
-    providers, Landlock without the right to mount): checked after every call, so one call
+    providers): checked after every call, so one call
     can overshoot until RLIMIT_FSIZE or the disk stops it."""
     from agent_sandbox.providers._walk import TooManyEntries, walk_capped
 

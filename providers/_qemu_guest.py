@@ -315,9 +315,11 @@ def main() -> None:
     if kind != ord("B"):
         _console("sb-agent: the host's first frame is not B")
         _power_off()
+    steps = [("boot received", time.monotonic())]
     msg = json.loads(payload)
     try:
         boot = _setup(msg)
+        steps.append(("reseeded and mounted", time.monotonic()))
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(_WORKER_SOCK)
         listener.listen(16)
@@ -328,7 +330,10 @@ def main() -> None:
     if child == 0:
         _worker(boot, dict(msg.get("env", {})), listener, port)
     listener.close()
-    port.send(b"R")
+    steps.append(("worker forked", time.monotonic()))
+    # The guest's own clock, for the relay's trace: each step since the boot frame arrived.
+    base = steps[0][1]
+    port.send(b"R", 0, json.dumps([[what, round(t - base, 4)] for what, t in steps]).encode())
     status = _relay(port, listener, child)
     port.send(b"X", 0, str(status).encode())
     _power_off()

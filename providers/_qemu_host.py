@@ -273,7 +273,7 @@ def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen
                     elif kind == ord("E"):
                         raise RuntimeError(payload[:4096].decode("utf-8", "replace"))
                     elif kind == ord("R"):
-                        _trace("guest set up, worker forked")
+                        _trace(f"guest set up, worker forked (guest clock: {payload[:300]!r})")
                     elif kind in (ord("D"), ord("C")):
                         pass
                     else:

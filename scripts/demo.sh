@@ -4,4 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/agent-sandbox demo "$@"
+# CrewAI writes settings and a key under the home directory (~/.config/crewai,
+# ~/.local/share/crewai) and lock files in the temporary directory: the demo gives it a
+# temporary home and temporary directory of its own, removed at the end.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+mkdir "$scratch/home" "$scratch/tmp"
+HOME=$scratch/home TMPDIR=$scratch/tmp .venv/bin/agent-sandbox demo "$@"

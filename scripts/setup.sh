@@ -46,7 +46,7 @@ stamp=.venv/.agent-sandbox-installed
 log=.venv/setup.log
 quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; return 1; }; }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ guards/_fastimport.c -nt "$stamp" ]; then
+   || [ guards/_fastimport.c -nt "$stamp" ] || [ guards/_fastscan.c -nt "$stamp" ]; then
   : >"$log"
   quiet .venv/bin/python -m pip install -q --upgrade pip
   # This project was once installed as `agent-sandbox`, a name that belongs to an unrelated
@@ -56,30 +56,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   fi
   quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
   touch "$stamp"
-fi
-# A second environment on Debian's own Python, inside the checkout (.venv-nonroot), so the tests
-# can run the sandbox as an unprivileged user (tests/core/test_nonroot.py skips without it, or
-# when the checkout is not readable by other users). Core and seccomp dependencies only. A
-# failure here only costs those tests. Its editable install rebuilds guards/_fastimport*.so
-# with Debian's headers: the same file, the same 3.11 ABI.
-nonroot_env() {
-  local nonroot=$PWD/.venv-nonroot
-  if [ ! -x "$nonroot/bin/python" ]; then
-    /usr/bin/python3 -m venv "$nonroot" 2>/dev/null || {
-      rm -rf "$nonroot"
-      apt-get update -qq >/dev/null && apt-get install -y -qq python3-venv >/dev/null
-      /usr/bin/python3 -m venv "$nonroot"
-    }
-  fi
-  if [ ! -f "$nonroot/.installed" ] || [ pyproject.toml -nt "$nonroot/.installed" ] \
-     || [ setup.py -nt "$nonroot/.installed" ] || [ guards/_fastimport.c -nt "$nonroot/.installed" ]
-  then
-    "$nonroot/bin/python" -m pip show -q agent-sandbox >/dev/null 2>&1 \
-      && "$nonroot/bin/python" -m pip uninstall -y -q agent-sandbox >>"$log" 2>&1
-    "$nonroot/bin/python" -m pip install -q -e ".[seccomp]" >>"$log" 2>&1 \
-      && touch "$nonroot/.installed"
-  fi
-}
-if [ "$(id -u)" = 0 ] && [ -x /usr/bin/python3 ]; then
-  nonroot_env || echo "setup: the non-root test environment could not be built; its tests will skip" >&2
 fi

@@ -1,21 +1,43 @@
 #!/usr/bin/env bash
-# Run the test suite as an unprivileged user (uid 65534) on Debian's /usr/bin/python3, from a
-# virtualenv inside the checkout (.venv-nonroot, with the test extras). Needs root (to switch
-# users) and a checkout other users can read. Not yet called by .ci/run: see issue 17.
+# The whole test suite again, as an unprivileged user (uid 65534) on Debian's own
+# /usr/bin/python3 (3.11.2, whose Enum pickles through getattr), from a virtualenv inside the
+# checkout (.venv-nonroot, with the test extras). CI runs it after scripts/test.sh (.ci/run).
+# Needs root (to switch users) and a checkout that other users can read; the user gets a
+# temporary home, removed at the end, and writes nothing in the checkout. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "test-nonroot: run as root (it switches to uid 65534)" >&2; exit 2; }
+as_user=(setpriv --reuid=65534 --regid=65534 --clear-groups)
+"${as_user[@]}" test -r pyproject.toml -a -x tests || {
+  echo "test-nonroot: uid 65534 cannot read $PWD; put the checkout where other users can" >&2
+  exit 2
+}
 env_dir=$PWD/.venv-nonroot
 log=$env_dir/setup.log
-if [ ! -x "$env_dir/bin/python" ]; then /usr/bin/python3 -m venv "$env_dir"; fi
-if [ ! -f "$env_dir/.installed-dev" ] || [ pyproject.toml -nt "$env_dir/.installed-dev" ]; then
-  "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp]" >"$log" 2>&1 \
-    || { cat "$log" >&2; exit 1; }
-  touch "$env_dir/.installed-dev" "$env_dir/.installed"
+stamp=$env_dir/.installed-tests
+if [ ! -x "$env_dir/bin/python" ]; then
+  /usr/bin/python3 -m venv "$env_dir" 2>/dev/null || {
+    rm -rf "$env_dir"
+    apt-get update -qq >/dev/null && apt-get install -y -qq python3-venv >/dev/null
+    /usr/bin/python3 -m venv "$env_dir"
+  }
 fi
+# pip's output goes to the log, shown only when the install fails. The editable install also
+# builds guards/_fastimport*.so and _fastscan*.so with Debian's headers (the same 3.11 ABI as .venv's).
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+   || [ setup.py -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ] \
+   || [ guards/_fastscan.c -nt "$stamp" ]
+then
+  "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]" >"$log" 2>&1 \
+    || { cat "$log" >&2; exit 1; }
+  touch "$stamp"
+fi
+# The user cannot write the checkout's bytecode caches: write them now, as root (workers run
+# with -B and would otherwise compile every module from source at each start).
+"$env_dir/bin/python" -m compileall -q -j 0 agent_sandbox adapters guards providers policies \
+  >/dev/null
 home=$(mktemp -d)
 trap 'rm -rf "$home"' EXIT
 chown 65534:65534 "$home"
-setpriv --reuid=65534 --regid=65534 --clear-groups \
-  env HOME="$home" PATH="$env_dir/bin:/usr/bin:/bin" \
+"${as_user[@]}" env HOME="$home" PATH="$env_dir/bin:/usr/bin:/bin" \
   "$env_dir/bin/python" -m pytest -p no:cacheprovider "$@"

@@ -77,6 +77,30 @@ def test_crash_and_internal_failures_are_errors_with_clear_text():
     assert crash.is_error and "fresh interpreter" in crash.text
     internal = outcome(RunResult(error=RunError(kind="internal", type="X", message="boom")))
     assert internal.is_error and "failed internally (X: boom)" in internal.text
+    assert internal.retryable and crash.retryable
+
+
+def test_a_closed_sandbox_is_not_offered_a_retry():
+    """It tells the model a closed sandbox will not run code again (not "try once more"),
+    and marks the failure not retryable (CrewAI's `ToolFailure.retryable`)."""
+    from agent_sandbox import SandboxClosed
+    from agent_sandbox.adapters._common import internal_failure
+
+    for result in (
+        RunResult(
+            error=RunError(
+                kind="internal",
+                type="SandboxClosed",
+                message="the sandbox was closed while the call was running",
+            )
+        ),
+        internal_failure(SandboxClosed("the sandbox is closed")),
+    ):
+        out = outcome(result)
+        assert out.is_error and out.kind == "internal" and not out.retryable
+        assert out.text.startswith("The sandbox is closed (")
+        assert "do not call it again" in out.text
+        assert "try once more" not in out.text and "failed internally" not in out.text
 
 
 def test_value_and_images():

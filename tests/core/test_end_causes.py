@@ -110,6 +110,10 @@ def stopped() -> tuple[str, str]:
         pid = session.worker.worker_pid()
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
+        # The stop is delivered when the kernel next schedules the worker: wait for it, else a
+        # loaded machine has the call start first (and end as "stopped mid-call").
+        worker = session.worker
+        _wait(worker.stopped)
         result = session.run("1 + 1")  # (not a timeout: it runs, in a fresh interpreter)
         assert result.value == 2 and result.state_lost, result
         return _text(result)

@@ -600,6 +600,39 @@ def test_a_host_that_does_not_resolve_is_a_denial_in_the_result_not_a_warning(
     assert not [w for w in caught if "does not resolve" in str(w.message)]
 
 
+def test_subprocess_a_named_host_that_does_not_resolve_is_a_resolve_denial() -> None:
+    """Under `subprocess` (the opt-out; names pinned when the policy loads), a rule's host
+    that does not resolve is a `net.resolve` denial naming the host that says it did not
+    resolve (not "no rule names this host"), and the host prints no warning."""
+    policy = Policy(
+        name="unresolved",
+        imports={"allow": ["socket"]},
+        net={"rules": [{"host": "no-such-host.invalid", "ports": "80"}]},
+        limits={"wall_seconds": 30},
+        no_kernel_boundary="accepted",
+    )
+    code = (
+        "import socket\n"
+        "try:\n"
+        "    socket.create_connection(('no-such-host.invalid', 80), timeout=2)\n"
+        "    r = 'connected'\n"
+        "except OSError as exc:\n"
+        "    r = type(exc).__name__\n"
+        "r"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Sandbox(policy, provider="subprocess", warm=0) as sb:
+            result = sb.run(code)
+    assert result.value == "NetworkDenied", result
+    resolves = [d for d in result.denials if d.rule == "net.resolve"]
+    assert [d.target for d in resolves] == ["no-such-host.invalid"], result.denials
+    assert "did not resolve" in resolves[0].detail, resolves[0].detail
+    assert "no [net] rule names" not in resolves[0].detail
+    assert "Warning" not in result.stderr
+    assert not [w for w in caught if "resolve" in str(w.message)], [str(w.message) for w in caught]
+
+
 def _socks_connect(proxy_port: int, host: str, port: int) -> tuple[socket.socket, int]:
     """A SOCKS5 handshake by hand (no auth, CONNECT to a name); the socket and reply code."""
     s = socket.create_connection(("127.0.0.1", proxy_port), timeout=5)
@@ -651,3 +684,229 @@ def test_socks5_connect_is_judged_like_connect(
         assert [(d.rule, d.target) for d in route.drain()] == [("net.resolve", "other.test")]
     finally:
         route.close()
+
+
+# -- framing: the proxy parses heads only and relays bodies -------------------------------
+
+
+class _FramingHandler(http.server.BaseHTTPRequestHandler):
+    """Answers in each framing a server may use; POST echoes its body (any framing)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _body(self) -> bytes:
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b""):
+                        pass
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("content-length", "0")))
+
+    def do_POST(self) -> None:
+        body = self._body()
+        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+    def do_HEAD(self) -> None:
+        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+
+    def do_GET(self) -> None:
+        w = self.wfile.write
+        if self.path == "/chunked":
+            w(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nkeep-alive: x\r\n\r\n")
+            w(b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: t\r\n\r\n")
+        elif self.path == "/close":
+            w(b"HTTP/1.0 200 OK\r\n\r\nuntil the close")
+            self.close_connection = True
+        elif self.path == "/empty":
+            w(b"HTTP/1.1 204 No Content\r\n\r\n")
+        elif self.path == "/continue":
+            w(b"HTTP/1.1 100 Continue\r\n\r\n")
+            w(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nafter")
+        elif self.path == "/big":
+            body = bytes(range(256)) * 4096  # 1 MiB
+            w(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        elif self.path == "/smuggle":
+            w(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\nok")
+        else:
+            w(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def framing_route() -> Iterator[tuple[Any, int, int]]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FramingHandler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    port = int(httpd.server_address[1])
+    route = egress_proxy().attach(
+        _policy([{"host": "127.0.0.1", "ports": str(port)}]), _listener_for_test()
+    )
+    try:
+        yield route, route.listener.getsockname()[1], port
+    finally:
+        route.close()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+def _raw_exchange(proxy_port: int, data: bytes) -> bytes:
+    """Send `data` to the proxy and read until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", proxy_port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_the_proxy_relays_every_framing_on_one_keep_alive_connection(
+    framing_route: tuple[Any, int, int],
+) -> None:
+    """Content-Length and chunked bodies both ways, interim 1xx answers, HEAD, 204 and a big
+    body, all on one client connection, byte for byte; hop-by-hop headers are dropped."""
+    import http.client
+
+    route, proxy_port, port = framing_route
+    base = f"http://127.0.0.1:{port}"
+    conn = http.client.HTTPConnection("127.0.0.1", proxy_port, timeout=10)
+    try:
+
+        def get(path: str, method: str = "GET", **kw: Any) -> http.client.HTTPResponse:
+            conn.request(method, base + path, **kw)
+            return conn.getresponse()
+
+        r = get("/chunked")
+        assert (r.status, r.read(), r.getheader("keep-alive")) == (200, b"hello world", None)
+        r = get("/empty")
+        assert (r.status, r.read()) == (204, b"")
+        r = get("/x", method="HEAD")
+        assert (r.status, r.getheader("content-length"), r.read()) == (200, "1000", b"")
+        r = get("/continue")
+        assert (r.status, r.read()) == (200, b"after")
+        body = b"x" * 300_000
+        r = get("/echo", method="POST", body=body)
+        assert r.read() == body
+        r = get("/echo", method="POST", body=iter([b"abc", b"defg"]), encode_chunked=True)
+        assert r.read() == b"abcdefg"
+        r = get("/big")
+        assert r.read() == bytes(range(256)) * 4096
+        r = get("/close")  # an HTTP/1.0 server's answer ends with its connection
+        assert (r.status, r.read(), r.getheader("connection")) == (200, b"until the close", "close")
+    finally:
+        conn.close()
+    assert route.drain() == []
+
+
+def test_the_proxy_unwraps_a_chunked_answer_for_an_http10_client(
+    framing_route: tuple[Any, int, int],
+) -> None:
+    _route, proxy_port, port = framing_route
+    out = _raw_exchange(
+        proxy_port, f"GET http://127.0.0.1:{port}/chunked HTTP/1.0\r\n\r\n".encode()
+    )
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert body == b"hello world"
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "POST {url} HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n",
+        "POST {url} HTTP/1.1\r\nhost: a\r\ncontent-length: 3\r\ncontent-length: 4\r\n",
+        "POST {url} HTTP/1.1\r\nhost: a\r\ntransfer-encoding: gzip\r\n",
+        "GET {url} HTTP/1.1\r\nhost : a\r\n",
+        "GET {url} HTTP/1.1\r\nhost: a\r\n folded: value\r\n",
+        "GET {url} HTTP/1.1\r\nhost: a\nx-bare: lf\r\n",
+        "GET {url} HTTP/2.0\r\nhost: a\r\n",
+        "GET  {url} HTTP/1.1\r\nhost: a\r\n",
+    ],
+)
+def test_the_proxy_refuses_an_ambiguous_request_head(
+    framing_route: tuple[Any, int, int], head: str
+) -> None:
+    """A head another parser could frame differently (request smuggling) is a 400, not
+    forwarded; nothing is recorded as a policy denial."""
+    route, proxy_port, port = framing_route
+    out = _raw_exchange(
+        proxy_port, (head.format(url=f"http://127.0.0.1:{port}/") + "\r\n").encode()
+    )
+    assert out.startswith(b"HTTP/1.1 400 "), out
+    assert route.drain() == []
+
+
+def test_the_proxy_drops_an_answer_with_ambiguous_framing(
+    framing_route: tuple[Any, int, int],
+) -> None:
+    """An upstream answer with both Content-Length and chunked is not relayed."""
+    _route, proxy_port, port = framing_route
+    out = _raw_exchange(
+        proxy_port, f"GET http://127.0.0.1:{port}/smuggle HTTP/1.1\r\nhost: a\r\n\r\n".encode()
+    )
+    assert b"ok" not in out
+
+
+# -- SOCKS5 from inside a worker ---------------------------------------------------------------
+
+_SOCKS_IN_WORKER = """
+import socket
+def socks(host, port):
+    s = socket.create_connection(('127.0.0.1', {proxy}), timeout=10)
+    s.sendall(b'\\x05\\x01\\x00')
+    assert s.recv(2) == b'\\x05\\x00'
+    name = host.encode()
+    s.sendall(b'\\x05\\x01\\x00\\x03' + bytes([len(name)]) + name + port.to_bytes(2, 'big'))
+    reply = b''
+    while len(reply) < 10:
+        chunk = s.recv(10 - len(reply))
+        if not chunk:
+            break
+        reply += chunk
+    return s, reply[1]
+s, code = socks({host!r}, {port})
+body = b''
+if code == 0:
+    s.sendall(b'GET /socks HTTP/1.0\\r\\nhost: x\\r\\n\\r\\n')
+    while chunk := s.recv(4096):
+        body += chunk
+s.close()
+(code, body.decode(errors='replace'))
+"""
+
+
+def test_socks5_from_inside_a_worker_allowed_and_refused(
+    ns_provider: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """Code in the sandbox speaking SOCKS5 (`socks5h`: the name goes to the proxy) over a raw
+    socket reaches an allowed name; a name no rule names gets reply 2 (not allowed by the
+    ruleset), and the refusal is the host's recorded `net.resolve` denial in the result."""
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    policy = _policy(
+        [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}]
+    )
+    with Sandbox(policy, provider=ns_provider, warm=0) as sb:
+        ok = sb.run(
+            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
+        )
+        refused = sb.run(
+            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
+        )
+    assert ok.error is None, ok
+    code, body = ok.value
+    assert code == 0 and f"hello from {port} /socks" in body, ok.value
+    assert _net_denials(ok) == []
+    assert refused.error is None, refused
+    assert list(refused.value) == [2, ""], refused.value
+    denials = _net_denials(refused)
+    assert [(d.rule, d.target) for d in denials] == [("net.resolve", "other.test")], denials
+    assert "egress proxy" in denials[0].detail

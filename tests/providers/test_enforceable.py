@@ -228,3 +228,50 @@ def test_auto_takes_landlock_for_rules_it_enforces_exactly() -> None:
     auto = AutoProvider((fake("landlock", strength=20, layers=("landlock", "seccomp")),))
     policy = _policy([{"host": "*", "ports": "9000", "direction": "bind"}])
     assert auto.build(policy, SPEC).provider == "landlock"
+
+
+def test_firejail_a_loopback_service_inside_the_sandbox_end_to_end() -> None:
+    """firejail's allowed loopback case: with a bind and a connect rule for one loopback port,
+    code in the sandbox serves on that port and talks to its own service, on the sandbox's
+    own loopback; the host's listener on the same port is never reached (--net=none)."""
+    import socket
+
+    from .conftest import received_connection
+
+    skip_unless_available("firejail")
+    host_side = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    host_side.bind(("127.0.0.1", 0))
+    host_side.listen(4)
+    host_side.setblocking(False)
+    port = host_side.getsockname()[1]
+    policy = _policy(
+        [
+            {"host": "127.0.0.1", "ports": str(port), "direction": "bind"},
+            {"host": "127.0.0.1", "ports": str(port)},
+        ],
+        imports={"allow": ["socket"]},
+        limits={"wall_seconds": 30},
+    )
+    code = (
+        "import socket\n"
+        "srv = socket.socket()\n"
+        f"srv.bind(('127.0.0.1', {port}))\n"
+        "srv.listen(1)\n"
+        f"cli = socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
+        "conn, _ = srv.accept()\n"
+        "cli.sendall(b'ping')\n"
+        "conn.sendall(b'inside:' + conn.recv(4))\n"
+        "answer = cli.recv(64).decode()\n"
+        "for s in (cli, conn, srv):\n"
+        "    s.close()\n"
+        "answer"
+    )
+    try:
+        with Sandbox(policy, provider="firejail", warm=0) as sb:
+            result = sb.run(code)
+        assert result.error is None, result
+        assert result.value == "inside:ping", result
+        assert not [d for d in result.denials if d.rule.startswith("net.")], result.denials
+        assert not received_connection(host_side)
+    finally:
+        host_side.close()

@@ -183,10 +183,15 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
         "drop_caps",
         "landlock",
         "no_new_privs",
-        "scratch_tmpfs",  # the tests run as root: the worker may mount
+        "scratch_tmpfs",  # as root and as another user (then in a user namespace)
         "seccomp",
         "seccomp_exec",
     ]
+    assert plan.worker_setup["scratch_tmpfs"] == {
+        "path": "/run/ctl/scratch",
+        "bytes": 512 * 1024 * 1024,
+        **({"user_ns": True} if os.geteuid() != 0 else {}),
+    }
     assert plan.pass_fds == (5, 6)
 
 
@@ -220,11 +225,29 @@ def test_explicit_landlock_that_cannot_run_is_an_error(monkeypatch: pytest.Monke
         select_provider("landlock")
 
 
+def test_non_root_landlock_without_user_namespaces_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It refuses landlock for a non-root user where the scratch tmpfs cannot be mounted
+    (limits.scratch_mb would go unenforced), naming the setting and the alternatives."""
+    from agent_sandbox.providers import _landlock
+
+    monkeypatch.setattr(_landlock.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(_landlock, "probe_landlock", lambda: ProbeResult("landlock", True))
+    monkeypatch.setattr(_landlock, "probe_user_tmpfs", lambda: "unshare: Operation not permitted")
+    result = LandlockProvider().probe()
+    assert not result.available
+    for words in ("limits.scratch_mb", "Operation not permitted", "root", "bwrap"):
+        assert words in result.reason, result.reason
+
+
 def test_setup_refuses_a_process_that_already_has_a_thread(tmp_path: Path) -> None:
     """It refuses to restrict a process with a second thread (that thread would stay free)."""
+    # The thread waits for ever (not a fixed sleep: an import slower than the sleep, as for
+    # a user who cannot write the checkout's bytecode caches, would let it end first).
     code = (
-        "import threading, time\n"
-        "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+        "import threading\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
         "from agent_sandbox.providers._inworker import apply_worker_setup\n"
         "apply_worker_setup({'no_new_privs': True})\n"
     )

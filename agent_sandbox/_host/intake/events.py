@@ -297,6 +297,8 @@ _DETAIL_PATTERNS = (
     r"no \[net\] rule allows [a-z]+ [a-z]+ to this address",
     r"no \[net\] rule names this host, so it is not resolved \(names are pinned when the "
     r"policy loads\)",
+    r"a \[net\] rule names this host but it did not resolve when the policy loaded, so it "
+    r"reaches nothing",
     r"abstract Unix sockets are never allowed",
     r"only IPv4, IPv6 and Unix sockets are judged; other families are refused",
     # limits, results and the worker
