@@ -119,7 +119,9 @@ fail() { echo "sb-init: $*"; poweroff -f; }
 mount -t proc proc /proc || fail "mount /proc"
 mount -t sysfs sysfs /sys || fail "mount /sys"
 mount -t devtmpfs devtmpfs /dev || fail "mount /dev"
-mount -t tmpfs -o mode=1777,size=64m tmpfs /tmp || fail "mount /tmp"
+# /tmp stays the image's own folder (no tmpfs over it): the worker's packages are staged at
+# their host paths, which may lie under /tmp (a checkout there). The VM's RAM bounds it.
+mkdir -p /tmp && chmod 1777 /tmp || fail "/tmp"
 mount -t tmpfs -o mode=0755,size=8m tmpfs /run || fail "mount /run"
 for m in $(cat /etc/sb-modules); do insmod /lib/modules/$m.ko || fail "insmod $m"; done
 exec {python} -S -B /sb/agent.py
