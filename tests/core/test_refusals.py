@@ -267,7 +267,9 @@ def test_a_timeout_names_where_its_limit_came_from() -> None:
             timeout=0.5,
             timeout_source="the tool's timeout option ('run_python')",
         )
-    (denial,) = [d for d in result.denials if d.rule == "limits.timeout"]
+    timeouts = [d for d in result.denials if d.rule == "limits.timeout"]
+    assert len(timeouts) == 1, result
+    (denial,) = timeouts
     assert "the tool's timeout option ('run_python') = 0.5" in denial.detail
     assert denial.hint.startswith("raise the tool's timeout option")
     assert "wall_seconds" not in denial.hint
