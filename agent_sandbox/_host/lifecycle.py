@@ -43,6 +43,7 @@ __all__ = [
     "owner_env",
     "owner_tag",
     "shutting_down",
+    "starting",
 ]
 
 T = TypeVar("T")
@@ -73,6 +74,36 @@ def owner_env() -> dict[str, str]:
 
 def shutting_down() -> bool:
     return _SHUTDOWN.is_set()
+
+
+_STARTS = threading.Condition()
+_STARTS_IN_FLIGHT = [0]
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Bracket a worker start, from making its control directory to the end of its start.
+
+    Refused once the agent is exiting; the exit clean-up waits (bounded) for the starts in
+    flight to leave the bracket before it removes this agent's directories, so a start in a
+    daemon thread (a pool's refill) cannot make a directory after the clean-up and then be
+    frozen by the interpreter's finalization before its own clean-up runs.
+    """
+    with _STARTS:
+        if _SHUTDOWN.is_set():
+            raise SandboxClosed(_EXITING)
+        _STARTS_IN_FLIGHT[0] += 1
+    try:
+        yield
+    finally:
+        with _STARTS:
+            _STARTS_IN_FLIGHT[0] -= 1
+            _STARTS.notify_all()
+
+
+def _wait_for_starts(timeout: float) -> None:
+    with _STARTS:
+        _STARTS.wait_for(lambda: _STARTS_IN_FLIGHT[0] == 0, timeout=timeout)
 
 
 def _bases() -> list[str]:
@@ -246,8 +277,10 @@ def _at_exit() -> None:
     """End and remove everything of this agent, whether or not it was closed."""
     if _STATE["pid"] != os.getpid():
         return  # nothing was started by this process
-    _SHUTDOWN.set()
+    with _STARTS:
+        _SHUTDOWN.set()
     _LAUNCHER.drain(5.0)
+    _wait_for_starts(5.0)
     for hook in list(_EXIT_HOOKS):
         with contextlib.suppress(Exception):
             hook()

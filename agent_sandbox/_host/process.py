@@ -157,6 +157,19 @@ class WorkerProcess:
         start_timeout: float = 15.0,
         template: WorkerTemplate | None = None,
     ) -> WorkerProcess:
+        """Start a worker (see `_start`), inside the exit clean-up's bracket of starts."""
+        with lifecycle.starting():
+            return cls._start(policy, provider, start_timeout=start_timeout, template=template)
+
+    @classmethod
+    def _start(
+        cls,
+        policy: Policy,
+        provider: Provider,
+        *,
+        start_timeout: float = 15.0,
+        template: WorkerTemplate | None = None,
+    ) -> WorkerProcess:
         """Start a worker for `policy` under `provider` and wait for its handshake.
 
         With a `template` (see `_host/templates.py`) the worker is forked from a pre-imported
