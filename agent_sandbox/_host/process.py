@@ -527,17 +527,29 @@ class WorkerProcess:
             self._in_call = False
             self.interrupt()
             raise
-        except TimeoutError:
-            self._on_timeout(builder, wall, timeout, timeout_source)
-        except ConnectionLost:
-            self._on_lost(builder)
-        except MessageTooLarge as exc:
-            self._on_too_large(builder, exc)
-        except TransportError as exc:
-            self._on_transport_error(builder, exc)
+        except (TimeoutError, TransportError) as exc:
+            self._on_call_failure(builder, exc, wall, timeout, timeout_source)
         finally:
             self._in_call = False
         return self._finish(builder, t0, session)
+
+    def _on_call_failure(
+        self,
+        builder: ResultBuilder,
+        exc: TimeoutError | TransportError,
+        wall: float,
+        timeout: float | None,
+        timeout_source: str | None,
+    ) -> None:
+        """How a call that ended in the transport is told (shared by `run` and `arun`)."""
+        if isinstance(exc, TimeoutError):
+            self._on_timeout(builder, wall, timeout, timeout_source)
+        elif isinstance(exc, ConnectionLost):
+            self._on_lost(builder)
+        elif isinstance(exc, MessageTooLarge):
+            self._on_too_large(builder, exc)
+        else:
+            self._on_transport_error(builder, exc)
 
     async def arun(
         self,
@@ -566,14 +578,8 @@ class WorkerProcess:
             self._in_call = False
             self.interrupt()
             raise
-        except TimeoutError:
-            self._on_timeout(builder, wall, timeout, timeout_source)
-        except ConnectionLost:
-            self._on_lost(builder)
-        except MessageTooLarge as exc:
-            self._on_too_large(builder, exc)
-        except TransportError as exc:
-            self._on_transport_error(builder, exc)
+        except (TimeoutError, TransportError) as exc:
+            self._on_call_failure(builder, exc, wall, timeout, timeout_source)
         finally:
             self._in_call = False
         return self._finish(builder, t0, session)
