@@ -263,7 +263,9 @@ def test_a_timeout_names_where_its_limit_came_from() -> None:
     """It says the tool's (or CLI's) timeout stopped the call, not the policy's wall time."""
     with Sandbox("pure-computation", warm=0) as sb:
         result = sb.run(
-            "while True:\n    pass",
+            # A sleep, not a busy loop: the policy's loop budget (10M iterations) can end a
+            # `while True: pass` in under 0.5 s on a quiet machine, before the timeout.
+            "import time\ntime.sleep(30)",
             timeout=0.5,
             timeout_source="the tool's timeout option ('run_python')",
         )
