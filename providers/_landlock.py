@@ -444,7 +444,7 @@ def probe_user_tmpfs() -> str:
         out = subprocess.run(
             [
                 *(os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _USER_TMPFS_TRIAL),
-                *(os.path.dirname(os.path.abspath(__file__)), where),
+                *(os.path.dirname(os.path.realpath(__file__)), where),
             ],
             capture_output=True,
             text=True,
