@@ -70,7 +70,7 @@ def run(boot: dict) -> None:  # type: ignore[type-arg]
     if "template_fd" in boot:  # a pre-imported template that forks workers on request
         from agent_sandbox._worker.template import run_template
 
-        run_template(int(boot["template_fd"]), _read_boot)
+        run_template(int(boot["template_fd"]), _read_boot, namespace=bool(boot.get("namespace")))
     from agent_sandbox._worker.server import serve
 
     serve(boot)
