@@ -7,9 +7,9 @@ asks it to fork one worker for a launch plan the provider built as usual, and re
 the exit statuses the template reports. A template that cannot start or answer is an error
 for the pool, which then starts workers directly; nothing about the sandbox changes.
 
-Under `bwrap` (what `auto` picks here) the template lives INSIDE the sandbox: bubblewrap
-starts it with the view a worker of the policy gets, and each forked worker takes private
-namespaces of its own there (`_worker/template.py`). The host keeps the template only when
+Under `bwrap` (what `auto` picks here) and `unshare` the template lives INSIDE the sandbox:
+bubblewrap (or the `unshare` launcher) starts it with the view a worker of the policy gets,
+and each forked worker takes private namespaces of its own there (`_worker/template.py`). The host keeps the template only when
 it can hold as a fresh worker would, and starts workers from scratch otherwise:
 
 * the plan stacks Landlock with its scopes (ABI 6 or later: each worker's own domain keeps
@@ -17,10 +17,11 @@ it can hold as a fresh worker would, and starts workers from scratch otherwise:
 * the scratch directory is under `/tmp` and the policy does not bind `/tmp` itself (each
   worker gets a fresh `/tmp` and scratch directory; the policy's paths under `/tmp` are
   moved onto it);
-* per worker (`adapt`): the worker's bubblewrap command line, but for its scratch path and
-  descriptor numbers, is the template's (the same view), and the worker's own set-up gains
-  what bubblewrap gives a fresh one: no-new-privileges, the capability drop and the
-  seccomp filter.
+* per worker (`adapt`): the worker's view (its bubblewrap command line or launcher
+  configuration), but for its scratch path and descriptor numbers, is the template's, and
+  a bwrap worker's own set-up gains what bubblewrap gives a fresh one: no-new-privileges,
+  the capability drop and the seccomp filter (an `unshare` worker applies all three itself
+  anyway).
 
 A forked worker's pid is read by the host from the credentials of a socket message
 (`SO_PASSCRED`, which the kernel translates into the host's PID namespace), and the host
@@ -32,8 +33,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
+import marshal
 import os
 import signal
 import socket
@@ -71,7 +74,7 @@ __all__ = [
 #: that differs between workers in the plan's boot configuration and environment.
 PLAIN_TEMPLATE_PROVIDERS = frozenset({"subprocess", "landlock"})
 #: Providers whose template lives inside their namespace sandbox (see the docstring).
-NAMESPACE_TEMPLATE_PROVIDERS = frozenset({"bwrap"})
+NAMESPACE_TEMPLATE_PROVIDERS = frozenset({"bwrap", "unshare"})
 TEMPLATE_PROVIDERS = PLAIN_TEMPLATE_PROVIDERS | NAMESPACE_TEMPLATE_PROVIDERS
 _SCRATCH_MARK = "@scratch"
 
@@ -148,6 +151,8 @@ class WorkerTemplate:
         self._scratch_bytes = 0
         self._tmpfs_bytes = 0
         self._template_scratch = ""
+        self._provider = ""
+        self._loopback = True
 
     @classmethod
     def start(cls, policy: Policy, provider: Provider, *, timeout: float = 15.0) -> WorkerTemplate:
@@ -215,6 +220,7 @@ class WorkerTemplate:
             TMPFS_BYTES,
             host_layout_for,
             mounts_for,
+            network_mode,
             scratch_bytes,
         )
 
@@ -241,7 +247,7 @@ class WorkerTemplate:
                 base_prefix=sys.base_prefix,
             )
             plan = provider.build(policy, spec)
-            if not isinstance(plan, BwrapPlan):
+            if plan.provider == "bwrap" and not isinstance(plan, BwrapPlan):
                 raise WorkerStartError("the provider's plan is not a bubblewrap plan")
             if "landlock" not in plan.stack or "seccomp" not in plan.stack:
                 raise WorkerStartError(
@@ -262,23 +268,33 @@ class WorkerTemplate:
                     f"{spec.scratch}{' and the policy binds /tmp itself' if over_tmp else ''}); "
                     "workers start from scratch"
                 )
-            if "egress" in plan.worker_setup:
-                raise WorkerStartError("the template itself takes no egress channel")
-            self._view = _view_key(plan.argv, spec.scratch)
+            self._provider = plan.provider
+            self._view = _view_key(plan, spec.scratch)
             self._scratch_bytes = scratch_bytes(policy)
             self._tmpfs_bytes = TMPFS_BYTES
             self._template_scratch = spec.scratch
-            argv = template_argv(plan.argv)
+            # `lo` as the provider leaves it for a fresh worker (bwrap: always up).
+            self._loopback = plan.provider == "bwrap" or network_mode(policy) == "proxy"
+            if plan.provider == "bwrap":
+                argv = template_argv(plan.argv)
+            else:
+                config = marshal.loads(bytes.fromhex(plan.argv[-1]))
+                argv = (*plan.argv[:-1], marshal.dumps({**config, "template": True}).hex())
             log = open(os.path.join(self.folder, "template.log"), "wb")  # noqa: SIM115
-            self.proc = subprocess.Popen(
-                argv,
-                env={**plan.env, **lifecycle.owner_env()},
-                cwd=self.folder,
-                pass_fds=(child.fileno(), boot_r),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            # In the lasting launch thread: the launcher dies with the thread that forked it
+            # (its parent-death signal follows the thread), which must outlive the pool.
+            self.proc = lifecycle.launch(
+                functools.partial(
+                    subprocess.Popen,
+                    argv,
+                    env={**plan.env, **lifecycle.owner_env()},
+                    cwd=self.folder,
+                    pass_fds=(child.fileno(), boot_r),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
             log.close()
         except BaseException:
@@ -373,13 +389,15 @@ class WorkerTemplate:
             return plan
         from agent_sandbox.providers._bwrap import BwrapPlan
 
-        if not isinstance(plan, BwrapPlan) or not plan.seccomp_bpf:
-            raise WorkerStartError("the worker's plan has no seccomp filter for a forked worker")
-        if _view_key(plan.argv, plan.cwd) != self._view:
+        if plan.provider != self._provider or _view_key(plan, plan.cwd) != self._view:
             raise WorkerStartError(
                 "the worker's view differs from its template's (the host's files changed "
                 "since the template started); it starts from scratch"
             )
+        if plan.provider != "bwrap":
+            return plan  # (the `unshare` worker applies all of its set-up itself anyway)
+        if not isinstance(plan, BwrapPlan) or not plan.seccomp_bpf:
+            raise WorkerStartError("the worker's plan has no seccomp filter for a forked worker")
         setup = dict(plan.worker_setup)
         setup["no_new_privs"] = True
         setup["drop_caps"] = True
@@ -421,6 +439,7 @@ class WorkerTemplate:
                 "scratch_bytes": self._scratch_bytes,
                 "tmpfs_bytes": self._tmpfs_bytes,
                 "template_scratch": self._template_scratch,
+                "loopback": self._loopback,
             }
             cred, cred_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             cred.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -489,9 +508,17 @@ def _sender_pid(sock: socket.socket, timeout: float) -> int:
     raise WorkerStartError("the forked worker sent no credentials")
 
 
-def _view_key(argv: tuple[str, ...], scratch: str) -> tuple[str, ...]:
-    """A bubblewrap command line's view: the options before `--`, without the seccomp
-    descriptor, with the scratch path marked (the rest is the same for every worker)."""
+def _view_key(plan: LaunchPlan, scratch: str) -> tuple[str, ...]:
+    """A plan's view and namespaces, the same for every worker of a policy: for bubblewrap
+    the options before `--` without the seccomp descriptor, for the `unshare` launcher its
+    mounts, sizes, network and host name; the scratch path marked."""
+    argv = plan.argv
+    if plan.provider == "unshare":
+        config = marshal.loads(bytes.fromhex(argv[-1]))
+        words = [str(config["tmpfs_bytes"]), str(config["net"]), str(config["hostname"])]
+        for kind, dst, src in config["mounts"]:
+            words += [kind, _SCRATCH_MARK if dst == scratch else dst, src]
+        return tuple(words)
     head = list(argv[: argv.index("--")]) if "--" in argv else list(argv)
     if "--seccomp" in head:
         at = head.index("--seccomp")

@@ -59,6 +59,8 @@ def import_worker(boot: dict) -> None:  # type: ignore[type-arg]
 
     Optional: the `unshare` launcher calls it while its init still builds the view.
     """
+    if "template_fd" in boot:
+        return  # a template imports its modules itself (`_worker/template.py`)
     from agent_sandbox._worker.server import serve  # noqa: F401
     from agent_sandbox._worker.setup import import_ahead
 

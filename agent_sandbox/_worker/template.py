@@ -28,7 +28,7 @@ user asks to share (`Sandbox(share_workers=True)`), so workers of different sand
 share them; a worker that knows the secret can only use it against its own siblings, which
 run the same sandbox's code under the same policy.
 
-A template inside a namespace sandbox (`bwrap`; `_host/templates.py` says when): the template
+A template inside a namespace sandbox (`bwrap`, `unshare`; `_host/templates.py` says when): it
 runs in the sandbox's namespaces and view, keeping only the capabilities it needs to give
 each worker namespaces of its own (CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP), after it has
 forbidden new user namespaces for the whole sandbox (`user.max_user_namespaces = 0`, which
@@ -40,7 +40,7 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    the sandbox's root and `/dev` are read-only, and `/tmp`, the scratch directory,
    `/dev/shm` and `/dev/pts` are fresh file systems of its own (no sibling shares them;
    what the view mounts under `/tmp`, the policy's paths there, is moved onto the new one);
-   `lo` is up, as bubblewrap leaves it. It forks P, drops every capability and relays P's
+   `lo` is up where the provider brings it up for a fresh worker. It forks P, drops every capability and relays P's
    exit status.
 2. P (PID 1 of the worker's PID namespace): mounts a fresh `/proc` (only the worker's own
    processes), covers `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
@@ -198,11 +198,15 @@ def lock_template(libc: Any) -> None:
     """At the start of a template inside a namespace sandbox: no process of the sandbox may
     create a user namespace again (bubblewrap's `--disable-userns`), then keep only the
     capabilities the forked workers' set-up needs."""
-    fd = os.open("/proc/sys/user/max_user_namespaces", os.O_WRONLY)
-    try:
-        os.write(fd, b"0")
-    finally:
-        os.close(fd)
+    path = "/proc/sys/user/max_user_namespaces"
+    with open(path, "rb") as fh:
+        already = fh.read().strip() == b"0"  # (the `unshare` launcher's init did it)
+    if not already:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
     _set_caps(libc, (1 << _CAP_SYS_ADMIN) | (1 << _CAP_NET_ADMIN) | (1 << _CAP_SETPCAP))
 
 
@@ -318,7 +322,8 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
         )
     for path in ("/dev", "/"):
         _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev)
-    _loopback_up()
+    if ns.get("loopback", True):
+        _loopback_up()
     # Nothing is forked before the host has placed this process in the worker's cgroups.
     if cred.recv(1) != b"g":
         os._exit(1)  # the host gave up on this worker

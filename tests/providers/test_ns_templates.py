@@ -25,7 +25,9 @@ from agent_sandbox._host.templates import TemplateChild, WorkerTemplate
 from .conftest import NATIVE, hostile_policy, skip_unless_available
 
 #: The template providers among those `auto` can pick, and `auto` itself.
-PROVIDERS = ("landlock", "bwrap", "auto")
+PROVIDERS = ("landlock", "unshare", "bwrap", "auto")
+#: The providers whose template lives inside the sandbox.
+NAMESPACE = ("bwrap", "unshare")
 
 
 def _sandbox(provider: str, arena: dict[str, Path]) -> Sandbox:
@@ -170,7 +172,7 @@ def test_siblings_of_one_template_cannot_ptrace_or_read_each_other(
 _HASH = "hash('x'), hash(b'agent')"
 
 
-@pytest.mark.parametrize("provider", ["bwrap", "auto"])
+@pytest.mark.parametrize("provider", ["bwrap", "unshare", "auto"])
 @pytest.mark.xfail(
     strict=True,
     reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
@@ -184,11 +186,11 @@ def test_siblings_of_a_namespace_template_have_their_own_hash_secret(provider: s
     assert len(values) == 2
 
 
-def _bwrap(policy: Policy | None = None) -> Sandbox:
-    skip_unless_available("bwrap")
+def _ns(provider: str, policy: Policy | None = None) -> Sandbox:
+    skip_unless_available(provider)
     return Sandbox(
         policy or Policy(name="ns-template", imports={"allow": ["os"]}, limits={"wall_seconds": 10}),
-        provider="bwrap",
+        provider=provider,
         warm=0,
     )
 
@@ -202,10 +204,11 @@ def _ancestors(pid: int) -> list[int]:
     return out
 
 
-def test_a_bwrap_worker_is_forked_inside_the_sandbox_with_its_own_pid_view() -> None:
-    """It forks bwrap workers from the template inside the sandbox: each is PID 2 under
-    its own init, below the template's bubblewrap on the host."""
-    with _bwrap() as sb:
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_a_namespace_worker_is_forked_inside_the_sandbox_with_its_own_pid_view(provider: str) -> None:
+    """It forks workers from the template inside the sandbox: each is PID 2 under its
+    own init, below the template's launcher on the host."""
+    with _ns(provider) as sb:
         session = sb.session()
         pid, ppid = session.run("import os\n[os.getpid(), os.getppid()]").value
         template = _forked(sb)
@@ -218,10 +221,11 @@ def test_a_bwrap_worker_is_forked_inside_the_sandbox_with_its_own_pid_view() -> 
         assert _pids(other)["host"] != host
 
 
-def test_each_forked_bwrap_worker_lands_in_its_own_cgroups() -> None:
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_each_forked_namespace_worker_lands_in_its_own_cgroups(provider: str) -> None:
     """It places a forked worker (and its init) in the worker's own cgroups, not the
     template's: two siblings are in different groups, each its own."""
-    with _bwrap() as sb:
+    with _ns(provider) as sb:
         first, second = sb.session("a"), sb.session("b")
         assert first.run("1").ok and second.run("1").ok
         groups = []
@@ -237,24 +241,26 @@ def test_each_forked_bwrap_worker_lands_in_its_own_cgroups() -> None:
         assert groups[0] != groups[1]
 
 
-def test_nothing_of_a_bwrap_template_outlives_its_sandbox() -> None:
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_nothing_of_a_namespace_template_outlives_its_sandbox(provider: str) -> None:
     """It ends the template's bubblewrap and every forked worker when the sandbox closes."""
-    sb = _bwrap()
+    sb = _ns(provider)
     session = sb.session()
     assert session.run("1").ok
     host = _pids(session)["host"]
     template = _forked(sb)
     assert template.proc is not None
-    bwrap_pid = template.proc.pid
+    launcher_pid = template.proc.pid
     sb.close()
-    for pid in (host, bwrap_pid):
+    for pid in (host, launcher_pid):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
-def test_a_worker_whose_view_differs_from_its_template_starts_from_scratch() -> None:
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_a_worker_whose_view_differs_from_its_template_starts_from_scratch(provider: str) -> None:
     """It starts a worker from scratch (same plan, from bwrap itself) when the worker's view
     is not the template's, rather than fork it into the wrong view."""
-    with _bwrap() as sb:
+    with _ns(provider) as sb:
         assert sb.run("1").ok
         template = _forked(sb)
         template._view = ("--something-else",)
@@ -265,21 +271,24 @@ def test_a_worker_whose_view_differs_from_its_template_starts_from_scratch() -> 
         assert "view differs" in str(sb._pool.last_error)
 
 
-def test_no_bwrap_template_where_a_worker_could_not_get_a_private_tmp() -> None:
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_no_namespace_template_where_a_worker_could_not_get_a_private_tmp(provider: str) -> None:
     """It refuses to keep a template for a policy that grants /tmp itself (a forked worker
     could not get a private /tmp); the pool then starts its workers from scratch."""
     from agent_sandbox.providers import get_provider
 
-    skip_unless_available("bwrap")
+    skip_unless_available(provider)
     policy = Policy(name="tmp-bound", files={"read": ["/tmp"]}, limits={"wall_seconds": 10})
     with pytest.raises(WorkerStartError, match="/tmp"):
-        WorkerTemplate.start(policy, get_provider("bwrap"))
+        WorkerTemplate.start(policy, get_provider(provider))
 
 
-def test_a_forked_bwrap_worker_killed_by_a_signal_is_reported_as_such() -> None:
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_a_forked_namespace_worker_killed_by_a_signal_is_reported_as_such(provider: str) -> None:
     """It reports a forked worker's death by signal as a crash with that signal (its init
     relays the status as a launcher does)."""
-    with _bwrap(
+    with _ns(
+        provider,
         Policy(
             name="ns-signal",
             imports={"allow": ["os", "signal"]},
