@@ -250,8 +250,7 @@ def pools(repeat: int, runs: int) -> None:
     for name in available:
         v = bursts[name]
         print(
-            f"  {name:10} {labels[name]:32} {statistics.median(v):8.1f} "
-            f"({min(v):.0f}-{max(v):.0f})"
+            f"  {name:10} {labels[name]:32} {statistics.median(v):8.1f} ({min(v):.0f}-{max(v):.0f})"
         )
     if "auto" in bursts:
         for peer in ("subprocess", "landlock"):
@@ -277,8 +276,9 @@ def pools(repeat: int, runs: int) -> None:
             meds.append(statistics.median(start))
         verdict = "met" if statistics.median(ratios) <= SCRATCH_TARGET else "NOT met"
         print(
-            f"  {name:10} median {statistics.median(meds):6.1f} ms, {statistics.median(ratios):.1f}x "
-            f"bare (range {_ratio_range(ratios)}; target <= {SCRATCH_TARGET:g}x: {verdict})"
+            f"  {name:10} median {statistics.median(meds):6.1f} ms, "
+            f"{statistics.median(ratios):.1f}x bare (range {_ratio_range(ratios)}; "
+            f"target <= {SCRATCH_TARGET:g}x: {verdict})"
         )
 
     print(f"\nMemory of an idle session, PSS in MB (median of {repeat}; the template apart)")

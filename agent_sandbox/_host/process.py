@@ -221,7 +221,10 @@ class WorkerProcess:
                 except EgressError as exc:
                     raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
-            self.cgroups = start_cgroups(self.id, policy, depth)
+            # A namespace template's worker has its init and relay inside its groups (they
+            # count in pids.max, like a launcher that joins the groups itself).
+            inside = template is not None and template.kind == "namespace"
+            self.cgroups = start_cgroups(self.id, policy, None if inside else depth)
             log = bounded_log()
             self._log = log
             if template is not None:

@@ -9,8 +9,9 @@ for the pool, which then starts workers directly; nothing about the sandbox chan
 
 Under `bwrap` (what `auto` picks here) and `unshare` the template lives INSIDE the sandbox:
 bubblewrap (or the `unshare` launcher) starts it with the view a worker of the policy gets,
-and each forked worker takes private namespaces of its own there (`_worker/template.py`). The host keeps the template only when
-it can hold as a fresh worker would, and starts workers from scratch otherwise:
+and each forked worker takes private namespaces of its own there (`_worker/template.py`).
+The host keeps the template only when it can hold as a fresh worker would, and starts
+workers from scratch otherwise:
 
 * the plan stacks Landlock with its scopes (ABI 6 or later: each worker's own domain keeps
   its signals and ptrace from its siblings) and the seccomp filter;
@@ -33,7 +34,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import functools
 import itertools
 import json
 import marshal
@@ -210,9 +210,7 @@ class WorkerTemplate:
         return self
 
     @classmethod
-    def _start_namespace(
-        cls, policy: Policy, provider: Provider, timeout: float
-    ) -> WorkerTemplate:
+    def _start_namespace(cls, policy: Policy, provider: Provider, timeout: float) -> WorkerTemplate:
         """Launch the template inside the provider's sandbox (see the module docstring)."""
         from agent_sandbox.providers._bwrap import BwrapPlan, template_argv
         from agent_sandbox.providers._landlock import probe_landlock
@@ -283,19 +281,22 @@ class WorkerTemplate:
             log = open(os.path.join(self.folder, "template.log"), "wb")  # noqa: SIM115
             # In the lasting launch thread: the launcher dies with the thread that forked it
             # (its parent-death signal follows the thread), which must outlive the pool.
-            self.proc = lifecycle.launch(
-                functools.partial(
-                    subprocess.Popen,
+            fds = (child.fileno(), boot_r)
+            env = {**plan.env, **lifecycle.owner_env()}
+
+            def popen() -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
                     argv,
-                    env={**plan.env, **lifecycle.owner_env()},
+                    env=env,
                     cwd=self.folder,
-                    pass_fds=(child.fileno(), boot_r),
+                    pass_fds=fds,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            )
+
+            self.proc = lifecycle.launch(popen)
             log.close()
         except BaseException:
             parent.close()
@@ -459,7 +460,9 @@ class WorkerTemplate:
             if not event.wait(timeout) or req not in self._replies:
                 raise WorkerStartError("the worker template did not fork a worker in time")
         except OSError as exc:
-            raise WorkerStartError(f"the worker template could not start a worker ({exc})") from None
+            raise WorkerStartError(
+                f"the worker template could not start a worker ({exc})"
+            ) from None
         finally:
             if cred_child is not None:
                 cred_child.close()

@@ -40,8 +40,8 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    the sandbox's root and `/dev` are read-only, and `/tmp`, the scratch directory,
    `/dev/shm` and `/dev/pts` are fresh file systems of its own (no sibling shares them;
    what the view mounts under `/tmp`, the policy's paths there, is moved onto the new one);
-   `lo` is up where the provider brings it up for a fresh worker. It forks P, drops every capability and relays P's
-   exit status.
+   `lo` is up where the provider brings it up for a fresh worker. It forks P, drops every
+   capability and relays P's exit status.
 2. P (PID 1 of the worker's PID namespace): mounts a fresh `/proc` (only the worker's own
    processes), covers `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
    read-only, forks W, drops every capability and reaps until W exits.

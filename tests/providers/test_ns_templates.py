@@ -189,7 +189,8 @@ def test_siblings_of_a_namespace_template_have_their_own_hash_secret(provider: s
 def _ns(provider: str, policy: Policy | None = None) -> Sandbox:
     skip_unless_available(provider)
     return Sandbox(
-        policy or Policy(name="ns-template", imports={"allow": ["os"]}, limits={"wall_seconds": 10}),
+        policy
+        or Policy(name="ns-template", imports={"allow": ["os"]}, limits={"wall_seconds": 10}),
         provider=provider,
         warm=0,
     )
@@ -205,7 +206,9 @@ def _ancestors(pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("provider", NAMESPACE)
-def test_a_namespace_worker_is_forked_inside_the_sandbox_with_its_own_pid_view(provider: str) -> None:
+def test_a_namespace_worker_is_forked_inside_the_sandbox_with_its_own_pid_view(
+    provider: str,
+) -> None:
     """It forks workers from the template inside the sandbox: each is PID 2 under its
     own init, below the template's launcher on the host."""
     with _ns(provider) as sb:
@@ -294,7 +297,7 @@ def test_a_forked_namespace_worker_killed_by_a_signal_is_reported_as_such(provid
             imports={"allow": ["os", "signal"]},
             api={"allow": ["process-control"]},
             limits={"wall_seconds": 10},
-        )
+        ),
     ) as sb:
         session = sb.session()
         result = session.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
