@@ -71,8 +71,9 @@ except ImportError:  # pragma: no cover - built by `pip install -e .`
 
 __all__ = ["Decoder", "Rebuilt", "load_restricted"]
 
-#: Below this many base64 characters the general path is as fast as the blob path.
-_BLOB_MIN = 4096
+# The one-blob decoder (None from a build of the extension that predates it: the general
+# path then decodes every result, as before).
+_decode_blob = getattr(_fastscan, "decode_blob", None)
 
 
 # -- steps 2 and 3: find_class and the C unpickler -----------------------------------------------
@@ -160,11 +161,11 @@ class Decoder:
         if data.get("encoding") != "pickle-b64":
             raise UnpickleRefused(f"unknown result encoding {str(data.get('encoding'))[:40]!r}")
         text = data.get("pickle")
-        if _fastscan is not None and isinstance(text, str) and len(text) > _BLOB_MIN:
+        if _decode_blob is not None and isinstance(text, str):
             # One bytes or bytearray value and nothing else (a file, an image): decoded from
             # the base64 text straight into the value, with the prescan's checks and budgets
             # on its few opcodes; None for anything else, which takes the path below.
-            blob = _fastscan.decode_blob(
+            blob = _decode_blob(
                 text, self.budgets.max_bytes, self.budgets.max_opcodes, self.budgets.max_memo
             )
             if blob is not None:
