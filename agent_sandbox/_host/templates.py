@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import marshal
 import os
 import signal
 import socket
@@ -276,8 +275,9 @@ class WorkerTemplate:
             if plan.provider == "bwrap":
                 argv = template_argv(plan.argv)
             else:
-                config = marshal.loads(bytes.fromhex(plan.argv[-1]))
-                argv = (*plan.argv[:-1], marshal.dumps({**config, "template": True}).hex())
+                from agent_sandbox.providers import _unshare
+
+                argv = _unshare.template_argv(plan.argv)
             log = open(os.path.join(self.folder, "template.log"), "wb")  # noqa: SIM115
             # In the lasting launch thread: the launcher dies with the thread that forked it
             # (its parent-death signal follows the thread), which must outlive the pool.
@@ -517,11 +517,9 @@ def _view_key(plan: LaunchPlan, scratch: str) -> tuple[str, ...]:
     mounts, sizes, network and host name; the scratch path marked."""
     argv = plan.argv
     if plan.provider == "unshare":
-        config = marshal.loads(bytes.fromhex(argv[-1]))
-        words = [str(config["tmpfs_bytes"]), str(config["net"]), str(config["hostname"])]
-        for kind, dst, src in config["mounts"]:
-            words += [kind, _SCRATCH_MARK if dst == scratch else dst, src]
-        return tuple(words)
+        from agent_sandbox.providers._unshare import view_words
+
+        return view_words(argv, scratch, _SCRATCH_MARK)
     head = list(argv[: argv.index("--")]) if "--" in argv else list(argv)
     if "--seccomp" in head:
         at = head.index("--seccomp")
