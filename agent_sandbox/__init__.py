@@ -10,6 +10,8 @@ learning mode and the demo. `agent_sandbox.policies` is the policy model,
 """
 
 import importlib as _importlib
+import os as _os
+import sys as _sys
 import typing as _typing
 
 from agent_sandbox._denial import RULES as RULES
@@ -38,6 +40,32 @@ from agent_sandbox._errors import UnpickleRefused as UnpickleRefused
 from agent_sandbox._errors import WorkerCrashed as WorkerCrashed
 from agent_sandbox._errors import WorkerError as WorkerError
 from agent_sandbox._errors import WorkerStartError as WorkerStartError
+
+
+def _reach_the_installed_layout() -> None:
+    """Under a strict editable install (setup.py), run from the checkout's root with the
+    current directory on `sys.path` (`python -c`, `python -m pytest`), this file is found in
+    the checkout's `agent_sandbox/` folder, which lacks the sub-packages that live beside it
+    (`guards/`, `policies/`, ...). The install's link tree further down `sys.path` has them,
+    and its `__init__.py` is a link to this very file: look there for sub-packages."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if _os.path.isdir(_os.path.join(here, "policies")):
+        return
+    me = _os.path.realpath(__file__)
+    for entry in _sys.path:
+        other = _os.path.join(entry or ".", "agent_sandbox")
+        init = _os.path.join(other, "__init__.py")
+        if (
+            _os.path.abspath(other) != here
+            and _os.path.islink(init)
+            and _os.path.realpath(init) == me
+            and _os.path.isdir(_os.path.join(other, "policies"))
+        ):
+            __path__[:] = [_os.path.abspath(other)]
+            return
+
+
+_reach_the_installed_layout()
 
 # The rest loads on first use (PEP 562): `import agent_sandbox` alone imports neither the
 # learning code nor pydantic and the policy models; type checkers see the names below.

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Quality gates: ruff lint, ruff format check, mypy --strict over every folder.
-# mypy cannot follow the package-dir mapping of an editable install, so it checks a tree of
-# symlinks that lays the folders out under their import name (agent_sandbox/guards -> guards/).
+# It checks a tree of symlinks that lays the folders out under their import name
+# (agent_sandbox/guards -> guards/), so it does not depend on how this environment installed
+# the package; tests/core/test_editable_install.py checks that a user's mypy sees the package
+# through `pip install -e .` (a strict editable install, see setup.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

@@ -45,8 +45,13 @@ stamp=.venv/.agent-sandbox-installed
 # pip's and setuptools' chatter goes to .venv/setup.log; it is printed only when a step fails.
 log=.venv/setup.log
 quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; return 1; }; }
+# The editable install is a tree of links to the files (setup.py): a module added or removed
+# needs it made again, so the list of files is part of the stamp.
+files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
+  -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ guards/_fastimport.c -nt "$stamp" ] || [ guards/_fastscan.c -nt "$stamp" ]; then
+   || [ guards/_fastimport.c -nt "$stamp" ] || [ guards/_fastscan.c -nt "$stamp" ] \
+   || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
   quiet .venv/bin/python -m pip install -q --upgrade pip
   # This project was once installed as `agent-sandbox`, a name that belongs to an unrelated
@@ -55,5 +60,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
   quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
-  touch "$stamp"
+  echo "$files" >"$stamp"
 fi

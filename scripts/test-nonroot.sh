@@ -24,13 +24,17 @@ if [ ! -x "$env_dir/bin/python" ]; then
 fi
 # pip's output goes to the log, shown only when the install fails. The editable install also
 # builds guards/_fastimport*.so and _fastscan*.so with Debian's headers (the same 3.11 ABI as .venv's).
+# The editable install is a tree of links to the files (setup.py): a module added or removed
+# needs it made again, so the list of files is part of the stamp.
+files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
+  -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
    || [ setup.py -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ] \
-   || [ guards/_fastscan.c -nt "$stamp" ]
+   || [ guards/_fastscan.c -nt "$stamp" ] || [ "$(cat "$stamp")" != "$files" ]
 then
   "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]" >"$log" 2>&1 \
     || { cat "$log" >&2; exit 1; }
-  touch "$stamp"
+  echo "$files" >"$stamp"
 fi
 # The user cannot write the checkout's bytecode caches: write them now, as root (workers run
 # with -B and would otherwise compile every module from source at each start).
