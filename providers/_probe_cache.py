@@ -114,7 +114,7 @@ def _read(path: str) -> str | None:
 
 def _common_key() -> dict[str, Any]:
     uname = os.uname()
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.realpath(__file__))
     try:
         userns = os.readlink("/proc/self/ns/user")
     except OSError:
