@@ -134,6 +134,8 @@ class WorkerProcess:
         self.cgroups: WorkerCgroups | None = None
         self._in_call = False
         self._host_pid: int | None = None
+        self._stat_fds: dict[int, int] = {}
+        self._stat_lock = threading.Lock()
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
@@ -462,7 +464,34 @@ class WorkerProcess:
             inner = self.worker_pid()
             if inner is not None and inner != self.proc.pid:
                 pids.append(inner)
-        return any(_proc_state(pid)[0] in ("T", "t") for pid in pids)
+        return any(self._stat(pid)[0] in ("T", "t") for pid in pids)
+
+    def _stat(self, pid: int) -> tuple[str, int]:
+        """`_proc_state` of one of this worker's processes through a descriptor opened once
+        (a `pread` at offset 0 renders the file afresh): checked twice per call. The open
+        descriptor stays with the process it was opened for, never a later holder of its
+        number (reads fail once it is gone: ("", 0))."""
+        with self._stat_lock:  # never a read of a descriptor closed meanwhile
+            fd = self._stat_fds.get(pid)
+            if fd is None:
+                if self.dead:
+                    return "", 0
+                try:
+                    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return "", 0
+                self._stat_fds[pid] = fd
+            try:
+                return _parse_stat(os.pread(fd, 4096, 0))
+            except OSError:
+                return "", 0
+
+    def _close_stat_fds(self) -> None:
+        with self._stat_lock:
+            fds, self._stat_fds = self._stat_fds, {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def end_cause(self) -> str:
         """Why a worker that is no longer alive ended, in words for the model."""
@@ -1016,6 +1045,7 @@ class WorkerProcess:
         self.kill()
 
     def _cleanup_dirs(self) -> None:
+        self._close_stat_fds()
         if self._egress_channel is not None:
             self._egress_channel.close()
         if self.egress is not None:
@@ -1062,6 +1092,10 @@ def _proc_state(pid: int) -> tuple[str, int]:
             stat = fh.read()
     except OSError:
         return "", 0
+    return _parse_stat(stat)
+
+
+def _parse_stat(stat: bytes) -> tuple[str, int]:
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         return fields[0].decode(), int(fields[6])

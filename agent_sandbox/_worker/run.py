@@ -137,6 +137,14 @@ class _Budget:
 _INTERRUPTIBLE = [False]
 
 #: The bound on cell sources kept for tracebacks (see `Runner._keep_source`).
+# The built-ins the runner itself calls, bound when the module is imported (before the
+# guards wrap them): the guards' wrappers let the runner's own calls through unchanged (it
+# is not user code, and it passes its namespace and flags explicitly), so calling the
+# originals skips only their per-call frame inspection. User code calls the wrapped ones.
+_compile_builtin = builtins.compile
+_exec_builtin = builtins.exec
+_eval_builtin = builtins.eval
+
 _SOURCE_CELLS = 200
 _SOURCE_BYTES = 4 * 1024 * 1024
 
@@ -302,7 +310,7 @@ class Runner:
 
     def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
         self._keep_source(filename, code)
-        tree = ast.parse(code, filename, "exec")
+        tree = _compile_builtin(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
         if self.code_check is not None:
             self.code_check(code, tree)
         last = None
@@ -311,8 +319,12 @@ class Runner:
             assert isinstance(tail_stmt, ast.Expr)
             last = ast.Expression(tail_stmt.value)
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-        body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
-        tail = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+        body = _compile_builtin(tree, filename, "exec", flags=flags, dont_inherit=True)
+        tail = (
+            _compile_builtin(last, filename, "eval", flags=flags, dont_inherit=True)
+            if last
+            else None
+        )
         return body, tail
 
     def _execute(self, compiled: tuple[Any, Any]) -> Any:
@@ -324,8 +336,8 @@ class Runner:
                 import asyncio  # only for code that uses top-level await
 
                 return asyncio.run(_run_async(body, tail, ns))
-            exec(body, ns)
-            return eval(tail, ns) if tail is not None else None
+            _exec_builtin(body, ns)
+            return _eval_builtin(tail, ns) if tail is not None else None
         finally:
             _INTERRUPTIBLE[0] = False
 
@@ -415,12 +427,12 @@ def _is_async(code: Any) -> bool:
 async def _run_async(body: Any, tail: Any, ns: dict[str, Any]) -> Any:
     import types
 
-    result = eval(body, ns)
+    result = _eval_builtin(body, ns)
     if isinstance(result, types.CoroutineType):
         await result
     if tail is None:
         return None
-    value = eval(tail, ns)
+    value = _eval_builtin(tail, ns)
     if isinstance(value, types.CoroutineType):
         value = await value
     return value

@@ -107,6 +107,9 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     seal()
     runner.run_armed = guards.run_armed
     hooks["tamper_check"] = guards.tamper_check
+    # 5c. The tamper check's one-time work (grouping the patches by owner) is done now, while
+    #     the worker waits to be handed out, not in its first call.
+    guards.prime()
     from agent_sandbox.guards._state import USER_FILES
 
     runner.register_file = USER_FILES.add
