@@ -23,7 +23,6 @@ and the reading of what the worker sends is in `agent_sandbox._host.intake`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -68,7 +67,6 @@ from agent_sandbox._host.launch import (
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
-from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
     WorkerCgroups,
@@ -79,6 +77,7 @@ from agent_sandbox.providers._limits import (
 
 if TYPE_CHECKING:
     from agent_sandbox._host.templates import WorkerTemplate
+    from agent_sandbox.providers._egress import Route
 
 __all__ = ["WorkerProcess"]
 
@@ -216,6 +215,9 @@ class WorkerProcess:
             )
             self.plan = provider.build(policy, spec)
             if "egress" in self.plan.worker_setup:
+                # Loaded for plans with an egress proxy only (it brings asyncio).
+                from agent_sandbox.providers._egress import EgressError, egress_proxy
+
                 try:
                     egress_proxy().start()
                 except EgressError as exc:
@@ -322,6 +324,8 @@ class WorkerProcess:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
         egress proxy; a worker whose proxy cannot serve is never kept."""
         assert self.policy is not None
+        from agent_sandbox.providers._egress import EgressError, egress_proxy, receive_listener
+
         try:
             listener = receive_listener(channel, timeout)
             self.egress = egress_proxy().attach(self.policy, listener)
@@ -591,6 +595,8 @@ class WorkerProcess:
         filename: str | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
+        import asyncio  # loaded already: this runs in its loop
+
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
         builder = self._builder(wall)

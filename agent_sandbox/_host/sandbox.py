@@ -19,7 +19,6 @@ read as one piece (the call lock itself is `agent_sandbox._host.calllock`).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import threading
@@ -27,7 +26,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import CapacityError, SandboxClosed
 from agent_sandbox._host.boundary import Boundary, resolve_boundary
@@ -37,6 +36,9 @@ from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox.policies import Policy, resolve_policy
 from agent_sandbox.providers import Provider
+
+if TYPE_CHECKING:
+    import asyncio  # imported where used: a program that never awaits does not load it
 
 __all__ = ["Sandbox", "Session"]
 
@@ -187,6 +189,8 @@ class Session:
                 if ownership.finish():
                     self._lock.release()
                     self.sandbox._room_changed()
+
+        import asyncio
 
         try:
             return await asyncio.to_thread(body)
@@ -377,6 +381,8 @@ class Sandbox:
         discarded when its start ends (never left running untracked)."""
         if self._pool.ready_count():
             return self._pool.acquire()
+        import asyncio
+
         future = asyncio.ensure_future(asyncio.to_thread(self._pool.acquire))
         try:
             return await asyncio.shield(future)

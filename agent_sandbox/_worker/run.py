@@ -338,6 +338,7 @@ class Runner:
 
     def _compile_new(self, code: str, filename: str) -> tuple[Any, Any]:
         tree = _compile_builtin(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, ast.Module)
         if self.code_check is not None:
             self.code_check(code, tree)
         last = None
@@ -345,7 +346,7 @@ class Runner:
             tail_stmt = tree.body.pop()
             assert isinstance(tail_stmt, ast.Expr)
             last = ast.Expression(tail_stmt.value)
-        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        flags: int = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         body = _compile_builtin(tree, filename, "exec", flags=flags, dont_inherit=True)
         tail = (
             _compile_builtin(last, filename, "eval", flags=flags, dont_inherit=True)
