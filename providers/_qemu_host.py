@@ -10,7 +10,9 @@ the guest worker's), and QEMU is its only child. Standard library only.
    capability and `migrate-incoming fd:N` on the saved state, which it opened itself), or
    boots the image cold when there is no template.
 3. It reads the boot configuration from the inherited pipe (as every worker does), and sends
-   it, with 32 fresh random bytes and its own environment (the plan's), as the `B` frame.
+   the guest agent's part (32 fresh random bytes, the shares, the scratch size) as the `B`
+   frame, then the worker's (the boot configuration and its own environment, the plan's)
+   as the `W` frame.
 4. It relays: each connection accepted on the inherited listening socket (the parent's
    `ctl.sock`) becomes a channel over the virtio-serial port; `D`/`C` frames carry bytes
    and closes. What the guest sends is decoded here, and only here, into frames of at most
@@ -197,16 +199,18 @@ def main() -> None:
             _trace("migrate-incoming sent")
         port = _connect(config["port"], deadline, qemu)
         _trace("port connected")
-        boot = json.loads(_read_boot(int(config["boot_fd"])))
-        env = {k: v for k, v in os.environ.items()}
-        msg = {
+        raw_boot = _read_boot(int(config["boot_fd"]))
+        boot = json.loads(raw_boot)
+        setup = {
             "entropy": os.urandom(32).hex(),
-            "boot": boot,
-            "env": env,
             "shares": config["shares"],
+            "scratch": boot["scratch"],
             "scratch_mb": config["scratch_mb"],
         }
-        _send(port, b"B", 0, json.dumps(msg).encode())
+        env = json.dumps(dict(os.environ)).encode()
+        _send(port, b"B", 0, json.dumps(setup).encode())
+        # The worker's part, which the guest agent passes on unread.
+        _send(port, b"W", 0, b'{"boot": ' + raw_boot + b', "env": ' + env + b"}")
         _trace("boot sent")
         status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu)
     except Exception as exc:
@@ -273,7 +277,7 @@ def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen
                     elif kind == ord("E"):
                         raise RuntimeError(payload[:4096].decode("utf-8", "replace"))
                     elif kind == ord("R"):
-                        _trace(f"guest set up, worker forked (guest clock: {payload[:300]!r})")
+                        _trace(f"guest set up, worker released (guest clock: {payload[:300]!r})")
                     elif kind in (ord("D"), ord("C")):
                         pass
                     else:
