@@ -79,6 +79,9 @@ class LaunchPlan:
     #: worker); None when the launcher's tree has no fixed shape. The parent uses it to
     #: place the worker in its cgroups (`_limits.WorkerCgroups`).
     worker_depth: int | None = 0
+    #: The launched process forwards SIGINT to the worker (the worker has no host pid: it
+    #: runs in a VM), so the parent's interrupt signals the launcher itself.
+    interrupt_launcher: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -489,6 +489,7 @@ class QemuProvider(Provider):
             worker_setup=setup,
             stack=(self.name, *layers),
             worker_depth=None,
+            interrupt_launcher=True,
         )
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:

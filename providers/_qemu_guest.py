@@ -71,6 +71,7 @@ def _preload() -> None:
 
     import agent_sandbox._worker.server
     import agent_sandbox._worker.setup
+    import agent_sandbox._worker.template
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._install
     import agent_sandbox.guards._state
@@ -221,7 +222,16 @@ def _worker(payload: bytes, listener: socket.socket) -> None:
         os.chdir(boot["scratch"])
         import random
 
+        from agent_sandbox._worker.template import _renew_secrets
+
+        # Fresh per clone (the kernel RNG was reseeded by the agent): `random`, the
+        # `multiprocessing` key and tempfile's names. The str hash secret and the address
+        # layout stay the template's (see the docs: they cannot be renewed in place).
         random.seed()
+        _renew_secrets()
+        tempfile = sys.modules.get("tempfile")
+        if tempfile is not None:
+            tempfile._name_sequence = None  # type: ignore[attr-defined]
         sys.path[:] = list(boot["sys_path"])
         boot["listen_fd"] = listener.fileno()
         from agent_sandbox._worker.server import serve

@@ -5,7 +5,8 @@ process group: this process is what the parent sees as "the worker" (its exit st
 the guest worker's), and QEMU is its only child. Standard library only.
 
 1. It asks to be killed when its parent thread ends, and QEMU to be killed when it ends
-   (PR_SET_PDEATHSIG); SIGTERM kills QEMU by pid, then exits.
+   (PR_SET_PDEATHSIG); SIGTERM kills QEMU by pid, then exits. SIGINT (the parent's
+   interrupt of a running cell) is sent on as an `S` frame once the guest has its boot.
 2. It starts QEMU from the template (`-incoming defer`, then over QMP: the `x-ignore-shared`
    capability and `migrate-incoming fd:N` on the saved state, which it opened itself), or
    boots the image cold when there is no template.
@@ -186,6 +187,8 @@ def main() -> None:
         os._exit(143 if _sig else 70)
 
     signal.signal(signal.SIGTERM, stop)
+    # The parent's interrupt (SIGINT to this process) becomes an `S` frame: the guest agent
+    # signals the worker's process group, KeyboardInterrupt in the running cell.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if state_fd >= 0:
@@ -211,8 +214,12 @@ def main() -> None:
         _send(port, b"B", 0, json.dumps(setup).encode())
         # The worker's part, which the guest agent passes on unread.
         _send(port, b"W", 0, b'{"boot": ' + raw_boot + b', "env": ' + env + b"}")
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGINT, lambda _sig, _frame: None)
         _trace("boot sent")
-        status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu)
+        status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu, wake_r)
     except Exception as exc:
         sys.stderr.write(f"agent-sandbox qemu: {exc}\n")
         stop()
@@ -226,10 +233,13 @@ def main() -> None:
     _exit_with(status)
 
 
-def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen[bytes]") -> int:
+def _relay(
+    port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen[bytes]", wake: int
+) -> int:
     """Step 4 and 5: returns the guest worker's wait status."""
     sel = selectors.DefaultSelector()
     sel.register(port, selectors.EVENT_READ, "port")
+    sel.register(wake, selectors.EVENT_READ, "signal")
     listener.setblocking(False)
     sel.register(listener, selectors.EVENT_READ, "listener")
     conns: dict[int, socket.socket] = {}
@@ -237,7 +247,10 @@ def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen
     buf = b""
     while True:
         for key, _ev in sel.select(0.1):
-            if key.data == "listener":
+            if key.data == "signal":
+                if signal.SIGINT in os.read(wake, 64):
+                    _send(port, b"S")
+            elif key.data == "listener":
                 try:
                     client, _addr = listener.accept()
                 except BlockingIOError:

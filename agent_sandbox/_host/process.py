@@ -604,6 +604,9 @@ class WorkerProcess:
         """The worker's pid on the host (below its launcher, in its pid namespace or not)."""
         if self._host_pid is not None or self.proc is None:
             return self._host_pid
+        if self.plan is not None and self.plan.interrupt_launcher:
+            self._host_pid = self.proc.pid  # it forwards the signal into the VM
+            return self._host_pid
         inner = str(self.hello.get("pid", ""))
         for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:
             try:
