@@ -112,6 +112,11 @@ class Provider:
         """Turn (policy, spec) into a launch plan. Must be pure: no I/O, no side effects."""
         raise NotImplementedError
 
+    def prepare(self, policy: Any) -> None:
+        """One-time set-up a start under `policy` needs (an image, a template), done before
+        the start's timeout begins; raises ProviderUnavailable naming the fix. Nothing by
+        default."""
+
     def require(self) -> ProbeResult:
         """Probe and raise `ProviderUnavailable` naming what is missing when it cannot run."""
         result = self.probe()

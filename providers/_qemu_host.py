@@ -74,6 +74,48 @@ def _confine(config: dict) -> str:  # type: ignore[type-arg]
     return ""
 
 
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REMOUNT = 1, 2, 4, 4096, 32
+_MS_REC, _MS_PRIVATE = 1 << 14, 1 << 18
+
+
+def _mask(masks: list, run_dir: str) -> None:  # type: ignore[type-arg]
+    """Cover each masked path (a name the policy hides or denies inside a shared directory)
+    with an empty, unreadable file or directory, in a mount namespace of this process that
+    QEMU inherits; a non-root relay takes a user namespace of its own for it. Raises on any
+    failure: QEMU never starts with a masked name reachable."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise RuntimeError(f"cannot mask the shares ({what}: {os.strerror(err)})")
+
+    uid, gid = os.getuid(), os.getgid()
+    if uid == 0:
+        check(libc.unshare(_CLONE_NEWNS), "unshare")
+    else:
+        check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare")
+        with open("/proc/self/setgroups", "w") as fh:
+            fh.write("deny")
+        with open("/proc/self/uid_map", "w") as fh:
+            fh.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as fh:
+            fh.write(f"{gid} {gid} 1")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    empty_file = os.path.join(run_dir, "masked-file")
+    empty_dir = os.path.join(run_dir, "masked-dir")
+    os.close(os.open(empty_file, os.O_CREAT | os.O_WRONLY, 0))
+    os.makedirs(empty_dir, mode=0, exist_ok=True)
+    for path, kind in masks:
+        source = empty_dir if kind == "dir" else empty_file
+        check(libc.mount(source.encode(), path.encode(), None, _MS_BIND, None), f"bind {path}")
+        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+        check(libc.mount(None, path.encode(), None, flags, None), f"read-only {path}")
+
+
 def _connect(path: str, deadline: float, qemu: "subprocess.Popen[bytes]") -> socket.socket:
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -170,6 +212,9 @@ def main() -> None:
     if config.get("state"):
         state_fd = os.open(config["state"], os.O_RDONLY)
         pass_fds = (state_fd,)
+    if config.get("masks"):
+        _mask(config["masks"], os.path.dirname(config["port"]))
+        _trace(f"{len(config['masks'])} masks mounted")
     skipped = _confine(config)
     _trace(f"landlock {'skipped: ' + skipped if skipped else 'applied'}")
     qemu = subprocess.Popen(

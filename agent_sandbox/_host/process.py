@@ -179,6 +179,7 @@ class WorkerProcess:
         self = cls()
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
+        provider.prepare(policy)  # a first use's one-time build: outside the start timeout
         t0 = time.monotonic()
         lifecycle.ensure_guardian()
         self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
