@@ -13,9 +13,10 @@ other provider) runs inside a QEMU `microvm` guest booted from an image built on
   the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
   elevation and resource control denied).
 
-Limits: the VM's RAM is the policy's `memory_mb` (at least 256 MiB), one vCPU; the wall
-limit, the output bounds and the kill by pid stay on the host as for every provider; the
-rlimits apply inside the guest too.
+Limits: the VM's RAM is the policy's `memory_mb` plus `GUEST_HEADROOM_MB` (at least 256 MiB),
+one vCPU; the wall limit, the output bounds and the kill by pid stay on the host as for
+every provider; the rlimits apply inside the guest too. What the policy hides or denies
+inside a shared directory is covered by the host relay before QEMU starts (`_qemu_host.py`).
 
 Start-up: one template per (image, QEMU version, RAM size, device set) is booted once and
 saved with file-backed RAM and the `x-ignore-shared` migration capability
@@ -26,7 +27,11 @@ Not served (refused at construction, naming the rule): `[net]` allow rules (the 
 over a second port is not built yet), `files.write` outside the scratch directory, more than
 `SHARE_SLOTS` read directories, read grants of single files (9p shares directories).
 Inside the guest the worker applies the same seccomp filter and exec program as under
-Landlock (`_seccomp.seccomp_setup`); interrupting a running cell (SIGINT) is not forwarded yet.
+Landlock (`_seccomp.seccomp_setup`). The parent's interrupt signals the host relay, which
+forwards it into the guest (`LaunchPlan.interrupt_launcher`).
+
+First use: with the kernel package but no image, the probe says available and `prepare()`
+builds the image and the template before the start's timeout begins (`FirstUseProgress`).
 
 Acceleration: TCG. `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`, which
 only runs PVM-enabled guests), so KVM would be used only after a probe boot succeeds; that
