@@ -9,7 +9,9 @@ For each provider, interleaved round-robin so that load spikes hit both alike:
 * a new session's first `1+1` from a `Sandbox` whose warm pool holds a started worker
   (under qemu: a restored, set-up clone), taken after the pool has settled;
 * the host memory of one idle worker: the RSS of every process of the worker's tree
-  (QEMU's private pages plus the shared template pages it touched; target <= 80 MiB).
+  (QEMU's private pages plus the template pages it touched), and its private part; then,
+  with three idle workers at once, each one's PSS (the template's page cache split between
+  the clones) and private memory (target <= 80 MiB per idle session).
 
 It also prints, from one traced start, where a qemu start goes (the host relay's timing
 lines: QEMU launched and QMP answered, the port connected, the guest set up).
@@ -38,16 +40,18 @@ from agent_sandbox.providers._qemu_image import find_image
 MEMORY_MB = 512
 
 
-def tree_rss_kib(root: int) -> int:
-    """The summed VmRSS of `root` and its descendants."""
+def tree_rss_kib(root: int, fields: tuple[str, ...] = ("Rss:",)) -> int:
+    """The summed `fields` of /proc/PID/smaps_rollup over `root` and its descendants (Rss by
+    default; Private_Clean + Private_Dirty is what one more such worker costs, the
+    template's page-cache pages it reads being shared by every clone)."""
     total = 0
     todo = [root]
     while todo:
         pid = todo.pop()
         try:
-            with open(f"/proc/{pid}/status") as fh:
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
                 for line in fh:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith(fields):
                         total += int(line.split()[1])
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{tid}/children") as fh:
@@ -71,6 +75,7 @@ def one_round(provider: Provider, policy: Policy, warm_calls: int) -> dict[str, 
             worker.run("1+1")
             warm.append(time.perf_counter() - t)
         rss = tree_rss_kib(worker.pid) / 1024
+        private = tree_rss_kib(worker.pid, ("Private_Clean:", "Private_Dirty:")) / 1024
     finally:
         worker.kill()
     return {
@@ -78,10 +83,11 @@ def one_round(provider: Provider, policy: Policy, warm_calls: int) -> dict[str, 
         "first": t_first * 1000,
         "warm": statistics.median(warm) * 1000,
         "rss": rss,
+        "private": private,
     }
 
 
-def pooled_first(provider: Provider, policy: Policy) -> float:
+def pooled_first(provider: str, policy: Policy) -> float:
     """A new session's first `1+1` (ms) once the sandbox's pool holds a started worker."""
     with Sandbox(policy, provider=provider, warm=1) as sb:
         sb.warm_up()
@@ -92,6 +98,23 @@ def pooled_first(provider: Provider, policy: Policy) -> float:
             elapsed = time.perf_counter() - t
         assert result.value == 2, result.error
     return elapsed * 1000
+
+
+def memory_of_three(provider: Provider, policy: Policy) -> tuple[float, float]:
+    """PSS and private MiB per worker while three idle workers run at once (clones of one
+    template share the page cache of its RAM file: PSS splits it between them)."""
+    workers = []
+    try:
+        for _ in range(3):
+            worker = WorkerProcess.start(policy, provider, start_timeout=60)
+            worker.run("1+1")
+            workers.append(worker)
+        pss = [tree_rss_kib(w.pid, ("Pss:",)) / 1024 for w in workers]
+        own = [tree_rss_kib(w.pid, ("Private_Clean:", "Private_Dirty:")) / 1024 for w in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    return statistics.median(pss), statistics.median(own)
 
 
 def fmt(values: list[float], unit: str) -> str:
@@ -122,7 +145,7 @@ def main() -> int:
     for _ in range(args.runs):
         for name, provider in providers:
             row = one_round(provider, policy, args.warm_calls)
-            row["pooled"] = pooled_first(provider, policy)
+            row["pooled"] = pooled_first(name, policy)
             results[name].append(row)
     print(
         f"qemu {probe.version} {probe.details.get('accel')}, {args.runs} runs, "
@@ -130,7 +153,7 @@ def main() -> int:
     )
     print(
         f"{'':6} {'start to ready':>24} {'to first 1+1':>24} {'pooled session 1st':>24} "
-        f"{'warm 1+1':>22} {'tree RSS':>22}"
+        f"{'warm 1+1':>22} {'tree RSS':>22} {'tree private':>22}"
     )
     for name, rows in results.items():
         print(
@@ -138,8 +161,12 @@ def main() -> int:
             f"{fmt([r['first'] for r in rows], 'ms'):>24} "
             f"{fmt([r['pooled'] for r in rows], 'ms'):>24} "
             f"{fmt([r['warm'] for r in rows], 'ms'):>22} "
-            f"{fmt([r['rss'] for r in rows], 'MiB'):>22}"
+            f"{fmt([r['rss'] for r in rows], 'MiB'):>22} "
+            f"{fmt([r['private'] for r in rows], 'MiB'):>22}"
         )
+    for name, provider in providers:
+        pss, own = memory_of_three(provider, policy)
+        print(f"{name:6} three idle workers at once: {pss:.1f} MiB PSS, {own:.1f} MiB private each")
     if "bwrap" in results:
         q = statistics.median(r["warm"] for r in results["qemu"])
         b = statistics.median(r["warm"] for r in results["bwrap"])
