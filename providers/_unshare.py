@@ -44,6 +44,7 @@ from agent_sandbox.providers._base import (
     base_env,
 )
 from agent_sandbox.providers._grants import grant_pins
+from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
@@ -62,11 +63,13 @@ __all__ = [
     "launcher_argv",
     "launcher_config",
     "stack_in_worker",
+    "template_argv",
     "unshare_argv",
+    "view_words",
 ]
 
 #: The launcher module (standard library only; run with `-I -S -B`).
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ns_launch.py")
+LAUNCHER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_ns_launch.py")
 # Imported rather than run as a script, so its bytecode cache serves (a script is always
 # compiled from source); the providers folder leaves `sys.path` before `main()` runs.
 _LAUNCH_CODE = (
@@ -98,6 +101,24 @@ def launcher_config(policy: Any, spec: WorkerSpec, host: HostLayout) -> dict[str
     }
 
 
+def template_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """A worker's launcher command line turned into its worker template's (pure): the same
+    configuration plus `template`, so the launcher's C keeps what the template needs
+    (`_ns_launch.TEMPLATE_KEEP`)."""
+    config = marshal.loads(bytes.fromhex(argv[-1]))
+    return (*argv[:-1], marshal.dumps({**config, "template": True}).hex())
+
+
+def view_words(argv: tuple[str, ...], scratch: str, mark: str) -> tuple[str, ...]:
+    """The launcher configuration's view (mounts, sizes, network, host name) as words, the
+    scratch path replaced by `mark`: equal for every worker of a policy (pure)."""
+    config = marshal.loads(bytes.fromhex(argv[-1]))
+    words = [str(config["tmpfs_bytes"]), str(config["net"]), str(config["hostname"])]
+    for kind, dst, src in config["mounts"]:
+        words += [kind, mark if dst == scratch else dst, src]
+    return tuple(words)
+
+
 def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, ...]:
     """The launcher's command line for one worker."""
     return launcher_argv(spec.python, launcher_config(policy, spec, host))
@@ -105,13 +126,18 @@ def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, 
 
 @functools.cache
 def _probe(python: str) -> ProbeResult:
-    """Run the real launcher once (cached) on a minimal view; report why it fails, if it does.
+    """Run the real launcher once (cached in the process, and across processes while nothing
+    it depends on changed: `_probe_cache`) on a minimal view; report why it fails, if it does.
 
     The trial goes through every step a worker start takes (namespaces, the tmpfs root, a
     bind, a fresh /proc, pivot_root, the privilege drop), with `/usr/bin/true` as the worker.
     """
     if os.uname().machine != "x86_64":
         return ProbeResult("unshare", False, "the launcher knows pivot_root only on x86_64")
+    return cached_probe("unshare", {"python": file_key(python)}, lambda: _trial(python))
+
+
+def _trial(python: str) -> ProbeResult:
     host = host_layout()
     control = tempfile.mkdtemp(prefix="agent-sandbox-probe-")
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,18 @@ from agent_sandbox import Policy, Sandbox
 
 # Secrets planted in the test process's environment: a worker must never see them.
 os.environ.setdefault("AGENT_SANDBOX_TEST_CANARY", "canary-7f3a9c1e")
+
+# The tests leave nothing in the user's home: CrewAI keeps settings and a database per
+# project directory under ~/.config and ~/.local/share, matplotlib a font cache, and the
+# library its probe cache under $XDG_CACHE_HOME. The session (and every process it starts)
+# gets a home of its own, removed when the session ends.
+_HOME = tempfile.mkdtemp(prefix="agent-sandbox-tests-home-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+os.environ["HOME"] = _HOME
+os.environ["XDG_CONFIG_HOME"] = os.path.join(_HOME, ".config")
+os.environ["XDG_DATA_HOME"] = os.path.join(_HOME, ".local", "share")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_HOME, ".cache")
+os.environ["MPLCONFIGDIR"] = os.path.join(_HOME, ".config", "matplotlib")
 
 
 @pytest.fixture
@@ -33,6 +47,23 @@ def sandbox(policy: Policy) -> Iterator[Sandbox]:
         yield sb
     finally:
         sb.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir_of_the_session() -> Iterator[None]:
+    """The user's cache directory (the providers' remembered probes) is a temporary one for
+    the session and whatever it starts: tests never write the real home."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    where = tempfile.mkdtemp(prefix="agent-sandbox-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = where
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
