@@ -91,7 +91,7 @@ __all__ = [
 #: 9p devices every VM has (a template's device set is fixed; unused slots share an empty dir).
 SHARE_SLOTS = 4
 #: Bumped when the device set or the guest protocol changes (a new template).
-DEVICE_SET = "1"
+DEVICE_SET = "2"
 _HOST_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_host.py")
 _TEMPLATE_BOOT_TIMEOUT = 120.0
 _QEMU = "qemu-system-x86_64"
