@@ -44,6 +44,7 @@ from agent_sandbox.providers._base import (
     worker_argv,
 )
 from agent_sandbox.providers._grants import grant_pins
+from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
@@ -131,10 +132,15 @@ def bwrap_argv(
 
 @functools.cache
 def _probe(bwrap: str) -> ProbeResult:
-    """Run a minimal sandbox once (cached): the only honest answer to "does it work here"."""
+    """Run a minimal sandbox once (cached in the process, and across processes while nothing
+    it depends on changed: `_probe_cache`): the only honest answer to "does it work here"."""
     path = shutil.which(bwrap)
     if path is None:
         return ProbeResult("bwrap", False, "the `bwrap` executable (bubblewrap) is not on PATH")
+    return cached_probe("bwrap", {"bwrap": file_key(path)}, lambda: _trial(path))
+
+
+def _trial(path: str) -> ProbeResult:
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
         version = out.stdout.strip().rpartition(" ")[2]

@@ -433,17 +433,29 @@ _USER_TMPFS_TRIAL = (
 @functools.lru_cache(maxsize=1)
 def probe_user_tmpfs() -> str:
     """Why a non-root worker cannot mount its scratch tmpfs here ("" when it can): the
-    worker's own step (`_inworker._mount_scratch(user_ns=True)`), tried once in a child."""
+    worker's own step (`_inworker._mount_scratch(user_ns=True)`), tried once in a child
+    (and remembered across processes while nothing it depends on changed: `_probe_cache`)."""
+    import sys
+
+    from agent_sandbox.providers._probe_cache import cached_probe, file_key
+
+    python = os.path.realpath(sys.executable)
+    result = cached_probe(
+        "user-tmpfs", {"python": file_key(python)}, lambda: _user_tmpfs_trial(python)
+    )
+    return result.reason
+
+
+def _user_tmpfs_trial(python: str) -> ProbeResult:
     import shutil
     import subprocess
-    import sys
     import tempfile
 
     where = tempfile.mkdtemp(prefix="agent-sandbox-probe-")
     try:
         out = subprocess.run(
             [
-                *(os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _USER_TMPFS_TRIAL),
+                *(python, "-I", "-S", "-B", "-c", _USER_TMPFS_TRIAL),
                 *(os.path.dirname(os.path.abspath(__file__)), where),
             ],
             capture_output=True,
@@ -452,13 +464,15 @@ def probe_user_tmpfs() -> str:
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the trial did not run: {exc}"
+        return ProbeResult("user-tmpfs", False, f"the trial did not run: {exc}")
     finally:
         shutil.rmtree(where, ignore_errors=True)
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()
-        return lines[-1] if lines else f"exit status {out.returncode}"
-    return ""
+        return ProbeResult(
+            "user-tmpfs", False, lines[-1] if lines else f"exit status {out.returncode}"
+        )
+    return ProbeResult("user-tmpfs", True)
 
 
 class LandlockProvider(Provider):

@@ -44,6 +44,7 @@ from agent_sandbox.providers._base import (
     base_env,
 )
 from agent_sandbox.providers._grants import grant_pins
+from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
@@ -105,13 +106,18 @@ def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, 
 
 @functools.cache
 def _probe(python: str) -> ProbeResult:
-    """Run the real launcher once (cached) on a minimal view; report why it fails, if it does.
+    """Run the real launcher once (cached in the process, and across processes while nothing
+    it depends on changed: `_probe_cache`) on a minimal view; report why it fails, if it does.
 
     The trial goes through every step a worker start takes (namespaces, the tmpfs root, a
     bind, a fresh /proc, pivot_root, the privilege drop), with `/usr/bin/true` as the worker.
     """
     if os.uname().machine != "x86_64":
         return ProbeResult("unshare", False, "the launcher knows pivot_root only on x86_64")
+    return cached_probe("unshare", {"python": file_key(python)}, lambda: _trial(python))
+
+
+def _trial(python: str) -> ProbeResult:
     host = host_layout()
     control = tempfile.mkdtemp(prefix="agent-sandbox-probe-")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,23 @@ def sandbox(policy: Policy) -> Iterator[Sandbox]:
         yield sb
     finally:
         sb.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir_of_the_session() -> Iterator[None]:
+    """The user's cache directory (the providers' remembered probes) is a temporary one for
+    the session and whatever it starts: tests never write the real home."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    where = tempfile.mkdtemp(prefix="agent-sandbox-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = where
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

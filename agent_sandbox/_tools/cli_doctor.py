@@ -54,8 +54,10 @@ def collect(*, live: bool = False) -> dict[str, Any]:
     from agent_sandbox.providers import probe_all
     from agent_sandbox.providers._landlock import probe_landlock
     from agent_sandbox.providers._limits import cgroup_support
+    from agent_sandbox.providers._probe_cache import probe_afresh
     from agent_sandbox.providers._seccomp import probe_seccomp
 
+    probe_afresh()  # the doctor reports what this machine does now, not what it did
     providers = []
     for result in probe_all():
         providers.append(
