@@ -213,17 +213,24 @@ class WorkerProcess:
                 egress_fd=egress_worker.fileno(),
             )
             self.plan = provider.build(policy, spec)
+            if template is not None:
+                self.plan = template.adapt(self.plan)  # a namespace template's worker
             if "egress" in self.plan.worker_setup:
                 try:
                     egress_proxy().start()
                 except EgressError as exc:
                     raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
-            self.cgroups = start_cgroups(self.id, policy, depth)
+            # A namespace template's worker has its init and relay inside its groups (they
+            # count in pids.max, like a launcher that joins the groups itself).
+            inside = template is not None and template.kind == "namespace"
+            self.cgroups = start_cgroups(self.id, policy, None if inside else depth)
             log = bounded_log()
             self._log = log
             if template is not None:
-                self.proc = template.spawn(self.plan, log)
+                groups = self.cgroups
+                attach = None if groups is None else (lambda pid: groups.attach(pid))
+                self.proc = template.spawn(self.plan, log, attach=attach)
             else:
                 plan = self.plan
                 if self.cgroups is not None and depth is None:
@@ -266,7 +273,8 @@ class WorkerProcess:
             finally:
                 os.close(boot_w)
             cgroups, proc = self.cgroups, self.proc
-            if cgroups is not None and depth is not None:
+            placed = bool(getattr(proc, "placed", False))  # before it forked (a template's)
+            if cgroups is not None and depth is not None and not placed:
                 # While the worker boots (it has its configuration already). It runs no user code
                 # and forks nothing before its handshake, so joining now covers all it will start.
                 if depth == 0:
