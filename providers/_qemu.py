@@ -79,7 +79,7 @@ __all__ = [
 SHARE_SLOTS = 4
 #: Bumped when the device set or the guest protocol changes (a new template).
 DEVICE_SET = "1"
-_HOST_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_qemu_host.py")
+_HOST_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_host.py")
 _TEMPLATE_BOOT_TIMEOUT = 120.0
 _QEMU = "qemu-system-x86_64"
 _KERNEL_ARGS = (
@@ -532,7 +532,7 @@ class QemuProvider(Provider):
         if _landlock_works():
             host["landlock"] = qemu_landlock_rules(run_dir, template, dirs)
             host["landlock_module"] = os.path.join(
-                os.path.dirname(os.path.abspath(__file__)), "_landlock_sys.py"
+                os.path.dirname(os.path.realpath(__file__)), "_landlock_sys.py"
             )
         real = dataclasses.replace(plan, argv=(*plan.argv[:-1], json.dumps(host)))
         return super().launch(real, log)

@@ -497,7 +497,7 @@ def image_inputs(deb: str) -> dict[str, object]:
         for path in _tree_files(tree):
             st = os.stat(path)
             extra.update(f"{name}\0{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    with open(os.path.abspath(__file__), "rb") as fh:
+    with open(os.path.realpath(__file__), "rb") as fh:
         builder_source = hashlib.sha256(fh.read()).hexdigest()
     return {
         "builder_source": builder_source,
@@ -522,7 +522,7 @@ def _stat_key(path: str) -> str:
 
 
 def _guest_agent_source() -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_qemu_guest.py")
+    return os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_guest.py")
 
 
 def _copy(src: str, root: str, dst: str | None = None) -> None:
