@@ -9,7 +9,18 @@ ratio to `python -S -c pass`. A last table times parts of a start: the worker's 
 from bytecode and from source (as when its caches were stale), and a launcher's shell
 joining the worker's cgroups (one migration) against the same shell alone.
 
+A second part (issue 19; `--pools-only` runs it alone) puts the pools side by side, each
+figure repeated `--repeat` times (medians and the range of the ratio over the repeats):
+
+* a burst: 20 new sessions of one sandbox at once, each running `1+1`, until every result
+  is in, for the template pools (`subprocess`, `landlock`) and `auto` (bwrap here, whose pool
+  forks from a template inside the sandbox), beside 20 fork+exit in this process;
+* a from-scratch start of each namespace provider against a bare `python -S -c pass`;
+* the memory of an idle session (PSS of its worker and the launchers above it, from
+  /proc/<pid>/smaps_rollup) per provider, the template (once per pool) apart.
+
     .venv/bin/python benchmarks/bench_providers.py [--runs 21] [--layers]
+    .venv/bin/python benchmarks/bench_providers.py --pools-only [--repeat 3]
 """
 
 from __future__ import annotations
@@ -19,10 +30,12 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from agent_sandbox import Policy
+from agent_sandbox import Policy, Sandbox
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import Provider
@@ -120,11 +133,187 @@ def table(title: str, rows: list[tuple[str, str, list[float]]]) -> None:
         )
 
 
+BURST = 20
+BURST_TARGET = 1.3
+SCRATCH_TARGET = 4.0
+PSS_TARGET_KB = 6 * 1024
+_POOLS = ("subprocess", "landlock", "auto")
+_FRESH = ("unshare", "bwrap")
+
+
+def _policy_for(name: str) -> Policy:
+    if name == "subprocess":
+        return Policy(name="bench-pools", provider="subprocess", no_kernel_boundary="accepted")
+    return Policy(name="bench-pools", provider=name)
+
+
+def fork_burst(n: int = BURST) -> float:
+    """n fork+exit+wait in this process (ms): the floor of starting n processes."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return (time.perf_counter() - t0) * 1000
+
+
+def session_burst(name: str, n: int = BURST) -> tuple[float, str]:
+    """n new sessions of one sandbox at once, each `1+1`, until all results are in (ms).
+
+    The pool's template (when it has one) is started first: it is paid once per pool."""
+    with Sandbox(_policy_for(name), warm=0, max_sessions=n + 1) as sb:
+        assert sb.run("1+1").value == 2
+        template = sb._pool._template
+        kind = template.kind if template is not None else "none"
+        errors: list[Any] = []
+        barrier = threading.Barrier(n + 1)
+
+        def one(i: int) -> None:
+            barrier.wait()
+            result = sb.session(f"s{i}").run("1+1")
+            if result.value != 2:
+                errors.append(result.error)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for thread in threads:
+            thread.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        elapsed = (time.perf_counter() - t0) * 1000
+        assert not errors, errors[:3]
+        stack = "+".join(sb.boundary.stack) if hasattr(sb, "boundary") else name
+        return elapsed, f"{stack} (template: {kind})"
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def idle_pss(name: str, n: int = 4) -> tuple[float, float]:
+    """PSS (kB) of one idle session: its worker and the launchers above it, averaged over
+    n idle sessions of one sandbox; and the template's own PSS (0 without one)."""
+    from agent_sandbox.providers._limits import _descendants
+
+    with Sandbox(_policy_for(name), warm=0, max_sessions=n + 1) as sb:
+        sessions = [sb.session(f"idle{i}") for i in range(n)]
+        for session in sessions:
+            assert session.run("x = 1").ok
+        time.sleep(0.3)
+        total = 0
+        for session in sessions:
+            worker = session.worker
+            assert worker is not None and worker.proc is not None
+            top = worker.proc.pid
+            total += sum(_pss_kb(pid) for pid in [top, *(p for p, _ in _descendants(top))])
+        template = sb._pool._template
+        own = 0
+        if template is not None and template.proc is not None:
+            mine = {session.worker.proc.pid for session in sessions if session.worker}
+            tree = [template.proc.pid, *(p for p, _ in _descendants(template.proc.pid))]
+            # The template's own processes: those above the workers' trees.
+            below: set[int] = set()
+            for top in mine:
+                below |= {top, *(p for p, _ in _descendants(top))}
+            own = sum(_pss_kb(pid) for pid in tree if pid not in below)
+        return total / n, float(own)
+
+
+def _ratio_range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def pools(repeat: int, runs: int) -> None:
+    """The issue-19 figures, each repeated (see the module docstring)."""
+    print(f"\nPools side by side, {repeat} repeats (load average {os.getloadavg()[0]:.2f})")
+    available = [n for n in _POOLS if get_provider(n).probe().available]
+    bursts: dict[str, list[float]] = {n: [] for n in available}
+    labels: dict[str, str] = {}
+    floors: list[float] = []
+    for _ in range(repeat):
+        floors.append(fork_burst())
+        for name in available:
+            elapsed, label = session_burst(name)
+            bursts[name].append(elapsed)
+            labels[name] = label
+    print(f"\n{BURST} new sessions at once, all results (ms; median of {repeat}, min-max)")
+    print(f"  {BURST} fork+exit (floor){'':22} {statistics.median(floors):8.1f}")
+    for name in available:
+        v = bursts[name]
+        print(
+            f"  {name:10} {labels[name]:32} {statistics.median(v):8.1f} ({min(v):.0f}-{max(v):.0f})"
+        )
+    if "auto" in bursts:
+        for peer in ("subprocess", "landlock"):
+            if peer in bursts:
+                ratios = [a / b for a, b in zip(bursts["auto"], bursts[peer], strict=True)]
+                verdict = "met" if statistics.median(ratios) <= BURST_TARGET else "NOT met"
+                print(
+                    f"  auto / {peer}: median {statistics.median(ratios):.2f}x, range "
+                    f"{_ratio_range(ratios)} (target <= {BURST_TARGET}x: {verdict}; "
+                    f"met in {sum(r <= BURST_TARGET for r in ratios)} of {repeat})"
+                )
+
+    fresh = [n for n in _FRESH if get_provider(n).probe().available]
+    print(f"\nFrom-scratch start to ready vs bare `python -S -c pass` ({runs} runs x {repeat})")
+    policy = Policy(name="bench")
+    for name in fresh:
+        ratios, meds = [], []
+        for _ in range(repeat):
+            bare, start = time_round_robin(
+                [bare_python, worker_start(get_provider(name), policy)], runs
+            )
+            ratios.append(statistics.median(start) / statistics.median(bare))
+            meds.append(statistics.median(start))
+        verdict = "met" if statistics.median(ratios) <= SCRATCH_TARGET else "NOT met"
+        print(
+            f"  {name:10} median {statistics.median(meds):6.1f} ms, "
+            f"{statistics.median(ratios):.1f}x bare (range {_ratio_range(ratios)}; "
+            f"target <= {SCRATCH_TARGET:g}x: {verdict})"
+        )
+
+    print(f"\nMemory of an idle session, PSS in MB (median of {repeat}; the template apart)")
+    bare_pss: list[float] = []
+    for _ in range(repeat):
+        proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(5)"])
+        time.sleep(0.3)
+        bare_pss.append(_pss_kb(proc.pid))
+        proc.kill()
+        proc.wait()
+    print(f"  bare python -S{'':19} {statistics.median(bare_pss) / 1024:6.1f}")
+    for name in [*available, *(n for n in fresh if n not in available)]:
+        per, own = [], []
+        for _ in range(repeat):
+            a, b = idle_pss(name)
+            per.append(a)
+            own.append(b)
+        verdict = "met" if statistics.median(per) <= PSS_TARGET_KB else "NOT met"
+        print(
+            f"  {name:10} per session {statistics.median(per) / 1024:6.1f} "
+            f"(range {min(per) / 1024:.1f}-{max(per) / 1024:.1f}; target <= 6 MB: {verdict}); "
+            f"template {statistics.median(own) / 1024:.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--layers", action="store_true", help="also namespaces without stacking")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats of the pool figures")
+    parser.add_argument("--pools-only", action="store_true", help="only the pool figures")
     args = parser.parse_args()
+    if args.pools_only:
+        pools(args.repeat, min(args.runs, 11))
+        return
     policy = Policy(name="bench")
     candidates: list[tuple[str, Provider]] = [
         (name, get_provider(name)) for name in ("subprocess", "landlock", "unshare", "bwrap")
@@ -163,6 +352,7 @@ def main() -> None:
     table("The providers' own cost: each launch plan running `python -S -c pass` (ms)", rows)
     start_up_parts(args.runs)
     print(f"\n{args.runs} runs each, interleaved; one warm-up run not counted.")
+    pools(args.repeat, min(args.runs, 11))
     import shutil
 
     for path in _CLEANUP:

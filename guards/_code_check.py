@@ -215,9 +215,37 @@ _NODE_GROUPS = _node_groups()
 _SKIPPED_FIELDS = frozenset({"ctx", "op", "ops"})
 
 
+#: ASDL's builtin field types: a field of one of these never holds a node.
+_LEAF_TYPES = frozenset({"identifier", "string", "constant", "int"})
+_SIGNATURE = re.compile(r"(\w+)\((.*)\)")
+
+
+def _field_types(cls: type) -> dict[str, str] | None:
+    """field -> ASDL type of a node class, from the signature CPython writes as the first
+    line of its docstring (`Name(identifier id, expr_context ctx)`); None when there is no
+    signature or it does not name exactly the class's `_fields`."""
+    doc = (cls.__doc__ or "").strip().splitlines()
+    match = _SIGNATURE.fullmatch(doc[0]) if doc else None
+    if match is None or match.group(1) != cls.__name__:
+        return None
+    types: dict[str, str] = {}
+    for part in match.group(2).split(","):
+        words = part.split()
+        if len(words) != 2:
+            return None
+        types[words[1]] = words[0].rstrip("*?")
+    if set(types) != set(getattr(cls, "_fields", ())):
+        return None
+    return types
+
+
 def _child_fields(cls: type) -> tuple[str, ...]:
+    """The fields of `cls` the walk visits: all but `ctx`/`op`/`ops`, and but those whose
+    ASDL type is a builtin (a name, a string, a constant, an int: never a node). Without a
+    signature that matches (`_field_types`), every field is visited."""
     fields: tuple[str, ...] = getattr(cls, "_fields", ())
-    return tuple(f for f in fields if f not in _SKIPPED_FIELDS)
+    types = _field_types(cls) or {}
+    return tuple(f for f in fields if f not in _SKIPPED_FIELDS and types.get(f) not in _LEAF_TYPES)
 
 
 _CHILD_FIELDS: dict[type, tuple[str, ...]] = {cls: _child_fields(cls) for cls in _NODE_GROUPS}
@@ -488,6 +516,22 @@ def compile_rules(code_policy: Mapping[str, Any] | Rules, policy_name: str = "")
     return rules
 
 
+_ALLOWED_TYPES: dict[frozenset[str], frozenset[type]] = {}
+
+
+def _allowed_types(syntax: frozenset[str]) -> frozenset[type]:
+    """The node types a sub-language with these syntax groups allows (cached per set)."""
+    allowed = _ALLOWED_TYPES.get(syntax)
+    if allowed is None:
+        allowed = frozenset(
+            cls for cls, need in _NODE_GROUPS.items() if not need or any(g in syntax for g in need)
+        )
+        if len(_ALLOWED_TYPES) >= 64:
+            _ALLOWED_TYPES.clear()
+        _ALLOWED_TYPES[syntax] = allowed
+    return allowed
+
+
 class _Checker:
     """One walk over the tree; violations are appended, never raised."""
 
@@ -498,6 +542,7 @@ class _Checker:
         self.bound: set[str] = set()
         self.loads: list[ast.Name] = []
         self.lenient: set[int] = set()  # ids of class-body bindings (dunder methods allowed)
+        self.attribute_problems: dict[str, tuple[str, str, str] | None] = {}  # by name
 
     def add(self, node: Any, problem: tuple[str, str, str], text: str | None = None) -> None:
         rule, detail, hint = problem
@@ -521,45 +566,55 @@ class _Checker:
         return seg if len(seg) <= 80 else seg[:77] + "..."
 
     def walk(self, node: ast.AST) -> None:
-        stack = [node]
-        groups = _NODE_GROUPS
-        allowed = self.rules.syntax
-        special = _SPECIAL
+        stack: list[Any] = [node]
+        allowed = _allowed_types(self.rules.syntax)
+        steps = _STEPS
+        pop, push, extend = stack.pop, stack.append, stack.extend
         while stack:
-            node = stack.pop()
+            node = pop()
             cls = type(node)
-            need = groups.get(cls)
-            if need is None:
-                self.add(
-                    node,
-                    (
-                        "code.syntax",
-                        f"`{cls.__name__}` syntax has no rule in this checker and is refused",
-                        "",
-                    ),
-                )
+            # The common case is one set look-up; anything else (a refused or unknown node
+            # type, or a None or other non-node from a field) takes `_unusual`.
+            if cls not in allowed and not self._unusual(node, cls):
                 continue
-            if need and not any(g in allowed for g in need):
-                self.add(
-                    node,
-                    (
-                        "code.syntax",
-                        f"{_syntax_label(cls)} is not in the sub-language",
-                        _list_line("syntax", self.rules.syntax_listed, need[0]),
-                    ),
-                )
-            handler = special.get(cls)
+            step = steps.get(cls)
+            if step is None:
+                step = steps[cls] = _step(cls)
+            handler, fields = step
             if handler is not None:
                 handler(self, node)
-            fields = _CHILD_FIELDS.get(cls)
-            if fields is None:
-                fields = _CHILD_FIELDS[cls] = _child_fields(cls)
             for field in fields:
                 value = getattr(node, field, None)
                 if type(value) is list:
-                    stack.extend(v for v in value if isinstance(v, ast.AST))
-                elif isinstance(value, ast.AST):
-                    stack.append(value)
+                    extend(value)  # an optional slot may hold None: skipped when popped
+                elif value is not None:
+                    push(value)
+
+    def _unusual(self, node: Any, cls: type) -> bool:
+        """Report a node type the sub-language refuses or the checker has no rule for; True
+        when the walk goes on into the node (its type is known but refused)."""
+        if not isinstance(node, ast.AST):
+            return False  # None in an optional slot, or a value that is not a node
+        need = _NODE_GROUPS.get(cls)
+        if need is None:
+            self.add(
+                node,
+                (
+                    "code.syntax",
+                    f"`{cls.__name__}` syntax has no rule in this checker and is refused",
+                    "",
+                ),
+            )
+            return False
+        self.add(
+            node,
+            (
+                "code.syntax",
+                f"{_syntax_label(cls)} is not in the sub-language",
+                _list_line("syntax", self.rules.syntax_listed, need[0]),
+            ),
+        )
+        return True
 
     def bind(self, node: Any, name: str | None) -> None:
         if name is None:
@@ -571,8 +626,13 @@ class _Checker:
 
     def finish(self) -> list[Violation]:
         bound = self.bound
+        problems: dict[str, tuple[str, str, str] | None] = {}
         for node in self.loads:
-            problem = self.rules.name_problem(node.id, bound)
+            name = node.id
+            if name in problems:
+                problem = problems[name]
+            else:
+                problem = problems[name] = self.rules.name_problem(name, bound)
             if problem is not None:
                 self.add(node, problem)
         self.out.sort(key=lambda v: (v.line, v.column))
@@ -595,7 +655,12 @@ def _on_name(c: _Checker, node: ast.Name) -> None:
 
 
 def _on_attribute(c: _Checker, node: ast.Attribute) -> None:
-    problem = c.rules.attribute_problem(node.attr)
+    name = node.attr
+    problems = c.attribute_problems
+    if name in problems:
+        problem = problems[name]
+    else:
+        problem = problems[name] = c.rules.attribute_problem(name)
     if problem is not None:
         c.add(node, problem)
 
@@ -702,6 +767,17 @@ _SPECIAL: dict[type[ast.AST], Any] = {
     ast.MatchStar: _on_match_capture,
     ast.MatchMapping: _on_match_mapping,
 }
+
+
+#: node type -> (its handler or None, the fields the walk visits): one look-up per node.
+_STEPS: dict[type, tuple[Any, tuple[str, ...]]] = {}
+
+
+def _step(cls: type) -> tuple[Any, tuple[str, ...]]:
+    fields = _CHILD_FIELDS.get(cls)
+    if fields is None:
+        fields = _CHILD_FIELDS[cls] = _child_fields(cls)
+    return _SPECIAL.get(cls), fields
 
 
 def find_violations(

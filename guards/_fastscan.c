@@ -1,13 +1,18 @@
-/* The host's native decoding helpers: a pickle prescan for plain-data streams, and a strict
- * base64 decoder for canonical input.
+/* The host's native decoding helpers: a pickle prescan for plain-data streams, a strict
+ * base64 decoder for canonical input, and a decoder for a pickle that is one bytes value.
  *
- * Both only ever say "yes, and here is the answer" or "not sure": `prescan_data` returns True
+ * All only ever say "yes, and here is the answer" or "not sure": `prescan_data` returns True
  * when a stream holds plain data only (no globals, so nothing is called while building) and
- * passes every check and budget of the Python prescan (`agent_sandbox._host.intake.unpickle_prescan._Scan`), and
- * False for anything else, hostile or merely unusual; `b64decode` returns None for anything
- * that is not canonical base64. On "not sure" the caller runs its Python path, which decides
- * and words the refusal. So this file can only be stricter than the Python code, never looser:
- * tests/objects/test_fastscan.py checks that on valid, mutated and crafted streams.
+ * passes every check and budget of the Python prescan
+ * (`agent_sandbox._host.intake.unpickle_prescan._Scan`), and False for anything else, hostile
+ * or merely unusual; `b64decode` returns None for anything that is not canonical base64;
+ * `decode_blob` returns the value of base64 text whose pickle is exactly one bytes or
+ * bytearray value (PROTO, an optional FRAME, the bytes opcode, an optional MEMOIZE, STOP)
+ * within the budgets, decoded from the text straight into the value, and None for anything
+ * else. On "not sure" the caller runs its Python path, which decides and words the refusal.
+ * So this file can only be stricter than the Python code, never looser:
+ * tests/host/intake/test_fastscan.py checks that on valid, mutated and crafted streams and
+ * texts, with the AVX2 base64 loop on and off.
  *
  * The prescan mirrors `_Scan.run` for the opcodes of plain data: scalars, strings, bytes,
  * containers, MARK/POP, FRAME and the memo (MEMOIZE, BINGET, LONG_BINGET). A stack slot is a
@@ -22,6 +27,13 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define B64_X86 1
+#include <immintrin.h>
+#else
+#define B64_X86 0
+#endif
 
 enum {
     K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_BYTES, K_BYTEARRAY,
@@ -725,18 +737,341 @@ prescan_data(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(answer == 1);
 }
 
-/* -- base64 ---------------------------------------------------------------------------- */
+/* -- base64 ----------------------------------------------------------------------------
+ *
+ * Canonical base64 only: the alphabet A-Z a-z 0-9 + /, a length that is a multiple of 4, at
+ * most two '=' and only at the very end, zero padding bits. Anything else returns None and
+ * the caller's strict `binascii` decides. The bulk of the text is decoded 32 characters at
+ * a time with AVX2 when the CPU has it (checked once at import), else 4 at a time through
+ * four tables; both stop at the first character outside the alphabet and the text is then
+ * refused. The last quad (the only one that may hold '=') is always decoded by the scalar
+ * code. Every read is inside the text and every write inside the output object: the vector
+ * loop runs only while 32 characters remain before the last quad and 32 bytes remain in the
+ * output (it writes 32 and keeps 24).
+ */
 
+/* d0..d3[c]: the 6-bit value of c shifted into place in a 24-bit group, or B64_BAD. */
+#define B64_BAD 0x01000000u
+static uint32_t b64_d0[256], b64_d1[256], b64_d2[256], b64_d3[256];
 static signed char b64_table[256];
+static int b64_have_avx2; /* the CPU has AVX2 */
+static int b64_use_avx2;  /* and the vector loop is on (`vector()`, for the tests) */
 
 static void
 b64_init(void)
 {
     const char *alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     memset(b64_table, -1, sizeof(b64_table));
-    for (int i = 0; i < 64; i++) {
-        b64_table[(unsigned char)alphabet[i]] = (signed char)i;
+    for (int i = 0; i < 256; i++) {
+        b64_d0[i] = b64_d1[i] = b64_d2[i] = b64_d3[i] = B64_BAD;
     }
+    for (int i = 0; i < 64; i++) {
+        unsigned char c = (unsigned char)alphabet[i];
+        b64_table[c] = (signed char)i;
+        b64_d0[c] = (uint32_t)i << 18;
+        b64_d1[c] = (uint32_t)i << 12;
+        b64_d2[c] = (uint32_t)i << 6;
+        b64_d3[c] = (uint32_t)i;
+    }
+#if B64_X86
+    __builtin_cpu_init();
+    b64_have_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    b64_use_avx2 = b64_have_avx2;
+}
+
+/* Decode `quads` full quads (no '=') from p into o; 0, or -1 at a character outside the
+ * alphabet. */
+static int
+b64_scalar(const unsigned char *p, size_t quads, unsigned char *o)
+{
+    for (size_t q = 0; q < quads; q++, p += 4, o += 3) {
+        uint32_t w = b64_d0[p[0]] | b64_d1[p[1]] | b64_d2[p[2]] | b64_d3[p[3]];
+        if (w & B64_BAD) {
+            return -1;
+        }
+        o[0] = (unsigned char)(w >> 16);
+        o[1] = (unsigned char)(w >> 8);
+        o[2] = (unsigned char)w;
+    }
+    return 0;
+}
+
+#if B64_X86
+/* Decode 32-character blocks while `blocks` remain; returns how many were decoded (it stops
+ * early at a block holding a character outside the alphabet). Each block writes 32 bytes at
+ * o (24 meaningful): the caller leaves 8 bytes of room past the last block's 24. */
+__attribute__((target("avx2"))) static size_t
+b64_avx2(const unsigned char *p, size_t blocks, unsigned char *o)
+{
+    /* Per low nibble / high nibble: bit sets whose AND is non-zero exactly for characters
+     * outside the alphabet. */
+    const __m256i lut_lo = _mm256_setr_epi8(
+        0x15, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x13, 0x1A, 0x1B, 0x1B, 0x1B,
+        0x1A, 0x15, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x11, 0x13, 0x1A, 0x1B, 0x1B,
+        0x1B, 0x1A);
+    const __m256i lut_hi = _mm256_setr_epi8(
+        0x10, 0x10, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10,
+        0x10, 0x10, 0x10, 0x01, 0x02, 0x04, 0x08, 0x04, 0x08, 0x10, 0x10, 0x10, 0x10, 0x10, 0x10,
+        0x10, 0x10);
+    /* What to add to a character to get its value, by high nibble ('/' is index 1). */
+    const __m256i lut_roll = _mm256_setr_epi8(
+        0, 16, 19, 4, -65, -65, -71, -71, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 19, 4, -65, -65, -71,
+        -71, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i mask_2f = _mm256_set1_epi8(0x2F);
+    const __m256i merge1 = _mm256_set1_epi32(0x01400140);
+    const __m256i merge2 = _mm256_set1_epi32(0x00011000);
+    const __m256i pack = _mm256_setr_epi8(
+        2, 1, 0, 6, 5, 4, 10, 9, 8, 14, 13, 12, -1, -1, -1, -1, 2, 1, 0, 6, 5, 4, 10, 9, 8, 14,
+        13, 12, -1, -1, -1, -1);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 7, 7);
+    size_t done = 0;
+    for (; done < blocks; done++, p += 32, o += 24) {
+        __m256i in = _mm256_loadu_si256((const __m256i *)p);
+        __m256i hi_nib = _mm256_and_si256(_mm256_srli_epi32(in, 4), mask_2f);
+        __m256i lo_nib = _mm256_and_si256(in, mask_2f);
+        __m256i hi = _mm256_shuffle_epi8(lut_hi, hi_nib);
+        __m256i lo = _mm256_shuffle_epi8(lut_lo, lo_nib);
+        if (!_mm256_testz_si256(lo, hi)) {
+            break;
+        }
+        __m256i eq_2f = _mm256_cmpeq_epi8(in, mask_2f);
+        __m256i roll = _mm256_shuffle_epi8(lut_roll, _mm256_add_epi8(eq_2f, hi_nib));
+        __m256i vals = _mm256_add_epi8(in, roll);
+        __m256i ab = _mm256_maddubs_epi16(vals, merge1);
+        __m256i abc = _mm256_madd_epi16(ab, merge2);
+        __m256i out = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(abc, pack), lanes);
+        _mm256_storeu_si256((__m256i *)o, out);
+    }
+    return done;
+}
+#endif
+
+/* Decode quad qi of canonical text of n characters (pad '=' at its end) into out[0..3):
+ * the number of bytes it holds (3, or 3 - pad for the last quad), or -1 when it is not
+ * canonical. */
+static int
+b64_quad(const unsigned char *p, size_t n, size_t pad, size_t qi, unsigned char *out)
+{
+    const unsigned char *t = p + qi * 4;
+    if (qi + 1 < n / 4 || pad == 0) {
+        return b64_scalar(t, 1, out) < 0 ? -1 : 3;
+    }
+    int a = b64_table[t[0]], b = b64_table[t[1]];
+    int c = pad == 2 ? 0 : b64_table[t[2]];
+    if ((a | b | c) < 0 || (pad == 2 && (b & 0x0F)) || (pad == 1 && (c & 0x03))) {
+        return -1;
+    }
+    uint32_t w = ((uint32_t)a << 18) | ((uint32_t)b << 12) | ((uint32_t)c << 6);
+    out[0] = (unsigned char)(w >> 16);
+    if (pad == 1) {
+        out[1] = (unsigned char)(w >> 8);
+    }
+    return (int)(3 - pad);
+}
+
+/* Decode canonical base64 of n characters into o (exactly n / 4 * 3 - pad bytes, computed by
+ * the caller with b64_out_len); 0, or -1 when the text is not canonical. */
+static int
+b64_into(const unsigned char *p, size_t n, unsigned char *o, size_t pad)
+{
+    size_t quads = n / 4 - 1; /* every quad but the last, which may hold '=' */
+    size_t q = 0;
+#if B64_X86
+    if (b64_use_avx2 && quads >= 8) {
+        /* Block k reads quads [8k, 8k + 8) and writes 32 bytes from 24k: it needs quads
+         * 8k + 8 <= quads and 24k + 32 <= the output, which holds 3 * quads + 1 or more. */
+        size_t blocks = (quads - 8) / 8 + 1;
+        if (blocks * 24 + 8 > quads * 3) {
+            blocks--;
+        }
+        q = b64_avx2(p, blocks, o) * 8;
+    }
+#endif
+    if (b64_scalar(p + q * 4, quads - q, o + q * 3) < 0) {
+        return -1;
+    }
+    return b64_quad(p, n, pad, quads, o + quads * 3) < 0 ? -1 : 0;
+}
+
+/* The padding of canonical text of n > 0 characters (n a multiple of 4): 0, 1 or 2. */
+static size_t
+b64_pad(const unsigned char *p, size_t n)
+{
+    if (p[n - 1] != '=') {
+        return 0;
+    }
+    return p[n - 2] == '=' ? 2 : 1;
+}
+
+/* Decode bytes [a, b) of the decoded text into dst[0 .. b - a) (the caller checked that
+ * b <= the decoded length); 0, or -1 when a quad it reads is not canonical. The quads wholly
+ * inside the range (but the last quad of the text) are decoded in place, with AVX2 where the
+ * range leaves the vector loop its 8 bytes of slack; the partial ones through a 3-byte
+ * buffer. */
+static int
+b64_range(const unsigned char *p, size_t n, size_t pad, size_t a, size_t b, unsigned char *dst)
+{
+    size_t last = n / 4 - 1;
+    size_t q = a / 3;
+    unsigned char tmp[3];
+    if (a >= b) {
+        return 0;
+    }
+    while (q * 3 < b) {
+        size_t lo = q * 3, hi = lo + 3;
+        if (lo >= a && hi <= b && q < last) {
+            /* whole quads from q up to (not including) the last quad or the range's end */
+            size_t count = (b - lo) / 3;
+            if (count > last - q) {
+                count = last - q;
+            }
+            unsigned char *o = dst + (lo - a);
+            size_t done = 0;
+#if B64_X86
+            if (b64_use_avx2 && count >= 8) {
+                size_t blocks = count / 8;
+                if (blocks * 24 + 8 > b - lo) {
+                    blocks--;
+                }
+                done = b64_avx2(p + q * 4, blocks, o) * 8;
+                if (done < blocks * 8) {
+                    return -1; /* a character outside the alphabet */
+                }
+            }
+#endif
+            if (b64_scalar(p + (q + done) * 4, count - done, o + done * 3) < 0) {
+                return -1;
+            }
+            q += count;
+            continue;
+        }
+        int got = b64_quad(p, n, pad, q, tmp);
+        if (got < 0) {
+            return -1;
+        }
+        for (size_t i = 0; i < (size_t)got; i++) {
+            if (lo + i >= a && lo + i < b) {
+                dst[lo + i - a] = tmp[i];
+            }
+        }
+        q++;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(decode_blob_doc,
+"decode_blob(text, max_bytes, max_opcodes, max_memo, /)\n--\n\n"
+"The value of a base64 pickle holding one bytes or bytearray value and nothing else\n"
+"(PROTO 4/5, an optional FRAME, SHORT_BINBYTES, BINBYTES, BINBYTES8 or BYTEARRAY8, an\n"
+"optional MEMOIZE, STOP) that the prescan accepts with these budgets, decoded from the\n"
+"text straight into the value; None for any other text (decode and prescan it as usual).");
+
+static PyObject *
+decode_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "decode_blob takes a str and 3 budgets");
+        return NULL;
+    }
+    int64_t bud[3];
+    for (int i = 0; i < 3; i++) {
+        if (!PyLong_Check(args[i + 1])) {
+            PyErr_SetString(PyExc_TypeError, "the budgets must be ints");
+            return NULL;
+        }
+        bud[i] = budget(args[i + 1]);
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (bud[i] < 0) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *text = args[0];
+    if (PyUnicode_READY(text) < 0) {
+        return NULL;
+    }
+    if (!PyUnicode_IS_ASCII(text)) {
+        Py_RETURN_NONE;
+    }
+    const unsigned char *p = PyUnicode_1BYTE_DATA(text);
+    size_t n = (size_t)PyUnicode_GET_LENGTH(text);
+    if (n == 0 || n % 4) {
+        Py_RETURN_NONE;
+    }
+    size_t pad = b64_pad(p, n);
+    size_t total = n / 4 * 3 - pad; /* the pickle's length */
+    if (total < 4 || (int64_t)total > bud[0]) {
+        Py_RETURN_NONE;
+    }
+    /* The header: PROTO, an optional FRAME, the opcode and its length field (<= 20 bytes). */
+    unsigned char hdr[20];
+    size_t h = total < sizeof(hdr) ? total : sizeof(hdr);
+    if (b64_range(p, n, pad, 0, h, hdr) < 0) {
+        Py_RETURN_NONE;
+    }
+    if (hdr[0] != 0x80 || (hdr[1] != 4 && hdr[1] != 5)) {
+        Py_RETURN_NONE;
+    }
+    size_t pos = 2;
+    int64_t ops = 0;
+    if (hdr[pos] == 0x95) { /* FRAME: its length must fit in what follows it */
+        if (h - pos < 9 || le(hdr + pos + 1, 8) > (uint64_t)(total - pos - 9)) {
+            Py_RETURN_NONE;
+        }
+        pos += 9;
+        ops++;
+    }
+    if (pos >= h) {
+        Py_RETURN_NONE;
+    }
+    unsigned char op = hdr[pos];
+    size_t width = op == 0x43 ? 1 : op == 0x42 ? 4 : (op == 0x8E || op == 0x96) ? 8 : 0;
+    if (width == 0 || h - pos - 1 < width) {
+        Py_RETURN_NONE;
+    }
+    uint64_t size = le(hdr + pos + 1, width);
+    pos += 1 + width;
+    ops++;
+    if (size > (uint64_t)(total - pos)) {
+        Py_RETURN_NONE;
+    }
+    size_t start = pos, end = pos + (size_t)size;
+    /* The trailer: STOP, or MEMOIZE then STOP, and nothing after. */
+    size_t rest = total - end;
+    unsigned char tail[2];
+    if ((rest != 1 && rest != 2) || b64_range(p, n, pad, end, total, tail) < 0) {
+        Py_RETURN_NONE;
+    }
+    if (rest == 2) {
+        if (tail[0] != 0x94 || bud[2] < 1) {
+            Py_RETURN_NONE;
+        }
+        ops++;
+    }
+    ops++;
+    if (tail[rest - 1] != 0x2E || ops > bud[1]) {
+        Py_RETURN_NONE;
+    }
+    PyObject *out;
+    unsigned char *dst;
+    if (op == 0x96) {
+        out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)size);
+        dst = out ? (unsigned char *)PyByteArray_AS_STRING(out) : NULL;
+    }
+    else {
+        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)size);
+        dst = out ? (unsigned char *)PyBytes_AS_STRING(out) : NULL;
+    }
+    if (out == NULL) {
+        return NULL;
+    }
+    if (b64_range(p, n, pad, start, end, dst) < 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
 }
 
 PyDoc_STRVAR(b64decode_doc,
@@ -758,53 +1093,52 @@ b64decode(PyObject *module, PyObject *text)
         Py_RETURN_NONE;
     }
     const unsigned char *p = PyUnicode_1BYTE_DATA(text);
-    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    size_t n = (size_t)PyUnicode_GET_LENGTH(text);
     if (n % 4) {
         Py_RETURN_NONE;
     }
-    Py_ssize_t pad = 0;
-    if (n >= 1 && p[n - 1] == '=') {
-        pad = (n >= 2 && p[n - 2] == '=') ? 2 : 1;
+    if (n == 0) {
+        return PyBytes_FromStringAndSize(NULL, 0);
     }
-    Py_ssize_t out_len = n / 4 * 3 - pad;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, out_len);
+    size_t pad = b64_pad(p, n);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n / 4 * 3 - pad));
     if (out == NULL) {
         return NULL;
     }
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
-    Py_ssize_t full = pad ? n - 4 : n;
-    for (Py_ssize_t i = 0; i < full; i += 4) {
-        int a = b64_table[p[i]], b = b64_table[p[i + 1]];
-        int c = b64_table[p[i + 2]], e = b64_table[p[i + 3]];
-        if ((a | b | c | e) < 0) {
-            Py_DECREF(out);
-            Py_RETURN_NONE;
-        }
-        uint32_t w = ((uint32_t)a << 18) | ((uint32_t)b << 12) | ((uint32_t)c << 6) | (uint32_t)e;
-        *o++ = (unsigned char)(w >> 16);
-        *o++ = (unsigned char)(w >> 8);
-        *o++ = (unsigned char)w;
-    }
-    if (pad) {
-        const unsigned char *q = p + n - 4;
-        int a = b64_table[q[0]], b = b64_table[q[1]];
-        int c = pad == 2 ? 0 : b64_table[q[2]];
-        if ((a | b | c) < 0 || (pad == 2 && (b & 0x0F)) || (pad == 1 && (c & 0x03))) {
-            Py_DECREF(out);
-            Py_RETURN_NONE;
-        }
-        uint32_t w = ((uint32_t)a << 18) | ((uint32_t)b << 12) | ((uint32_t)c << 6);
-        *o++ = (unsigned char)(w >> 16);
-        if (pad == 1) {
-            *o++ = (unsigned char)(w >> 8);
-        }
+    if (b64_into(p, n, (unsigned char *)PyBytes_AS_STRING(out), pad) < 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
     }
     return out;
+}
+
+PyDoc_STRVAR(vector_doc,
+"vector(enabled=None, /)\n--\n\n"
+"Whether the base64 decoders use their AVX2 loop; `enabled` turns it on (where the CPU has\n"
+"AVX2) or off, so the tests can check the scalar code on any machine.");
+
+static PyObject *
+vector(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "vector takes at most 1 argument");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        int on = PyObject_IsTrue(args[0]);
+        if (on < 0) {
+            return NULL;
+        }
+        b64_use_avx2 = on && b64_have_avx2;
+    }
+    return PyBool_FromLong(b64_use_avx2);
 }
 
 static PyMethodDef module_methods[] = {
     {"prescan_data", (PyCFunction)(void (*)(void))prescan_data, METH_FASTCALL, prescan_data_doc},
     {"b64decode", b64decode, METH_O, b64decode_doc},
+    {"decode_blob", (PyCFunction)(void (*)(void))decode_blob, METH_FASTCALL, decode_blob_doc},
+    {"vector", (PyCFunction)(void (*)(void))vector, METH_FASTCALL, vector_doc},
     {NULL},
 };
 
@@ -824,8 +1158,8 @@ PyInit__fastscan(void)
     if (module == NULL) {
         return NULL;
     }
-    PyObject *all = Py_BuildValue("[sss]", "VERSION", "b64decode", "prescan_data");
-    if (all == NULL || PyModule_AddIntConstant(module, "VERSION", 1) < 0
+    PyObject *all = Py_BuildValue("[sssss]", "VERSION", "b64decode", "decode_blob", "prescan_data", "vector");
+    if (all == NULL || PyModule_AddIntConstant(module, "VERSION", 2) < 0
         || PyModule_AddObjectRef(module, "__all__", all) < 0) {
         Py_XDECREF(all);
         Py_DECREF(module);

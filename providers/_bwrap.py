@@ -56,7 +56,15 @@ from agent_sandbox.providers._view import (
     path_view,
 )
 
-__all__ = ["SECCOMP_FD_SLOT", "BwrapPlan", "BwrapProvider", "bwrap_argv", "stacked_layers"]
+__all__ = [
+    "SECCOMP_FD_SLOT",
+    "TEMPLATE_CAPS",
+    "BwrapPlan",
+    "BwrapProvider",
+    "bwrap_argv",
+    "stacked_layers",
+    "template_argv",
+]
 
 #: Stands in the argv for the descriptor number of the seccomp program; `launch()` puts the
 #: program in a memfd and writes its number here (a plan is data: it cannot hold a live fd).
@@ -127,6 +135,31 @@ def bwrap_argv(
     if seccomp:
         argv += ["--seccomp", SECCOMP_FD_SLOT]
     argv += ["--", *worker_argv(spec)]
+    return tuple(argv)
+
+
+#: What a worker template inside the sandbox keeps (`_worker/template.py`): enough to give
+#: each forked worker namespaces and mounts of its own (SYS_ADMIN, NET_ADMIN for `lo`), to let
+#: the worker empty its bounding set (SETPCAP), and to forbid user namespaces in the whole
+#: sandbox at its start (SYS_RESOURCE, dropped right after). No worker keeps any of them.
+TEMPLATE_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP", "CAP_SYS_RESOURCE")
+
+
+def template_argv(worker_argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The command line of a worker template inside the sandbox, from a worker's (pure).
+
+    The same view and namespaces, without the seccomp filter (each forked worker loads it
+    itself) and without `--disable-userns` (its nested user namespace would lock the mounts
+    the template needs to give each worker a fresh `/proc`; the template forbids new user
+    namespaces itself instead), and with `TEMPLATE_CAPS` added after `--cap-drop ALL`.
+    """
+    argv = list(worker_argv)
+    if "--seccomp" in argv:
+        at = argv.index("--seccomp")
+        del argv[at : at + 2]
+    argv.remove("--disable-userns")
+    at = argv.index("--cap-drop") + 2
+    argv[at:at] = [word for cap in TEMPLATE_CAPS for word in ("--cap-add", cap)]
     return tuple(argv)
 
 

@@ -32,6 +32,10 @@ start-up cost too (`_signal` rather than `signal`, which imports `enum`). Three 
    B's `go` (sent after step 2f), then drops its own privileges the same way, starts a new
    session (no controlling terminal to push input into), enters the working directory and
    serves. Without `boot` (the probe), B forks C after step 2f and C `execve`s `argv`.
+   For a worker template (`template` in the configuration), C keeps CAP_SYS_ADMIN,
+   CAP_NET_ADMIN and CAP_SETPCAP (`TEMPLATE_KEEP`): it runs no user code, and gives each
+   worker it forks namespaces of its own (`_worker/template.py`), every one of which drops
+   them before it serves.
 
 What it does not do: seccomp and Landlock (the worker applies them to itself when the plan
 stacks them), rlimits (the worker's own set-up), and any uid change: the worker is uid 0
@@ -238,16 +242,26 @@ def loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
 
 
-def drop_privileges() -> None:
-    """Step 2f: nothing can give a process of this namespace a capability again."""
+#: What a worker template keeps (`template` in the configuration; `_worker/template.py`):
+#: CAP_SETPCAP (8), CAP_NET_ADMIN (12), CAP_SYS_ADMIN (21), to give each forked worker
+#: namespaces of its own; every worker drops them before it serves.
+TEMPLATE_KEEP = (1 << 8) | (1 << 12) | (1 << 21)
+
+
+def drop_privileges(keep: int = 0) -> None:
+    """Step 2f: nothing can give a process of this namespace a capability again (but the
+    `keep` mask, for a worker template, which runs no user code)."""
     cap = 0
-    while prctl(PR_CAPBSET_DROP, cap) == 0:
+    while cap < 64:
+        if not keep >> cap & 1 and prctl(PR_CAPBSET_DROP, cap) != 0:
+            break
         cap += 1
     check(prctl(PR_SET_SECUREBITS, SECUREBITS), "securebits")
     check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL), "clear the ambient set")
     check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = (ctypes.c_uint32 * 6)()
+    low, high = keep & 0xFFFFFFFF, keep >> 32
+    data = (ctypes.c_uint32 * 6)(low, low, 0, high, high, 0)
     check(libc.capset(header, data), "capset")
 
 
@@ -316,7 +330,7 @@ def fork_worker_early(cfg: dict[str, Any], report: int) -> tuple[int, int]:
         if os.read(go_read, 1) != b"g":
             os._exit(1)  # B failed and said why
         os.close(go_read)
-        drop_privileges()
+        drop_privileges(TEMPLATE_KEEP if cfg.get("template") else 0)
         os.setsid()
         os.chdir(cfg["cwd"])
         entry.run(boot)  # serves until told to stop; leaves through os._exit

@@ -63,11 +63,13 @@ __all__ = [
     "launcher_argv",
     "launcher_config",
     "stack_in_worker",
+    "template_argv",
     "unshare_argv",
+    "view_words",
 ]
 
 #: The launcher module (standard library only; run with `-I -S -B`).
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ns_launch.py")
+LAUNCHER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_ns_launch.py")
 # Imported rather than run as a script, so its bytecode cache serves (a script is always
 # compiled from source); the providers folder leaves `sys.path` before `main()` runs.
 _LAUNCH_CODE = (
@@ -97,6 +99,24 @@ def launcher_config(policy: Any, spec: WorkerSpec, host: HostLayout) -> dict[str
         # The launcher's own interpreter becomes the worker (the same `-I -S -B` run).
         "boot": [spec.boot_script, spec.boot_fd],
     }
+
+
+def template_argv(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """A worker's launcher command line turned into its worker template's (pure): the same
+    configuration plus `template`, so the launcher's C keeps what the template needs
+    (`_ns_launch.TEMPLATE_KEEP`)."""
+    config = marshal.loads(bytes.fromhex(argv[-1]))
+    return (*argv[:-1], marshal.dumps({**config, "template": True}).hex())
+
+
+def view_words(argv: tuple[str, ...], scratch: str, mark: str) -> tuple[str, ...]:
+    """The launcher configuration's view (mounts, sizes, network, host name) as words, the
+    scratch path replaced by `mark`: equal for every worker of a policy (pure)."""
+    config = marshal.loads(bytes.fromhex(argv[-1]))
+    words = [str(config["tmpfs_bytes"]), str(config["net"]), str(config["hostname"])]
+    for kind, dst, src in config["mounts"]:
+        words += [kind, mark if dst == scratch else dst, src]
+    return tuple(words)
 
 
 def unshare_argv(policy: Any, spec: WorkerSpec, host: HostLayout) -> tuple[str, ...]:

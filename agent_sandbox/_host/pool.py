@@ -8,10 +8,12 @@ so workers forked for one sandbox never come from another sandbox's template: fo
 share their template's hash secret and memory layout (see `_worker/template.py`), and that
 sharing stays within one sandbox. The cost is one template (and `warm` workers) per sandbox.
 
-For providers whose worker is a plain child (`subprocess`, `landlock`), the pool also keeps
-a worker template (`_host/templates.py`): a pre-imported process that forks new workers, so a
-start costs a fork instead of the worker's imports. If the template cannot start, workers
-are started directly (the same plan and restrictions either way).
+The pool also keeps a worker template (`_host/templates.py`): a pre-imported process that
+forks new workers, so a start costs a fork instead of the worker's imports. For `subprocess`
+and `landlock` it is a plain child; for `bwrap` and `unshare` it lives inside the sandbox and
+each forked worker takes namespaces of its own. If the template cannot start (or cannot hold
+as a fresh worker would for this policy), workers are started directly (the same plan and
+restrictions either way).
 """
 
 from __future__ import annotations

@@ -180,6 +180,7 @@ class WorkerProcess:
         self = cls()
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
+        provider.prepare(policy)  # a first use's one-time build: outside the start timeout
         t0 = time.monotonic()
         lifecycle.ensure_guardian()
         self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
@@ -214,6 +215,8 @@ class WorkerProcess:
                 egress_fd=egress_worker.fileno(),
             )
             self.plan = provider.build(policy, spec)
+            if template is not None:
+                self.plan = template.adapt(self.plan)  # a namespace template's worker
             if "egress" in self.plan.worker_setup:
                 # Loaded for plans with an egress proxy only (it brings asyncio).
                 from agent_sandbox.providers._egress import EgressError, egress_proxy
@@ -223,11 +226,16 @@ class WorkerProcess:
                 except EgressError as exc:
                     raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
-            self.cgroups = start_cgroups(self.id, policy, depth)
+            # A namespace template's worker has its init and relay inside its groups (they
+            # count in pids.max, like a launcher that joins the groups itself).
+            inside = template is not None and template.kind == "namespace"
+            self.cgroups = start_cgroups(self.id, policy, None if inside else depth)
             log = bounded_log()
             self._log = log
             if template is not None:
-                self.proc = template.spawn(self.plan, log)
+                groups = self.cgroups
+                attach = None if groups is None else (lambda pid: groups.attach(pid))
+                self.proc = template.spawn(self.plan, log, attach=attach)
             else:
                 plan = self.plan
                 if self.cgroups is not None and depth is None:
@@ -270,7 +278,8 @@ class WorkerProcess:
             finally:
                 os.close(boot_w)
             cgroups, proc = self.cgroups, self.proc
-            if cgroups is not None and depth is not None:
+            placed = bool(getattr(proc, "placed", False))  # before it forked (a template's)
+            if cgroups is not None and depth is not None and not placed:
                 # While the worker boots (it has its configuration already). It runs no user code
                 # and forks nothing before its handshake, so joining now covers all it will start.
                 if depth == 0:
@@ -638,6 +647,9 @@ class WorkerProcess:
     def worker_pid(self) -> int | None:
         """The worker's pid on the host (below its launcher, in its pid namespace or not)."""
         if self._host_pid is not None or self.proc is None:
+            return self._host_pid
+        if self.plan is not None and self.plan.interrupt_launcher:
+            self._host_pid = self.proc.pid  # it forwards the signal into the VM
             return self._host_pid
         inner = str(self.hello.get("pid", ""))
         for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:

@@ -59,6 +59,8 @@ def import_worker(boot: dict) -> None:  # type: ignore[type-arg]
 
     Optional: the `unshare` launcher calls it while its init still builds the view.
     """
+    if "template_fd" in boot:
+        return  # a template imports its modules itself (`_worker/template.py`)
     from agent_sandbox._worker.server import serve  # noqa: F401
     from agent_sandbox._worker.setup import import_ahead
 
@@ -70,7 +72,7 @@ def run(boot: dict) -> None:  # type: ignore[type-arg]
     if "template_fd" in boot:  # a pre-imported template that forks workers on request
         from agent_sandbox._worker.template import run_template
 
-        run_template(int(boot["template_fd"]), _read_boot)
+        run_template(int(boot["template_fd"]), _read_boot, namespace=bool(boot.get("namespace")))
     from agent_sandbox._worker.server import serve
 
     serve(boot)

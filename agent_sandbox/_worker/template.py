@@ -28,6 +28,28 @@ user asks to share (`Sandbox(share_workers=True)`), so workers of different sand
 share them; a worker that knows the secret can only use it against its own siblings, which
 run the same sandbox's code under the same policy.
 
+A template inside a namespace sandbox (`bwrap`, `unshare`; `_host/templates.py` says when): it
+runs in the sandbox's namespaces and view, keeping only the capabilities it needs to give
+each worker namespaces of its own (CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP), after it has
+forbidden new user namespaces for the whole sandbox (`user.max_user_namespaces = 0`, which
+stands for bubblewrap's `--disable-userns`). For each request, in the forked child:
+
+1. I (the child): sends one byte on the request's credential socket, so the host reads its
+   pid and places it in the worker's cgroups (it forks nothing before the host's `g`).
+   Meanwhile: new mount, PID, network and IPC namespaces; in its mount namespace
+   the sandbox's root and `/dev` are read-only, and `/tmp`, the scratch directory,
+   `/dev/shm` and `/dev/pts` are fresh file systems of its own (no sibling shares them;
+   what the view mounts under `/tmp`, the policy's paths there, is moved onto the new one);
+   `lo` is up where the provider brings it up for a fresh worker. It forks P, drops every
+   capability and relays P's exit status.
+2. P (PID 1 of the worker's PID namespace): mounts a fresh `/proc` (only the worker's own
+   processes), covers `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
+   read-only, forks W, drops every capability and reaps until W exits.
+3. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
+   Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
+   process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
+   worker gets from bubblewrap and the host adds to the plan of a forked one.
+
 Standard library only until the worker's modules are imported.
 """
 
@@ -45,6 +67,8 @@ from typing import Any
 __all__ = ["run_template"]
 
 _MAX_MESSAGE = 1 << 20
+#: The log, the credential socket (namespace templates), and the plan's descriptors.
+_MAX_FDS = 8
 
 
 def _warm_up() -> Any:
@@ -87,11 +111,19 @@ def _become_worker(
         for fd in wakeup:
             os.close(fd)
         control.close()
-        listen_fd, boot_fd, log_fd = fds
+        ns = request.get("ns")
+        log_fd, rest = fds[0], fds[1:]
+        cred_fd = rest.pop(0) if ns else -1
+        # The plan's descriptors (listening socket, boot pipe, egress channel...), by the
+        # numbers the host's plan gave them.
+        by_host = dict(zip((int(n) for n in request["plan_fds"]), rest, strict=True))
+        listen_fd, boot_fd = rest[0], rest[1]
         os.setsid()
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
+        if ns:
+            _enter_namespaces(ns, cred_fd, libc)  # returns in the worker (W) only
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -102,6 +134,9 @@ def _become_worker(
 
         boot = read_boot(boot_fd)
         boot["listen_fd"] = listen_fd
+        egress = (boot.get("worker_setup") or {}).get("egress")
+        if egress and int(egress.get("fd", -1)) in by_host:
+            egress["fd"] = by_host[int(egress["fd"])]
         serve(boot)
     except BaseException as exc:
         try:
@@ -109,6 +144,212 @@ def _become_worker(
         finally:
             os._exit(70)
     os._exit(0)
+
+
+# -- a template inside a namespace sandbox (see the module docstring) ----------------------
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_MOVE, _MS_REC, _MS_PRIVATE = 32, 4096, 8192, 1 << 14, 1 << 18
+_CAP_NET_ADMIN, _CAP_SYS_ADMIN, _CAP_SETPCAP = 12, 21, 8
+#: /proc entries bubblewrap covers read-only (and two more): a fresh /proc mounted for a
+#: worker gets the same covers.
+_PROC_COVERS = ("sys", "sysrq-trigger", "irq", "bus")
+
+
+class NamespaceSetupFailed(Exception):
+    """One step of a forked worker's namespaces failed; the message names it."""
+
+
+def _check(libc: Any, rc: int, what: str) -> None:
+    if rc < 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise NamespaceSetupFailed(f"{what}: {os.strerror(err)}")
+
+
+def _mount(
+    libc: Any, src: str | None, dst: str, fstype: str | None, flags: int, data: str = ""
+) -> None:
+    rc = libc.mount(
+        src.encode() if src else None,
+        dst.encode(),
+        fstype.encode() if fstype else None,
+        flags,
+        data.encode() if data else None,
+    )
+    _check(libc, rc, f"mount {fstype or src or ''} on {dst}")
+
+
+def _set_caps(libc: Any, mask: int) -> None:
+    """Keep exactly `mask` as effective and permitted capabilities (none inheritable)."""
+    import ctypes
+
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (ctypes.c_uint32 * 6)(mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0, mask >> 32, mask >> 32, 0)
+    _check(libc, libc.capset(header, data), "capset")
+
+
+def lock_template(libc: Any) -> None:
+    """At the start of a template inside a namespace sandbox: no process of the sandbox may
+    create a user namespace again (bubblewrap's `--disable-userns`), then keep only the
+    capabilities the forked workers' set-up needs."""
+    path = "/proc/sys/user/max_user_namespaces"
+    with open(path, "rb") as fh:
+        already = fh.read().strip() == b"0"  # (the `unshare` launcher's init did it)
+    if not already:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+    _set_caps(libc, (1 << _CAP_SYS_ADMIN) | (1 << _CAP_NET_ADMIN) | (1 << _CAP_SETPCAP))
+
+
+def _status_code(status: int) -> int:
+    """A child's wait status as an exit code (a signal N becomes 128 + N, as launchers do)."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def _tmpfs(libc: Any, path: str, size: int, mode: str, flags: int) -> None:
+    _mount(libc, "tmpfs", path, "tmpfs", flags, f"size={size},mode={mode}")
+
+
+def _unescape(field: str) -> str:
+    """A mount point as /proc/self/mountinfo writes it (space, tab, newline, backslash
+    as octal escapes)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _mounts_on(path: str) -> list[str]:
+    """The mount points whose parent is the mount at `path` (the last one mounted there)."""
+    rows = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            fields = line.split()
+            rows.append((fields[0], fields[1], _unescape(fields[4])))
+    at = [mount_id for mount_id, _parent, point in rows if point == path]
+    if not at:
+        return []
+    return [point for _mount_id, parent, point in rows if parent == at[-1] and point != path]
+
+
+def _fresh_tmp(libc: Any, size: int, template_scratch: str) -> None:
+    """`/tmp`: a fresh tmpfs of this worker's own, with the view's mounts under `/tmp` (the
+    policy's paths there, their masks) moved onto it; the template's scratch stays below.
+
+    The mounts are moved through a stash (a tmpfs on `/dev/shm`, which gets a fresh one of
+    its own right after), so each keeps its flags and its own submounts."""
+    moved = [m for m in _mounts_on("/tmp") if m != template_scratch]
+    flags = _MS_NOSUID | _MS_NODEV
+    stash = "/dev/shm"
+    if moved:
+        _tmpfs(libc, stash, 1 << 20, "0700", flags)
+        for n, point in enumerate(moved):
+            is_dir = os.path.isdir(point)
+            held = f"{stash}/{n}"
+            if is_dir:
+                os.mkdir(held)
+            else:
+                os.close(os.open(held, os.O_CREAT | os.O_WRONLY, 0o600))
+            _mount(libc, point, held, None, _MS_MOVE)
+            moved[n] = point + ("/" if is_dir else "")
+    _tmpfs(libc, "/tmp", size, "1777", flags)
+    for n, entry in enumerate(moved):
+        point = entry.rstrip("/")
+        if entry.endswith("/"):
+            os.makedirs(point, 0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(point), 0o755, exist_ok=True)
+            os.close(os.open(point, os.O_CREAT | os.O_WRONLY, 0o644))
+        _mount(libc, f"{stash}/{n}", point, None, _MS_MOVE)
+    if moved:
+        _check(libc, libc.umount2(stash.encode(), 2), "detach the stash")  # MNT_DETACH
+
+
+def _loopback_up() -> None:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        req = struct.pack("16sh14x", b"lo", 0)
+        flags = struct.unpack("16sh14x", fcntl.ioctl(sock, 0x8913, req))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
+
+
+def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
+    """Steps 1 and 2 of the module docstring; returns in the worker (W) only."""
+    cred = socket.socket(fileno=cred_fd)
+    cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
+    nosuid_nodev = _MS_NOSUID | _MS_NODEV
+    _check(
+        libc,
+        libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC),
+        "unshare",
+    )
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    scratch = str(ns["scratch"])
+    tmpfs_bytes = int(ns["tmpfs_bytes"])
+    # Fresh file systems of this worker's own, then the shared ones read-only.
+    _fresh_tmp(libc, tmpfs_bytes, str(ns["template_scratch"]))
+    os.makedirs(os.path.dirname(scratch), 0o755, exist_ok=True)
+    os.mkdir(scratch, 0o700)
+    _tmpfs(libc, scratch, int(ns["scratch_bytes"]), "0700", nosuid_nodev)
+    if os.path.isdir("/dev/shm"):
+        _tmpfs(libc, "/dev/shm", tmpfs_bytes, "1777", nosuid_nodev | _MS_NOEXEC)
+    if os.path.isdir("/dev/pts"):
+        _mount(
+            libc,
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            _MS_NOSUID | _MS_NOEXEC,
+            "newinstance,ptmxmode=0666,mode=620",
+        )
+    for path in ("/dev", "/"):
+        _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev)
+    if ns.get("loopback", True):
+        _loopback_up()
+    # Nothing is forked before the host has placed this process in the worker's cgroups.
+    if cred.recv(1) != b"g":
+        os._exit(1)  # the host gave up on this worker
+    cred.close()
+    init = os.fork()
+    if init != 0:  # I: relay P's end
+        _set_caps(libc, 0)
+        _, status = os.waitpid(init, 0)
+        os._exit(_status_code(status))
+    # P: PID 1 of the worker's PID namespace.
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _mount(libc, "proc", "/proc", "proc", nosuid_nodev | _MS_NOEXEC)
+    for name in _PROC_COVERS:
+        path = "/proc/" + name
+        if os.path.exists(path):
+            _mount(libc, path, path, None, _MS_BIND | _MS_REC)
+            flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev | _MS_NOEXEC
+            _mount(libc, None, path, None, flags)
+    worker = os.fork()
+    if worker == 0:
+        return  # W
+    _set_caps(libc, 0)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == worker:
+            os._exit(_status_code(status))
 
 
 def _renew_secrets() -> None:
@@ -132,14 +373,19 @@ def _reap(control: socket.socket) -> None:
         _send(control, {"exit": pid, "returncode": code})
 
 
-def run_template(control_fd: int, read_boot: Callable[[int], dict[str, Any]]) -> None:
+def run_template(
+    control_fd: int, read_boot: Callable[[int], dict[str, Any]], *, namespace: bool = False
+) -> None:
     """Serve fork requests on the control socket until it closes (then exit).
 
     `read_boot` is the boot script's reader of a boot configuration: the boot script runs
     by path, so it hands its reader over instead of being imported a second time.
+    `namespace`: the template runs inside a namespace sandbox (see the module docstring).
     """
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
+    if namespace:
+        lock_template(libc)
     # A child's exit wakes the loop through this pipe (no polling while idle).
     wakeup = os.pipe()
     os.set_blocking(wakeup[0], False)
@@ -158,7 +404,7 @@ def run_template(control_fd: int, read_boot: Callable[[int], dict[str, Any]]) ->
             with contextlib.suppress(BlockingIOError):
                 os.read(wakeup[0], 4096)
             continue
-        data, fds_list, _flags, _addr = socket.recv_fds(control, 65536, 3)
+        data, fds_list, _flags, _addr = socket.recv_fds(control, 65536, _MAX_FDS)
         if not data:
             os._exit(0)  # the parent is gone: its workers are killed by their own parent chain
         fds = list(fds_list)
@@ -171,10 +417,11 @@ def run_template(control_fd: int, read_boot: Callable[[int], dict[str, Any]]) ->
             continue
         line, _, buffer = buffer.partition(b"\n")
         request = json.loads(line)
-        if len(fds) != 3:
+        expected = 1 + bool(request.get("ns")) + len(request.get("plan_fds") or ())
+        if len(fds) != expected or len(request.get("plan_fds") or ()) < 2:
             for fd in fds:
                 os.close(fd)
-            _send(control, {"error": "expected three descriptors", "req": request.get("req")})
+            _send(control, {"error": "unexpected descriptors", "req": request.get("req")})
             continue
         pid = os.fork()
         if pid == 0:

@@ -415,3 +415,60 @@ def test_lambda_recursion_stays_a_recursion_error() -> None:
             exec(compile(tree, "<t>", "exec"), {})
     finally:
         sys.setrecursionlimit(saved)
+
+
+def test_the_walk_skips_only_fields_that_never_hold_a_node() -> None:
+    """The check's walk leaves out the fields whose ASDL type is a builtin (a name, a string,
+    a constant, an int), read from each node class's signature. On real code (a slice of the
+    standard library, every syntax it uses) none of the fields it leaves out holds a node."""
+    import ast
+    import pathlib
+    import sysconfig
+
+    from agent_sandbox.guards import _code_check
+
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = [*sorted(stdlib.glob("*.py"))[:120], stdlib / "ast.py", stdlib / "typing.py"]
+    checked = 0
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        for node in ast.walk(tree):
+            visited = _code_check._CHILD_FIELDS.get(type(node), ())
+            for field in node._fields:
+                if field in visited or field in _code_check._SKIPPED_FIELDS:
+                    continue
+                value = getattr(node, field, None)
+                items = value if isinstance(value, list) else [value]
+                assert not any(isinstance(v, ast.AST) for v in items), (type(node), field)
+                checked += 1
+    assert checked > 10_000
+
+    # Without a signature that names exactly the class's fields, every field is visited.
+    class Odd(ast.expr):
+        """Odd(identifier name)"""
+
+        _fields = ("name", "other")
+
+    assert _code_check._child_fields(Odd) == ("name", "other")
+
+
+def test_the_check_refuses_nodes_of_a_refused_or_unknown_type_anywhere() -> None:
+    """A refused syntax deep inside optional and list slots (None in `kw_defaults`, dict
+    unpacking's None key) is still found, and a node type with no rule is refused."""
+    import ast
+
+    from agent_sandbox.guards._code_check import find_violations
+
+    source = "def f(*, a, b=(lambda: 1)):\n    return {**{}, 'k': [x async for x in y]}\n"
+    rules = {"syntax": ["functions"]}
+    found = {v.rule for v in find_violations(ast.parse(source), rules)}
+    assert found == {"code.syntax"}
+    texts = " ".join(v.detail for v in find_violations(ast.parse(source), rules))
+    assert "lambda" in texts
+
+    class Unknown(ast.expr):
+        _fields = ()
+
+    tree = ast.parse("x = 1")
+    tree.body[0].value = Unknown()  # type: ignore[attr-defined]
+    assert any("has no rule" in v.detail for v in find_violations(tree, {}))

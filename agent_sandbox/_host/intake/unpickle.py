@@ -71,6 +71,10 @@ except ImportError:  # pragma: no cover - built by `pip install -e .`
 
 __all__ = ["Decoder", "Rebuilt", "load_restricted"]
 
+# The one-blob decoder (None from a build of the extension that predates it: the general
+# path then decodes every result, as before).
+_decode_blob = getattr(_fastscan, "decode_blob", None)
+
 
 # -- steps 2 and 3: find_class and the C unpickler -----------------------------------------------
 
@@ -156,7 +160,17 @@ class Decoder:
             )
         if data.get("encoding") != "pickle-b64":
             raise UnpickleRefused(f"unknown result encoding {str(data.get('encoding'))[:40]!r}")
-        return load_restricted(self._bytes(data.get("pickle")), self.allow, self.budgets)
+        text = data.get("pickle")
+        if _decode_blob is not None and isinstance(text, str):
+            # One bytes or bytearray value and nothing else (a file, an image): decoded from
+            # the base64 text straight into the value, with the prescan's checks and budgets
+            # on its few opcodes; None for anything else, which takes the path below.
+            blob = _decode_blob(
+                text, self.budgets.max_bytes, self.budgets.max_opcodes, self.budgets.max_memo
+            )
+            if blob is not None:
+                return blob
+        return load_restricted(self._bytes(text), self.allow, self.budgets)
 
     def _bytes(self, text: Any) -> bytes:
         if not isinstance(text, str):

@@ -5,11 +5,16 @@ Run one target by hand, for as long as you like:
     .venv/bin/python tests/host/intake/fuzz_targets.py unpickle -max_total_time=600
     .venv/bin/python tests/host/intake/fuzz_targets.py sse -runs=100000
     .venv/bin/python tests/host/intake/fuzz_targets.py events
+    .venv/bin/python tests/host/intake/fuzz_targets.py decode -max_total_time=600
 
 Targets:
 
 * `unpickle`: `load_restricted` on arbitrary bytes (seeded with valid protocol-5 pickles).
 * `sse`: the SSE parser fed the input in two chunks at a point the input chooses.
+* `decode`: the C base64 decoders (`b64decode`, and `decode_blob` for a pickle that is one
+  bytes value) against strict `binascii` and `load_restricted`, on the input's base64 (a
+  pickle, by default) or, after a leading 0x01, on the input itself as text; the vector
+  loop is on or off as the input's last byte says.
 * `events`: one SSE stream through the parser into `ResultBuilder` with an objects-mode
   decoder, then `raise_error()`.
 
@@ -21,6 +26,8 @@ during decoding, and libFuzzer itself reports hangs and crashes.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
 import decimal
 import pickle
@@ -56,6 +63,11 @@ with atheris.instrument_imports(include=["agent_sandbox"]):
     from agent_sandbox._host.intake.unpickle_prescan import Budgets
 
 import tblib  # noqa: E402,F401 - imported now: the decoder imports it lazily
+
+try:
+    from agent_sandbox.guards import _fastscan
+except ImportError:  # not built: the `decode` target has nothing to check
+    _fastscan = None
 
 _ACTIVE = False
 _FORBIDDEN = (
@@ -144,7 +156,47 @@ def target_events(data: bytes) -> None:
         _ACTIVE = False
 
 
-TARGETS = {"unpickle": target_unpickle, "sse": target_sse, "events": target_events}
+def target_decode(data: bytes) -> None:
+    if _fastscan is None:
+        return
+    _fastscan.vector(bool(data[-1:]) and data[-1] & 1 == 1)
+    as_text = data[:1] == b"\x01"
+    text = data[1:].decode("latin-1") if as_text else base64.b64encode(data).decode()
+    try:
+        strict: bytes | None = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        strict = None
+    fast = _fastscan.b64decode(text)
+    if fast is not None and fast != strict:
+        raise AssertionError(f"b64decode differs from binascii on {text!r:.200}")
+    if strict is not None and base64.b64encode(strict).decode() == text and fast != strict:
+        raise AssertionError(f"b64decode refused canonical text {text!r:.200}")
+    budgets = Budgets(max_bytes=100_000)
+    blob = _fastscan.decode_blob(text, budgets.max_bytes, budgets.max_opcodes, budgets.max_memo)
+    if blob is None:
+        return
+    if strict is None:
+        raise AssertionError(f"decode_blob accepted bad base64 {text!r:.200}")
+    global _ACTIVE
+    _ACTIVE = True
+    try:
+        value = load_restricted(strict, Allowlist(), budgets)
+    except UnpickleRefused:
+        raise AssertionError(
+            f"decode_blob accepted what the prescan refuses {strict!r:.200}"
+        ) from None
+    finally:
+        _ACTIVE = False
+    if type(value) is not type(blob) or value != blob:
+        raise AssertionError(f"decode_blob differs from load_restricted on {strict!r:.200}")
+
+
+TARGETS = {
+    "unpickle": target_unpickle,
+    "sse": target_sse,
+    "events": target_events,
+    "decode": target_decode,
+}
 
 
 def main(argv: list[str]) -> None:

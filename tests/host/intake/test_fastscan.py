@@ -33,7 +33,8 @@ _fastscan = pytest.importorskip(
 SETTINGS = settings(
     max_examples=int(os.environ.get("FASTSCAN_EXAMPLES", "300")),
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+    # function_scoped_fixture: `b64_loop` only sets a flag for the whole test
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 P61 = (1 << 61) - 1
 
@@ -304,3 +305,247 @@ def test_decoder_refuses_bad_base64_as_before() -> None:
     value = {"k": [1.5, 2, "x"]}
     text = base64.b64encode(pickle.dumps(value, protocol=5)).decode()
     assert decoder.decode_value({"encoding": "pickle-b64", "pickle": text}) == value
+
+
+# -- the vector base64 loop and the one-blob decoder (decode_blob) --------------------------
+
+
+@pytest.fixture(params=["vector", "scalar"])
+def b64_loop(request: pytest.FixtureRequest) -> Any:
+    """Each base64 test runs with the AVX2 loop (where the CPU has it) and without."""
+    before = _fastscan.vector()
+    on = _fastscan.vector(request.param == "vector")
+    if request.param == "vector" and not on:
+        pytest.skip("this CPU has no AVX2: the scalar loop is the only one")
+    yield request.param
+    _fastscan.vector(before)
+
+
+#: Characters a mutation may put into base64 text: the alphabet's neighbours in every
+#: nibble class the vector check sorts by, padding, whitespace and non-ASCII.
+_B64_NOISE = "+/09AZaz=\n \x00\x7f@[`{:-_.,*\x80é€"
+
+
+def _mutate_text(text: str, edits: list[tuple[int, int]], mode: str) -> str:
+    chars = list(text)
+    for at, pick in edits:
+        i = at % (len(chars) + 1)
+        ch = _B64_NOISE[pick % len(_B64_NOISE)]
+        if mode == "replace" and i < len(chars):
+            chars[i] = ch
+        elif mode == "insert":
+            chars.insert(i, ch)
+        elif mode == "delete" and i < len(chars):
+            del chars[i]
+    return "".join(chars)
+
+
+def _strict(text: str) -> bytes | None:
+    try:
+        return binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        return None
+
+
+@SETTINGS
+@given(raw=st.binary(min_size=0, max_size=3000))
+def test_long_base64_decodes_like_binascii(b64_loop: str, raw: bytes) -> None:
+    """Long enough for the vector loop (32 characters a block), every tail length."""
+    text = base64.b64encode(raw).decode()
+    assert _fastscan.b64decode(text) == raw
+
+
+@SETTINGS
+@given(
+    raw=st.binary(min_size=24, max_size=1500),
+    edits=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), min_size=1, max_size=3),
+    mode=st.sampled_from(["replace", "insert", "delete"]),
+)
+def test_mutated_long_base64_never_accepted_alone(
+    b64_loop: str, raw: bytes, edits: list[tuple[int, int]], mode: str
+) -> None:
+    text = _mutate_text(base64.b64encode(raw).decode(), edits, mode)
+    fast = _fastscan.b64decode(text)
+    if fast is not None:
+        assert fast == _strict(text)
+
+
+def test_every_bad_character_is_refused_at_every_position_of_a_block(b64_loop: str) -> None:
+    """Each byte value outside the alphabet, at each position of a 32-character block (the
+    vector check) and of the scalar tail."""
+    raw = bytes(range(256)) * 2
+    text = base64.b64encode(raw).decode()
+    alphabet = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+    for byte in range(128):
+        if byte in alphabet:
+            continue
+        for i in range(0, 96):
+            bad = text[:i] + chr(byte) + text[i + 1 :]
+            assert _fastscan.b64decode(bad) is None, (byte, i)
+            assert _fastscan.decode_blob(bad, 10**6, 10**6, 10**6) is None
+
+
+def _blob_budgets(b: Budgets) -> tuple[int, int, int]:
+    return (b.max_bytes, b.max_opcodes, b.max_memo)
+
+
+def check_blob(text: str, budgets: Budgets | None = None) -> bool:
+    """decode_blob's answer, after checking that it only answers where the whole ordinary
+    path (strict base64, the Python prescan, the C prescan, pickle) gives the same value."""
+    budgets = budgets or Budgets()
+    out = _fastscan.decode_blob(text, *_blob_budgets(budgets))
+    if out is None:
+        return False
+    raw = _strict(text)
+    assert raw is not None, f"decode_blob accepted bad base64: {text!r:.200}"
+    assert python_accepts(raw, budgets), f"decode_blob accepted what Python refuses: {raw!r:.300}"
+    assert _fastscan.prescan_data(raw, *_args(budgets))
+    expected = pickle.loads(raw)
+    assert type(out) is type(expected) and out == expected
+    assert type(out) in (bytes, bytearray)
+    return True
+
+
+_blobs = st.binary(max_size=2000) | st.binary(max_size=2000).map(bytearray)
+
+
+@SETTINGS
+@given(value=_blobs, protocol=st.sampled_from([4, 5]))
+def test_blob_decodes_every_bytes_pickle(
+    b64_loop: str, value: bytes | bytearray, protocol: int
+) -> None:
+    text = base64.b64encode(pickle.dumps(value, protocol=protocol)).decode()
+    # bytearray before protocol 5 is a global call (builtins.bytearray): not a blob.
+    assert check_blob(text) == (type(value) is bytes or protocol == 5)
+
+
+def test_blob_decodes_every_offset_and_length(b64_loop: str) -> None:
+    """Every payload length around the vector block and the 3-byte group, with and without
+    a FRAME and a MEMOIZE (the payload starts at a different offset in each)."""
+    for size in [*range(0, 120), *range(250, 270), *range(65_530, 65_545)]:
+        payload = bytes((i * 7 + size) % 256 for i in range(size))
+        for op in (b"C", b"B", b"\x8e", b"\x96"):
+            if op == b"C" and size > 255:
+                continue
+            width = {b"C": 1, b"B": 4, b"\x8e": 8, b"\x96": 8}[op]
+            body = op + size.to_bytes(width, "little") + payload
+            for memo in (b"", b"\x94"):
+                for frame in (False, True):
+                    ops = body + memo + b"."
+                    head = b"\x95" + len(ops).to_bytes(8, "little") if frame else b""
+                    text = base64.b64encode(b"\x80\x05" + head + ops).decode()
+                    assert check_blob(text), (size, op, memo, frame)
+
+
+@SETTINGS
+@given(
+    value=_blobs,
+    edits=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 255)), min_size=1, max_size=4),
+    tail=st.booleans(),
+    cut=st.integers(0, 10_000),
+    mode=st.sampled_from(["replace", "insert", "delete", "truncate", "append"]),
+)
+def test_mutated_blob_pickles_never_decoded_alone(
+    b64_loop: str,
+    value: bytes | bytearray,
+    edits: list[tuple[int, int]],
+    tail: bool,
+    cut: int,
+    mode: str,
+) -> None:
+    """Header, length fields and trailer mutated (the positions are counted from the end
+    when `tail`): decode_blob answers only where the ordinary path agrees."""
+    data = bytearray(pickle.dumps(value, protocol=5))
+    for at, byte in edits:
+        i = at % (len(data) + 1)
+        if tail:
+            i = len(data) - i
+        if mode == "replace" and i < len(data):
+            data[i] = byte
+        elif mode == "insert":
+            data.insert(i, byte)
+        elif mode == "delete" and i < len(data):
+            del data[i]
+    if mode == "truncate":
+        del data[cut % (len(data) + 1) :]
+    if mode == "append":
+        data += bytes(b for _, b in edits)
+    check_blob(base64.b64encode(bytes(data)).decode())
+
+
+@SETTINGS
+@given(
+    value=_blobs,
+    edits=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), min_size=1, max_size=3),
+    mode=st.sampled_from(["replace", "insert", "delete"]),
+)
+def test_mutated_blob_text_never_decoded_alone(
+    b64_loop: str, value: bytes | bytearray, edits: list[tuple[int, int]], mode: str
+) -> None:
+    text = base64.b64encode(pickle.dumps(value, protocol=5)).decode()
+    check_blob(_mutate_text(text, edits, mode))
+
+
+@SETTINGS
+@given(
+    value=_blobs,
+    max_bytes=st.integers(0, 2100),
+    max_opcodes=st.integers(0, 5),
+    max_memo=st.integers(0, 2),
+    memo=st.booleans(),
+)
+def test_blob_tight_budgets_agree(
+    b64_loop: str,
+    value: bytes | bytearray,
+    max_bytes: int,
+    max_opcodes: int,
+    max_memo: int,
+    memo: bool,
+) -> None:
+    budgets = Budgets(max_bytes=max_bytes, max_opcodes=max_opcodes, max_memo=max_memo)
+    data = pickle.dumps(value, protocol=5)
+    if not memo:
+        data = data.replace(b"\x94.", b".") if data.endswith(b"\x94.") else data
+    text = base64.b64encode(data).decode()
+    fast = check_blob(text, budgets)
+    if python_accepts(data, budgets):
+        assert fast
+
+
+def test_blob_random_opcode_soup(b64_loop: str) -> None:
+    rng = random.Random(1919)
+    ops = b"\x95CB\x8e\x96\x94.N(]\x8c"
+    for _ in range(20_000):
+        n = rng.randrange(0, 30)
+        body = bytes(
+            rng.choice(ops) if rng.random() < 0.5 else rng.randrange(256) for _ in range(n)
+        )
+        check_blob(base64.b64encode(b"\x80" + bytes([rng.choice((4, 5))]) + body).decode())
+
+
+def test_blob_refuses_what_is_not_one_blob(b64_loop: str) -> None:
+    budgets = _blob_budgets(Budgets())
+    for value in (None, 1, "text", [b"x"], (b"x",), {b"k": b"v"}, b"x" * 5000 + b"y"):
+        if isinstance(value, bytes):
+            continue
+        text = base64.b64encode(pickle.dumps(value, protocol=5)).decode()
+        assert _fastscan.decode_blob(text, *budgets) is None
+    two = b"\x80\x05C\x01xC\x01y\x86."  # two blobs in a tuple
+    assert _fastscan.decode_blob(base64.b64encode(two).decode(), *budgets) is None
+    assert _fastscan.decode_blob("", *budgets) is None
+    assert _fastscan.decode_blob("gAVDAXgu" + "=", *budgets) is None
+    with pytest.raises(TypeError):
+        _fastscan.decode_blob(b"gAVDAXgu", *budgets)
+
+
+def test_decoder_takes_the_blob_path_and_keeps_its_refusals(b64_loop: str) -> None:
+    decoder = Decoder(objects=True, max_bytes=10_000)
+    value = bytes(range(256)) * 20
+    text = base64.b64encode(pickle.dumps(value, protocol=5)).decode()
+    assert decoder.decode_value({"encoding": "pickle-b64", "pickle": text}) == value
+    big = base64.b64encode(pickle.dumps(b"x" * 20_000, protocol=5)).decode()
+    with pytest.raises(UnpickleRefused):
+        decoder.decode_value({"encoding": "pickle-b64", "pickle": big})
+    bad = text[:100] + "!" + text[101:]
+    with pytest.raises(UnpickleRefused):
+        decoder.decode_value({"encoding": "pickle-b64", "pickle": bad})

@@ -18,13 +18,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("target", ["unpickle", "sse", "events"])
+@pytest.mark.parametrize("target", ["unpickle", "sse", "events", "decode"])
 def test_fuzz_target_runs_clean(target: str, tmp_path: Path) -> None:
     """It survives a few thousand coverage-guided inputs with no crash, hang or forbidden
     audit event (libFuzzer exits non-zero and writes the input otherwise)."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "seed").write_bytes(pickle.dumps({"a": [1, 2.5, "x"]}, protocol=5))
+    (corpus / "blob").write_bytes(pickle.dumps(bytes(range(256)), protocol=5) + b"\x01")
     (corpus / "event").write_bytes(b'event: stdout\ndata: "hi"\n\nevent: done\ndata: {}\n\n')
     proc = subprocess.run(
         [
