@@ -456,7 +456,7 @@ def _user_tmpfs_trial(python: str) -> ProbeResult:
         out = subprocess.run(
             [
                 *(python, "-I", "-S", "-B", "-c", _USER_TMPFS_TRIAL),
-                *(os.path.dirname(os.path.abspath(__file__)), where),
+                *(os.path.dirname(os.path.realpath(__file__)), where),
             ],
             capture_output=True,
             text=True,

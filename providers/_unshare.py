@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 #: The launcher module (standard library only; run with `-I -S -B`).
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ns_launch.py")
+LAUNCHER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_ns_launch.py")
 # Imported rather than run as a script, so its bytecode cache serves (a script is always
 # compiled from source); the providers folder leaves `sys.path` before `main()` runs.
 _LAUNCH_CODE = (

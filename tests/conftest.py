@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -14,6 +15,18 @@ from agent_sandbox import Policy, Sandbox
 
 # Secrets planted in the test process's environment: a worker must never see them.
 os.environ.setdefault("AGENT_SANDBOX_TEST_CANARY", "canary-7f3a9c1e")
+
+# The tests leave nothing in the user's home: CrewAI keeps settings and a database per
+# project directory under ~/.config and ~/.local/share, matplotlib a font cache, and the
+# library its probe cache under $XDG_CACHE_HOME. The session (and every process it starts)
+# gets a home of its own, removed when the session ends.
+_HOME = tempfile.mkdtemp(prefix="agent-sandbox-tests-home-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+os.environ["HOME"] = _HOME
+os.environ["XDG_CONFIG_HOME"] = os.path.join(_HOME, ".config")
+os.environ["XDG_DATA_HOME"] = os.path.join(_HOME, ".local", "share")
+os.environ["XDG_CACHE_HOME"] = os.path.join(_HOME, ".cache")
+os.environ["MPLCONFIGDIR"] = os.path.join(_HOME, ".config", "matplotlib")
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ __all__ = [
 
 
 BOOT_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_worker", "boot.py"
+    os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "_worker", "boot.py"
 )
 _PACKAGES = (
     "agent_sandbox",
@@ -64,7 +64,13 @@ def package_dirs() -> dict[str, str]:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
             raise WorkerStartError(f"cannot locate the package {name}")
-        out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
+        # The folder of its `__init__.py` after links: a strict editable install reaches the
+        # sources through a tree of per-file links (build/__editable__*), which the worker's
+        # view and its Landlock rules must not depend on.
+        if spec.origin:
+            out[name] = os.path.dirname(os.path.realpath(spec.origin))
+        else:
+            out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
     refresh_bytecode(tuple(sorted(out.values())))
     return out
 

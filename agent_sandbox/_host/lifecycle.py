@@ -126,7 +126,7 @@ def ensure_guardian() -> None:
                 os.close(_STATE["pipe"])
             _STATE["pipe"] = -1
         read_end, write_end = os.pipe()  # neither is inheritable
-        folder = os.path.dirname(os.path.abspath(guardian.__file__))
+        folder = os.path.dirname(os.path.realpath(guardian.__file__))
         code = (
             f"import sys; sys.path.insert(0, {folder!r}); import guardian; "
             "del sys.path[0]; guardian.main()"

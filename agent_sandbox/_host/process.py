@@ -179,6 +179,7 @@ class WorkerProcess:
         self = cls()
         self.policy = policy
         self.decoder = Decoder.from_policy(policy)
+        provider.prepare(policy)  # a first use's one-time build: outside the start timeout
         t0 = time.monotonic()
         lifecycle.ensure_guardian()
         self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
@@ -611,6 +612,9 @@ class WorkerProcess:
     def worker_pid(self) -> int | None:
         """The worker's pid on the host (below its launcher, in its pid namespace or not)."""
         if self._host_pid is not None or self.proc is None:
+            return self._host_pid
+        if self.plan is not None and self.plan.interrupt_launcher:
+            self._host_pid = self.proc.pid  # it forwards the signal into the VM
             return self._host_pid
         inner = str(self.hello.get("pid", ""))
         for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:

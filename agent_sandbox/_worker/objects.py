@@ -77,7 +77,7 @@ def _dumps(value: Any, protocol: int) -> bytes:
 _b64 = binascii.b2a_base64
 _PROTOCOL = 5
 
-_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_HERE = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")
 _PACKAGES = (
     "agent_sandbox",
     "agent_sandbox.guards",

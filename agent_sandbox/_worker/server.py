@@ -50,6 +50,7 @@ class _Server:
         self.checks = checks
         self.boot = boot
         self.tamper_check: Any = None
+        self.hold_start = bool((boot.get("worker_setup") or {}).get("hold_start"))
 
     # -- connection handling -------------------------------------------------------------
 
@@ -162,6 +163,9 @@ class _Server:
         # denials) are written at once, in order.
         held: list[bytes] = []
         holding = False
+        # Under a provider whose every write wakes a relay (qemu: the guest agent, the port,
+        # the host relay), the headers and `start` wait for the call's first write instead.
+        head_pending: list[bytes] = []
 
         owner = os.getpid()
 
@@ -169,6 +173,8 @@ class _Server:
             nonlocal broken
             if broken:
                 return
+            if head_pending:
+                data = head_pending.pop() + data
             try:
                 sock.sendall(data)
             except OSError:
@@ -204,10 +210,13 @@ class _Server:
             return
         filename = request.get("filename")
         head += conn.send(h11.Data(data=encode_event("start", {"call": self.runner.calls + 1})))
-        try:
-            sock.sendall(head)
-        except OSError:
-            return  # the caller left (a cancelled call): nobody waits for this code's result
+        if self.hold_start:
+            head_pending.append(head)
+        else:
+            try:
+                sock.sendall(head)
+            except OSError:
+                return  # the caller left (a cancelled call): nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
