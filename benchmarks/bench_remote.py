@@ -8,10 +8,10 @@ local calls, then a block of remote calls, B times), so both see the same load; 
 per block, and its median and range are printed. Both workers run the same policy under the
 `subprocess` provider (the Python layer only; the transport is what is compared): the local
 one is a `WorkerProcess` on its Unix socket (h11), the remote one is `agent-sandbox worker
-serve` on 127.0.0.1 with mTLS, reached by `RemoteWorker` (httpx), which relays to the same
-kind of worker on its own Unix socket. Targets (issue 21): warm remote call <= 2x the local
-one; claim of a warm worker through `LocalClaimBackend` <= 5 ms; zero errors and nothing
-left behind in the load test.
+serve` on 127.0.0.1 with mTLS, reached by `RemoteWorker` (its calls: h11 on its own TLS
+socket), which relays to the same kind of worker on its own Unix socket. Targets (issue
+21): warm remote call <= 2x the local one; claim of a warm worker through
+`LocalClaimBackend` <= 5 ms; zero errors and nothing left behind in the load test.
 
 The load test starts P processes, each with a `LocalClaimBackend` (warm = T) and T threads;
 every thread opens its own session (a distinct conversation thread), makes K calls and
@@ -95,7 +95,7 @@ def warm_calls(certs: dict[str, str], rounds: int, blocks: int) -> None:
                 rem.append(b)
                 ratio.append(b / a)
             print(f"warm call, local Unix socket (h11)     {ms(loc)}  (block medians)")
-            print(f"warm call, loopback mTLS (httpx+relay) {ms(rem)}  (block medians)")
+            print(f"warm call, loopback mTLS (h11+relay)   {ms(rem)}  (block medians)")
             print(
                 f"ratio remote/local per block: median {statistics.median(ratio):.2f}x  "
                 f"range {min(ratio):.2f}x..{max(ratio):.2f}x   (target <= 2x)"

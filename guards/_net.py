@@ -48,6 +48,10 @@ _AF_INET, _AF_INET6 = int(socket.AF_INET), int(socket.AF_INET6)
 _AF_UNIX = int(getattr(socket, "AF_UNIX", 1))
 _SOCK_STREAM, _SOCK_DGRAM = int(socket.SOCK_STREAM), int(socket.SOCK_DGRAM)
 _NI_NUMERICHOST = int(socket.NI_NUMERICHOST)
+# The C socket's own `family` and `type` getters: plain ints, without the enum conversion of
+# socket.socket's properties (and without any property a subclass puts in their place).
+_C_FAMILY = vars(_socket.socket)["family"].__get__
+_C_TYPE = vars(_socket.socket)["type"].__get__
 _AI_NUMERICHOST = int(socket.AI_NUMERICHOST)
 
 
@@ -211,11 +215,22 @@ def _active() -> bool:
 
 
 def _is_ip(host: str) -> bool:
+    known = _IS_IP.get(host)
+    if known is not None:
+        return known
     try:
         ipaddress.ip_address(host.split("%")[0])
-        return True
+        answer = True
     except ValueError:
-        return False
+        answer = False
+    if len(_IS_IP) >= 4096:
+        _IS_IP.clear()
+    _IS_IP[host] = answer
+    return answer
+
+
+#: host string -> whether it is an IP address (a connect loop asks about the same few).
+_IS_IP: dict[str, bool] = {}
 
 
 def _pinned(name: str) -> list[str] | None:
@@ -223,13 +238,13 @@ def _pinned(name: str) -> list[str] | None:
 
 
 def _protocol(sock: Any) -> str:
-    kind = int(sock.type) & 0xF
+    kind = _C_TYPE(sock) & 0xF
     return "tcp" if kind == _SOCK_STREAM else "udp" if kind == _SOCK_DGRAM else "raw"
 
 
 def _judge_address(sock: Any, address: Any, direction: str) -> Any:
     """Judge one address for `sock`; returns the address to hand to the call."""
-    family = int(sock.family)
+    family = _C_FAMILY(sock)
     if family == _AF_UNIX:
         if isinstance(address, bytes | bytearray | str) and address[:1] in ("\0", b"\0"):
             refuse(

@@ -18,6 +18,7 @@ from agent_sandbox.policies._model import LimitsPolicy as LimitsPolicy
 from agent_sandbox.policies._model import NetPolicy as NetPolicy
 from agent_sandbox.policies._model import NetRule as NetRule
 from agent_sandbox.policies._model import Policy as Policy
+from agent_sandbox.policies._model import RemotePolicy as RemotePolicy
 
 __all__ = [
     "ApiPolicy",
@@ -31,6 +32,7 @@ __all__ = [
     "NetRule",
     "PROVIDERS",
     "Policy",
+    "RemotePolicy",
     "SENSITIVE_CATEGORIES",
     "list_presets",
     "load_policy",

@@ -35,11 +35,14 @@ __all__ = [
     "NetRule",
     "PROVIDERS",
     "Policy",
+    "RemotePolicy",
     "SENSITIVE_CATEGORIES",
 ]
 
 #: Provider names a policy may request. `auto` is the only one that chooses.
-PROVIDERS = frozenset({"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu"})
+PROVIDERS = frozenset(
+    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu", "remote"}
+)
 
 #: Sensitive-call categories (see `agent_sandbox.guards`); a function rule names a
 #: dotted function instead, e.g. `subprocess.run`.
@@ -346,6 +349,110 @@ class LimitsPolicy(_Section):
     open_files: int = Field(default=256, ge=16)
 
 
+_REMOTE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+#: The `[remote]` keys that only one claim backend reads.
+_K8S_ONLY = ("namespace", "router_url", "router_token_file", "shutdown_after_seconds")
+_LOCAL_ONLY = ("server_cert", "server_key", "client_ca", "warm", "max_workers", "state_dir")
+
+
+class RemotePolicy(_Section):
+    """Where a `provider = "remote"` policy's workers run: the claim backend and how to reach
+    it (see docs/remote.md). Secrets are never values here: they are files, or environment
+    variables when no file is named (`AGENT_SANDBOX_SESSION_KEY`, `AGENT_SANDBOX_BIND_SECRET`,
+    `AGENT_SANDBOX_ROUTER_TOKEN`). Not part of the policy's fingerprint and never sent to a
+    worker: it says where the policy runs, not what it allows.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
+
+    #: `k8s`: SandboxClaims of kubernetes-sigs/agent-sandbox; `local`: `worker serve`
+    #: processes on this machine's loopback (tests, a single host).
+    backend: Literal["k8s", "local"] = "k8s"
+    #: The SandboxWarmPool claims come from (k8s; required), or the local pool's label.
+    pool: str = ""
+    namespace: str = "default"
+    #: Part of every claim's name: two tenants' threads never share a worker.
+    tenant: str = "default"
+    #: The sandbox-router's URL (k8s); empty: straight to the pod's IP (inside the cluster).
+    router_url: str = ""
+    router_token_file: str = ""
+    #: The tenant's session key (at least 16 bytes), shared by its agent processes only.
+    session_key_file: str = ""
+    #: The template-wide bootstrap secret the workers check on bind.
+    bind_secret_file: str = ""
+    #: The CA bundle that signs the workers' (or the router's) certificates; empty: the
+    #: system's trust store.
+    ca_file: str = ""
+    #: This host's client certificate (mTLS) and its key (empty: in the certificate's file).
+    client_cert: str = ""
+    client_key: str = ""
+    proxy: str = ""
+    plaintext: Literal["", "accepted"] = ""
+    max_claims: int = Field(default=16, ge=1, le=100_000)
+    claim_timeout: float = Field(default=30.0, gt=0, le=3600)
+    start_timeout: float = Field(default=15.0, gt=0, le=3600)
+    #: The claim's hard expiry in seconds (k8s `shutdownTime`); 0: none (the pod's idle exit).
+    shutdown_after_seconds: int = Field(default=0, ge=0)
+    #: The local backend's `worker serve` certificate and key (key empty: in the cert's file),
+    #: and the CA its clients' certificates must chain to (empty: no mTLS).
+    server_cert: str = ""
+    server_key: str = ""
+    client_ca: str = ""
+    warm: int = Field(default=1, ge=0, le=64)
+    max_workers: int = Field(default=8, ge=1, le=1024)
+    #: The provider the worker runs under inside the pod (local backend: inside `worker
+    #: serve`); the k8s template fixes it for its pods (`agent-sandbox k8s manifests`).
+    worker_provider: str = "auto"
+    #: Where local claims are recorded; processes sharing it share one worker per thread.
+    state_dir: str = ""
+
+    @field_validator("pool", "namespace")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if value and not _REMOTE_NAME_RE.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes name (a DNS-1123 label)")
+        return value
+
+    @field_validator("worker_provider")
+    @classmethod
+    def _worker_provider(cls, value: str) -> str:
+        if value not in PROVIDERS or value == "remote":
+            known = ", ".join(sorted(PROVIDERS - {"remote"}))
+            raise ValueError(f"unknown worker provider {value!r}; known: {known}")
+        return value
+
+    @field_validator("router_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if value and not value.startswith(("https://", "http://")):
+            raise ValueError(f"{value!r} is not an https:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _backend_keys(self) -> RemotePolicy:
+        defaults = type(self).model_fields
+        if self.backend == "k8s":
+            if not self.pool:
+                raise ValueError(
+                    "backend k8s needs `pool`, the name of the SandboxWarmPool to claim from"
+                )
+            stray = [k for k in _LOCAL_ONLY if getattr(self, k) != defaults[k].default]
+        else:
+            if not self.server_cert:
+                raise ValueError(
+                    "backend local needs `server_cert`, the certificate its `worker serve` "
+                    "processes present (and `ca_file`, the CA the host checks it against)"
+                )
+            stray = [k for k in _K8S_ONLY if getattr(self, k) != defaults[k].default]
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)}: not read by backend {self.backend!r}; remove "
+                f"{'it' if len(stray) == 1 else 'them'}"
+            )
+        return self
+
+
 #: Providers that are no kernel boundary: a policy names one only with the explicit opt-out.
 #: Fingerprints computed so far, by the id of their (frozen) policy. Kept beside the model, not
 #: in a private attribute: pydantic compares private attributes in `==` and copies them in
@@ -423,6 +530,8 @@ class Policy(_Section):
     api: ApiPolicy = Field(default_factory=ApiPolicy)
     code: CodePolicy = Field(default_factory=CodePolicy)
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
+    #: Where the workers run when `provider = "remote"` (not part of the fingerprint).
+    remote: RemotePolicy | None = None
     #: Where the policy was loaded from (not part of the fingerprint).
     source: Annotated[str | None, Field(exclude=True)] = None
     #: The files it `extends`, nearest first (not part of the fingerprint); with `source`,
@@ -501,7 +610,7 @@ class Policy(_Section):
         worker behind the host's egress proxy, which resolves names itself) no name is
         resolved here and no rule carries addresses.
         """
-        data = self.model_dump(mode="json", by_alias=True)
+        data = self.model_dump(mode="json", by_alias=True, exclude={"remote"})
         pins = self.pinned_addresses() if pin else {}
         for rule in data.get("net", {}).get("rules", []):
             rule["addresses"] = list(pins.get(rule["host"], ()))
@@ -528,13 +637,14 @@ class Policy(_Section):
     def fingerprint(self) -> str:
         """A stable hash: the same policy always gives the same fingerprint.
 
-        It covers the declared fields only (not the pinned addresses or the file path).
+        It covers the declared fields only (not the pinned addresses, the file path, or the
+        `[remote]` table, which says where the workers run, not what they may do).
         Computed once per policy object (the model is frozen), not once per call.
         """
         cached = _FINGERPRINTS.get(id(self))
         if cached is not None and cached[0]() is self:
             return cached[1]
-        data = self.model_dump(mode="json", by_alias=True)
+        data = self.model_dump(mode="json", by_alias=True, exclude={"remote"})
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         value = hashlib.sha256(canonical.encode()).hexdigest()[:16]
         key = id(self)

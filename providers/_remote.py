@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agent_sandbox._errors import CapacityError, SandboxError
+from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider
 
 if TYPE_CHECKING:
     from agent_sandbox._host.intake.remote_transport import RemoteTLS
@@ -52,6 +53,7 @@ __all__ = [
     "ClaimBackend",
     "ClaimCapacityError",
     "LocalClaimBackend",
+    "RemoteBoundary",
     "RemoteProvider",
     "RemoteSession",
     "ServerFiles",
@@ -72,6 +74,34 @@ class ClaimCapacityError(CapacityError):
             "workers to the pool (SandboxWarmPool replicas), raise claim_timeout, or close "
             "sessions that are done",
         )
+
+
+class RemoteBoundary(Provider):
+    """`provider = "remote"` as the host's provider registry sees it: it starts nothing here
+    (no launch plan), its workers run under the pod's own provider, which each result names
+    (`RunResult.stack`). A kernel boundary by construction: the host refuses a pod that
+    reports none unless the policy accepts that (`no_kernel_boundary = "accepted"`)."""
+
+    name = "remote"
+    strength = 0
+    is_boundary = True
+
+    def probe(self) -> ProbeResult:
+        import importlib.util
+
+        if importlib.util.find_spec("httpx") is None:
+            from agent_sandbox._errors import DIST_NAME, install_hint
+
+            return ProbeResult(
+                self.name,
+                False,
+                f"the remote transport needs httpx, which {DIST_NAME} installs as an extra: "
+                f"{install_hint('remote')}",
+            )
+        return ProbeResult(self.name, True)
+
+    def build(self, policy: Any, spec: Any) -> LaunchPlan:
+        raise SandboxError("the remote provider starts no local worker (it claims remote ones)")
 
 
 def claim_name(tenant: str, thread: str, fingerprint: str) -> str:

@@ -92,9 +92,28 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
         check_boundary_opt_out(name, policy.no_kernel_boundary)
     except ValueError as exc:
         raise PolicyError(str(exc), source=policy.source, key="provider") from None
+    if name == "remote":
+        return _remote_boundary(policy)
     chosen = get_provider(name)
     chosen.require()
     plan = chosen.build(policy, _dry_spec(policy))
     if isinstance(chosen, AutoProvider):
         chosen = next(p for p in chosen.candidates if p.name == plan.provider)
     return Boundary(chosen, tuple(plan.stack))
+
+
+def _remote_boundary(policy: Policy) -> Boundary:
+    """Workers claimed elsewhere (`providers/_remote.py`): the policy must say where, and the
+    transport must be installed; which layer holds them is the pod's, said per result."""
+    from agent_sandbox.providers._remote import RemoteBoundary
+
+    if policy.remote is None:
+        raise PolicyError(
+            'provider = "remote" needs a [remote] table: the claim backend (backend, pool), '
+            "the tenant and how to reach the workers (see docs/remote.md)",
+            source=policy.source,
+            key="remote",
+        )
+    chosen = RemoteBoundary()
+    chosen.require()
+    return Boundary(chosen, ("remote",))

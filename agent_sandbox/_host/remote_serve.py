@@ -48,6 +48,8 @@ _MAX_BIND_BODY = 1024 * 1024
 _MAX_RUN_BODY = 16 * 1024 * 1024
 _READ_TIMEOUT = 30.0
 _WALL_GRACE = 2.0
+#: The most the relay holds back to send what the worker wrote in one write.
+_COALESCE_MAX = 65536
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
@@ -472,10 +474,15 @@ class WorkerServer:
         up: h11.Connection,
         deadline: float,
     ) -> bool:
-        """Stream the worker's response to the host, with keep-alive comments when idle."""
+        """Stream the worker's response to the host, with keep-alive comments when idle.
+
+        What the worker has already written goes out in one write (one TLS record, one
+        wake-up of the host): the relay takes everything its socket holds before it sends,
+        and sends before it waits."""
         worker = self.worker
         tail = b"\n\n"  # the last two bytes sent: keep-alives only go between events
         streaming = False
+        pending = bytearray()
         while True:
             event = up.next_event()
             if event is h11.NEED_DATA:
@@ -484,13 +491,23 @@ class WorkerServer:
                     worker.death_reason = "it ran past its wall time (seen by the pod)"
                     worker.kill()
                     return False  # the host's connection is dropped: it sees the call end
-                inner.settimeout(min(self.config.keepalive, deadline - now))
-                try:
-                    data = inner.recv(262144)
-                except TimeoutError:
-                    if streaming and tail == b"\n\n":
-                        sock.sendall(conn.send(h11.Data(data=KEEPALIVE_COMMENT)) or b"")
-                    continue
+                data = b""
+                if pending:
+                    if len(pending) < _COALESCE_MAX:
+                        inner.setblocking(False)
+                        with contextlib.suppress(BlockingIOError):
+                            data = inner.recv(262144)
+                    if not data:
+                        sock.sendall(pending)
+                        pending.clear()
+                if not data:
+                    inner.settimeout(min(self.config.keepalive, deadline - now))
+                    try:
+                        data = inner.recv(262144)
+                    except TimeoutError:
+                        if streaming and tail == b"\n\n":
+                            sock.sendall(conn.send(h11.Data(data=KEEPALIVE_COMMENT)) or b"")
+                        continue
                 try:
                     up.receive_data(data)
                 except h11.RemoteProtocolError:
@@ -507,16 +524,19 @@ class WorkerServer:
                     ("x-accel-buffering", "no"),
                     ("transfer-encoding", "chunked"),
                 ]
-                sock.sendall(conn.send(h11.Response(status_code=200, headers=headers)) or b"")
+                pending += conn.send(h11.Response(status_code=200, headers=headers)) or b""
                 streaming = True
             elif isinstance(event, h11.Data):
                 data = bytes(event.data)
-                sock.sendall(conn.send(h11.Data(data=data)) or b"")
+                pending += conn.send(h11.Data(data=data)) or b""
                 tail = (tail + data)[-2:]
             elif isinstance(event, h11.EndOfMessage):
-                sock.sendall(conn.send(h11.EndOfMessage()) or b"")
+                pending += conn.send(h11.EndOfMessage()) or b""
+                sock.sendall(pending)
                 return True
             else:  # the worker closed mid-response: it died; the host sees the stream cut
+                if pending:
+                    sock.sendall(pending)
                 return False
 
 

@@ -102,7 +102,9 @@ class RemoteWorker(WorkerProcess):
         self.remote_client = client
         payload = {
             "token_sha256": hashlib.sha256(token.encode()).hexdigest(),
-            "policy": policy.model_dump(mode="json", by_alias=True),
+            # The [remote] table says where this host reaches workers: none of the pod's
+            # business (and not part of the fingerprint the pod checks).
+            "policy": policy.model_dump(mode="json", by_alias=True, exclude={"remote"}),
             "fingerprint": policy.fingerprint(),
         }
         try:

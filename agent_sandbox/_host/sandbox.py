@@ -19,7 +19,6 @@ read as one piece (the call lock itself is `agent_sandbox._host.calllock`).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import threading
@@ -27,7 +26,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import CapacityError, SandboxClosed
 from agent_sandbox._host.boundary import Boundary, resolve_boundary
@@ -37,6 +36,11 @@ from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox.policies import Policy, resolve_policy
 from agent_sandbox.providers import Provider
+
+if TYPE_CHECKING:
+    import asyncio  # imported where used: a program that never awaits does not load it
+
+    from agent_sandbox._host.remote_pool import RemotePool
 
 __all__ = ["Sandbox", "Session"]
 
@@ -88,7 +92,7 @@ class Session:
                     f"the previous interpreter of this session ended ({self._lost_reason}); "
                     "its variables and imports were lost, so define them again"
                 )
-            worker = self.sandbox._pool.acquire()
+            worker = self.sandbox._session_worker(self.key)
             if self._closed or self.sandbox.closed:
                 worker.discard()  # closed while it started: it runs nothing
                 raise SandboxClosed(f"session {self.key!r} is closed")
@@ -187,6 +191,8 @@ class Session:
                 if ownership.finish():
                     self._lock.release()
                     self.sandbox._room_changed()
+
+        import asyncio
 
         try:
             return await asyncio.to_thread(body)
@@ -296,16 +302,25 @@ class Sandbox:
         self.provider: Provider = self.boundary.provider
         self.max_sessions = max(1, max_sessions)
         self.session_ttl = session_ttl
-        # Private unless asked: forked workers share their template's hash secret and memory
-        # layout, so templates (and warm workers) are not shared between sandboxes by default.
-        self._pool_owner = 0 if share_workers else REGISTRY.new_owner()
-        self._pool: WorkerPool = REGISTRY.get(
-            resolved,
-            self.provider,
-            warm=warm,
-            start_timeout=start_timeout,
-            owner=self._pool_owner,
-        )
+        self._pool: WorkerPool | RemotePool
+        if self.provider.name == "remote":
+            # Workers claimed elsewhere, one per session key (`_host/remote_pool.py`); the
+            # [remote] table sets the warm pool, the claim bound and the timeouts.
+            from agent_sandbox._host.remote_pool import provider_for
+
+            self._pool = provider_for(resolved)
+        else:
+            # Private unless asked: forked workers share their template's hash secret and
+            # memory layout, so templates (and warm workers) are not shared between sandboxes
+            # by default.
+            self._pool_owner = 0 if share_workers else REGISTRY.new_owner()
+            self._pool = REGISTRY.get(
+                resolved,
+                self.provider,
+                warm=warm,
+                start_timeout=start_timeout,
+                owner=self._pool_owner,
+            )
         self.session_wait = session_wait
         # Sessions holding a slot (least recently used first), and evicted ones kept usable.
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
@@ -368,6 +383,12 @@ class Sandbox:
             )
         return self._stateless_end(result)
 
+    def _session_worker(self, key: str) -> WorkerProcess:
+        """A worker for session `key`: any pool worker locally; remotely, the key's claim."""
+        if isinstance(self._pool, WorkerPool):
+            return self._pool.acquire()
+        return self._pool.acquire(key, scope=self.tool)
+
     def _check_open(self) -> None:
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
@@ -377,6 +398,8 @@ class Sandbox:
         discarded when its start ends (never left running untracked)."""
         if self._pool.ready_count():
             return self._pool.acquire()
+        import asyncio
+
         future = asyncio.ensure_future(asyncio.to_thread(self._pool.acquire))
         try:
             return await asyncio.shield(future)
@@ -560,7 +583,10 @@ class Sandbox:
                 session._worker.discard()
         for worker in active:
             worker.discard()
-        REGISTRY.release(self._pool)
+        if isinstance(self._pool, WorkerPool):
+            REGISTRY.release(self._pool)
+        else:
+            self._pool.close()
 
     def __enter__(self) -> Sandbox:
         return self

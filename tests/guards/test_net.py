@@ -159,6 +159,31 @@ def test_blocks_the_c_twin_socket(armed: Callable[..., Any], tcp: socket.socket)
     assert nothing_arrived(tcp)
 
 
+def test_escape_by_a_socket_subclass_lying_about_its_family(
+    armed: Callable[..., Any], tcp: socket.socket
+) -> None:
+    """A subclass whose `family` and `type` properties claim a Unix datagram socket is still
+    judged as what the kernel holds (the guard reads the C socket's own fields)."""
+    port = port_of(tcp)
+    guard = armed(imports={"allow": ["socket"]}, files={"write": ["/"]})
+    guard.run(
+        "import socket\n"
+        "class Liar(socket.socket):\n"
+        "    family = property(lambda self: socket.AF_UNIX)\n"
+        "    type = property(lambda self: socket.SOCK_DGRAM)\n"
+        "s = Liar()\n"
+        "try:\n"
+        f"    s.connect(('127.0.0.1', {port}))\n"
+        "    result = 'connected'\n"
+        "except Exception as exc:\n"
+        "    result = type(exc).__name__\n"
+        "s.close()\n"
+    )
+    assert guard.namespace["result"] == "NetworkDenied"
+    assert nothing_arrived(tcp)
+    assert guard.denials()[-1].target == f"127.0.0.1:{port}"
+
+
 def test_names_are_answered_from_the_pin(
     armed: Callable[..., Any], tcp: socket.socket, monkeypatch: pytest.MonkeyPatch
 ) -> None:

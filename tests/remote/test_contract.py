@@ -1,6 +1,7 @@
 """The worker contract over both transports: a local session on the Unix socket (h11) and a
-remote session over TCP + mutual TLS (httpx to `agent-sandbox worker serve`, which runs the
-same worker behind it). Each test runs once per transport and expects the same result."""
+remote session over TCP + mutual TLS to `agent-sandbox worker serve`, which runs the same
+worker behind it (its calls on the client's own TLS socket with h11, or through httpx as
+behind a proxy). Each test runs once per transport and expects the same result."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Sandbox
+from agent_sandbox._host.intake import remote_transport
 from agent_sandbox.providers._remote import RemoteProvider
 
 from .conftest import remote_policy
 
-TRANSPORTS = ["uds", "tls"]
+#: `tls`: calls over the client's own TLS socket (h11); `tls-httpx`: through httpx, the
+#: path a proxy takes.
+TRANSPORTS = ["uds", "tls", "tls-httpx"]
 
 
 class _Local:
@@ -40,8 +44,12 @@ class _Local:
 
 
 @pytest.fixture(params=TRANSPORTS)
-def make(request: pytest.FixtureRequest, remote: RemoteProvider) -> Iterator[Any]:
+def make(
+    request: pytest.FixtureRequest, remote: RemoteProvider, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
     opened: list[Any] = []
+    if request.param == "tls-httpx":
+        monkeypatch.setattr(remote_transport, "DIRECT_RUNS", False)
 
     def factory(**policy_changes: Any) -> Any:
         if request.param == "uds":

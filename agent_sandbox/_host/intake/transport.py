@@ -16,7 +16,6 @@ event or a bound) stops the reading at once and closes the connection.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import time
@@ -41,9 +40,21 @@ class ConnectionLost(TransportError):
 class _Protocol:
     """Sans-IO HTTP/1.1 client for one connection to a worker."""
 
-    def __init__(self, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None) -> None:
+    def __init__(
+        self,
+        token: str,
+        max_event_bytes: int,
+        kind_caps: KindCaps | None = None,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> None:
         self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
-        self.auth = "Bearer " + token
+        # A local worker checks `Authorization`; a remote one gets its own headers (its
+        # token header, the router's) from `remote_transport`.
+        self.head = (
+            headers
+            if headers is not None
+            else [("host", "worker"), ("authorization", "Bearer " + token)]
+        )
         self.max_event_bytes = max_event_bytes
         self.kind_caps = kind_caps
         # The worker keeps its results within value_budget(result_bytes); the host's budget,
@@ -60,11 +71,7 @@ class _Protocol:
         if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
             self.conn.start_next_cycle()
         body = b"" if payload is None else json.dumps(payload).encode()
-        headers = [
-            ("host", "worker"),
-            ("authorization", self.auth),
-            ("content-length", str(len(body))),
-        ]
+        headers = [*self.head, ("content-length", str(len(body)))]
         if payload is not None:
             headers.append(("content-type", "application/json"))
         self.status = None
@@ -228,6 +235,8 @@ class AsyncWorkerClient:
     async def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
     ) -> None:
+        import asyncio  # loaded already: this runs in its loop
+
         remaining = max(0.001, deadline - time.monotonic())
         try:
             await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
@@ -235,6 +244,8 @@ class AsyncWorkerClient:
             raise TimeoutError("the call exceeded its deadline") from None
 
     async def _run(self, body: dict[str, Any], on_event: OnEvent) -> None:
+        import asyncio
+
         try:
             reader, writer = await asyncio.open_unix_connection(self.path)
         except OSError as exc:
