@@ -598,9 +598,6 @@ class QemuProvider(Provider):
             # Inside the guest too: the same filter and exec program as under Landlock.
             setup = _seccomp.seccomp_setup(policy)
             layers = ("guest-seccomp",)
-        # One write per short call instead of two: each write crosses two relays and wakes
-        # the guest agent (a context switch under TCG costs milliseconds).
-        setup = {**setup, "hold_start": True}
         run_dir = os.path.join(spec.control_dir, "vm")
         from agent_sandbox.providers._masks import find_masks
 

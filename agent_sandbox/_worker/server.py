@@ -161,8 +161,8 @@ class _Server:
         # denial), which goes out with them in one write; each later one is written at once,
         # in order. The events after the cell (its result, the counts, `done`) and the end
         # of the response go out in the last write. So a call that prints nothing is one
-        # write, and live output is unchanged. (Under every provider: the qemu plan's
-        # `hold_start` asked for the first half of this for its relays.)
+        # write, and live output is unchanged (under qemu each write also crosses the guest
+        # agent and both relays, so this matters most there).
         held: list[bytes] = []
         holding = True  # until the first event of the running cell
         final = False  # from the result on: everything waits for the last write
