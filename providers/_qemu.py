@@ -619,6 +619,7 @@ class QemuProvider(Provider):
             "listen_fd": spec.listen_fd,
             "boot_fd": spec.boot_fd,
             "scratch_mb": int(policy.limits.scratch_mb),
+            "processes": int(policy.limits.processes),
         }
         return LaunchPlan(
             provider=self.name,
@@ -692,6 +693,7 @@ class QemuProvider(Provider):
             "boot_fd": config["boot_fd"],
             "shares": [[f"ro{i}", path] for i, path in enumerate(dirs)],
             "scratch_mb": config["scratch_mb"],
+            "processes": config["processes"],
             "masks": config["masks"],
             "start_timeout": 30.0,
             "trace": self.trace,
