@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,11 @@ def test_notebook_runs_offline(path: Path, tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("CREWAI_TRACING_ENABLED", "false")
     monkeypatch.setenv("LANGSMITH_TRACING", "false")
     monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    # The notebooks make their policy files and CrewAI's storage with `tempfile.mkdtemp()`, as
+    # a reader would: the kernel's temporary directory is one of the test's own, removed at
+    # its end (short, under /tmp: worker sockets live there too).
+    kernel_tmp = tempfile.mkdtemp(prefix="agent-sandbox-nb-")
+    monkeypatch.setenv("TMPDIR", kernel_tmp)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb,
@@ -52,7 +59,10 @@ def test_notebook_runs_offline(path: Path, tmp_path: Path, monkeypatch: pytest.M
         kernel_name="python3",
         resources={"metadata": {"path": str(tmp_path)}},
     )
-    client.execute()  # raises CellExecutionError naming the failing cell
+    try:
+        client.execute()  # raises CellExecutionError naming the failing cell
+    finally:
+        shutil.rmtree(kernel_tmp, ignore_errors=True)
     errors = [
         out
         for cell in nb.cells
