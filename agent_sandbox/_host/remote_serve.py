@@ -117,6 +117,81 @@ class _Stop(Exception):
     pass
 
 
+class _CallGuard:
+    """The pod's own reading of its worker's guard counter during one call, event by event,
+    as the local host's forwarder does (`_host/intake/guard_block.py`): an event read while
+    the guards are armed goes on to the host, one read after the disarming is held until
+    the call's end is verified, and after tampering nothing more goes on. Only the events'
+    kinds are read here (the host judges the rest)."""
+
+    def __init__(self, watch: Any, cap: int) -> None:
+        self.watch = watch
+        self.cap = cap
+        self.buf = bytearray()
+        self.scan = 0
+        self.held = bytearray()
+        self.reason = ""
+        self.oversize = False
+        watch.begin_call()
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes that may go to the host now (whole events only)."""
+        from agent_sandbox._host.intake import guard_block
+
+        if self.oversize:
+            return data
+        self.buf += data
+        out = bytearray()
+        while not self.reason:
+            end = self.buf.find(b"\n\n", self.scan)
+            if end < 0:
+                self.scan = max(0, len(self.buf) - 1)
+                if len(self.buf) > self.cap:
+                    # Larger than any event the host accepts: it goes on as it is, and the
+                    # host refuses it (and ends the call); what was held stays withheld.
+                    self.oversize = True
+                    self.held.clear()
+                    out += self.buf
+                    self.buf.clear()
+                break
+            event = bytes(self.buf[: end + 2])
+            del self.buf[: end + 2]
+            self.scan = 0
+            line = event.split(b"\n", 1)[0]
+            kind = line[len(b"event: ") :] if line.startswith(b"event: ") else b""
+            if kind == b"start":
+                out += event  # framing, sent before the call arms (as on the local host)
+                continue
+            verdict = self.watch.judge(kind.decode("ascii", "replace"))
+            if verdict == guard_block.HOLD:
+                self.held += event
+            elif verdict == guard_block.TAMPERED:
+                self.reason = self.watch.reason or "the guards' state"
+            else:
+                out += self.held
+                self.held.clear()
+                out += event
+        if self.reason:
+            self.held.clear()
+            self.buf.clear()
+        return bytes(out)
+
+    def tamper_event(self, policy: str) -> bytes:
+        """What the host gets instead of the rest of the call (it then finds the stream cut
+        and withholds the call's output, `RemoteWorker._on_lost`)."""
+        from agent_sandbox._denial import Denial
+        from agent_sandbox._wire import encode_event
+
+        denial = Denial(
+            rule="guard.tampered",
+            action="tamper",
+            target=f"the pod read the worker's guard counter: {self.reason}"[:500],
+            policy=policy,
+            detail="a guard was disarmed or displaced; this worker will be discarded",
+        )
+        return encode_event("denial", denial.to_dict())
+
+
 class WorkerServer:
     """The server; `serve_forever()` returns when the session ends (shutdown, death, idle)."""
 
@@ -483,6 +558,12 @@ class WorkerServer:
         tail = b"\n\n"  # the last two bytes sent: keep-alives only go between events
         streaming = False
         pending = bytearray()
+        guard = None
+        if getattr(worker, "guard_watch", None) is not None:
+            from agent_sandbox._host.intake.events import HostBounds
+
+            cap = HostBounds.from_policy(worker.policy).max_event_bytes() + 1024
+            guard = _CallGuard(worker.guard_watch, cap)
         while True:
             event = up.next_event()
             if event is h11.NEED_DATA:
@@ -527,10 +608,25 @@ class WorkerServer:
                 pending += conn.send(h11.Response(status_code=200, headers=headers)) or b""
                 streaming = True
             elif isinstance(event, h11.Data):
-                data = bytes(event.data)
-                pending += conn.send(h11.Data(data=data)) or b""
-                tail = (tail + data)[-2:]
+                data = bytes(event.data) if guard is None else guard.feed(bytes(event.data))
+                if data:
+                    pending += conn.send(h11.Data(data=data)) or b""
+                    tail = (tail + data)[-2:]
+                if guard is not None and guard.reason:
+                    pending += conn.send(h11.Data(data=guard.tamper_event(worker.policy.name)))
+                    sock.sendall(pending)
+                    _log.warning("the worker's guards were tampered with: %s", guard.reason)
+                    worker.death_reason = "its guards were switched off during a call"
+                    worker.kill()
+                    return False  # the stream is cut: the host withholds the call's output
             elif isinstance(event, h11.EndOfMessage):
+                if guard is not None and (guard.held or guard.buf):
+                    # The end was never verified (the worker went before `done` passed the
+                    # check): what was held stays withheld, and the host sees the stream cut.
+                    sock.sendall(pending)
+                    worker.death_reason = "it ended before its call could be verified"
+                    worker.kill()
+                    return False
                 pending += conn.send(h11.EndOfMessage()) or b""
                 sock.sendall(pending)
                 return True
