@@ -50,6 +50,9 @@ _READ_TIMEOUT = 30.0
 _WALL_GRACE = 2.0
 #: The most the relay holds back to send what the worker wrote in one write.
 _COALESCE_MAX = 65536
+#: How long the relay waits for more before a call's first write to the host (a short
+#: call then costs the host one wake-up; a long one gets its response head this late).
+_FIRST_WRITE_HOLD = 0.05
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
@@ -387,6 +390,13 @@ class WorkerServer:
         self._reply(sock, conn, 404, {"error": "no such route"}, close=True)
         return False
 
+    def _worker_gone(self) -> bool:
+        """After a call: the worker was killed or exited (cheap; the watchdog also looks
+        for a stopped one)."""
+        worker = self.worker
+        proc = getattr(worker, "proc", None)
+        return worker is None or bool(worker.dead) or (proc is not None and proc.poll() is not None)
+
     def _worker_alive(self) -> bool:
         worker = self.worker
         return worker is not None and bool(worker.alive())
@@ -485,7 +495,7 @@ class WorkerServer:
         finally:
             self._last_activity = time.monotonic()
             self._call.release()
-            if not self._worker_alive():
+            if self._worker_gone():
                 self.stop("its worker ended")
 
     def _proxy_run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bool:
@@ -553,11 +563,14 @@ class WorkerServer:
 
         What the worker has already written goes out in one write (one TLS record, one
         wake-up of the host): the relay takes everything its socket holds before it sends,
-        and sends before it waits."""
+        and sends before it waits, except before the call's first write, when it waits up
+        to `_FIRST_WRITE_HOLD` for more."""
         worker = self.worker
         tail = b"\n\n"  # the last two bytes sent: keep-alives only go between events
         streaming = False
         pending = bytearray()
+        flushed = False
+        hold_until = time.monotonic() + _FIRST_WRITE_HOLD
         guard = None
         if getattr(worker, "guard_watch", None) is not None:
             from agent_sandbox._host.intake.events import HostBounds
@@ -575,12 +588,16 @@ class WorkerServer:
                 data = b""
                 if pending:
                     if len(pending) < _COALESCE_MAX:
-                        inner.setblocking(False)
-                        with contextlib.suppress(BlockingIOError):
+                        # Before the call's first write, wait a moment for the rest: a short
+                        # call's head, `start`, result and `done` then go out together.
+                        wait = hold_until - now if not flushed else 0.0
+                        inner.settimeout(max(0.0, min(wait, deadline - now)))
+                        with contextlib.suppress(BlockingIOError, TimeoutError):
                             data = inner.recv(262144)
                     if not data:
                         sock.sendall(pending)
                         pending.clear()
+                        flushed = True
                 if not data:
                     inner.settimeout(min(self.config.keepalive, deadline - now))
                     try:
