@@ -85,7 +85,7 @@ def _read_secret(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer, parse_listen
+    from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer, parse_listen, prewarm
 
     try:
         host, port = parse_listen(args.listen)
@@ -103,6 +103,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             keepalive=args.keepalive,
             exit_with_parent=args.exit_with_parent,
         )
+        config.check()
+        prewarm(config.provider)  # before the port opens: a ready pod binds fast
         server = WorkerServer(config)
     except (ValueError, OSError) as exc:
         print(f"agent-sandbox worker serve: error: {exc}", file=sys.stderr)
