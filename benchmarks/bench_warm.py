@@ -9,12 +9,18 @@ interleaved with the floor so that load spikes hit all alike. Each run prints th
 the ratio to the floor; the summary gives the median and the min-max range of the ratio over
 the runs, and the load average. Target (issue 19): <= 1.5x the floor.
 
-    .venv/bin/python benchmarks/bench_warm.py [--runs 3] [--calls 400]
+Peers, interleaved in the same run when they are installed (`benchmarks/_peers.py`; skipped
+with a message otherwise): smolagents' local executor and langchain's Python REPL (both
+in-process, no boundary), and a warm pysandboxes `@sandbox` call under `landlock`. Each peer
+is given against the floor and against agent_sandbox's `landlock` row (or the first provider).
+
+    .venv/bin/python benchmarks/bench_warm.py [--runs 3] [--calls 400] [--no-peers]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -24,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import _peers
 import h11
 
 from agent_sandbox import Policy, Sandbox
@@ -160,21 +167,32 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--providers", default="subprocess,landlock,auto")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peer rows")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}; {os.cpu_count()} cores; load {os.getloadavg()}")
     providers = [p for p in args.providers.split(",") if get_provider(p).probe().available]
+    ours = "landlock" if "landlock" in providers else providers[0] if providers else None
     ratios: dict[str, list[float]] = {p: [] for p in providers}
+    peer_vs_ours: dict[str, list[float]] = {}
     floors: list[float] = []
     for run in range(1, args.runs + 1):
         floor = Floor()
         sandboxes = [Sandbox(_policy(p), warm=0) for p in providers]
         try:
-            fns: dict[str, Callable[[], object]] = {"floor": floor.call}
-            for name, sb in zip(providers, sandboxes, strict=True):
-                session = sb.session("bench")
-                session.run("0")
-                fns[name] = lambda s=session: s.run("1+1")
-            medians = _interleaved(fns, args.calls)
+            with contextlib.ExitStack() as stack:
+                fns: dict[str, Callable[[], object]] = {"floor": floor.call}
+                for name, sb in zip(providers, sandboxes, strict=True):
+                    session = sb.session("bench")
+                    session.run("0")
+                    fns[name] = lambda s=session: s.run("1+1")
+                if not args.no_peers:
+                    peers = {
+                        "smolagents": _peers.smolagents_call(),
+                        "langchain REPL": _peers.langchain_repl_call(),
+                        "pysandboxes": stack.enter_context(_peers.pysandboxes_call("landlock")),
+                    }
+                    fns.update({name: fn for name, fn in peers.items() if fn is not None})
+                medians = _interleaved(fns, args.calls)
         finally:
             for sb in sandboxes:
                 sb.close()
@@ -182,9 +200,13 @@ def main() -> None:
         base = medians["floor"]
         floors.append(base)
         line = f"run {run}: floor (h11 POST+SSE, Unix socket) {base * 1000:.3f} ms"
-        for name in providers:
-            ratios[name].append(medians[name] / base)
+        for name in medians:
+            if name == "floor":
+                continue
+            ratios.setdefault(name, []).append(medians[name] / base)
             line += f" | {name} {medians[name] * 1000:.3f} ms x{medians[name] / base:.2f}"
+            if name not in providers and ours is not None:
+                peer_vs_ours.setdefault(name, []).append(medians[name] / medians[ours])
         print(line, f"| load {os.getloadavg()[0]:.2f}")
     print("-- summary: warm session.run('1+1') / floor, median [min-max] over runs")
     print(
@@ -192,11 +214,18 @@ def main() -> None:
         f"{max(floors) * 1000:.3f}]"
     )
     for name, values in ratios.items():
-        met = sum(v <= TARGET for v in values)
-        print(
-            f"{name:10} x{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-            f"  target <= {TARGET}x met in {met}/{len(values)} runs"
-        )
+        text = f"{name:14} x{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+        if name in providers:
+            met = sum(v <= TARGET for v in values)
+            text += f"  target <= {TARGET}x met in {met}/{len(values)} runs"
+        else:
+            vs = peer_vs_ours.get(name, [])
+            if vs:
+                text += (
+                    f"  (peer; / agent_sandbox {ours}: x{statistics.median(vs):.2f} "
+                    f"[{min(vs):.2f}-{max(vs):.2f}])"
+                )
+        print(text)
     print(f"load average at the end: {os.getloadavg()}")
 
 

@@ -135,6 +135,8 @@ _patches: list[Patch] = []
 #: patch of that module, applied again to each new execution of it.
 _pending: dict[str, list[tuple[str, Wrapper | None, Any, str]]] = {}
 _hooked: set[str] = set()
+#: (module, dotted attribute) of every entry in `_pending` (a membership test per patch).
+_pending_names: set[tuple[str, str]] = set()
 #: ids of every object installed, so a patch is never applied twice to the same place.
 _installed: set[int] = set()
 _generation = 0
@@ -186,9 +188,9 @@ def _remember(owner: Any, name: str, wrapper: Wrapper | None, value: Any, label:
     if home is None:
         return
     module, dotted = home
-    entries = _pending.setdefault(module, [])
-    if not any(entry[0] == dotted for entry in entries):
-        entries.append((dotted, wrapper, value, label))
+    if (module, dotted) not in _pending_names:
+        _pending_names.add((module, dotted))
+        _pending.setdefault(module, []).append((dotted, wrapper, value, label))
     _hook_module(module)
 
 
@@ -229,9 +231,9 @@ def wrap_later(module: str, name: str, wrapper: Wrapper, *, label: str = "") -> 
     """
     with _lock:
         label = label or f"{module}.{name}"
-        entries = _pending.setdefault(module, [])
-        if not any(entry[0] == name for entry in entries):
-            entries.append((name, wrapper, None, label))
+        if (module, name) not in _pending_names:
+            _pending_names.add((module, name))
+            _pending.setdefault(module, []).append((name, wrapper, None, label))
         _hook_module(module)
         loaded = sys.modules.get(module)
         if loaded is not None:
@@ -419,6 +421,7 @@ def uninstall() -> None:
         _generation += 1
         _changed()
         _pending.clear()
+        _pending_names.clear()
         _hooked.clear()
         _hooks.clear()
         _installed.clear()

@@ -91,11 +91,15 @@ def _tokens(entry: str) -> list[tuple[str, bool]]:
 
 def is_glob(entry: str) -> bool:
     """Whether `entry` has an unescaped `*`, `?` or `[`."""
+    if "\\" not in entry:  # the common case, without the per-character walk
+        return any(c in _WILD for c in entry)
     return any(not lit for _, lit in _tokens(entry))
 
 
 def unescape(entry: str) -> str:
     """The characters of `entry` with its escapes removed (the path a literal entry names)."""
+    if "\\" not in entry:
+        return entry
     return "".join(c for c, _ in _tokens(entry))
 
 

@@ -79,6 +79,9 @@ class LaunchPlan:
     #: worker); None when the launcher's tree has no fixed shape. The parent uses it to
     #: place the worker in its cgroups (`_limits.WorkerCgroups`).
     worker_depth: int | None = 0
+    #: The launched process forwards SIGINT to the worker (the worker has no host pid: it
+    #: runs in a VM), so the parent's interrupt signals the launcher itself.
+    interrupt_launcher: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,11 @@ class Provider:
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         """Turn (policy, spec) into a launch plan. Must be pure: no I/O, no side effects."""
         raise NotImplementedError
+
+    def prepare(self, policy: Any) -> None:
+        """One-time set-up a start under `policy` needs (an image, a template), done before
+        the start's timeout begins; raises ProviderUnavailable naming the fix. Nothing by
+        default."""
 
     def require(self) -> ProbeResult:
         """Probe and raise `ProviderUnavailable` naming what is missing when it cannot run."""

@@ -13,9 +13,10 @@ other provider) runs inside a QEMU `microvm` guest booted from an image built on
   the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
   elevation and resource control denied).
 
-Limits: the VM's RAM is the policy's `memory_mb` (at least 256 MiB), one vCPU; the wall
-limit, the output bounds and the kill by pid stay on the host as for every provider; the
-rlimits apply inside the guest too.
+Limits: the VM's RAM is the policy's `memory_mb` plus `GUEST_HEADROOM_MB` (at least 256 MiB),
+one vCPU; the wall limit, the output bounds and the kill by pid stay on the host as for
+every provider; the rlimits apply inside the guest too. What the policy hides or denies
+inside a shared directory is covered by the host relay before QEMU starts (`_qemu_host.py`).
 
 Start-up: one template per (image, QEMU version, RAM size, device set) is booted once and
 saved with file-backed RAM and the `x-ignore-shared` migration capability
@@ -26,7 +27,11 @@ Not served (refused at construction, naming the rule): `[net]` allow rules (the 
 over a second port is not built yet), `files.write` outside the scratch directory, more than
 `SHARE_SLOTS` read directories, read grants of single files (9p shares directories).
 Inside the guest the worker applies the same seccomp filter and exec program as under
-Landlock (`_seccomp.seccomp_setup`); interrupting a running cell (SIGINT) is not forwarded yet.
+Landlock (`_seccomp.seccomp_setup`). The parent's interrupt signals the host relay, which
+forwards it into the guest (`LaunchPlan.interrupt_launcher`).
+
+First use: with the kernel package but no image, the probe says available and `prepare()`
+builds the image and the template before the start's timeout begins (`FirstUseProgress`).
 
 Acceleration: TCG. `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`, which
 only runs PVM-enabled guests), so KVM would be used only after a probe boot succeeds; that
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import hashlib
@@ -49,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import IO, Any, ClassVar
@@ -57,10 +64,14 @@ from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec, base_env
 from agent_sandbox.providers._qemu_image import (
     Image,
+    ImageError,
+    build_image,
     cache_root,
     find_image,
     install_hint,
+    locate_kernel_deb,
     missing_tools,
+    no_space,
 )
 from agent_sandbox.providers._view import network_mode, policy_paths
 
@@ -68,8 +79,10 @@ __all__ = [
     "SHARE_SLOTS",
     "QemuProvider",
     "Template",
+    "FirstUseProgress",
     "TemplateError",
     "ensure_template",
+    "guest_ram_mb",
     "kvm_state",
     "qemu_argv",
     "vm_memory_mb",
@@ -78,7 +91,7 @@ __all__ = [
 #: 9p devices every VM has (a template's device set is fixed; unused slots share an empty dir).
 SHARE_SLOTS = 4
 #: Bumped when the device set or the guest protocol changes (a new template).
-DEVICE_SET = "1"
+DEVICE_SET = "2"
 _HOST_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_host.py")
 _TEMPLATE_BOOT_TIMEOUT = 120.0
 _QEMU = "qemu-system-x86_64"
@@ -94,10 +107,22 @@ class TemplateError(Exception):
     """The template could not be booted or saved; the message says why."""
 
 
-def vm_memory_mb(policy: Any) -> int:
-    """The guest's RAM: the policy's memory limit, at least 256 MiB, in 2 MiB steps."""
-    mb = max(256, int(policy.limits.memory_mb))
+#: Guest RAM beyond the policy's memory limit: the guest kernel, the initramfs and the agent
+#: (~70 MiB at ready), so the worker's RLIMIT_AS ends a balloon (a `limits.memory` error)
+#: before the guest's OOM killer would end the worker.
+GUEST_HEADROOM_MB = 128
+
+
+def guest_ram_mb(memory_mb: int) -> int:
+    """The guest's RAM for a policy memory limit of `memory_mb`: that plus the headroom, at
+    least 256 MiB, in 2 MiB steps (each size is a template of its own)."""
+    mb = max(256, int(memory_mb) + GUEST_HEADROOM_MB)
     return (mb + 1) // 2 * 2
+
+
+def vm_memory_mb(policy: Any) -> int:
+    """The guest's RAM for `policy` (`guest_ram_mb` of its memory limit)."""
+    return guest_ram_mb(int(policy.limits.memory_mb))
 
 
 @functools.cache
@@ -285,9 +310,17 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
         os.set_blocking(fd, False)
         while b"SBREADY" not in output:
             if time.monotonic() > deadline:
-                raise TemplateError(f"the guest was not ready within {_TEMPLATE_BOOT_TIMEOUT:g} s")
+                raise TemplateError(
+                    f"the guest was not ready within {_TEMPLATE_BOOT_TIMEOUT:g} s (a kernel "
+                    "that does not boot here? rebuild with another one: agent-sandbox qemu "
+                    "build --kernel-deb PATH --force)"
+                )
             if proc.poll() is not None:
-                raise TemplateError(f"QEMU exited ({proc.returncode}) before the guest was ready")
+                raise TemplateError(
+                    f"QEMU exited ({proc.returncode}) before the guest was ready (a kernel "
+                    "that does not boot here? rebuild with another one: agent-sandbox qemu "
+                    "build --kernel-deb PATH --force)"
+                )
             try:
                 chunk = os.read(fd, 65536)
             except BlockingIOError:
@@ -330,6 +363,8 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
         with open(os.path.join(work, "template.json"), "w") as fh:
             json.dump(meta, fh)
     except (OSError, RuntimeError, TemplateError) as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise TemplateError(no_space(work)) from None
         tail = output[-2000:].decode("utf-8", "replace").strip()
         raise TemplateError(f"saving the template failed: {exc}; the guest said: {tail}") from None
     finally:
@@ -339,6 +374,90 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
         if proc.stdout is not None:
             proc.stdout.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# -- the first use ---------------------------------------------------------------------
+
+
+class FirstUseProgress:
+    """A one-line progress bar on stderr for the first use's build (the image, ~15-30 s,
+    then the template boot, ~5-30 s under TCG); `maybe()` gives a silent one unless stderr
+    is a terminal or `AGENT_SANDBOX_PROGRESS=1` (`=0` silences it everywhere)."""
+
+    #: (what a step's message starts with, the share of the whole done when it starts)
+    _STEPS = (
+        ("kernel package", 0.02),
+        ("unpacking", 0.04),
+        ("staging", 0.12),
+        ("interpreter", 0.14),
+        ("bytecode", 0.3),
+        ("stripping", 0.38),
+        ("writing", 0.44),
+        ("image", 0.5),
+        ("booting", 0.5),
+        ("ready", 1.0),
+    )
+    #: The template boot's expected length: the bar creeps toward 98 % over it.
+    _BOOT_SECONDS = 20.0
+
+    def __init__(self, out: IO[str] | None) -> None:
+        self.out = out
+        self.t0 = time.monotonic()
+        self.done = 0.0
+        self.what = ""
+        self.booting_since: float | None = None
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    @classmethod
+    def maybe(cls) -> FirstUseProgress:
+        wanted = os.environ.get("AGENT_SANDBOX_PROGRESS", "")
+        show = wanted == "1" or (wanted != "0" and sys.stderr.isatty())
+        return cls(sys.stderr if show else None)
+
+    def step(self, message: str) -> None:
+        for prefix, share in self._STEPS:
+            if message.startswith(prefix):
+                self.done = max(self.done, share)
+                break
+        self.what = message
+        if message.startswith("booting"):
+            self.booting_since = time.monotonic()
+            if self.out is not None and self._ticker is None:
+                self._ticker = threading.Thread(target=self._tick, daemon=True)
+                self._ticker.start()
+        self._draw()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            self._draw()
+
+    def _draw(self) -> None:
+        if self.out is None:
+            return
+        done = self.done
+        if self.booting_since is not None and done < 1.0:
+            ran = time.monotonic() - self.booting_since
+            done = 0.5 + 0.48 * min(1.0, ran / self._BOOT_SECONDS)
+        width = 24
+        filled = int(done * width)
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"agent-sandbox qemu first use: [{bar}] {done * 100:3.0f}% "
+            f"{self.what[:48]} ({time.monotonic() - self.t0:.0f} s)"
+        )
+        with contextlib.suppress(OSError, ValueError):
+            self.out.write("\r" + line.ljust(110))
+            self.out.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        if self.out is not None and self.what:
+            with contextlib.suppress(OSError, ValueError):
+                self.out.write("\n")
+                self.out.flush()
 
 
 # -- the provider ----------------------------------------------------------------------
@@ -385,13 +504,24 @@ def _probe(qemu: str, _cache: str) -> ProbeResult:
     accel = f"TCG ({kvm_state()})"
     version = f"{qemu_version(path)}; {accel}"
     if image is None:
+        try:
+            deb = locate_kernel_deb()
+        except ImageError:
+            return ProbeResult(
+                "qemu",
+                False,
+                "no guest image for this interpreter and agent_sandbox version, and no Debian "
+                "kernel package to build one: run `agent-sandbox qemu build` (as root the "
+                "first time: it fetches the Debian kernel)",
+                version=version,
+                details={"path": path, "accel": accel},
+            )
+        # Built on first use (`QemuProvider.prepare`), from the kernel package found.
         return ProbeResult(
             "qemu",
-            False,
-            "no guest image for this interpreter and agent_sandbox version: run "
-            "`agent-sandbox qemu build` (as root the first time: it fetches the Debian kernel)",
+            True,
             version=version,
-            details={"path": path, "accel": accel},
+            details={"path": path, "accel": accel, "image": None, "kernel_deb": deb},
         )
     return ProbeResult(
         "qemu",
@@ -468,11 +598,24 @@ class QemuProvider(Provider):
             # Inside the guest too: the same filter and exec program as under Landlock.
             setup = _seccomp.seccomp_setup(policy)
             layers = ("guest-seccomp",)
+        # One write per short call instead of two: each write crosses two relays and wakes
+        # the guest agent (a context switch under TCG costs milliseconds).
+        setup = {**setup, "hold_start": True}
         run_dir = os.path.join(spec.control_dir, "vm")
+        from agent_sandbox.providers._masks import find_masks
+
+        # 9p shares whole directories: what the policy hides or denies inside a shared one
+        # is covered on the host, in QEMU's own mount namespace, before QEMU starts.
+        masks = [
+            [path, kind]
+            for path, kind in find_masks(policy, spec).paths.items()
+            if any(path == d or path.startswith(d.rstrip("/") + "/") for d in shares)
+        ]
         config = {
             "mem_mb": vm_memory_mb(policy),
             "run_dir": run_dir,
             "share_paths": shares,
+            "masks": masks,
             "listen_fd": spec.listen_fd,
             "boot_fd": spec.boot_fd,
             "scratch_mb": int(policy.limits.scratch_mb),
@@ -486,7 +629,30 @@ class QemuProvider(Provider):
             worker_setup=setup,
             stack=(self.name, *layers),
             worker_depth=None,
+            interrupt_launcher=True,
         )
+
+    def prepare(self, policy: Any) -> None:
+        """The first use's build: the image (when the probe found only the kernel package)
+        and the template for the policy's guest RAM, with a progress bar on stderr when it
+        is a terminal or `AGENT_SANDBOX_PROGRESS=1`. Quick once both exist."""
+        probe = self.require()
+        qemu = str(probe.details.get("path", self.qemu))
+        mem_mb = vm_memory_mb(policy)
+        image = find_image()
+        if image is not None and find_template(image, qemu, mem_mb) is not None:
+            return
+        bar = FirstUseProgress.maybe()
+        try:
+            if image is None:
+                image = build_image(progress=bar.step)
+            bar.step(f"booting and saving the template ({mem_mb} MiB of guest RAM)")
+            ensure_template(image, mem_mb, qemu=qemu)
+            bar.step("ready")
+        except (ImageError, TemplateError) as exc:
+            raise ProviderUnavailable("qemu", str(exc)) from None
+        finally:
+            bar.close()
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
         """Find the image and template (saving the template on first use), then start the
@@ -526,6 +692,7 @@ class QemuProvider(Provider):
             "boot_fd": config["boot_fd"],
             "shares": [[f"ro{i}", path] for i, path in enumerate(dirs)],
             "scratch_mb": config["scratch_mb"],
+            "masks": config["masks"],
             "start_timeout": 30.0,
             "trace": self.trace,
         }

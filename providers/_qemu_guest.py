@@ -1,18 +1,21 @@
 """The guest agent of the `qemu` provider: PID 1 of the micro-VM (copied into the image as
 `/sb/agent.py`; it never runs on the host).
 
-Boot (`/init` execs it): import the worker's modules ahead (the template is saved with them
-loaded), find the virtio-serial port named `sb`, print `SBREADY` on the console, then wait
-for the host. While no host is connected the port reads as end-of-file, so it polls (1 ms).
+Boot (`/init` execs it), all before the template is saved: import the worker's modules
+ahead, bind the worker's listening socket, fork the worker (which then waits on a pipe for
+its boot configuration, so a restored clone runs no fork), find the virtio-serial port
+named `sb`, print `SBREADY` on the console, then wait for the host. While no host is
+connected the port reads as end-of-file, so it polls (1 ms).
 
-On the host's first frame (`B`, after a snapshot restore) it:
+On the host's first two frames (`B` for the agent, `W` for the worker, after a restore) it:
 
 1. reseeds the kernel's RNG with the host's 32 random bytes (RNDADDENTROPY, then
    RNDRESEEDCRNG): clones of one template would otherwise share their RNG state;
 2. mounts the policy's read-only 9p shares at their host paths and a size-capped tmpfs as
    the scratch directory; any failure is reported (`E`) and stops the VM, never skipped;
-3. forks the worker: its own session, the policy's environment, a fresh `random` seed, the
-   same `serve()` as every other provider on a listening socket inside the guest;
+3. passes `W` (unread) down the worker's pipe: the worker takes its own session, the
+   policy's environment, a fresh `random` seed, and runs the same `serve()` as every other
+   provider on the listening socket;
 4. relays: each host connection (`O`) becomes a connection to that socket; bytes go both
    ways in `D` frames, `C` closes one; `S` forwards SIGINT to the worker; when the worker
    ends, `X` carries its wait status and the VM powers off.
@@ -68,6 +71,7 @@ def _preload() -> None:
 
     import agent_sandbox._worker.server
     import agent_sandbox._worker.setup
+    import agent_sandbox._worker.template
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._install
     import agent_sandbox.guards._state
@@ -156,8 +160,8 @@ def _mount(source: str, target: str, fstype: str, flags: int, options: str) -> N
         raise OSError(err, f"mount {fstype} {source} on {target}: {os.strerror(err)}")
 
 
-def _setup(msg: dict) -> dict:  # type: ignore[type-arg]
-    """Steps 1 and 2; returns the boot configuration for the worker."""
+def _setup(msg: dict) -> None:  # type: ignore[type-arg]
+    """Steps 1 and 2."""
     _reseed(bytes.fromhex(msg["entropy"]))
     for tag, path in msg.get("shares", []):
         _mount(
@@ -167,35 +171,67 @@ def _setup(msg: dict) -> dict:  # type: ignore[type-arg]
             _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
             "trans=virtio,version=9p2000.L,msize=512000,cache=loose,ro",
         )
-    boot: dict = msg["boot"]  # type: ignore[type-arg]
-    scratch = str(boot["scratch"])
     _mount(
         "scratch",
-        scratch,
+        str(msg["scratch"]),
         "tmpfs",
         _MS_NOSUID | _MS_NODEV,
         f"size={int(msg['scratch_mb'])}m,mode=0700",
     )
-    for name, folder in boot.get("package_dirs", {}).items():
-        mapped = sys.modules.get(name)
-        if mapped is None or list(getattr(mapped, "__path__", [])) != [folder]:
-            raise RuntimeError(
-                f"the image's {name} is not the host's {folder} (rebuild: agent-sandbox qemu build)"
-            )
-    return boot
 
 
-def _worker(boot: dict, env: dict, listener: socket.socket, port: Port) -> None:  # type: ignore[type-arg]
-    """Step 3, in the forked child; never returns."""
+def _fork_worker(listener: socket.socket) -> tuple[int, int]:
+    """Fork the worker before the snapshot; returns (its pid, the pipe its boot goes down).
+
+    The child waits for its part of the host's `B` frame (the boot configuration and the
+    environment), so that a restored clone starts serving without a fork of its own."""
+    boot_r, boot_w = os.pipe()
+    child = os.fork()
+    if child:
+        os.close(boot_r)
+        return child, boot_w
+    os.close(boot_w)
+    chunks = []
+    while True:
+        chunk = os.read(boot_r, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(boot_r)
+    _worker(b"".join(chunks), listener)
+    os._exit(70)
+
+
+def _worker(payload: bytes, listener: socket.socket) -> None:
+    """Step 3, in the forked child, once the agent has set the guest up; never returns."""
     try:
-        os.close(port.fd)
+        if not payload:
+            raise RuntimeError("the guest set-up failed")
+        msg = json.loads(payload)
+        boot, env = msg["boot"], msg["env"]
+        for name, folder in boot.get("package_dirs", {}).items():
+            mapped = sys.modules.get(name)
+            if mapped is None or list(getattr(mapped, "__path__", [])) != [folder]:
+                raise RuntimeError(
+                    f"the image's {name} is not the host's {folder} "
+                    "(rebuild: agent-sandbox qemu build)"
+                )
         os.setsid()
         os.environ.clear()
         os.environ.update({k: v for k, v in env.items() if k != "AGENT_SANDBOX_OWNER"})
         os.chdir(boot["scratch"])
         import random
 
+        from agent_sandbox._worker.template import _renew_secrets
+
+        # Fresh per clone (the kernel RNG was reseeded by the agent): `random`, the
+        # `multiprocessing` key and tempfile's names. The str hash secret and the address
+        # layout stay the template's (see the docs: they cannot be renewed in place).
         random.seed()
+        _renew_secrets()
+        tempfile = sys.modules.get("tempfile")
+        if tempfile is not None:
+            tempfile._name_sequence = None  # type: ignore[attr-defined]
         sys.path[:] = list(boot["sys_path"])
         boot["listen_fd"] = listener.fileno()
         from agent_sandbox._worker.server import serve
@@ -301,36 +337,36 @@ def _power_off() -> None:
 
 def main() -> None:
     _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(_WORKER_SOCK)
+    listener.listen(16)
+    child, boot_w = _fork_worker(listener)
+    listener.close()
     port = Port(_find_port())
     _console("SBREADY")
-    while True:
+    frames: list[tuple[int, int, bytes]] = []
+    while len(frames) < 2:
         if not port.read_some():
             time.sleep(0.001)
             continue
-        frames = port.frames()
-        if frames:
-            break
-    kind, _chan, payload = frames[0]
-    port.pending = frames[1:]
-    if kind != ord("B"):
-        _console("sb-agent: the host's first frame is not B")
+        frames += port.frames()
+    (kind, _chan, payload), (kind2, _chan2, worker_part) = frames[:2]
+    port.pending = frames[2:]
+    if kind != ord("B") or kind2 != ord("W"):
+        _console("sb-agent: the host's first frames are not B and W")
         _power_off()
     steps = [("boot received", time.monotonic())]
-    msg = json.loads(payload)
     try:
-        boot = _setup(msg)
+        _setup(json.loads(payload))
         steps.append(("reseeded and mounted", time.monotonic()))
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(_WORKER_SOCK)
-        listener.listen(16)
     except Exception as exc:
         port.send(b"E", 0, f"guest set-up failed: {exc}".encode()[:4096])
         _power_off()
-    child = os.fork()
-    if child == 0:
-        _worker(boot, dict(msg.get("env", {})), listener, port)
-    listener.close()
-    steps.append(("worker forked", time.monotonic()))
+    view = memoryview(worker_part)
+    while view:
+        view = view[os.write(boot_w, view) :]
+    os.close(boot_w)
+    steps.append(("worker released", time.monotonic()))
     # The guest's own clock, for the relay's trace: each step since the boot frame arrived.
     base = steps[0][1]
     port.send(b"R", 0, json.dumps([[what, round(t - base, 4)] for what, t in steps]).encode())

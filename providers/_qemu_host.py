@@ -5,12 +5,15 @@ process group: this process is what the parent sees as "the worker" (its exit st
 the guest worker's), and QEMU is its only child. Standard library only.
 
 1. It asks to be killed when its parent thread ends, and QEMU to be killed when it ends
-   (PR_SET_PDEATHSIG); SIGTERM kills QEMU by pid, then exits.
+   (PR_SET_PDEATHSIG); SIGTERM kills QEMU by pid, then exits. SIGINT (the parent's
+   interrupt of a running cell) is sent on as an `S` frame once the guest has its boot.
 2. It starts QEMU from the template (`-incoming defer`, then over QMP: the `x-ignore-shared`
    capability and `migrate-incoming fd:N` on the saved state, which it opened itself), or
    boots the image cold when there is no template.
 3. It reads the boot configuration from the inherited pipe (as every worker does), and sends
-   it, with 32 fresh random bytes and its own environment (the plan's), as the `B` frame.
+   the guest agent's part (32 fresh random bytes, the shares, the scratch size) as the `B`
+   frame, then the worker's (the boot configuration and its own environment, the plan's)
+   as the `W` frame.
 4. It relays: each connection accepted on the inherited listening socket (the parent's
    `ctl.sock`) becomes a channel over the virtio-serial port; `D`/`C` frames carry bytes
    and closes. What the guest sends is decoded here, and only here, into frames of at most
@@ -69,6 +72,48 @@ def _confine(config: dict) -> str:  # type: ignore[type-arg]
         }
     )
     return ""
+
+
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REMOUNT = 1, 2, 4, 4096, 32
+_MS_REC, _MS_PRIVATE = 1 << 14, 1 << 18
+
+
+def _mask(masks: list, run_dir: str) -> None:  # type: ignore[type-arg]
+    """Cover each masked path (a name the policy hides or denies inside a shared directory)
+    with an empty, unreadable file or directory, in a mount namespace of this process that
+    QEMU inherits; a non-root relay takes a user namespace of its own for it. Raises on any
+    failure: QEMU never starts with a masked name reachable."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise RuntimeError(f"cannot mask the shares ({what}: {os.strerror(err)})")
+
+    uid, gid = os.getuid(), os.getgid()
+    if uid == 0:
+        check(libc.unshare(_CLONE_NEWNS), "unshare")
+    else:
+        check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare")
+        with open("/proc/self/setgroups", "w") as fh:
+            fh.write("deny")
+        with open("/proc/self/uid_map", "w") as fh:
+            fh.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as fh:
+            fh.write(f"{gid} {gid} 1")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    empty_file = os.path.join(run_dir, "masked-file")
+    empty_dir = os.path.join(run_dir, "masked-dir")
+    os.close(os.open(empty_file, os.O_CREAT | os.O_WRONLY, 0))
+    os.makedirs(empty_dir, mode=0, exist_ok=True)
+    for path, kind in masks:
+        source = empty_dir if kind == "dir" else empty_file
+        check(libc.mount(source.encode(), path.encode(), None, _MS_BIND, None), f"bind {path}")
+        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+        check(libc.mount(None, path.encode(), None, flags, None), f"read-only {path}")
 
 
 def _connect(path: str, deadline: float, qemu: "subprocess.Popen[bytes]") -> socket.socket:
@@ -167,6 +212,9 @@ def main() -> None:
     if config.get("state"):
         state_fd = os.open(config["state"], os.O_RDONLY)
         pass_fds = (state_fd,)
+    if config.get("masks"):
+        _mask(config["masks"], os.path.dirname(config["port"]))
+        _trace(f"{len(config['masks'])} masks mounted")
     skipped = _confine(config)
     _trace(f"landlock {'skipped: ' + skipped if skipped else 'applied'}")
     qemu = subprocess.Popen(
@@ -184,6 +232,8 @@ def main() -> None:
         os._exit(143 if _sig else 70)
 
     signal.signal(signal.SIGTERM, stop)
+    # The parent's interrupt (SIGINT to this process) becomes an `S` frame: the guest agent
+    # signals the worker's process group, KeyboardInterrupt in the running cell.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if state_fd >= 0:
@@ -197,18 +247,24 @@ def main() -> None:
             _trace("migrate-incoming sent")
         port = _connect(config["port"], deadline, qemu)
         _trace("port connected")
-        boot = json.loads(_read_boot(int(config["boot_fd"])))
-        env = {k: v for k, v in os.environ.items()}
-        msg = {
+        raw_boot = _read_boot(int(config["boot_fd"]))
+        boot = json.loads(raw_boot)
+        setup = {
             "entropy": os.urandom(32).hex(),
-            "boot": boot,
-            "env": env,
             "shares": config["shares"],
+            "scratch": boot["scratch"],
             "scratch_mb": config["scratch_mb"],
         }
-        _send(port, b"B", 0, json.dumps(msg).encode())
+        env = json.dumps(dict(os.environ)).encode()
+        _send(port, b"B", 0, json.dumps(setup).encode())
+        # The worker's part, which the guest agent passes on unread.
+        _send(port, b"W", 0, b'{"boot": ' + raw_boot + b', "env": ' + env + b"}")
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGINT, lambda _sig, _frame: None)
         _trace("boot sent")
-        status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu)
+        status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu, wake_r)
     except Exception as exc:
         sys.stderr.write(f"agent-sandbox qemu: {exc}\n")
         stop()
@@ -222,10 +278,13 @@ def main() -> None:
     _exit_with(status)
 
 
-def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen[bytes]") -> int:
+def _relay(
+    port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen[bytes]", wake: int
+) -> int:
     """Step 4 and 5: returns the guest worker's wait status."""
     sel = selectors.DefaultSelector()
     sel.register(port, selectors.EVENT_READ, "port")
+    sel.register(wake, selectors.EVENT_READ, "signal")
     listener.setblocking(False)
     sel.register(listener, selectors.EVENT_READ, "listener")
     conns: dict[int, socket.socket] = {}
@@ -233,7 +292,10 @@ def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen
     buf = b""
     while True:
         for key, _ev in sel.select(0.1):
-            if key.data == "listener":
+            if key.data == "signal":
+                if signal.SIGINT in os.read(wake, 64):
+                    _send(port, b"S")
+            elif key.data == "listener":
                 try:
                     client, _addr = listener.accept()
                 except BlockingIOError:
@@ -273,7 +335,7 @@ def _relay(port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen
                     elif kind == ord("E"):
                         raise RuntimeError(payload[:4096].decode("utf-8", "replace"))
                     elif kind == ord("R"):
-                        _trace(f"guest set up, worker forked (guest clock: {payload[:300]!r})")
+                        _trace(f"guest set up, worker released (guest clock: {payload[:300]!r})")
                     elif kind in (ord("D"), ord("C")):
                         pass
                     else:

@@ -26,6 +26,7 @@ root, `apt-get download` fetches it into the cache; otherwise the error names th
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import glob
 import hashlib
@@ -55,6 +56,7 @@ __all__ = [
     "find_image",
     "locate_kernel_deb",
     "missing_tools",
+    "no_space",
 ]
 
 #: Bumped whenever the image layout or the guest's /init changes.
@@ -187,6 +189,14 @@ def _busybox_static(path: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "not a dynamic executable" in (run.stdout + run.stderr)
+
+
+def no_space(where: str) -> str:
+    """The one error for a full disk while building (what to free, and how)."""
+    return (
+        f"the disk holding {where} is full; free space there (`agent-sandbox qemu clean` "
+        "removes old images and templates, or point XDG_CACHE_HOME at a larger disk) and retry"
+    )
 
 
 def install_hint(missing: Iterable[tuple[str, str]]) -> str:
@@ -350,6 +360,8 @@ def _unpack_kernel(
                 shutil.rmtree(directory)
             os.rename(work, directory)
         except (OSError, tarfile.TarError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise ImageError(no_space(parent)) from None
             raise ImageError(f"cannot unpack {deb}: {exc}") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -790,6 +802,8 @@ def build_image(
                 shutil.rmtree(directory)
             os.rename(out, directory)
         except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ImageError(no_space(images_dir())) from None
             raise ImageError(f"building the image failed: {exc}") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)

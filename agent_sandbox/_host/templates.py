@@ -24,9 +24,10 @@ workers from scratch otherwise:
   the capability drop and the seccomp filter (an `unshare` worker applies all three itself
   anyway).
 
-A forked worker's pid is read by the host from the credentials of a socket message
-(`SO_PASSCRED`, which the kernel translates into the host's PID namespace), and the host
-places it in its cgroups before it forks anything.
+A forked worker's init (PID 1 of its own PID namespace) is known to the host by the
+credentials of a socket message (`SO_PASSCRED`: the kernel writes them and translates the
+pid into the host's PID namespace), and the host places it in the worker's cgroups before
+it forks the worker.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ class WorkerTemplate:
         self._pending: dict[int, threading.Event] = {}
         self._replies: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
+        #: Pids of a namespace template's first children (I), which exit at once.
+        self._relays: set[int] = set()
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -356,6 +359,9 @@ class WorkerTemplate:
             if "exit" in message:
                 pid, code = int(message["exit"]), int(message["returncode"])
                 with self._lock:
+                    if pid in self._relays:
+                        self._relays.discard(pid)
+                        continue
                     child = self._children.pop(pid, None)
                     if child is None:
                         self._exits[pid] = code
@@ -447,12 +453,15 @@ class WorkerTemplate:
             fds.append(cred_child.fileno())
         fds += list(plan.pass_fds)
         message = json.dumps(request).encode()
-        host_pid = 0
+        host_pid = inner_pid = 0
         try:
             with self._send_lock:
                 socket.send_fds(self.sock, [message + b"\n"], fds)
             if cred is not None and cred_child is not None:
                 cred_child.close()
+                # I says its init's pid as the template sees it, then P sends its own
+                # (the kernel's credentials, in this PID namespace).
+                inner_pid = _relayed_pid(cred, timeout)
                 host_pid = _sender_pid(cred, timeout)
                 if attach is not None:
                     attach(host_pid)
@@ -475,6 +484,11 @@ class WorkerTemplate:
             raise WorkerStartError(f"the worker template refused: {reply.get('error', reply)}")
         pid = int(reply["spawned"])  # in the template's PID namespace
         child = TemplateChild(host_pid or pid, self, placed=bool(host_pid) and attach is not None)
+        if host_pid:
+            with self._lock:
+                self._relays.add(pid)  # I: its own exit says nothing about the worker
+                self._exits.pop(pid, None)
+            pid = inner_pid
         with self._lock:
             early = self._exits.pop(pid, None)
             if early is None:
@@ -496,6 +510,16 @@ class WorkerTemplate:
                 self.proc.wait(5)
         if self.folder:
             remove_tree(self.folder)
+
+
+def _relayed_pid(sock: socket.socket, timeout: float) -> int:
+    """The pid a forked worker's first process (I) reports for its init (P), as the
+    template sees it: the key of P's exit report."""
+    sock.settimeout(timeout)
+    data = sock.recv(32)
+    if not data.startswith(b"i") or not data[1:].isdigit():
+        raise WorkerStartError(f"the forked worker sent {data[:32]!r}, not its init's pid")
+    return int(data[1:])
 
 
 def _sender_pid(sock: socket.socket, timeout: float) -> int:

@@ -33,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         action="append",
         metavar="MB",
-        help="guest RAM of a template to save (repeatable; default: the default policy's)",
+        help="save the template for policies with this memory_mb (repeatable; default: the "
+        "default policy's); the guest gets that plus headroom for its kernel",
     )
     build.add_argument(
         "--package",
@@ -60,7 +61,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from agent_sandbox.policies import Policy
-    from agent_sandbox.providers._qemu import TemplateError, ensure_template, vm_memory_mb
+    from agent_sandbox.providers._qemu import TemplateError, ensure_template, guest_ram_mb
     from agent_sandbox.providers._qemu_image import ImageError, build_image
 
     t0 = time.monotonic()
@@ -77,11 +78,11 @@ def _cmd_build(args: argparse.Namespace) -> int:
         print(f"agent-sandbox qemu build: {exc}", file=sys.stderr)
         return 69
     if not args.no_template:
-        sizes = args.memory or [vm_memory_mb(Policy(name="default"))]
+        sizes = args.memory or [int(Policy(name="default").limits.memory_mb)]
         for mb in sizes:
-            say(f"booting and saving the template ({mb} MiB of guest RAM)")
+            say(f"booting and saving the template ({guest_ram_mb(mb)} MiB of guest RAM)")
             try:
-                template = ensure_template(image, max(256, mb))
+                template = ensure_template(image, guest_ram_mb(mb))
             except TemplateError as exc:
                 print(f"agent-sandbox qemu build: {exc}", file=sys.stderr)
                 return 70

@@ -34,17 +34,21 @@ each worker namespaces of its own (CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP), a
 forbidden new user namespaces for the whole sandbox (`user.max_user_namespaces = 0`, which
 stands for bubblewrap's `--disable-userns`). For each request, in the forked child:
 
-1. I (the child): sends one byte on the request's credential socket, so the host reads its
-   pid and places it in the worker's cgroups (it forks nothing before the host's `g`).
-   Meanwhile: new mount, PID, network and IPC namespaces; in its mount namespace
+1. I (the child): new mount, PID, network and IPC namespaces; in its mount namespace
    the sandbox's root and `/dev` are read-only, and `/tmp`, the scratch directory,
    `/dev/shm` and `/dev/pts` are fresh file systems of its own (no sibling shares them;
    what the view mounts under `/tmp`, the policy's paths there, is moved onto the new one);
-   `lo` is up where the provider brings it up for a fresh worker. It forks P, drops every
-   capability and relays P's exit status.
-2. P (PID 1 of the worker's PID namespace): mounts a fresh `/proc` (only the worker's own
-   processes), covers `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
-   read-only, forks W, drops every capability and reaps until W exits.
+   `lo` is up where the provider brings it up for a fresh worker. It forks P, sends P's
+   pid (as the template sees it) on the request's credential socket and exits; the
+   template, a subreaper, adopts P.
+2. P (PID 1 of the worker's PID namespace): once the template has adopted it, asks for
+   SIGKILL when the template dies, starts a session and sends one byte on the credential
+   socket, so the host reads its pid (the kernel's credentials) and places it in the
+   worker's cgroups. It
+   mounts a fresh `/proc` (only the worker's own processes), covers `/proc/sys`,
+   `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` read-only, and after the host's `g`
+   (nothing is forked outside the groups) forks W, drops every capability and reaps until
+   W exits, then exits as W did (a signal N as status 128 + N).
 3. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
@@ -61,6 +65,7 @@ import os
 import selectors
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +95,7 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _become_worker(
@@ -291,10 +297,15 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
 
 
+def _parent_in_template_view() -> int:
+    with open("/proc/self/stat", "rb") as fh:
+        stat = fh.read()
+    return int(stat[stat.rfind(b")") + 2 :].split()[1])
+
+
 def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     """Steps 1 and 2 of the module docstring; returns in the worker (W) only."""
     cred = socket.socket(fileno=cred_fd)
-    cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
     nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _check(
         libc,
@@ -324,17 +335,25 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
         _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev)
     if ns.get("loopback", True):
         _loopback_up()
-    # Nothing is forked before the host has placed this process in the worker's cgroups.
-    if cred.recv(1) != b"g":
-        os._exit(1)  # the host gave up on this worker
-    cred.close()
+    template = os.getppid()
     init = os.fork()
-    if init != 0:  # I: relay P's end
-        _set_caps(libc, 0)
-        _, status = os.waitpid(init, 0)
-        os._exit(_status_code(status))
-    # P: PID 1 of the worker's PID namespace.
+    if init != 0:
+        # I: tell the host P's pid in the template's PID namespace (the template reports
+        # P's end under it), then leave; the template, a subreaper, adopts P.
+        cred.send(b"i%d" % init)
+        os._exit(0)
+    # P: PID 1 of the worker's PID namespace. The template's /proc (still mounted here)
+    # says when I is gone and the template has adopted P; then P dies with the template.
+    deadline = time.monotonic() + 10.0
+    while _parent_in_template_view() != template:
+        if time.monotonic() > deadline:
+            os._exit(1)
+        time.sleep(0.0005)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _parent_in_template_view() != template:
+        os._exit(1)  # the template ended meanwhile
+    os.setsid()  # the host ends the worker through this process group
+    cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
     _mount(libc, "proc", "/proc", "proc", nosuid_nodev | _MS_NOEXEC)
     for name in _PROC_COVERS:
         path = "/proc/" + name
@@ -342,6 +361,10 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
             _mount(libc, path, path, None, _MS_BIND | _MS_REC)
             flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev | _MS_NOEXEC
             _mount(libc, None, path, None, flags)
+    # Nothing is forked before the host has placed this process in the worker's cgroups.
+    if cred.recv(1) != b"g":
+        os._exit(1)  # the host gave up on this worker
+    cred.close()
     worker = os.fork()
     if worker == 0:
         return  # W
@@ -386,6 +409,11 @@ def run_template(
     libc = _warm_up()
     if namespace:
         lock_template(libc)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # each worker's init, once I is gone
+    import gc
+
+    gc.collect()
+    gc.freeze()
     # A child's exit wakes the loop through this pipe (no polling while idle).
     wakeup = os.pipe()
     os.set_blocking(wakeup[0], False)

@@ -107,6 +107,48 @@ def kernel_provider(request: pytest.FixtureRequest) -> str:
     return name
 
 
+#: The policy memory limit of the one qemu template the tests share (a policy asking for
+#: another size would boot and save a template of its own).
+QEMU_MEMORY_MB = 512
+
+
+@pytest.fixture(scope="session")
+def qemu_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A cache directory holding the qemu guest image and one template of `QEMU_MEMORY_MB`,
+    built once per test session (skip with the reason where QEMU, busybox-static or the
+    Debian kernel package is missing). Tests point `XDG_CACHE_HOME` at it."""
+    from agent_sandbox.providers._qemu import TemplateError, ensure_template, guest_ram_mb
+    from agent_sandbox.providers._qemu_image import (
+        ImageError,
+        build_image,
+        install_hint,
+        locate_kernel_deb,
+        missing_tools,
+    )
+
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"qemu provider: missing tools: {install_hint(missing)}")
+    try:
+        locate_kernel_deb()
+    except ImageError as exc:
+        pytest.skip(f"qemu provider: {exc}")
+    cache = str(tmp_path_factory.mktemp("qemu-cache"))
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = cache
+    try:
+        image = build_image()
+        ensure_template(image, guest_ram_mb(QEMU_MEMORY_MB))
+    except (ImageError, TemplateError) as exc:
+        pytest.fail(f"the qemu image or template could not be built: {exc}")
+    finally:
+        if old is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+    return cache
+
+
 @pytest.fixture(scope="session")
 def canary() -> str:
     return "canary-" + secrets.token_hex(8)
