@@ -40,7 +40,7 @@ from typing import Any
 
 import h11
 
-__all__ = ["ServeConfig", "WorkerServer", "parse_listen", "prewarm"]
+__all__ = ["ServeConfig", "WorkerServer", "parse_listen"]
 
 _log = logging.getLogger("agent_sandbox.serve")
 
@@ -118,81 +118,6 @@ class ServeConfig:
 
 class _Stop(Exception):
     pass
-
-
-class _CallGuard:
-    """The pod's own reading of its worker's guard counter during one call, event by event,
-    as the local host's forwarder does (`_host/intake/guard_block.py`): an event read while
-    the guards are armed goes on to the host, one read after the disarming is held until
-    the call's end is verified, and after tampering nothing more goes on. Only the events'
-    kinds are read here (the host judges the rest)."""
-
-    def __init__(self, watch: Any, cap: int) -> None:
-        self.watch = watch
-        self.cap = cap
-        self.buf = bytearray()
-        self.scan = 0
-        self.held = bytearray()
-        self.reason = ""
-        self.oversize = False
-        watch.begin_call()
-
-    def feed(self, data: bytes) -> bytes:
-        """The bytes that may go to the host now (whole events only)."""
-        from agent_sandbox._host.intake import guard_block
-
-        if self.oversize:
-            return data
-        self.buf += data
-        out = bytearray()
-        while not self.reason:
-            end = self.buf.find(b"\n\n", self.scan)
-            if end < 0:
-                self.scan = max(0, len(self.buf) - 1)
-                if len(self.buf) > self.cap:
-                    # Larger than any event the host accepts: it goes on as it is, and the
-                    # host refuses it (and ends the call); what was held stays withheld.
-                    self.oversize = True
-                    self.held.clear()
-                    out += self.buf
-                    self.buf.clear()
-                break
-            event = bytes(self.buf[: end + 2])
-            del self.buf[: end + 2]
-            self.scan = 0
-            line = event.split(b"\n", 1)[0]
-            kind = line[len(b"event: ") :] if line.startswith(b"event: ") else b""
-            if kind == b"start":
-                out += event  # framing, sent before the call arms (as on the local host)
-                continue
-            verdict = self.watch.judge(kind.decode("ascii", "replace"))
-            if verdict == guard_block.HOLD:
-                self.held += event
-            elif verdict == guard_block.TAMPERED:
-                self.reason = self.watch.reason or "the guards' state"
-            else:
-                out += self.held
-                self.held.clear()
-                out += event
-        if self.reason:
-            self.held.clear()
-            self.buf.clear()
-        return bytes(out)
-
-    def tamper_event(self, policy: str) -> bytes:
-        """What the host gets instead of the rest of the call (it then finds the stream cut
-        and withholds the call's output, `RemoteWorker._on_lost`)."""
-        from agent_sandbox._denial import Denial
-        from agent_sandbox._wire import encode_event
-
-        denial = Denial(
-            rule="guard.tampered",
-            action="tamper",
-            target=f"the pod read the worker's guard counter: {self.reason}"[:500],
-            policy=policy,
-            detail="a guard was disarmed or displaced; this worker will be discarded",
-        )
-        return encode_event("denial", denial.to_dict())
 
 
 class WorkerServer:
@@ -574,9 +499,10 @@ class WorkerServer:
         guard = None
         if getattr(worker, "guard_watch", None) is not None:
             from agent_sandbox._host.intake.events import HostBounds
+            from agent_sandbox._host.serve_guard import CallGuard
 
             cap = HostBounds.from_policy(worker.policy).max_event_bytes() + 1024
-            guard = _CallGuard(worker.guard_watch, cap)
+            guard = CallGuard(worker.guard_watch, cap)
         while True:
             event = up.next_event()
             if event is h11.NEED_DATA:
@@ -651,23 +577,6 @@ class WorkerServer:
                 if pending:
                     sock.sendall(pending)
                 return False
-
-
-def prewarm(provider: str) -> None:
-    """What a bind would load, loaded before the pod is ready: the host side's modules (the
-    policy model, the worker start) and the provider's probe, so a warm, policy-less pod
-    spends its bind on starting the worker only (~0.4 s less here). Nothing that depends on
-    a session's policy is done here; a failure is left for the bind to report."""
-    try:
-        from agent_sandbox._host import boundary, process  # noqa: F401
-        from agent_sandbox.policies import Policy
-        from agent_sandbox.providers import get_provider
-
-        Policy(name="prewarm").fingerprint()
-        if provider != "auto":
-            get_provider(provider).probe()
-    except Exception as exc:  # the bind reports what is wrong, with the session's policy
-        _log.info("prewarm: %s", exc)
 
 
 def main(config: ServeConfig, announce: Any = None) -> int:

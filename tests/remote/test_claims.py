@@ -188,7 +188,7 @@ def test_prewarm_loads_what_a_bind_needs_and_never_fails() -> None:
     for the bind to report (with the session's policy) instead of failing the pod."""
     import sys
 
-    from agent_sandbox._host.remote_serve import prewarm
+    from agent_sandbox._tools.cli_worker import prewarm
 
     prewarm("no-such-provider")
     prewarm("subprocess")
