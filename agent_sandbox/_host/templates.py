@@ -26,8 +26,9 @@ workers from scratch otherwise:
 
 A forked worker's init (PID 1 of its own PID namespace) is known to the host by the
 credentials of a socket message (`SO_PASSCRED`: the kernel writes them and translates the
-pid into the host's PID namespace), and the host places it in the worker's cgroups before
-it forks the worker.
+pid into the host's PID namespace); the host places the init and the worker in the
+worker's cgroups while the worker boots, as for a fresh start (the worker forks nothing
+before its handshake, and the host checks the whole tree after it).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from typing import IO, Any
 
 from agent_sandbox._errors import WorkerStartError
@@ -82,10 +82,10 @@ _SCRATCH_MARK = "@scratch"
 class TemplateChild:
     """A worker forked by a template, seen like a `subprocess.Popen`."""
 
-    def __init__(self, pid: int, template: WorkerTemplate, *, placed: bool = False) -> None:
+    def __init__(self, pid: int, template: WorkerTemplate, *, init: bool = False) -> None:
         self.pid = pid  # on the host (a namespace template's pids differ inside)
-        #: Already in its cgroups (a namespace template's worker, placed before it forked).
-        self.placed = placed
+        #: `pid` is the worker's init, with the worker its only child (a namespace template).
+        self.init = init
         self.returncode: int | None = None
         self._template = template
         self._done = threading.Event()
@@ -411,17 +411,11 @@ class WorkerTemplate:
         setup["seccomp"] = {"bpf": base64.b64encode(plan.seccomp_bpf).decode()}
         return dataclasses.replace(plan, worker_setup=setup)
 
-    def spawn(
-        self,
-        plan: LaunchPlan,
-        log: IO[bytes],
-        *,
-        timeout: float = 10.0,
-        attach: Callable[[int], object] | None = None,
-    ) -> TemplateChild:
+    def spawn(self, plan: LaunchPlan, log: IO[bytes], *, timeout: float = 10.0) -> TemplateChild:
         """Fork one worker for `plan` (its boot pipe and listening socket are in pass_fds).
 
-        `attach(pid)` places a namespace template's worker in its cgroups before it forks.
+        From a namespace template, the child's `pid` is the worker's init (on the host), and
+        `init` is set: the caller places the init and the worker in the worker's cgroups.
         """
         if not self.alive() or self.sock is None:
             raise WorkerStartError("the worker template is not running")
@@ -463,9 +457,6 @@ class WorkerTemplate:
                 # (the kernel's credentials, in this PID namespace).
                 inner_pid = _relayed_pid(cred, timeout)
                 host_pid = _sender_pid(cred, timeout)
-                if attach is not None:
-                    attach(host_pid)
-                cred.send(b"g")
             if not event.wait(timeout) or req not in self._replies:
                 raise WorkerStartError("the worker template did not fork a worker in time")
         except OSError as exc:
@@ -483,7 +474,7 @@ class WorkerTemplate:
         if "spawned" not in reply:
             raise WorkerStartError(f"the worker template refused: {reply.get('error', reply)}")
         pid = int(reply["spawned"])  # in the template's PID namespace
-        child = TemplateChild(host_pid or pid, self, placed=bool(host_pid) and attach is not None)
+        child = TemplateChild(host_pid or pid, self, init=bool(host_pid))
         if host_pid:
             with self._lock:
                 self._relays.add(pid)  # I: its own exit says nothing about the worker

@@ -41,14 +41,14 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    `lo` is up where the provider brings it up for a fresh worker. It forks P, sends P's
    pid (as the template sees it) on the request's credential socket and exits; the
    template, a subreaper, adopts P.
-2. P (PID 1 of the worker's PID namespace): once the template has adopted it, asks for
-   SIGKILL when the template dies, starts a session and sends one byte on the credential
-   socket, so the host reads its pid (the kernel's credentials) and places it in the
-   worker's cgroups. It
-   mounts a fresh `/proc` (only the worker's own processes), covers `/proc/sys`,
-   `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` read-only, and after the host's `g`
-   (nothing is forked outside the groups) forks W, drops every capability and reaps until
-   W exits, then exits as W did (a signal N as status 128 + N).
+2. P (PID 1 of the worker's PID namespace; it, W and all they start die with the
+   sandbox's PID namespace, whose init exits with the template): starts a session and
+   sends one byte on the credential socket, so the host reads its pid (the kernel's
+   credentials) and places it and W in the worker's cgroups while W boots (W forks nothing
+   before its handshake). It mounts a fresh `/proc` (only the worker's own processes),
+   covers `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` read-only, forks
+   W, drops every capability and reaps until W exits, then exits as W did (a signal N as
+   status 128 + N).
 3. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
@@ -65,7 +65,6 @@ import os
 import selectors
 import signal
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +77,8 @@ _MAX_FDS = 8
 
 def _warm_up() -> Any:
     import ctypes
+    import fcntl  # noqa: F401  (a forked worker's `lo`, in a namespace template)
+    import struct  # noqa: F401
 
     import agent_sandbox._worker.objects
     import agent_sandbox._worker.server
@@ -297,12 +298,6 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
 
 
-def _parent_in_template_view() -> int:
-    with open("/proc/self/stat", "rb") as fh:
-        stat = fh.read()
-    return int(stat[stat.rfind(b")") + 2 :].split()[1])
-
-
 def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     """Steps 1 and 2 of the module docstring; returns in the worker (W) only."""
     cred = socket.socket(fileno=cred_fd)
@@ -335,23 +330,15 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
         _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev)
     if ns.get("loopback", True):
         _loopback_up()
-    template = os.getppid()
     init = os.fork()
     if init != 0:
         # I: tell the host P's pid in the template's PID namespace (the template reports
         # P's end under it), then leave; the template, a subreaper, adopts P.
         cred.send(b"i%d" % init)
         os._exit(0)
-    # P: PID 1 of the worker's PID namespace. The template's /proc (still mounted here)
-    # says when I is gone and the template has adopted P; then P dies with the template.
-    deadline = time.monotonic() + 10.0
-    while _parent_in_template_view() != template:
-        if time.monotonic() > deadline:
-            os._exit(1)
-        time.sleep(0.0005)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if _parent_in_template_view() != template:
-        os._exit(1)  # the template ended meanwhile
+    # P: PID 1 of the worker's PID namespace. No parent-death signal: its parent I exits
+    # now; P, W and everything they start die with the sandbox's own PID namespace, whose
+    # init (bubblewrap's, or the `unshare` launcher's B) exits with the template.
     os.setsid()  # the host ends the worker through this process group
     cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
     _mount(libc, "proc", "/proc", "proc", nosuid_nodev | _MS_NOEXEC)
@@ -361,9 +348,6 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
             _mount(libc, path, path, None, _MS_BIND | _MS_REC)
             flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev | _MS_NOEXEC
             _mount(libc, None, path, None, flags)
-    # Nothing is forked before the host has placed this process in the worker's cgroups.
-    if cred.recv(1) != b"g":
-        os._exit(1)  # the host gave up on this worker
     cred.close()
     worker = os.fork()
     if worker == 0:
