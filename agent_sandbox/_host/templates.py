@@ -140,8 +140,6 @@ class WorkerTemplate:
         self._pending: dict[int, threading.Event] = {}
         self._replies: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
-        #: Pids of a namespace template's first children (I), which exit at once.
-        self._relays: set[int] = set()
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -359,9 +357,6 @@ class WorkerTemplate:
             if "exit" in message:
                 pid, code = int(message["exit"]), int(message["returncode"])
                 with self._lock:
-                    if pid in self._relays:
-                        self._relays.discard(pid)
-                        continue
                     child = self._children.pop(pid, None)
                     if child is None:
                         self._exits[pid] = code
@@ -447,16 +442,13 @@ class WorkerTemplate:
             fds.append(cred_child.fileno())
         fds += list(plan.pass_fds)
         message = json.dumps(request).encode()
-        host_pid = inner_pid = 0
+        host_pid = 0
         try:
             with self._send_lock:
                 socket.send_fds(self.sock, [message + b"\n"], fds)
             if cred is not None and cred_child is not None:
                 cred_child.close()
-                # I says its init's pid as the template sees it, then P sends its own
-                # (the kernel's credentials, in this PID namespace).
-                inner_pid = _relayed_pid(cred, timeout)
-                host_pid = _sender_pid(cred, timeout)
+                host_pid = _sender_pid(cred, timeout)  # the kernel's word, not the child's
             if not event.wait(timeout) or req not in self._replies:
                 raise WorkerStartError("the worker template did not fork a worker in time")
         except OSError as exc:
@@ -475,11 +467,6 @@ class WorkerTemplate:
             raise WorkerStartError(f"the worker template refused: {reply.get('error', reply)}")
         pid = int(reply["spawned"])  # in the template's PID namespace
         child = TemplateChild(host_pid or pid, self, init=bool(host_pid))
-        if host_pid:
-            with self._lock:
-                self._relays.add(pid)  # I: its own exit says nothing about the worker
-                self._exits.pop(pid, None)
-            pid = inner_pid
         with self._lock:
             early = self._exits.pop(pid, None)
             if early is None:
@@ -501,16 +488,6 @@ class WorkerTemplate:
                 self.proc.wait(5)
         if self.folder:
             remove_tree(self.folder)
-
-
-def _relayed_pid(sock: socket.socket, timeout: float) -> int:
-    """The pid a forked worker's first process (I) reports for its init (P), as the
-    template sees it: the key of P's exit report."""
-    sock.settimeout(timeout)
-    data = sock.recv(32)
-    if not data.startswith(b"i") or not data[1:].isdigit():
-        raise WorkerStartError(f"the forked worker sent {data[:32]!r}, not its init's pid")
-    return int(data[1:])
 
 
 def _sender_pid(sock: socket.socket, timeout: float) -> int:
