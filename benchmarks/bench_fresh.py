@@ -6,7 +6,10 @@ Each round starts, interleaved, three fresh interpreters:
 * floor: `python -I -c "print(1+1)"`;
 * `import agent_sandbox` (what a program pays before it uses anything);
 * the first result: `Sandbox(Policy(name=...))` under the default provider (`auto`),
-  `run("1+1")`, close.
+  `run("1+1")`, close, with the providers' trial probes remembered from an earlier process
+  (`providers/_probe_cache.py`, in the user's cache directory);
+* the same with the probes run afresh (`AGENT_SANDBOX_PROBE_CACHE=off`), what every process
+  paid before they were remembered;
 
 and, when pysandboxes is installed (`benchmarks/_peers.py`; skipped with a message
 otherwise), a fresh process's first result through a pysandboxes `@sandbox` call under
@@ -40,7 +43,10 @@ COMMANDS = {
     "floor: python -I -c": [sys.executable, "-I", "-c", "print(1+1)"],
     "import agent_sandbox": [sys.executable, "-c", "import agent_sandbox"],
     "first result (auto)": [sys.executable, "-c", FIRST_RESULT],
+    "first result, probes afresh": [sys.executable, "-c", FIRST_RESULT],
 }
+#: Extra environment per command.
+ENV = {"first result, probes afresh": {"AGENT_SANDBOX_PROBE_CACHE": "off"}}
 
 
 def main() -> None:
@@ -67,14 +73,15 @@ def main() -> None:
 def run_all(commands: dict[str, tuple[list[str], str | None]], runs: int, rounds: int) -> None:
     ratios: dict[str, list[float]] = {name: [] for name in commands if "floor" not in name}
     peer_vs_ours: list[float] = []
-    for argv, cwd in commands.values():
-        subprocess.run(argv, check=True, capture_output=True, cwd=cwd)  # warm the page cache
+    envs = {name: {**os.environ, **ENV.get(name, {})} for name in commands}
+    for name, (argv, cwd) in commands.items():  # warm the page cache, remember the probes
+        subprocess.run(argv, check=True, capture_output=True, cwd=cwd, env=envs[name])
     for run in range(1, runs + 1):
         samples: dict[str, list[float]] = {name: [] for name in commands}
         for _ in range(rounds):
             for name, (argv, cwd) in commands.items():
                 t0 = time.perf_counter()
-                subprocess.run(argv, check=True, capture_output=True, cwd=cwd)
+                subprocess.run(argv, check=True, capture_output=True, cwd=cwd, env=envs[name])
                 samples[name].append(time.perf_counter() - t0)
         medians = {name: statistics.median(v) for name, v in samples.items()}
         base = medians["floor: python -I -c"]
@@ -87,8 +94,8 @@ def run_all(commands: dict[str, tuple[list[str], str | None]], runs: int, rounds
         print(line, f"| load {os.getloadavg()[0]:.2f}")
     print("-- summary: / fresh `python -I -c`, median [min-max] over runs")
     for name, values in ratios.items():
-        text = f"{name:27} x{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
-        if name.startswith("first"):
+        text = f"{name:28} x{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+        if name == "first result (auto)":
             text += f"  target <= {TARGET}x met in {sum(v <= TARGET for v in values)}/{len(values)}"
         if name.startswith("peer") and peer_vs_ours:
             text += (

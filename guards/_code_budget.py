@@ -50,6 +50,7 @@ from agent_sandbox.guards._code_check import _CHILD_FIELDS, Rules, _child_fields
 
 __all__ = [
     "SPECIAL_ATTRIBUTES",
+    "CodeCheck",
     "SPECIAL_NAMES",
     "ensure_installed",
     "make_code_check",
@@ -910,23 +911,41 @@ def start_call(
         sys.setrecursionlimit(depth + 30 + rules.max_call_depth)
 
 
+class CodeCheck:
+    """The worker's hook 5a: `check(code, tree)` checks the parsed cell and rewrites it in place.
+
+    Each call: (1) a fresh iteration budget and the recursion limit for the call depth
+    (`start()`), (2) the static check (names already defined in the session count as
+    bound), (3) the rewrite. `CodeRejected` propagates to the runner, which reports it.
+
+    `pure` says whether the outcome of (2) and (3) depends on the cell's text alone: true
+    unless `[code] names` is an allowlist (then the session's names count too). Where it
+    is, the runner may reuse what it compiled for an identical, accepted cell, and then
+    calls only `start()`.
+    """
+
+    def __init__(self, rules: Rules, namespace: dict[str, Any]) -> None:
+        self.rules = rules
+        self.namespace = namespace
+        self.pure = rules.any_name
+
+    def start(self) -> None:
+        start_call(self.rules, namespace=self.namespace)
+
+    def __call__(self, code: str, tree: ast.Module) -> None:
+        from agent_sandbox.guards._code_check import check_tree
+
+        start_call(self.rules, namespace=self.namespace)
+        check_tree(tree, self.rules, "<cell>", source=code, known_names=self.namespace.keys())
+        _Rewriter(self.rules).run(tree)
+
+
 def make_code_check(
     code_policy: dict[str, Any], namespace: dict[str, Any], policy_name: str = ""
-) -> Callable[[str, ast.Module], None]:
-    """The worker's hook 5a: `hook(code, tree)` checks the parsed cell and rewrites it in place.
-
-    Each call: (1) a fresh iteration budget and the recursion limit for the call depth,
-    (2) the static check (names already defined in the session count as bound),
-    (3) the rewrite. `CodeRejected` propagates to the runner, which reports it.
-    """
-    from agent_sandbox.guards._code_check import check_tree
+) -> CodeCheck:
+    """The worker's code-layer hook for one session namespace (see `CodeCheck`)."""
+    import agent_sandbox.guards._code_check  # noqa: F401 (imported now, not in the first call)
 
     rules = compile_rules(code_policy, policy_name)
     ensure_installed(rules)
-
-    def code_check(code: str, tree: ast.Module) -> None:
-        start_call(rules, namespace=namespace)
-        check_tree(tree, rules, "<cell>", source=code, known_names=namespace.keys())
-        _Rewriter(rules).run(tree)
-
-    return code_check
+    return CodeCheck(rules, namespace)

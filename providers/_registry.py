@@ -13,7 +13,6 @@ from agent_sandbox.providers._base import ProbeResult, Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._firejail import FirejailProvider
 from agent_sandbox.providers._landlock import LandlockProvider
-from agent_sandbox.providers._qemu import QemuProvider
 from agent_sandbox.providers._subprocess import SubprocessProvider
 from agent_sandbox.providers._unshare import UnshareProvider
 
@@ -25,8 +24,20 @@ _REGISTRY: dict[str, type[Provider]] = {
     BwrapProvider.name: BwrapProvider,
     UnshareProvider.name: UnshareProvider,
     FirejailProvider.name: FirejailProvider,
-    QemuProvider.name: QemuProvider,
 }
+#: Providers whose module is imported when first asked for (the qemu one brings its image
+#: builder): name -> (module, class).
+_DEFERRED: dict[str, tuple[str, str]] = {
+    "qemu": ("agent_sandbox.providers._qemu", "QemuProvider"),
+}
+
+
+def _load_deferred() -> None:
+    import importlib
+
+    for name, (module, attr) in list(_DEFERRED.items()):
+        _REGISTRY.setdefault(name, getattr(importlib.import_module(module), attr))
+        _DEFERRED.pop(name, None)
 
 
 def register(cls: type[Provider]) -> type[Provider]:
@@ -37,6 +48,7 @@ def register(cls: type[Provider]) -> type[Provider]:
 
 def all_providers() -> list[Provider]:
     """One instance of every known provider, strongest first."""
+    _load_deferred()
     return sorted((cls() for cls in _REGISTRY.values()), key=lambda p: -p.strength)
 
 
@@ -44,10 +56,12 @@ def get_provider(name: str) -> Provider:
     """The provider called `name` (not probed)."""
     if name == "auto":
         return _auto()
+    if name in _DEFERRED:
+        _load_deferred()
     try:
         return _REGISTRY[name]()
     except KeyError:
-        known = ", ".join(sorted([*_REGISTRY, "auto"]))
+        known = ", ".join(sorted([*_REGISTRY, *_DEFERRED, "auto"]))
         raise ProviderUnavailable(name, f"no such provider (known: {known})") from None
 
 

@@ -272,11 +272,12 @@ def egress_plan(
     `worker_setup` fragment, the proxy variables for the environment and the descriptor
     to pass. Raises ProviderUnavailable for a rule the proxy cannot serve (UDP, a
     listener), naming it; returns empty parts for a policy without network."""
+    if network_mode(policy) != "proxy":
+        return {}, {}, ()
+    # Only now: the proxy's module brings asyncio, which a policy without network never needs.
     from agent_sandbox.providers._egress import PROXY_HOST, PROXY_PORT, proxy_env
     from agent_sandbox.providers._netcheck import refuse_unenforceable
 
-    if network_mode(policy) != "proxy":
-        return {}, {}, ()
     refuse_unenforceable(provider, policy)
     # A dry build (no channel yet: egress_fd -1) describes the same plan; a real start
     # always prepares the channel, and a worker without it fails its start.

@@ -16,11 +16,14 @@ release it):
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
+from typing import TYPE_CHECKING
 
 from agent_sandbox._errors import SandboxClosed
+
+if TYPE_CHECKING:
+    import asyncio  # imported where used: a program that never awaits does not load it
 
 __all__ = ["CallLock"]
 
@@ -109,6 +112,8 @@ class CallLock:
 
     async def acquire_async(self) -> None:
         """Wait for the lock without a thread; cancellation never leaves it taken."""
+        import asyncio  # loaded already: this runs in its loop
+
         loop = asyncio.get_running_loop()
         me = _Waiter(loop, loop.create_future())
         with self._cond:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import concurrent.futures
 import contextlib
 import os
 import queue
@@ -28,7 +27,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from agent_sandbox._errors import SandboxClosed
 from agent_sandbox._host import guardian
@@ -175,6 +174,30 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+class _Pending(Generic[T]):
+    """One submitted start: its result or its exception, once the launch thread has it
+    (what `concurrent.futures.Future` would give, without importing that package)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: T) -> None:
+        self._value = value
+        self._done.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def result(self) -> T:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[no-any-return]
+
+
 class _Launcher:
     """One lasting daemon thread that runs every process start, in order."""
 
@@ -184,10 +207,10 @@ class _Launcher:
         self._busy = threading.Lock()
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[..., T], *args: Any) -> _Pending[T]:
         if _SHUTDOWN.is_set():
             raise SandboxClosed(_EXITING)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        future: _Pending[T] = _Pending()
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -203,8 +226,6 @@ class _Launcher:
             with self._busy:
                 if _SHUTDOWN.is_set():
                     future.set_exception(SandboxClosed(_EXITING))
-                    continue
-                if not future.set_running_or_notify_cancel():
                     continue
                 try:
                     future.set_result(fn(*args))

@@ -47,7 +47,10 @@ class WorkerPool:
         self.start_timeout = start_timeout
         self._ready: collections.deque[WorkerProcess] = collections.deque()
         self._lock = threading.Lock()
-        self._refilling = False
+        #: Signals the pool's refill thread (started on the first refill, lasting until
+        #: close): starting a thread per refill made the caller of `acquire` wait for it.
+        self._wake = threading.Condition(self._lock)
+        self._wanted = False
         self._refill_thread: threading.Thread | None = None
         self._closed = False
         self.started = 0
@@ -63,6 +66,9 @@ class WorkerPool:
             )
         self._template: WorkerTemplate | None = None
         self._template_lock = threading.Lock()
+        if self.warm:
+            # Started now, idle until asked: the first `acquire` only signals it.
+            self._start_refill_thread()
 
     def template(self) -> WorkerTemplate | None:
         """The pool's worker template, started on first use (None where it does not apply)."""
@@ -136,25 +142,37 @@ class WorkerPool:
 
     def _schedule_refill(self) -> None:
         with self._lock:
-            if self._refilling or self._closed or len(self._ready) >= self.warm:
+            if self._closed or len(self._ready) >= self.warm:
                 return
-            self._refilling = True
+            self._wanted = True
+            self._wake.notify()  # the refill thread is waiting, or sees `_wanted` next
+        self._start_refill_thread()
+
+    def _start_refill_thread(self) -> None:
+        with self._lock:
+            if self._refill_thread is not None or self._closed:
+                return
             thread = threading.Thread(target=self._refill, name="agent-sandbox-refill", daemon=True)
             self._refill_thread = thread
         thread.start()
 
     def _refill(self) -> None:
-        try:
-            self.fill()
-            self.last_error = None
-        except (WorkerStartError, OSError) as exc:
-            # Reported on the next acquire, which starts a worker in the caller's thread.
-            self.last_error = exc
-        except SandboxClosed:
-            pass
-        finally:
+        """The refill thread: fill the pool each time it is asked, until the pool closes."""
+        while True:
             with self._lock:
-                self._refilling = False
+                while not self._wanted and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                self._wanted = False
+            try:
+                self.fill()
+                self.last_error = None
+            except (WorkerStartError, OSError) as exc:
+                # Reported on the next acquire, which starts a worker in the caller's thread.
+                self.last_error = exc
+            except SandboxClosed:
+                return
 
     def ready_count(self) -> int:
         with self._lock:
@@ -164,6 +182,7 @@ class WorkerPool:
         """Stop refilling and end every warm worker."""
         with self._lock:
             self._closed = True
+            self._wake.notify_all()
             ready = list(self._ready)
             self._ready.clear()
         for worker in ready:

@@ -23,7 +23,6 @@ and the reading of what the worker sends is in `agent_sandbox._host.intake`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -68,7 +67,6 @@ from agent_sandbox._host.launch import (
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
-from agent_sandbox.providers._egress import EgressError, Route, egress_proxy, receive_listener
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
     WorkerCgroups,
@@ -79,6 +77,7 @@ from agent_sandbox.providers._limits import (
 
 if TYPE_CHECKING:
     from agent_sandbox._host.templates import WorkerTemplate
+    from agent_sandbox.providers._egress import Route
 
 __all__ = ["WorkerProcess"]
 
@@ -134,6 +133,8 @@ class WorkerProcess:
         self.cgroups: WorkerCgroups | None = None
         self._in_call = False
         self._host_pid: int | None = None
+        self._stat_fds: dict[int, int] = {}
+        self._stat_lock = threading.Lock()
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
@@ -217,6 +218,9 @@ class WorkerProcess:
             if template is not None:
                 self.plan = template.adapt(self.plan)  # a namespace template's worker
             if "egress" in self.plan.worker_setup:
+                # Loaded for plans with an egress proxy only (it brings asyncio).
+                from agent_sandbox.providers._egress import EgressError, egress_proxy
+
                 try:
                     egress_proxy().start()
                 except EgressError as exc:
@@ -333,6 +337,8 @@ class WorkerProcess:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
         egress proxy; a worker whose proxy cannot serve is never kept."""
         assert self.policy is not None
+        from agent_sandbox.providers._egress import EgressError, egress_proxy, receive_listener
+
         try:
             listener = receive_listener(channel, timeout)
             self.egress = egress_proxy().attach(self.policy, listener)
@@ -475,7 +481,34 @@ class WorkerProcess:
             inner = self.worker_pid()
             if inner is not None and inner != self.proc.pid:
                 pids.append(inner)
-        return any(_proc_state(pid)[0] in ("T", "t") for pid in pids)
+        return any(self._stat(pid)[0] in ("T", "t") for pid in pids)
+
+    def _stat(self, pid: int) -> tuple[str, int]:
+        """`_proc_state` of one of this worker's processes through a descriptor opened once
+        (a `pread` at offset 0 renders the file afresh): checked twice per call. The open
+        descriptor stays with the process it was opened for, never a later holder of its
+        number (reads fail once it is gone: ("", 0))."""
+        with self._stat_lock:  # never a read of a descriptor closed meanwhile
+            fd = self._stat_fds.get(pid)
+            if fd is None:
+                if self.dead:
+                    return "", 0
+                try:
+                    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return "", 0
+                self._stat_fds[pid] = fd
+            try:
+                return _parse_stat(os.pread(fd, 4096, 0))
+            except OSError:
+                return "", 0
+
+    def _close_stat_fds(self) -> None:
+        with self._stat_lock:
+            fds, self._stat_fds = self._stat_fds, {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def end_cause(self) -> str:
         """Why a worker that is no longer alive ended, in words for the model."""
@@ -575,6 +608,8 @@ class WorkerProcess:
         filename: str | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
+        import asyncio  # loaded already: this runs in its loop
+
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
         builder = self._builder(wall)
@@ -1032,6 +1067,7 @@ class WorkerProcess:
         self.kill()
 
     def _cleanup_dirs(self) -> None:
+        self._close_stat_fds()
         if self._egress_channel is not None:
             self._egress_channel.close()
         if self.egress is not None:
@@ -1078,6 +1114,10 @@ def _proc_state(pid: int) -> tuple[str, int]:
             stat = fh.read()
     except OSError:
         return "", 0
+    return _parse_stat(stat)
+
+
+def _parse_stat(stat: bytes) -> tuple[str, int]:
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         return fields[0].decode(), int(fields[6])

@@ -19,7 +19,6 @@ read as one piece (the call lock itself is `agent_sandbox._host.calllock`).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import threading
@@ -39,6 +38,8 @@ from agent_sandbox.policies import Policy, resolve_policy
 from agent_sandbox.providers import Provider
 
 if TYPE_CHECKING:
+    import asyncio  # imported where used: a program that never awaits does not load it
+
     from agent_sandbox._host.remote_pool import RemotePool
 
 __all__ = ["Sandbox", "Session"]
@@ -190,6 +191,8 @@ class Session:
                 if ownership.finish():
                     self._lock.release()
                     self.sandbox._room_changed()
+
+        import asyncio
 
         try:
             return await asyncio.to_thread(body)
@@ -395,6 +398,8 @@ class Sandbox:
         discarded when its start ends (never left running untracked)."""
         if self._pool.ready_count():
             return self._pool.acquire()
+        import asyncio
+
         future = asyncio.ensure_future(asyncio.to_thread(self._pool.acquire))
         try:
             return await asyncio.shield(future)

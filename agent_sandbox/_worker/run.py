@@ -137,6 +137,18 @@ class _Budget:
 _INTERRUPTIBLE = [False]
 
 #: The bound on cell sources kept for tracebacks (see `Runner._keep_source`).
+# The built-ins the runner itself calls, bound when the module is imported (before the
+# guards wrap them): the guards' wrappers let the runner's own calls through unchanged (it
+# is not user code, and it passes its namespace and flags explicitly), so calling the
+# originals skips only their per-call frame inspection. User code calls the wrapped ones.
+_compile_builtin = builtins.compile
+_exec_builtin = builtins.exec
+_eval_builtin = builtins.eval
+
+#: The compiled cells kept for reuse (`Runner._compile`): how many, and how long each.
+_REUSE_CELLS = 64
+_REUSE_CHARS = 16 * 1024
+
 _SOURCE_CELLS = 200
 _SOURCE_BYTES = 4 * 1024 * 1024
 
@@ -157,6 +169,12 @@ class Runner:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self.calls = 0
         self.code_check: Callable[[str, ast.Module], None] | None = None
+        #: The code layer's per-call start alone (a fresh budget), for a reused compile.
+        self.code_start: Callable[[], None] | None = None
+        #: Whether an accepted cell's compiled code may be reused for an identical cell:
+        #: true when the code check depends on the text alone (or there is none).
+        self.reuse_compiled = True
+        self._compiled: dict[str, tuple[Any, Any]] = {}
         #: `run_armed(fn, *args)`: the guards' arming around one call (see `_install.py`).
         self.run_armed: Callable[..., Any] | None = None
         self.objects = policy.get("result_mode") == "objects"
@@ -301,8 +319,26 @@ class Runner:
         return info
 
     def _compile(self, code: str, filename: str) -> tuple[Any, Any]:
+        """The cell's code: checked, rewritten and compiled, or, for a text this worker
+        already accepted (and when the check depends on the text alone), the same code
+        again under this cell's file name, after the code layer's per-call start."""
         self._keep_source(filename, code)
-        tree = ast.parse(code, filename, "exec")
+        reused = self._compiled.get(code) if self.reuse_compiled else None
+        if reused is not None:
+            if self.code_start is not None:
+                self.code_start()
+            body, tail = reused
+            return _renamed(body, filename), _renamed(tail, filename) if tail else None
+        compiled = self._compile_new(code, filename)
+        if self.reuse_compiled and len(code) <= _REUSE_CHARS:
+            if len(self._compiled) >= _REUSE_CELLS:
+                del self._compiled[next(iter(self._compiled))]  # the oldest
+            self._compiled[code] = compiled
+        return compiled
+
+    def _compile_new(self, code: str, filename: str) -> tuple[Any, Any]:
+        tree = _compile_builtin(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, ast.Module)
         if self.code_check is not None:
             self.code_check(code, tree)
         last = None
@@ -310,9 +346,13 @@ class Runner:
             tail_stmt = tree.body.pop()
             assert isinstance(tail_stmt, ast.Expr)
             last = ast.Expression(tail_stmt.value)
-        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-        body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
-        tail = compile(last, filename, "eval", flags=flags, dont_inherit=True) if last else None
+        flags: int = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        body = _compile_builtin(tree, filename, "exec", flags=flags, dont_inherit=True)
+        tail = (
+            _compile_builtin(last, filename, "eval", flags=flags, dont_inherit=True)
+            if last
+            else None
+        )
         return body, tail
 
     def _execute(self, compiled: tuple[Any, Any]) -> Any:
@@ -324,8 +364,8 @@ class Runner:
                 import asyncio  # only for code that uses top-level await
 
                 return asyncio.run(_run_async(body, tail, ns))
-            exec(body, ns)
-            return eval(tail, ns) if tail is not None else None
+            _exec_builtin(body, ns)
+            return _eval_builtin(tail, ns) if tail is not None else None
         finally:
             _INTERRUPTIBLE[0] = False
 
@@ -405,6 +445,16 @@ class Runner:
             emit("notice", {"code": "images.dropped", "data": data})
 
 
+def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
+    """`code` and the code objects nested in it under another file name (the cell's)."""
+    if code.co_filename == filename:
+        return code
+    consts = tuple(
+        _renamed(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
 _CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE, without importing inspect at start-up
 
 
@@ -415,12 +465,12 @@ def _is_async(code: Any) -> bool:
 async def _run_async(body: Any, tail: Any, ns: dict[str, Any]) -> Any:
     import types
 
-    result = eval(body, ns)
+    result = _eval_builtin(body, ns)
     if isinstance(result, types.CoroutineType):
         await result
     if tail is None:
         return None
-    value = eval(tail, ns)
+    value = _eval_builtin(tail, ns)
     if isinstance(value, types.CoroutineType):
         value = await value
     return value

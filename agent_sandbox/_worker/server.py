@@ -50,7 +50,6 @@ class _Server:
         self.checks = checks
         self.boot = boot
         self.tamper_check: Any = None
-        self.hold_start = bool((boot.get("worker_setup") or {}).get("hold_start"))
 
     # -- connection handling -------------------------------------------------------------
 
@@ -157,15 +156,16 @@ class _Server:
         ]
         lock = threading.Lock()
         broken = False
-        # The events after the cell (its result, the counts, `done`) and the end of the
-        # response go out in one write, as do the headers and `start` before it: fewer
-        # wake-ups of the host per call. Events emitted while the cell runs (its output, its
-        # denials) are written at once, in order.
+        # Writes to the host are few: each one wakes the host. The response's head and
+        # `start` wait for the first event the cell emits while it runs (its output, a
+        # denial), which goes out with them in one write; each later one is written at once,
+        # in order. The events after the cell (its result, the counts, `done`) and the end
+        # of the response go out in the last write. So a call that prints nothing is one
+        # write, and live output is unchanged. (Under every provider: the qemu plan's
+        # `hold_start` asked for the first half of this for its relays.)
         held: list[bytes] = []
-        holding = False
-        # Under a provider whose every write wakes a relay (qemu: the guest agent, the port,
-        # the host relay), the headers and `start` wait for the call's first write instead.
-        head_pending: list[bytes] = []
+        holding = True  # until the first event of the running cell
+        final = False  # from the result on: everything waits for the last write
 
         owner = os.getpid()
 
@@ -173,35 +173,33 @@ class _Server:
             nonlocal broken
             if broken:
                 return
-            if head_pending:
-                data = head_pending.pop() + data
             try:
                 sock.sendall(data)
             except OSError:
                 broken = True
 
         def emit(kind: str, data: Any) -> None:
-            nonlocal broken
+            nonlocal broken, holding
             if os.getpid() != owner:
                 return  # a forked child never writes on its parent's connection
-            chunk = encode_event(kind, data)
+            framed = _chunk(encode_event(kind, data))
             with lock:
                 if broken:
                     return
-                try:
-                    framed = conn.send(h11.Data(data=chunk)) or b""
-                except h11.LocalProtocolError:
-                    broken = True
-                    return
-                if holding:
+                if final:
                     held.append(framed)
+                elif holding:
+                    held.append(framed)
+                    holding = False
+                    write(b"".join(held))
+                    held.clear()
                 else:
                     write(framed)
 
         def hold(kind: str, data: Any) -> None:
-            nonlocal holding
+            nonlocal final
             with lock:
-                holding = True  # from here on, emit() keeps its events for the last write
+                final = True  # from here on, emit() keeps its events for the last write
             emit(kind, data)
 
         try:
@@ -209,14 +207,10 @@ class _Server:
         except h11.LocalProtocolError:
             return
         filename = request.get("filename")
-        head += conn.send(h11.Data(data=encode_event("start", {"call": self.runner.calls + 1})))
-        if self.hold_start:
-            head_pending.append(head)
-        else:
-            try:
-                sock.sendall(head)
-            except OSError:
-                return  # the caller left (a cancelled call): nobody waits for this code's result
+        head += _chunk(encode_event("start", {"call": self.runner.calls + 1}))
+        held.append(head)
+        if _caller_left(sock):
+            return  # a cancelled call: nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
@@ -224,7 +218,7 @@ class _Server:
         finally:
             counted = audit.end_call()
             with lock:
-                holding = True
+                final = True
         # First occurrences streamed as they were classified; counts and last ones now.
         counts = [
             [i, d.count, d.last.to_dict()] for i, d in enumerate(counted) if d.last is not None
@@ -261,6 +255,25 @@ class _Server:
             held.clear()
         if tampered:
             raise _Stop
+
+
+def _chunk(data: bytes) -> bytes:
+    """One chunk of the chunked response body, as h11 frames `Data` (never empty: an empty
+    chunk ends the body). Framed here, not by `conn.send`: h11's chunked writer keeps no
+    state between chunks, and its state machine is in the body until `EndOfMessage`,
+    which still goes through it; the host parses every byte with h11 all the same."""
+    return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+
+
+def _caller_left(sock: socket.socket) -> bool:
+    """Whether the host closed the connection (a cancelled call), asked without waiting
+    and without writing: the head of the response is not written before the cell runs."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing to read: the host waits for the answer
+    except OSError:
+        return True
 
 
 def serve(boot: dict[str, Any]) -> None:

@@ -93,12 +93,16 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
         checks.update(apply_worker_setup(setup))
     runner = Runner(policy, boot["scratch"])
     hooks: dict[str, Any] = {}
-    # 5a. The code layer: `runner.code_check(code, tree)` raises CodeRejected before a call runs.
+    # 5a. The code layer: `runner.code_check(code, tree)` raises CodeRejected before a call runs
+    #     (a cell accepted before is reused only when the check depends on its text alone).
     code_policy = policy.get("code") or {}
     if code_policy.get("enabled", True):
         from agent_sandbox.guards._code_budget import make_code_check
 
-        runner.code_check = make_code_check(code_policy, runner.namespace, runner.policy_name)
+        check = make_code_check(code_policy, runner.namespace, runner.policy_name)
+        runner.code_check = check
+        runner.code_start = check.start
+        runner.reuse_compiled = check.pure
     # 5b. The guards: `runner.run_armed(...)` arms them around each call; `hooks["tamper_check"]()`
     #     returns the reasons the guards are no longer intact (each becomes `guard.tampered`).
     from agent_sandbox.guards._install import install_guards, seal, summary
@@ -107,6 +111,9 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     seal()
     runner.run_armed = guards.run_armed
     hooks["tamper_check"] = guards.tamper_check
+    # 5c. The tamper check's one-time work (grouping the patches by owner) is done now, while
+    #     the worker waits to be handed out, not in its first call.
+    guards.prime()
     from agent_sandbox.guards._state import USER_FILES
 
     runner.register_file = USER_FILES.add

@@ -300,6 +300,36 @@ def test_worker_budgets(session: Any) -> None:
     assert session.run("sum(i for i in range(1000))").value == 499500
 
 
+def test_worker_repeated_cell_keeps_its_budget_and_its_own_name(session: Any) -> None:
+    """It gives an identical cell, compiled once and reused, a fresh budget and its own
+    cell name in each call: the budget stops it every time, and its traceback names the
+    cell that ran."""
+    for _ in range(3):
+        result = session.run("while True:\n    pass")
+        assert result.error is not None and result.error.rule == "code.iterations"
+    names = []
+    for _ in range(2):
+        result = session.run("def boom():\n    return 1 / 0\nboom()")
+        assert result.error is not None and result.error.type == "ZeroDivisionError"
+        names.append([line for line in result.error.traceback.splitlines() if "<cell-" in line])
+    assert names[0] and names[1] and names[0] != names[1]
+
+
+def test_worker_rechecks_a_repeated_cell_against_session_names() -> None:
+    """It checks an identical cell again when `[code] names` is an allowlist: a name the
+    session deleted is refused the second time."""
+    policy = Policy(
+        name="test-code-names", code={"names": ["builtins", "print"]}, limits={"wall_seconds": 20}
+    )
+    with Sandbox(policy, warm=0) as sb:
+        s = sb.session("names")
+        assert s.run("x = 1").ok
+        assert s.run("x + 1").value == 2
+        assert s.run("del x").ok
+        result = s.run("x + 1")
+        assert result.error is not None and result.error.kind == "denied", result.error
+
+
 def test_worker_code_layer_disabled() -> None:
     """It skips the code layer when `[code] enabled = false`."""
     policy = Policy(name="test-code-off", code={"enabled": False}, limits={"wall_seconds": 20})

@@ -43,6 +43,19 @@ def test_using_a_sandbox_does_not_load_the_learning_code() -> None:
     assert not {m for m in loaded if m.startswith("agent_sandbox._tools.learn")}
 
 
+def test_a_sandbox_that_never_awaits_loads_no_asyncio_nor_the_qemu_provider() -> None:
+    """It imports asyncio (and concurrent.futures, ssl) only for async calls or an egress
+    proxy, and the qemu provider only when a policy names it."""
+    loaded = _modules_after(
+        "from agent_sandbox import Policy, Sandbox\n"
+        "with Sandbox(Policy(name='lean'), warm=0) as sb:\n"
+        "    assert sb.run('1+1').value == 2"
+    )
+    assert not {"asyncio", "concurrent.futures", "ssl"} & loaded
+    assert "agent_sandbox.providers._qemu" not in loaded
+    assert "agent_sandbox.providers._egress" not in loaded
+
+
 def test_the_denial_shapes_compile_on_first_use() -> None:
     loaded = _modules_after(
         "import agent_sandbox._host.intake.events as i\nassert i.shapes.cache_info().currsize == 0"

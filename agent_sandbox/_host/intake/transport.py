@@ -16,7 +16,6 @@ event or a bound) stops the reading at once and closes the connection.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import time
@@ -236,6 +235,8 @@ class AsyncWorkerClient:
     async def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
     ) -> None:
+        import asyncio  # loaded already: this runs in its loop
+
         remaining = max(0.001, deadline - time.monotonic())
         try:
             await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
@@ -243,6 +244,8 @@ class AsyncWorkerClient:
             raise TimeoutError("the call exceeded its deadline") from None
 
     async def _run(self, body: dict[str, Any], on_event: OnEvent) -> None:
+        import asyncio
+
         try:
             reader, writer = await asyncio.open_unix_connection(self.path)
         except OSError as exc:
