@@ -482,10 +482,24 @@ class WorkerTemplate:
             with contextlib.suppress(OSError):
                 self.sock.close()
         if self.proc is not None and self.proc.poll() is None:
+            # A namespace template's processes (the launcher's init, the template, its
+            # workers) die with the launcher, but after it: wait until each is gone.
+            tree: list[int] = []
+            if self.kind == "namespace":
+                from agent_sandbox.providers._limits import _descendants
+
+                tree = [pid for pid, _level in _descendants(self.proc.pid)]
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in tree:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
+            deadline = time.monotonic() + 5.0
+            for pid in tree:
+                while not _process_ended(pid) and time.monotonic() < deadline:
+                    time.sleep(0.005)
         if self.folder:
             remove_tree(self.folder)
 
