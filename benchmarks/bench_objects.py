@@ -3,8 +3,8 @@
 Run: `.venv/bin/python benchmarks/bench_objects.py [--rounds N] [--runs 3] [--no-end-to-end]`
 
 For each typical result (a dict of 10k numbers, a pandas DataFrame when pandas is
-installed, a 1 MB bytes value) it measures, in one run, the host-side decode of the event
-payload exactly as the worker sends it:
+installed, a 1 MB bytes value, and the same bytes inside a dict) it measures, in one run,
+the host-side decode of the event payload exactly as the worker sends it:
 
 * `pickle.loads`  - the unsafe floor (what smolagents did): the raw pickle, no checks;
 * `objects`       - `Decoder.decode_value`: base64 decode, symbolic prescan, allowlisted
@@ -86,6 +86,9 @@ def cases() -> list[tuple[str, Any, tuple[str, ...]]]:
     out: list[tuple[str, Any, tuple[str, ...]]] = [
         ("dict of 10k numbers", {f"k{i}": i * 1.5 for i in range(10_000)}, ()),
         ("1 MB bytes", b"\x00\x01" * 500_000, ()),
+        # The same bytes inside a dict: not one blob, so the ordinary path (base64, prescan,
+        # unpickler).
+        ("dict holding 1 MB bytes", {"name": "x.png", "data": b"\x00\x01" * 500_000}, ()),
     ]
     try:
         import pandas as pd

@@ -543,6 +543,7 @@ class _Checker:
         self.loads: list[ast.Name] = []
         self.lenient: set[int] = set()  # ids of class-body bindings (dunder methods allowed)
         self.attribute_problems: dict[str, tuple[str, str, str] | None] = {}  # by name
+        self.binding_problems: dict[str, tuple[str, str, str] | None] = {}  # by name
 
     def add(self, node: Any, problem: tuple[str, str, str], text: str | None = None) -> None:
         rule, detail, hint = problem
@@ -565,17 +566,26 @@ class _Checker:
         seg = " ".join(seg.split())
         return seg if len(seg) <= 80 else seg[:77] + "..."
 
-    def walk(self, node: ast.AST) -> None:
-        stack: list[Any] = [node]
+    def walk(self, root: ast.AST) -> None:
+        stack: list[Any] = [root]
+        node: Any
         allowed = _allowed_types(self.rules.syntax)
         steps = _STEPS
         pop, push, extend = stack.pop, stack.append, stack.extend
+        loads, bind = self.loads, self.bind
+        name_type, load_type = ast.Name, ast.Load
         while stack:
             node = pop()
             cls = type(node)
             # The common case is one set look-up; anything else (a refused or unknown node
             # type, or a None or other non-node from a field) takes `_unusual`.
             if cls not in allowed and not self._unusual(node, cls):
+                continue
+            if cls is name_type and _NAME_IS_LEAF:  # the commonest node, handled inline
+                if isinstance(node.ctx, load_type):
+                    loads.append(node)
+                else:
+                    bind(node, node.id)
                 continue
             step = steps.get(cls)
             if step is None:
@@ -620,7 +630,11 @@ class _Checker:
         if name is None:
             return
         self.bound.add(name)
-        problem = self.rules.binding_problem(name)
+        problems = self.binding_problems
+        if name in problems:
+            problem = problems[name]
+        else:
+            problem = problems[name] = self.rules.binding_problem(name)
         if problem is not None and not (id(node) in self.lenient and problem[0] == "code.dunder"):
             self.add(node, problem, name)
 
@@ -768,6 +782,9 @@ _SPECIAL: dict[type[ast.AST], Any] = {
     ast.MatchMapping: _on_match_mapping,
 }
 
+
+#: `Name` holds no node (its `id` is a name, its `ctx` is skipped): the walk handles it inline.
+_NAME_IS_LEAF = _child_fields(ast.Name) == ()
 
 #: node type -> (its handler or None, the fields the walk visits): one look-up per node.
 _STEPS: dict[type, tuple[Any, tuple[str, ...]]] = {}

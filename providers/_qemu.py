@@ -598,9 +598,6 @@ class QemuProvider(Provider):
             # Inside the guest too: the same filter and exec program as under Landlock.
             setup = _seccomp.seccomp_setup(policy)
             layers = ("guest-seccomp",)
-        # One write per short call instead of two: each write crosses two relays and wakes
-        # the guest agent (a context switch under TCG costs milliseconds).
-        setup = {**setup, "hold_start": True}
         run_dir = os.path.join(spec.control_dir, "vm")
         from agent_sandbox.providers._masks import find_masks
 
@@ -619,6 +616,7 @@ class QemuProvider(Provider):
             "listen_fd": spec.listen_fd,
             "boot_fd": spec.boot_fd,
             "scratch_mb": int(policy.limits.scratch_mb),
+            "processes": int(policy.limits.processes),
         }
         return LaunchPlan(
             provider=self.name,
@@ -692,6 +690,7 @@ class QemuProvider(Provider):
             "boot_fd": config["boot_fd"],
             "shares": [[f"ro{i}", path] for i, path in enumerate(dirs)],
             "scratch_mb": config["scratch_mb"],
+            "processes": config["processes"],
             "masks": config["masks"],
             "start_timeout": 30.0,
             "trace": self.trace,

@@ -11,7 +11,8 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
 
 1. reseeds the kernel's RNG with the host's 32 random bytes (RNDADDENTROPY, then
    RNDRESEEDCRNG): clones of one template would otherwise share their RNG state;
-2. mounts the policy's read-only 9p shares at their host paths and a size-capped tmpfs as
+2. sets `limits.processes` as `pids.max` of the worker's cgroup (made before the save),
+   mounts the policy's read-only 9p shares at their host paths and a size-capped tmpfs as
    the scratch directory; any failure is reported (`E`) and stops the VM, never skipped;
 3. passes `W` (unread) down the worker's pipe: the worker takes its own session, the
    policy's environment, a fresh `random` seed, and runs the same `serve()` as every other
@@ -42,6 +43,8 @@ _RNDADDENTROPY = 0x40085203
 _RNDRESEEDCRNG = 0x5207
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
 _RB_POWER_OFF = 0x4321FEDC
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_CGROUP = "/sys/fs/cgroup/worker"
 
 
 def _console(text: str) -> None:
@@ -160,9 +163,30 @@ def _mount(source: str, target: str, fstype: str, flags: int, options: str) -> N
         raise OSError(err, f"mount {fstype} {source} on {target}: {os.strerror(err)}")
 
 
-def _setup(msg: dict) -> None:  # type: ignore[type-arg]
-    """Steps 1 and 2."""
+def _worker_cgroup(child: int) -> str:
+    """Before the save: a cgroup v2 group holding the worker (and all it will fork), with
+    the pids controller on; returns why it could not be made, or ""."""
+    try:
+        _mount("cgroup2", _CGROUP_ROOT, "cgroup2", _MS_NOSUID | _MS_NODEV, "")
+        with open(os.path.join(_CGROUP_ROOT, "cgroup.subtree_control"), "w") as fh:
+            fh.write("+pids")
+        os.makedirs(_CGROUP, exist_ok=True)
+        with open(os.path.join(_CGROUP, "cgroup.procs"), "w") as fh:
+            fh.write(str(child))
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+def _setup(msg: dict, cgroup_error: str) -> None:  # type: ignore[type-arg]
+    """Steps 1 and 2 (and the worker's process limit)."""
     _reseed(bytes.fromhex(msg["entropy"]))
+    processes = msg.get("processes")
+    if processes:
+        if cgroup_error:
+            raise OSError(f"no pids cgroup for limits.processes: {cgroup_error}")
+        with open(os.path.join(_CGROUP, "pids.max"), "w") as fh:
+            fh.write(str(int(processes)))
     for tag, path in msg.get("shares", []):
         _mount(
             tag,
@@ -342,6 +366,7 @@ def main() -> None:
     listener.listen(16)
     child, boot_w = _fork_worker(listener)
     listener.close()
+    cgroup_error = _worker_cgroup(child)
     port = Port(_find_port())
     _console("SBREADY")
     frames: list[tuple[int, int, bytes]] = []
@@ -357,7 +382,7 @@ def main() -> None:
         _power_off()
     steps = [("boot received", time.monotonic())]
     try:
-        _setup(json.loads(payload))
+        _setup(json.loads(payload), cgroup_error)
         steps.append(("reseeded and mounted", time.monotonic()))
     except Exception as exc:
         port.send(b"E", 0, f"guest set-up failed: {exc}".encode()[:4096])

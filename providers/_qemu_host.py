@@ -254,6 +254,7 @@ def main() -> None:
             "shares": config["shares"],
             "scratch": boot["scratch"],
             "scratch_mb": config["scratch_mb"],
+            "processes": config.get("processes", 0),
         }
         env = json.dumps(dict(os.environ)).encode()
         _send(port, b"B", 0, json.dumps(setup).encode())

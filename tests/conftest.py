@@ -50,23 +50,6 @@ def sandbox(policy: Policy) -> Iterator[Sandbox]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _cache_dir_of_the_session() -> Iterator[None]:
-    """The user's cache directory (the providers' remembered probes) is a temporary one for
-    the session and whatever it starts: tests never write the real home."""
-    before = os.environ.get("XDG_CACHE_HOME")
-    where = tempfile.mkdtemp(prefix="agent-sandbox-test-cache-")
-    os.environ["XDG_CACHE_HOME"] = where
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("XDG_CACHE_HOME", None)
-        else:
-            os.environ["XDG_CACHE_HOME"] = before
-        shutil.rmtree(where, ignore_errors=True)
-
-
-@pytest.fixture(scope="session", autouse=True)
 def _no_crewai_lock_files_left() -> Iterator[None]:
     """CrewAI leaves a `crewai:<md5>.lock` file in the temp dir for every lock it takes; the
     ones this test session made are removed at its end (tests leave nothing behind)."""

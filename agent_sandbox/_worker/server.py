@@ -156,15 +156,16 @@ class _Server:
         ]
         lock = threading.Lock()
         broken = False
-        # Writes to the host are few: each one wakes the host. The response's head and
-        # `start` wait for the first event the cell emits while it runs (its output, a
-        # denial), which goes out with them in one write; each later one is written at once,
-        # in order. The events after the cell (its result, the counts, `done`) and the end
-        # of the response go out in the last write. So a call that prints nothing is one
-        # write, and live output is unchanged. (Under every provider: the qemu plan's
-        # `hold_start` asked for the first half of this for its relays.)
+        # Writes to the host are few: each one wakes the host. When the request allows it
+        # (`hold_head`: the local client does; a relay that keeps an idle stream alive
+        # does not), the response's head and `start` wait for the first event the cell
+        # emits while it runs (its output, a denial), which goes out with them in one
+        # write; each later one is written at once, in order. The events after the cell
+        # (its result, the counts, `done`) and the end of the response go out in the last
+        # write. So a call that prints nothing is one write, and live output is unchanged.
+        # (Under qemu each write also crosses the guest agent and both relays.)
         held: list[bytes] = []
-        holding = True  # until the first event of the running cell
+        holding = request.get("hold_head") is True  # until the first event of the cell
         final = False  # from the result on: everything waits for the last write
 
         owner = os.getpid()
@@ -209,8 +210,15 @@ class _Server:
         filename = request.get("filename")
         head += _chunk(encode_event("start", {"call": self.runner.calls + 1}))
         held.append(head)
-        if _caller_left(sock):
-            return  # a cancelled call: nobody waits for this code's result
+        if holding:
+            if _caller_left(sock):
+                return  # a cancelled call: nobody waits for this code's result
+        else:
+            try:
+                sock.sendall(head)
+            except OSError:
+                return  # the caller left (a cancelled call): nobody waits for this code's result
+            held.clear()
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:

@@ -217,8 +217,10 @@ def test_policy_check_validates_the_provider(
 ) -> None:
     """It fails `policy check` for a provider that cannot run here or a bare subprocess,
     and names the boundary of a good one."""
-    # qemu cannot run without its guest image, and an empty cache has none.
+    # qemu cannot run without its guest image or a kernel package to build one on first
+    # use: an empty cache has no image, and the named package does not exist.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("AGENT_SANDBOX_QEMU_KERNEL_DEB", str(tmp_path / "no-kernel.deb"))
     bare = tmp_path / "bare.toml"
     bare.write_text('name = "bare"\nprovider = "subprocess"\n')
     proc = cli("policy", "check", str(bare))

@@ -258,9 +258,9 @@ def test_bounded_fork_bomb_ends_within_the_limit(
     _under_qemu(
         request,
         kernel_provider,
-        "the guest's processes are not host processes: a fork bomb stays in the VM (its RAM "
-        "and one vCPU bound it) but the host's pids cgroup does not count it, so neither "
-        "limits.processes nor a denial is reported",
+        "the guest's processes are not host processes: the guest's own pids cgroup ends a "
+        "fork bomb at limits.processes (test_qemu.py), but the host sees no pids event, so "
+        "no limits.processes denial is reported",
         gap=True,
     )
     if not cgroup_support()["processes"]:

@@ -399,6 +399,39 @@ def test_hidden_and_denied_names_inside_a_shared_directory_stay_unread(
         assert str(arena["ro"]) not in fh.read()
 
 
+def test_limits_processes_bounds_forks_in_the_guest(vm_cache: str) -> None:
+    """It holds the worker and all it forks to `limits.processes` inside the guest (a pids
+    cgroup of the guest): the fork past the limit fails with EAGAIN."""
+    policy = _vm_policy(
+        imports={"allow": ["os", "time"]},
+        api={"allow": ["process-control"]},
+        limits={"memory_mb": MEMORY_MB, "processes": 4},
+    )
+    code = textwrap.dedent(
+        """
+        import os, time
+        kids, failed = [], None
+        for _ in range(10):
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                failed = exc.errno
+                break
+            if pid == 0:
+                time.sleep(3)
+                os._exit(0)
+            kids.append(pid)
+        for pid in kids:
+            os.waitpid(pid, 0)
+        (len(kids), failed)
+        """
+    )
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run(code)
+    assert result.error is None, result.error
+    assert result.value == [3, 11]  # the worker and three children; then EAGAIN
+
+
 def test_exec_in_the_guest_is_refused_without_a_process_grant(
     vm_cache: str, arena: dict[str, Path]
 ) -> None:

@@ -271,7 +271,10 @@ class AsyncWorkerClient:
 
 
 def _run_body(code: str, filename: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"code": code}
+    # `hold_head`: this client has no use for the response's head before the cell's first
+    # event (a quiet call is then one write; see `_worker/server.py`). A relay that keeps
+    # an idle stream alive (the remote pod) sends its own body without it.
+    body: dict[str, Any] = {"code": code, "hold_head": True}
     if filename:
         body["filename"] = filename
     return body

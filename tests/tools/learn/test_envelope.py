@@ -53,7 +53,9 @@ def test_an_unavailable_requested_provider_is_an_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """It raises ProviderUnavailable for a named provider that cannot run, never a downgrade."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # qemu: no guest image here
+    # qemu: no guest image here, and no kernel package to build one on first use
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("AGENT_SANDBOX_QEMU_KERNEL_DEB", str(tmp_path / "no-kernel.deb"))
     with pytest.raises(ProviderUnavailable):
         learning_envelope(POLICY, provider="qemu")
 
