@@ -50,6 +50,9 @@ _READ_TIMEOUT = 30.0
 _WALL_GRACE = 2.0
 #: The most the relay holds back to send what the worker wrote in one write.
 _COALESCE_MAX = 65536
+#: How long the relay waits for more before a call's first write to the host (a short
+#: call then costs the host one wake-up; a long one gets its response head this late).
+_FIRST_WRITE_HOLD = 0.05
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
@@ -312,6 +315,13 @@ class WorkerServer:
         self._reply(sock, conn, 404, {"error": "no such route"}, close=True)
         return False
 
+    def _worker_gone(self) -> bool:
+        """After a call: the worker was killed or exited (cheap; the watchdog also looks
+        for a stopped one)."""
+        worker = self.worker
+        proc = getattr(worker, "proc", None)
+        return worker is None or bool(worker.dead) or (proc is not None and proc.poll() is not None)
+
     def _worker_alive(self) -> bool:
         worker = self.worker
         return worker is not None and bool(worker.alive())
@@ -410,7 +420,7 @@ class WorkerServer:
         finally:
             self._last_activity = time.monotonic()
             self._call.release()
-            if not self._worker_alive():
+            if self._worker_gone():
                 self.stop("its worker ended")
 
     def _proxy_run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bool:
@@ -478,11 +488,21 @@ class WorkerServer:
 
         What the worker has already written goes out in one write (one TLS record, one
         wake-up of the host): the relay takes everything its socket holds before it sends,
-        and sends before it waits."""
+        and sends before it waits, except before the call's first write, when it waits up
+        to `_FIRST_WRITE_HOLD` for more."""
         worker = self.worker
         tail = b"\n\n"  # the last two bytes sent: keep-alives only go between events
         streaming = False
         pending = bytearray()
+        flushed = False
+        hold_until = time.monotonic() + _FIRST_WRITE_HOLD
+        guard = None
+        if getattr(worker, "guard_watch", None) is not None:
+            from agent_sandbox._host.intake.events import HostBounds
+            from agent_sandbox._host.serve_guard import CallGuard
+
+            cap = HostBounds.from_policy(worker.policy).max_event_bytes() + 1024
+            guard = CallGuard(worker.guard_watch, cap)
         while True:
             event = up.next_event()
             if event is h11.NEED_DATA:
@@ -494,12 +514,16 @@ class WorkerServer:
                 data = b""
                 if pending:
                     if len(pending) < _COALESCE_MAX:
-                        inner.setblocking(False)
-                        with contextlib.suppress(BlockingIOError):
+                        # Before the call's first write, wait a moment for the rest: a short
+                        # call's head, `start`, result and `done` then go out together.
+                        wait = hold_until - now if not flushed else 0.0
+                        inner.settimeout(max(0.0, min(wait, deadline - now)))
+                        with contextlib.suppress(BlockingIOError, TimeoutError):
                             data = inner.recv(262144)
                     if not data:
                         sock.sendall(pending)
                         pending.clear()
+                        flushed = True
                 if not data:
                     inner.settimeout(min(self.config.keepalive, deadline - now))
                     try:
@@ -527,10 +551,25 @@ class WorkerServer:
                 pending += conn.send(h11.Response(status_code=200, headers=headers)) or b""
                 streaming = True
             elif isinstance(event, h11.Data):
-                data = bytes(event.data)
-                pending += conn.send(h11.Data(data=data)) or b""
-                tail = (tail + data)[-2:]
+                data = bytes(event.data) if guard is None else guard.feed(bytes(event.data))
+                if data:
+                    pending += conn.send(h11.Data(data=data)) or b""
+                    tail = (tail + data)[-2:]
+                if guard is not None and guard.reason:
+                    pending += conn.send(h11.Data(data=guard.tamper_event(worker.policy.name)))
+                    sock.sendall(pending)
+                    _log.warning("the worker's guards were tampered with: %s", guard.reason)
+                    worker.death_reason = "its guards were switched off during a call"
+                    worker.kill()
+                    return False  # the stream is cut: the host withholds the call's output
             elif isinstance(event, h11.EndOfMessage):
+                if guard is not None and (guard.held or guard.buf):
+                    # The end was never verified (the worker went before `done` passed the
+                    # check): what was held stays withheld, and the host sees the stream cut.
+                    sock.sendall(pending)
+                    worker.death_reason = "it ended before its call could be verified"
+                    worker.kill()
+                    return False
                 pending += conn.send(h11.EndOfMessage()) or b""
                 sock.sendall(pending)
                 return True

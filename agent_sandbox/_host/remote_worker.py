@@ -274,6 +274,20 @@ class RemoteWorker(WorkerProcess):
         super()._on_transport_error(builder, exc)
 
     def _on_lost(self, builder: ResultBuilder) -> None:
+        tampered = [d for d in builder.denials if d.rule == "guard.tampered"]
+        if tampered:
+            # The pod read its worker's guard counter, found it tampered with and cut the
+            # stream: as on a local host, the call's output is withheld and the worker gone.
+            self.death_reason = "its guards were switched off during a call"
+            self.kill()
+            builder.withhold()
+            builder.error = RunError(
+                kind="denied",
+                type="GuardTampered",
+                message=tampered[-1].message(),
+                rule="guard.tampered",
+            )
+            return
         self.death_reason = "the connection to it was lost"
         self.kill()
         builder.error = RunError(

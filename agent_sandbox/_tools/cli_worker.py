@@ -14,11 +14,12 @@ finds (Landlock is absent under gVisor, present under runc with the default secc
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "prewarm"]
 
 _SECRET_ENV = "AGENT_SANDBOX_BIND_SECRET"
 
@@ -84,6 +85,23 @@ def _read_secret(args: argparse.Namespace) -> str | None:
     return value or None
 
 
+def prewarm(provider: str) -> None:
+    """What a bind would load, loaded before the pod is ready: the host side's modules (the
+    policy model, the worker start) and the provider's probe, so a warm, policy-less pod
+    spends its bind on starting the worker only (~0.4 s less here). Nothing that depends on
+    a session's policy is done here; a failure is left for the bind to report."""
+    try:
+        from agent_sandbox._host import boundary, process  # noqa: F401
+        from agent_sandbox.policies import Policy
+        from agent_sandbox.providers import get_provider
+
+        Policy(name="prewarm").fingerprint()
+        if provider != "auto":
+            get_provider(provider).probe()
+    except Exception as exc:  # the bind reports what is wrong, with the session's policy
+        logging.getLogger("agent_sandbox.serve").info("prewarm: %s", exc)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer, parse_listen
 
@@ -103,6 +121,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             keepalive=args.keepalive,
             exit_with_parent=args.exit_with_parent,
         )
+        config.check()
+        prewarm(config.provider)  # before the port opens: a ready pod binds fast
         server = WorkerServer(config)
     except (ValueError, OSError) as exc:
         print(f"agent-sandbox worker serve: error: {exc}", file=sys.stderr)

@@ -181,3 +181,15 @@ def test_two_processes_racing_for_one_thread_share_one_worker(certs: Certs, tmp_
     assert lines[0]["url"] == lines[1]["url"]
     assert sorted(line["created"] for line in lines) == [False, True]
     assert list(state.iterdir()) == []  # the creator released the claim
+
+
+def test_prewarm_loads_what_a_bind_needs_and_never_fails() -> None:
+    """It loads the bind's modules before the pod is ready, and leaves an unusable provider
+    for the bind to report (with the session's policy) instead of failing the pod."""
+    import sys
+
+    from agent_sandbox._tools.cli_worker import prewarm
+
+    prewarm("no-such-provider")
+    prewarm("subprocess")
+    assert "agent_sandbox._host.process" in sys.modules

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -253,7 +254,10 @@ def test_closing_the_last_sandbox_ends_the_local_servers(policy: Policy) -> None
     one.session("t").run("1")
     backend = one._pool.provider.backend  # type: ignore[union-attr]
     assert isinstance(backend, LocalClaimBackend)
-    backend.fill()
+    deadline = time.monotonic() + 30
+    while not backend._ready and time.monotonic() < deadline:  # the refill thread's start
+        backend.fill()
+        time.sleep(0.05)
     warm = [s.proc for s in backend._ready]
     claimed = [s.proc for s in backend._claimed.values()]
     assert warm and claimed
