@@ -75,6 +75,9 @@ class WorkerPool:
         if not self.use_template or self._closed:
             return None
         with self._template_lock:
+            if self._closed:
+                # close() may have run since the check above: no template after it.
+                return None
             if self._template is not None and self._template.alive():
                 return self._template
             if self._template is not None:

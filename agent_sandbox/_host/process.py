@@ -233,9 +233,7 @@ class WorkerProcess:
             log = bounded_log()
             self._log = log
             if template is not None:
-                groups = self.cgroups
-                attach = None if groups is None else (lambda pid: groups.attach(pid))
-                self.proc = template.spawn(self.plan, log, attach=attach)
+                self.proc = template.spawn(self.plan, log)
             else:
                 plan = self.plan
                 if self.cgroups is not None and depth is None:
@@ -278,8 +276,11 @@ class WorkerProcess:
             finally:
                 os.close(boot_w)
             cgroups, proc = self.cgroups, self.proc
-            placed = bool(getattr(proc, "placed", False))  # before it forked (a template's)
-            if cgroups is not None and depth is not None and not placed:
+            # A namespace template's worker: `proc` is its init, the worker its only child.
+            init = bool(getattr(proc, "init", False))
+            if init:
+                depth = 0
+            if cgroups is not None and depth is not None:
                 # While the worker boots (it has its configuration already). It runs no user code
                 # and forks nothing before its handshake, so joining now covers all it will start.
                 if depth == 0:
@@ -316,6 +317,9 @@ class WorkerProcess:
                 # Whatever the first pass missed at the worker's depth or below (normally
                 # nothing: one read per group); the launcher's own processes stay outside.
                 self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
+            elif cgroups is not None and init:
+                # The worker itself, forked by its init maybe before the init was placed.
+                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid))
         except BaseException:
             # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
             self.kill()

@@ -26,8 +26,9 @@ workers from scratch otherwise:
 
 A forked worker's init (PID 1 of its own PID namespace) is known to the host by the
 credentials of a socket message (`SO_PASSCRED`: the kernel writes them and translates the
-pid into the host's PID namespace), and the host places it in the worker's cgroups before
-it forks the worker.
+pid into the host's PID namespace); the host places the init and the worker in the
+worker's cgroups while the worker boots, as for a fresh start (the worker forks nothing
+before its handshake, and the host checks the whole tree after it).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from typing import IO, Any
 
 from agent_sandbox._errors import WorkerStartError
@@ -82,10 +82,10 @@ _SCRATCH_MARK = "@scratch"
 class TemplateChild:
     """A worker forked by a template, seen like a `subprocess.Popen`."""
 
-    def __init__(self, pid: int, template: WorkerTemplate, *, placed: bool = False) -> None:
+    def __init__(self, pid: int, template: WorkerTemplate, *, init: bool = False) -> None:
         self.pid = pid  # on the host (a namespace template's pids differ inside)
-        #: Already in its cgroups (a namespace template's worker, placed before it forked).
-        self.placed = placed
+        #: `pid` is the worker's init, with the worker its only child (a namespace template).
+        self.init = init
         self.returncode: int | None = None
         self._template = template
         self._done = threading.Event()
@@ -140,8 +140,6 @@ class WorkerTemplate:
         self._pending: dict[int, threading.Event] = {}
         self._replies: dict[int, dict[str, Any]] = {}
         self._exits: dict[int, int] = {}
-        #: Pids of a namespace template's first children (I), which exit at once.
-        self._relays: set[int] = set()
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -359,9 +357,6 @@ class WorkerTemplate:
             if "exit" in message:
                 pid, code = int(message["exit"]), int(message["returncode"])
                 with self._lock:
-                    if pid in self._relays:
-                        self._relays.discard(pid)
-                        continue
                     child = self._children.pop(pid, None)
                     if child is None:
                         self._exits[pid] = code
@@ -411,17 +406,11 @@ class WorkerTemplate:
         setup["seccomp"] = {"bpf": base64.b64encode(plan.seccomp_bpf).decode()}
         return dataclasses.replace(plan, worker_setup=setup)
 
-    def spawn(
-        self,
-        plan: LaunchPlan,
-        log: IO[bytes],
-        *,
-        timeout: float = 10.0,
-        attach: Callable[[int], object] | None = None,
-    ) -> TemplateChild:
+    def spawn(self, plan: LaunchPlan, log: IO[bytes], *, timeout: float = 10.0) -> TemplateChild:
         """Fork one worker for `plan` (its boot pipe and listening socket are in pass_fds).
 
-        `attach(pid)` places a namespace template's worker in its cgroups before it forks.
+        From a namespace template, the child's `pid` is the worker's init (on the host), and
+        `init` is set: the caller places the init and the worker in the worker's cgroups.
         """
         if not self.alive() or self.sock is None:
             raise WorkerStartError("the worker template is not running")
@@ -453,19 +442,13 @@ class WorkerTemplate:
             fds.append(cred_child.fileno())
         fds += list(plan.pass_fds)
         message = json.dumps(request).encode()
-        host_pid = inner_pid = 0
+        host_pid = 0
         try:
             with self._send_lock:
                 socket.send_fds(self.sock, [message + b"\n"], fds)
             if cred is not None and cred_child is not None:
                 cred_child.close()
-                # I says its init's pid as the template sees it, then P sends its own
-                # (the kernel's credentials, in this PID namespace).
-                inner_pid = _relayed_pid(cred, timeout)
-                host_pid = _sender_pid(cred, timeout)
-                if attach is not None:
-                    attach(host_pid)
-                cred.send(b"g")
+                host_pid = _sender_pid(cred, timeout)  # the kernel's word, not the child's
             if not event.wait(timeout) or req not in self._replies:
                 raise WorkerStartError("the worker template did not fork a worker in time")
         except OSError as exc:
@@ -483,12 +466,7 @@ class WorkerTemplate:
         if "spawned" not in reply:
             raise WorkerStartError(f"the worker template refused: {reply.get('error', reply)}")
         pid = int(reply["spawned"])  # in the template's PID namespace
-        child = TemplateChild(host_pid or pid, self, placed=bool(host_pid) and attach is not None)
-        if host_pid:
-            with self._lock:
-                self._relays.add(pid)  # I: its own exit says nothing about the worker
-                self._exits.pop(pid, None)
-            pid = inner_pid
+        child = TemplateChild(host_pid or pid, self, init=bool(host_pid))
         with self._lock:
             early = self._exits.pop(pid, None)
             if early is None:
@@ -504,22 +482,26 @@ class WorkerTemplate:
             with contextlib.suppress(OSError):
                 self.sock.close()
         if self.proc is not None and self.proc.poll() is None:
+            # A namespace template's processes (the launcher's init, the template, its
+            # workers) die with the launcher, but after it: wait until each is gone.
+            tree: list[int] = []
+            if self.kind == "namespace":
+                from agent_sandbox.providers._limits import _descendants
+
+                tree = [pid for pid, _level in _descendants(self.proc.pid)]
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in tree:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
+            deadline = time.monotonic() + 5.0
+            for pid in tree:
+                while not _process_ended(pid) and time.monotonic() < deadline:
+                    time.sleep(0.005)
         if self.folder:
             remove_tree(self.folder)
-
-
-def _relayed_pid(sock: socket.socket, timeout: float) -> int:
-    """The pid a forked worker's first process (I) reports for its init (P), as the
-    template sees it: the key of P's exit report."""
-    sock.settimeout(timeout)
-    data = sock.recv(32)
-    if not data.startswith(b"i") or not data[1:].isdigit():
-        raise WorkerStartError(f"the forked worker sent {data[:32]!r}, not its init's pid")
-    return int(data[1:])
 
 
 def _sender_pid(sock: socket.socket, timeout: float) -> int:

@@ -34,22 +34,20 @@ each worker namespaces of its own (CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP), a
 forbidden new user namespaces for the whole sandbox (`user.max_user_namespaces = 0`, which
 stands for bubblewrap's `--disable-userns`). For each request, in the forked child:
 
-1. I (the child): new mount, PID, network and IPC namespaces; in its mount namespace
-   the sandbox's root and `/dev` are read-only, and `/tmp`, the scratch directory,
-   `/dev/shm` and `/dev/pts` are fresh file systems of its own (no sibling shares them;
-   what the view mounts under `/tmp`, the policy's paths there, is moved onto the new one);
-   `lo` is up where the provider brings it up for a fresh worker. It forks P, sends P's
-   pid (as the template sees it) on the request's credential socket and exits; the
-   template, a subreaper, adopts P.
-2. P (PID 1 of the worker's PID namespace): once the template has adopted it, asks for
-   SIGKILL when the template dies, starts a session and sends one byte on the credential
-   socket, so the host reads its pid (the kernel's credentials) and places it in the
-   worker's cgroups. It
-   mounts a fresh `/proc` (only the worker's own processes), covers `/proc/sys`,
-   `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` read-only, and after the host's `g`
-   (nothing is forked outside the groups) forks W, drops every capability and reaps until
-   W exits, then exits as W did (a signal N as status 128 + N).
-3. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
+1. P (the child, PID 1 of a new PID namespace: the template unshares its children's PID
+   namespace for this one fork, then returns to its own): sends one byte on the request's
+   credential socket, so the host reads its pid (the kernel's credentials) and places it
+   and W in the worker's cgroups while W boots (W forks nothing before its handshake).
+   Then new mount, network and IPC namespaces; in its mount namespace the sandbox's root
+   and `/dev` are read-only, and `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts`
+   are fresh file systems of its own (no sibling shares them; what the view mounts under
+   `/tmp`, the policy's paths there, is moved onto the new one); `lo` is up where the
+   provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
+   processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
+   covered read-only. It forks W, drops every capability and reaps until W exits, then
+   exits as W did (a signal N as status 128 + N). It dies with the template (its
+   parent-death signal), and so does everything in its namespace.
+2. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
    worker gets from bubblewrap and the host adds to the plan of a forked one.
@@ -65,7 +63,6 @@ import os
 import selectors
 import signal
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +75,8 @@ _MAX_FDS = 8
 
 def _warm_up() -> Any:
     import ctypes
+    import fcntl  # noqa: F401  (a forked worker's `lo`, in a namespace template)
+    import struct  # noqa: F401
 
     import agent_sandbox._worker.objects
     import agent_sandbox._worker.server
@@ -95,7 +94,6 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _become_worker(
@@ -297,19 +295,15 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
 
 
-def _parent_in_template_view() -> int:
-    with open("/proc/self/stat", "rb") as fh:
-        stat = fh.read()
-    return int(stat[stat.rfind(b")") + 2 :].split()[1])
-
-
 def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
-    """Steps 1 and 2 of the module docstring; returns in the worker (W) only."""
+    """Step 1 of the namespace part of the module docstring; returns in the worker (W)."""
     cred = socket.socket(fileno=cred_fd)
+    cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
+    cred.close()
     nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _check(
         libc,
-        libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC),
+        libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC),
         "unshare",
     )
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
@@ -335,25 +329,6 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
         _mount(libc, None, path, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev)
     if ns.get("loopback", True):
         _loopback_up()
-    template = os.getppid()
-    init = os.fork()
-    if init != 0:
-        # I: tell the host P's pid in the template's PID namespace (the template reports
-        # P's end under it), then leave; the template, a subreaper, adopts P.
-        cred.send(b"i%d" % init)
-        os._exit(0)
-    # P: PID 1 of the worker's PID namespace. The template's /proc (still mounted here)
-    # says when I is gone and the template has adopted P; then P dies with the template.
-    deadline = time.monotonic() + 10.0
-    while _parent_in_template_view() != template:
-        if time.monotonic() > deadline:
-            os._exit(1)
-        time.sleep(0.0005)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if _parent_in_template_view() != template:
-        os._exit(1)  # the template ended meanwhile
-    os.setsid()  # the host ends the worker through this process group
-    cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
     _mount(libc, "proc", "/proc", "proc", nosuid_nodev | _MS_NOEXEC)
     for name in _PROC_COVERS:
         path = "/proc/" + name
@@ -361,10 +336,6 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
             _mount(libc, path, path, None, _MS_BIND | _MS_REC)
             flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev | _MS_NOEXEC
             _mount(libc, None, path, None, flags)
-    # Nothing is forked before the host has placed this process in the worker's cgroups.
-    if cred.recv(1) != b"g":
-        os._exit(1)  # the host gave up on this worker
-    cred.close()
     worker = os.fork()
     if worker == 0:
         return  # W
@@ -407,9 +378,10 @@ def run_template(
     """
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
+    own_pid_ns = -1
     if namespace:
         lock_template(libc)
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # each worker's init, once I is gone
+        own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     import gc
 
     gc.collect()
@@ -451,8 +423,18 @@ def run_template(
                 os.close(fd)
             _send(control, {"error": "unexpected descriptors", "req": request.get("req")})
             continue
-        pid = os.fork()
+        if request.get("ns"):
+            # The child is PID 1 of a new PID namespace; the template's own stays its own.
+            _check(libc, libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+        pid = -1
+        try:
+            pid = os.fork()
+        finally:
+            if pid != 0 and request.get("ns") and libc.setns(own_pid_ns, _CLONE_NEWPID) != 0:
+                os._exit(72)  # the template's next children would share that namespace
         if pid == 0:
+            if own_pid_ns >= 0:
+                os.close(own_pid_ns)
             _become_worker(request, fds, control, selector, wakeup, libc, read_boot)
         for fd in fds:
             os.close(fd)

@@ -331,6 +331,8 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
             errors.append(exc)
 
     before = _own_dirs()
+    # Processes of pools other tests left open (a pool keeps its template while it is open).
+    others = set(marked(owner_tag()))
     sb = Sandbox(policy)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(50)]
     for t in threads:
@@ -344,7 +346,7 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     assert START_GATE.peak <= START_GATE.slots
     sb.close()
     assert _own_dirs() == before
-    assert marked(owner_tag()) == []
+    assert set(marked(owner_tag())) - others == set()
     assert agent_cgroups(os.getpid()) == []
 
 
