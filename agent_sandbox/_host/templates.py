@@ -204,9 +204,7 @@ class WorkerTemplate:
             "sys_path": list(spec.sys_path),
             "package_dirs": dict(spec.package_dirs),
         }
-        with os.fdopen(boot_w, "wb") as fh:
-            fh.write(json.dumps(boot).encode())
-        self._await_ready(parent, timeout)
+        self._boot(boot_w, boot, parent, timeout)
         return self
 
     @classmethod
@@ -313,10 +311,16 @@ class WorkerTemplate:
             "sys_path": list(spec.sys_path),
             "package_dirs": dict(spec.package_dirs),
         }
+        self._boot(boot_w, boot, parent, timeout)
+        return self
+
+    def _boot(
+        self, boot_w: int, boot: dict[str, object], parent: socket.socket, timeout: float
+    ) -> None:
+        """Hand the template its boot message down the pipe, then wait for its `ready`."""
         with os.fdopen(boot_w, "wb") as fh:
             fh.write(json.dumps(boot).encode())
         self._await_ready(parent, timeout)
-        return self
 
     def _await_ready(self, parent: socket.socket, timeout: float) -> None:
         """Wait for the template's `ready`, then read its messages in a thread."""

@@ -52,6 +52,12 @@ def _run(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     )
 
 
+def _pip_install_editable(python: Path, source: Path) -> list[str]:
+    """Offline, with this environment's setuptools (no build isolation)."""
+    options = ["-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    return [str(python), "-m", "pip", "install", *options, "-e", str(source)]
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the copy of the sources, the virtualenv's python) after `pip install -e`."""
@@ -72,21 +78,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], base
     )
     Path(purelib.stdout.strip(), "dev-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = _run(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "-e",
-            str(source),
-        ],
-        base,
-    )
+    install = _run(_pip_install_editable(python, source), base)
     if install.returncode != 0:
         pytest.skip(f"cannot install offline here: {install.stderr.strip()[-300:]}")
     return source, python
@@ -154,21 +146,7 @@ def test_the_worker_finds_the_c_fast_path_and_a_change_rebuilds_it(
     before = built[0].stat().st_mtime_ns
     c_file = source / "guards" / "_fastimport.c"
     os.utime(c_file, ns=(before + 10**9, before + 10**9))
-    again = _run(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "-e",
-            str(source),
-        ],
-        tmp_path,
-    )
+    again = _run(_pip_install_editable(python, source), tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert built[0].stat().st_mtime_ns > before
 
