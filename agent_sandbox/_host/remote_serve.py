@@ -54,6 +54,13 @@ _COALESCE_MAX = 65536
 #: call then costs the host one wake-up; a long one gets its response head this late).
 _FIRST_WRITE_HOLD = 0.05
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+#: The head of a `/run` response to the host.
+_SSE = [
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-store"),
+    ("x-accel-buffering", "no"),
+    ("transfer-encoding", "chunked"),
+]
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -431,6 +438,12 @@ class WorkerServer:
         except (ValueError, TypeError, AttributeError):
             self._reply(sock, conn, 400, {"error": "bad run request"}, close=True)
             return False
+        if request.get("hold_head") is not True:
+            # The worker holds its response's head until the cell's first event, so a quiet
+            # call reaches the relay in one write (one wake-up here); on a stream that stays
+            # idle longer than `keepalive`, the relay sends the head itself (`_relay`).
+            request["hold_head"] = True
+            body = json.dumps(request).encode()
         deadline = time.monotonic() + wall + _WALL_GRACE
         headers = [
             ("host", "worker"),
@@ -529,7 +542,12 @@ class WorkerServer:
                     try:
                         data = inner.recv(262144)
                     except TimeoutError:
-                        if streaming and tail == b"\n\n":
+                        if not streaming:
+                            # The worker holds its head until the cell's first event: the
+                            # relay answers for it, so the idle stream gets its keep-alives.
+                            sock.sendall(conn.send(h11.Response(status_code=200, headers=_SSE)) or b"")
+                            streaming = True
+                        if tail == b"\n\n":
                             sock.sendall(conn.send(h11.Data(data=KEEPALIVE_COMMENT)) or b"")
                         continue
                 try:
@@ -540,16 +558,13 @@ class WorkerServer:
                 continue
             if isinstance(event, h11.Response):
                 if event.status_code != 200:
+                    if streaming:
+                        return False  # the head went out already: the host sees a cut stream
                     self._reply(sock, conn, 502, {"error": "the worker refused the call"}, True)
                     return False
-                headers = [
-                    ("content-type", "text/event-stream"),
-                    ("cache-control", "no-store"),
-                    ("x-accel-buffering", "no"),
-                    ("transfer-encoding", "chunked"),
-                ]
-                pending += conn.send(h11.Response(status_code=200, headers=headers)) or b""
-                streaming = True
+                if not streaming:
+                    pending += conn.send(h11.Response(status_code=200, headers=_SSE)) or b""
+                    streaming = True
             elif isinstance(event, h11.Data):
                 data = bytes(event.data) if guard is None else guard.feed(bytes(event.data))
                 if data:
