@@ -1,4 +1,4 @@
-# The remote worker's image: `agent-sandbox worker serve` on :8888 (see docs/remote.md).
+# The remote worker's image: `agent-sandbox worker serve` on :8888 (see docs/scale-out.md).
 # Built and pushed outside this repository's CI (there is no container daemon here):
 #   python -m pip wheel --no-deps -w dist .
 #   docker build -f deploy/worker.Dockerfile -t REGISTRY/agent-sandbox-worker:0.1.0 .

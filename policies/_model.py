@@ -358,7 +358,7 @@ _LOCAL_ONLY = ("server_cert", "server_key", "client_ca", "warm", "max_workers", 
 
 class RemotePolicy(_Section):
     """Where a `provider = "remote"` policy's workers run: the claim backend and how to reach
-    it (see docs/remote.md). Secrets are never values here: they are files, or environment
+    it (see docs/scale-out.md). Secrets are never values here: they are files, or environment
     variables when no file is named (`AGENT_SANDBOX_SESSION_KEY`, `AGENT_SANDBOX_BIND_SECRET`,
     `AGENT_SANDBOX_ROUTER_TOKEN`). Not part of the policy's fingerprint and never sent to a
     worker: it says where the policy runs, not what it allows.

@@ -110,7 +110,7 @@ def _remote_boundary(policy: Policy) -> Boundary:
     if policy.remote is None:
         raise PolicyError(
             'provider = "remote" needs a [remote] table: the claim backend (backend, pool), '
-            "the tenant and how to reach the workers (see docs/remote.md)",
+            "the tenant and how to reach the workers (see docs/scale-out.md)",
             source=policy.source,
             key="remote",
         )

@@ -2,7 +2,7 @@
 
 `worker serve|check`: the remote worker's entry point and its self-report.
 
-`serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/remote.md and
+`serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/scale-out.md and
 `_host/remote_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
 port when `:0` was asked). `check` says which layer is the kernel boundary in this place:
 the runtime the operator declares (`--runtime-boundary gvisor`) and what the in-pod provider
@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
     ksub = k8s.add_subparsers(dest="k8s_command", required=True)
     man = ksub.add_parser("manifests", help="print the SandboxTemplate and SandboxWarmPool")
     man.add_argument("policy", help="a policy file or the name of a shipped policy")
-    man.add_argument("--image", required=True, help="the worker image (see docs/remote.md)")
+    man.add_argument("--image", required=True, help="the worker image (see docs/scale-out.md)")
     man.add_argument("--namespace", default="default")
     man.add_argument("--runtime", choices=("runc", "gvisor", "kata"), default="gvisor")
     man.add_argument("--replicas", type=int, default=2)

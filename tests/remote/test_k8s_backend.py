@@ -6,7 +6,7 @@ Tested here: the exact SandboxClaim the SDK posts for us, create-then-adopt on 4
 "processes" on one thread reach one pod), the watch-based readiness, a claim never Ready
 (`ClaimCapacityError` naming the pool), a terminal reason, deletion on release, and the data
 path through a router that routes by `X-Sandbox-ID` and strips `Authorization`. Not tested
-here: a real API server, controller, router, NetworkPolicy or runtime class (docs/remote.md).
+here: a real API server, controller, router, NetworkPolicy or runtime class (docs/scale-out.md).
 """
 
 from __future__ import annotations
