@@ -40,6 +40,15 @@ from typing import Any
 
 import h11
 
+from agent_sandbox._host.serve_relay import (
+    END,
+    SSE_HEAD,
+    ResponseReader,
+    UpstreamError,
+    chunk,
+    run_request,
+)
+
 __all__ = ["ServeConfig", "WorkerServer", "parse_listen"]
 
 _log = logging.getLogger("agent_sandbox.serve")
@@ -54,13 +63,16 @@ _COALESCE_MAX = 65536
 #: call then costs the host one wake-up; a long one gets its response head this late).
 _FIRST_WRITE_HOLD = 0.05
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
-#: The head of a `/run` response to the host.
-_SSE = [
-    ("content-type", "text/event-stream"),
-    ("cache-control", "no-store"),
-    ("x-accel-buffering", "no"),
-    ("transfer-encoding", "chunked"),
-]
+
+
+def _fresh(old: h11.Connection) -> h11.Connection:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
+    data, closed = old.trailing_data
+    if data:
+        conn.receive_data(bytes(data))
+    if closed:
+        conn.receive_data(b"")
+    return conn
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -148,7 +160,7 @@ class WorkerServer:
         self._bound = False
         self._binding = False
         self._pending_hash = b""
-        self._upstream: tuple[socket.socket, h11.Connection] | None = None
+        self._upstream: socket.socket | None = None  # the worker's connection, between calls
         self.worker: Any = None  # a WorkerProcess once bound
         self.remote_info: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -212,6 +224,11 @@ class WorkerServer:
             while not self._stop.is_set():
                 if not self._handle(sock, conn):
                     break
+                if conn.our_state is h11.SEND_RESPONSE and conn.their_state is h11.DONE:
+                    # `/run` was answered outside h11 (`serve_relay`): a fresh parser for
+                    # the next request, with whatever the host already sent of it.
+                    conn = _fresh(conn)
+                    continue
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     break
                 try:
@@ -445,40 +462,29 @@ class WorkerServer:
             request["hold_head"] = True
             body = json.dumps(request).encode()
         deadline = time.monotonic() + wall + _WALL_GRACE
-        headers = [
-            ("host", "worker"),
-            ("authorization", "Bearer " + worker.token),
-            ("content-type", "application/json"),
-            ("content-length", str(len(body))),
-        ]
-        upstream = self._upstream
+        inner = self._upstream
         self._upstream = None
-        if upstream is None:
-            upstream = self._connect_worker(worker)
-            if upstream is None:
+        if inner is None:
+            inner = self._connect_worker(worker)
+            if inner is None:
                 return False
-        inner, up = upstream
+        reader = ResponseReader()
         kept = False
         try:
-            if up.our_state is h11.DONE and up.their_state is h11.DONE:
-                up.start_next_cycle()  # the worker's connection, kept from the last call
-            out = up.send(h11.Request(method="POST", target="/run", headers=headers)) or b""
-            out += up.send(h11.Data(data=body)) or b""
-            out += up.send(h11.EndOfMessage()) or b""
-            inner.sendall(out)
-            ok = self._relay(sock, conn, inner, up, deadline)
-            kept = ok and up.our_state is h11.DONE and up.their_state is h11.DONE
+            inner.sendall(run_request(worker.token, body))
+            ok = self._relay(sock, conn, inner, reader, deadline)
+            kept = ok and reader.done and not reader.close
             return ok
-        except (OSError, h11.LocalProtocolError):
+        except OSError:
             worker.discard()
             return False
         finally:
             if kept:
-                self._upstream = (inner, up)
+                self._upstream = inner  # kept for the next call
             else:
                 inner.close()
 
-    def _connect_worker(self, worker: Any) -> tuple[socket.socket, h11.Connection] | None:
+    def _connect_worker(self, worker: Any) -> socket.socket | None:
         inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             inner.settimeout(5.0)
@@ -487,14 +493,14 @@ class WorkerServer:
             inner.close()
             worker.discard()
             return None
-        return inner, h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
+        return inner
 
     def _relay(
         self,
         sock: socket.socket,
         conn: h11.Connection,
         inner: socket.socket,
-        up: h11.Connection,
+        reader: ResponseReader,
         deadline: float,
     ) -> bool:
         """Stream the worker's response to the host, with keep-alive comments when idle.
@@ -502,10 +508,11 @@ class WorkerServer:
         What the worker has already written goes out in one write (one TLS record, one
         wake-up of the host): the relay takes everything its socket holds before it sends,
         and sends before it waits, except before the call's first write, when it waits up
-        to `_FIRST_WRITE_HOLD` for more."""
+        to `_FIRST_WRITE_HOLD` for more. The response to the host is framed here
+        (`serve_relay`), outside `conn`, which `_connection` then replaces."""
         worker = self.worker
         tail = b"\n\n"  # the last two bytes sent: keep-alives only go between events
-        streaming = False
+        streaming = False  # the head went to the host
         pending = bytearray()
         flushed = False
         hold_until = time.monotonic() + _FIRST_WRITE_HOLD
@@ -517,67 +524,67 @@ class WorkerServer:
             cap = HostBounds.from_policy(worker.policy).max_event_bytes() + 1024
             guard = CallGuard(worker.guard_watch, cap)
         while True:
-            event = up.next_event()
-            if event is h11.NEED_DATA:
-                now = time.monotonic()
-                if now > deadline:
-                    worker.death_reason = "it ran past its wall time (seen by the pod)"
-                    worker.kill()
-                    return False  # the host's connection is dropped: it sees the call end
-                data = b""
-                if pending:
-                    if len(pending) < _COALESCE_MAX:
-                        # Before the call's first write, wait a moment for the rest: a short
-                        # call's head, `start`, result and `done` then go out together.
-                        wait = hold_until - now if not flushed else 0.0
-                        inner.settimeout(max(0.0, min(wait, deadline - now)))
-                        with contextlib.suppress(BlockingIOError, TimeoutError):
-                            data = inner.recv(262144)
-                    if not data:
-                        sock.sendall(pending)
-                        pending.clear()
-                        flushed = True
-                if not data:
-                    inner.settimeout(min(self.config.keepalive, deadline - now))
-                    try:
+            now = time.monotonic()
+            if now > deadline:
+                worker.death_reason = "it ran past its wall time (seen by the pod)"
+                worker.kill()
+                return False  # the host's connection is dropped: it sees the call end
+            data = b""
+            if pending:
+                if len(pending) < _COALESCE_MAX:
+                    # Before the call's first write, wait a moment for the rest: a short
+                    # call's head, `start`, result and `done` then go out together.
+                    wait = hold_until - now if not flushed else 0.0
+                    inner.settimeout(max(0.0, min(wait, deadline - now)))
+                    with contextlib.suppress(BlockingIOError, TimeoutError):
                         data = inner.recv(262144)
-                    except TimeoutError:
-                        if not streaming:
-                            # The worker holds its head until the cell's first event: the
-                            # relay answers for it, so the idle stream gets its keep-alives.
-                            sock.sendall(conn.send(h11.Response(status_code=200, headers=_SSE)) or b"")
-                            streaming = True
-                        if tail == b"\n\n":
-                            sock.sendall(conn.send(h11.Data(data=KEEPALIVE_COMMENT)) or b"")
-                        continue
+                if not data:
+                    sock.sendall(pending)
+                    pending.clear()
+                    flushed = True
+            if not data:
+                inner.settimeout(min(self.config.keepalive, deadline - now))
                 try:
-                    up.receive_data(data)
-                except h11.RemoteProtocolError:
-                    worker.discard()
+                    data = inner.recv(262144)
+                except TimeoutError:
+                    if not streaming:
+                        # The worker holds its head until the cell's first event: the
+                        # relay answers for it, so the idle stream gets its keep-alives.
+                        sock.sendall(SSE_HEAD)
+                        streaming = True
+                    if tail == b"\n\n":
+                        sock.sendall(chunk(KEEPALIVE_COMMENT))
+                    continue
+                if not data:  # the worker closed mid-response: the host sees the stream cut
+                    if pending:
+                        sock.sendall(pending)
                     return False
-                continue
-            if isinstance(event, h11.Response):
-                if event.status_code != 200:
-                    if streaming:
-                        return False  # the head went out already: the host sees a cut stream
+            try:
+                pieces = reader.feed(data)
+            except UpstreamError:
+                worker.discard()
+                return False
+            if not streaming and reader.status is not None:
+                if reader.status != 200 or not reader.chunked:
                     self._reply(sock, conn, 502, {"error": "the worker refused the call"}, True)
                     return False
-                if not streaming:
-                    pending += conn.send(h11.Response(status_code=200, headers=_SSE)) or b""
-                    streaming = True
-            elif isinstance(event, h11.Data):
-                data = bytes(event.data) if guard is None else guard.feed(bytes(event.data))
-                if data:
-                    pending += conn.send(h11.Data(data=data)) or b""
-                    tail = (tail + data)[-2:]
+                pending += SSE_HEAD
+                streaming = True
+            elif reader.status is not None and reader.status != 200:
+                return False  # after the relay's own head: the host sees the stream cut
+            for piece in pieces:
+                out = piece if guard is None else guard.feed(piece)
+                if out:
+                    pending += chunk(out)
+                    tail = (tail + out)[-2:]
                 if guard is not None and guard.reason:
-                    pending += conn.send(h11.Data(data=guard.tamper_event(worker.policy.name)))
+                    pending += chunk(guard.tamper_event(worker.policy.name))
                     sock.sendall(pending)
                     _log.warning("the worker's guards were tampered with: %s", guard.reason)
                     worker.death_reason = "its guards were switched off during a call"
                     worker.kill()
                     return False  # the stream is cut: the host withholds the call's output
-            elif isinstance(event, h11.EndOfMessage):
+            if reader.done:
                 if guard is not None and (guard.held or guard.buf):
                     # The end was never verified (the worker went before `done` passed the
                     # check): what was held stays withheld, and the host sees the stream cut.
@@ -585,13 +592,9 @@ class WorkerServer:
                     worker.death_reason = "it ended before its call could be verified"
                     worker.kill()
                     return False
-                pending += conn.send(h11.EndOfMessage()) or b""
+                pending += END
                 sock.sendall(pending)
                 return True
-            else:  # the worker closed mid-response: it died; the host sees the stream cut
-                if pending:
-                    sock.sendall(pending)
-                return False
 
 
 def main(config: ServeConfig, announce: Any = None) -> int:
