@@ -452,6 +452,7 @@ class RemoteSession:
         self.worker: RemoteWorker | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._pending_interrupt: Any = None  # an interrupt sent for a cancelled `arun`
 
     def _connect(self) -> RemoteWorker:
         from agent_sandbox._errors import WorkerStartError
@@ -513,9 +514,43 @@ class RemoteSession:
         return worker.interrupt(grace)
 
     async def arun(self, code: str, **kwargs: Any) -> RunResult:
-        """`run()` in a thread; a cancelled await interrupts the cell (variables kept)."""
+        """On a live worker, the call in the caller's event loop (`RemoteWorker.arun`);
+        otherwise (the first call binds a worker, a busy lock, a proxy) `run()` in a thread.
+        A cancelled await interrupts the cell (variables kept)."""
         import asyncio
 
+        worker = self.worker
+        native = (
+            worker is not None
+            and worker.alive()
+            and worker.remote_client is not None
+            and worker.remote_client.native_async()
+        )
+        if native and worker is not None and self._lock.acquire(blocking=False):
+            if self._closed or not worker.alive():
+                self._lock.release()
+            else:
+                released = False
+
+                def release(_: object = None) -> None:
+                    nonlocal released
+                    if not released:
+                        released = True
+                        self._lock.release()
+
+                task = asyncio.ensure_future(worker.arun(code, session=self.thread, **kwargs))
+                task.add_done_callback(release)
+                try:
+                    return await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    # The cell is interrupted (the pod's SIGINT); its stream drains in the
+                    # loop. The session is free at once: a call before that drain ends is
+                    # answered `remote.busy`, as when a thread ran the cancelled call.
+                    self._pending_interrupt = asyncio.get_running_loop().run_in_executor(
+                        None, worker.interrupt
+                    )
+                    release()
+                    raise
         call = asyncio.ensure_future(asyncio.to_thread(self.run, code, **kwargs))
         try:
             return await asyncio.shield(call)

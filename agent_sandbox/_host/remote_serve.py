@@ -46,6 +46,8 @@ from agent_sandbox._host.serve_relay import (
     ResponseReader,
     UpstreamError,
     chunk,
+    connect_unix,
+    next_request_parser,
     run_request,
 )
 
@@ -63,16 +65,6 @@ _COALESCE_MAX = 65536
 #: call then costs the host one wake-up; a long one gets its response head this late).
 _FIRST_WRITE_HOLD = 0.05
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
-
-
-def _fresh(old: h11.Connection) -> h11.Connection:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
-    data, closed = old.trailing_data
-    if data:
-        conn.receive_data(bytes(data))
-    if closed:
-        conn.receive_data(b"")
-    return conn
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -227,7 +219,7 @@ class WorkerServer:
                 if conn.our_state is h11.SEND_RESPONSE and conn.their_state is h11.DONE:
                     # `/run` was answered outside h11 (`serve_relay`): a fresh parser for
                     # the next request, with whatever the host already sent of it.
-                    conn = _fresh(conn)
+                    conn = next_request_parser(conn)
                     continue
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     break
@@ -439,22 +431,33 @@ class WorkerServer:
         if not self._call.acquire(blocking=False):
             self._reply(sock, conn, 409, {"error": "a call is already running"})
             return True
+        final: bytes | None = None
         try:
-            return self._proxy_run(sock, conn, body)
+            final = self._proxy_run(sock, conn, body)
         finally:
             self._last_activity = time.monotonic()
             self._call.release()
             if self._worker_gone():
                 self.stop("its worker ended")
+        if final is None:
+            return False
+        # The last bytes go out once the worker is free: a host's next call on another
+        # connection (asyncio after blocking) never meets this call's 409.
+        try:
+            sock.sendall(final)
+        except OSError:
+            return False
+        return True
 
-    def _proxy_run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bool:
+    def _proxy_run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bytes | None:
+        """The call relayed; its last bytes for the host (None: the call failed)."""
         worker = self.worker
         try:
             request = json.loads(body)
             wall = float(request.get("wall") or worker.policy.limits.wall_seconds)
         except (ValueError, TypeError, AttributeError):
             self._reply(sock, conn, 400, {"error": "bad run request"}, close=True)
-            return False
+            return None
         if request.get("hold_head") is not True:
             # The worker holds its response's head until the cell's first event, so a quiet
             # call reaches the relay in one write (one wake-up here); on a stream that stays
@@ -462,38 +465,27 @@ class WorkerServer:
             request["hold_head"] = True
             body = json.dumps(request).encode()
         deadline = time.monotonic() + wall + _WALL_GRACE
-        inner = self._upstream
-        self._upstream = None
+        inner, self._upstream = self._upstream, None
         if inner is None:
-            inner = self._connect_worker(worker)
+            inner = connect_unix(os.path.join(worker.control_dir, "ctl.sock"))
             if inner is None:
-                return False
+                worker.discard()
+                return None
         reader = ResponseReader()
         kept = False
         try:
             inner.sendall(run_request(worker.token, body))
-            ok = self._relay(sock, conn, inner, reader, deadline)
-            kept = ok and reader.done and not reader.close
-            return ok
+            final = self._relay(sock, conn, inner, reader, deadline)
+            kept = final is not None and reader.done and not reader.close
+            return final
         except OSError:
             worker.discard()
-            return False
+            return None
         finally:
             if kept:
                 self._upstream = inner  # kept for the next call
             else:
                 inner.close()
-
-    def _connect_worker(self, worker: Any) -> socket.socket | None:
-        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            inner.settimeout(5.0)
-            inner.connect(os.path.join(worker.control_dir, "ctl.sock"))
-        except OSError:
-            inner.close()
-            worker.discard()
-            return None
-        return inner
 
     def _relay(
         self,
@@ -502,7 +494,7 @@ class WorkerServer:
         inner: socket.socket,
         reader: ResponseReader,
         deadline: float,
-    ) -> bool:
+    ) -> bytes | None:
         """Stream the worker's response to the host, with keep-alive comments when idle.
 
         What the worker has already written goes out in one write (one TLS record, one
@@ -528,7 +520,7 @@ class WorkerServer:
             if now > deadline:
                 worker.death_reason = "it ran past its wall time (seen by the pod)"
                 worker.kill()
-                return False  # the host's connection is dropped: it sees the call end
+                return None  # the host's connection is dropped: it sees the call end
             data = b""
             if pending:
                 if len(pending) < _COALESCE_MAX:
@@ -558,20 +550,20 @@ class WorkerServer:
                 if not data:  # the worker closed mid-response: the host sees the stream cut
                     if pending:
                         sock.sendall(pending)
-                    return False
+                    return None
             try:
                 pieces = reader.feed(data)
             except UpstreamError:
                 worker.discard()
-                return False
+                return None
             if not streaming and reader.status is not None:
                 if reader.status != 200 or not reader.chunked:
                     self._reply(sock, conn, 502, {"error": "the worker refused the call"}, True)
-                    return False
+                    return None
                 pending += SSE_HEAD
                 streaming = True
             elif reader.status is not None and reader.status != 200:
-                return False  # after the relay's own head: the host sees the stream cut
+                return None  # after the relay's own head: the host sees the stream cut
             for piece in pieces:
                 out = piece if guard is None else guard.feed(piece)
                 if out:
@@ -583,7 +575,7 @@ class WorkerServer:
                     _log.warning("the worker's guards were tampered with: %s", guard.reason)
                     worker.death_reason = "its guards were switched off during a call"
                     worker.kill()
-                    return False  # the stream is cut: the host withholds the call's output
+                    return None  # the stream is cut: the host withholds the call's output
             if reader.done:
                 if guard is not None and (guard.held or guard.buf):
                     # The end was never verified (the worker went before `done` passed the
@@ -591,10 +583,9 @@ class WorkerServer:
                     sock.sendall(pending)
                     worker.death_reason = "it ended before its call could be verified"
                     worker.kill()
-                    return False
+                    return None
                 pending += END
-                sock.sendall(pending)
-                return True
+                return bytes(pending)  # sent by `_run` once the call is over
 
 
 def main(config: ServeConfig, announce: Any = None) -> int:

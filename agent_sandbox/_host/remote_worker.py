@@ -68,6 +68,7 @@ class RemoteWorker(WorkerProcess):
         self.adopted = False
         self._busy = False
         self.remote_client: RemoteWorkerClient | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()  # calls draining after a cancel
 
     @classmethod
     def connect(
@@ -242,16 +243,61 @@ class RemoteWorker(WorkerProcess):
         timeout_source: str | None = None,
         filename: str | None = None,
     ) -> RunResult:
-        """The call in a thread (httpx's blocking client; the judge is the same)."""
-        return await asyncio.to_thread(
-            self.run,
-            code,
-            timeout=timeout,
-            on_event=on_event,
-            session=session,
-            timeout_source=timeout_source,
-            filename=filename,
-        )
+        """The call in the caller's event loop (its own asyncio TLS connection; no thread),
+        judged as `run()` judges it. Cancelled, it asks the pod to interrupt the cell (the
+        variables stay) and lets the call's stream drain in the loop, so the connection and
+        the session stay usable. Through a proxy (httpx) the call runs in a thread."""
+        kwargs: dict[str, Any] = {
+            "timeout": timeout,
+            "on_event": on_event,
+            "session": session,
+            "timeout_source": timeout_source,
+            "filename": filename,
+        }
+        client = self.remote_client
+        if self.client is None or client is None:
+            raise WorkerStartError("the remote session is closed")
+        if not client.native_async():
+            return await asyncio.to_thread(self.run, code, **kwargs)
+        call = asyncio.ensure_future(self._arun(client, code, **kwargs))
+        self._tasks.add(call)
+        call.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            stop = asyncio.get_running_loop().run_in_executor(None, self.interrupt)
+            self._tasks.add(stop)
+            stop.add_done_callback(self._tasks.discard)
+            raise
+
+    async def _arun(
+        self,
+        client: RemoteWorkerClient,
+        code: str,
+        *,
+        timeout: float | None,
+        on_event: OnEvent | None,
+        session: str | None,
+        timeout_source: str | None,
+        filename: str | None,
+    ) -> RunResult:
+        assert self.policy is not None
+        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
+        builder = self._builder(wall)
+        t0 = time.monotonic()
+        forward = self._forwarder(builder, on_event)
+        self._busy = False
+        self._in_call = True
+        try:
+            try:
+                await client.arun(code, t0 + wall, forward, filename)
+            except (TimeoutError, TransportError) as exc:
+                self._on_call_failure(builder, exc, wall, timeout, timeout_source)
+            finally:
+                self._in_call = False
+            return self._finish(builder, t0, session)
+        finally:
+            self._busy = False
 
     def _builder(self, wall: float) -> ResultBuilder:
         # The worker's call number is not checked against this host's count: another agent

@@ -22,7 +22,21 @@ Requests from the host still go through h11 (`remote_serve.py`), as do all other
 
 from __future__ import annotations
 
-__all__ = ["END", "HEAD_MAX", "SSE_HEAD", "ResponseReader", "UpstreamError", "chunk", "run_request"]
+import socket
+
+import h11
+
+__all__ = [
+    "END",
+    "HEAD_MAX",
+    "SSE_HEAD",
+    "ResponseReader",
+    "UpstreamError",
+    "chunk",
+    "connect_unix",
+    "next_request_parser",
+    "run_request",
+]
 
 #: The most a response head from the worker may take.
 HEAD_MAX = 65536
@@ -40,6 +54,30 @@ END = b"0\r\n\r\n"
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 # Where the reader is in the chunked body.
 _SIZE, _DATA, _DATA_CRLF, _LAST_CRLF, _DONE = range(5)
+
+
+def connect_unix(path: str) -> socket.socket | None:
+    """A connection to the worker's socket, or None."""
+    inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        inner.settimeout(5.0)
+        inner.connect(path)
+    except OSError:
+        inner.close()
+        return None
+    return inner
+
+
+def next_request_parser(old: h11.Connection) -> h11.Connection:
+    """After a response written outside h11: a fresh server-side parser for the host's next
+    request, fed whatever of it `old` had already received."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
+    data, closed = old.trailing_data
+    if data:
+        conn.receive_data(bytes(data))
+    if closed:
+        conn.receive_data(b"")
+    return conn
 
 
 class UpstreamError(Exception):

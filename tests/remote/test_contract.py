@@ -187,3 +187,33 @@ async def test_a_cancelled_async_call_interrupts_the_cell(make: Any) -> None:
             break
         await asyncio.sleep(0.1)
     assert after.value == 2 and not after.state_lost
+
+
+async def test_async_calls_run_in_the_callers_loop(
+    make: Any, request: pytest.FixtureRequest
+) -> None:
+    """Once a session has its worker, `arun` speaks asyncio itself (no thread): its events
+    reach `on_event` on the loop's own thread (through a proxy, httpx's path, a thread)."""
+    s = make()
+    assert (await s.arun("n = 1")).ok  # the first call binds the worker (in a thread)
+    threads: set[int] = set()
+    for _ in range(3):  # the connection is kept between calls in one loop
+        result = await s.arun(
+            "n += 1\nprint(n)\nn", on_event=lambda kind, data: threads.add(threading.get_ident())
+        )
+        assert result.error is None, result.error
+    assert result.value == 4 and result.stdout == "4\n"
+    if "httpx" in request.node.name:
+        assert threading.get_ident() not in threads
+    else:
+        assert threads == {threading.get_ident()}
+
+
+def test_async_calls_from_two_event_loops_and_a_blocking_one_share_the_session(make: Any) -> None:
+    import asyncio
+
+    s = make()
+    assert s.run("n = 1").ok
+    assert asyncio.run(s.arun("n += 1\nn")).value == 2  # a loop, closed after the call
+    assert asyncio.run(s.arun("n += 1\nn")).value == 3  # another loop: a new connection
+    assert s.run("n").value == 3

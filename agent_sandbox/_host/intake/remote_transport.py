@@ -162,6 +162,9 @@ class RemoteWorkerClient:
         self._ssl: ssl.SSLContext | None = None
         self._sock: socket.socket | None = None
         self._proto: _Protocol | None = None
+        # The asyncio twin: (its loop, reader, writer, protocol).
+        self._aconn: tuple[Any, Any, Any, _Protocol] | None = None
+        self._ainuse: list[tuple[Any, Any, Any, _Protocol]] = []  # calls running on one
 
     # -- connection ------------------------------------------------------------------------
 
@@ -269,16 +272,23 @@ class RemoteWorkerClient:
         wall: float | None = None,
     ) -> None:
         """POST the code and deliver each event until the stream ends (or the deadline)."""
-        body: dict[str, Any] = {"code": code}
-        if filename:
-            body["filename"] = filename
-        # The pod enforces the call's wall time itself (and kills its worker past it).
-        body["wall"] = wall if wall is not None else round(max(0.0, deadline - time.monotonic()), 3)
+        body = self._run_body(code, deadline, filename, wall)
         if DIRECT_RUNS and self.tls.proxy is None:
             self._run_direct(body, deadline, on_event)
             return
         for event in self._stream(body, deadline):
             on_event(event)
+
+    @staticmethod
+    def _run_body(
+        code: str, deadline: float, filename: str | None, wall: float | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": code}
+        if filename:
+            body["filename"] = filename
+        # The pod enforces the call's wall time itself (and kills its worker past it).
+        body["wall"] = wall if wall is not None else round(max(0.0, deadline - time.monotonic()), 3)
+        return body
 
     # -- the direct path: one TLS socket, h11 -------------------------------------------------
 
@@ -328,16 +338,7 @@ class RemoteWorkerClient:
                 events = proto.receive(sock.recv(262144))
                 if not checked and proto.status is not None:
                     checked = True
-                    if proto.status == 409:
-                        raise RemoteBusy("the remote worker is already running a call")
-                    if proto.status != 200:
-                        raise TransportError(
-                            f"the remote worker refused the call (HTTP {proto.status})"
-                        )
-                    if not proto.streaming:
-                        raise TransportError(
-                            "the remote worker did not answer with an event stream"
-                        )
+                    self._check_status(proto)
                 for event in events:
                     done = done or event[0] == "done"
                     on_event(event)
@@ -362,6 +363,136 @@ class RemoteWorkerClient:
                 sock.close()
             except OSError:
                 pass
+
+    # -- the same, in asyncio: one TLS connection per event loop ------------------------------
+
+    def native_async(self) -> bool:
+        """Whether `arun` speaks asyncio itself (the direct path: no proxy)."""
+        return DIRECT_RUNS and self.tls.proxy is None
+
+    async def arun(
+        self,
+        code: str,
+        deadline: float,
+        on_event: OnEvent,
+        filename: str | None = None,
+        wall: float | None = None,
+    ) -> None:
+        """`run()` in the caller's event loop, on a persistent asyncio TLS connection of
+        its own (kept for the next call in the same loop): the same request bytes, the same
+        sans-IO h11 protocol and bounded parser, the same checks."""
+        import asyncio
+
+        body = self._run_body(code, deadline, filename, wall)
+        try:
+            await asyncio.wait_for(
+                self._arun_direct(body, on_event, deadline),
+                max(0.001, deadline - time.monotonic()),
+            )
+        except TimeoutError:
+            self._close_async()
+            raise TimeoutError("the call exceeded its deadline") from None
+
+    async def _aconnect(self, deadline: float) -> tuple[Any, Any, _Protocol]:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if self._aconn is not None:
+            owner, reader, writer, proto = self._aconn
+            if owner is loop and proto.reusable() and not writer.is_closing():
+                return reader, writer, proto
+            if any(conn is self._aconn for conn in self._ainuse):
+                self._aconn = None  # a cancelled call still drains it; it closes it itself
+            else:
+                self._close_async()
+        ctx = None
+        if self._https:
+            if self._ssl is None:
+                self._ssl = self.tls.ssl_context()
+            ctx = self._ssl
+        timeout = max(0.001, min(deadline - time.monotonic(), self.tls.connect_timeout))
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self._host, self._port, ssl=ctx, server_hostname=self._host if ctx else None
+                ),
+                timeout,
+            )
+        except TimeoutError:
+            raise TimeoutError("the remote worker did not accept a connection in time") from None
+        except OSError as exc:  # ssl.SSLError included: a certificate not trusted
+            raise ConnectionLost(f"cannot connect to the remote worker: {exc}") from None
+        head = [("host", self._netloc), *self.headers.items(), (TOKEN_HEADER, self.token)]
+        proto = _Protocol(self.token, self.max_event_bytes, self.kind_caps, headers=head)
+        self._aconn = (loop, reader, writer, proto)
+        return reader, writer, proto
+
+    async def _arun_direct(self, body: dict[str, Any], on_event: OnEvent, deadline: float) -> None:
+        reader, writer, proto = await self._aconnect(deadline)
+        conn = self._aconn
+        assert conn is not None
+        self._ainuse.append(conn)
+        try:
+            writer.write(proto.request("POST", self._prefix + "/run", body))
+            await writer.drain()
+            checked = done = False
+            while not proto.done:
+                events = proto.receive(await reader.read(262144))
+                if not checked and proto.status is not None:
+                    checked = True
+                    self._check_status(proto)
+                for event in events:
+                    done = done or event[0] == "done"
+                    on_event(event)
+            if not done:
+                raise ConnectionLost("the remote worker ended the stream before `done`")
+        except OSError as exc:
+            self._drop_async(conn)
+            raise ConnectionLost(f"the connection to the remote worker failed: {exc}") from None
+        except BaseException:
+            # Refused, broken, timed out or cancelled: the connection is in an unknown state.
+            self._drop_async(conn)
+            raise
+        finally:
+            self._ainuse.remove(conn)
+        if self._aconn is not conn:
+            self._drop_async(conn)  # superseded while it drained (a call after a cancel)
+
+    def _drop_async(self, conn: tuple[Any, Any, Any, _Protocol]) -> None:
+        if self._aconn is conn:
+            self._aconn = None
+        try:
+            conn[2].close()  # in its own loop: the call runs there
+        except Exception:  # closing never raises to the caller
+            pass
+
+    def _close_async(self) -> None:
+        import asyncio
+
+        conn, self._aconn = self._aconn, None
+        if conn is None:
+            return
+        loop, _reader, writer, _proto = conn
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if running is loop:
+                writer.close()
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(writer.close)  # from another thread (a kill)
+        except Exception:  # closing never raises to the caller
+            pass
+
+    @staticmethod
+    def _check_status(proto: _Protocol) -> None:
+        if proto.status == 409:
+            raise RemoteBusy("the remote worker is already running a call")
+        if proto.status != 200:
+            raise TransportError(f"the remote worker refused the call (HTTP {proto.status})")
+        if not proto.streaming:
+            raise TransportError("the remote worker did not answer with an event stream")
 
     # -- through httpx (a proxy) ---------------------------------------------------------------
 
@@ -434,6 +565,7 @@ class RemoteWorkerClient:
 
     def close(self) -> None:
         self._close_direct()
+        self._close_async()
         if self._client is not None:
             try:
                 self._client.close()
