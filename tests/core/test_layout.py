@@ -65,6 +65,8 @@ DECODER_EXCEPTIONS = {
     # its worker's stream as bytes, judging nothing; the agent's host judges that stream in
     # `_host/intake/remote_transport.py` like any other.
     "agent_sandbox._host.remote_serve": {"h11"},
+    # The same process's framing helpers (a fresh h11 parser for the agent's next request).
+    "agent_sandbox._host.serve_relay": {"h11"},
 }
 #: The longest a module may be without a reason at its top.
 MAX_LINES = 600
