@@ -144,17 +144,17 @@ class WorkerPool:
             if direct:
                 # The pool's first worker: from scratch, the template behind it.
                 try:
-                    worker = WorkerProcess.start(
+                    first = WorkerProcess.start(
                         self.policy, self.provider, start_timeout=self.start_timeout
                     )
                 finally:
                     self._start_template_later()
                 self.started += 1
-                return worker
+                return first
         template = self.template()
         if template is None and self._closed:
             raise SandboxClosed("the worker pool is closed")
-        worker = None
+        worker: WorkerProcess | None = None
         if template is not None:
             try:
                 worker = WorkerProcess.start(

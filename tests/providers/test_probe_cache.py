@@ -102,9 +102,7 @@ def test_installs_sharing_the_file_keep_their_own_answers(
     each other's answer), and at most `MAX_ENTRIES` answers, dropping the oldest."""
     real = _probe_cache._common_key
     install = ["a"]
-    monkeypatch.setattr(
-        _probe_cache, "_common_key", lambda: {**real(), "package": [install[0]]}
-    )
+    monkeypatch.setattr(_probe_cache, "_common_key", lambda: {**real(), "package": [install[0]]})
     trial = Trial(YES)
     for name in ("a", "b", "a", "b"):
         install[0] = name
