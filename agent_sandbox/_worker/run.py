@@ -271,7 +271,12 @@ class Runner:
                 return "error", self._failure(failure, filename, cap)
             if self.objects:
                 return "result", objects.encode_value(value, cap)
-            data = {"value": to_data(value)}
+            plain = to_data(value)
+            if plain is None or type(plain) in _SCALARS:
+                # One JSON value of at most a few dozen bytes (a huge int or a NaN comes
+                # back marked, as a dict): within every cap and budget, nothing to measure.
+                return "result", {"value": plain}
+            data = {"value": plain}
             text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
             if len(text) > cap:
                 raise objects.TooLarge(len(text), cap)
@@ -667,6 +672,10 @@ def _cap(text: str) -> str:
     if len(text) <= _MAX_MESSAGE:
         return text
     return text[:_MAX_MESSAGE] + f"...[{len(text) - _MAX_MESSAGE} more characters]\n"
+
+
+#: Result types whose JSON form is one short value (`_outcome`'s fast path).
+_SCALARS = frozenset({bool, int, float})
 
 
 def to_data(value: Any, depth: int = 0) -> Any:
