@@ -187,6 +187,7 @@ class WorkerClient:
         if self._buffer is None:
             self._buffer = bytearray(_RECV_BYTES)
         buffer = self._buffer
+        received = memoryview(buffer)
         try:
             view = memoryview(proto.request(method, target, payload))
             while view:
@@ -205,7 +206,7 @@ class WorkerClient:
                     n = sock.recv_into(buffer)
                 except BlockingIOError:
                     continue
-                for event in proto.receive(bytes(buffer[:n])):
+                for event in proto.receive(bytes(received[:n])):
                     if on_event is not None:
                         on_event(event)
         except TimeoutError:
