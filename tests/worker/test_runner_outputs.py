@@ -32,16 +32,20 @@ def test_a_scratch_file_is_reported_by_the_call_that_changed_it_only(tmp_path: P
     ]
 
 
+def _outcome(runner: Runner, code: str) -> tuple[str, Any]:
+    events: list[tuple[str, Any]] = []
+    runner.run(code, lambda kind, data: events.append((kind, data)))
+    outcomes = [event for event in events if event[0] in ("result", "error")]
+    assert len(outcomes) == 1, events
+    return outcomes[0]
+
+
 def test_a_plain_scalar_result_is_sent_as_before(tmp_path: Path) -> None:
     """Numbers, booleans and None go out as JSON values; a huge int and a NaN stay marked
     (the scalar fast path never skips the marking)."""
     runner = Runner({"name": "t"}, str(tmp_path))
     for code, value in [("2", 2), ("1.5", 1.5), ("True", True), ("None", None)]:
-        events: list[tuple[str, Any]] = []
-        runner.run(code, lambda kind, data: events.append((kind, data)))
-        assert ("result", {"value": value}) in events
-    for code, kind in [("2**70", "int"), ("float('nan')", "float")]:
-        events = []
-        runner.run(code, lambda kind, data: events.append((kind, data)))
-        results = [data for k, data in events if k == "result"]
-        assert results[0]["value"]["__type__"] == kind
+        assert _outcome(runner, code) == ("result", {"value": value})
+    for code, type_name in [("2**70", "int"), ("float('nan')", "float")]:
+        kind, data = _outcome(runner, code)
+        assert kind == "result" and data["value"]["__type__"] == type_name
