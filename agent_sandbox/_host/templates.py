@@ -220,14 +220,6 @@ class WorkerTemplate:
             scratch_bytes,
         )
 
-        if provider.name == "bwrap" and os.geteuid() != 0:
-            # Measured here: run by an unprivileged user, the template starts but the worker
-            # it forks never reports its pid (no credentials arrive); until that is solved,
-            # the pool starts such workers from scratch (same boundary, slower start).
-            raise WorkerStartError(
-                "bubblewrap worker templates need root on this machine for now; "
-                "workers start from scratch"
-            )
         self = cls()
         self.kind = "namespace"
         lifecycle.ensure_guardian()
