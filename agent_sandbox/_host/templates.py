@@ -17,7 +17,7 @@ workers from scratch otherwise:
   its signals and ptrace from its siblings) and the seccomp filter;
 * the scratch directory is under `/tmp` and the policy does not bind `/tmp` itself (each
   worker gets a fresh `/tmp` and scratch directory; the policy's paths under `/tmp` are
-  moved onto it);
+  copied onto it);
 * per worker (`adapt`): the worker's view (its bubblewrap command line or launcher
   configuration), but for its scratch path and descriptor numbers, is the template's, and
   a bwrap worker's own set-up gains what bubblewrap gives a fresh one: no-new-privileges,

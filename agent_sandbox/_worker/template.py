@@ -34,14 +34,15 @@ each worker namespaces of its own (CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP), a
 forbidden new user namespaces for the whole sandbox (`user.max_user_namespaces = 0`, which
 stands for bubblewrap's `--disable-userns`). For each request, in the forked child:
 
-1. P (the child, PID 1 of a new PID namespace: the template unshares its children's PID
-   namespace for this one fork, then returns to its own): sends one byte on the request's
+1. P (the child, PID 1 of a new PID namespace: a short-lived helper forked by the template
+   unshares its children's PID namespace and forks P, then exits, and P passes to the
+   template, its subreaper; see `_fork_in_pid_namespace`): sends one byte on the request's
    credential socket, so the host reads its pid (the kernel's credentials) and places it
    and W in the worker's cgroups while W boots (W forks nothing before its handshake).
    Then new mount, network and IPC namespaces; in its mount namespace the sandbox's root
    and `/dev` are read-only, and `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts`
    are fresh file systems of its own (no sibling shares them; what the view mounts under
-   `/tmp`, the policy's paths there, is moved onto the new one); `lo` is up where the
+   `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
    provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
    processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
    covered read-only. It forks W, drops every capability and reaps until W exits, then
