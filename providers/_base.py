@@ -82,6 +82,10 @@ class LaunchPlan:
     #: The launched process forwards SIGINT to the worker (the worker has no host pid: it
     #: runs in a VM), so the parent's interrupt signals the launcher itself.
     interrupt_launcher: bool = False
+    #: A host file where the launcher keeps the limit counters the sandbox side reported
+    #: (a VM's guest agent: `_qemu_host.py`); the parent turns new counts into denials
+    #: marked as the worker side's word (`_limits.GuestLimits`). "" when there is none.
+    limit_reports: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -400,13 +400,13 @@ def receive_listener(channel: socket.socket, timeout: float) -> socket.socket:
             socket.close(fds[0])
         raise EgressError(f"the worker's proxy descriptor is not a socket ({exc})") from None
     ok = (
-        sock.family == socket.AF_INET
+        sock.family in (socket.AF_INET, socket.AF_UNIX)
         and sock.type == socket.SOCK_STREAM
         and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
     )
     if not ok:
         sock.close()
-        raise EgressError("the worker's proxy descriptor is not a listening TCP socket")
+        raise EgressError("the worker's proxy descriptor is not a listening stream socket")
     return sock
 
 

@@ -227,7 +227,7 @@ def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
         return _landlock(policy)
     if provider == "firejail":
         return _firejail(policy)
-    if provider in ("bwrap", "unshare"):
+    if provider in ("bwrap", "unshare", "qemu"):
         return _namespace(policy)
     return []
 

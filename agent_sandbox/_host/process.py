@@ -71,6 +71,7 @@ from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
     WorkerCgroups,
     _descendants,
+    GuestLimits,
     record_limit_hits,
     start_cgroups,
 )
@@ -138,6 +139,8 @@ class WorkerProcess:
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
+        #: What a VM's guest reported of its limits (`LaunchPlan.limit_reports`).
+        self.guest_limits: GuestLimits | None = None
         self._egress_channel: socket.socket | None = None
         #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`), and
         #: the
@@ -324,6 +327,8 @@ class WorkerProcess:
             # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
             self.kill()
             raise
+        if self.plan.limit_reports:
+            self.guest_limits = GuestLimits(self.plan.limit_reports, self.proc.pid)
         self.started_at = time.monotonic()
         _logger.debug(
             "worker %s started under %s in %.0f ms",
@@ -726,7 +731,9 @@ class WorkerProcess:
             self._on_unverified(builder)
         self.rewind_log()
         if (
-            record_limit_hits(builder, self.cgroups, self.policy, scratch=self.scratch)
+            record_limit_hits(
+                builder, self.cgroups, self.policy, scratch=self.scratch, guest=self.guest_limits
+            )
             and not self.dead
         ):
             self.death_reason = "it hit a resource limit"
