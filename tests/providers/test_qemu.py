@@ -91,17 +91,48 @@ def test_the_vm_has_no_network_device_and_read_only_shares() -> None:
     ("policy", "words"),
     [
         (
-            Policy(name="t", net={"rules": [{"action": "allow", "host": "example.com"}]}),
-            "no network device",
+            Policy(
+                name="t",
+                net={"rules": [{"host": "example.com", "ports": "53", "protocol": "udp"}]},
+            ),
+            "UDP does not go through",
         ),
         (Policy(name="t", files={"write": ["/srv/out"]}), "outside the scratch directory"),
     ],
 )
 def test_what_the_vm_cannot_serve_is_refused_at_construction(policy: Policy, words: str) -> None:
-    """It refuses net allow rules and host writes with the reason and an alternative."""
+    """It refuses a UDP rule (the proxy is TCP only) and host writes with the reason and an
+    alternative."""
     with pytest.raises(ProviderUnavailable, match=words) as info:
         QemuProvider().build(policy, SPEC)
-    assert "bwrap" in str(info.value)
+    assert "bwrap" in str(info.value) or "remove the rule" in str(info.value)
+
+
+def test_net_rules_plan_the_egress_proxy_behind_the_guest_loopback() -> None:
+    """A policy with [net] allow rules: the relay gets the egress channel (to hand the
+    parent its listener), the worker the standard proxy variables naming the guest's
+    loopback forwarder, and the stack ends with the proxy; the VM still has no NIC."""
+    import dataclasses
+
+    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": "443"}]})
+    plan = QemuProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
+    config = json.loads(plan.argv[-1])
+    assert config["egress_fd"] == 7 and plan.pass_fds == (3, 4, 7)
+    assert plan.env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+    assert plan.worker_setup["egress"]["port"] == 3128
+    assert plan.stack[0] == "qemu" and plan.stack[-1] == "egress-proxy"
+    argv = qemu_argv(
+        qemu="qemu",
+        mem_mb=512,
+        ram_path="/t/ram",
+        run_dir="/r",
+        shares=["/s"] * SHARE_SLOTS,
+        restore=True,
+    )
+    assert "-nic" not in argv and "-netdev" not in argv
+    assert "virtserialport,chardev=net,name=net" in argv
+    plain = QemuProvider().build(Policy(name="t"), SPEC)
+    assert json.loads(plain.argv[-1])["egress_fd"] is None and "HTTP_PROXY" not in plain.env
 
 
 def test_more_read_directories_than_share_slots_are_refused(tmp_path: Path) -> None:
