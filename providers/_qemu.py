@@ -182,9 +182,9 @@ def qemu_argv(
         f"memory-backend-file,id=mem,size={mem_mb}M,mem-path={ram_path},"
         f"share={'off' if restore else 'on'}",
         "-accel",
-        "tcg,tb-size=32",
+        os.environ.get("SB_EXP_ACCEL", "tcg,tb-size=32"),
         "-cpu",
-        "max",
+        os.environ.get("SB_EXP_CPU", "max"),
         "-m",
         f"{mem_mb}M",
         "-smp",
