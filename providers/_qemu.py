@@ -678,6 +678,7 @@ class QemuProvider(Provider):
             worker_depth=None,
             interrupt_launcher=True,
             limit_reports=os.path.join(run_dir, "guest-limits.json"),
+            warm_up=True,
         )
 
     def prepare(self, policy: Any) -> None:

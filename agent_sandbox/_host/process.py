@@ -329,6 +329,8 @@ class WorkerProcess:
             raise
         if self.plan.limit_reports:
             self.guest_limits = GuestLimits(self.plan.limit_reports, self.proc.pid)
+        if self.plan.warm_up:
+            self._warm_up(start_timeout - (time.monotonic() - t0))
         self.started_at = time.monotonic()
         _logger.debug(
             "worker %s started under %s in %.0f ms",
@@ -337,6 +339,16 @@ class WorkerProcess:
             (self.started_at - t0) * 1000,
         )
         return self
+
+    def _warm_up(self, timeout: float) -> None:
+        """One constant call before the worker is handed out (`LaunchPlan.warm_up`)."""
+        result = self.run("None", timeout=max(timeout, 5.0), filename="<warm-up>")
+        if result.error is not None or self.dead:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the worker's warm-up call failed ({result.error})", log_tail=tail
+            )
 
     def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
