@@ -8,14 +8,20 @@ other provider) runs inside a QEMU `microvm` guest booted from an image built on
   which carries the parent's connections to the worker (`_qemu_host.py` relays them);
 * the policy's read paths as 9p shares, read-only in QEMU (`readonly=on`: the guest's root
   cannot remount them writable), mounted at their host paths after the restore;
+* with `[net]` allow rules, a second virtio-serial port (`net`) to a Unix socket whose
+  listening end the host relay hands the parent's egress proxy (`_egress.py`); the guest
+  agent forwards the proxy address on the guest's loopback over it (`_qemu_guest.py`);
 * nothing else: no network device at all (`-nodefaults`, no `-nic`), no other share, no
   disk; the scratch directory and `/tmp` are size-capped tmpfs inside the guest, gone with
   the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
   elevation and resource control denied).
 
-Limits: the VM's RAM is the policy's `memory_mb` plus `GUEST_HEADROOM_MB` (at least 256 MiB),
-one vCPU; the wall limit, the output bounds and the kill by pid stay on the host as for
-every provider; the rlimits apply inside the guest too. What the policy hides or denies
+Limits: the VM's RAM is at least the policy's `memory_mb` plus `GUEST_HEADROOM_MB` (at least
+256 MiB; a roomier saved template serves too), one vCPU; inside the guest the worker's
+cgroup has `pids.max` and `memory.max` from the policy, whose hits the guest agent reports
+(`LaunchPlan.limit_reports`, taken as the worker side's word); the wall limit, the output
+bounds and the kill by pid stay on the host as for every provider; the rlimits apply inside
+the guest too. What the policy hides or denies
 inside a shared directory is covered by the host relay before QEMU starts (`_qemu_host.py`).
 
 Start-up: one template per (image, QEMU version, RAM size, device set) is booted once and
@@ -23,8 +29,8 @@ saved with file-backed RAM and the `x-ignore-shared` migration capability
 (`ensure_template`); each worker restores a private copy-on-write mapping of it in about
 0.1 s (TCG, this machine), then reseeds the guest RNG and mounts its shares.
 
-Not served (refused at construction, naming the rule): `[net]` allow rules (the egress proxy
-over a second port is not built yet), `files.write` outside the scratch directory, more than
+Not served (refused at construction, naming the rule): UDP `[net]` rules and listeners off
+loopback (`_netcheck.py`), `files.write` outside the scratch directory, more than
 `SHARE_SLOTS` read directories, read grants of single files (9p shares directories).
 Inside the guest the worker applies the same seccomp filter and exec program as under
 Landlock (`_seccomp.seccomp_setup`). The parent's interrupt signals the host relay, which
@@ -182,9 +188,9 @@ def qemu_argv(
         f"memory-backend-file,id=mem,size={mem_mb}M,mem-path={ram_path},"
         f"share={'off' if restore else 'on'}",
         "-accel",
-        os.environ.get("SB_EXP_ACCEL", "tcg,tb-size=32"),
+        "tcg,tb-size=32",
         "-cpu",
-        os.environ.get("SB_EXP_CPU", "max"),
+        "max",
         "-m",
         f"{mem_mb}M",
         "-smp",

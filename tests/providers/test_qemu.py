@@ -158,6 +158,92 @@ def test_qemu_is_registered_and_auto_never_picks_it() -> None:
     assert QemuProvider not in AUTO_CANDIDATES
 
 
+def test_guest_limit_reports_are_denials_marked_as_the_worker_sides_word(
+    tmp_path: Path,
+) -> None:
+    """The guest agent's counters (written by the host relay) become `limits.processes` and
+    `limits.memory` hits once per increase, each saying it is the guest's report; with no
+    QEMU to measure, the memory hit says the host could not confirm it."""
+    from agent_sandbox.providers._limits import GuestLimits
+
+    policy = Policy(name="t", limits={"processes": 4, "memory_mb": 256})
+    path = tmp_path / "guest-limits.json"
+    guest = GuestLimits(str(path), launcher_pid=2**22 + 1)  # no such process
+    assert guest.new_hits(policy) == []
+    path.write_text(json.dumps({"pids_max": 3, "memory_oom_kill": 0}))
+    [(rule, why)] = guest.new_hits(policy)
+    assert rule == "limits.processes"
+    assert "guest agent reported 3 fork(s)" in why and "unverified" in why
+    assert guest.new_hits(policy) == []  # nothing new
+    os.utime(path, ns=(1, 1))
+    path.write_text(json.dumps({"pids_max": 3, "memory_oom_kill": 1}))
+    [(rule, why)] = guest.new_hits(policy)
+    assert rule == "limits.memory" and "could not measure" in why and "unverified" in why
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"[1]",
+        b'{"pids_max": -1}',
+        b'{"pids_max": "3"}',
+        b'{"other": 1}',
+        b"{",
+        b'{"pids_max": 1.5}',
+    ],
+)
+def test_the_host_relay_refuses_a_malformed_limit_report(tmp_path: Path, payload: bytes) -> None:
+    """An `L` frame that is not small named counters ends the session (nothing is written)."""
+    import importlib.util
+
+    from agent_sandbox.providers import _qemu
+
+    spec = importlib.util.spec_from_file_location("_sb_qemu_host", _qemu._HOST_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    target = tmp_path / "guest-limits.json"
+    with pytest.raises(RuntimeError, match="malformed limit report"):
+        host._write_limits(str(target), payload)
+    assert not target.exists()
+    host._write_limits(str(target), b'{"pids_max": 2, "memory_oom_kill": 0}')
+    assert json.loads(target.read_text()) == {"pids_max": 2, "memory_oom_kill": 0}
+
+
+def test_a_roomier_template_serves_a_smaller_memory_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The smallest saved template with enough guest RAM (same image, QEMU, device set) is
+    used for a smaller `memory_mb` (the guest's memory cgroup holds the limit); a template
+    of another image or device set, or far too large, is not."""
+    from agent_sandbox.providers import _qemu
+    from agent_sandbox.providers._qemu_image import Image
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_qemu, "qemu_version", lambda _q: "7.2.22")
+    image = Image("/d", "/d/vmlinux", "/d/initrd", "abc", "/py", "6.1")
+
+    def save(mem_mb: int, **meta: Any) -> None:
+        folder = Path(_qemu.template_dir(image, "qemu", mem_mb))
+        folder.mkdir(parents=True)
+        base = {
+            "qemu": "7.2.22",
+            "image": "abc",
+            "mem_mb": mem_mb,
+            "device_set": _qemu.DEVICE_SET,
+            "tsc_khz": _qemu.tsc_khz(),
+        }
+        (folder / "template.json").write_text(json.dumps({**base, **meta}))
+
+    assert _qemu.find_roomy_template(image, "qemu", 384) is None
+    save(640)
+    save(512, device_set="old")
+    save(3000)
+    found = _qemu.find_roomy_template(image, "qemu", 384)
+    assert found is not None and found.mem_mb == 640
+    assert _qemu.find_roomy_template(image, "qemu", 700) is None  # 3000 MiB: too roomy
+
+
 def test_a_missing_image_is_one_error_naming_the_build_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
