@@ -69,9 +69,9 @@ from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
+    GuestLimits,
     WorkerCgroups,
     _descendants,
-    GuestLimits,
     record_limit_hits,
     start_cgroups,
 )

@@ -58,7 +58,7 @@ class _Stop(Exception):
 
 
 class _Request:
-    __slots__ = ("method", "target", "headers", "close")
+    __slots__ = ("close", "headers", "method", "target")
 
     def __init__(self, method: bytes, target: bytes, headers: dict[bytes, bytes], close: bool):
         self.method = method
@@ -90,9 +90,8 @@ def _parse_head(head: bytes) -> _Request | None:
             return None
         name = name.lower()
         value = value.strip(b" \t")
-        if name in headers and (name == b"content-length" or name == b"authorization"):
-            if headers[name] != value:
-                return None
+        if name in (b"content-length", b"authorization") and headers.get(name, value) != value:
+            return None
         headers[name] = value
     close = parts[2] == b"HTTP/1.0" or headers.get(b"connection", b"").lower() == b"close"
     return _Request(parts[0], parts[1], headers, close)
