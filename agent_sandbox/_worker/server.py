@@ -104,6 +104,8 @@ class _Server:
         self.checks = checks
         self.boot = boot
         self.tamper_check: Any = None
+        #: This worker's pid (the server is made in the worker's own process).
+        self.pid = os.getpid()
 
     # -- connection handling -------------------------------------------------------------
 
@@ -131,7 +133,21 @@ class _Server:
         return not conn.close
 
     def _read_request(self, sock: socket.socket, conn: _Conn) -> tuple[_Request | None, bytes]:
-        sock.settimeout(_READ_TIMEOUT)
+        # The request is normally whole when the selector wakes: read it without waiting,
+        # and set the read timeout only for a request that comes in pieces.
+        timed = False
+
+        def more(size: int = 65536) -> bytes:
+            nonlocal timed
+            if not timed:
+                try:
+                    return sock.recv(size, socket.MSG_DONTWAIT) or b""
+                except (BlockingIOError, InterruptedError):
+                    pass
+                sock.settimeout(_READ_TIMEOUT)
+                timed = True
+            return sock.recv(size)
+
         try:
             while True:
                 end = conn.buf.find(b"\r\n\r\n")
@@ -139,7 +155,7 @@ class _Server:
                     break
                 if len(conn.buf) > _MAX_HEAD:
                     return None, b""
-                data = sock.recv(65536)
+                data = more()
                 if not data:
                     return None, b""
                 conn.buf += data
@@ -155,7 +171,7 @@ class _Server:
                 return None, b""
             start = end + 4
             while len(conn.buf) - start < length:
-                data = sock.recv(max(65536, length - (len(conn.buf) - start)))
+                data = more(max(65536, length - (len(conn.buf) - start)))
                 if not data:
                     return None, b""
                 conn.buf += data
@@ -165,7 +181,8 @@ class _Server:
         except OSError:
             return None, b""
         finally:
-            sock.settimeout(None)
+            if timed:
+                sock.settimeout(None)
 
     def _send_simple(
         self,
@@ -228,7 +245,7 @@ class _Server:
         holding = request.get("hold_head") is True  # until the first event of the cell
         final = False  # from the result on: everything waits for the last write
 
-        owner = os.getpid()
+        owner = self.pid
 
         def write(data: bytes) -> None:
             nonlocal broken
@@ -240,9 +257,13 @@ class _Server:
                 broken = True
 
         def emit(kind: str, data: Any) -> None:
-            nonlocal broken, holding
-            if os.getpid() != owner:
-                return  # a forked child never writes on its parent's connection
+            """What the cell's run emits with: a forked child never writes on its parent's
+            connection."""
+            if os.getpid() == owner:
+                put(kind, data)
+
+        def put(kind: str, data: Any) -> None:
+            nonlocal holding
             framed = _chunk(encode_event(kind, data))
             with lock:
                 if broken:
@@ -265,7 +286,8 @@ class _Server:
 
         head = _STREAM_HEAD
         filename = request.get("filename")
-        head += _chunk(encode_event("start", {"call": self.runner.calls + 1}))
+        # `encode_event("start", {"call": n})`, written out: the same bytes.
+        head += _chunk(b'event: start\ndata: {"call":%d}\n\n' % (self.runner.calls + 1))
         held.append(head)
         if holding:
             if _caller_left(sock):
@@ -281,18 +303,21 @@ class _Server:
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
+            if os.getpid() != owner:
+                os._exit(1)  # a child the cell forked never goes on with the server's work
             counted = audit.end_call()
             with lock:
                 final = True
+        # From here on in the worker itself (checked above): `put`, without a check per event.
         # First occurrences streamed as they were classified; counts and last ones now.
         counts = [
             [i, d.count, d.last.to_dict()] for i, d in enumerate(counted) if d.last is not None
         ]
         if counts:
-            emit("counts", counts)
+            put("counts", counts)
         tampered = self.tamper_check() if self.tamper_check is not None else []
         for reason in tampered:
-            emit(
+            put(
                 "denial",
                 Denial(
                     rule="guard.tampered",
@@ -302,7 +327,7 @@ class _Server:
                     detail="a guard was disarmed or displaced; this worker will be discarded",
                 ).to_dict(),
             )
-        emit(
+        put(
             "done",
             {
                 "duration": time.perf_counter() - started,
