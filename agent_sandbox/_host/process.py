@@ -719,6 +719,11 @@ class WorkerProcess:
             # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
             for denial in self.egress.drain():
                 builder.add_denial(denial)
+            if self.egress.failure is not None and not self.dead:
+                # The proxy never served this worker (see EgressProxy.attach): not kept.
+                self.death_reason = self.egress.failure
+                builder.notices.append(f"the egress proxy failed: {self.egress.failure}")
+                self.discard()
         watch = self.guard_watch
         if watch is not None and watch.reason:
             self._on_tampered(builder, watch.reason)
