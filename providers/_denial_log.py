@@ -237,9 +237,10 @@ def record_denial(text: str, policy_name: str) -> Denial | None:
         addr = fields.get("saddr" if bind else "daddr", "")
         port = fields.get("src" if bind else "dest", "")
         if not addr and not port:
-            addr, port = fields.get("laddr", "") or fields.get("faddr", ""), fields.get(
-                "lport", ""
-            ) or fields.get("fport", "")
+            addr, port = (
+                fields.get("laddr", "") or fields.get("faddr", ""),
+                fields.get("lport", "") or fields.get("fport", ""),
+            )
         host = f"[{addr}]" if ":" in addr else addr
         target = f"{host or '?'}:{port or '?'}"[:MAX_TARGET]
         rule, action = ("net.bind", "bind") if bind else ("net.connect", "connect")

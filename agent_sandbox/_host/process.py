@@ -419,7 +419,9 @@ class WorkerProcess:
         and readable (nothing is switched on here: see `providers/_denial_log.py`)."""
         assert self.policy is not None
         landlock = (self.hello.get("checks") or {}).get("landlock")
-        if "landlock" not in self.plan.worker_setup or not isinstance(landlock, dict):
+        if self.plan is None or "landlock" not in self.plan.worker_setup:
+            return
+        if not isinstance(landlock, dict):
             return
         abi = landlock.get("abi")
         if not isinstance(abi, int) or abi < 7:
