@@ -221,14 +221,6 @@ class WorkerProcess:
             self.plan = provider.build(policy, spec)
             if template is not None:
                 self.plan = template.adapt(self.plan)  # a namespace template's worker
-            if "egress" in self.plan.worker_setup:
-                # Loaded for plans with an egress proxy only (it brings asyncio).
-                from agent_sandbox.providers._egress import EgressError, egress_proxy
-
-                try:
-                    egress_proxy().start()
-                except EgressError as exc:
-                    raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
             depth = self.plan.worker_depth
             # A namespace template's worker has its init and relay inside its groups (they
             # count in pids.max, like a launcher that joins the groups itself).
@@ -298,6 +290,22 @@ class WorkerProcess:
             self.client = WorkerClient(
                 sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
             )
+            if "egress" in self.plan.worker_setup:
+                # The proxy's thread starts while the worker boots: a thread's start waits
+                # until the new thread runs, several milliseconds on a loaded machine, which
+                # the worker's own boot hides here (before the launch it added them to every
+                # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
+                # an egress proxy only (it brings asyncio).
+                from agent_sandbox.providers._egress import EgressError, egress_proxy
+
+                try:
+                    egress_proxy().start()
+                except EgressError as exc:
+                    tail = self.log_tail()
+                    self.kill()
+                    raise WorkerStartError(
+                        f"the egress proxy could not start: {exc}", log_tail=tail
+                    ) from None
             try:
                 remaining = start_timeout - (time.monotonic() - t0)
                 self.hello = self.client.hello(max(0.05, remaining))
