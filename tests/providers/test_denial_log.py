@@ -201,12 +201,12 @@ def test_a_landlock_denial_reaches_the_result_while_the_kernel_logs_it(
 def test_with_audit_off_results_carry_no_kernel_denials_and_doctor_says_why(
     arena: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The default here: the kernel logs nothing, the result has only what the guards and
-    the host saw, and `doctor` names the reason."""
+    """The default here: the kernel logs nothing (or the host may not read it), the result
+    has only what the guards and the host saw, and `doctor` names the reason."""
     abi = _abi7()
     state = probe_denial_logging(abi)
-    if state["audit_enabled"] is not False:
-        pytest.skip(f"the kernel's audit is not known to be off here: {state['reason']}")
+    if state["works"]:
+        pytest.skip(f"the kernel's audit is on and readable here: {state['reason']}")
     policy = hostile_policy(arena)
     with Sandbox(policy, provider="landlock", warm=0) as sb:
         result = sb.run(NATIVE + f"print(nread({str(arena['outside'])!r}))")
@@ -216,4 +216,5 @@ def test_with_audit_off_results_carry_no_kernel_denials_and_doctor_says_why(
 
     main(["doctor"])
     out = capsys.readouterr().out
-    assert "landlock denials in results: no (the kernel's audit is off" in out
+    # Off (root reads the state) or unreadable (a user without CAP_AUDIT_READ): the reason.
+    assert f"landlock denials in results: no ({state['reason']})" in out
