@@ -36,9 +36,13 @@ EVENT_KINDS = frozenset(
 Event = tuple[str, Any]
 
 
+#: One encoder for every event (`json.dumps` with these options builds one per call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def encode_event(kind: str, data: Any) -> bytes:
     """Encode one event; the JSON is compact and on a single line (json never emits newlines)."""
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    payload = _ENCODER.encode(data)
     # A lone surrogate (print('\ud800')) has no UTF-8 form; backslashreplace writes it as
     # the JSON escape `\ud800`, so it round-trips instead of failing the whole event.
     body = payload.encode("utf-8", "backslashreplace")

@@ -34,7 +34,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from agent_sandbox.guards import _calls, _env, _files, _imports, _net, _patch
+from agent_sandbox.guards import _calls, _env, _files, _imports, _net, _patch, _state
 from agent_sandbox.guards._state import block_info, state
 from agent_sandbox.guards._state import configure as configure_state
 
@@ -43,8 +43,6 @@ __all__ = ["Guards", "install_guards"]
 
 def _c_tampered() -> int:
     """The C block's tamper bits as this process sees them (0 without the extension)."""
-    from agent_sandbox.guards import _state
-
     return int(_state.block_read()[2]) if _state.block_info() is not None else 0
 
 

@@ -27,6 +27,7 @@ boundary.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 import threading
@@ -367,10 +368,13 @@ _groups: tuple[int, list[tuple[Any, Any, tuple[Any, ...], list[Patch]]], list[Pa
     [],
     [],
 )
+#: The same, flat, for the usual outcome (nothing broken): (the dictionaries, a getter of
+#: a tuple of the current values of each, every installed object in that order).
+_flat: tuple[int, list[tuple[Any, Any]], tuple[Any, ...]] = (-1, [], ())
 
 
 def _grouped() -> tuple[list[tuple[Any, Any, tuple[Any, ...], list[Patch]]], list[Patch]]:
-    global _groups
+    global _groups, _flat
     if _groups[0] != _version:
         by_owner: dict[int, list[Patch]] = {}
         others: list[Patch] = []
@@ -380,12 +384,30 @@ def _grouped() -> tuple[list[tuple[Any, Any, tuple[Any, ...], list[Patch]]], lis
             else:
                 by_owner.setdefault(id(patch.owner), []).append(patch)
         groups = []
+        flat_pairs = []
+        flat_installed: list[Any] = []
         for members in by_owner.values():
-            getter = operator.itemgetter(*(p.name for p in members))
+            names = [p.name for p in members]
+            getter = operator.itemgetter(*names)
             installed = tuple(p.installed for p in members)
             groups.append((members[0].where, getter, installed, members))
+            # Always a tuple (`itemgetter` of one name gives the bare value).
+            flat_pairs.append((members[0].where, operator.itemgetter(*names, *names[:1])))
+            flat_installed.extend((*installed, *installed[:1]))
         _groups = (_version, groups, others)
+        _flat = (_version, flat_pairs, tuple(flat_installed))
     return _groups[1], _groups[2]
+
+
+def _all_intact() -> bool:
+    """Whether every grouped patch still holds its installed object, as one pass of C-level
+    `itemgetter`s and `map(is_)` (identity: an equal stand-in is a broken patch)."""
+    _version_built, pairs, installed = _flat
+    try:
+        current = [get(where) for where, get in pairs]
+    except (KeyError, TypeError):
+        return False
+    return all(map(operator.is_, itertools.chain.from_iterable(current), installed))
 
 
 def broken() -> list[str]:
@@ -394,6 +416,8 @@ def broken() -> list[str]:
     keep_post_import_finder()
     with _lock:
         groups, others = _grouped()
+        if _all_intact():
+            groups = []  # the usual case: only the others are looked at one by one
         for where, getter, installed, members in groups:
             try:
                 current = getter(where)

@@ -196,6 +196,8 @@ class WorkerCgroups:
         self.dirs = dict(dirs)
         self._final: dict[str, int] | None = None
         self._fds: dict[str, int] = {}
+        #: The event counters' paths by group key, joined once (`new_events`).
+        self._event_paths: dict[str, str] = {}
         self._seen = self.events()
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -370,11 +372,16 @@ class WorkerCgroups:
         else:
             now = {"memory": 0, "processes": 0}
             for key, file, counter, name in _EVENT_FILES:
-                if key in self.dirs:
-                    count = _counter_bytes(self._pread(os.path.join(self.dirs[key], file)), counter)
-                    now[name] = count
-        hit = [name for name in sorted(_EVENT_RULES) if now.get(name, 0) > self._seen.get(name, 0)]
-        self._seen = {**self._seen, **{name: now.get(name, 0) for name in _EVENT_RULES}}
+                path = self._event_paths.get(key)
+                if path is None:
+                    if key not in self.dirs:
+                        continue
+                    path = self._event_paths[key] = os.path.join(self.dirs[key], file)
+                now[name] = _counter_bytes(self._pread(path), counter)
+        seen = self._seen
+        hit = [name for name in _EVENT_NAMES if now.get(name, 0) > seen.get(name, 0)]
+        if hit or any(now.get(name, 0) != seen.get(name, 0) for name in _EVENT_NAMES):
+            self._seen = {**seen, **{name: now.get(name, 0) for name in _EVENT_NAMES}}
         return hit
 
     def _pread(self, path: str) -> bytes:
@@ -527,6 +534,9 @@ _EVENT_RULES = {
 }
 
 
+_EVENT_NAMES = tuple(sorted(_EVENT_RULES))
+
+
 def limit_denial_rule(event: str) -> tuple[str, str]:
     """(rule, policy setting) for a cgroup event name (`memory`, `processes`)."""
     return _EVENT_RULES[event]
@@ -572,18 +582,25 @@ def start_cgroups(worker_id: str, policy: Any, worker_depth: int | None) -> Work
         raise WorkerStartError(f"could not create the worker's cgroups ({exc})") from None
 
 
+class _ScratchOver(Exception):
+    """Raised by `scratch_over`'s walk once the total passes the limit."""
+
+
 def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> bool:
     """Whether the host directory `path` holds more than `limit_bytes` (allocated blocks),
     walking it without following links; a tree of more than `max_entries` entries counts as
     over. The bound where scratch is a host directory (the `subprocess` and `firejail`
     providers): checked after every call, so one call
     can overshoot until RLIMIT_FSIZE or the disk stops it."""
+    try:
+        with os.scandir(path) as listing:
+            if next(listing, None) is None:
+                return False  # empty (the usual case after a call): nothing to add up
+    except OSError:
+        return False  # not listable: the walk below would skip it as well
     from agent_sandbox.providers._walk import TooManyEntries, walk_capped
 
     total = 0
-
-    class _Over(Exception):
-        pass
 
     def visit(entry: os.DirEntry[str], is_dir: bool) -> bool:
         nonlocal total
@@ -593,12 +610,12 @@ def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> 
             return False
         total += st.st_blocks * 512
         if total > limit_bytes:
-            raise _Over
+            raise _ScratchOver
         return is_dir
 
     try:
         walk_capped(path, visit, max_entries)
-    except (TooManyEntries, _Over):
+    except (TooManyEntries, _ScratchOver):
         return True
     return False
 
@@ -614,10 +631,6 @@ def record_limit_hits(
     reported as `limits.memory`, not as a crash. Returns True when the worker must be
     replaced.
     """
-    from agent_sandbox._denial import Denial
-    from agent_sandbox._hints import grant_hint
-    from agent_sandbox._host.result import RunError
-
     hits: list[str] = []
     if cgroups is not None:
         hits += [limit_denial_rule(event)[0] for event in cgroups.new_events()]
@@ -629,6 +642,12 @@ def record_limit_hits(
     # A limit the worker enforced itself and reported as a denial (output: also when the
     # code caught the refusal and finished).
     hits += [d.rule for d in builder.denials if d.rule in _REPORTED_BY_WORKER]
+    if not hits:
+        return False  # the usual call: nothing to record
+    from agent_sandbox._denial import Denial
+    from agent_sandbox._hints import grant_hint
+    from agent_sandbox._host.result import RunError
+
     have = {d.rule for d in builder.denials}
     limits = policy.limits
     for rule in dict.fromkeys(hits):

@@ -1162,7 +1162,7 @@ def _proc_state(pid: int) -> tuple[str, int]:
 
 
 def _parse_stat(stat: bytes) -> tuple[str, int]:
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    fields = stat[stat.rfind(b")") + 2 :].split(None, 7)  # the state and the flags are enough
     try:
         return fields[0].decode(), int(fields[6])
     except (IndexError, ValueError):

@@ -104,7 +104,9 @@ class Session:
         self, worker: WorkerProcess, result: RunResult, notices: list[str], lost: bool
     ) -> RunResult:
         self.last_used = time.monotonic()
-        if not worker.alive():
+        if worker.dead:
+            # Ended by the call (a limit, tampering, a crash): said now. One that ends
+            # between calls is found by the next call's `_prepare`, which asks the process.
             self._lost_reason = worker.end_cause()
         if self._closed or self.sandbox.closed:
             result = _closed_error(result)

@@ -17,7 +17,7 @@ workers from scratch otherwise:
   its signals and ptrace from its siblings) and the seccomp filter;
 * the scratch directory is under `/tmp` and the policy does not bind `/tmp` itself (each
   worker gets a fresh `/tmp` and scratch directory; the policy's paths under `/tmp` are
-  moved onto it);
+  copied onto it);
 * per worker (`adapt`): the worker's view (its bubblewrap command line or launcher
   configuration), but for its scratch path and descriptor numbers, is the template's, and
   a bwrap worker's own set-up gains what bubblewrap gives a fresh one: no-new-privileges,
@@ -220,14 +220,6 @@ class WorkerTemplate:
             scratch_bytes,
         )
 
-        if provider.name == "bwrap" and os.geteuid() != 0:
-            # Measured here: run by an unprivileged user, the template starts but the worker
-            # it forks never reports its pid (no credentials arrive); until that is solved,
-            # the pool starts such workers from scratch (same boundary, slower start).
-            raise WorkerStartError(
-                "bubblewrap worker templates need root on this machine for now; "
-                "workers start from scratch"
-            )
         self = cls()
         self.kind = "namespace"
         lifecycle.ensure_guardian()

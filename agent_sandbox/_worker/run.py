@@ -180,8 +180,9 @@ class Runner:
         self.objects = policy.get("result_mode") == "objects"
         #: Marks a host-given file name as user code (set by the worker's set-up).
         self.register_file: Callable[[str], None] | None = None
-        #: The scratch files as they were when the last call started: (mtime_ns, size).
-        self._scratch_seen: dict[str, tuple[int, int]] = {}
+        #: The scratch files as they were when the last call ended (before the first call:
+        #: as they were then): name -> (mtime_ns, size).
+        self._scratch_seen: dict[str, tuple[int, int]] | None = None
         self._sources: collections.deque[tuple[str, int]] = collections.deque()
         self._source_size = 0
 
@@ -209,7 +210,8 @@ class Runner:
         budget = _Budget(int(limits.get("output_bytes", 1_000_000)), self.policy_name)
         out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)
         started = time.time()
-        self._scratch_seen = self._scan_scratch()
+        if self._scratch_seen is None:
+            self._scratch_seen = self._scan_scratch()
         outcome: tuple[str, Any]
         try:
             if self.run_armed is not None:
@@ -271,7 +273,12 @@ class Runner:
                 return "error", self._failure(failure, filename, cap)
             if self.objects:
                 return "result", objects.encode_value(value, cap)
-            data = {"value": to_data(value)}
+            plain = to_data(value)
+            if plain is None or type(plain) in _SCALARS:
+                # One JSON value of at most a few dozen bytes (a huge int or a NaN comes
+                # back marked, as a dict): within every cap and budget, nothing to measure.
+                return "result", {"value": plain}
+            data = {"value": plain}
             text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
             if len(text) > cap:
                 raise objects.TooLarge(len(text), cap)
@@ -386,6 +393,10 @@ class Runner:
         """Send the images this call produced, once: PNG files it wrote to scratch, and the
         matplotlib figures it left open that were not already drawn into a file.
 
+        A scratch file counts as this call's when it changed since the previous call ended
+        (one listing per call: the end of one call is the start of the next; a file a
+        background thread wrote between calls shows with the next call).
+
         At most `_MAX_IMAGES` images, and their base64 text together within
         `limits.result_bytes` (the host's own bounds, `agent_sandbox._host.intake.events`); the rest
         are counted in an `images.dropped` notice.
@@ -406,8 +417,9 @@ class Runner:
             sent["count"] += 1
             sent["chars"] += chars
 
-        before = self._scratch_seen
+        before = self._scratch_seen or {}
         now = self._scan_scratch()
+        self._scratch_seen = now
         changed = sorted(n for n, sig in now.items() if before.get(n) != sig)
         for name in changed:
             if not name.lower().endswith(".png"):
@@ -667,6 +679,10 @@ def _cap(text: str) -> str:
     if len(text) <= _MAX_MESSAGE:
         return text
     return text[:_MAX_MESSAGE] + f"...[{len(text) - _MAX_MESSAGE} more characters]\n"
+
+
+#: Result types whose JSON form is one short value (`_outcome`'s fast path).
+_SCALARS = frozenset({bool, int, float})
 
 
 def to_data(value: Any, depth: int = 0) -> Any:

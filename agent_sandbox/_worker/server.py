@@ -50,6 +50,18 @@ class _Server:
         self.checks = checks
         self.boot = boot
         self.tamper_check: Any = None
+        #: This worker's pid (the server is made in the worker's own process).
+        self.pid = os.getpid()
+        #: The head of every `/run` answer, made once (h11 validates an event's headers when
+        #: it is made; it frames them again for each response).
+        self._stream_head = h11.Response(
+            status_code=200,
+            headers=[
+                ("content-type", "text/event-stream"),
+                ("cache-control", "no-store"),
+                ("transfer-encoding", "chunked"),
+            ],
+        )
 
     # -- connection handling -------------------------------------------------------------
 
@@ -84,11 +96,21 @@ class _Server:
     ) -> tuple[h11.Request | None, bytes]:
         request = None
         body = bytearray()
-        sock.settimeout(_READ_TIMEOUT)
+        # The request is normally whole when the selector wakes: read it without waiting,
+        # and set the read timeout only for a request that comes in pieces.
+        timed = False
         try:
             while True:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
+                    if not timed:
+                        try:
+                            conn.receive_data(sock.recv(65536, socket.MSG_DONTWAIT))
+                            continue
+                        except (BlockingIOError, InterruptedError):
+                            pass
+                        sock.settimeout(_READ_TIMEOUT)
+                        timed = True
                     data = sock.recv(65536)
                     conn.receive_data(data)
                     continue
@@ -106,7 +128,8 @@ class _Server:
         except (h11.RemoteProtocolError, OSError):
             return None, b""
         finally:
-            sock.settimeout(None)
+            if timed:
+                sock.settimeout(None)
 
     def _send_simple(
         self,
@@ -149,11 +172,6 @@ class _Server:
         except (ValueError, KeyError, TypeError) as exc:
             self._send_simple(sock, conn, 400, {"error": f"bad run request: {exc}"}, close=True)
             return
-        headers = [
-            ("content-type", "text/event-stream"),
-            ("cache-control", "no-store"),
-            ("transfer-encoding", "chunked"),
-        ]
         lock = threading.Lock()
         broken = False
         # Writes to the host are few: each one wakes the host. When the request allows it
@@ -168,7 +186,7 @@ class _Server:
         holding = request.get("hold_head") is True  # until the first event of the cell
         final = False  # from the result on: everything waits for the last write
 
-        owner = os.getpid()
+        owner = self.pid
 
         def write(data: bytes) -> None:
             nonlocal broken
@@ -180,9 +198,13 @@ class _Server:
                 broken = True
 
         def emit(kind: str, data: Any) -> None:
-            nonlocal broken, holding
-            if os.getpid() != owner:
-                return  # a forked child never writes on its parent's connection
+            """What the cell's run emits with: a forked child never writes on its parent's
+            connection."""
+            if os.getpid() == owner:
+                put(kind, data)
+
+        def put(kind: str, data: Any) -> None:
+            nonlocal holding
             framed = _chunk(encode_event(kind, data))
             with lock:
                 if broken:
@@ -204,11 +226,12 @@ class _Server:
             emit(kind, data)
 
         try:
-            head = conn.send(h11.Response(status_code=200, headers=headers)) or b""
+            head = conn.send(self._stream_head) or b""
         except h11.LocalProtocolError:
             return
         filename = request.get("filename")
-        head += _chunk(encode_event("start", {"call": self.runner.calls + 1}))
+        # `encode_event("start", {"call": n})`, written out: the same bytes.
+        head += _chunk(b'event: start\ndata: {"call":%d}\n\n' % (self.runner.calls + 1))
         held.append(head)
         if holding:
             if _caller_left(sock):
@@ -224,18 +247,21 @@ class _Server:
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
+            if os.getpid() != owner:
+                os._exit(1)  # a child the cell forked never goes on with the server's work
             counted = audit.end_call()
             with lock:
                 final = True
+        # From here on in the worker itself (checked above): `put`, without a check per event.
         # First occurrences streamed as they were classified; counts and last ones now.
         counts = [
             [i, d.count, d.last.to_dict()] for i, d in enumerate(counted) if d.last is not None
         ]
         if counts:
-            emit("counts", counts)
+            put("counts", counts)
         tampered = self.tamper_check() if self.tamper_check is not None else []
         for reason in tampered:
-            emit(
+            put(
                 "denial",
                 Denial(
                     rule="guard.tampered",
@@ -245,7 +271,7 @@ class _Server:
                     detail="a guard was disarmed or displaced; this worker will be discarded",
                 ).to_dict(),
             )
-        emit(
+        put(
             "done",
             {
                 "duration": time.perf_counter() - started,

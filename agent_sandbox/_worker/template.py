@@ -34,14 +34,15 @@ each worker namespaces of its own (CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP), a
 forbidden new user namespaces for the whole sandbox (`user.max_user_namespaces = 0`, which
 stands for bubblewrap's `--disable-userns`). For each request, in the forked child:
 
-1. P (the child, PID 1 of a new PID namespace: the template unshares its children's PID
-   namespace for this one fork, then returns to its own): sends one byte on the request's
+1. P (the child, PID 1 of a new PID namespace: a short-lived helper forked by the template
+   unshares its children's PID namespace and forks P, then exits, and P passes to the
+   template, its subreaper; see `_fork_in_pid_namespace`): sends one byte on the request's
    credential socket, so the host reads its pid (the kernel's credentials) and places it
    and W in the worker's cgroups while W boots (W forks nothing before its handshake).
    Then new mount, network and IPC namespaces; in its mount namespace the sandbox's root
    and `/dev` are read-only, and `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts`
    are fresh file systems of its own (no sibling shares them; what the view mounts under
-   `/tmp`, the policy's paths there, is moved onto the new one); `lo` is up where the
+   `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
    provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
    processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
    covered read-only. It forks W, drops every capability and reaps until W exits, then
@@ -94,6 +95,7 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _become_worker(
@@ -254,10 +256,10 @@ def _mounts_on(path: str) -> list[str]:
 
 def _fresh_tmp(libc: Any, size: int, template_scratch: str) -> None:
     """`/tmp`: a fresh tmpfs of this worker's own, with the view's mounts under `/tmp` (the
-    policy's paths there, their masks) moved onto it; the template's scratch stays below.
+    policy's paths there, their masks) carried onto it; the template's scratch stays below.
 
-    The mounts are moved through a stash (a tmpfs on `/dev/shm`, which gets a fresh one of
-    its own right after), so each keeps its flags and its own submounts."""
+    The mounts are copied to a stash (a tmpfs on `/dev/shm`, which gets a fresh one of its
+    own right after), then moved from there, so each keeps its flags and its own submounts."""
     moved = [m for m in _mounts_on("/tmp") if m != template_scratch]
     flags = _MS_NOSUID | _MS_NODEV
     stash = "/dev/shm"
@@ -270,7 +272,10 @@ def _fresh_tmp(libc: Any, size: int, template_scratch: str) -> None:
                 os.mkdir(held)
             else:
                 os.close(os.open(held, os.O_CREAT | os.O_WRONLY, 0o600))
-            _mount(libc, point, held, None, _MS_MOVE)
+            # A copy, not a move: for an unprivileged user bubblewrap's mounts reach this
+            # mount namespace locked (it belongs to a nested user namespace), and a locked
+            # mount cannot be moved; a recursive bind copies it, its flags and submounts.
+            _mount(libc, point, held, None, _MS_BIND | _MS_REC)
             moved[n] = point + ("/" if is_dir else "")
     _tmpfs(libc, "/tmp", size, "1777", flags)
     for n, entry in enumerate(moved):
@@ -346,6 +351,64 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
             os._exit(_status_code(status))
 
 
+def _fork_in_pid_namespace(libc: Any) -> int:
+    """Fork a child that is PID 1 of a new PID namespace: its pid here in the template
+    (where it is this process's child), 0 in the child.
+
+    A short-lived helper forked by the template unshares its children's PID namespace and
+    forks the child, then exits; the child passes to the template, its subreaper. (The
+    template does not unshare for itself and go back with `setns`: where bubblewrap runs
+    the sandbox in a user namespace nested below the one that owns the sandbox's PID
+    namespace, as for an unprivileged user, the template's capabilities do not reach that
+    namespace, and `setns` to it is refused.) The child goes on only once the template has
+    reaped the helper (it closes a pipe the child waits on): its parent-death signal, armed
+    next, would fire at the helper's exit."""
+    pid_r, pid_w = os.pipe()
+    go_r, go_w = os.pipe()
+    try:
+        helper = os.fork()
+    except OSError:
+        for fd in (pid_r, pid_w, go_r, go_w):
+            os.close(fd)
+        raise
+    if helper == 0:
+        child = -1
+        try:
+            os.close(pid_r)
+            _check(libc, libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+            child = os.fork()
+            if child > 0:
+                os.write(pid_w, child.to_bytes(4, "little"))
+        except BaseException as exc:
+            with contextlib.suppress(BaseException):
+                os.write(2, f"agent-sandbox template: no worker init forked: {exc!r}\n".encode())
+            os._exit(73)
+        if child > 0:
+            os._exit(0)
+        os.close(pid_w)
+        os.close(go_w)
+        while os.read(go_r, 1):
+            pass  # (EOF: the helper is gone and reaped)
+        os.close(go_r)
+        return 0
+    os.close(pid_w)
+    os.close(go_r)
+    try:
+        data = b""
+        while len(data) < 4:
+            chunk = os.read(pid_r, 4 - len(data))
+            if not chunk:
+                break
+            data += chunk
+        _pid, status = os.waitpid(helper, 0)
+    finally:
+        os.close(pid_r)
+        os.close(go_w)  # the child (if any) goes on: it is this process's child now
+    if len(data) != 4 or _status_code(status) != 0:
+        raise NamespaceSetupFailed("the helper forked no worker init")
+    return int.from_bytes(data, "little")
+
+
 def _renew_secrets() -> None:
     """Per-process secrets the child must not share with its siblings (see the docstring)."""
     import sys
@@ -378,10 +441,11 @@ def run_template(
     """
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
-    own_pid_ns = -1
     if namespace:
         lock_template(libc)
-        own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        # A worker's init is forked by a short-lived helper (`_fork_in_pid_namespace`) and
+        # then becomes this process's child.
+        _check(libc, libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "be a subreaper")
     import gc
 
     gc.collect()
@@ -423,18 +487,14 @@ def run_template(
                 os.close(fd)
             _send(control, {"error": "unexpected descriptors", "req": request.get("req")})
             continue
-        if request.get("ns"):
-            # The child is PID 1 of a new PID namespace; the template's own stays its own.
-            _check(libc, libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
-        pid = -1
         try:
-            pid = os.fork()
-        finally:
-            if pid != 0 and request.get("ns") and libc.setns(own_pid_ns, _CLONE_NEWPID) != 0:
-                os._exit(72)  # the template's next children would share that namespace
+            pid = _fork_in_pid_namespace(libc) if request.get("ns") else os.fork()
+        except (OSError, NamespaceSetupFailed) as exc:
+            for fd in fds:
+                os.close(fd)
+            _send(control, {"error": f"could not fork a worker ({exc})", "req": request.get("req")})
+            continue
         if pid == 0:
-            if own_pid_ns >= 0:
-                os.close(own_pid_ns)
             _become_worker(request, fds, control, selector, wakeup, libc, read_boot)
         for fd in fds:
             os.close(fd)

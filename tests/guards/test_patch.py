@@ -65,6 +65,31 @@ def test_broken_lists_a_replaced_wrapper() -> None:
     assert _patch.broken() == ["m2.g"]
 
 
+def test_broken_finds_an_equal_stand_in_and_a_removed_one_among_several() -> None:
+    """The check after every call goes by identity over every owner at once: a stand-in
+    that compares equal to the wrapper is reported, and so is a removed one, by its label
+    only (owners of one and of several patches alike)."""
+
+    class Equal:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = object.__hash__
+
+    one = types.ModuleType("m3")
+    one.a = len  # type: ignore[attr-defined]
+    many = types.ModuleType("m4")
+    many.b, many.c = len, abs  # type: ignore[attr-defined]
+    _patch.wrap(one, "a", _tag, label="m3.a")
+    _patch.wrap(many, "b", _tag, label="m4.b")
+    _patch.wrap(many, "c", _tag, label="m4.c")
+    assert _patch.broken() == []
+    many.c = Equal()  # type: ignore[attr-defined]
+    assert _patch.broken() == ["m4.c"]
+    del one.a  # type: ignore[attr-defined]
+    assert sorted(_patch.broken()) == ["m3.a", "m4.c"]
+
+
 def test_set_attr_of_a_class_is_restored() -> None:
     """It swaps an instance's class and restores it."""
 

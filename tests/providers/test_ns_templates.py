@@ -30,17 +30,8 @@ PROVIDERS = ("landlock", "unshare", "bwrap", "auto")
 NAMESPACE = ("bwrap", "unshare")
 
 
-def _needs_root_for_bwrap_templates(provider: str) -> None:
-    if provider in ("bwrap", "auto") and os.geteuid() != 0:
-        pytest.skip(
-            "an unprivileged user's bwrap pool starts its workers from scratch (a worker "
-            "forked by the template in the sandbox sends no credentials there: not solved yet)"
-        )
-
-
 def _sandbox(provider: str, arena: dict[str, Path]) -> Sandbox:
     skip_unless_available(provider)
-    _needs_root_for_bwrap_templates(provider)
     return Sandbox(hostile_policy(arena), provider=provider, warm=0)
 
 
@@ -189,7 +180,6 @@ _HASH = "hash('x'), hash(b'agent')"
 )
 def test_siblings_of_a_namespace_template_have_their_own_hash_secret(provider: str) -> None:
     skip_unless_available(provider)
-    _needs_root_for_bwrap_templates(provider)
     with Sandbox(Policy(name="hash", limits={"wall_seconds": 10}), provider=provider, warm=0) as sb:
         values = {tuple(sb.run(_HASH).value) for _ in range(2)}
         _forked(sb)
@@ -198,7 +188,6 @@ def test_siblings_of_a_namespace_template_have_their_own_hash_secret(provider: s
 
 def _ns(provider: str, policy: Policy | None = None) -> Sandbox:
     skip_unless_available(provider)
-    _needs_root_for_bwrap_templates(provider)
     return Sandbox(
         policy
         or Policy(name="ns-template", imports={"allow": ["os"]}, limits={"wall_seconds": 10}),
@@ -285,6 +274,48 @@ def test_a_worker_whose_view_differs_from_its_template_starts_from_scratch(provi
         assert "view differs" in str(sb._pool.last_error)
 
 
+def _paths_seen(session: Any, arena: dict[str, Path]) -> dict[str, Any]:
+    """What a worker (natively) sees of the policy's paths: their mount flags and the effects
+    of reading and writing."""
+    ro, rw = str(arena["ro"]), str(arena["rw"])
+    result = session.run(
+        NATIVE
+        + "import json\n"
+        + f"RO, RW = {ro!r}, {rw!r}\n"
+        + "def flags(path):\n"  # statvfs's f_flag: ST_RDONLY, ST_NOSUID, ST_NODEV...
+        + "    buf = ctypes.create_string_buffer(256)\n"
+        + "    return struct.unpack_from('=Q', buf, 72)[0] if _libc.statvfs(path.encode(), buf) == 0 else _err()\n"
+        + "out = {'flags': [flags(p) for p in (RO, RW)],\n"
+        + "       'read': nread(RO + '/data.txt'), 'write_ro': nwrite(RO + '/new.txt'),\n"
+        + "       'write_rw': nwrite(RW + '/new-' + str(os.getpid()) + '.txt')}\n"
+        + "print('REPORT ' + json.dumps(out))\n"
+    )
+    return _report(result)
+
+
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_a_forked_worker_sees_the_policys_paths_under_tmp_as_a_fresh_one(
+    provider: str, arena: dict[str, Path]
+) -> None:
+    """It carries the policy's paths under /tmp onto a forked worker's fresh /tmp with their
+    mount flags (an unprivileged user's bwrap hands them over locked: they are copied, not
+    moved): the same flags and effects as in a worker started from scratch."""
+    if not str(arena["ro"]).startswith("/tmp/"):
+        pytest.skip("the test's directories are not under /tmp here")
+    with _sandbox(provider, arena) as sb:
+        forked = sb.session("forked")
+        seen = _paths_seen(forked, arena)
+        template = _forked(sb)
+        assert isinstance(forked.worker.proc if forked.worker else None, TemplateChild)
+        template._view = ("--something-else",)  # the next worker starts from scratch
+        fresh = sb.session("fresh")
+        expected = _paths_seen(fresh, arena)
+        assert not isinstance(fresh.worker.proc if fresh.worker else None, TemplateChild)
+    assert seen == expected, (seen, expected)
+    assert seen["flags"][0] & os.ST_RDONLY and not seen["flags"][1] & os.ST_RDONLY, seen
+    assert seen["read"] == "readable data\n" and seen["write_ro"] < 0 and seen["write_rw"] == 0
+
+
 @pytest.mark.parametrize("provider", NAMESPACE)
 def test_no_namespace_template_where_a_worker_could_not_get_a_private_tmp(
     provider: str, monkeypatch: pytest.MonkeyPatch
@@ -294,7 +325,6 @@ def test_no_namespace_template_where_a_worker_could_not_get_a_private_tmp(
     from agent_sandbox.providers import _masks, get_provider
 
     skip_unless_available(provider)
-    _needs_root_for_bwrap_templates(provider)
     # The search of /tmp for hidden names depends on what this machine keeps there (a CI
     # checkout can hold more entries than a start may walk): not what this test is about.
     monkeypatch.setattr(_masks, "find_masks", lambda policy, spec, **_: _masks.Masks())

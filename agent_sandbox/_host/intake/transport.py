@@ -8,7 +8,7 @@ h11 on both ends is the fastest well-kept stack for one POST answered by an SSE 
 
 Every wait has a deadline; a closed or garbled channel is a `TransportError` (or
 `ConnectionLost`, which the caller turns into `WorkerCrashed` after looking at the process).
-Reading is incremental and bounded: one `recv` of at most 256 KiB at a time, h11's own cap
+Reading is incremental and bounded: one `recv` of at most 64 KiB at a time, h11's own cap
 on headers and chunk lines, and the SSE parser's per-kind cap on one event. An exception
 raised by the event callback (the host's judge, `agent_sandbox._host.intake.events`, refusing an
 event or a bound) stops the reading at once and closes the connection.
@@ -17,6 +17,8 @@ event or a bound) stops the reading at once and closes the connection.
 from __future__ import annotations
 
 import json
+import math
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -130,8 +132,17 @@ class _Protocol:
         return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
 
 
+#: The most one `recv` reads (into the client's own buffer, reused call after call).
+_RECV_BYTES = 65536
+
+
 class WorkerClient:
-    """A blocking client with one persistent connection to one worker."""
+    """A blocking client with one persistent connection to one worker.
+
+    The socket itself never blocks: each wait is one `poll` bounded by the call's deadline,
+    then one `recv_into` the client's buffer. A quiet call is then one `send`, one `poll`
+    and one `recv` on the host, and no timeout is set on the socket per call.
+    """
 
     def __init__(
         self, path: str, token: str, max_event_bytes: int, kind_caps: KindCaps | None = None
@@ -142,10 +153,17 @@ class WorkerClient:
         self.kind_caps = kind_caps
         self._sock: socket.socket | None = None
         self._proto: _Protocol | None = None
+        self._poll: select.poll | None = None
+        self._buffer: bytearray | None = None
 
-    def _connect(self, deadline: float) -> tuple[socket.socket, _Protocol]:
-        if self._sock is not None and self._proto is not None and self._proto.reusable():
-            return self._sock, self._proto
+    def _connect(self, deadline: float) -> tuple[socket.socket, _Protocol, select.poll]:
+        if (
+            self._sock is not None
+            and self._proto is not None
+            and self._poll is not None
+            and self._proto.reusable()
+        ):
+            return self._sock, self._proto, self._poll
         self.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -154,24 +172,41 @@ class WorkerClient:
         except OSError as exc:
             sock.close()
             raise ConnectionLost(f"cannot connect to the worker: {exc}") from None
-        self._sock, self._proto = sock, _Protocol(self.token, self.max_event_bytes, self.kind_caps)
-        return sock, self._proto
+        sock.setblocking(False)
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        self._sock, self._poll = sock, poll
+        self._proto = _Protocol(self.token, self.max_event_bytes, self.kind_caps)
+        return sock, self._proto, poll
 
     def _exchange(
         self, method: str, target: str, payload: Any, deadline: float, on_event: OnEvent | None
     ) -> _Protocol:
-        sock, proto = self._connect(deadline)
+        sock, proto, poll = self._connect(deadline)
+        fd = sock.fileno()
+        if self._buffer is None:
+            self._buffer = bytearray(_RECV_BYTES)
+        buffer = self._buffer
+        received = memoryview(buffer)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(proto.request(method, target, payload))
+            view = memoryview(proto.request(method, target, payload))
+            while view:
+                try:
+                    view = view[sock.send(view) :]
+                except BlockingIOError:
+                    # The worker is not reading (yet): wait until it does, or the deadline.
+                    poll.modify(fd, select.POLLOUT)
+                    _wait(poll, deadline)
+                    poll.modify(fd, select.POLLIN)
             while not proto.done:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    # Checked here too: a worker that never stops sending never lets recv time out.
-                    raise TimeoutError("the call exceeded its deadline")
-                sock.settimeout(remaining)
-                data = sock.recv(262144)
-                for event in proto.receive(data):
+                # Checked before each read too: a worker that never stops sending never
+                # lets a wait time out.
+                _wait(poll, deadline)
+                try:
+                    n = sock.recv_into(buffer)
+                except BlockingIOError:
+                    continue
+                for event in proto.receive(bytes(received[:n])):
                     if on_event is not None:
                         on_event(event)
         except TimeoutError:
@@ -219,6 +254,17 @@ class WorkerClient:
                 pass
         self._sock = None
         self._proto = None
+        self._poll = None
+
+
+def _wait(poll: select.poll, deadline: float) -> None:
+    """Until the polled socket is ready (or closed), or TimeoutError at `deadline`."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the call exceeded its deadline")
+        if poll.poll(math.ceil(remaining * 1000)):
+            return
 
 
 class AsyncWorkerClient:

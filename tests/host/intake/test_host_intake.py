@@ -347,3 +347,49 @@ def test_the_value_budget_refuses_a_result_that_decodes_large() -> None:
         parser().feed(big)
     text = encode_event("result", {"value": ",,,[[{{" * 50_000})  # separators inside a string
     assert parser().feed(text) == [("result", json.loads(text.split(b"data: ")[1]))]
+
+
+def test_a_worker_that_never_reads_the_request_times_the_send_out(tmp_path: Path) -> None:
+    """The host's socket never blocks: a request larger than the socket's buffers, to a
+    worker that accepts and never reads, ends at the call's deadline with TimeoutError
+    (the connection closed), not in a send that waits forever."""
+    import time
+
+    path = str(tmp_path / "mute.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+    thread = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    thread.start()
+    client = WorkerClient(path, "t", 1 << 20)
+    try:
+        with pytest.raises(TimeoutError):
+            client.run("x" * (8 * MiB), time.monotonic() + 0.3, lambda event: None)
+        assert client._sock is None  # closed: the next call connects afresh
+    finally:
+        client.close()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+
+
+def test_a_worker_answering_in_pieces_is_read_to_the_end(fake: Any) -> None:
+    """Each wait is one poll and one bounded read: an answer trickling in many small
+    writes with pauses between them is read whole, in order."""
+    import time
+
+    def trickle(send: Callable[[bytes], None]) -> None:
+        send(START)
+        for n in range(5):
+            time.sleep(0.01)
+            send(encode_event("stdout", f"{n}"))
+        send(encode_event("result", {"value": 7}))
+        send(DONE)
+
+    wp, worker = fake(trickle)
+    result = wp.run("1")
+    worker.close()
+    assert result.error is None, result.error
+    assert result.stdout == "01234" and result.value == 7

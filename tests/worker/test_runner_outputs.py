@@ -1,0 +1,51 @@
+"""The runner's report of scratch files, in process (no guards, no worker): one listing per
+call, the end of one call being the start of the next."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent_sandbox._worker.run import Runner
+
+
+def _files(runner: Runner, code: str) -> list[Any]:
+    events: list[tuple[str, Any]] = []
+    runner.run(code, lambda kind, data: events.append((kind, data)))
+    assert [kind for kind, _ in events if kind in ("result", "error")] == ["result"], events
+    return [data for kind, data in events if kind == "files"]
+
+
+def test_a_scratch_file_is_reported_by_the_call_that_changed_it_only(tmp_path: Path) -> None:
+    """A file a call writes shows in that call's `files`; a call that changes nothing shows
+    none; a file changed between calls (a background thread, a child) shows with the next
+    call, never lost; rewriting a file with another size shows again."""
+    runner = Runner({"name": "t"}, str(tmp_path))
+    runner.namespace["d"] = str(tmp_path)
+    assert _files(runner, "open(d + '/a.txt', 'w').write('1')") == [[{"name": "a.txt", "size": 1}]]
+    assert _files(runner, "1 + 1") == []
+    (tmp_path / "b.txt").write_text("22")
+    assert _files(runner, "1 + 1") == [[{"name": "b.txt", "size": 2}]]
+    assert _files(runner, "2") == []
+    assert _files(runner, "open(d + '/a.txt', 'w').write('333')") == [
+        [{"name": "a.txt", "size": 3}]
+    ]
+
+
+def _outcome(runner: Runner, code: str) -> tuple[str, Any]:
+    events: list[tuple[str, Any]] = []
+    runner.run(code, lambda kind, data: events.append((kind, data)))
+    outcomes = [event for event in events if event[0] in ("result", "error")]
+    assert len(outcomes) == 1, events
+    return outcomes[0]
+
+
+def test_a_plain_scalar_result_is_sent_as_before(tmp_path: Path) -> None:
+    """Numbers, booleans and None go out as JSON values; a huge int and a NaN stay marked
+    (the scalar fast path never skips the marking)."""
+    runner = Runner({"name": "t"}, str(tmp_path))
+    for code, value in [("2", 2), ("1.5", 1.5), ("True", True), ("None", None)]:
+        assert _outcome(runner, code) == ("result", {"value": value})
+    for code, type_name in [("2**70", "int"), ("float('nan')", "float")]:
+        kind, data = _outcome(runner, code)
+        assert kind == "result" and data["value"]["__type__"] == type_name
