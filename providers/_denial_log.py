@@ -10,8 +10,10 @@ decision (`auditctl -e 1`), never this library's: where it is off (measured here
 0`) the denials stay in the kernel and a result carries only what the Python guards and the
 host saw; `agent-sandbox doctor` says which.
 
-Where it is on, `watch_worker()` (called by the parent after a Landlock worker's handshake)
-starts one reader thread per process, lazily: it joins the read-log group once, keeps the
+Where it is on, `subscribe()` (called by the parent before it launches a Landlock worker:
+the kernel logs a domain's pid only with its first denial, which may come during the boot)
+starts one reader thread per process, lazily, and `watch_worker()` (after the handshake)
+registers the worker's pid. The reader joins the read-log group once, keeps the
 domain -> pid map of the 1424 records, and files each 1423 record of a domain created by a
 watched worker's pid (the worker applies Landlock itself, `_inworker.py`) under that worker.
 After each call the parent drains the worker's watch (`Watch.drain`, after `settle()`: the
@@ -46,6 +48,7 @@ from agent_sandbox._denial import Denial
 
 __all__ = [
     "Watch",
+    "subscribe",
     "decode_untrusted",
     "merge_into",
     "parse_record",
@@ -441,6 +444,10 @@ class _Reader:
             return
         if kind == AUDIT_LANDLOCK_DOMAIN:
             pid = fields.get("pid", "")
+            if fields.get("status") == "deallocated":
+                with self._lock:
+                    self._domains.pop(domain, None)
+                return
             if fields.get("status") != "allocated" or not pid.isdigit():
                 return
             with self._lock:
@@ -474,6 +481,19 @@ _READER = _Reader()
 def reader() -> _Reader:
     """This process's reader (not necessarily running)."""
     return _READER
+
+
+def subscribe() -> bool:
+    """Before a Landlock worker is launched: have the reader running where the kernel's
+    audit is readable, so the worker's first denial (the only one the kernel logs with
+    its domain's pid, even one during its boot) is not missed."""
+    try:
+        from agent_sandbox.providers._landlock_sys import landlock_abi
+
+        abi = landlock_abi()
+    except OSError:
+        return False
+    return abi >= 7 and _READER.ensure(abi)
 
 
 def watch_worker(pid: int | None, policy_name: str, abi: int) -> Watch | None:

@@ -221,6 +221,12 @@ class WorkerProcess:
             self.plan = provider.build(policy, spec)
             if template is not None:
                 self.plan = template.adapt(self.plan)  # a namespace template's worker
+            if "landlock" in self.plan.worker_setup:
+                # Subscribed to the kernel's Landlock records before the worker can meet its
+                # first denial, where the audit is on and readable (providers/_denial_log.py).
+                from agent_sandbox.providers._denial_log import subscribe
+
+                subscribe()
             depth = self.plan.worker_depth
             # A namespace template's worker has its init and relay inside its groups (they
             # count in pids.max, like a launcher that joins the groups itself).
