@@ -24,6 +24,10 @@ What it does not keep, on purpose:
 * the cheap probes (the Landlock ABI is one system call; seccomp needs its library loaded
   anyway to build the filter).
 
+Several installs of the package (virtual environments, checkouts) share the file: each
+answer is filed under its probe's name and a checksum of its key (`bwrap:1a2b3c4d`), so they
+do not evict each other's answers; the file keeps the `MAX_ENTRIES` most recently written.
+
 Trust: the file is read only when it is a regular file owned by the effective user and
 writable by nobody else, in a directory with the same properties; anything else, or any
 content that does not parse into exactly the expected shape, is ignored and the probe runs
@@ -43,15 +47,18 @@ import os
 import stat
 import sys
 import tempfile
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from agent_sandbox.providers._base import ProbeResult
 
-__all__ = ["cache_dir", "cached_probe", "enabled", "file_key", "probe_afresh"]
+__all__ = ["cache_dir", "cached_probe", "enabled", "entry_name", "file_key", "probe_afresh"]
 
 #: The format of the file; another number is ignored (re-probed, then rewritten).
 FORMAT = 1
+#: The answers the file keeps (installs, users' kernels, tools): the oldest written go first.
+MAX_ENTRIES = 32
 #: The environment variable that bypasses the file.
 ENV = "AGENT_SANDBOX_PROBE_CACHE"
 _OFF = frozenset({"0", "off", "no", "false"})
@@ -181,20 +188,33 @@ def _decode(name: str, entry: Any, key: Mapping[str, Any]) -> ProbeResult | None
     return ProbeResult(name, True, version=version, details=details)
 
 
+def entry_name(name: str, key: Mapping[str, Any]) -> str:
+    """Where the answer of probe `name` under `key` is filed: `name:<crc32 of the key>`.
+
+    Only an index: the entry's key is compared in full before its answer is used (a
+    collision costs a probe, never a wrong answer)."""
+    text = json.dumps(key, sort_keys=True, separators=(",", ":"))
+    return f"{name}:{zlib.crc32(text.encode()):08x}"
+
+
 def _store(path: str, name: str, key: Mapping[str, Any], result: ProbeResult) -> None:
     """Add one answer to the file: a new file (0600) renamed over the old one."""
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         entries = _load(path)
-        entries[name] = {
+        filed = entry_name(name, key)
+        entries.pop(filed, None)  # re-filed last: the newest
+        entries[filed] = {
             "key": key,
             "result": {"version": result.version, "details": dict(result.details)},
         }
+        for old in list(entries)[: max(0, len(entries) - MAX_ENTRIES)]:
+            del entries[old]
         fd, tmp = tempfile.mkstemp(prefix=".probes-", suffix=".tmp", dir=directory)
         try:
             with os.fdopen(fd, "w") as fh:  # mkstemp makes it 0600
-                json.dump({"format": FORMAT, "entries": entries}, fh, sort_keys=True)
+                json.dump({"format": FORMAT, "entries": entries}, fh)  # in writing order
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -210,7 +230,7 @@ def cached_probe(name: str, tool: Mapping[str, Any], run: Callable[[], ProbeResu
         return run()
     key = json.loads(json.dumps({**_common_key(), "tool": tool}))  # as it reads back
     path = os.path.join(cache_dir(), "probes.json")
-    remembered = _decode(name, _load(path).get(name), key)
+    remembered = _decode(name, _load(path).get(entry_name(name, key)), key)
     if remembered is not None:
         return remembered
     result = run()

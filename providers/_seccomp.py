@@ -43,6 +43,8 @@ import errno
 import functools
 import os
 import socket
+import sys
+import threading
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -189,9 +191,49 @@ def build_bpf(policy: Any) -> bytes:
     return _compile(tuple(seccomp_rules(policy)))
 
 
+#: The libraries pyseccomp looks up when it is imported, by the sonames the dynamic loader
+#: resolves (a soname that does not load falls back to `ctypes.util.find_library`).
+_SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
+_IMPORT_LOCK = threading.Lock()
+
+
+def _pyseccomp() -> Any:
+    """pyseccomp, imported without `ctypes.util.find_library` starting `ldconfig -p` twice
+    (two processes: 20-40 ms of an agent process's first launch plan). It gets the same
+    libraries: a soname loads from where the dynamic loader finds it, which is what
+    `ldconfig -p` lists; any other name, or a soname that does not load, asks the real
+    `find_library`."""
+    loaded = sys.modules.get("pyseccomp")
+    if loaded is not None:
+        return loaded
+    import ctypes
+    import ctypes.util
+
+    with _IMPORT_LOCK:
+        real = ctypes.util.find_library
+
+        def find_library(name: str) -> str | None:
+            soname = _SONAMES.get(name)
+            if soname is not None:
+                try:
+                    ctypes.CDLL(soname)
+                except OSError:
+                    pass
+                else:
+                    return soname
+            return real(name)
+
+        ctypes.util.find_library = find_library
+        try:
+            import pyseccomp
+        finally:
+            ctypes.util.find_library = real
+    return pyseccomp
+
+
 @functools.lru_cache(maxsize=64)
 def _compile(rules: tuple[SeccompRule, ...]) -> bytes:
-    import pyseccomp as sc
+    sc = _pyseccomp()
 
     ops = {"eq": sc.EQ, "ge": sc.GE, "masked_eq": sc.MASKED_EQ}
     filt = sc.SyscallFilter(sc.ALLOW)
@@ -287,8 +329,7 @@ def describe(rules: Iterable[SeccompRule]) -> list[str]:
 def probe_seccomp() -> tuple[bool, str]:
     """(whether a filter can be built here, the libseccomp version or the reason not)."""
     try:
-        import pyseccomp as sc
-
+        sc = _pyseccomp()
         build_bpf({})
         version = getattr(sc, "_libseccomp", None)
         ver = ""

@@ -57,9 +57,11 @@ def package_dirs() -> dict[str, str]:
     """Where each `agent_sandbox` package lives on disk (works for editable installs too).
 
     Also makes sure, once per parent process, that the bytecode caches of those folders are
-    current (see `refresh_bytecode`).
+    current (see `refresh_bytecode`), and those of the folders this process imports the
+    packages from when they differ (a strict editable install's tree of links).
     """
     out = {}
+    imported: set[str] = set()
     for name in _PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
@@ -69,27 +71,84 @@ def package_dirs() -> dict[str, str]:
         # view and its Landlock rules must not depend on.
         if spec.origin:
             out[name] = os.path.dirname(os.path.realpath(spec.origin))
+            imported.add(os.path.dirname(os.path.abspath(spec.origin)))
         else:
             out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
-    refresh_bytecode(tuple(sorted(out.values())))
+        imported.update(os.path.abspath(path) for path in spec.submodule_search_locations)
+    refresh_bytecode(tuple(sorted({*out.values(), *imported})))
     return out
 
 
 @functools.cache
 def refresh_bytecode(folders: tuple[str, ...]) -> None:
-    """Compile the stale or missing `__pycache__` entries of the worker's package folders.
+    """Compile the stale or missing `__pycache__` entries of the package folders.
 
     Workers run with `-B` and read-only views of these folders, so they never write
     bytecode; most of their modules are never imported by the parent, so nothing else
     writes it either. Without this, every worker compiles those modules from source at
-    start-up (`benchmarks/bench_providers.py` times both). A folder the parent cannot write
-    is left as it is (an installed wheel has its bytecode from the installer).
-    """
-    import compileall
+    start-up (`benchmarks/bench_providers.py` times both). The same holds for the parent's
+    own modules when it imports them through a tree of links (a strict editable install)
+    and does not write bytecode (`PYTHONDONTWRITEBYTECODE`): each agent process compiled
+    about fifty modules. A folder the parent cannot write is left as it is (an installed
+    wheel has its bytecode from the installer).
 
+    A current entry costs a `stat` and a 16-byte read (no `compileall`, whose imports cost
+    more than the check); only a stale or missing one is compiled.
+    """
     for folder in folders:
+        _refresh_folder(folder, 2)
+
+
+def _refresh_folder(folder: str, levels: int) -> None:
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
         with contextlib.suppress(OSError):
-            compileall.compile_dir(folder, maxlevels=2, quiet=2, optimize=0)
+            if entry.name.endswith(".py") and entry.is_file():
+                _refresh_file(entry.path)
+            elif (
+                levels > 0
+                and entry.name != "__pycache__"
+                and not entry.name.startswith(".")
+                and entry.is_dir(follow_symlinks=False)
+            ):
+                _refresh_folder(entry.path, levels - 1)
+
+
+def _refresh_file(source: str) -> None:
+    """Compile `source` (timestamp-checked, unoptimised, as a worker reads it) unless its
+    cached bytecode is current for its modification time and size."""
+    cached = importlib.util.cache_from_source(source, optimization="")
+    st = os.stat(source)
+    try:
+        with open(cached, "rb") as fh:
+            head = fh.read(16)
+    except OSError:
+        head = b""
+    if (
+        len(head) == 16
+        and head[:4] == importlib.util.MAGIC_NUMBER
+        and (
+            int.from_bytes(head[4:8], "little") != 0  # hash-based: checked by the importer
+            or (
+                int.from_bytes(head[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
+                and int.from_bytes(head[12:16], "little") == st.st_size & 0xFFFFFFFF
+            )
+        )
+    ):
+        return
+    import py_compile
+
+    with contextlib.suppress(py_compile.PyCompileError, ValueError):
+        py_compile.compile(
+            source,
+            cfile=cached,
+            doraise=True,
+            optimize=0,
+            invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP,
+        )
 
 
 def import_roots() -> tuple[str, ...]:

@@ -14,6 +14,12 @@ and `landlock` it is a plain child; for `bwrap` and `unshare` it lives inside th
 each forked worker takes namespaces of its own. If the template cannot start (or cannot hold
 as a fresh worker would for this policy), workers are started directly (the same plan and
 restrictions either way).
+
+The template is not on the first worker's path: the pool's first start in a caller's thread
+starts its worker directly (from scratch), then starts the template in the background, so a
+process that makes one call never waits for a template (its start is cancelled when the pool
+closes first). Every later start forks from the template, waiting for it while it starts
+(a start in flight is nearer its end than a fresh one); the refill thread always does.
 """
 
 from __future__ import annotations
@@ -66,6 +72,12 @@ class WorkerPool:
             )
         self._template: WorkerTemplate | None = None
         self._template_lock = threading.Lock()
+        #: Whether the first start went (or goes) directly, the template started behind it.
+        self._direct_first = False
+        #: The template being started (so that `close` can cancel it), and the background
+        #: thread starting it after the first direct start.
+        self._starting: WorkerTemplate | None = None
+        self._template_thread: threading.Thread | None = None
         if self.warm:
             # Started now, idle until asked: the first `acquire` only signals it.
             self._start_refill_thread()
@@ -83,22 +95,66 @@ class WorkerPool:
             if self._template is not None:
                 self._template.close()
             try:
-                self._template = WorkerTemplate.start(
-                    self.policy, self.provider, timeout=self.start_timeout
+                template = WorkerTemplate.start(
+                    self.policy, self.provider, timeout=self.start_timeout, started=self._track
                 )
             except (WorkerStartError, OSError) as exc:
+                if self._closed:
+                    return None  # cancelled by close(): not a failure of templates
                 self.last_error = exc
                 self.use_template = False  # start workers directly from now on
                 self._template = None
+                return None
+            finally:
+                self._track(None)
+            if self._closed:  # closed while it started: nothing of it stays
+                template.close()
+                return None
+            self._template = template
             return self._template
 
-    def _start(self) -> WorkerProcess:
-        with lifecycle.START_GATE.slot():
-            return self._start_now()
+    def _track(self, template: WorkerTemplate | None) -> None:
+        """Remember the template being started (None once its start ended); cancel it at
+        once if the pool closed meanwhile."""
+        with self._lock:
+            self._starting = template
+            cancel = template is not None and self._closed
+        if cancel and template is not None:
+            template.close()
 
-    def _start_now(self) -> WorkerProcess:
+    def _start_template_later(self) -> None:
+        """Start the template in a background thread (the first worker started directly)."""
+        with self._lock:
+            if self._closed or self._template_thread is not None:
+                return
+            thread = threading.Thread(
+                target=self.template, name="agent-sandbox-template-start", daemon=True
+            )
+            self._template_thread = thread
+        thread.start()
+
+    def _start(self, *, direct_first: bool = False) -> WorkerProcess:
+        with lifecycle.START_GATE.slot():
+            return self._start_now(direct_first)
+
+    def _start_now(self, direct_first: bool = False) -> WorkerProcess:
+        if direct_first and self.use_template and self._template is None:
+            with self._lock:
+                direct, self._direct_first = not self._direct_first, True
+            if direct:
+                # The pool's first worker: from scratch, the template behind it.
+                try:
+                    first = WorkerProcess.start(
+                        self.policy, self.provider, start_timeout=self.start_timeout
+                    )
+                finally:
+                    self._start_template_later()
+                self.started += 1
+                return first
         template = self.template()
-        worker = None
+        if template is None and self._closed:
+            raise SandboxClosed("the worker pool is closed")
+        worker: WorkerProcess | None = None
         if template is not None:
             try:
                 worker = WorkerProcess.start(
@@ -126,7 +182,7 @@ class WorkerPool:
                     break
                 candidate.discard()
         if worker is None:
-            worker = self._start()
+            worker = self._start(direct_first=True)
         self._schedule_refill()
         return worker
 
@@ -188,13 +244,16 @@ class WorkerPool:
             self._wake.notify_all()
             ready = list(self._ready)
             self._ready.clear()
+            starting = self._starting
+        if starting is not None:
+            starting.close()  # a template start in flight ends now (see `_track`)
         for worker in ready:
             worker.discard()
-        thread = self._refill_thread
-        if thread is not None and thread is not threading.current_thread():
-            # A start in progress discards its worker when it sees the pool closed; wait for
-            # it, so that nothing of this pool is left once close() returns.
-            thread.join(self.start_timeout + 1.0)
+        for thread in (self._refill_thread, self._template_thread):
+            if thread is not None and thread is not threading.current_thread():
+                # A start in progress discards its worker (or template) when it sees the pool
+                # closed; wait for it, so that nothing of this pool is left once close() returns.
+                thread.join(self.start_timeout + 1.0)
         with self._template_lock:
             if self._template is not None:
                 self._template.close()

@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from agent_sandbox._errors import WorkerStartError
@@ -155,15 +156,28 @@ class WorkerTemplate:
         self._loopback = True
 
     @classmethod
-    def start(cls, policy: Policy, provider: Provider, *, timeout: float = 15.0) -> WorkerTemplate:
-        """Launch the template with the provider's environment for this policy."""
+    def start(
+        cls,
+        policy: Policy,
+        provider: Provider,
+        *,
+        timeout: float = 15.0,
+        started: Callable[[WorkerTemplate], None] | None = None,
+    ) -> WorkerTemplate:
+        """Launch the template with the provider's environment for this policy.
+
+        `started` is given the template before it launches: its `close()` from another
+        thread cancels the start (which then raises WorkerStartError).
+        """
         from agent_sandbox.providers._base import base_env
 
         if provider.name in NAMESPACE_TEMPLATE_PROVIDERS:
-            return cls._start_namespace(policy, provider, timeout)
+            return cls._start_namespace(policy, provider, timeout, started)
         if provider.name not in PLAIN_TEMPLATE_PROVIDERS:
             raise WorkerStartError(f"provider {provider.name!r} does not use worker templates")
         self = cls()
+        if started is not None:
+            started(self)
         lifecycle.ensure_guardian()
         self.folder = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix() + "template-")
         spec = WorkerSpec(
@@ -208,7 +222,13 @@ class WorkerTemplate:
         return self
 
     @classmethod
-    def _start_namespace(cls, policy: Policy, provider: Provider, timeout: float) -> WorkerTemplate:
+    def _start_namespace(
+        cls,
+        policy: Policy,
+        provider: Provider,
+        timeout: float,
+        started: Callable[[WorkerTemplate], None] | None = None,
+    ) -> WorkerTemplate:
         """Launch the template inside the provider's sandbox (see the module docstring)."""
         from agent_sandbox.providers._bwrap import BwrapPlan, template_argv
         from agent_sandbox.providers._landlock import probe_landlock
@@ -222,6 +242,8 @@ class WorkerTemplate:
 
         self = cls()
         self.kind = "namespace"
+        if started is not None:
+            started(self)
         lifecycle.ensure_guardian()
         self.folder = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix() + "template-")
         scratch = os.path.join(self.folder, "scratch")
@@ -325,6 +347,9 @@ class WorkerTemplate:
     def _await_ready(self, parent: socket.socket, timeout: float) -> None:
         """Wait for the template's `ready`, then read its messages in a thread."""
         self.sock = parent
+        if self._closed:  # cancelled (closed from another thread) while it launched
+            self.close()
+            raise WorkerStartError("the worker template's start was cancelled")
         parent.settimeout(timeout)
         try:
             line = self._read_line()
@@ -483,6 +508,8 @@ class WorkerTemplate:
         """End the template (its workers die with it) and remove its folder."""
         self._closed = True
         if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a start waiting for `ready`
             with contextlib.suppress(OSError):
                 self.sock.close()
         if self.proc is not None and self.proc.poll() is None:

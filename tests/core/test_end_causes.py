@@ -227,6 +227,7 @@ def dead_template() -> tuple[str, str]:
     name = "landlock" if get_provider("landlock").probe().available else "subprocess"
     policy = _policy().model_copy(update={"no_kernel_boundary": "accepted"})
     with Sandbox(policy, provider=name, warm=0) as sb:
+        sb._pool.template()  # (a pool's first worker otherwise starts from scratch)
         session = sb.session("t")
         assert session.run("x = 1").ok
         template = sb._pool._template

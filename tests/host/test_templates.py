@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,14 @@ POLICY = Policy(
     imports={"allow": ["os", "random"]},
     limits={"wall_seconds": 10},
 )
+
+
+def _templated(**kwargs: Any) -> Sandbox:
+    """A sandbox whose pool's template runs already: a pool's first worker otherwise starts
+    from scratch, with the template started behind it."""
+    sb = Sandbox(POLICY, warm=0, **kwargs)
+    sb._pool.template()
+    return sb
 
 
 def _ppid(pid: int) -> int:
@@ -42,7 +51,7 @@ def _gone(pid: int, within: float = 5.0) -> bool:
 
 def test_workers_are_forked_from_the_pools_template() -> None:
     """It starts a session's worker as a child of the pool's template, in its own session."""
-    with Sandbox(POLICY, warm=0) as sb:
+    with _templated() as sb:
         session = sb.session()
         result = session.run("import os\n[os.getpid(), os.getpgid(0), os.getsid(0)]")
         pid, pgid, sid = result.value
@@ -54,14 +63,14 @@ def test_workers_are_forked_from_the_pools_template() -> None:
 
 def test_workers_from_one_template_do_not_share_random_state() -> None:
     """It gives each forked worker its own `random` state."""
-    with Sandbox(POLICY, warm=0) as sb:
+    with _templated() as sb:
         values = {sb.run("import random\nrandom.random()").value for _ in range(3)}
     assert len(values) == 3
 
 
 def test_the_template_ends_with_its_pool_and_takes_its_workers() -> None:
     """It leaves neither the template nor a worker behind once the sandbox is closed."""
-    sb = Sandbox(POLICY, warm=0)
+    sb = _templated()
     session = sb.session()
     pid = session.run("import os\nos.getpid()").value
     template = sb._pool._template
@@ -73,7 +82,7 @@ def test_the_template_ends_with_its_pool_and_takes_its_workers() -> None:
 
 def test_workers_die_with_their_template(tmp_path: Path) -> None:
     """It kills a template's workers when the template dies; the session starts afresh."""
-    with Sandbox(POLICY, warm=0) as sb:
+    with _templated() as sb:
         session = sb.session()
         session.run("x = 1")
         pid = session.worker.pid if session.worker else -1
@@ -96,7 +105,7 @@ def test_a_template_that_cannot_start_falls_back_to_direct_starts(
         raise WorkerStartError("template refused for the test")
 
     monkeypatch.setattr(WorkerTemplate, "start", classmethod(refuse))
-    with Sandbox(POLICY, warm=0) as sb:
+    with _templated() as sb:
         result = sb.run("import os\nos.getppid()")
         assert result.ok and result.value == os.getpid()  # a direct child of this process
         assert sb._pool._template is None and not sb._pool.use_template
@@ -105,7 +114,7 @@ def test_a_template_that_cannot_start_falls_back_to_direct_starts(
 
 def test_a_forked_worker_holds_only_its_own_descriptors() -> None:
     """It leaves the worker no descriptor of the template (control socket, epoll)."""
-    with Sandbox(POLICY, warm=0) as sb:
+    with _templated() as sb:
         session = sb.session()
         pid = session.run("import os\nos.getpid()").value
         kinds = sorted(
@@ -122,15 +131,15 @@ _HASH = "hash('x'), hash(b'agent')"
 def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
     """Workers of two sandboxes with the same policy come from different templates, so they
     do not share a hash secret (or memory layout); `share_workers=True` shares the pool."""
-    with Sandbox(POLICY, warm=0) as first, Sandbox(POLICY, warm=0) as second:
+    with _templated() as first, _templated() as second:
         assert first._pool is not second._pool
         a, b = first.run(_HASH).value, second.run(_HASH).value
         assert first._pool._template is not None and second._pool._template is not None
         assert first._pool._template is not second._pool._template
     assert a != b
     with (
-        Sandbox(POLICY, warm=0, share_workers=True) as first,
-        Sandbox(POLICY, warm=0, share_workers=True) as second,
+        _templated(share_workers=True) as first,
+        _templated(share_workers=True) as second,
     ):
         assert first._pool is second._pool
 
@@ -141,7 +150,7 @@ def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
     "after the imports hashed with it); documented in _worker/template.py and docs/performance.md",
 )
 def test_workers_of_one_template_have_their_own_hash_secret() -> None:
-    with Sandbox(POLICY, warm=0) as sb:
+    with _templated() as sb:
         values = {tuple(sb.run(_HASH).value) for _ in range(2)}
     assert len(values) == 2
 
@@ -157,3 +166,62 @@ def test_a_forked_worker_renews_the_multiprocessing_key() -> None:
     mp.current_process().authkey = key
     _worker_template._renew_secrets()
     assert mp.current_process().authkey != key
+
+
+def test_a_pools_first_worker_starts_from_scratch_and_the_next_ones_from_its_template() -> None:
+    """It starts a pool's first worker directly (a one-call process never waits for a
+    template), the template behind it, and forks the next workers from the template."""
+    from agent_sandbox._host.templates import TemplateChild
+
+    with Sandbox(POLICY, warm=0) as sb:
+        first, second = sb.session("first"), sb.session("second")
+        assert first.run("1").ok and second.run("1").ok
+        assert first.worker is not None and second.worker is not None
+        assert not isinstance(first.worker.proc, TemplateChild)
+        assert isinstance(second.worker.proc, TemplateChild)
+        assert second.worker.proc._template is sb._pool._template
+
+
+def test_a_template_start_cancelled_by_close_leaves_nothing() -> None:
+    """It ends a template whose start is cancelled (closed from elsewhere while it starts,
+    as a pool's close does): the start fails, no process and no folder remain."""
+    from agent_sandbox.providers import get_provider
+
+    seen: list[WorkerTemplate] = []
+
+    def cancel(template: WorkerTemplate) -> None:
+        seen.append(template)
+        template.close()
+
+    with pytest.raises(WorkerStartError, match="cancelled"):
+        WorkerTemplate.start(POLICY, get_provider("landlock"), started=cancel)
+    (template,) = seen
+    assert template.proc is not None and _gone(template.proc.pid)
+    assert template.folder and not os.path.exists(template.folder)
+
+
+def test_a_pool_closed_while_its_template_starts_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It leaves no template (process or folder) when the sandbox closes while the template
+    started behind its first worker is still starting."""
+    import threading
+
+    seen: list[WorkerTemplate] = []
+    waiting = threading.Event()
+    await_ready = WorkerTemplate._await_ready
+
+    def spy(self: WorkerTemplate, parent: Any, timeout: float) -> None:
+        seen.append(self)
+        waiting.set()
+        await_ready(self, parent, timeout)
+
+    monkeypatch.setattr(WorkerTemplate, "_await_ready", spy)
+    sb = Sandbox(POLICY, warm=0)
+    assert sb.run("1").ok
+    assert waiting.wait(10)
+    sb.close()
+    (template,) = seen
+    assert sb._pool._template is None
+    assert template.proc is not None and _gone(template.proc.pid)
+    assert not os.path.exists(template.folder)

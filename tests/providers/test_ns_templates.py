@@ -32,7 +32,15 @@ NAMESPACE = ("bwrap", "unshare")
 
 def _sandbox(provider: str, arena: dict[str, Path]) -> Sandbox:
     skip_unless_available(provider)
-    return Sandbox(hostile_policy(arena), provider=provider, warm=0)
+    return _started(Sandbox(hostile_policy(arena), provider=provider, warm=0))
+
+
+def _started(sb: Sandbox) -> Sandbox:
+    """`sb` with its pool's template running: a pool's first worker otherwise starts from
+    scratch, with the template started behind it (so that a one-call process never waits
+    for a template)."""
+    sb._pool.template()
+    return sb
 
 
 def _forked(sb: Sandbox) -> WorkerTemplate:
@@ -180,7 +188,8 @@ _HASH = "hash('x'), hash(b'agent')"
 )
 def test_siblings_of_a_namespace_template_have_their_own_hash_secret(provider: str) -> None:
     skip_unless_available(provider)
-    with Sandbox(Policy(name="hash", limits={"wall_seconds": 10}), provider=provider, warm=0) as sb:
+    policy = Policy(name="hash", limits={"wall_seconds": 10})
+    with _started(Sandbox(policy, provider=provider, warm=0)) as sb:
         values = {tuple(sb.run(_HASH).value) for _ in range(2)}
         _forked(sb)
     assert len(values) == 2
@@ -188,11 +197,13 @@ def test_siblings_of_a_namespace_template_have_their_own_hash_secret(provider: s
 
 def _ns(provider: str, policy: Policy | None = None) -> Sandbox:
     skip_unless_available(provider)
-    return Sandbox(
-        policy
-        or Policy(name="ns-template", imports={"allow": ["os"]}, limits={"wall_seconds": 10}),
-        provider=provider,
-        warm=0,
+    return _started(
+        Sandbox(
+            policy
+            or Policy(name="ns-template", imports={"allow": ["os"]}, limits={"wall_seconds": 10}),
+            provider=provider,
+            warm=0,
+        )
     )
 
 
@@ -351,3 +362,20 @@ def test_a_forked_namespace_worker_killed_by_a_signal_is_reported_as_such(provid
         _forked(sb)
         assert result.error is not None and result.error.kind == "crashed", result.error
         assert "SIGKILL" in result.error.message, result.error.message
+
+
+@pytest.mark.parametrize("provider", NAMESPACE)
+def test_a_namespace_pools_first_worker_starts_from_scratch_the_next_from_its_template(
+    provider: str,
+) -> None:
+    """It starts the pool's first worker from scratch (its process never waits for the
+    template), the template inside the sandbox behind it, and forks the next from it."""
+    skip_unless_available(provider)
+    policy = Policy(name="ns-first", limits={"wall_seconds": 10})
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        first, second = sb.session("first"), sb.session("second")
+        assert first.run("1").ok and second.run("1").ok
+        assert first.worker is not None and second.worker is not None
+        assert not isinstance(first.worker.proc, TemplateChild)
+        assert isinstance(second.worker.proc, TemplateChild)
+        assert _forked(sb).kind == "namespace"

@@ -95,6 +95,30 @@ def test_a_changed_key_probes_again(
     assert trial.runs == 2
 
 
+def test_installs_sharing_the_file_keep_their_own_answers(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It keeps one answer per key (two installs of the package alternating do not evict
+    each other's answer), and at most `MAX_ENTRIES` answers, dropping the oldest."""
+    real = _probe_cache._common_key
+    install = ["a"]
+    monkeypatch.setattr(_probe_cache, "_common_key", lambda: {**real(), "package": [install[0]]})
+    trial = Trial(YES)
+    for name in ("a", "b", "a", "b"):
+        install[0] = name
+        assert _probe_cache.cached_probe("bwrap", {}, trial) == YES
+    assert trial.runs == 2
+    for i in range(_probe_cache.MAX_ENTRIES):
+        install[0] = f"other-{i}"
+        _probe_cache.cached_probe("bwrap", {}, trial)
+    entries = json.loads(cache.read_text())["entries"]
+    assert len(entries) == _probe_cache.MAX_ENTRIES
+    install[0] = "a"  # the oldest: dropped
+    runs = trial.runs
+    _probe_cache.cached_probe("bwrap", {}, trial)
+    assert trial.runs == runs + 1
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -125,11 +149,12 @@ def test_an_entry_with_extra_fields_or_odd_details_is_not_trusted(cache: Path) -
     trial = Trial(YES)
     _probe_cache.cached_probe("bwrap", {}, trial)
     data = json.loads(cache.read_text())
+    (filed,) = data["entries"]
     for result in (
-        {**data["entries"]["bwrap"]["result"], "available": False},
+        {**data["entries"][filed]["result"], "available": False},
         {"version": "1", "details": {"path": ["/bin/sh"]}},
     ):
-        data["entries"]["bwrap"]["result"] = result
+        data["entries"][filed]["result"] = result
         cache.write_text(json.dumps(data))
         _probe_cache.cached_probe("bwrap", {}, trial)
     assert trial.runs == 3
@@ -211,4 +236,4 @@ def test_a_fresh_process_reads_the_real_probes(cache: Path) -> None:
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
-    assert "bwrap" in json.loads(cache.read_text())["entries"]
+    assert any(name.startswith("bwrap:") for name in json.loads(cache.read_text())["entries"])
