@@ -82,6 +82,15 @@ class LaunchPlan:
     #: The launched process forwards SIGINT to the worker (the worker has no host pid: it
     #: runs in a VM), so the parent's interrupt signals the launcher itself.
     interrupt_launcher: bool = False
+    #: A host file where the launcher keeps the limit counters the sandbox side reported
+    #: (a VM's guest agent: `_qemu_host.py`); the parent turns new counts into denials
+    #: marked as the worker side's word (`_limits.GuestLimits`). "" when there is none.
+    limit_reports: str = ""
+    #: Run one constant call (`None`, file name `<warm-up>`) before the worker is handed
+    #: out: a restored VM's translation cache starts cold, so the first call would pay for
+    #: translating the whole call path (~0.1-0.2 s under TCG); a pool's worker pays it
+    #: while it waits instead.
+    warm_up: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -400,13 +400,13 @@ def receive_listener(channel: socket.socket, timeout: float) -> socket.socket:
             socket.close(fds[0])
         raise EgressError(f"the worker's proxy descriptor is not a socket ({exc})") from None
     ok = (
-        sock.family == socket.AF_INET
+        sock.family in (socket.AF_INET, socket.AF_UNIX)
         and sock.type == socket.SOCK_STREAM
         and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
     )
     if not ok:
         sock.close()
-        raise EgressError("the worker's proxy descriptor is not a listening TCP socket")
+        raise EgressError("the worker's proxy descriptor is not a listening stream socket")
     return sock
 
 
@@ -426,6 +426,9 @@ class Route:
         self._dropped = 0
         self._lock = threading.Lock()
         self.closed = False
+        #: The loop's task serving the listener, and why it could not (see `attach`).
+        self.serve_task: asyncio.Task[None] | None = None
+        self.failure: str | None = None
 
     def record(self, denial: Denial) -> None:
         with self._lock:
@@ -467,6 +470,8 @@ class EgressProxy:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._box: dict[str, Any] = {}
         self._routes: set[Route] = set()
         self._connections = 0
 
@@ -474,16 +479,17 @@ class EgressProxy:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _start_locked(self) -> asyncio.AbstractEventLoop:
-        if self._loop is not None and self.running:
-            return self._loop
+    def _spawn_locked(self) -> None:
+        """Start the loop thread when none runs, without waiting for it (see `start`)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
         ready = threading.Event()
         box: dict[str, Any] = {}
 
         def run() -> None:
             try:
                 loop = asyncio.new_event_loop()
-            except Exception as exc:  # reported to the starter below
+            except Exception as exc:  # reported by `_loop_locked`
                 box["error"] = exc
                 ready.set()
                 return
@@ -499,32 +505,66 @@ class EgressProxy:
             thread.start()
         except RuntimeError as exc:
             raise EgressError(f"cannot start the proxy thread ({exc})") from None
-        if not ready.wait(5.0) or "loop" not in box:
-            raise EgressError(f"the proxy's event loop did not start ({box.get('error')})")
-        self._thread = thread
-        self._loop = box["loop"]
+        self._thread, self._ready, self._box, self._loop = thread, ready, box, None
+
+    def _loop_locked(self) -> asyncio.AbstractEventLoop:
+        """The running loop (started when needed), waiting for its thread to be up."""
+        self._spawn_locked()
+        if self._loop is not None:
+            return self._loop
+        if not self._ready.wait(5.0) or "loop" not in self._box:
+            self._thread = None
+            raise EgressError(f"the proxy's event loop did not start ({self._box.get('error')})")
+        self._loop = self._box["loop"]
         return self._loop
 
     def start(self) -> None:
-        """Make sure the proxy runs (raises EgressError with the reason when it cannot)."""
+        """Make sure the proxy's thread runs (raises EgressError when it cannot start).
+
+        It does not wait for the thread's loop: a worker's start goes on meanwhile, and
+        `attach` (after the worker's handshake) finds it up. Two waits on another thread
+        per start cost several milliseconds on a loaded machine (benchmarks/bench_egress.py).
+        """
         with self._lock:
-            self._start_locked()
+            self._spawn_locked()
 
     def attach(self, policy: Any, listener: socket.socket, timeout: float = 5.0) -> Route:
-        """Serve a worker's listener under `policy`'s rules; returns its route."""
+        """Serve a worker's listener under `policy`'s rules; returns its route.
+
+        The listener already listens (the worker made it), so connections wait in its
+        backlog until the loop serves it; attach does not wait for the loop: a failure to
+        serve is kept on the route (`Route.failure`) and the parent discards the worker
+        with the reason after its call. Raises EgressError when the loop cannot start.
+        """
         rules = EgressRules(policy)
         with self._lock:
-            loop = self._start_locked()
+            try:
+                loop = self._loop_locked()
+            except EgressError:
+                listener.close()
+                raise
             route = Route(self, rules, listener)
             self._routes.add(route)
-        future = asyncio.run_coroutine_threadsafe(self._serve(route), loop)
         try:
-            future.result(timeout)
-        except BaseException as exc:
+            loop.call_soon_threadsafe(self._spawn_serve, route)
+        except RuntimeError as exc:  # the loop closed under us
             route.close()
             listener.close()
             raise EgressError(f"the proxy cannot serve the worker's listener ({exc})") from None
         return route
+
+    def _spawn_serve(self, route: Route) -> None:
+        if route.closed:
+            route.listener.close()
+            return
+        task = asyncio.ensure_future(self._serve(route))
+        route.serve_task = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                route.failure = f"the proxy cannot serve the worker's listener ({t.exception()})"
+
+        task.add_done_callback(done)
 
     async def _serve(self, route: Route) -> None:
         def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -552,6 +592,8 @@ class EgressProxy:
             self._stop_if_idle()
 
     async def _close(self, route: Route) -> None:
+        if route.serve_task is not None and not route.serve_task.done():
+            await asyncio.wait([route.serve_task], timeout=2.0)
         if route.server is not None:
             route.server.close()
         else:
@@ -563,13 +605,19 @@ class EgressProxy:
 
     def _stop_if_idle(self) -> None:
         with self._lock:
-            if self._routes or self._loop is None:
+            if self._routes or self._thread is None:
                 return
-            loop, thread = self._loop, self._thread
+            thread, ready, box = self._thread, self._ready, self._box
             self._loop = None
             self._thread = None
-        loop.call_soon_threadsafe(loop.stop)
-        if thread is not None and thread is not threading.current_thread():
+        # A thread started by `start` may not have its loop yet (a start that failed
+        # before its attach): wait for it, then stop it all the same.
+        ready.wait(5.0)
+        loop = box.get("loop")
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(loop.stop)
+        if thread is not threading.current_thread():
             thread.join(5.0)
 
     def stop(self) -> None:

@@ -47,6 +47,10 @@ NET_BIND_TCP = 1 << 0  # ABI 4
 NET_CONNECT_TCP = 1 << 1  # ABI 4
 SCOPE_ABSTRACT_UNIX = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1  # ABI 6
+#: landlock_restrict_self flags (ABI 7): log the denials of programs the worker runs too
+#: (the default logs the calling process's own until it runs another program). The
+#: kernel writes them only while its audit is on (`_denial_log.py`).
+RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1
 
 #: The filesystem rights each ABI knows; a right the kernel does not know is not handled.
 _FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
@@ -209,8 +213,13 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
                     f"landlock_add_rule(port {port})",
                 )
                 added += 1
+        log_flags = RESTRICT_SELF_LOG_NEW_EXEC_ON if abi >= 7 else 0
         check(
-            syscall(ctypes.c_long(_SYS_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+            syscall(
+                ctypes.c_long(_SYS_RESTRICT_SELF),
+                ctypes.c_int(ruleset),
+                ctypes.c_uint32(log_flags),
+            ),
             "landlock_restrict_self",
         )
     finally:
@@ -223,6 +232,7 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
         "scoped": scoped,
         "rules": added,
         "skipped": skipped,
+        "log_flags": log_flags,
     }
 
 

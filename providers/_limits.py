@@ -33,6 +33,7 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import signal
 import threading
@@ -43,6 +44,7 @@ from typing import Any
 
 __all__ = [
     "REPLACING_RULES",
+    "GuestLimits",
     "WorkerCgroups",
     "cgroup_support",
     "hierarchy_bases",
@@ -620,8 +622,123 @@ def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> 
     return False
 
 
+class GuestLimits:
+    """The limit counters a VM's guest agent reported (`LaunchPlan.limit_reports`, written
+    by the host relay): refused forks of the guest's pids cgroup, memory-limit and OOM-kill
+    counts of its memory cgroup. They come from inside the VM, the worker's side of the
+    boundary, so the host cannot take them as facts: each hit says it was reported by the
+    guest and is unverified. For memory the host adds what it measures itself: how much of
+    the guest's RAM QEMU holds as private (written) pages since the restore, which a real
+    hit of `limits.memory_mb` cannot be below (the worker's charge at the template's save
+    aside); a report the measurement contradicts says so."""
+
+    #: The worker's memory already in the template when it was saved (not private pages).
+    TEMPLATE_SLACK_MB = 64
+
+    def __init__(self, path: str, launcher_pid: int) -> None:
+        self.path = path
+        self.launcher_pid = launcher_pid
+        self._seen: dict[str, int] = {}
+        self._stamp = 0
+
+    def new_hits(self, policy: Any) -> list[tuple[str, str]]:
+        """(rule, why) for each counter grown since the last call of this method."""
+        try:
+            stamp = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return []
+        if stamp == self._stamp:
+            return []
+        self._stamp = stamp
+        try:
+            with open(self.path) as fh:
+                now = json.load(fh)
+        except (OSError, ValueError):
+            return []
+        grown = {
+            key: int(value) - self._seen.get(key, 0)
+            for key, value in now.items()
+            if isinstance(value, int) and value > self._seen.get(key, 0)
+        }
+        self._seen.update({k: int(v) for k, v in now.items() if isinstance(v, int)})
+        hits: list[tuple[str, str]] = []
+        if grown.get("pids_max"):
+            hits.append(
+                (
+                    "limits.processes",
+                    f"the guest agent reported {grown['pids_max']} fork(s) refused at "
+                    f"`processes = {policy.limits.processes}` by the VM's pids cgroup; the "
+                    "host cannot see the guest's processes, so this is the worker side's "
+                    "word (unverified)",
+                )
+            )
+        if grown.get("memory_oom_kill") or grown.get("memory_max"):
+            what = (
+                f"{grown['memory_oom_kill']} process(es) killed by the VM's memory cgroup"
+                if grown.get("memory_oom_kill")
+                else "allocations held at the VM's memory cgroup limit"
+            )
+            hits.append(
+                ("limits.memory", f"the guest agent reported {what}; " + self._measured(policy))
+            )
+        return hits
+
+    def _measured(self, policy: Any) -> str:
+        limit = int(policy.limits.memory_mb)
+        written = guest_ram_written_mb(self.launcher_pid)
+        if written is None:
+            return (
+                "the host could not measure the guest's RAM, so this is the worker side's "
+                "word (unverified)"
+            )
+        if written + self.TEMPLATE_SLACK_MB < limit:
+            return (
+                f"the host measured only {written} MiB of the guest's RAM written since its "
+                f"restore, less than `memory_mb = {limit}`: the report is not borne out "
+                "(the worker side's word, unverified)"
+            )
+        return (
+            f"the host measured {written} MiB of the guest's RAM written since its restore "
+            f"(QEMU's private pages), consistent with `memory_mb = {limit}`; the hit itself "
+            "is the worker side's word"
+        )
+
+
+def guest_ram_written_mb(launcher_pid: int) -> int | None:
+    """The private (written) pages of the guest-RAM mapping of the QEMU below
+    `launcher_pid`, in MiB; None when it cannot be read."""
+    try:
+        with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children") as fh:
+            children = [int(p) for p in fh.read().split()]
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            ram = None
+            for arg in argv:
+                if b"mem-path=" in arg:
+                    ram = arg.split(b"mem-path=", 1)[1].split(b",", 1)[0]
+            if ram is None:
+                continue
+            total_kib, inside = 0, False
+            with open(f"/proc/{pid}/smaps", "rb") as fh:
+                for line in fh:
+                    if not line.split(None, 1)[0].endswith(b":"):  # a mapping's first line
+                        inside = line.rstrip().endswith(b" " + ram)
+                    elif inside and line.startswith((b"Private_Dirty:", b"Private_Clean:")):
+                        total_kib += int(line.split()[1])
+            return total_kib // 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def record_limit_hits(
-    builder: Any, cgroups: WorkerCgroups | None, policy: Any, *, scratch: str = ""
+    builder: Any,
+    cgroups: WorkerCgroups | None,
+    policy: Any,
+    *,
+    scratch: str = "",
+    guest: GuestLimits | None = None,
 ) -> bool:
     """Turn every limit hit of the call into a `limits.<name>` denial in `builder`.
 
@@ -632,8 +749,14 @@ def record_limit_hits(
     replaced.
     """
     hits: list[str] = []
+    why: dict[str, str] = {}
     if cgroups is not None:
         hits += [limit_denial_rule(event)[0] for event in cgroups.new_events()]
+    if guest is not None:
+        for rule, reason in guest.new_hits(policy):
+            if rule not in hits:
+                hits.append(rule)
+                why[rule] = reason
     if scratch and scratch_over(scratch, int(policy.limits.scratch_mb) * _MB):
         hits.append("limits.scratch")
     error = builder.error
@@ -660,8 +783,12 @@ def record_limit_hits(
             action="use",
             target=setting,
             policy=policy.name,
-            detail=f"the call went over `{setting} = {value}`; the worker is replaced and "
-            "its variables are lost",
+            detail=(
+                f"{why[rule]}; the worker is replaced and its variables are lost"
+                if rule in why
+                else f"the call went over `{setting} = {value}`; the worker is replaced and "
+                "its variables are lost"
+            ),
             hint=grant_hint({f"limits.{setting}": value * 2}),
         )
         builder.add_denial(denial)

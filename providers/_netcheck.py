@@ -4,7 +4,7 @@ Every provider's `build()` calls `refuse_unenforceable(provider, policy)` (throu
 `Sandbox`, tools, `sandboxed()` and `agent-sandbox policy check`, which all do a dry build,
 refuse too). What each one enforces, by the kind of rule:
 
-| rule                                        | landlock | bwrap / unshare        | firejail  |
+| rule                                        | landlock | bwrap / unshare / qemu | firejail  |
 |---------------------------------------------|----------|------------------------|-----------|
 | TCP connect, any host (name, IP, CIDR, `*`) | no (1)   | yes (egress proxy)     | no (2)    |
 | TCP connect, a loopback address             | no (1)   | yes (proxy to host lo) | no (2)    |
@@ -227,7 +227,7 @@ def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
         return _landlock(policy)
     if provider == "firejail":
         return _firejail(policy)
-    if provider in ("bwrap", "unshare"):
+    if provider in ("bwrap", "unshare", "qemu"):
         return _namespace(policy)
     return []
 

@@ -8,14 +8,20 @@ other provider) runs inside a QEMU `microvm` guest booted from an image built on
   which carries the parent's connections to the worker (`_qemu_host.py` relays them);
 * the policy's read paths as 9p shares, read-only in QEMU (`readonly=on`: the guest's root
   cannot remount them writable), mounted at their host paths after the restore;
+* with `[net]` allow rules, a second virtio-serial port (`net`) to a Unix socket whose
+  listening end the host relay hands the parent's egress proxy (`_egress.py`); the guest
+  agent forwards the proxy address on the guest's loopback over it (`_qemu_guest.py`);
 * nothing else: no network device at all (`-nodefaults`, no `-nic`), no other share, no
   disk; the scratch directory and `/tmp` are size-capped tmpfs inside the guest, gone with
   the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
   elevation and resource control denied).
 
-Limits: the VM's RAM is the policy's `memory_mb` plus `GUEST_HEADROOM_MB` (at least 256 MiB),
-one vCPU; the wall limit, the output bounds and the kill by pid stay on the host as for
-every provider; the rlimits apply inside the guest too. What the policy hides or denies
+Limits: the VM's RAM is at least the policy's `memory_mb` plus `GUEST_HEADROOM_MB` (at least
+256 MiB; a roomier saved template serves too), one vCPU; inside the guest the worker's
+cgroup has `pids.max` and `memory.max` from the policy, whose hits the guest agent reports
+(`LaunchPlan.limit_reports`, taken as the worker side's word); the wall limit, the output
+bounds and the kill by pid stay on the host as for every provider; the rlimits apply inside
+the guest too. What the policy hides or denies
 inside a shared directory is covered by the host relay before QEMU starts (`_qemu_host.py`).
 
 Start-up: one template per (image, QEMU version, RAM size, device set) is booted once and
@@ -23,8 +29,8 @@ saved with file-backed RAM and the `x-ignore-shared` migration capability
 (`ensure_template`); each worker restores a private copy-on-write mapping of it in about
 0.1 s (TCG, this machine), then reseeds the guest RNG and mounts its shares.
 
-Not served (refused at construction, naming the rule): `[net]` allow rules (the egress proxy
-over a second port is not built yet), `files.write` outside the scratch directory, more than
+Not served (refused at construction, naming the rule): UDP `[net]` rules and listeners off
+loopback (`_netcheck.py`), `files.write` outside the scratch directory, more than
 `SHARE_SLOTS` read directories, read grants of single files (9p shares directories).
 Inside the guest the worker applies the same seccomp filter and exec program as under
 Landlock (`_seccomp.seccomp_setup`). The parent's interrupt signals the host relay, which
@@ -73,7 +79,7 @@ from agent_sandbox.providers._qemu_image import (
     missing_tools,
     no_space,
 )
-from agent_sandbox.providers._view import network_mode, policy_paths
+from agent_sandbox.providers._view import egress_plan, policy_paths
 
 __all__ = [
     "SHARE_SLOTS",
@@ -91,7 +97,7 @@ __all__ = [
 #: 9p devices every VM has (a template's device set is fixed; unused slots share an empty dir).
 SHARE_SLOTS = 4
 #: Bumped when the device set or the guest protocol changes (a new template).
-DEVICE_SET = "2"
+DEVICE_SET = "3"
 _HOST_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_host.py")
 _TEMPLATE_BOOT_TIMEOUT = 120.0
 _QEMU = "qemu-system-x86_64"
@@ -202,6 +208,11 @@ def qemu_argv(
         f"socket,id=sb,path={os.path.join(run_dir, 'port.sock')},server=on,wait=off",
         "-device",
         "virtserialport,chardev=sb,name=sb",
+        # The egress channel (used only under a policy with [net] allow rules).
+        "-chardev",
+        f"socket,id=net,path={os.path.join(run_dir, 'net.sock')},server=on,wait=off",
+        "-device",
+        "virtserialport,chardev=net,name=net",
     ]
     for slot, path in enumerate(shares):
         argv += [
@@ -252,6 +263,46 @@ def find_template(image: Image, qemu: str, mem_mb: int) -> Template | None:
         mem_mb,
         os.path.basename(directory),
     )
+
+
+def find_roomy_template(image: Image, qemu: str, mem_mb: int) -> Template | None:
+    """The smallest saved template of this image, QEMU and device set with at least
+    `mem_mb` of guest RAM: the policy's memory limit is the guest's memory cgroup
+    (`memory.max`, set after the restore), so a roomier guest serves it as well, and the
+    tests and a mixed pool need one template boot, not one per size."""
+    exact = find_template(image, qemu, mem_mb)
+    if exact is not None:
+        return exact
+    root = os.path.dirname(template_dir(image, qemu, mem_mb))
+    best: tuple[int, str] | None = None
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    want = {
+        "qemu": qemu_version(qemu),
+        "image": image.digest,
+        "device_set": DEVICE_SET,
+        "tsc_khz": tsc_khz(),
+    }
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "template.json")) as fh:
+                meta = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        size = meta.get("mem_mb")
+        if not isinstance(size, int) or size < mem_mb or size > 2 * mem_mb + 512:
+            continue
+        if any(meta.get(k) != v for k, v in want.items()):
+            continue
+        if _template_key(image, qemu, size) != name:
+            continue
+        if best is None or size < best[0]:
+            best = (size, name)
+    if best is None:
+        return None
+    return find_template(image, qemu, best[0])
 
 
 def ensure_template(image: Image, mem_mb: int, *, qemu: str = _QEMU) -> Template:
@@ -357,6 +408,7 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
             "image": image.digest,
             "mem_mb": mem_mb,
             "device_set": DEVICE_SET,
+            "tsc_khz": tsc_khz(),
             "boot_seconds": round(booted, 2),
             "created": time.time(),
         }
@@ -583,12 +635,8 @@ class QemuProvider(Provider):
         return _probe(self.qemu, cache_root())
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        if network_mode(policy) != "none":
-            raise ProviderUnavailable(
-                "qemu",
-                "the policy has [net] allow rules; the VM has no network device and the "
-                "egress proxy over a virtio-serial port is not built yet (use provider bwrap)",
-            )
+        # [net]: no NIC; the host's egress proxy behind the guest's loopback (see above).
+        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
         shares = _share_plan(policy, spec)
         from agent_sandbox.providers import _seccomp
 
@@ -598,6 +646,11 @@ class QemuProvider(Provider):
             # Inside the guest too: the same filter and exec program as under Landlock.
             setup = _seccomp.seccomp_setup(policy)
             layers = ("guest-seccomp",)
+        if egress:
+            # For the parent (it starts the proxy and takes the relay's listener); the host
+            # relay drops it from what the guest's worker applies.
+            setup.update(egress)
+            layers += ("egress-proxy",)
         run_dir = os.path.join(spec.control_dir, "vm")
         from agent_sandbox.providers._masks import find_masks
 
@@ -617,17 +670,21 @@ class QemuProvider(Provider):
             "boot_fd": spec.boot_fd,
             "scratch_mb": int(policy.limits.scratch_mb),
             "processes": int(policy.limits.processes),
+            "memory_mb": int(policy.limits.memory_mb),
+            "egress_fd": spec.egress_fd if egress else None,
         }
         return LaunchPlan(
             provider=self.name,
             argv=(spec.python, "-I", "-S", "-B", _HOST_SCRIPT, json.dumps(config)),
-            env=base_env(spec),
-            pass_fds=(spec.listen_fd, spec.boot_fd),
+            env=base_env(spec, proxy_vars),
+            pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.control_dir,
             worker_setup=setup,
             stack=(self.name, *layers),
             worker_depth=None,
             interrupt_launcher=True,
+            limit_reports=os.path.join(run_dir, "guest-limits.json"),
+            warm_up=True,
         )
 
     def prepare(self, policy: Any) -> None:
@@ -638,7 +695,7 @@ class QemuProvider(Provider):
         qemu = str(probe.details.get("path", self.qemu))
         mem_mb = vm_memory_mb(policy)
         image = find_image()
-        if image is not None and find_template(image, qemu, mem_mb) is not None:
+        if image is not None and find_roomy_template(image, qemu, mem_mb) is not None:
             return
         bar = FirstUseProgress.maybe()
         try:
@@ -665,9 +722,12 @@ class QemuProvider(Provider):
         config = json.loads(plan.argv[-1])
         mem_mb = int(config["mem_mb"])
         try:
-            template = ensure_template(image, mem_mb, qemu=qemu)
+            template = find_roomy_template(image, qemu, mem_mb) or ensure_template(
+                image, mem_mb, qemu=qemu
+            )
         except TemplateError as exc:
             raise ProviderUnavailable("qemu", str(exc)) from None
+        mem_mb = template.mem_mb
         run_dir = config["run_dir"]
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         empty = os.path.join(run_dir, "empty")
@@ -686,11 +746,18 @@ class QemuProvider(Provider):
             "state": template.state,
             "qmp": os.path.join(run_dir, "qmp.sock"),
             "port": os.path.join(run_dir, "port.sock"),
+            "net_port": os.path.join(run_dir, "net.sock"),
+            "net": (
+                {"socket": os.path.join(run_dir, "egress.sock"), "egress_fd": config["egress_fd"]}
+                if config.get("egress_fd") is not None
+                else None
+            ),
             "listen_fd": config["listen_fd"],
             "boot_fd": config["boot_fd"],
             "shares": [[f"ro{i}", path] for i, path in enumerate(dirs)],
             "scratch_mb": config["scratch_mb"],
             "processes": config["processes"],
+            "memory_mb": config["memory_mb"],
             "masks": config["masks"],
             "start_timeout": 30.0,
             "trace": self.trace,

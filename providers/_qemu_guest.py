@@ -19,7 +19,20 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
    provider on the listening socket;
 4. relays: each host connection (`O`) becomes a connection to that socket; bytes go both
    ways in `D` frames, `C` closes one; `S` forwards SIGINT to the worker; when the worker
-   ends, `X` carries its wait status and the VM powers off.
+   ends, `X` carries its wait status and the VM powers off;
+5. with `net` in the `B` frame (a policy with `[net]` allow rules): the egress forwarder.
+   The guest has no network device, only its loopback (brought up before the save). The
+   agent listens on the proxy address there (`127.0.0.1:3128`, which the worker's proxy
+   variables name) before the worker is released; each connection accepted becomes a
+   channel over the second port (`net`), which the host relay joins to the host's egress
+   proxy (`providers/_egress.py`): `O` opens one (channel numbers chosen here, at most
+   `MAX_NET_CHANNELS` open), `D` carries bytes, `C` closes. The agent judges nothing: every
+   rule is applied, and every refusal recorded, on the host;
+6. the limit counters: the worker's cgroup has `pids.max` and `memory.max`; when the
+   kernel raises `pids.events` or `memory.events` (POLLPRI), the agent sends an `L` frame
+   with the counters (`{"pids_max": n, "oom_kill": n, "max": n}`) before relaying anything
+   the worker sent after it. The host takes them as the worker side's word (see
+   `_qemu_host.py`).
 
 Frames: kind (1 byte), channel (4 bytes), length (4 bytes, at most `MAX_FRAME`), payload.
 Only the standard library and the worker's own modules are used.
@@ -34,9 +47,13 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["MAX_FRAME", "main"]
+__all__ = ["MAX_FRAME", "MAX_NET_CHANNELS", "main"]
 
 MAX_FRAME = 1 << 20
+#: Open egress channels at once (the host refuses more, as its proxy bounds each route).
+MAX_NET_CHANNELS = 64
+#: The egress forwarder's address on the guest's loopback (`_egress.PROXY_HOST/PORT`).
+NET_ADDRESS = ("127.0.0.1", 3128)
 _HEAD = struct.Struct(">BII")
 _WORKER_SOCK = "/run/sb-worker.sock"
 _RNDADDENTROPY = 0x40085203
@@ -135,6 +152,83 @@ class Port:
         return out
 
 
+def _loopback_up() -> str:
+    """Bring the guest's `lo` up (the egress forwarder listens there); returns "" or why not."""
+    import fcntl
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 1
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            req = struct.pack("16sH14x", b"lo", 0)
+            flags = struct.unpack("16sH14x", fcntl.ioctl(sock, siocgifflags, req))[1]
+            fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+class Net:
+    """The egress forwarder: the guest loopback's proxy address, relayed over the `net` port."""
+
+    def __init__(self, port: "Port", listener: socket.socket) -> None:
+        self.port = port
+        self.listener = listener
+        self.conns: dict[int, socket.socket] = {}
+        self.by_fd: dict[int, int] = {}
+        self.next_chan = 1
+
+    def accept(self, poller: "select.poll") -> None:
+        try:
+            sock, _addr = self.listener.accept()
+        except OSError:
+            return
+        if len(self.conns) >= MAX_NET_CHANNELS:
+            sock.close()
+            return
+        chan = self.next_chan
+        self.next_chan += 1
+        self.conns[chan] = sock
+        self.by_fd[sock.fileno()] = chan
+        poller.register(sock.fileno(), select.POLLIN)
+        self.port.send(b"O", chan)
+
+    def drop(self, chan: int, poller: "select.poll") -> None:
+        sock = self.conns.pop(chan, None)
+        if sock is not None:
+            self.by_fd.pop(sock.fileno(), None)
+            poller.unregister(sock.fileno())
+            sock.close()
+
+    def from_host(self, poller: "select.poll") -> None:
+        if not self.port.read_some():
+            time.sleep(0.001)  # no host on the port (yet): it reads as end-of-file
+            return
+        for kind, chan, payload in self.port.frames():
+            if kind == ord("D") and chan in self.conns:
+                try:
+                    self.conns[chan].sendall(payload)
+                except OSError:
+                    self.drop(chan, poller)
+                    self.port.send(b"C", chan)
+            elif kind == ord("C"):
+                self.drop(chan, poller)
+
+    def from_guest(self, fd: int, poller: "select.poll") -> None:
+        chan = self.by_fd.get(fd, -1)
+        sock = self.conns.get(chan)
+        if sock is None:
+            return
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        if data:
+            self.port.send(b"D", chan, data)
+        else:
+            self.drop(chan, poller)
+            self.port.send(b"C", chan)
+
+
 def _reseed(entropy: bytes) -> None:
     import fcntl
 
@@ -165,17 +259,50 @@ def _mount(source: str, target: str, fstype: str, flags: int, options: str) -> N
 
 def _worker_cgroup(child: int) -> str:
     """Before the save: a cgroup v2 group holding the worker (and all it will fork), with
-    the pids controller on; returns why it could not be made, or ""."""
+    the pids and memory controllers on; returns why it could not be made, or ""."""
     try:
         _mount("cgroup2", _CGROUP_ROOT, "cgroup2", _MS_NOSUID | _MS_NODEV, "")
         with open(os.path.join(_CGROUP_ROOT, "cgroup.subtree_control"), "w") as fh:
-            fh.write("+pids")
+            fh.write("+pids +memory")
         os.makedirs(_CGROUP, exist_ok=True)
         with open(os.path.join(_CGROUP, "cgroup.procs"), "w") as fh:
             fh.write(str(child))
     except OSError as exc:
         return str(exc)
     return ""
+
+
+class Limits:
+    """The worker cgroup's event counters (`pids.events` max, `memory.events` max and
+    oom_kill), watched with POLLPRI (the kernel's file-modified event)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[int, str] = {}
+        self.sent: dict[str, int] = {}
+        for name in ("pids.events", "memory.events"):
+            try:
+                self.fds[os.open(os.path.join(_CGROUP, name), os.O_RDONLY)] = name
+            except OSError:
+                continue
+        self.counts()  # the counters so far (none) and the files' event marks
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for fd, name in self.fds.items():
+            os.lseek(fd, 0, os.SEEK_SET)
+            for line in os.read(fd, 4096).decode().splitlines():
+                key, _, value = line.partition(" ")
+                if name == "pids.events" and key == "max":
+                    out["pids_max"] = int(value)
+                elif name == "memory.events" and key in ("max", "oom_kill"):
+                    out["memory_" + key] = int(value)
+        return out
+
+    def report(self, port: "Port") -> None:
+        now = self.counts()
+        if now != self.sent:
+            self.sent = now
+            port.send(b"L", 0, json.dumps(now).encode())
 
 
 def _setup(msg: dict, cgroup_error: str) -> None:  # type: ignore[type-arg]
@@ -187,6 +314,12 @@ def _setup(msg: dict, cgroup_error: str) -> None:  # type: ignore[type-arg]
             raise OSError(f"no pids cgroup for limits.processes: {cgroup_error}")
         with open(os.path.join(_CGROUP, "pids.max"), "w") as fh:
             fh.write(str(int(processes)))
+    memory_mb = msg.get("memory_mb")
+    if memory_mb:
+        if cgroup_error:
+            raise OSError(f"no memory cgroup for limits.memory: {cgroup_error}")
+        with open(os.path.join(_CGROUP, "memory.max"), "w") as fh:
+            fh.write(str(int(memory_mb) << 20))
     for tag, path in msg.get("shares", []):
         _mount(
             tag,
@@ -267,17 +400,26 @@ def _worker(payload: bytes, listener: socket.socket) -> None:
     os._exit(70)
 
 
-def _relay(port: Port, listener: socket.socket, child: int) -> int:
-    """Step 4; returns the worker's wait status."""
+def _relay(port: Port, child: int, net: "Net | None", limits: "Limits | None") -> int:
+    """Steps 4 to 6; returns the worker's wait status."""
     conns: dict[int, socket.socket] = {}
     by_fd: dict[int, int] = {}
     poller = select.poll()
     poller.register(port.fd, select.POLLIN)
+    if net is not None:
+        poller.register(net.port.fd, select.POLLIN)
+        poller.register(net.listener.fileno(), select.POLLIN)
+    if limits is not None:
+        for fd in limits.fds:
+            poller.register(fd, select.POLLPRI)
     status: int | None = None
     while status is None:
         events = poller.poll(0 if port.pending else 50)
         if port.pending and not any(fd == port.fd for fd, _ev in events):
             events.append((port.fd, 0))
+        if limits is not None and any(fd in limits.fds for fd, _ev in events):
+            # Before relaying what the worker sent after the kernel counted the hit.
+            limits.report(port)
         for fd, _ev in events:
             if fd == port.fd:
                 if not port.pending and not port.read_some():
@@ -312,11 +454,9 @@ def _relay(port: Port, listener: socket.socket, child: int) -> int:
                             os.killpg(child, signal.SIGINT)
                         except OSError:
                             pass
-            else:
-                chan = by_fd.get(fd, -1)
-                sock2 = conns.get(chan)
-                if sock2 is None:
-                    continue
+            elif fd in by_fd:
+                chan = by_fd[fd]
+                sock2 = conns[chan]
                 try:
                     data = sock2.recv(65536)
                 except OSError:
@@ -329,6 +469,13 @@ def _relay(port: Port, listener: socket.socket, child: int) -> int:
                     by_fd.pop(fd, None)
                     poller.unregister(fd)
                     sock2.close()
+            elif net is not None:
+                if fd == net.port.fd:
+                    net.from_host(poller)
+                elif fd == net.listener.fileno():
+                    net.accept(poller)
+                else:
+                    net.from_guest(fd, poller)
         while True:  # PID 1 reaps every orphan; the worker's status ends the session
             try:
                 pid, st = os.waitpid(-1, os.WNOHANG)
@@ -338,6 +485,8 @@ def _relay(port: Port, listener: socket.socket, child: int) -> int:
                 break
             if pid == child:
                 status = st
+    if limits is not None:
+        limits.report(port)  # an OOM kill that ended the worker
     for sock in conns.values():
         try:
             while True:
@@ -367,7 +516,9 @@ def main() -> None:
     child, boot_w = _fork_worker(listener)
     listener.close()
     cgroup_error = _worker_cgroup(child)
+    loopback_error = _loopback_up()
     port = Port(_find_port())
+    net_port = Port(_find_port("net"))
     _console("SBREADY")
     frames: list[tuple[int, int, bytes]] = []
     while len(frames) < 2:
@@ -381,8 +532,21 @@ def main() -> None:
         _console("sb-agent: the host's first frames are not B and W")
         _power_off()
     steps = [("boot received", time.monotonic())]
+    net: Net | None = None
+    limits: Limits | None = None
     try:
-        _setup(json.loads(payload), cgroup_error)
+        msg = json.loads(payload)
+        _setup(msg, cgroup_error)
+        if not cgroup_error:
+            limits = Limits()
+        if msg.get("net"):
+            if loopback_error:
+                raise OSError(f"the guest's loopback is down: {loopback_error}")
+            net_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            net_listener.bind(NET_ADDRESS)
+            net_listener.listen(128)
+            net_listener.setblocking(False)
+            net = Net(net_port, net_listener)
         steps.append(("reseeded and mounted", time.monotonic()))
     except Exception as exc:
         port.send(b"E", 0, f"guest set-up failed: {exc}".encode()[:4096])
@@ -395,7 +559,7 @@ def main() -> None:
     # The guest's own clock, for the relay's trace: each step since the boot frame arrived.
     base = steps[0][1]
     port.send(b"R", 0, json.dumps([[what, round(t - base, 4)] for what, t in steps]).encode())
-    status = _relay(port, listener, child)
+    status = _relay(port, child, net, limits)
     port.send(b"X", 0, str(status).encode())
     _power_off()
 

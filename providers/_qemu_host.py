@@ -19,6 +19,18 @@ the guest worker's), and QEMU is its only child. Standard library only.
    and closes. What the guest sends is decoded here, and only here, into frames of at most
    `MAX_FRAME` bytes on channels this side opened; anything else ends the session.
 5. When the guest reports the worker's end (`X`) or QEMU exits, it exits with that status.
+6. With `net` in the configuration (a policy with `[net]` allow rules), before anything else
+   it listens on a Unix socket in the run directory and hands that listening socket to the
+   parent over the inherited egress channel (as a namespace worker hands over its loopback
+   listener): the parent's egress proxy (`providers/_egress.py`) accepts on it and applies
+   the policy. Each channel the guest opens on the second port (`net`, at most
+   `MAX_NET_CHANNELS` at once) becomes one connection to that socket; nothing the guest
+   sends there is interpreted here beyond the frames.
+7. The guest's limit counters (`L` frames: refused forks, memory-limit and OOM-kill counts
+   of the worker's cgroup in the guest) are checked for shape and written, as they are,
+   to `guest-limits.json` in the run directory before anything the guest sends after them
+   is relayed; the parent reads them after each call (`_limits.GuestLimits`). They are the
+   worker side's word: the parent says so in each denial it makes of them.
 """
 
 import json
@@ -31,9 +43,11 @@ import subprocess
 import sys
 import time
 
-__all__ = ["MAX_FRAME", "QMP", "main"]
+__all__ = ["MAX_FRAME", "MAX_NET_CHANNELS", "QMP", "main"]
 
 MAX_FRAME = 1 << 20
+MAX_NET_CHANNELS = 64
+_LIMIT_KEYS = ("pids_max", "memory_max", "memory_oom_kill")
 _HEAD = struct.Struct(">BII")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
@@ -114,6 +128,39 @@ def _mask(masks: list, run_dir: str) -> None:  # type: ignore[type-arg]
         check(libc.mount(source.encode(), path.encode(), None, _MS_BIND, None), f"bind {path}")
         flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
         check(libc.mount(None, path.encode(), None, flags, None), f"read-only {path}")
+
+
+def _hand_over_egress_listener(path: str, channel_fd: int) -> None:
+    """Listen on `path` and send the listening socket to the parent (its egress proxy
+    accepts on it); keep no copy."""
+    channel = socket.socket(fileno=channel_fd)
+    try:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            listener.listen(128)
+            socket.send_fds(channel, [b"egress"], [listener.fileno()])
+        finally:
+            listener.close()
+    finally:
+        channel.close()
+
+
+def _write_limits(path: str, payload: bytes) -> None:
+    """Check an `L` frame's shape (small counters, known names) and store it for the parent."""
+    try:
+        counts = json.loads(payload[:512])
+    except ValueError:
+        raise RuntimeError("the guest sent a malformed limit report") from None
+    if not isinstance(counts, dict) or not all(
+        key in _LIMIT_KEYS and type(value) is int and 0 <= value < 1 << 62
+        for key, value in counts.items()
+    ):
+        raise RuntimeError("the guest sent a malformed limit report")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(counts, fh)
+    os.replace(tmp, path)
 
 
 def _connect(path: str, deadline: float, qemu: "subprocess.Popen[bytes]") -> socket.socket:
@@ -212,6 +259,10 @@ def main() -> None:
     if config.get("state"):
         state_fd = os.open(config["state"], os.O_RDONLY)
         pass_fds = (state_fd,)
+    net = config.get("net")
+    if net:
+        _hand_over_egress_listener(net["socket"], int(net["egress_fd"]))
+        _trace("egress listener handed over")
     if config.get("masks"):
         _mask(config["masks"], os.path.dirname(config["port"]))
         _trace(f"{len(config['masks'])} masks mounted")
@@ -246,15 +297,24 @@ def main() -> None:
             os.close(state_fd)
             _trace("migrate-incoming sent")
         port = _connect(config["port"], deadline, qemu)
+        net_port = _connect(config["net_port"], deadline, qemu) if net else None
         _trace("port connected")
         raw_boot = _read_boot(int(config["boot_fd"]))
         boot = json.loads(raw_boot)
+        egress = (boot.get("worker_setup") or {}).get("egress")
+        if egress:
+            # The proxy's listener is this relay's (step 6), not the guest worker's: the
+            # worker keeps only the address (its guards let a connect to it through).
+            egress["fd"] = -1
+            raw_boot = json.dumps(boot).encode()
         setup = {
             "entropy": os.urandom(32).hex(),
             "shares": config["shares"],
             "scratch": boot["scratch"],
             "scratch_mb": config["scratch_mb"],
             "processes": config.get("processes", 0),
+            "memory_mb": config.get("memory_mb", 0),
+            "net": bool(net),
         }
         env = json.dumps(dict(os.environ)).encode()
         _send(port, b"B", 0, json.dumps(setup).encode())
@@ -265,7 +325,15 @@ def main() -> None:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGINT, lambda _sig, _frame: None)
         _trace("boot sent")
-        status = _relay(port, socket.socket(fileno=int(config["listen_fd"])), qemu, wake_r)
+        status = _relay(
+            port,
+            socket.socket(fileno=int(config["listen_fd"])),
+            qemu,
+            wake_r,
+            net_port,
+            net["socket"] if net else "",
+            os.path.join(os.path.dirname(config["port"]), "guest-limits.json"),
+        )
     except Exception as exc:
         sys.stderr.write(f"agent-sandbox qemu: {exc}\n")
         stop()
@@ -279,12 +347,87 @@ def main() -> None:
     _exit_with(status)
 
 
+class _Net:
+    """Step 6: the guest's egress channels, each a connection to the egress listener."""
+
+    def __init__(self, port: socket.socket, path: str, sel: selectors.BaseSelector) -> None:
+        self.port = port
+        self.path = path
+        self.sel = sel
+        self.conns: dict[int, socket.socket] = {}
+        self.buf = b""
+
+    def from_guest(self) -> None:
+        data = self.port.recv(262144)
+        if not data:
+            raise RuntimeError("the guest's net port closed")
+        self.buf += data
+        while len(self.buf) >= _HEAD.size:
+            kind, chan, size = _HEAD.unpack_from(self.buf)
+            if size > MAX_FRAME:
+                raise RuntimeError("the guest sent an oversized frame on the net port")
+            if len(self.buf) < _HEAD.size + size:
+                break
+            payload = self.buf[_HEAD.size : _HEAD.size + size]
+            self.buf = self.buf[_HEAD.size + size :]
+            if kind == ord("O"):
+                if chan in self.conns or len(self.conns) >= MAX_NET_CHANNELS:
+                    _send(self.port, b"C", chan)
+                    continue
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    conn.connect(self.path)
+                except OSError:
+                    conn.close()
+                    _send(self.port, b"C", chan)
+                    continue
+                self.conns[chan] = conn
+                self.sel.register(conn, selectors.EVENT_READ, ("net", chan))
+            elif kind == ord("D") and chan in self.conns:
+                try:
+                    self.conns[chan].sendall(payload)
+                except OSError:
+                    self.close(chan)
+                    _send(self.port, b"C", chan)
+            elif kind == ord("C"):
+                self.close(chan)
+            elif kind not in (ord("D"),):
+                raise RuntimeError(f"the guest sent an unknown net frame kind {kind}")
+
+    def from_proxy(self, chan: int) -> None:
+        conn = self.conns[chan]
+        try:
+            data = conn.recv(65536)
+        except OSError:
+            data = b""
+        if data:
+            _send(self.port, b"D", chan, data)
+        else:
+            self.close(chan)
+            _send(self.port, b"C", chan)
+
+    def close(self, chan: int) -> None:
+        conn = self.conns.pop(chan, None)
+        if conn is not None:
+            self.sel.unregister(conn)
+            conn.close()
+
+
 def _relay(
-    port: socket.socket, listener: socket.socket, qemu: "subprocess.Popen[bytes]", wake: int
+    port: socket.socket,
+    listener: socket.socket,
+    qemu: "subprocess.Popen[bytes]",
+    wake: int,
+    net_port: socket.socket | None = None,
+    egress_path: str = "",
+    limits_path: str = "",
 ) -> int:
-    """Step 4 and 5: returns the guest worker's wait status."""
+    """Steps 4 to 7: returns the guest worker's wait status."""
     sel = selectors.DefaultSelector()
     sel.register(port, selectors.EVENT_READ, "port")
+    net = _Net(net_port, egress_path, sel) if net_port is not None else None
+    if net_port is not None:
+        sel.register(net_port, selectors.EVENT_READ, "net")
     sel.register(wake, selectors.EVENT_READ, "signal")
     listener.setblocking(False)
     sel.register(listener, selectors.EVENT_READ, "listener")
@@ -293,7 +436,14 @@ def _relay(
     buf = b""
     while True:
         for key, _ev in sel.select(0.1):
-            if key.data == "signal":
+            if key.data == "net":
+                assert net is not None
+                net.from_guest()
+            elif isinstance(key.data, tuple):
+                assert net is not None
+                if key.data[1] in net.conns:
+                    net.from_proxy(key.data[1])
+            elif key.data == "signal":
                 if signal.SIGINT in os.read(wake, 64):
                     _send(port, b"S")
             elif key.data == "listener":
@@ -333,6 +483,8 @@ def _relay(
                         client.close()
                     elif kind == ord("X"):
                         return _status(payload)
+                    elif kind == ord("L"):
+                        _write_limits(limits_path, payload)
                     elif kind == ord("E"):
                         raise RuntimeError(payload[:4096].decode("utf-8", "replace"))
                     elif kind == ord("R"):

@@ -69,6 +69,7 @@ from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
+    GuestLimits,
     WorkerCgroups,
     _descendants,
     record_limit_hits,
@@ -77,6 +78,7 @@ from agent_sandbox.providers._limits import (
 
 if TYPE_CHECKING:
     from agent_sandbox._host.templates import WorkerTemplate
+    from agent_sandbox.providers._denial_log import Watch
     from agent_sandbox.providers._egress import Route
 
 __all__ = ["WorkerProcess"]
@@ -138,7 +140,12 @@ class WorkerProcess:
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
+        #: What a VM's guest reported of its limits (`LaunchPlan.limit_reports`).
+        self.guest_limits: GuestLimits | None = None
         self._egress_channel: socket.socket | None = None
+        #: The host's reader of the worker's Landlock denials in the kernel's audit log,
+        #: where the kernel writes them (`providers/_denial_log.py`).
+        self.kernel_log: Watch | None = None
         #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`), and
         #: the
         self._held_mark: Mark | None = None
@@ -217,14 +224,12 @@ class WorkerProcess:
             self.plan = provider.build(policy, spec)
             if template is not None:
                 self.plan = template.adapt(self.plan)  # a namespace template's worker
-            if "egress" in self.plan.worker_setup:
-                # Loaded for plans with an egress proxy only (it brings asyncio).
-                from agent_sandbox.providers._egress import EgressError, egress_proxy
+            if "landlock" in self.plan.worker_setup:
+                # Subscribed to the kernel's Landlock records before the worker can meet its
+                # first denial, where the audit is on and readable (providers/_denial_log.py).
+                from agent_sandbox.providers._denial_log import subscribe
 
-                try:
-                    egress_proxy().start()
-                except EgressError as exc:
-                    raise WorkerStartError(f"the egress proxy could not start: {exc}") from None
+                subscribe()
             depth = self.plan.worker_depth
             # A namespace template's worker has its init and relay inside its groups (they
             # count in pids.max, like a launcher that joins the groups itself).
@@ -294,6 +299,22 @@ class WorkerProcess:
             self.client = WorkerClient(
                 sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
             )
+            if "egress" in self.plan.worker_setup:
+                # The proxy's thread starts while the worker boots: a thread's start waits
+                # until the new thread runs, several milliseconds on a loaded machine, which
+                # the worker's own boot hides here (before the launch it added them to every
+                # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
+                # an egress proxy only (it brings asyncio).
+                from agent_sandbox.providers._egress import EgressError, egress_proxy
+
+                try:
+                    egress_proxy().start()
+                except EgressError as exc:
+                    tail = self.log_tail()
+                    self.kill()
+                    raise WorkerStartError(
+                        f"the egress proxy could not start: {exc}", log_tail=tail
+                    ) from None
             try:
                 remaining = start_timeout - (time.monotonic() - t0)
                 self.hello = self.client.hello(max(0.05, remaining))
@@ -309,6 +330,7 @@ class WorkerProcess:
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
             self._watch_guards()
+            self._watch_kernel_log()
             if "egress" in self.plan.worker_setup:
                 self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
             self._egress_channel = None
@@ -324,6 +346,10 @@ class WorkerProcess:
             # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
             self.kill()
             raise
+        if self.plan.limit_reports:
+            self.guest_limits = GuestLimits(self.plan.limit_reports, self.proc.pid)
+        if self.plan.warm_up:
+            self._warm_up(start_timeout - (time.monotonic() - t0))
         self.started_at = time.monotonic()
         _logger.debug(
             "worker %s started under %s in %.0f ms",
@@ -332,6 +358,16 @@ class WorkerProcess:
             (self.started_at - t0) * 1000,
         )
         return self
+
+    def _warm_up(self, timeout: float) -> None:
+        """One constant call before the worker is handed out (`LaunchPlan.warm_up`)."""
+        result = self.run("None", timeout=max(timeout, 5.0), filename="<warm-up>")
+        if result.error is not None or self.dead:
+            tail = self.log_tail()
+            self.kill()
+            raise WorkerStartError(
+                f"the worker's warm-up call failed ({result.error})", log_tail=tail
+            )
 
     def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
@@ -408,6 +444,22 @@ class WorkerProcess:
                 "_fastimport extension is not built, or this process may not read the "
                 "worker's memory); only the worker's own tamper check remains"
             )
+
+    def _watch_kernel_log(self) -> None:
+        """Read the worker's Landlock denials from the kernel's audit log where it is on
+        and readable (nothing is switched on here: see `providers/_denial_log.py`)."""
+        assert self.policy is not None
+        landlock = (self.hello.get("checks") or {}).get("landlock")
+        if self.plan is None or "landlock" not in self.plan.worker_setup:
+            return
+        if not isinstance(landlock, dict):
+            return
+        abi = landlock.get("abi")
+        if not isinstance(abi, int) or abi < 7:
+            return
+        from agent_sandbox.providers._denial_log import watch_worker
+
+        self.kernel_log = watch_worker(self.worker_pid(), self.policy.name, abi)
 
     def _forwarder(
         self, builder: ResultBuilder, on_event: OnEvent | None
@@ -719,6 +771,17 @@ class WorkerProcess:
             # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
             for denial in self.egress.drain():
                 builder.add_denial(denial)
+        if self.kernel_log is not None:
+            # Landlock's refusals as the kernel logged them, recorded by the host; the
+            # ones the Python guards already reported for the same target are not repeated.
+            from agent_sandbox.providers._denial_log import merge_into
+
+            merge_into(builder.add_denial, builder.denials, self.kernel_log.drain())
+        if self.egress is not None and self.egress.failure is not None and not self.dead:
+            # The proxy never served this worker (see EgressProxy.attach): not kept.
+            self.death_reason = self.egress.failure
+            builder.notices.append(f"the egress proxy failed: {self.egress.failure}")
+            self.discard()
         watch = self.guard_watch
         if watch is not None and watch.reason:
             self._on_tampered(builder, watch.reason)
@@ -726,7 +789,9 @@ class WorkerProcess:
             self._on_unverified(builder)
         self.rewind_log()
         if (
-            record_limit_hits(builder, self.cgroups, self.policy, scratch=self.scratch)
+            record_limit_hits(
+                builder, self.cgroups, self.policy, scratch=self.scratch, guest=self.guest_limits
+            )
             and not self.dead
         ):
             self.death_reason = "it hit a resource limit"
@@ -1031,6 +1096,8 @@ class WorkerProcess:
         """
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call
+        if self.kernel_log is not None:
+            self.kernel_log.close()
         if not self.dead:
             level = logging.INFO if self.death_reason else logging.DEBUG
             _logger.log(level, "worker %s ended: %s", self.id, self.death_reason or "discarded")
@@ -1072,6 +1139,8 @@ class WorkerProcess:
             self._egress_channel.close()
         if self.egress is not None:
             self.egress.close()
+        if self.kernel_log is not None:
+            self.kernel_log.close()
         if self.cgroups is not None:
             self.cgroups.kill()
             self.cgroups.remove()

@@ -168,6 +168,7 @@ class Runner:
         self.scratch = scratch
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self.calls = 0
+        self.cells = 0
         self.code_check: Callable[[str, ast.Module], None] | None = None
         #: The code layer's per-call start alone (a fresh budget), for a reused compile.
         self.code_start: Callable[[], None] | None = None
@@ -205,7 +206,8 @@ class Runner:
             if self.register_file is not None:
                 self.register_file(filename)
         else:
-            filename = f"<cell-{self.calls}>"
+            self.cells += 1  # only unnamed calls are numbered cells
+            filename = f"<cell-{self.cells}>"
         limits = self.policy.get("limits", {})
         budget = _Budget(int(limits.get("output_bytes", 1_000_000)), self.policy_name)
         out, err = _Output("stdout", emit, budget), _Output("stderr", emit, budget)

@@ -1,4 +1,4 @@
-"""The worker's HTTP/1.1 server (h11) on the inherited listening socket.
+"""The worker's HTTP/1.1 server on the inherited listening socket.
 
 Routes, each requiring `Authorization: Bearer <token>` (compared in constant time):
 
@@ -8,6 +8,14 @@ Routes, each requiring `Authorization: Bearer <token>` (compared in constant tim
 
 Anything else gets a 4xx and the connection is closed. One request runs at a time; idle
 connections are multiplexed with `selectors`.
+
+The HTTP it speaks is the strict subset its clients (the host's `WorkerClient`, the remote
+relay) send: a request head of at most 64 KiB, `Content-Length` bodies only (no transfer
+coding), no folded or malformed header lines, HTTP/1.1 keep-alive (or HTTP/1.0, closed
+after the answer). Anything else closes the connection unanswered. It is parsed here by
+hand, not with h11: each request's parse is a few splits, which matters where the worker's
+Python runs ~20x slower (a `qemu` guest under TCG); the host still parses every byte the
+worker sends with h11.
 """
 
 from __future__ import annotations
@@ -26,8 +34,6 @@ import time
 from _operator import _compare_digest as compare_digest
 from typing import Any
 
-import h11
-
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
@@ -36,11 +42,59 @@ from agent_sandbox._worker.run import Runner, on_interrupt
 __all__ = ["serve"]
 
 _MAX_BODY = 16 * 1024 * 1024
+_MAX_HEAD = 65536
 _READ_TIMEOUT = 30.0
+_REASONS = {200: b"OK", 400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found"}
+_REASONS[413] = b"Payload Too Large"
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-store\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+_STREAM_END = b"0\r\n\r\n"
 
 
 class _Stop(Exception):
     """Raised to leave the serve loop after a shutdown request."""
+
+
+class _Request:
+    __slots__ = ("close", "headers", "method", "target")
+
+    def __init__(self, method: bytes, target: bytes, headers: dict[bytes, bytes], close: bool):
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.close = close
+
+
+class _Conn:
+    """One client connection: its unread bytes and whether it must close after the answer."""
+
+    __slots__ = ("buf", "close")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.close = False
+
+
+def _parse_head(head: bytes) -> _Request | None:
+    """The request line and headers (names lower-cased), or None when outside the subset."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0") or not parts[0].isalpha():
+        return None
+    headers: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip() or b"\n" in line or b"\r" in line:
+            return None
+        name = name.lower()
+        value = value.strip(b" \t")
+        if name in (b"content-length", b"authorization") and headers.get(name, value) != value:
+            return None
+        headers[name] = value
+    close = parts[2] == b"HTTP/1.0" or headers.get(b"connection", b"").lower() == b"close"
+    return _Request(parts[0], parts[1], headers, close)
 
 
 class _Server:
@@ -52,26 +106,16 @@ class _Server:
         self.tamper_check: Any = None
         #: This worker's pid (the server is made in the worker's own process).
         self.pid = os.getpid()
-        #: The head of every `/run` answer, made once (h11 validates an event's headers when
-        #: it is made; it frames them again for each response).
-        self._stream_head = h11.Response(
-            status_code=200,
-            headers=[
-                ("content-type", "text/event-stream"),
-                ("cache-control", "no-store"),
-                ("transfer-encoding", "chunked"),
-            ],
-        )
 
     # -- connection handling -------------------------------------------------------------
 
-    def handle(self, sock: socket.socket, conn: h11.Connection) -> bool:
+    def handle(self, sock: socket.socket, conn: _Conn) -> bool:
         """Serve one request on `sock`; return False when the connection should be closed."""
         request, body = self._read_request(sock, conn)
         if request is None:
             return False
-        headers = dict(request.headers)
-        auth = headers.get(b"authorization", b"")
+        conn.close = request.close
+        auth = request.headers.get(b"authorization", b"")
         if not compare_digest(auth, self.token):
             self._send_simple(sock, conn, 403, {"error": "missing or wrong token"}, close=True)
             return False
@@ -86,46 +130,55 @@ class _Server:
         else:
             self._send_simple(sock, conn, 404, {"error": "no such route"}, close=True)
             return False
-        if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-            return False
-        conn.start_next_cycle()
-        return True
+        return not conn.close
 
-    def _read_request(
-        self, sock: socket.socket, conn: h11.Connection
-    ) -> tuple[h11.Request | None, bytes]:
-        request = None
-        body = bytearray()
+    def _read_request(self, sock: socket.socket, conn: _Conn) -> tuple[_Request | None, bytes]:
         # The request is normally whole when the selector wakes: read it without waiting,
         # and set the read timeout only for a request that comes in pieces.
         timed = False
+
+        def more(size: int = 65536) -> bytes:
+            nonlocal timed
+            if not timed:
+                try:
+                    return sock.recv(size, socket.MSG_DONTWAIT) or b""
+                except (BlockingIOError, InterruptedError):
+                    pass
+                sock.settimeout(_READ_TIMEOUT)
+                timed = True
+            return sock.recv(size)
+
         try:
             while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    if not timed:
-                        try:
-                            conn.receive_data(sock.recv(65536, socket.MSG_DONTWAIT))
-                            continue
-                        except (BlockingIOError, InterruptedError):
-                            pass
-                        sock.settimeout(_READ_TIMEOUT)
-                        timed = True
-                    data = sock.recv(65536)
-                    conn.receive_data(data)
-                    continue
-                if isinstance(event, h11.Request):
-                    request = event
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                    if len(body) > _MAX_BODY:
-                        self._send_simple(sock, conn, 413, {"error": "request too large"}, True)
-                        return None, b""
-                elif isinstance(event, h11.EndOfMessage):
-                    return request, bytes(body)
-                elif isinstance(event, h11.ConnectionClosed):
+                end = conn.buf.find(b"\r\n\r\n")
+                if end >= 0:
+                    break
+                if len(conn.buf) > _MAX_HEAD:
                     return None, b""
-        except (h11.RemoteProtocolError, OSError):
+                data = more()
+                if not data:
+                    return None, b""
+                conn.buf += data
+            request = _parse_head(conn.buf[:end])
+            if request is None or b"transfer-encoding" in request.headers:
+                return None, b""
+            length_text = request.headers.get(b"content-length", b"0")
+            if not length_text.isdigit():
+                return None, b""
+            length = int(length_text)
+            if length > _MAX_BODY:
+                self._send_simple(sock, conn, 413, {"error": "request too large"}, True)
+                return None, b""
+            start = end + 4
+            while len(conn.buf) - start < length:
+                data = more(max(65536, length - (len(conn.buf) - start)))
+                if not data:
+                    return None, b""
+                conn.buf += data
+            body = conn.buf[start : start + length]
+            conn.buf = conn.buf[start + length :]
+            return request, body
+        except OSError:
             return None, b""
         finally:
             if timed:
@@ -134,20 +187,26 @@ class _Server:
     def _send_simple(
         self,
         sock: socket.socket,
-        conn: h11.Connection,
+        conn: _Conn,
         status: int,
         payload: dict[str, Any],
         close: bool = False,
     ) -> None:
         body = json.dumps(payload).encode()
-        headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
         if close:
-            headers.append(("connection", "close"))
+            conn.close = True
+        head = (
+            b"HTTP/1.1 %d %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%b\r\n"
+            % (
+                status,
+                _REASONS.get(status, b""),
+                len(body),
+                b"connection: close\r\n" if conn.close else b"",
+            )
+        )
         try:
-            sock.sendall(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
-            sock.sendall(conn.send(h11.Data(data=body)) or b"")
-            sock.sendall(conn.send(h11.EndOfMessage()) or b"")
-        except (h11.LocalProtocolError, OSError):
+            sock.sendall(head + body)
+        except OSError:
             pass
 
     # -- routes --------------------------------------------------------------------------
@@ -163,7 +222,7 @@ class _Server:
             "checks": self.checks,
         }
 
-    def _run(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> None:
+    def _run(self, sock: socket.socket, conn: _Conn, body: bytes) -> None:
         try:
             request = json.loads(body)
             code = request["code"]
@@ -225,10 +284,7 @@ class _Server:
                 final = True  # from here on, emit() keeps its events for the last write
             emit(kind, data)
 
-        try:
-            head = conn.send(self._stream_head) or b""
-        except h11.LocalProtocolError:
-            return
+        head = _STREAM_HEAD
         filename = request.get("filename")
         # `encode_event("start", {"call": n})`, written out: the same bytes.
         head += _chunk(b'event: start\ndata: {"call":%d}\n\n' % (self.runner.calls + 1))
@@ -281,10 +337,7 @@ class _Server:
         )
         with lock:
             if not broken:
-                try:
-                    held.append(conn.send(h11.EndOfMessage()) or b"")
-                except h11.LocalProtocolError:
-                    pass
+                held.append(_STREAM_END)
             write(b"".join(held))
             held.clear()
         if tampered:
@@ -292,10 +345,7 @@ class _Server:
 
 
 def _chunk(data: bytes) -> bytes:
-    """One chunk of the chunked response body, as h11 frames `Data` (never empty: an empty
-    chunk ends the body). Framed here, not by `conn.send`: h11's chunked writer keeps no
-    state between chunks, and its state machine is in the body until `EndOfMessage`,
-    which still goes through it; the host parses every byte with h11 all the same."""
+    """One chunk of the chunked response body (never empty: an empty chunk ends the body)."""
     return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
 
 
@@ -328,16 +378,12 @@ def serve(boot: dict[str, Any]) -> None:
             for key, _ in selector.select():
                 if key.data is None:
                     client, _addr = listener.accept()
-                    selector.register(
-                        client,
-                        selectors.EVENT_READ,
-                        h11.Connection(h11.SERVER, max_incomplete_event_size=65536),
-                    )
+                    selector.register(client, selectors.EVENT_READ, _Conn())
                     continue
                 client = key.fileobj  # type: ignore[assignment]
                 try:
                     keep = server.handle(client, key.data)
-                except (OSError, h11.LocalProtocolError):
+                except OSError:
                     keep = False  # this connection broke; the worker serves the next one
                 if not keep:
                     selector.unregister(client)

@@ -82,8 +82,9 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     audit.set_policy_name(str(policy.get("name", "")))
     checks: dict[str, Any] = {"rlimits": apply_rlimits(policy.get("limits", {}))}
     setup = boot.get("worker_setup") or {}
-    if setup.get("egress"):
-        # 3a. The egress proxy's listener goes to the host before any restriction applies.
+    if setup.get("egress") and int(setup["egress"].get("fd", -1)) >= 0:
+        # 3a. The egress proxy's listener goes to the host before any restriction applies
+        #     (a VM's worker has none: its guest agent forwards the proxy address).
         from agent_sandbox.providers._inworker import open_egress_listener
 
         checks["egress"] = open_egress_listener(setup["egress"])

@@ -9,6 +9,7 @@ Python guards are not what refuses them.
 from __future__ import annotations
 
 import http.server
+import json
 import socket
 import ssl
 import threading
@@ -910,3 +911,113 @@ def test_socks5_from_inside_a_worker_allowed_and_refused(
     denials = _net_denials(refused)
     assert [(d.rule, d.target) for d in denials] == [("net.resolve", "other.test")], denials
     assert "egress proxy" in denials[0].detail
+
+
+# -- the qemu provider: the proxy behind the guest's loopback, over a virtio-serial port ----
+
+_QEMU_NET = """
+import json, os, socket, urllib.error, urllib.request
+def fetch(url):
+    try:
+        with urllib.request.urlopen(url, timeout=20) as r:
+            return [r.status, r.read().decode()]
+    except urllib.error.HTTPError as exc:
+        return [exc.code, exc.headers.get("x-agent-sandbox-denial", "")]
+    except OSError as exc:
+        return ["error", repr(exc)]
+def raw(port):  # past the proxy, through libc: the guest's loopback has no such server
+    s = _libc.socket(2, 1, 0)
+    addr = struct.pack("<HH4s8x", 2, socket.htons(port), bytes([127, 0, 0, 1]))
+    rc = _libc.connect(s, addr, len(addr))
+    err = ctypes.get_errno() if rc else 0
+    _libc.close(s)
+    return err
+out = {{
+    "proxy": os.environ.get("HTTP_PROXY"),
+    "allowed": fetch("http://allowed.test:{port}/vm"),
+    "other": fetch("http://other.test:{port}/"),
+    "metadata": fetch("http://169.254.169.254/latest/meta-data/"),
+    "raw": raw({raw_port}),
+}}
+json.dumps(out)
+"""
+
+
+@pytest.fixture
+def qemu_net(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The qemu provider with the session's image and template (`qemu_cache`)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", request.getfixturevalue("qemu_cache"))
+    skip_unless_available("qemu")
+    return "qemu"
+
+
+def test_qemu_reaches_an_allowed_server_by_name_and_the_host_records_refusals(
+    qemu_net: str, names: dict[str, list[str]], http_server: _Server, arena: dict[str, Path]
+) -> None:
+    """In the VM (no NIC), `urllib` by name goes through the guest's loopback forwarder and
+    the second virtio-serial port to the host's proxy and the host's server; a name outside
+    the policy and the metadata address are refused by the host and recorded there, with
+    their rule in the result; a raw connect past the proxy (libc, the Python guards off)
+    reaches nothing of the host."""
+    from .conftest import QEMU_MEMORY_MB, hostile_policy
+
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.bind(("127.0.0.1", 0))
+    probe.listen(8)
+    probe.setblocking(False)
+    raw_port = probe.getsockname()[1]
+    rules = [
+        {"host": "allowed.test", "ports": str(port)},
+        {"host": "127.0.0.1", "ports": f"{port},{raw_port}"},
+    ]
+    policy = hostile_policy(
+        arena,
+        provider="qemu",
+        files={"read": [], "write": []},
+        net={"rules": rules},
+        limits={"memory_mb": QEMU_MEMORY_MB},
+    )
+    try:
+        with Sandbox(policy, warm=0) as sb:
+            result = sb.run(NATIVE + _QEMU_NET.format(port=port, raw_port=raw_port))
+    finally:
+        got_raw = received_connection(probe)
+        probe.close()
+    assert result.error is None, result.error
+    out = json.loads(result.value)
+    assert out["proxy"] == "http://127.0.0.1:3128"
+    assert out["allowed"] == [200, f"hello from {port} /vm"], out
+    assert out["other"] == [403, "net.resolve"], out
+    assert out["metadata"] == [403, "net.connect"], out
+    assert out["raw"] != 0 and not got_raw, out  # ECONNREFUSED on the guest's own loopback
+    assert result.stack[0] == "qemu" and result.stack[-1] == "egress-proxy"
+    denials = {(d.rule, d.target) for d in _net_denials(result)}
+    assert denials == {("net.resolve", "other.test"), ("net.connect", "169.254.169.254:80")}
+    assert all("egress proxy" in d.detail for d in _net_denials(result))
+
+
+def test_qemu_socks5_from_the_guest_is_judged_on_the_host(
+    qemu_net: str, names: dict[str, list[str]], http_server: _Server
+) -> None:
+    """SOCKS5 over a raw socket in the VM reaches an allowed name; a name no rule names gets
+    reply 2 and the host's `net.resolve` denial."""
+    names["allowed.test"] = ["127.0.0.1"]
+    port = http_server.port
+    policy = _policy(
+        [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}],
+        provider="qemu",
+        limits={"wall_seconds": 30, "memory_mb": 512},
+    )
+    with Sandbox(policy, warm=0) as sb:
+        ok = sb.run(
+            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
+        )
+        refused = sb.run(
+            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
+        )
+    assert ok.error is None, ok
+    assert ok.value[0] == 0 and f"hello from {port} /socks" in ok.value[1], ok.value
+    assert list(refused.value) == [2, ""], refused.value
+    assert [(d.rule, d.target) for d in _net_denials(refused)] == [("net.resolve", "other.test")]

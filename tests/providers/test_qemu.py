@@ -91,17 +91,48 @@ def test_the_vm_has_no_network_device_and_read_only_shares() -> None:
     ("policy", "words"),
     [
         (
-            Policy(name="t", net={"rules": [{"action": "allow", "host": "example.com"}]}),
-            "no network device",
+            Policy(
+                name="t",
+                net={"rules": [{"host": "example.com", "ports": "53", "protocol": "udp"}]},
+            ),
+            "UDP does not go through",
         ),
         (Policy(name="t", files={"write": ["/srv/out"]}), "outside the scratch directory"),
     ],
 )
 def test_what_the_vm_cannot_serve_is_refused_at_construction(policy: Policy, words: str) -> None:
-    """It refuses net allow rules and host writes with the reason and an alternative."""
+    """It refuses a UDP rule (the proxy is TCP only) and host writes with the reason and an
+    alternative."""
     with pytest.raises(ProviderUnavailable, match=words) as info:
         QemuProvider().build(policy, SPEC)
-    assert "bwrap" in str(info.value)
+    assert "bwrap" in str(info.value) or "remove the rule" in str(info.value)
+
+
+def test_net_rules_plan_the_egress_proxy_behind_the_guest_loopback() -> None:
+    """A policy with [net] allow rules: the relay gets the egress channel (to hand the
+    parent its listener), the worker the standard proxy variables naming the guest's
+    loopback forwarder, and the stack ends with the proxy; the VM still has no NIC."""
+    import dataclasses
+
+    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": "443"}]})
+    plan = QemuProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
+    config = json.loads(plan.argv[-1])
+    assert config["egress_fd"] == 7 and plan.pass_fds == (3, 4, 7)
+    assert plan.env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+    assert plan.worker_setup["egress"]["port"] == 3128
+    assert plan.stack[0] == "qemu" and plan.stack[-1] == "egress-proxy"
+    argv = qemu_argv(
+        qemu="qemu",
+        mem_mb=512,
+        ram_path="/t/ram",
+        run_dir="/r",
+        shares=["/s"] * SHARE_SLOTS,
+        restore=True,
+    )
+    assert "-nic" not in argv and "-netdev" not in argv
+    assert "virtserialport,chardev=net,name=net" in argv
+    plain = QemuProvider().build(Policy(name="t"), SPEC)
+    assert json.loads(plain.argv[-1])["egress_fd"] is None and "HTTP_PROXY" not in plain.env
 
 
 def test_more_read_directories_than_share_slots_are_refused(tmp_path: Path) -> None:
@@ -125,6 +156,92 @@ def test_qemu_is_registered_and_auto_never_picks_it() -> None:
     from agent_sandbox.providers._auto import AUTO_CANDIDATES
 
     assert QemuProvider not in AUTO_CANDIDATES
+
+
+def test_guest_limit_reports_are_denials_marked_as_the_worker_sides_word(
+    tmp_path: Path,
+) -> None:
+    """The guest agent's counters (written by the host relay) become `limits.processes` and
+    `limits.memory` hits once per increase, each saying it is the guest's report; with no
+    QEMU to measure, the memory hit says the host could not confirm it."""
+    from agent_sandbox.providers._limits import GuestLimits
+
+    policy = Policy(name="t", limits={"processes": 4, "memory_mb": 256})
+    path = tmp_path / "guest-limits.json"
+    guest = GuestLimits(str(path), launcher_pid=2**22 + 1)  # no such process
+    assert guest.new_hits(policy) == []
+    path.write_text(json.dumps({"pids_max": 3, "memory_oom_kill": 0}))
+    [(rule, why)] = guest.new_hits(policy)
+    assert rule == "limits.processes"
+    assert "guest agent reported 3 fork(s)" in why and "unverified" in why
+    assert guest.new_hits(policy) == []  # nothing new
+    os.utime(path, ns=(1, 1))
+    path.write_text(json.dumps({"pids_max": 3, "memory_oom_kill": 1}))
+    [(rule, why)] = guest.new_hits(policy)
+    assert rule == "limits.memory" and "could not measure" in why and "unverified" in why
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"[1]",
+        b'{"pids_max": -1}',
+        b'{"pids_max": "3"}',
+        b'{"other": 1}',
+        b"{",
+        b'{"pids_max": 1.5}',
+    ],
+)
+def test_the_host_relay_refuses_a_malformed_limit_report(tmp_path: Path, payload: bytes) -> None:
+    """An `L` frame that is not small named counters ends the session (nothing is written)."""
+    import importlib.util
+
+    from agent_sandbox.providers import _qemu
+
+    spec = importlib.util.spec_from_file_location("_sb_qemu_host", _qemu._HOST_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    target = tmp_path / "guest-limits.json"
+    with pytest.raises(RuntimeError, match="malformed limit report"):
+        host._write_limits(str(target), payload)
+    assert not target.exists()
+    host._write_limits(str(target), b'{"pids_max": 2, "memory_oom_kill": 0}')
+    assert json.loads(target.read_text()) == {"pids_max": 2, "memory_oom_kill": 0}
+
+
+def test_a_roomier_template_serves_a_smaller_memory_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The smallest saved template with enough guest RAM (same image, QEMU, device set) is
+    used for a smaller `memory_mb` (the guest's memory cgroup holds the limit); a template
+    of another image or device set, or far too large, is not."""
+    from agent_sandbox.providers import _qemu
+    from agent_sandbox.providers._qemu_image import Image
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_qemu, "qemu_version", lambda _q: "7.2.22")
+    image = Image("/d", "/d/vmlinux", "/d/initrd", "abc", "/py", "6.1")
+
+    def save(mem_mb: int, **meta: Any) -> None:
+        folder = Path(_qemu.template_dir(image, "qemu", mem_mb))
+        folder.mkdir(parents=True)
+        base = {
+            "qemu": "7.2.22",
+            "image": "abc",
+            "mem_mb": mem_mb,
+            "device_set": _qemu.DEVICE_SET,
+            "tsc_khz": _qemu.tsc_khz(),
+        }
+        (folder / "template.json").write_text(json.dumps({**base, **meta}))
+
+    assert _qemu.find_roomy_template(image, "qemu", 384) is None
+    save(640)
+    save(512, device_set="old")
+    save(3000)
+    found = _qemu.find_roomy_template(image, "qemu", 384)
+    assert found is not None and found.mem_mb == 640
+    assert _qemu.find_roomy_template(image, "qemu", 700) is None  # 3000 MiB: too roomy
 
 
 def test_a_missing_image_is_one_error_naming_the_build_command(
