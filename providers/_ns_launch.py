@@ -242,6 +242,25 @@ def loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, struct.pack("16sh14x", b"lo", flags | 1))  # SIOCSIFFLAGS
 
 
+def loopback_up_aside() -> int:
+    """Fork a child (still privileged in this namespace) that brings `lo` up and exits;
+    return its pid. The caller waits for it before the worker may run, so the worker never
+    sees the namespace without its loopback, and the child is gone before any privilege
+    is dropped."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            loopback_up()
+        except BaseException as exc:
+            try:
+                os.write(2, f"agent-sandbox unshare: bring lo up: {exc}\n".encode())
+            except OSError:
+                pass
+            os._exit(1)
+        os._exit(0)
+    return pid
+
+
 #: What a worker template keeps (`template` in the configuration; `_worker/template.py`):
 #: CAP_SETPCAP (8), CAP_NET_ADMIN (12), CAP_SYS_ADMIN (21), to give each forked worker
 #: namespaces of its own; every worker drops them before it serves.
@@ -272,12 +291,18 @@ def init(cfg: dict[str, Any], report: int) -> None:
         libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP),
         "unshare",
     )
+    # `lo` comes up in a child of its own while the view is built: the ioctl waits for the
+    # kernel's network lock, which the teardown of an earlier worker's namespace may hold
+    # for tens of milliseconds (benchmarks/bench_egress.py, the start with the proxy).
+    lo = loopback_up_aside() if cfg["net"] in ("loopback", "proxy") else None
     early = fork_worker_early(cfg, report) if "boot" in cfg else None
     build_view(cfg)
     name = cfg["hostname"].encode()
     check(libc.sethostname(name, len(name)), "sethostname")
-    if cfg["net"] in ("loopback", "proxy"):
-        loopback_up()
+    if lo is not None:
+        _, status = os.waitpid(lo, 0)
+        if status != 0:
+            raise SetupFailed(f"could not bring the loopback interface up (status {status})")
     write_file("/proc/sys/user/max_user_namespaces", "0")
     drop_privileges()
     if early is not None:
