@@ -291,11 +291,13 @@ def init(cfg: dict[str, Any], report: int) -> None:
         libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP),
         "unshare",
     )
+    early = fork_worker_early(cfg, report) if "boot" in cfg else None
     # `lo` comes up in a child of its own while the view is built: the ioctl waits for the
     # kernel's network lock, which the teardown of an earlier worker's namespace may hold
-    # for tens of milliseconds (benchmarks/bench_egress.py, the start with the proxy).
+    # for tens of milliseconds (benchmarks/bench_egress.py, the start with the proxy). It
+    # is forked after the worker, so the host's first look at this depth (`attach_at_depth`
+    # in providers/_limits.py) finds the worker, not this helper.
     lo = loopback_up_aside() if cfg["net"] in ("loopback", "proxy") else None
-    early = fork_worker_early(cfg, report) if "boot" in cfg else None
     build_view(cfg)
     name = cfg["hostname"].encode()
     check(libc.sethostname(name, len(name)), "sethostname")
