@@ -273,11 +273,7 @@ class WorkerProcess:
             try:
                 _write_all(boot_w, json.dumps(boot).encode())
             except OSError as exc:
-                tail = self.log_tail()
-                self.kill()
-                raise WorkerStartError(
-                    f"could not send the boot configuration ({exc})", log_tail=tail
-                ) from None
+                raise self._start_failed(f"could not send the boot configuration ({exc})") from None
             finally:
                 os.close(boot_w)
             cgroups, proc = self.cgroups, self.proc
@@ -310,11 +306,7 @@ class WorkerProcess:
                 try:
                     egress_proxy().start()
                 except EgressError as exc:
-                    tail = self.log_tail()
-                    self.kill()
-                    raise WorkerStartError(
-                        f"the egress proxy could not start: {exc}", log_tail=tail
-                    ) from None
+                    raise self._start_failed(f"the egress proxy could not start: {exc}") from None
             try:
                 remaining = start_timeout - (time.monotonic() - t0)
                 self.hello = self.client.hello(max(0.05, remaining))
@@ -359,15 +351,18 @@ class WorkerProcess:
         )
         return self
 
+    def _start_failed(self, reason: str) -> WorkerStartError:
+        """A start that cannot be kept: take the worker's log tail, kill it, and return the
+        error to raise, naming `reason`."""
+        tail = self.log_tail()
+        self.kill()
+        return WorkerStartError(reason, log_tail=tail)
+
     def _warm_up(self, timeout: float) -> None:
         """One constant call before the worker is handed out (`LaunchPlan.warm_up`)."""
         result = self.run("None", timeout=max(timeout, 5.0), filename="<warm-up>")
         if result.error is not None or self.dead:
-            tail = self.log_tail()
-            self.kill()
-            raise WorkerStartError(
-                f"the worker's warm-up call failed ({result.error})", log_tail=tail
-            )
+            raise self._start_failed(f"the worker's warm-up call failed ({result.error})")
 
     def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
@@ -379,11 +374,7 @@ class WorkerProcess:
             listener = receive_listener(channel, timeout)
             self.egress = egress_proxy().attach(self.policy, listener)
         except EgressError as exc:
-            tail = self.log_tail()
-            self.kill()
-            raise WorkerStartError(
-                f"the egress proxy could not start: {exc}", log_tail=tail
-            ) from None
+            raise self._start_failed(f"the egress proxy could not start: {exc}") from None
 
     def _place_in_cgroups(self, place: Callable[[], object]) -> None:
         """Run one placement step; a worker alive but outside its groups is never kept."""
@@ -392,44 +383,33 @@ class WorkerProcess:
             place()
         except OSError as exc:
             if self.proc.poll() is None:
-                tail = self.log_tail()
-                self.kill()
-                raise WorkerStartError(
-                    f"could not place the worker in its cgroups ({exc})", log_tail=tail
+                raise self._start_failed(
+                    f"could not place the worker in its cgroups ({exc})"
                 ) from None
 
     def _verify_hello(self) -> None:
         version = tuple(self.hello.get("version", ()))
         if version != tuple(sys.version_info[:3]):
-            tail = self.log_tail()
-            self.kill()
-            raise WorkerStartError(
+            raise self._start_failed(
                 f"the worker runs Python {'.'.join(map(str, version))}, the parent "
-                f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)",
-                log_tail=tail,
+                f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)"
             )
         if (
             os.path.realpath(str(self.hello.get("base_prefix", "")))
             != os.path.realpath(sys.base_prefix)
             and not self.plan_hides_prefix()
         ):
-            tail = self.log_tail()
-            self.kill()
-            raise WorkerStartError(
+            raise self._start_failed(
                 f"the worker's interpreter prefix {self.hello.get('base_prefix')!r} is not "
-                f"the parent's {sys.base_prefix!r}",
-                log_tail=tail,
+                f"the parent's {sys.base_prefix!r}"
             )
 
         problems = verify_checks(
             self.plan.worker_setup if self.plan else {}, self.hello.get("checks") or {}
         )
         if problems:
-            tail = self.log_tail()
-            self.kill()
-            raise WorkerStartError(
-                "the worker's kernel restrictions do not match its plan: " + "; ".join(problems),
-                log_tail=tail,
+            raise self._start_failed(
+                "the worker's kernel restrictions do not match its plan: " + "; ".join(problems)
             )
 
     def _watch_guards(self) -> None:

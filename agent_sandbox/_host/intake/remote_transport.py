@@ -335,13 +335,8 @@ class RemoteWorkerClient:
                     # Checked here too: a pod that never stops sending never lets recv time out.
                     raise TimeoutError("the call exceeded its deadline")
                 sock.settimeout(remaining)
-                events = proto.receive(sock.recv(262144))
-                if not checked and proto.status is not None:
-                    checked = True
-                    self._check_status(proto)
-                for event in events:
-                    done = done or event[0] == "done"
-                    on_event(event)
+                checked, seen = self._feed(proto, sock.recv(262144), on_event, checked)
+                done = done or seen
             if not done:
                 raise ConnectionLost("the remote worker ended the stream before `done`")
         except TimeoutError:
@@ -437,13 +432,9 @@ class RemoteWorkerClient:
             await writer.drain()
             checked = done = False
             while not proto.done:
-                events = proto.receive(await reader.read(262144))
-                if not checked and proto.status is not None:
-                    checked = True
-                    self._check_status(proto)
-                for event in events:
-                    done = done or event[0] == "done"
-                    on_event(event)
+                data = await reader.read(262144)
+                checked, seen = self._feed(proto, data, on_event, checked)
+                done = done or seen
             if not done:
                 raise ConnectionLost("the remote worker ended the stream before `done`")
         except OSError as exc:
@@ -484,6 +475,22 @@ class RemoteWorkerClient:
                 loop.call_soon_threadsafe(writer.close)  # from another thread (a kill)
         except Exception:  # closing never raises to the caller
             pass
+
+    @classmethod
+    def _feed(
+        cls, proto: _Protocol, data: bytes, on_event: OnEvent, checked: bool
+    ) -> tuple[bool, bool]:
+        """One read of a direct call's stream: the status checked once it is known, each
+        event passed on; returns (status checked, `done` seen)."""
+        events = proto.receive(data)
+        if not checked and proto.status is not None:
+            checked = True
+            cls._check_status(proto)
+        done = False
+        for event in events:
+            done = done or event[0] == "done"
+            on_event(event)
+        return checked, done
 
     @staticmethod
     def _check_status(proto: _Protocol) -> None:
