@@ -28,6 +28,13 @@ os.environ["XDG_DATA_HOME"] = os.path.join(_HOME, ".local", "share")
 os.environ["XDG_CACHE_HOME"] = os.path.join(_HOME, ".cache")
 os.environ["MPLCONFIGDIR"] = os.path.join(_HOME, ".config", "matplotlib")
 
+# Tests never reach the internet: LangChain's own LangSmith tracer stays off, and any client
+# built from the environment points at a closed loopback port. Trace tests hand their tracer
+# a recording client (tests/adapters/test_refusal_traces.py).
+for _name in ("LANGSMITH_TRACING", "LANGCHAIN_TRACING_V2", "LANGCHAIN_TRACING"):
+    os.environ[_name] = "false"
+os.environ["LANGSMITH_ENDPOINT"] = os.environ["LANGCHAIN_ENDPOINT"] = "http://127.0.0.1:9"
+
 
 @pytest.fixture
 def policy() -> Policy:

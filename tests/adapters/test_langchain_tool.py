@@ -374,7 +374,6 @@ def test_langsmith_run_gets_refusal_tags_and_metadata(tool, monkeypatch):
         def update_run(self, run_id: Any, **kwargs: Any) -> None:
             self.payloads.append(dict(kwargs))
 
-    monkeypatch.setenv("LANGSMITH_TRACING", "true")
     client = RecordingClient()
     tracer = LangChainTracer(client=client, project_name="offline")
     tool.invoke(tool_call("print('q' * 5000)", call_id="c1"), config={"callbacks": [tracer]})

@@ -66,7 +66,6 @@ def tool() -> Iterator[SandboxedPythonTool]:
 
 
 def traced(tool: SandboxedPythonTool, code: str, monkeypatch: Any) -> tuple[Any, list[str], dict]:
-    monkeypatch.setenv("LANGSMITH_TRACING", "true")
     client = RecordingClient()
     tracer = LangChainTracer(client=client, project_name="offline")
     message = tool.invoke(tool_call(code, call_id="c1"), config={"callbacks": [tracer]})

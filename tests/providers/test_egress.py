@@ -504,7 +504,6 @@ def test_the_refusal_reaches_the_langsmith_metadata(
         def update_run(self, run_id: Any, **kwargs: Any) -> None:
             self.payloads.append(dict(kwargs))
 
-    monkeypatch.setenv("LANGSMITH_TRACING", "true")
     policy = _policy([{"host": "127.0.0.1", "ports": str(http_server.port)}], provider=ns_provider)
     tool = SandboxedPythonTool(policy=policy, warm=0)
     client = RecordingClient()
