@@ -98,6 +98,8 @@ class WorkerPool:
                 template = WorkerTemplate.start(
                     self.policy, self.provider, timeout=self.start_timeout, started=self._track
                 )
+            except SandboxClosed:
+                return None  # the agent is exiting (`lifecycle`): no template after that
             except (WorkerStartError, OSError) as exc:
                 if self._closed:
                     return None  # cancelled by close(): not a failure of templates
@@ -128,10 +130,23 @@ class WorkerPool:
             if self._closed or self._template_thread is not None:
                 return
             thread = threading.Thread(
-                target=self.template, name="agent-sandbox-template-start", daemon=True
+                target=self._template_in_background,
+                name="agent-sandbox-template-start",
+                daemon=True,
             )
             self._template_thread = thread
         thread.start()
+
+    def _template_in_background(self) -> None:
+        """The background thread's start of the template. Whatever it meets becomes the
+        pool's `last_error`, and the pool starts its workers directly; nothing reaches the
+        thread's own traceback, which would print at the interpreter's exit."""
+        try:
+            self.template()
+        except Exception as exc:  # any failure: workers start directly
+            self.last_error = exc
+            self.use_template = False
+            _log.debug("the template of policy %r did not start: %s", self.policy.name, exc)
 
     def _start(self, *, direct_first: bool = False) -> WorkerProcess:
         with lifecycle.START_GATE.slot():

@@ -185,6 +185,13 @@ def run_agent(
             agent.kill()
             line += agent.stderr.read() if agent.stderr else ""
         forked = bool(named(marker))
+        # The grandchild names itself after its parent exits, so READY may come first.
+        settle = time.monotonic() + 5
+        while not forked and line.strip() == "READY" and moment in ("idle", "running"):
+            if time.monotonic() > settle:
+                break
+            time.sleep(0.02)
+            forked = bool(named(marker))
         if moment != "exit":
             agent.send_signal(signal.SIGKILL)  # this one child process only
         agent.wait(60)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import Policy, Sandbox, WorkerStartError
+from agent_sandbox import Policy, Sandbox, SandboxClosed, WorkerStartError
 from agent_sandbox._host.templates import WorkerTemplate
 
 # Templates serve the plain-child providers; `landlock` is the kernel one (auto picks a
@@ -225,3 +225,38 @@ def test_a_pool_closed_while_its_template_starts_leaves_nothing(
     assert sb._pool._template is None
     assert template.proc is not None and _gone(template.proc.pid)
     assert not os.path.exists(template.folder)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        SandboxClosed("the agent is exiting; no worker is started"),
+        RuntimeError("something unforeseen"),
+    ],
+    ids=["agent-exiting", "unforeseen"],
+)
+def test_a_template_started_in_the_background_never_raises_into_its_thread(
+    monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    """The background start of a pool's template prints no thread traceback, whatever it
+    meets: the exit hook refusing new starts (seen at an interpreter exit without close)
+    or anything else. The pool then starts its workers directly."""
+    import threading
+
+    def refuse(*args: Any, **kwargs: Any) -> WorkerTemplate:
+        raise failure
+
+    escaped: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    monkeypatch.setattr(WorkerTemplate, "start", refuse)
+    sb = Sandbox(POLICY, warm=0)
+    try:
+        sb._pool._start_template_later()
+        thread = sb._pool._template_thread
+        assert thread is not None
+        thread.join(10)
+        assert not thread.is_alive() and escaped == []
+        assert sb._pool._template is None
+        assert sb.run("1 + 1").value == 2  # workers start directly
+    finally:
+        sb.close()
