@@ -4,7 +4,8 @@ No cluster, no I/O: the same policy and options always give the same dicts, comp
 in tests and printed by `agent-sandbox k8s manifests POLICY`. What they encode:
 
 * the runtime class (`gvisor`, `kata`, or none for runc) and the in-pod provider that goes
-  with it (`landlock` under runc; `subprocess` with `--runtime-boundary` under gVisor/Kata);
+  with it (`landlock` under runc; `auto` with `--runtime-boundary` under gVisor/Kata: the
+  strongest kernel provider that works in the pod, else `subprocess`, the runtime holding);
 * resources from the policy's limits (`memory_mb` plus the pod's own overhead, `cpu_cores`),
   and the scratch `emptyDir` sized by `scratch_mb` on a read-only root filesystem;
 * an egress NetworkPolicy from the policy's `[[net.rules]]`: allow-only, addresses only. A
@@ -97,7 +98,9 @@ def sandbox_template(
         raise ManifestError(f"runtime {runtime!r}: expected one of gvisor, kata, runc")
     runtime_class = RUNTIMES[runtime]
     if runtime_class:
-        inner = ["--provider", "subprocess", "--runtime-boundary", runtime_class]
+        # The strongest kernel provider that works inside this runtime (a trial start at
+        # the pod's start), `subprocess` only where none does (`_host/placement.py`).
+        inner = ["--provider", "auto", "--runtime-boundary", runtime_class]
     else:
         inner = ["--provider", "landlock"]
     args = [

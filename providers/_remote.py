@@ -178,8 +178,12 @@ class LocalClaimBackend:
         keepalive: float = 15.0,
         start_timeout: float = 15.0,
         python: str | None = None,
+        bind_secret_file: str | None = None,
     ) -> None:
         self.files = files
+        #: The servers read the bind secret from this file (as a pod does from its secret
+        #: volume) instead of their environment.
+        self.bind_secret_file = bind_secret_file
         self.pool = pool
         self.warm = max(0, warm)
         self.max_workers = max(1, max_workers)
@@ -228,12 +232,16 @@ class LocalClaimBackend:
             argv += ["--client-ca", self.files.client_ca]
         if self.runtime_boundary:
             argv += ["--runtime-boundary", self.runtime_boundary]
+        if self.bind_secret_file:
+            argv += ["--bind-secret-file", self.bind_secret_file]
         return argv
 
     def _start_server(self) -> _Server:
         from agent_sandbox._host import lifecycle
 
-        env = {**os.environ, **lifecycle.owner_env(), "AGENT_SANDBOX_BIND_SECRET": self._secret}
+        env = {**os.environ, **lifecycle.owner_env()}
+        if not self.bind_secret_file:
+            env["AGENT_SANDBOX_BIND_SECRET"] = self._secret
         proc = subprocess.Popen(
             self._argv(),
             stdin=subprocess.DEVNULL,

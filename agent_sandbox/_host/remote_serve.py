@@ -7,7 +7,9 @@ It serves the worker protocol on TCP with TLS (optionally mTLS) and starts the a
 * `POST /v1/bind` once: the session's token hash, policy and limits, authenticated by the
   template-wide bootstrap secret (`X-Agent-Sandbox-Bind`); a second bind is refused (409),
   whoever sends it. The worker is started here, under `--provider` (Landlock under runc;
-  `subprocess` under a runtime that is itself the boundary, `--runtime-boundary gvisor`).
+  `auto` under gVisor or Kata: the strongest kernel provider that works in the pod, or
+  `subprocess` where none does and the runtime, declared or detected, is the boundary:
+  `placement.choose_inpod`).
 * `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, and `POST /interrupt`
   (SIGINT to the running cell, replaced after `grace` seconds, as locally), authenticated by the
   session token (`X-Agent-Sandbox-Token`, compared by SHA-256 in constant time; the token
@@ -114,6 +116,11 @@ class ServeConfig:
             )
         if self.keepalive <= 0 or self.idle_exit <= 0:
             raise ValueError("--keepalive and --idle-exit must be positive")
+        from agent_sandbox._host.placement import detect_place, runtime_mismatch
+
+        mismatch = runtime_mismatch(self.runtime_boundary, detect_place())
+        if mismatch:
+            raise ValueError(mismatch)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if self.tls_cert is None:
@@ -159,6 +166,12 @@ class WorkerServer:
         self.exit_reason = ""
         self._last_activity = time.monotonic()
         self._parent = os.getppid()
+        from agent_sandbox._host.placement import detect_place, effective_runtime
+
+        # The runtime that is a boundary: declared (`--runtime-boundary`) or detected (gVisor).
+        self.runtime, self.runtime_source = effective_runtime(
+            config.runtime_boundary, detect_place()
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -399,25 +412,35 @@ class WorkerServer:
                 "error": f"the policy's fingerprint here is {policy.fingerprint()}, the host "
                 f"sent {wanted}: host and worker disagree on the policy schema (versions?)"
             }
-        update: dict[str, Any] = {"provider": self.config.provider}
-        if self.config.runtime_boundary and self.config.provider == "subprocess":
-            # The runtime (gVisor, Kata) is the kernel boundary; the in-pod provider adds none.
+        from agent_sandbox._host.placement import choose_inpod
+
+        works = False
+        if self.config.provider == "auto":
+            from agent_sandbox.providers import AutoProvider
+
+            works = AutoProvider().probe().available  # cached: a real trial start, once
+        # The strongest kernel provider that works here; `subprocess` only where none does
+        # and the runtime (gVisor, Kata) is itself the boundary (`placement.choose_inpod`).
+        name, accept = choose_inpod(self.config.provider, self.runtime, works)
+        update: dict[str, Any] = {"provider": name}
+        if accept:
             update["no_kernel_boundary"] = "accepted"
         inside = policy.model_copy(update=update)
         try:
-            boundary = resolve_boundary(inside, self.config.provider)
+            boundary = resolve_boundary(inside, name)
             worker = WorkerProcess.start(
                 inside, boundary.provider, start_timeout=self.config.start_timeout
             )
         except SandboxError as exc:
             return 422, {"error": f"the worker could not start for this policy: {exc}"}
         stack = list(worker.plan.stack) if worker.plan else []
-        if self.config.runtime_boundary:
-            stack = [self.config.runtime_boundary, *stack]
+        if self.runtime:
+            stack = [self.runtime, *stack]
         self.remote_info = {
             "fingerprint": policy.fingerprint(),
             "provider": boundary.provider.name,
-            "runtime": self.config.runtime_boundary,
+            "runtime": self.runtime,
+            "runtime_source": self.runtime_source,
             "stack": stack,
         }
         self.worker = worker

@@ -2,10 +2,16 @@
 
 It prints one line per provider (available or not, version or ABI, the reason when not),
 then the kernel facilities the providers build on: the Landlock ABI and what it covers,
-seccomp (libseccomp), per-worker cgroups, user namespaces. `--live` also starts one worker
-under each available provider and shows what the worker reported about itself (NoNewPrivs,
-CapEff, Landlock, seccomp) and how long it took to become ready. `--json` prints the same
-as one JSON object. The exit status is 0 when at least one kernel boundary works here.
+seccomp (libseccomp), per-worker cgroups, user namespaces. In a container or pod (and under
+gVisor, detected from its kernel) it also says which layer would hold a remote worker's code
+there: the runtime, the in-pod provider `worker serve --provider auto` would start it under,
+the boundary every RunResult then names, and whether the pod's secret files stay out of the
+code's reach (`_host/placement.py`, shared with `worker check` and `worker serve`).
+`--live` also starts one worker under each available provider and shows what the worker
+reported about itself (NoNewPrivs, CapEff, Landlock, seccomp) and how long it took to become
+ready. `--json` prints the same
+as one JSON object. The exit status is 0 when at least one kernel boundary works here (a
+provider, or the gVisor runtime detected).
 """
 
 from __future__ import annotations
@@ -94,6 +100,18 @@ def collect(*, live: bool = False) -> dict[str, Any]:
         "cgroups": cgroup_support(),
         "user_namespaces": _read("/proc/sys/user/max_user_namespaces") or "unknown",
     }
+    from agent_sandbox._host.placement import detect_place, inpod_report
+
+    place = detect_place()
+    report["placement"] = {
+        "container": place.container,
+        "runtime": place.runtime,
+        "evidence": list(place.evidence),
+    }
+    if place.in_container:
+        # Where `worker serve` runs: the layer a remote worker gets here, decided as a bind
+        # decides it (`--provider auto`, the runtime detected, not declared).
+        report["in_pod"] = inpod_report("auto", "", place).to_json()
     if live:
         report["live"] = [_live(str(p["name"])) for p in providers if p["available"]]
     return report
@@ -132,6 +150,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     report = collect(live=args.live)
     boundary = any(p["available"] and p["details"].get("boundary") for p in report["providers"])
+    # Under gVisor (detected) the runtime is a boundary even where no provider works inside.
+    boundary = boundary or bool(report["placement"]["runtime"])
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return EXIT_OK if boundary else EXIT_ERROR
@@ -179,6 +199,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             print(f"  live {item['provider']}: ready in {item['ready_ms']} ms; {checks or '-'}")
         else:
             print(style.red(f"  live {item['provider']}: {item['error']}"))
+    if "in_pod" in report:
+        from agent_sandbox._host.placement import InPod, Place
+
+        data = dict(report["in_pod"])
+        data["place"] = Place(**{**data["place"], "evidence": tuple(data["place"]["evidence"])})
+        data["stack"] = tuple(data["stack"])
+        kind = report["placement"]["container"]
+        where = "a Kubernetes pod" if kind == "kubernetes" else f"a container ({kind})"
+        print(style.bold(f"in {where}: what `agent-sandbox worker serve` would run here"))
+        for line in InPod(**data).lines():
+            print("  " + line)
     if not boundary:
         print(style.yellow("no kernel boundary works here: only the `subprocess` provider runs"))
     return EXIT_OK if boundary else EXIT_ERROR

@@ -4,9 +4,11 @@
 
 `serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/scale-out.md and
 `_host/remote_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
-port when `:0` was asked). `check` says which layer is the kernel boundary in this place:
-the runtime the operator declares (`--runtime-boundary gvisor`) and what the in-pod provider
-finds (Landlock is absent under gVisor, present under runc with the default seccomp profile).
+port when `:0` was asked). `check` says which layer is the kernel boundary in this place
+(`_host/placement.py`, shared with `doctor` and `worker serve`): the runtime the operator
+declares (`--runtime-boundary gvisor`) or that is detected (gVisor's kernel), the in-pod
+provider a bind would start the worker under (`auto`: the strongest that works here), and
+whether the pod's secret files are in the worker's reach.
 `k8s manifests` prints the SandboxTemplate and SandboxWarmPool for a policy
 (`providers/_k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
 """
@@ -67,7 +69,10 @@ def add_parser(subparsers: Any) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--provider", default="auto", help="the local provider inside (landlock under runc)"
+        "--provider",
+        default="auto",
+        help="the local provider inside (auto: the strongest that works here; landlock under "
+        "runc; subprocess only under a runtime that is a boundary)",
     )
     parser.add_argument(
         "--runtime-boundary",
@@ -96,8 +101,7 @@ def prewarm(provider: str) -> None:
         from agent_sandbox.providers import get_provider
 
         Policy(name="prewarm").fingerprint()
-        if provider != "auto":
-            get_provider(provider).probe()
+        get_provider(provider).probe()  # `auto`: every candidate's trial start, cached
     except Exception as exc:  # the bind reports what is wrong, with the session's policy
         logging.getLogger("agent_sandbox.serve").info("prewarm: %s", exc)
 
@@ -138,27 +142,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def boundary_report(provider: str, runtime: str) -> list[str]:
-    """Lines saying which layer holds code in this place (for `worker check`)."""
-    from agent_sandbox._errors import SandboxError
-    from agent_sandbox.providers import get_provider
+    """Lines saying which layer holds code in this place (`worker check`; `doctor` prints the
+    same from `placement.inpod_report` when it runs in a container or pod)."""
+    from agent_sandbox._host.placement import inpod_report
 
-    lines = []
-    if runtime:
-        lines.append(f"runtime: {runtime} (declared by the operator; the runtime is the boundary)")
-    else:
-        lines.append("runtime: none declared (runc or a plain host: the provider is the boundary)")
-    try:
-        chosen = get_provider(provider)
-        chosen.require()
-        probe = chosen.probe()
-        lines.append(f"provider: {provider} available ({probe.version or 'ok'})")
-    except SandboxError as exc:
-        lines.append(f"provider: {provider} NOT available here: {exc}")
-    landlock = get_provider("landlock").probe()
-    lines.append(
-        "landlock: " + ("available" if landlock.available else f"absent ({landlock.reason})")
-    )
-    return lines
+    return inpod_report(provider, runtime).lines()
 
 
 def _cmd_manifests(args: argparse.Namespace) -> int:
@@ -196,6 +184,11 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    for line in boundary_report(args.provider, args.runtime_boundary):
+    """The report; exit status 1 when no worker could start here or the declared runtime is
+    contradicted by the kernel (what `worker serve` would refuse)."""
+    from agent_sandbox._host.placement import inpod_report
+
+    report = inpod_report(args.provider, args.runtime_boundary)
+    for line in report.lines():
         print(line)
-    return 0
+    return 1 if (report.error or report.mismatch) else 0

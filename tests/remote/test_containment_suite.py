@@ -83,15 +83,27 @@ def pods(certs: Certs) -> Iterator[dict[str, RemoteProvider]]:
     providers: dict[str, RemoteProvider] = {}
 
     class Pools(dict[str, RemoteProvider]):
-        def __missing__(self, name: str) -> RemoteProvider:
+        """`pods["bwrap"]`: the bind secret in `worker serve`'s environment;
+        `pods["bwrap:file"]`: in a file (a pod's secret volume); `pods["auto:file:kata"]`:
+        `--provider auto` under a declared runtime (kata: not checkable here, unlike gVisor)."""
+
+        def __missing__(self, key: str) -> RemoteProvider:
+            name, *options = key.split(":")
+            runtime = next((o for o in options if o != "file"), "")
             backend = LocalClaimBackend(
-                certs.files(), bind_secret=BIND_SECRET, warm=1, max_workers=4, provider=name
+                certs.files(),
+                bind_secret=BIND_SECRET,
+                warm=1,
+                max_workers=4,
+                provider=name,
+                runtime_boundary=runtime,
+                bind_secret_file=_bind_secret_file(certs) if "file" in options else None,
             )
             backends.append(backend)
-            self[name] = RemoteProvider(
+            self[key] = RemoteProvider(
                 backend, session_key=SESSION_KEY, bind_secret=BIND_SECRET, tls=certs.tls()
             )
-            return self[name]
+            return self[key]
 
     pools = Pools(providers)
     try:
@@ -123,10 +135,20 @@ def hostile(pods: dict[str, RemoteProvider]) -> Any:
     return run
 
 
+def _bind_secret_file(certs: Certs) -> str:
+    """The bind secret as a pod holds it: a file `worker serve` reads at its start."""
+    path = os.path.join(certs.dir, "bind-secret")
+    if not os.path.exists(path):
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(BIND_SECRET + "\n")
+    return path
+
+
 def _secrets_code(certs: Certs) -> str:
     return (
         f"print('key', repr(nread({certs.server!r}))[:80])\n"
         "print('environ', repr(nread(f'/proc/{os.getppid()}/environ')))\n"
+        f"print('secret-file', repr(nread({_bind_secret_file(certs)!r})))\n"
     )
 
 
@@ -142,8 +164,46 @@ def test_the_pods_secrets_stay_out_of_the_workers_reach(
     assert result.stdout.startswith("key ")  # the code ran
 
 
+def test_the_pods_secret_files_stay_out_of_the_workers_reach(
+    kernel_provider: str, arena: dict[str, Path], pods: dict[str, RemoteProvider], certs: Certs
+) -> None:
+    """The same with the bind secret in a file, as a pod holds it (its secret volume, read by
+    `worker serve` at its start): neither the key nor that file is readable by the code."""
+    policy = hostile_policy(arena)
+    with pods[kernel_provider + ":file"].session(policy, thread="files") as session:
+        result = session.run(NATIVE + _secrets_code(certs))
+    assert result.error is None, result.error
+    assert kernel_provider in result.stack, result.stack
+    assert "secret-file " in result.stdout, result.stdout  # the code ran to the end
+    assert "PRIVATE KEY" not in result.stdout, result.stdout
+    assert BIND_SECRET not in result.stdout, result.stdout
+
+
+def test_auto_under_a_declared_runtime_takes_a_kernel_provider_that_hides_the_secrets(
+    arena: dict[str, Path], pods: dict[str, RemoteProvider], certs: Certs
+) -> None:
+    """`--provider auto --runtime-boundary R` (what the manifests give a gVisor or Kata pod)
+    starts the worker under the strongest kernel provider that works here, not under
+    `subprocess`: the result names the runtime and that provider, and the code reads neither
+    secret. (Under gVisor itself this is on paper: its probe decides there.)"""
+    from agent_sandbox.providers import AutoProvider
+
+    probe = AutoProvider().probe()
+    if not probe.available:
+        pytest.skip(f"auto: {probe.reason}")
+    policy = hostile_policy(arena, provider="auto")
+    with pods["auto:file:kata"].session(policy, thread="auto") as session:
+        result = session.run(NATIVE + _secrets_code(certs))
+    assert result.error is None, result.error
+    assert result.stack[0] == "kata" and result.stack[1] in KERNEL_PROVIDERS, result.stack
+    assert result.boundary.startswith("kata+") and "subprocess" not in result.boundary
+    assert "secret-file " in result.stdout, result.stdout
+    assert "PRIVATE KEY" not in result.stdout, result.stdout
+    assert BIND_SECRET not in result.stdout, result.stdout
+
+
 def test_without_a_kernel_provider_the_pods_secrets_are_in_reach(
-    arena: dict[str, Path], hostile: Any, certs: Certs
+    arena: dict[str, Path], hostile: Any, pods: dict[str, RemoteProvider], certs: Certs
 ) -> None:
     """The control: the same code under `subprocess` in the pod (no kernel boundary, accepted
     in so many words) reads both, so the test above can fail; and it is why a pod under
@@ -153,3 +213,6 @@ def test_without_a_kernel_provider_the_pods_secrets_are_in_reach(
     result = hostile("subprocess", policy, _secrets_code(certs))
     assert "PRIVATE KEY" in result.stdout
     assert BIND_SECRET in result.stdout
+    with pods["subprocess:file"].session(policy, thread="weak") as session:
+        weak = session.run(NATIVE + _secrets_code(certs))
+    assert "PRIVATE KEY" in weak.stdout and f"secret-file '{BIND_SECRET}" in weak.stdout

@@ -142,12 +142,14 @@ def test_the_template_and_pool_are_exactly_these() -> None:
     }
 
 
-def test_gvisor_runs_subprocess_inside_and_says_the_runtime_is_the_boundary() -> None:
+def test_gvisor_runs_the_strongest_provider_inside_and_declares_the_runtime() -> None:
+    """Under gVisor the in-pod provider is `auto` (a probe at the pod's start picks what
+    works there, `subprocess` only where nothing does), never a fixed `subprocess`."""
     template, _ = manifests(_policy(), image="i", runtime="gvisor", mtls=True)
     spec = template["spec"]["podTemplate"]["spec"]
     assert spec["runtimeClassName"] == "gvisor"
     args = spec["containers"][0]["args"]
-    assert args[args.index("--provider") + 1] == "subprocess"
+    assert args[args.index("--provider") + 1] == "auto"
     assert args[args.index("--runtime-boundary") + 1] == "gvisor"
     assert args[args.index("--client-ca") + 1] == "/tls/ca.crt"
 
