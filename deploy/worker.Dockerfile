@@ -6,10 +6,12 @@
 # policy's schema and the code layer's parser are this version's).
 FROM python:3.11-slim-bookworm
 
-# libseccomp for the seccomp filter; nothing else from apt (no compilers, no shells beyond
-# the base image's).
+# libseccomp for the seccomp filter, bubblewrap so that `--provider auto` (the templates'
+# choice under gVisor and Kata) has the same candidates as on a host (bwrap, then this
+# package's own `unshare` launcher, then Landlock); nothing else from apt (no compilers, no
+# shells beyond the base image's).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libseccomp2 \
+ && apt-get install -y --no-install-recommends libseccomp2 bubblewrap \
  && rm -rf /var/lib/apt/lists/*
 
 COPY dist/agent_sandbox_kit-*.whl /tmp/
