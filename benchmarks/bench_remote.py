@@ -169,11 +169,16 @@ print(json.dumps(out))
 """
 
 
-def load_test(certs: dict[str, str], procs: int, threads: int, calls: int) -> None:
-    before = _serve_pids()
+def load_test(certs: dict[str, str], procs: int, threads: int, calls: int) -> dict[str, object]:
+    """Run the load test, print its figures, and return them (`tests/remote/test_load.py`
+    asserts zero errors and nothing left behind on a small one)."""
+    marker = secrets.token_hex(8)  # inherited by this run's `worker serve` processes only
+    env = {**os.environ, _MARK: marker}
     argv = [sys.executable, "-c", _LOAD_CHILD, certs["ca"], certs["server"], certs["client"]]
     children = [
-        subprocess.Popen([*argv, str(threads), str(calls)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*argv, str(threads), str(calls)], stdout=subprocess.PIPE, text=True, env=env
+        )
         for _ in range(procs)
     ]
     results = [json.loads(c.communicate(timeout=600)[0]) for c in children]
@@ -181,8 +186,12 @@ def load_test(certs: dict[str, str], procs: int, threads: int, calls: int) -> No
     call = [x for r in results for x in r["call"]]
     errors = [e for r in results for e in r["errors"]]
     capacity = sum(r["capacity"] for r in results)
-    time.sleep(0.5)
-    left = _serve_pids() - before
+    left = _serve_pids(marker)
+    for _ in range(20):  # a server sees its parent gone within 0.2 s (`--exit-with-parent`)
+        if not left:
+            break
+        time.sleep(0.25)
+        left = _serve_pids(marker)
     print(f"load test: {procs} processes x {threads} threads x {calls} calls")
     if claim:
         print(f"  first call (claim + bind + start + call) {ms(claim)}  n={len(claim)}")
@@ -194,15 +203,32 @@ def load_test(certs: dict[str, str], procs: int, threads: int, calls: int) -> No
     )
     for e in errors[:5]:
         print("   ", e)
+    return {
+        "claim": claim,
+        "call": call,
+        "errors": errors,
+        "capacity": capacity,
+        "left": sorted(left),
+        "children": [c.returncode for c in children],
+    }
 
 
-def _serve_pids() -> set[int]:
+_MARK = "AGENT_SANDBOX_BENCH_RUN"
+
+
+def _serve_pids(marker: str) -> set[int]:
+    """This run's `worker serve` processes still alive (by the marker in their environment:
+    other runs on a shared machine are not counted)."""
     pids = set()
+    needle = f"{_MARK}={marker}".encode()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    if b"worker\0serve" in fh.read():
+                    if b"worker\0serve" not in fh.read():
+                        continue
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if needle in fh.read().split(b"\0"):
                         pids.add(int(entry))
             except OSError:
                 pass

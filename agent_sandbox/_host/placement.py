@@ -36,11 +36,14 @@ __all__ = [
     "GVISOR_VERSION",
     "InPod",
     "Place",
+    "check_runtime",
     "choose_inpod",
     "detect_place",
     "effective_runtime",
     "inpod_report",
     "runtime_mismatch",
+    "serve_provider",
+    "serve_runtime",
 ]
 
 #: The build string gVisor's Sentry reports for its emulated kernel (its syscall table's
@@ -129,6 +132,24 @@ def runtime_mismatch(declared: str, place: Place) -> str:
             "class, or drop the flag and run a kernel provider (--provider landlock)"
         )
     return ""
+
+
+def check_runtime(declared: str) -> None:
+    """Raise ValueError when the declared runtime is contradicted here (`worker serve`)."""
+    mismatch = runtime_mismatch(declared, detect_place())
+    if mismatch:
+        raise ValueError(mismatch)
+
+
+def serve_runtime(declared: str) -> tuple[str, str]:
+    """`effective_runtime` for this place (`worker serve`, at its start)."""
+    return effective_runtime(declared, detect_place())
+
+
+def serve_provider(requested: str, runtime: str) -> tuple[str, bool]:
+    """`choose_inpod` with this place's probe (`worker serve`, at each bind; the probe is a
+    real trial start, cached)."""
+    return choose_inpod(requested, runtime, requested == "auto" and _auto_works()[0])
 
 
 def _auto_works() -> tuple[bool, str]:

@@ -6,10 +6,8 @@ It serves the worker protocol on TCP with TLS (optionally mTLS) and starts the a
 * `GET /healthz`  readiness (no token; says nothing about the session)
 * `POST /v1/bind` once: the session's token hash, policy and limits, authenticated by the
   template-wide bootstrap secret (`X-Agent-Sandbox-Bind`); a second bind is refused (409),
-  whoever sends it. The worker is started here, under `--provider` (Landlock under runc;
-  `auto` under gVisor or Kata: the strongest kernel provider that works in the pod, or
-  `subprocess` where none does and the runtime, declared or detected, is the boundary:
-  `placement.choose_inpod`).
+  whoever sends it. The worker is started here, under `--provider` (`auto`: the strongest
+  kernel provider that works; `subprocess` only under a runtime that is one: `placement`).
 * `GET /hello`, `POST /run`, `POST /shutdown`: the worker's own routes, and `POST /interrupt`
   (SIGINT to the running cell, replaced after `grace` seconds, as locally), authenticated by the
   session token (`X-Agent-Sandbox-Token`, compared by SHA-256 in constant time; the token
@@ -42,6 +40,7 @@ from typing import Any
 
 import h11
 
+from agent_sandbox._host.placement import check_runtime, serve_provider, serve_runtime
 from agent_sandbox._host.serve_relay import (
     END,
     SSE_HEAD,
@@ -116,11 +115,7 @@ class ServeConfig:
             )
         if self.keepalive <= 0 or self.idle_exit <= 0:
             raise ValueError("--keepalive and --idle-exit must be positive")
-        from agent_sandbox._host.placement import detect_place, runtime_mismatch
-
-        mismatch = runtime_mismatch(self.runtime_boundary, detect_place())
-        if mismatch:
-            raise ValueError(mismatch)
+        check_runtime(self.runtime_boundary)  # a declared gVisor the kernel contradicts
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if self.tls_cert is None:
@@ -166,12 +161,7 @@ class WorkerServer:
         self.exit_reason = ""
         self._last_activity = time.monotonic()
         self._parent = os.getppid()
-        from agent_sandbox._host.placement import detect_place, effective_runtime
-
-        # The runtime that is a boundary: declared (`--runtime-boundary`) or detected (gVisor).
-        self.runtime, self.runtime_source = effective_runtime(
-            config.runtime_boundary, detect_place()
-        )
+        self.runtime, self.runtime_source = serve_runtime(config.runtime_boundary)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -412,20 +402,10 @@ class WorkerServer:
                 "error": f"the policy's fingerprint here is {policy.fingerprint()}, the host "
                 f"sent {wanted}: host and worker disagree on the policy schema (versions?)"
             }
-        from agent_sandbox._host.placement import choose_inpod
-
-        works = False
-        if self.config.provider == "auto":
-            from agent_sandbox.providers import AutoProvider
-
-            works = AutoProvider().probe().available  # cached: a real trial start, once
-        # The strongest kernel provider that works here; `subprocess` only where none does
-        # and the runtime (gVisor, Kata) is itself the boundary (`placement.choose_inpod`).
-        name, accept = choose_inpod(self.config.provider, self.runtime, works)
-        update: dict[str, Any] = {"provider": name}
-        if accept:
-            update["no_kernel_boundary"] = "accepted"
-        inside = policy.model_copy(update=update)
+        # The strongest provider that works here, or `subprocess` under a runtime boundary.
+        name, accept = serve_provider(self.config.provider, self.runtime)
+        opt_out = {"no_kernel_boundary": "accepted"} if accept else {}
+        inside = policy.model_copy(update={"provider": name, **opt_out})
         try:
             boundary = resolve_boundary(inside, name)
             worker = WorkerProcess.start(
@@ -433,9 +413,7 @@ class WorkerServer:
             )
         except SandboxError as exc:
             return 422, {"error": f"the worker could not start for this policy: {exc}"}
-        stack = list(worker.plan.stack) if worker.plan else []
-        if self.runtime:
-            stack = [self.runtime, *stack]
+        stack = [self.runtime] * bool(self.runtime) + list(worker.plan.stack if worker.plan else ())
         self.remote_info = {
             "fingerprint": policy.fingerprint(),
             "provider": boundary.provider.name,

@@ -203,3 +203,61 @@ def test_the_command_prints_the_same_manifests() -> None:
 
     expected = manifests(resolve_policy("data-analysis"), image="reg/ags:1", runtime="runc")
     assert json.loads(out)["items"] == expected
+
+
+def test_the_worker_image_runs_what_the_template_expects() -> None:
+    """deploy/worker.Dockerfile (never built here): its user is the template's `runAsUser`,
+    its entry point plus default command parse as a `worker serve` command line, and the
+    template's own args parse too (flags renamed on one side and not the other fail here)."""
+    import re
+    from pathlib import Path
+
+    from agent_sandbox._tools.cli import build_parser
+
+    text = (Path(__file__).resolve().parents[2] / "deploy" / "worker.Dockerfile").read_text()
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
+    template, _ = manifests(_policy(), image="i", runtime="gvisor")
+    pod = template["spec"]["podTemplate"]["spec"]
+    assert user is not None
+    assert int(user.group(1)) == pod["securityContext"]["runAsUser"]
+    assert int(user.group(2)) == pod["securityContext"]["runAsGroup"]
+    assert re.search(r'^ENTRYPOINT \["agent-sandbox"\]$', text, re.M)
+    cmd = re.search(r"^CMD (\[.*?\])$", text, re.M | re.S)
+    assert cmd is not None
+    argv = json.loads(cmd.group(1).replace("\\\n", ""))
+    parser = build_parser()
+    for args in (argv, pod["containers"][0]["args"]):
+        parsed = parser.parse_args(args)
+        assert parsed.worker_command == "serve" and parsed.bind_secret_file == "/bind/secret"
+    assert "bubblewrap" in text  # `auto`'s first candidate, under gVisor and Kata
+
+
+@pytest.mark.parametrize("runtime", ["runc", "gvisor", "kata"])
+def test_the_pod_and_network_rules_validate_against_the_kubernetes_schema(runtime: str) -> None:
+    """The template's pod spec as a v1 Pod and its network rules as a NetworkPolicy spec,
+    against the Kubernetes OpenAPI schema (`kubernetes-validate`, strict: unknown fields
+    fail). The CRDs themselves (SandboxTemplate, SandboxWarmPool) are not in that schema."""
+    kv = pytest.importorskip("kubernetes_validate")
+    template, _ = manifests(_policy(), image="i", runtime=runtime, mtls=True)
+    version = kv.latest_version()
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "worker"},
+        "spec": template["spec"]["podTemplate"]["spec"],
+    }
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "worker"},
+        "spec": {
+            "podSelector": {},
+            "policyTypes": ["Ingress", "Egress"],
+            **template["spec"]["networkPolicy"],
+        },
+    }
+    kv.validate(pod, version, strict=True)
+    kv.validate(policy, version, strict=True)
+    typo = {**pod, "spec": {**pod["spec"], "automountServiceAccountTokn": False}}
+    with pytest.raises(kv.ValidationError):  # the check can fail
+        kv.validate(typo, version, strict=True)
