@@ -345,10 +345,40 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     if worker == 0:
         return  # W
     _set_caps(libc, 0)
+    _exec_init(libc, worker)  # returns only where the C init cannot run
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == worker:
             os._exit(_status_code(status))
+
+
+_PR_SET_NO_NEW_PRIVS = 38
+#: The C init (guards/_nsinit.c) inside the view, found by `run_template` ("" without it).
+_init_program = ""
+
+
+def _find_init_program() -> str:
+    import sys
+
+    guards = sys.modules.get("agent_sandbox.guards")  # (a bare package: `boot._map_packages`)
+    folders = list(getattr(guards, "__path__", None) or ())
+    path = os.path.join(folders[0], "_nsinit") if folders else ""
+    return path if path and os.access(path, os.X_OK) else ""
+
+
+def _exec_init(libc: Any, worker: int) -> None:
+    """P, once W is forked and P holds no capability: become the C init (guards/_nsinit.c),
+    which reaps, relays W's status and handles signals as the loop after this call does,
+    without a copy of the template's interpreter. No-new-privileges first, so the exec
+    cannot give P back any capability (P is root in its user namespace for `root`); every
+    descriptor but 0-2 is closed (P needs none of the plan's). Returns when it cannot run
+    (not built, or the exec is refused): the Python loop then serves."""
+    if not _init_program:
+        return
+    _check(libc, libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+    os.closerange(3, 1 << 16)
+    with contextlib.suppress(OSError):
+        os.execve(_init_program, [_init_program, str(worker)], {})
 
 
 def _fork_in_pid_namespace(libc: Any) -> int:
@@ -442,6 +472,8 @@ def run_template(
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
     if namespace:
+        global _init_program
+        _init_program = _find_init_program()
         lock_template(libc)
         # A worker's init is forked by a short-lived helper (`_fork_in_pid_namespace`) and
         # then becomes this process's child.
