@@ -86,7 +86,10 @@ def _warm_up() -> Any:
     import agent_sandbox.guards._code_check
     import agent_sandbox.guards._install
     import agent_sandbox.providers._inworker  # noqa: F401
+    import agent_sandbox.providers._landlock_sys
 
+    # Made once here rather than in each worker's memory (issue 19: memory per session).
+    agent_sandbox.providers._landlock_sys.warm_up()
     return ctypes.CDLL(None, use_errno=True)
 
 
