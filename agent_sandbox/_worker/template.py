@@ -90,7 +90,50 @@ def _warm_up() -> Any:
 
     # Made once here rather than in each worker's memory (issue 19: memory per session).
     agent_sandbox.providers._landlock_sys.warm_up()
+    _exercise()
     return ctypes.CDLL(None, use_errno=True)
+
+
+#: A cell like the ones a worker checks and compiles in its calls (no import, no name a
+#: policy could refuse), for `_exercise`.
+_WARM_CELL = (
+    "total = 0\nfor i in range(3):\n    total += i\n"
+    "def twice(v):\n    return [v, v][0] * 2\n"
+    "text = f'{twice(total)}'\ntext\n"
+)
+_WARM_HEAD = (
+    b"POST /run HTTP/1.1\r\nhost: worker\r\nauthorization: Bearer x\r\n"
+    b"content-type: application/json\r\ncontent-length: 2"
+)
+
+
+def _exercise() -> None:
+    """Run the worker's pure per-call code (the code layer's check, rewrite and compile of a
+    cell, the request parse, the event encoding) a few times in the template, on data of its
+    own, so that Python's adaptive interpreter has specialised that code here: a forked
+    worker then writes less into the template's code objects and data in its first calls
+    (pages it would otherwise copy; issue 19: memory per session). Touches no guard,
+    no `builtins`, no state a worker reads; the code layer's rule cache is emptied again."""
+    import ast
+
+    from agent_sandbox._wire import encode_event
+    from agent_sandbox._worker.server import _parse_head
+    from agent_sandbox.guards import _code_budget, _code_check
+
+    policy: dict[str, Any] = {}
+    try:
+        for _ in range(10):
+            tree = ast.parse(_WARM_CELL, "<warm>", "exec")
+            rules = _code_check.compile_rules(policy, "")
+            _code_check.check_tree(tree, rules, "<warm>", source=_WARM_CELL)
+            _code_budget.rewrite(tree, rules)
+            compile(tree, "<warm>", "exec")
+            _parse_head(_WARM_HEAD)
+            encode_event("stdout", {"text": "x"})
+    except Exception:  # noqa: BLE001 (an optimisation only: a refusal changes nothing)
+        pass
+    finally:
+        _code_check._RULES_CACHE.clear()
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
