@@ -109,18 +109,25 @@ _WARM_HEAD = (
 
 def _exercise() -> None:
     """Run the worker's pure per-call code (the code layer's check, rewrite and compile of a
-    cell, the request parse, the event encoding) a few times in the template, on data of its
+    cell, the runner's compile and value encoding, its output stream, the request parse, the
+    event encoding) a few times in the template, on data of its
     own, so that Python's adaptive interpreter has specialised that code here: a forked
     worker then writes less into the template's code objects and data in its first calls
     (pages it would otherwise copy; issue 19: memory per session). Touches no guard,
     no `builtins`, no state a worker reads; the code layer's rule cache is emptied again."""
     import ast
 
+    import builtins
+
     from agent_sandbox._wire import encode_event
+    from agent_sandbox._worker.run import Runner, _Budget, _Output
     from agent_sandbox._worker.server import _parse_head
     from agent_sandbox.guards import _code_budget, _code_check
 
     policy: dict[str, Any] = {}
+    # A runner of its own, not the workers': only its compile of a new cell (no source kept
+    # for tracebacks, no code check) and its encoding of a value are used.
+    runner = Runner({"name": "template-warm-up"}, os.getcwd())
     try:
         for _ in range(10):
             tree = ast.parse(_WARM_CELL, "<warm>", "exec")
@@ -128,6 +135,15 @@ def _exercise() -> None:
             _code_check.check_tree(tree, rules, "<warm>", source=_WARM_CELL)
             _code_budget.rewrite(tree, rules)
             compile(tree, "<warm>", "exec")
+            body, tail = runner._compile_new(_WARM_CELL, "<warm>")
+            namespace: dict[str, Any] = {"__name__": "__warm__", "__builtins__": builtins}
+            exec(body, namespace)  # noqa: S102 (the constant cell above)
+            value = eval(tail, namespace)  # noqa: S307
+            runner._outcome(value, None, "<warm>")
+            runner._outcome([value, 1, {"k": [1.5, None]}], None, "<warm>")
+            out = _Output("stdout", lambda kind, data: None, _Budget(1 << 16, "template-warm-up"))
+            out.write("warm\n")
+            out.flush()
             _parse_head(_WARM_HEAD)
             encode_event("stdout", {"text": "x"})
     except Exception:  # noqa: BLE001 (an optimisation only: a refusal changes nothing)
