@@ -85,7 +85,7 @@ def _warm_up() -> Any:
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._code_check
     import agent_sandbox.guards._install
-    import agent_sandbox.providers._inworker  # noqa: F401
+    import agent_sandbox.providers._inworker
     import agent_sandbox.providers._landlock_sys
 
     # Made once here rather than in each worker's memory (issue 19: memory per session).
@@ -116,7 +116,6 @@ def _exercise() -> None:
     (pages it would otherwise copy; issue 19: memory per session). Touches no guard,
     no `builtins`, no state a worker reads; the code layer's rule cache is emptied again."""
     import ast
-
     import builtins
 
     from agent_sandbox._wire import encode_event
@@ -137,8 +136,8 @@ def _exercise() -> None:
             compile(tree, "<warm>", "exec")
             body, tail = runner._compile_new(_WARM_CELL, "<warm>")
             namespace: dict[str, Any] = {"__name__": "__warm__", "__builtins__": builtins}
-            exec(body, namespace)  # noqa: S102 (the constant cell above)
-            value = eval(tail, namespace)  # noqa: S307
+            exec(body, namespace)
+            value = eval(tail, namespace)
             runner._outcome(value, None, "<warm>")
             runner._outcome([value, 1, {"k": [1.5, None]}], None, "<warm>")
             out = _Output("stdout", lambda kind, data: None, _Budget(1 << 16, "template-warm-up"))
@@ -146,7 +145,7 @@ def _exercise() -> None:
             out.flush()
             _parse_head(_WARM_HEAD)
             encode_event("stdout", {"text": "x"})
-    except Exception:  # noqa: BLE001 (an optimisation only: a refusal changes nothing)
+    except Exception:  # an optimisation only: a failure here changes nothing
         pass
     finally:
         _code_check._RULES_CACHE.clear()
