@@ -60,6 +60,7 @@ SENSITIVE_CATEGORIES = frozenset(
 #: Categories that print a warning when granted, because they open the layer wide.
 DANGEROUS_CATEGORIES = frozenset({"deserialization", "dynamic-code", "native-code"})
 
+
 def _without_pydantic_plugins() -> None:
     """Build this module's validators without pydantic's plugin machinery.
 
@@ -85,13 +86,13 @@ def _without_pydantic_plugins() -> None:
     def create_schema_validator(*args: Any, **kwargs: Any) -> Any:
         module = args[2] if len(args) > 2 else kwargs.get("schema_type_module")
         if module == __name__:
-            schema = args[0] if args else kwargs.get("schema")
+            schema = args[0] if args else kwargs["schema"]
             config = args[5] if len(args) > 5 else kwargs.get("config")
             return SchemaValidator(schema, config)
         return original(*args, **kwargs)
 
     create_schema_validator._agent_sandbox_plain = True  # type: ignore[attr-defined]
-    construction.create_schema_validator = create_schema_validator  # type: ignore[assignment]
+    setattr(construction, "create_schema_validator", create_schema_validator)  # noqa: B010
 
 
 _without_pydantic_plugins()

@@ -116,5 +116,5 @@ def test_the_policy_models_validate_without_pydantic_plugins_and_others_keep_the
         Policy.model_rebuild(force=True)
     assert type(Policy.__pydantic_validator__) is SchemaValidator
     assert type(CodeBudgets.__pydantic_validator__) is SchemaValidator
-    with pytest.raises(ValueError, match="limits.cpu_seconds"):
+    with pytest.raises(ValueError, match=r"limits\.cpu_seconds"):
         Policy(limits={"cpu_seconds": 0})
