@@ -93,7 +93,7 @@ class _Protocol:
             self._heads[key] = head
         self.status = None
         self.streaming = False
-        self.parser = SSEParser(self.max_event_bytes, self.kind_caps, self.max_values)
+        self.parser.reset()
         self.body = bytearray()
         self.done = False
         out = self.conn.send(head) or b""
