@@ -88,7 +88,8 @@ class SSEParser:
                 if end >= 0:
                     head = _HEAD.match(self._buf, start, end)
                     kind = _KINDS.get(head[1]) if head is not None else None
-                    if kind is not None and self._buf.find(b"\n", head.end(), end) < 0:
+                    first = head.end() if head is not None else end
+                    if kind is not None and self._buf.find(b"\n", first, end) < 0:
                         # The usual event, whole and well-formed: its kind line and one
                         # data line, checked in one match (the slow path below names
                         # what is wrong with any other).
@@ -97,7 +98,7 @@ class SSEParser:
                             raise MessageTooLarge(
                                 "one event from the worker", end - start, cap, setting
                             )
-                        events.append(self._decode(kind, head.end(), end))
+                        events.append(self._decode(kind, first, end))
                         start = self._scanned = end + 2
                         self._cap = None
                         continue
