@@ -39,9 +39,10 @@ forwards it into the guest (`LaunchPlan.interrupt_launcher`).
 First use: with the kernel package but no image, the probe says available and `prepare()`
 builds the image and the template before the start's timeout begins (`FirstUseProgress`).
 
-Acceleration: TCG. `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`, which
-only runs PVM-enabled guests), so KVM would be used only after a probe boot succeeds; that
-probe is not built yet, and `probe()` says which accelerator is used and why.
+Acceleration: `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`, which only
+runs PVM-enabled guests), so KVM is used only after a probe boot of the image reached the
+guest agent within a timeout, remembered per host kernel, kvm modules, QEMU and image
+(`_qemu_kvm.py`); templates are per accelerator. `probe()` says which one and why.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from agent_sandbox.providers._qemu_image import (
     missing_tools,
     no_space,
 )
+from agent_sandbox.providers._qemu_kvm import Verdict
 from agent_sandbox.providers._view import egress_plan, policy_paths
 
 __all__ = [
@@ -87,6 +89,7 @@ __all__ = [
     "Template",
     "FirstUseProgress",
     "TemplateError",
+    "accel_for",
     "ensure_template",
     "guest_ram_mb",
     "kvm_state",
@@ -153,12 +156,36 @@ def qemu_version(qemu: str) -> str:
 
 
 def kvm_state() -> str:
-    """Why KVM is not used here (one phrase)."""
-    if not os.path.exists("/dev/kvm"):
-        return "no /dev/kvm"
-    if os.path.isdir("/sys/module/kvm_pvm"):
-        return "KVM present but cannot boot stock kernels: kvm_pvm"
-    return "KVM present but unprobed (the probe boot is not built yet)"
+    """Why KVM is not used here, before any probe boot (one phrase): no /dev/kvm, no access
+    to it, or not probed yet (`accel_for` decides, with an image to boot)."""
+    from agent_sandbox.providers._qemu_kvm import kvm_modules, unprobed_verdict
+
+    quick = unprobed_verdict()
+    if quick is not None:
+        return quick.reason
+    vendor = ", ".join(n for n in kvm_modules() if n != "kvm") or "kvm"
+    return f"KVM present ({vendor}), not probed yet: no guest image to boot"
+
+
+def accel_for(qemu: str, image: Image, *, afresh: bool = False) -> Verdict:
+    """The accelerator for `image` under `qemu` here: KVM only after a probe boot reached
+    the guest agent; remembered per host kernel, kvm modules, QEMU and image
+    (`_qemu_kvm.py`)."""
+    from agent_sandbox.providers import _probe_cache
+    from agent_sandbox.providers._qemu_kvm import accel_verdict
+
+    cached = _probe_cache.enabled()
+    return accel_verdict(
+        qemu=qemu,
+        qemu_version=qemu_version(qemu),
+        image_digest=image.digest,
+        vmlinux=image.vmlinux,
+        initrd=image.initrd,
+        append=kernel_args(),
+        cache_root=cache_root(),
+        afresh=afresh or not cached,
+        remember=cached,
+    )
 
 
 def kernel_args(extra: str = "") -> str:
@@ -175,6 +202,7 @@ def qemu_argv(
     shares: Sequence[str],
     image: Image | None = None,
     restore: bool = False,
+    accel: str = "tcg",
 ) -> list[str]:
     """The QEMU command line; a template's save (`image` given) and every restore share the
     device set exactly (a migration needs the same devices)."""
@@ -188,9 +216,9 @@ def qemu_argv(
         f"memory-backend-file,id=mem,size={mem_mb}M,mem-path={ram_path},"
         f"share={'off' if restore else 'on'}",
         "-accel",
-        "tcg,tb-size=32",
+        "kvm" if accel == "kvm" else "tcg,tb-size=32",
         "-cpu",
-        "max",
+        "host" if accel == "kvm" else "max",
         "-m",
         f"{mem_mb}M",
         "-smp",
@@ -241,19 +269,23 @@ class Template:
     state: str
     mem_mb: int
     key: str
+    accel: str = "tcg"
 
 
-def _template_key(image: Image, qemu: str, mem_mb: int) -> str:
+def _template_key(image: Image, qemu: str, mem_mb: int, accel: str = "tcg") -> str:
     parts = [image.digest, qemu_version(qemu), str(mem_mb), DEVICE_SET, str(tsc_khz())]
+    if accel != "tcg":  # a migration stream does not cross accelerators
+        parts.append(accel)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def template_dir(image: Image, qemu: str, mem_mb: int) -> str:
-    return os.path.join(cache_root(), "qemu", "templates", _template_key(image, qemu, mem_mb))
+def template_dir(image: Image, qemu: str, mem_mb: int, accel: str = "tcg") -> str:
+    key = _template_key(image, qemu, mem_mb, accel)
+    return os.path.join(cache_root(), "qemu", "templates", key)
 
 
-def find_template(image: Image, qemu: str, mem_mb: int) -> Template | None:
-    directory = template_dir(image, qemu, mem_mb)
+def find_template(image: Image, qemu: str, mem_mb: int, accel: str = "tcg") -> Template | None:
+    directory = template_dir(image, qemu, mem_mb, accel)
     if not os.path.isfile(os.path.join(directory, "template.json")):
         return None
     return Template(
@@ -262,18 +294,21 @@ def find_template(image: Image, qemu: str, mem_mb: int) -> Template | None:
         os.path.join(directory, "state"),
         mem_mb,
         os.path.basename(directory),
+        accel,
     )
 
 
-def find_roomy_template(image: Image, qemu: str, mem_mb: int) -> Template | None:
+def find_roomy_template(
+    image: Image, qemu: str, mem_mb: int, accel: str = "tcg"
+) -> Template | None:
     """The smallest saved template of this image, QEMU and device set with at least
     `mem_mb` of guest RAM: the policy's memory limit is the guest's memory cgroup
     (`memory.max`, set after the restore), so a roomier guest serves it as well, and the
     tests and a mixed pool need one template boot, not one per size."""
-    exact = find_template(image, qemu, mem_mb)
+    exact = find_template(image, qemu, mem_mb, accel)
     if exact is not None:
         return exact
-    root = os.path.dirname(template_dir(image, qemu, mem_mb))
+    root = os.path.dirname(template_dir(image, qemu, mem_mb, accel))
     best: tuple[int, str] | None = None
     try:
         names = os.listdir(root)
@@ -296,32 +331,38 @@ def find_roomy_template(image: Image, qemu: str, mem_mb: int) -> Template | None
             continue
         if any(meta.get(k) != v for k, v in want.items()):
             continue
-        if _template_key(image, qemu, size) != name:
+        if meta.get("accel", "tcg") != accel or _template_key(image, qemu, size, accel) != name:
             continue
         if best is None or size < best[0]:
             best = (size, name)
     if best is None:
         return None
-    return find_template(image, qemu, best[0])
+    return find_template(image, qemu, best[0], accel)
 
 
-def ensure_template(image: Image, mem_mb: int, *, qemu: str = _QEMU) -> Template:
-    """The template for (image, QEMU, RAM size): found, or booted once and saved (~5-10 s)."""
-    found = find_template(image, qemu, mem_mb)
+def ensure_template(
+    image: Image, mem_mb: int, *, qemu: str = _QEMU, accel: str | None = None
+) -> Template:
+    """The template for (image, QEMU, RAM size, accelerator): found, or booted once and
+    saved (~5-10 s under TCG). `accel=None`: the one `accel_for` gives (a probe boot the
+    first time, when /dev/kvm is usable)."""
+    if accel is None:
+        accel = accel_for(shutil.which(qemu) or qemu, image).accel
+    found = find_template(image, qemu, mem_mb, accel)
     if found is not None:
         return found
-    directory = template_dir(image, qemu, mem_mb)
+    directory = template_dir(image, qemu, mem_mb, accel)
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
     lock_fd = os.open(os.path.join(parent, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        found = find_template(image, qemu, mem_mb)
+        found = find_template(image, qemu, mem_mb, accel)
         if found is not None:
             return found
         work = tempfile.mkdtemp(prefix=".save-", dir=parent)
         try:
-            _save_template(image, qemu, mem_mb, work)
+            _save_template(image, qemu, mem_mb, work, accel)
             if os.path.isdir(directory):
                 shutil.rmtree(directory)
             os.rename(work, directory)
@@ -329,12 +370,12 @@ def ensure_template(image: Image, mem_mb: int, *, qemu: str = _QEMU) -> Template
             shutil.rmtree(work, ignore_errors=True)
     finally:
         os.close(lock_fd)
-    found = find_template(image, qemu, mem_mb)
+    found = find_template(image, qemu, mem_mb, accel)
     assert found is not None
     return found
 
 
-def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
+def _save_template(image: Image, qemu: str, mem_mb: int, work: str, accel: str = "tcg") -> None:
     """Boot the image to the guest agent's SBREADY, then save it (file-backed RAM)."""
     run_dir = tempfile.mkdtemp(prefix="agent-sandbox-qemu-save-")
     empty = os.path.join(run_dir, "empty")
@@ -348,6 +389,7 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
         run_dir=run_dir,
         shares=[empty] * SHARE_SLOTS,
         image=image,
+        accel=accel,
     )
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -409,6 +451,7 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str) -> None:
             "mem_mb": mem_mb,
             "device_set": DEVICE_SET,
             "tsc_khz": tsc_khz(),
+            "accel": accel,
             "boot_seconds": round(booted, 2),
             "created": time.time(),
         }
@@ -538,6 +581,7 @@ def qemu_landlock_rules(
         (template.state, "dev-ro"),
         (template.ram, "dev-rw"),
         ("/dev/null", "dev-rw"),
+        *([("/dev/kvm", "dev-rw")] if template.accel == "kvm" else []),
         ("/dev/urandom", "dev-ro"),
         (run_dir, "rw"),
     ]
@@ -553,7 +597,8 @@ def _probe(qemu: str, _cache: str) -> ProbeResult:
         names = ", ".join(tool for tool, _pkg in missing) or qemu
         return ProbeResult("qemu", False, f"missing {names}: {install_hint(missing)}")
     image = find_image()
-    accel = f"TCG ({kvm_state()})"
+    verdict = accel_for(path, image) if image is not None else None
+    accel = verdict.describe() if verdict is not None else f"TCG ({kvm_state()})"
     version = f"{qemu_version(path)}; {accel}"
     if image is None:
         try:
@@ -579,7 +624,13 @@ def _probe(qemu: str, _cache: str) -> ProbeResult:
         "qemu",
         True,
         version=version,
-        details={"path": path, "accel": accel, "image": image.directory, "boundary": True},
+        details={
+            "path": path,
+            "accel": accel,
+            "accel_name": verdict.accel if verdict is not None else "tcg",
+            "image": image.directory,
+            "boundary": True,
+        },
     )
 
 
@@ -695,14 +746,16 @@ class QemuProvider(Provider):
         qemu = str(probe.details.get("path", self.qemu))
         mem_mb = vm_memory_mb(policy)
         image = find_image()
-        if image is not None and find_roomy_template(image, qemu, mem_mb) is not None:
-            return
+        if image is not None:
+            accel = accel_for(qemu, image).accel
+            if find_roomy_template(image, qemu, mem_mb, accel) is not None:
+                return
         bar = FirstUseProgress.maybe()
         try:
             if image is None:
                 image = build_image(progress=bar.step)
             bar.step(f"booting and saving the template ({mem_mb} MiB of guest RAM)")
-            ensure_template(image, mem_mb, qemu=qemu)
+            ensure_template(image, mem_mb, qemu=qemu, accel=accel_for(qemu, image).accel)
             bar.step("ready")
         except (ImageError, TemplateError) as exc:
             raise ProviderUnavailable("qemu", str(exc)) from None
@@ -721,9 +774,10 @@ class QemuProvider(Provider):
             )
         config = json.loads(plan.argv[-1])
         mem_mb = int(config["mem_mb"])
+        accel = accel_for(qemu, image).accel
         try:
-            template = find_roomy_template(image, qemu, mem_mb) or ensure_template(
-                image, mem_mb, qemu=qemu
+            template = find_roomy_template(image, qemu, mem_mb, accel) or ensure_template(
+                image, mem_mb, qemu=qemu, accel=accel
             )
         except TemplateError as exc:
             raise ProviderUnavailable("qemu", str(exc)) from None
@@ -742,6 +796,7 @@ class QemuProvider(Provider):
                 run_dir=run_dir,
                 shares=slots,
                 restore=True,
+                accel=template.accel,
             ),
             "state": template.state,
             "qmp": os.path.join(run_dir, "qmp.sock"),

@@ -31,8 +31,9 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
 6. the limit counters: the worker's cgroup has `pids.max` and `memory.max`; when the
    kernel raises `pids.events` or `memory.events` (POLLPRI), the agent sends an `L` frame
    with the counters (`{"pids_max": n, "oom_kill": n, "max": n}`) before relaying anything
-   the worker sent after it. The host takes them as the worker side's word (see
-   `_qemu_host.py`).
+   the worker sent after it; they are read again before a worker connection's close is
+   relayed (a killed worker's sockets close after the kernel counted the kill). The host
+   takes them as the worker side's word (see `_qemu_host.py`).
 
 Frames: kind (1 byte), channel (4 bytes), length (4 bytes, at most `MAX_FRAME`), payload.
 Only the standard library and the worker's own modules are used.
@@ -464,6 +465,11 @@ def _relay(port: Port, child: int, net: "Net | None", limits: "Limits | None") -
                 if data:
                     port.send(b"D", chan, data)
                 else:
+                    if limits is not None:
+                        # A worker the memory cgroup killed closes its connections after
+                        # the kernel counted the kill: the count goes first, so the host
+                        # names the limit rather than a crash.
+                        limits.report(port)
                     port.send(b"C", chan)
                     conns.pop(chan, None)
                     by_fd.pop(fd, None)

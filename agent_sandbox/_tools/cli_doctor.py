@@ -173,6 +173,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if not (cg["memory"] and cg["processes"]):
         print(style.dim("    without them only rlimits and the wall-clock timeout bound a worker"))
     print(f"  user namespaces: max {report['user_namespaces']}")
+    for p in report["providers"]:
+        if p["name"] == "qemu" and p["details"].get("accel"):
+            # The accelerator: KVM only after a probe boot (`providers/_qemu_kvm.py`).
+            print(f"  qemu: {p['details']['accel']}")
     for item in report.get("live", []):
         if item["ok"]:
             checks = ", ".join(f"{k}={_short(v)}" for k, v in sorted(item["checks"].items()))

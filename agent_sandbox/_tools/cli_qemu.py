@@ -7,12 +7,14 @@
   or kernel package is one line naming the command that fixes it (exit 69).
 * `status [--json]`: the cache directory, the current image (or why there is none), the
   templates, and the accelerator.
-* `clean`: remove every cached image and template (the kernel packages stay).
+* `clean`: remove every cached image and template, and the remembered KVM probe verdicts
+  (the kernel packages stay).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -109,7 +111,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "available": probe.available,
         "reason": probe.reason,
         "qemu": probe.version,
-        "accel": f"TCG ({kvm_state()})",
+        "accel": str(probe.details.get("accel") or f"TCG ({kvm_state()})"),
         "cache": os.path.join(cache_root(), "qemu"),
         "image": image.directory if image else None,
         "templates": [t for t in templates if image is not None and t.get("image") == image.digest],
@@ -137,5 +139,8 @@ def _cmd_clean(_args: argparse.Namespace) -> int:
 
     for sub in ("images", "templates"):
         shutil.rmtree(os.path.join(cache_root(), "qemu", sub), ignore_errors=True)
-    print(f"removed {os.path.join(cache_root(), 'qemu')}/{{images,templates}}")
+    for name in ("kvm-probe.json", "kvm-probe.json.lock"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(cache_root(), "qemu", name))
+    print(f"removed {os.path.join(cache_root(), 'qemu')}/{{images,templates,kvm-probe.json}}")
     return 0

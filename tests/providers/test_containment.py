@@ -352,11 +352,6 @@ def test_in_process_memory_balloon_is_a_limit_denial(
     kernel_provider: str, arena: dict[str, Path], hostile: Any, make_policy: Any
 ) -> None:
     """It stops an in-process balloon at `limits.memory` and replaces the worker."""
-    if kernel_provider == "qemu" and os.geteuid() != 0:
-        pytest.xfail(
-            "under an unprivileged user's QEMU the worker's connection ends before the host "
-            "can name the memory limit (reported as a crash, not limits.memory); not solved yet"
-        )
     code = "hold = []\nwhile True:\n    hold.append(bytearray(32 * 1024 * 1024))"
     result = hostile(kernel_provider, make_policy(arena, limits={"memory_mb": 256}), code)
     assert result.error is not None and result.error.rule == "limits.memory"

@@ -290,16 +290,19 @@ def vm_cache(qemu_cache: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return qemu_cache
 
 
-def _qemu_pids() -> list[int]:
+def _qemu_pids(cache: str = "") -> list[int]:
+    """QEMU processes running (with `cache`: only those restoring a template from it, this
+    session's own: other test runs on the machine start VMs too)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    if b"qemu-system-x86_64" in fh.read().split(b"\0")[0]:
-                        out.append(int(entry))
+                    argv = fh.read().split(b"\0")
             except OSError:
                 continue
+            if b"qemu-system-x86_64" in argv[0] and cache.encode() in b"\0".join(argv):
+                out.append(int(entry))
     return out
 
 
@@ -328,7 +331,7 @@ def _start(policy: Policy) -> WorkerProcess:
 
 def test_values_errors_and_output_cross_the_vm_boundary(vm_cache: str) -> None:
     """It returns values, printed output and the code's own exception from the guest."""
-    before = set(_qemu_pids())
+    before = set(_qemu_pids(vm_cache))
     with Sandbox(_vm_policy(), warm=0) as sb:
         ok = sb.run("import os\nprint('hello from', os.uname().sysname)\n6 * 7")
         assert ok.error is None, ok.error
@@ -338,7 +341,7 @@ def test_values_errors_and_output_cross_the_vm_boundary(vm_cache: str) -> None:
         assert bad.error is not None and "ValueError" in bad.error.type
         kernel = sb.run("import os\nos.uname().release")
         assert kernel.value != os.uname().release  # the guest's own kernel
-    assert set(_qemu_pids()) <= before  # nothing left running
+    assert set(_qemu_pids(vm_cache)) <= before  # nothing left running
 
 
 def test_a_runaway_call_times_out_and_the_vm_is_gone(vm_cache: str) -> None:
