@@ -14,9 +14,11 @@ does it when the list of modules changes); `--config-settings editable_mode=leni
 the import hook instead.
 """
 
+import os
 from typing import Any
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.editable_wheel import editable_wheel
 
 
@@ -29,7 +31,40 @@ class StrictEditableWheel(editable_wheel):  # type: ignore[misc]
         super().finalize_options()
 
 
-cmdclass: dict[str, Any] = {"editable_wheel": StrictEditableWheel}
+#: The init of a worker forked from a namespace template (guards/_nsinit.c): a program, not a
+#: module, built next to the extensions (static where the C library allows it, so that it
+#: needs no loader in the sandbox's view). Optional like them: without it the template's
+#: Python loop serves as that init (tests/providers/test_ns_templates.py checks it is built).
+NSINIT_SOURCE = "guards/_nsinit.c"
+NSINIT_NAME = "_nsinit"
+
+
+class BuildExtWithInit(build_ext):  # type: ignore[misc]
+    """`build_ext` that also links guards/_nsinit.c into an executable beside the modules."""
+
+    def run(self) -> None:
+        super().run()
+        folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))
+        target = os.path.join(folder, NSINIT_NAME)
+        try:
+            objects = self.compiler.compile(
+                [NSINIT_SOURCE], output_dir=self.build_temp, extra_postargs=["-O2", "-Wall"]
+            )
+            try:
+                self.compiler.link_executable(objects, target, extra_postargs=["-static", "-s"])
+            except Exception:  # no static C library: a dynamic one (the view has libc)
+                self.compiler.link_executable(objects, target)
+        except Exception as exc:  # optional, like the extensions
+            print(f"warning: {NSINIT_SOURCE} not built ({exc}); the Python init serves")
+            return
+        os.chmod(target, 0o755)
+
+    def get_outputs(self) -> list[str]:
+        folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))
+        return [*super().get_outputs(), os.path.join(folder, NSINIT_NAME)]
+
+
+cmdclass: dict[str, Any] = {"editable_wheel": StrictEditableWheel, "build_ext": BuildExtWithInit}
 
 setup(
     cmdclass=cmdclass,

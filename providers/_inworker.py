@@ -72,6 +72,42 @@ def _libc() -> Any:
     return _LIBC
 
 
+_STRUCTS: Any = None
+
+
+def _structs() -> Any:
+    """The capability header and data, and the seccomp program (ctypes classes, made once)."""
+    global _STRUCTS
+    if _STRUCTS is None:
+        import ctypes
+
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+        class Data(ctypes.Structure):
+            _fields_ = [
+                ("effective", ctypes.c_uint32),
+                ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32),
+            ]
+
+        class SockFprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        _STRUCTS = (Header, Data, SockFprog)
+    return _STRUCTS
+
+
+def warm_up() -> None:
+    """Make the C library handle and the structures now, and read this process's kernel
+    status a few times (reads only): a worker template calls this so that each forked
+    worker neither builds them nor first runs that code in its own memory."""
+    _libc()
+    _structs()
+    for _ in range(10):
+        kernel_status()
+
+
 def _prctl(option: int, arg2: int = 0, arg3: Any = 0) -> int:
     import ctypes
 
@@ -93,16 +129,7 @@ def _caps(op: str, eff: int = 0, prm: int = 0, inh: int = 0) -> int:
     """capget (returns CapEff as a 64-bit mask) or capset (sets all three sets)."""
     import ctypes
 
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [
-            ("effective", ctypes.c_uint32),
-            ("permitted", ctypes.c_uint32),
-            ("inheritable", ctypes.c_uint32),
-        ]
-
+    Header, Data, _fprog = _structs()
     header = Header(_CAP_VERSION_3, 0)
     data = (Data * 2)()
     libc = _libc()
@@ -148,9 +175,7 @@ def _load_seccomp(bpf: bytes) -> None:
     if not bpf or len(bpf) % 8:
         raise SetupError(f"the seccomp program has a bad size ({len(bpf)} bytes)")
 
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
+    SockFprog = _structs()[2]
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
     _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog))

@@ -92,6 +92,41 @@ def _syscall() -> Any:
     return _SYSCALL
 
 
+_STRUCTS: Any = None
+
+
+def _structs() -> Any:
+    """The three argument structures of the Landlock syscalls (ctypes classes, made once)."""
+    global _STRUCTS
+    if _STRUCTS is None:
+        import ctypes
+
+        class RulesetAttr(ctypes.Structure):
+            _fields_ = [
+                ("fs", ctypes.c_uint64),
+                ("net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64),
+            ]
+
+        class PathBeneath(ctypes.Structure):
+            _pack_ = 1
+            _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+        class NetPort(ctypes.Structure):
+            _fields_ = [("allowed", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+        _STRUCTS = (RulesetAttr, PathBeneath, NetPort)
+    return _STRUCTS
+
+
+def warm_up() -> None:
+    """Make the syscall function and the structures now (a worker template calls this, so
+    that each forked worker does not build them in its own memory). Holds no state of any
+    one process: the structures are types, the function the C library's `syscall`."""
+    _syscall()
+    _structs()
+
+
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version; raises OSError (ENOSYS, EOPNOTSUPP) without it."""
     import ctypes
@@ -123,19 +158,7 @@ def restrict_self(setup: Mapping[str, Any]) -> dict[str, Any]:
     if abi < int(setup.get("min_abi", MIN_ABI)):
         raise OSError(0, f"Landlock ABI {abi} is below the required {setup.get('min_abi')}")
 
-    class RulesetAttr(ctypes.Structure):
-        _fields_ = [
-            ("fs", ctypes.c_uint64),
-            ("net", ctypes.c_uint64),
-            ("scoped", ctypes.c_uint64),
-        ]
-
-    class PathBeneath(ctypes.Structure):
-        _pack_ = 1
-        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-    class NetPort(ctypes.Structure):
-        _fields_ = [("allowed", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+    RulesetAttr, PathBeneath, NetPort = _structs()
 
     def check(rc: int, what: str) -> int:
         if rc < 0:

@@ -51,6 +51,7 @@ files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ guards/_fastimport.c -nt "$stamp" ] || [ guards/_fastscan.c -nt "$stamp" ] \
+   || [ guards/_nsinit.c -nt "$stamp" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
   quiet .venv/bin/python -m pip install -q --upgrade pip

@@ -30,7 +30,8 @@ files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
    || [ setup.py -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ] \
-   || [ guards/_fastscan.c -nt "$stamp" ] || [ "$(cat "$stamp")" != "$files" ]
+   || [ guards/_fastscan.c -nt "$stamp" ] || [ guards/_nsinit.c -nt "$stamp" ] \
+   || [ "$(cat "$stamp")" != "$files" ]
 then
   "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]" >"$log" 2>&1 \
     || { cat "$log" >&2; exit 1; }

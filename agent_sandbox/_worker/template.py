@@ -45,9 +45,13 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
    provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
    processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
-   covered read-only. It forks W, drops every capability and reaps until W exits, then
-   exits as W did (a signal N as status 128 + N). It dies with the template (its
-   parent-death signal), and so does everything in its namespace.
+   covered read-only. It forks W, drops every capability, sets no-new-privileges, closes
+   every descriptor but 0-2 and execs the small C init (`guards/_nsinit.c`, see
+   `_exec_init`), which reaps until W exits, then exits as W did (a signal N as status
+   128 + N): P keeps no copy of this interpreter (about 3 MB PSS per worker otherwise).
+   Where that program is missing, P's own Python loop does the same. It dies with the
+   template (its parent-death signal, kept across the exec), and so does everything in
+   its namespace.
 2. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
@@ -85,9 +89,71 @@ def _warm_up() -> Any:
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._code_check
     import agent_sandbox.guards._install
-    import agent_sandbox.providers._inworker  # noqa: F401
+    import agent_sandbox.providers._inworker
+    import agent_sandbox.providers._landlock_sys
 
+    # Made once here rather than in each worker's memory (issue 19: memory per session).
+    agent_sandbox.providers._landlock_sys.warm_up()
+    agent_sandbox.providers._inworker.warm_up()
+    _exercise()
     return ctypes.CDLL(None, use_errno=True)
+
+
+#: A cell like the ones a worker checks and compiles in its calls (no import, no name a
+#: policy could refuse), for `_exercise`.
+_WARM_CELL = (
+    "total = 0\nfor i in range(3):\n    total += i\n"
+    "def twice(v):\n    return [v, v][0] * 2\n"
+    "text = f'{twice(total)}'\ntext\n"
+)
+_WARM_HEAD = (
+    b"POST /run HTTP/1.1\r\nhost: worker\r\nauthorization: Bearer x\r\n"
+    b"content-type: application/json\r\ncontent-length: 2"
+)
+
+
+def _exercise() -> None:
+    """Run the worker's pure per-call code (the code layer's check, rewrite and compile of a
+    cell, the runner's compile and value encoding, its output stream, the request parse, the
+    event encoding) a few times in the template, on data of its
+    own, so that Python's adaptive interpreter has specialised that code here: a forked
+    worker then writes less into the template's code objects and data in its first calls
+    (pages it would otherwise copy; issue 19: memory per session). Touches no guard,
+    no `builtins`, no state a worker reads; the code layer's rule cache is emptied again."""
+    import ast
+    import builtins
+
+    from agent_sandbox._wire import encode_event
+    from agent_sandbox._worker.run import Runner, _Budget, _Output
+    from agent_sandbox._worker.server import _parse_head
+    from agent_sandbox.guards import _code_budget, _code_check
+
+    policy: dict[str, Any] = {}
+    # A runner of its own, not the workers': only its compile of a new cell (no source kept
+    # for tracebacks, no code check) and its encoding of a value are used.
+    runner = Runner({"name": "template-warm-up"}, os.getcwd())
+    try:
+        for _ in range(10):
+            tree = ast.parse(_WARM_CELL, "<warm>", "exec")
+            rules = _code_check.compile_rules(policy, "")
+            _code_check.check_tree(tree, rules, "<warm>", source=_WARM_CELL)
+            _code_budget.rewrite(tree, rules)
+            compile(tree, "<warm>", "exec")
+            body, tail = runner._compile_new(_WARM_CELL, "<warm>")
+            namespace: dict[str, Any] = {"__name__": "__warm__", "__builtins__": builtins}
+            exec(body, namespace)
+            value = eval(tail, namespace)
+            runner._outcome(value, None, "<warm>")
+            runner._outcome([value, 1, {"k": [1.5, None]}], None, "<warm>")
+            out = _Output("stdout", lambda kind, data: None, _Budget(1 << 16, "template-warm-up"))
+            out.write("warm\n")
+            out.flush()
+            _parse_head(_WARM_HEAD)
+            encode_event("stdout", {"text": "x"})
+    except Exception:  # an optimisation only: a failure here changes nothing
+        pass
+    finally:
+        _code_check._RULES_CACHE.clear()
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -345,10 +411,40 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     if worker == 0:
         return  # W
     _set_caps(libc, 0)
+    _exec_init(libc, worker)  # returns only where the C init cannot run
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == worker:
             os._exit(_status_code(status))
+
+
+_PR_SET_NO_NEW_PRIVS = 38
+#: The C init (guards/_nsinit.c) inside the view, found by `run_template` ("" without it).
+_init_program = ""
+
+
+def _find_init_program() -> str:
+    import sys
+
+    guards = sys.modules.get("agent_sandbox.guards")  # (a bare package: `boot._map_packages`)
+    folders = list(getattr(guards, "__path__", None) or ())
+    path = os.path.join(folders[0], "_nsinit") if folders else ""
+    return path if path and os.access(path, os.X_OK) else ""
+
+
+def _exec_init(libc: Any, worker: int) -> None:
+    """P, once W is forked and P holds no capability: become the C init (guards/_nsinit.c),
+    which reaps, relays W's status and handles signals as the loop after this call does,
+    without a copy of the template's interpreter. No-new-privileges first, so the exec
+    cannot give P back any capability (P is root in its user namespace for `root`); every
+    descriptor but 0-2 is closed (P needs none of the plan's). Returns when it cannot run
+    (not built, or the exec is refused): the Python loop then serves."""
+    if not _init_program:
+        return
+    _check(libc, libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+    os.closerange(3, 1 << 16)
+    with contextlib.suppress(OSError):
+        os.execve(_init_program, [_init_program, str(worker)], {})
 
 
 def _fork_in_pid_namespace(libc: Any) -> int:
@@ -442,6 +538,8 @@ def run_template(
     control = socket.socket(fileno=control_fd)
     libc = _warm_up()
     if namespace:
+        global _init_program
+        _init_program = _find_init_program()
         lock_template(libc)
         # A worker's init is forked by a short-lived helper (`_fork_in_pid_namespace`) and
         # then becomes this process's child.
