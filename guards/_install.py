@@ -43,7 +43,7 @@ __all__ = ["Guards", "install_guards"]
 
 def _c_tampered() -> int:
     """The C block's tamper bits as this process sees them (0 without the extension)."""
-    return int(_state.block_read()[2]) if _state.block_info() is not None else 0
+    return _state.tampered_bits()
 
 
 def _thread_start_wrapper(

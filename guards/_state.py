@@ -86,6 +86,11 @@ def block_read() -> tuple[int, int, int]:
     return int(transitions), int(armed), int(tampered)
 
 
+def tampered_bits() -> int:
+    """The C block's tamper bits as this process sees them (0 without the extension)."""
+    return int(_c.block_read()[2]) if _c is not None else 0
+
+
 def block_info() -> dict[str, int] | None:
     """Where the C arming block is in this process (the host reads it), or None."""
     return dict(_c.block_info()) if _c is not None else None

@@ -10,13 +10,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import difflib
 import os
 import re
 import stat
-import tomllib
 from collections.abc import Iterator
-from importlib import resources
 from typing import Any
 
 from pydantic import ValidationError
@@ -44,6 +41,8 @@ _PRESET_PACKAGE = "agent_sandbox.policies"
 
 def list_presets() -> list[str]:
     """Names of the policies shipped with the package."""
+    from importlib import resources
+
     folder = resources.files(_PRESET_PACKAGE).joinpath("presets")
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".toml"))
 
@@ -177,6 +176,8 @@ def _short(link: str) -> str:
 
 def policy_from_toml(text: str, *, source: str = "<string>") -> Policy:
     """Parse TOML text into a policy (nesting deeper than `MAX_NESTING` is refused)."""
+    import tomllib  # loaded with the first policy text: a policy built in Python needs none
+
     _check_nesting(text, source)
     try:
         data = tomllib.loads(text)
@@ -293,6 +294,8 @@ def resolve_policy(spec: Policy | str | os.PathLike[str] | None) -> Policy:
 
 
 def _load_preset(name: str) -> Policy:
+    from importlib import resources
+
     with _extending(f"preset:{name}", f"preset:{name}"):
         res = resources.files(_PRESET_PACKAGE).joinpath("presets", f"{name}.toml")
         return policy_from_toml(res.read_text(encoding="utf-8"), source=f"preset:{name}")
@@ -518,6 +521,8 @@ def _unknown_key(loc: list[str]) -> tuple[str, str]:
     fields = getattr(model, "model_fields", {})
     known = sorted({f.alias or name for name, f in fields.items()} | _loader_keys(model))
     given = loc[-1] if loc else ""
+    import difflib
+
     close = (
         difflib.get_close_matches(given, known, n=1, cutoff=0.6)
         or [k for k in known if given and k.startswith(given)][:1]

@@ -93,12 +93,24 @@ class AutoProvider(Provider):
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         plans: list[tuple[Provider, LaunchPlan]] = []
         refused: list[str] = []
-        for provider in self.available():
+        networked = policy.net.allows_any()
+        # Strongest first: a candidate whose deepest stack cannot beat (or tie) the best plan
+        # so far is never built (building is the Landlock rules' walk of the policy's paths,
+        # the seccomp program, ...; three builds were most of a `Sandbox()` under `auto`).
+        for provider in sorted(self.available(), key=lambda p: -p.strength):
+            best = choose_plan(plans) if plans and not networked else None
+            if (
+                best is not None
+                and provider.deepest_stack is not None
+                and (provider.deepest_stack, provider.strength)
+                < (len(best[1].stack), best[0].strength)
+            ):
+                continue
             try:
                 plans.append((provider, provider.build(policy, spec)))
             except ProviderUnavailable as exc:
                 refused.append(f"{provider.name}: {exc.reason}")
-        if policy.net.allows_any():
+        if networked:
             # Never weaker for a policy with network rules than for one without: host names
             # hold only behind the egress proxy of a namespace provider (Landlock alone
             # refuses such rules in its own build, `_netcheck`).

@@ -112,6 +112,9 @@ class Provider:
     strength: ClassVar[int] = 0
     #: Whether the provider is a kernel boundary against hostile code.
     is_boundary: ClassVar[bool] = False
+    #: The most entries a plan's `stack` can list for a policy without network rules (None:
+    #: unknown). `auto` builds no plan of a candidate that could not beat one it has.
+    deepest_stack: ClassVar[int | None] = None
 
     def probe(self) -> ProbeResult:
         """Say whether this provider works on this machine, and why not."""

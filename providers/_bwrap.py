@@ -250,6 +250,7 @@ class BwrapProvider(Provider):
 
     name: ClassVar[str] = "bwrap"
     strength: ClassVar[int] = 40
+    deepest_stack: ClassVar[int | None] = 3  # the namespaces, Landlock, seccomp
     is_boundary: ClassVar[bool] = True
 
     def __init__(self, *, bwrap: str = "bwrap", stack: bool = True) -> None:

@@ -480,6 +480,7 @@ class LandlockProvider(Provider):
 
     name: ClassVar[str] = "landlock"
     strength: ClassVar[int] = 20
+    deepest_stack: ClassVar[int | None] = 2  # Landlock, seccomp
     is_boundary: ClassVar[bool] = True
 
     def probe(self) -> ProbeResult:

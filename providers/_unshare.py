@@ -180,6 +180,7 @@ class UnshareProvider(Provider):
 
     name: ClassVar[str] = "unshare"
     strength: ClassVar[int] = 30
+    deepest_stack: ClassVar[int | None] = 3  # the namespaces, Landlock, seccomp
     is_boundary: ClassVar[bool] = True
 
     def __init__(self, *, stack: bool = True) -> None:

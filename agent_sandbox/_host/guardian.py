@@ -47,6 +47,10 @@ __all__ = [
 ]
 
 OWNER_ENV = "AGENT_SANDBOX_OWNER"
+#: What the agent writes to the guardian's pipe, last, once its own exit clean-up ended with
+#: no start in flight: the guardian then exits without scanning for the agent's leftovers
+#: (a normal exit waits for the guardian; the scan of /proc was most of that wait).
+CLEANED = b"cleaned\n"
 DIR_PREFIX = "agent-sandbox-"
 CGROUP_PREFIX = "agent-sandbox-"
 
@@ -326,15 +330,21 @@ def main() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     with contextlib.suppress(Exception):
         sweep(bases, tempdir, skip=tag)
+    told = b""
     while True:
         try:
-            if not os.read(int(fd), 4096):
-                break
+            data = os.read(int(fd), 4096)
         except InterruptedError:
             continue
         except OSError:
             break
-    clean_owner(tag, bases, tempdir)
+        if not data:
+            break
+        told = (told + data)[-len(CLEANED) :]
+    if told != CLEANED:
+        clean_owner(tag, bases, tempdir)
+    # Else the agent ended normally, cleaned up after itself at its exit with nothing in
+    # flight, and said so last (`_host/lifecycle.py`): nothing is left to look for.
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def package_dirs() -> dict[str, str]:
 
     Also makes sure, once per parent process, that the bytecode caches of those folders are
     current (see `refresh_bytecode`), and those of the folders this process imports the
-    packages from when they differ (a strict editable install's tree of links).
+    packages from when they differ (a strict editable install's tree of links) and this
+    process writes no bytecode itself (`PYTHONDONTWRITEBYTECODE`).
     """
     out = {}
     imported: set[str] = set()
@@ -75,6 +76,9 @@ def package_dirs() -> dict[str, str]:
         else:
             out[name] = os.path.realpath(next(iter(spec.submodule_search_locations)))
         imported.update(os.path.abspath(path) for path in spec.submodule_search_locations)
+    if not sys.dont_write_bytecode:
+        # This process's importer keeps the caches of what it imports current itself.
+        imported.clear()
     refresh_bytecode(tuple(sorted({*out.values(), *imported})))
     return out
 
@@ -92,22 +96,32 @@ def refresh_bytecode(folders: tuple[str, ...]) -> None:
     about fifty modules. A folder the parent cannot write is left as it is (an installed
     wheel has its bytecode from the installer).
 
-    A current entry costs a `stat` and a 16-byte read (no `compileall`, whose imports cost
-    more than the check); only a stale or missing one is compiled.
+    A current entry costs a `stat` and a 16-byte read through a raw descriptor (no
+    `compileall`, whose imports cost more than the check, nor a buffered file object, which
+    cost more than the read); only a stale or missing one is compiled.
     """
     for folder in folders:
         _refresh_folder(folder, 2)
 
 
 def _refresh_folder(folder: str, levels: int) -> None:
+    """Refresh one folder's caches (and those of its sub-folders, `levels` deep).
+
+    A folder whose sources are as they were at its last refresh (their names, modification
+    times and sizes: one `stat` each) is not checked file by file: `__pycache__` keeps a
+    stamp of them, written after a refresh that left every entry current. A cache removed
+    or changed behind the stamp's back costs a worker a compile from source, never a stale
+    module (the importer checks every entry against its source).
+    """
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return
+    sources: list[os.DirEntry[str]] = []
     for entry in entries:
         with contextlib.suppress(OSError):
             if entry.name.endswith(".py") and entry.is_file():
-                _refresh_file(entry.path)
+                sources.append(entry)
             elif (
                 levels > 0
                 and entry.name != "__pycache__"
@@ -115,18 +129,73 @@ def _refresh_folder(folder: str, levels: int) -> None:
                 and entry.is_dir(follow_symlinks=False)
             ):
                 _refresh_folder(entry.path, levels - 1)
+    if not sources:
+        return
+    try:
+        marks = sorted(f"{e.name}\0{e.stat().st_mtime_ns}\0{e.stat().st_size}" for e in sources)
+    except OSError:
+        marks = []
+    tag = sys.implementation.cache_tag or "none"
+    stamp_file = os.path.join(folder, "__pycache__", f"agent-sandbox-fresh.{tag}.stamp")
+    stamp = "\n".join([importlib.util.MAGIC_NUMBER.hex(), *marks]).encode()
+    if marks and _read_small(stamp_file, len(stamp) + 1) == stamp:
+        return
+    current = True
+    for entry in sources:
+        try:
+            current = _refresh_file(entry.path) and current
+        except OSError:
+            current = False
+    if marks and current:
+        _write_stamp(stamp_file, stamp)
 
 
-def _refresh_file(source: str) -> None:
+def _read_small(path: str, limit: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, limit)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _write_stamp(path: str, data: bytes) -> None:
+    """Write the stamp through a private temporary file renamed into place (never a
+    partial stamp); a folder this process cannot write keeps none."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return
+    try:
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+
+
+def _refresh_file(source: str) -> bool:
     """Compile `source` (timestamp-checked, unoptimised, as a worker reads it) unless its
-    cached bytecode is current for its modification time and size."""
+    cached bytecode is current for its modification time and size; whether it is now."""
     cached = importlib.util.cache_from_source(source, optimization="")
     st = os.stat(source)
     try:
-        with open(cached, "rb") as fh:
-            head = fh.read(16)
+        fd = os.open(cached, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         head = b""
+    else:
+        try:
+            head = os.read(fd, 16)
+        finally:
+            os.close(fd)
     if (
         len(head) == 16
         and head[:4] == importlib.util.MAGIC_NUMBER
@@ -138,10 +207,10 @@ def _refresh_file(source: str) -> None:
             )
         )
     ):
-        return
+        return True
     import py_compile
 
-    with contextlib.suppress(py_compile.PyCompileError, ValueError):
+    try:
         py_compile.compile(
             source,
             cfile=cached,
@@ -149,6 +218,9 @@ def _refresh_file(source: str) -> None:
             optimize=0,
             invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP,
         )
+    except (py_compile.PyCompileError, ValueError, OSError):
+        return False
+    return True
 
 
 def import_roots() -> tuple[str, ...]:

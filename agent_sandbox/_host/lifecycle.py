@@ -100,9 +100,10 @@ def starting() -> Iterator[None]:
             _STARTS.notify_all()
 
 
-def _wait_for_starts(timeout: float) -> None:
+def _wait_for_starts(timeout: float) -> bool:
+    """Wait (bounded) until no start is in flight; whether none is."""
     with _STARTS:
-        _STARTS.wait_for(lambda: _STARTS_IN_FLIGHT[0] == 0, timeout=timeout)
+        return _STARTS.wait_for(lambda: _STARTS_IN_FLIGHT[0] == 0, timeout=timeout)
 
 
 def _bases() -> list[str]:
@@ -127,8 +128,8 @@ def ensure_guardian() -> None:
         read_end, write_end = os.pipe()  # neither is inheritable
         folder = os.path.dirname(os.path.realpath(guardian.__file__))
         code = (
-            f"import sys; sys.path.insert(0, {folder!r}); import guardian; "
-            "del sys.path[0]; guardian.main()"
+            f"import os, sys; sys.path.insert(0, {folder!r}); import guardian; "
+            "del sys.path[0]; guardian.main(); os._exit(0)"
         )
         argv = [
             sys.executable,
@@ -232,10 +233,13 @@ class _Launcher:
                 except BaseException as exc:
                     future.set_exception(exc)
 
-    def drain(self, timeout: float) -> None:
-        """Wait (bounded) for the start in progress; later ones are refused."""
+    def drain(self, timeout: float) -> bool:
+        """Wait (bounded) for the start in progress; later ones are refused. Whether it
+        ended within the time."""
         if self._busy.acquire(timeout=timeout):
             self._busy.release()
+            return True
+        return False
 
 
 _LAUNCHER = _Launcher()
@@ -300,17 +304,24 @@ def _at_exit() -> None:
         return  # nothing was started by this process
     with _STARTS:
         _SHUTDOWN.set()
-    _LAUNCHER.drain(5.0)
-    _wait_for_starts(5.0)
+    settled = _LAUNCHER.drain(5.0)
+    settled = _wait_for_starts(5.0) and settled
     for hook in list(_EXIT_HOOKS):
         with contextlib.suppress(Exception):
             hook()
-    with contextlib.suppress(Exception):
+    try:
         guardian.clean_owner(owner_tag(), _bases(), tempfile.gettempdir())
+    except Exception:
+        settled = False
     fd = _STATE["pipe"]
     if fd >= 0:
+        if settled:
+            # Nothing was in flight and the clean-up ran to its end: the guardian need not
+            # scan again (it exits at once). Otherwise it cleans up after this process.
+            with contextlib.suppress(OSError):
+                os.write(fd, guardian.CLEANED)
         with contextlib.suppress(OSError):
-            os.close(fd)  # the guardian finds nothing left and exits
+            os.close(fd)
         _STATE["pipe"] = -1
     proc = _STATE["guardian"]
     if proc is not None:

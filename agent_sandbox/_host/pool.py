@@ -15,11 +15,15 @@ each forked worker takes namespaces of its own. If the template cannot start (or
 as a fresh worker would for this policy), workers are started directly (the same plan and
 restrictions either way).
 
-The template is not on the first worker's path: the pool's first start in a caller's thread
-starts its worker directly (from scratch), then starts the template in the background, so a
-process that makes one call never waits for a template (its start is cancelled when the pool
-closes first). Every later start forks from the template, waiting for it while it starts
-(a start in flight is nearer its end than a fresh one); the refill thread always does.
+The template is not on the first result's path: the pool's first start in a caller's thread
+starts its worker directly (from scratch), and the template starts only once that worker is
+handed back (a stateless run's end, its session's end), in the background after a short grace
+(`TEMPLATE_GRACE`), or when a second worker is needed, whichever comes first. A process that
+makes one call and closes never starts a template, and the template's start never competes
+with the first call (on a machine of two cores it made the first result and the exit of a
+one-call process slower: measured by benchmarks/bench_fresh.py). Every later start forks from
+the template, waiting for it while it starts (a start in flight is nearer its end than a
+fresh one); the refill thread always does.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from agent_sandbox.providers import Provider
 __all__ = ["PoolRegistry", "WorkerPool"]
 
 _log = logging.getLogger("agent_sandbox.pool")
+
+#: Seconds between the hand-back of a pool's first worker and its template's start in the
+#: background: a pool closed meanwhile (a process that made one call) starts none.
+TEMPLATE_GRACE = 0.2
 
 
 class WorkerPool:
@@ -78,6 +86,8 @@ class WorkerPool:
         #: thread starting it after the first direct start.
         self._starting: WorkerTemplate | None = None
         self._template_thread: threading.Thread | None = None
+        #: Set by close: a background start still in its grace ends at once.
+        self._closing = threading.Event()
         if self.warm:
             # Started now, idle until asked: the first `acquire` only signals it.
             self._start_refill_thread()
@@ -124,23 +134,32 @@ class WorkerPool:
         if cancel and template is not None:
             template.close()
 
-    def _start_template_later(self) -> None:
-        """Start the template in a background thread (the first worker started directly)."""
+    def _start_template_later(self, grace: float = 0.0) -> None:
+        """Start the template in a background thread, after `grace` seconds unless the pool
+        closes first (the first worker started directly and was handed back)."""
         with self._lock:
-            if self._closed or self._template_thread is not None:
+            if (
+                self._closed
+                or self._template_thread is not None
+                or not self.use_template
+                or self._template is not None
+            ):
                 return
             thread = threading.Thread(
                 target=self._template_in_background,
+                args=(grace,),
                 name="agent-sandbox-template-start",
                 daemon=True,
             )
             self._template_thread = thread
         thread.start()
 
-    def _template_in_background(self) -> None:
+    def _template_in_background(self, grace: float = 0.0) -> None:
         """The background thread's start of the template. Whatever it meets becomes the
         pool's `last_error`, and the pool starts its workers directly; nothing reaches the
         thread's own traceback, which would print at the interpreter's exit."""
+        if grace > 0 and self._closing.wait(grace):
+            return  # closed within the grace: no template
         try:
             self.template()
         except Exception as exc:  # any failure: workers start directly
@@ -157,13 +176,12 @@ class WorkerPool:
             with self._lock:
                 direct, self._direct_first = not self._direct_first, True
             if direct:
-                # The pool's first worker: from scratch, the template behind it.
-                try:
-                    first = WorkerProcess.start(
-                        self.policy, self.provider, start_timeout=self.start_timeout
-                    )
-                finally:
-                    self._start_template_later()
+                # The pool's first worker: from scratch; the template starts once it is
+                # handed back (or when a second worker is needed, below).
+                first = WorkerProcess.start(
+                    self.policy, self.provider, start_timeout=self.start_timeout
+                )
+                first.on_discard = lambda: self._start_template_later(TEMPLATE_GRACE)
                 self.started += 1
                 return first
         template = self.template()
@@ -256,6 +274,7 @@ class WorkerPool:
         """Stop refilling and end every warm worker."""
         with self._lock:
             self._closed = True
+            self._closing.set()
             self._wake.notify_all()
             ready = list(self._ready)
             self._ready.clear()

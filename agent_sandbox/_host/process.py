@@ -132,6 +132,9 @@ class WorkerProcess:
         self._log: IO[bytes] | None = None
         self._reaped = False
         self._lock = threading.Lock()
+        #: Called once when the worker is discarded (a pool starts its template once its
+        #: first worker is handed back; see `_host/pool.py`).
+        self.on_discard: Callable[[], object] | None = None
         self.cgroups: WorkerCgroups | None = None
         self._in_call = False
         self._host_pid: int | None = None
@@ -1074,6 +1077,10 @@ class WorkerProcess:
         does not go within `_DISCARD_WAIT` is left to a background reaper, and the exit hook
         (`_host.lifecycle`) removes whatever that one has not.
         """
+        hook, self.on_discard = self.on_discard, None
+        if hook is not None:
+            with contextlib.suppress(Exception):
+                hook()
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call
         if self.kernel_log is not None:

@@ -241,9 +241,12 @@ class _Server:
         # (its result, the counts, `done`) and the end of the response go out in the last
         # write. So a call that prints nothing is one write, and live output is unchanged.
         # (Under qemu each write also crosses the guest agent and both relays.)
+        # Held events are kept unframed and go out as one chunk: the host's HTTP parser
+        # then meets one body chunk per write, not one per event.
         held: list[bytes] = []
         holding = request.get("hold_head") is True  # until the first event of the cell
         final = False  # from the result on: everything waits for the last write
+        head = _STREAM_HEAD  # the response's head, until it is written
 
         owner = self.pid
 
@@ -256,6 +259,14 @@ class _Server:
             except OSError:
                 broken = True
 
+        def flush(end: bytes = b"") -> None:
+            """Write the head (when still held), the held events as one chunk, and `end`."""
+            nonlocal head
+            data = head + _chunk(b"".join(held)) + end
+            head = b""
+            held.clear()
+            write(data)
+
         def emit(kind: str, data: Any) -> None:
             """What the cell's run emits with: a forked child never writes on its parent's
             connection."""
@@ -264,19 +275,18 @@ class _Server:
 
         def put(kind: str, data: Any) -> None:
             nonlocal holding
-            framed = _chunk(encode_event(kind, data))
+            event = encode_event(kind, data)
             with lock:
                 if broken:
                     return
                 if final:
-                    held.append(framed)
+                    held.append(event)
                 elif holding:
-                    held.append(framed)
+                    held.append(event)
                     holding = False
-                    write(b"".join(held))
-                    held.clear()
+                    flush()
                 else:
-                    write(framed)
+                    write(_chunk(event))
 
         def hold(kind: str, data: Any) -> None:
             nonlocal final
@@ -284,20 +294,16 @@ class _Server:
                 final = True  # from here on, emit() keeps its events for the last write
             emit(kind, data)
 
-        head = _STREAM_HEAD
         filename = request.get("filename")
         # `encode_event("start", {"call": n})`, written out: the same bytes.
-        head += _chunk(b'event: start\ndata: {"call":%d}\n\n' % (self.runner.calls + 1))
-        held.append(head)
+        held.append(b'event: start\ndata: {"call":%d}\n\n' % (self.runner.calls + 1))
         if holding:
             if _caller_left(sock):
                 return  # a cancelled call: nobody waits for this code's result
         else:
-            try:
-                sock.sendall(head)
-            except OSError:
+            flush()
+            if broken:
                 return  # the caller left (a cancelled call): nobody waits for this code's result
-            held.clear()
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         started = time.perf_counter()
         try:
@@ -336,10 +342,7 @@ class _Server:
             },
         )
         with lock:
-            if not broken:
-                held.append(_STREAM_END)
-            write(b"".join(held))
-            held.clear()
+            flush(_STREAM_END)
         if tampered:
             raise _Stop
 

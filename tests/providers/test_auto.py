@@ -169,3 +169,44 @@ def test_a_sandbox_on_auto_reports_the_provider_that_ran() -> None:
         result = sb.run("2 + 3")
     assert result.value == 5
     assert result.provider in {cls.name for cls in AUTO_CANDIDATES}
+
+
+def test_a_candidate_that_cannot_beat_the_best_plan_is_not_built() -> None:
+    """It builds no plan of a weaker candidate whose deepest stack cannot beat the stack it
+    has already (for a policy without network rules), and still builds one that could."""
+    built: list[str] = []
+
+    def counted(name: str, strength: int, layers: tuple[str, ...], deepest: int) -> Provider:
+        provider = fake(name, strength=strength, layers=layers)
+        real = provider.build
+
+        def build(policy: Any, spec: WorkerSpec) -> LaunchPlan:
+            built.append(name)
+            return real(policy, spec)
+
+        provider.build = build  # type: ignore[method-assign]
+        type(provider).deepest_stack = deepest
+        return provider
+
+    auto = AutoProvider(
+        (
+            counted("weak", 10, ("x",), 2),
+            counted("strong", 40, ("x", "y"), 3),
+            counted("deeper", 30, (), 4),
+        )
+    )
+    assert auto.build(Policy(name="t"), SPEC).stack == ("strong", "x", "y")
+    assert built == ["strong", "deeper"]
+
+
+def test_no_plan_here_lists_more_than_its_providers_deepest_stack() -> None:
+    """Each provider's `deepest_stack` holds for the plans it builds on this machine."""
+    from agent_sandbox.providers import get_provider
+
+    for name in ("bwrap", "unshare", "landlock"):
+        provider = get_provider(name)
+        if not provider.probe().available:
+            continue
+        assert provider.deepest_stack is not None
+        plan = provider.build(Policy(name="t"), SPEC)
+        assert len(plan.stack) <= provider.deepest_stack, (name, plan.stack)

@@ -112,3 +112,23 @@ def test_import_roots_leave_out_directories_everyone_can_write(
     roots = import_roots()
     assert str(private) in roots
     assert str(shared) not in roots
+
+
+def test_a_refreshed_folder_is_stamped_and_a_changed_source_is_compiled_again(
+    tmp_path: Path,
+) -> None:
+    """It stamps a folder whose caches are all current (a later process checks one `stat`
+    per source), and a source changed after the stamp gets its cache compiled again."""
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    (folder / "a.py").write_text("A = 1\n")
+    (folder / "b.py").write_text("B = 2\n")
+    refresh_bytecode.__wrapped__((str(folder),))
+    stamps = list((folder / "__pycache__").glob("agent-sandbox-fresh.*.stamp"))
+    assert len(stamps) == 1
+    assert _pyc_is_current(folder / "a.py") and _pyc_is_current(folder / "b.py")
+    (folder / "a.py").write_text("A = 'changed'\n")
+    os.utime(folder / "a.py", ns=(0, 10**18))
+    assert not _pyc_is_current(folder / "a.py")
+    refresh_bytecode.__wrapped__((str(folder),))
+    assert _pyc_is_current(folder / "a.py")

@@ -99,6 +99,9 @@ class ResultBuilder:
         if bounds is None and self.host_policy is not None:
             bounds = HostBounds.from_policy(policy)
         self.bounds = bounds or HostBounds()
+        # Computed once: the bounds are frozen, and `add` compares against these per event.
+        self._max_events = self.bounds.events
+        self._max_total = self.bounds.total
         self.call = call
         self.order = StreamOrder()
         # Output is kept as UTF-8 (lone surrogates pass through), so the host's memory for
@@ -224,8 +227,8 @@ class ResultBuilder:
     def add(self, kind: str, data: Any) -> tuple[str, Any] | None:
         """Judge and keep one event; returns it as accepted (None: nothing to forward)."""
         self.events += 1
-        if self.events > self.bounds.events:
-            raise over("the worker's events in one call", self.events, self.bounds.events)
+        if self.events > self._max_events:
+            raise over("the worker's events in one call", self.events, self._max_events)
         self.order.step(kind)
         handler = getattr(self, "_on_" + kind, None)
         if handler is None:  # pragma: no cover - the parser knows every kind
@@ -233,8 +236,8 @@ class ResultBuilder:
         result: tuple[str, Any] | None = handler(data)
         # Each kind has its own bound; their sum is the call's total (checked all the same).
         kept = self.output_chars + self.denial_chars + self.image_chars + 1024 * len(self.notices)
-        if kept > self.bounds.total:
-            raise over("what the host kept of one call", kept, self.bounds.total)
+        if kept > self._max_total:
+            raise over("what the host kept of one call", kept, self._max_total)
         return result
 
     # -- one handler per kind ------------------------------------------------------------

@@ -10,6 +10,7 @@ the host keeps is judged by `agent_sandbox._host.intake.events`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,11 @@ _STRUCTURED = frozenset({"result", "error"})
 
 #: A per-kind cap: (largest event block in bytes, the policy setting that raises it).
 KindCaps = Mapping[str, tuple[int, str]]
+
+#: The head of a well-formed event: its kind line, then the start of its data line.
+_HEAD = re.compile(rb"event: ([a-z]{1,16})\ndata: ")
+_KINDS = {kind.encode("ascii"): kind for kind in EVENT_KINDS}
+_DECODE = json.JSONDecoder().decode  # what json.loads(text) calls
 
 
 class SSEParser:
@@ -48,6 +54,17 @@ class SSEParser:
         self._kind_caps = kind_caps or {}
         self._cap: tuple[int, str] | None = None  # the current event's cap, once known
         self._scanned = 0  # bytes of _buf already searched for a terminator
+        #: Each known kind's cap, as `_current_cap` finds it from the kind line.
+        self._caps = {
+            kind: (min(cap, max_event_bytes), setting)
+            for kind, (cap, setting) in self._kind_caps.items()
+        }
+
+    def reset(self) -> None:
+        """Forget everything buffered: ready for the next response's stream."""
+        self._buf = bytearray()
+        self._cap = None
+        self._scanned = 0
 
     def _current_cap(self, start: int) -> tuple[int, str]:
         if self._cap is None:
@@ -68,6 +85,23 @@ class SSEParser:
                 # Resume the search where the last one stopped: a worker that trickles one
                 # byte at a time must not make each feed rescan the whole buffer.
                 end = self._buf.find(b"\n\n", max(start, self._scanned - 1))
+                if end >= 0:
+                    head = _HEAD.match(self._buf, start, end)
+                    kind = _KINDS.get(head[1]) if head is not None else None
+                    first = head.end() if head is not None else end
+                    if kind is not None and self._buf.find(b"\n", first, end) < 0:
+                        # The usual event, whole and well-formed: its kind line and one
+                        # data line, checked in one match (the slow path below names
+                        # what is wrong with any other).
+                        cap, setting = self._caps.get(kind) or (self._max, self._setting)
+                        if end - start > cap:
+                            raise MessageTooLarge(
+                                "one event from the worker", end - start, cap, setting
+                            )
+                        events.append(self._decode(kind, first, end))
+                        start = self._scanned = end + 2
+                        self._cap = None
+                        continue
                 cap, setting = self._current_cap(start)
                 if end < 0:
                     self._scanned = len(self._buf)
@@ -126,7 +160,11 @@ class SSEParser:
             raise TransportError("an event from the worker has lines after its data")
         if kind not in EVENT_KINDS:
             raise TransportError(f"unknown event kind {kind[:40]!r} from the worker")
-        first = head + 7
+        return self._decode(kind, head + 7, end)
+
+    def _decode(self, kind: str, first: int, end: int) -> Event:
+        """The event's data, `_buf[first:end]`: counted (a structured kind), then decoded."""
+        buf = self._buf
         if self._max_values is not None and kind in _STRUCTURED:
             values = json_values(buf, self._max_values, first, end)
             if values > self._max_values:
@@ -141,6 +179,6 @@ class SSEParser:
             # import the codec the worker's bytes chose (found by fuzzing).
             with memoryview(buf) as view:
                 text = str(view[first:end], "utf-8")
-            return kind, json.loads(text)
+            return kind, _DECODE(text)
         except (ValueError, RecursionError) as exc:
             raise TransportError(f"an event from the worker is not valid JSON: {exc}") from None

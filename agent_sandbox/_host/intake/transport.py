@@ -39,6 +39,10 @@ class ConnectionLost(TransportError):
     """The worker closed the connection before the response ended (it probably died)."""
 
 
+#: How many request heads a connection keeps (one per body length seen last).
+_HEADS_KEPT = 32
+
+
 class _Protocol:
     """Sans-IO HTTP/1.1 client for one connection to a worker."""
 
@@ -68,20 +72,31 @@ class _Protocol:
         self.parser = SSEParser(max_event_bytes, kind_caps, self.max_values)
         self.body = bytearray()
         self.done = False
+        #: The request heads made so far, by (method, target, body length, has a body).
+        self._heads: dict[tuple[str, str, int, bool], h11.Request] = {}
 
     def request(self, method: str, target: str, payload: Any | None = None) -> bytes:
         if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
             self.conn.start_next_cycle()
         body = b"" if payload is None else json.dumps(payload).encode()
-        headers = [*self.head, ("content-length", str(len(body)))]
-        if payload is not None:
-            headers.append(("content-type", "application/json"))
+        key = (method, target, len(body), payload is not None)
+        head = self._heads.get(key)
+        if head is None:
+            # h11 validates a request's headers as it is made; the head of a request is the
+            # same for every body of one length, and an h11 event is immutable: made once.
+            headers = [*self.head, ("content-length", str(len(body)))]
+            if payload is not None:
+                headers.append(("content-type", "application/json"))
+            head = h11.Request(method=method, target=target, headers=headers)
+            if len(self._heads) >= _HEADS_KEPT:
+                del self._heads[next(iter(self._heads))]  # the oldest
+            self._heads[key] = head
         self.status = None
         self.streaming = False
-        self.parser = SSEParser(self.max_event_bytes, self.kind_caps, self.max_values)
+        self.parser.reset()
         self.body = bytearray()
         self.done = False
-        out = self.conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
+        out = self.conn.send(head) or b""
         if body:
             out += self.conn.send(h11.Data(data=body)) or b""
         out += self.conn.send(h11.EndOfMessage()) or b""

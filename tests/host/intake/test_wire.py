@@ -43,3 +43,31 @@ def test_oversized_event_is_refused_before_it_completes() -> None:
     parser = SSEParser(100)
     with pytest.raises(MessageTooLarge):
         parser.feed(b'event: stdout\ndata: "' + b"x" * 200)
+
+
+def test_whole_events_in_one_feed_keep_every_check() -> None:
+    """Whole events arriving together (a quiet call's one body chunk: `start`, the outcome
+    and `done`) take the one-match path; its per-kind cap, value budget and JSON check are
+    the slow path's, and a malformed event among them still fails."""
+    caps = {"result": (64, "limits.result_bytes"), "done": (64, "limits.output_bytes")}
+    quiet = encode_event("start", {"call": 1}) + encode_event("result", {"value": 2})
+    quiet += encode_event("done", {"duration": 0.1, "discard": False, "denials": 0})
+    assert [kind for kind, _ in SSEParser(1024, caps, 16).feed(quiet)] == [
+        "start",
+        "result",
+        "done",
+    ]
+    big = encode_event("result", {"value": "x" * 100})
+    with pytest.raises(MessageTooLarge) as info:
+        SSEParser(1024, caps, 16).feed(encode_event("start", {"call": 1}) + big)
+    assert info.value.setting == "limits.result_bytes"
+    many = encode_event("result", {"value": list(range(20))})
+    with pytest.raises(MessageTooLarge):
+        SSEParser(1024, None, 16).feed(many)
+    with pytest.raises(TransportError):
+        SSEParser(1024).feed(quiet + b"event: done\ndata: {not json\n\n")
+    parser = SSEParser(1024)
+    assert parser.feed(quiet[:10]) == []
+    parser.reset()  # a new response: nothing of the last one's stream is kept
+    assert parser.pending() == 0
+    assert [kind for kind, _ in parser.feed(quiet)] == ["start", "result", "done"]
