@@ -61,42 +61,6 @@ SENSITIVE_CATEGORIES = frozenset(
 DANGEROUS_CATEGORIES = frozenset({"deserialization", "dynamic-code", "native-code"})
 
 
-def _without_pydantic_plugins() -> None:
-    """Build this module's validators without pydantic's plugin machinery.
-
-    For every model it builds, pydantic asks its plugin loader for plugins, and the loader's
-    first call imports `importlib.metadata` (with `email`, `zipfile`, ...) and reads the
-    entry points of every installed distribution: 40-50 ms of a fresh agent process on a
-    machine with a few hundred packages, paid before its first result. Plugins observe
-    validation (they never change it); the policy models are this package's own, so they
-    get the plain `SchemaValidator` that pydantic itself builds when no plugin is installed
-    (the same schema, the same errors). Every other model, the caller's included, still
-    goes through pydantic's own function (and its plugins). Where pydantic's internals
-    differ from what is expected here, nothing is changed.
-    """
-    try:
-        from pydantic._internal import _model_construction as construction
-        from pydantic_core import SchemaValidator
-    except ImportError:  # pragma: no cover - another pydantic layout: its plugins load
-        return
-    original = getattr(construction, "create_schema_validator", None)
-    if original is None or getattr(original, "_agent_sandbox_plain", False):
-        return
-
-    def create_schema_validator(*args: Any, **kwargs: Any) -> Any:
-        module = args[2] if len(args) > 2 else kwargs.get("schema_type_module")
-        if module == __name__:
-            schema = args[0] if args else kwargs["schema"]
-            config = args[5] if len(args) > 5 else kwargs.get("config")
-            return SchemaValidator(schema, config)
-        return original(*args, **kwargs)
-
-    create_schema_validator._agent_sandbox_plain = True  # type: ignore[attr-defined]
-    setattr(construction, "create_schema_validator", create_schema_validator)  # noqa: B010
-
-
-_without_pydantic_plugins()
-
 _FUNCTION_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*(\.\*)?$")
 _ENV_RE = re.compile(r"^[A-Za-z_*?][A-Za-z0-9_*?]*$")
