@@ -19,7 +19,11 @@ figure repeated `--repeat` times (medians and the range of the ratio over the re
 * the memory of an idle session (PSS of its worker and the launchers above it, from
   /proc/<pid>/smaps_rollup; for a worker forked from a namespace template, its init) per
   provider, the template (once per pool) apart, with the part above the worker, and its
-  ratio to the 6 MB target.
+  ratio to the 6 MB target. Its file-backed part (the interpreter's and the extensions'
+  pages) is printed apart too: PSS shares those pages among every process that maps them,
+  the machine's other Python processes included, so the figure is lower on a busy machine
+  (0.2-0.5 MB measured) and a quiet run gives the fair, higher one; the anonymous part
+  depends only on the sandbox's own processes.
 
     .venv/bin/python benchmarks/bench_providers.py [--runs 21] [--layers]
     .venv/bin/python benchmarks/bench_providers.py --pools-only [--repeat 3]
@@ -200,22 +204,22 @@ def _start_template(sb: Sandbox) -> None:
         pool.template()
 
 
-def _pss_kb(pid: int) -> int:
+def _pss_kb(pid: int, field: str = "Pss:") -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as fh:
             for line in fh:
-                if line.startswith("Pss:"):
+                if line.startswith(field):
                     return int(line.split()[1])
     except OSError:
         pass
     return 0
 
 
-def idle_pss(name: str, n: int = 4) -> tuple[float, float, float]:
+def idle_pss(name: str, n: int = 4) -> tuple[float, float, float, float]:
     """PSS (kB) of one idle session: its worker and the launchers above it (a forked
     namespace worker's init), averaged over n idle sessions of one sandbox; the template's
-    own PSS (0 without one); and the part of the first that is the processes above the
-    worker (launchers, init)."""
+    own PSS (0 without one); the part of the first that is the processes above the
+    worker (launchers, init); and the part of the first that is file-backed."""
     from agent_sandbox.providers._limits import _descendants
 
     with Sandbox(_policy_for(name), warm=0, max_sessions=n + 1) as sb:
@@ -224,7 +228,7 @@ def idle_pss(name: str, n: int = 4) -> tuple[float, float, float]:
         for session in sessions:
             assert session.run("x = 1").ok
         time.sleep(0.3)
-        total = above = 0
+        total = above = files = 0
         for session in sessions:
             worker = session.worker
             assert worker is not None and worker.proc is not None
@@ -233,6 +237,7 @@ def idle_pss(name: str, n: int = 4) -> tuple[float, float, float]:
             tree = [top, *(p for p, _ in _descendants(top))]
             below = {inner, *(p for p, _ in _descendants(inner))}
             total += sum(_pss_kb(pid) for pid in tree)
+            files += sum(_pss_kb(pid, "Pss_File:") for pid in tree)
             above += sum(_pss_kb(pid) for pid in tree if pid not in below)
         template = sb._pool._template
         own = 0
@@ -244,7 +249,7 @@ def idle_pss(name: str, n: int = 4) -> tuple[float, float, float]:
             for top in mine:
                 below |= {top, *(p for p, _ in _descendants(top))}
             own = sum(_pss_kb(pid) for pid in tree if pid not in below)
-        return total / n, float(own), above / n
+        return total / n, float(own), above / n, files / n
 
 
 def _ratio_range(values: list[float]) -> str:
@@ -300,7 +305,10 @@ def pools(repeat: int, runs: int) -> None:
             f"target <= {SCRATCH_TARGET:g}x: {verdict})"
         )
 
-    print(f"\nMemory of an idle session, PSS in MB (median of {repeat}; the template apart)")
+    print(
+        f"\nMemory of an idle session, PSS in MB (median of {repeat}; the template apart; "
+        f"load average {os.getloadavg()[0]:.2f})"
+    )
     bare_pss: list[float] = []
     for _ in range(repeat):
         proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(5)"])
@@ -310,19 +318,21 @@ def pools(repeat: int, runs: int) -> None:
         proc.wait()
     print(f"  bare python -S{'':19} {statistics.median(bare_pss) / 1024:6.1f}")
     for name in [*available, *(n for n in fresh if n not in available)]:
-        per, own, above = [], [], []
+        per, own, above, files = [], [], [], []
         for _ in range(repeat):
-            a, b, c = idle_pss(name)
+            a, b, c, d = idle_pss(name)
             per.append(a)
             own.append(b)
             above.append(c)
+            files.append(d)
         ratios = [v / PSS_TARGET_KB for v in per]
         met = sum(r <= 1 for r in ratios)
         verdict = "met" if statistics.median(ratios) <= 1 else "NOT met"
         print(
             f"  {name:10} per session {statistics.median(per) / 1024:6.1f} "
             f"(range {min(per) / 1024:.1f}-{max(per) / 1024:.1f}; "
-            f"above the worker {statistics.median(above) / 1024:.1f}); "
+            f"above the worker {statistics.median(above) / 1024:.1f}; "
+            f"file-backed {statistics.median(files) / 1024:.1f}); "
             f"template {statistics.median(own) / 1024:.1f}"
         )
         print(

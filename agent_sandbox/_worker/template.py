@@ -68,6 +68,7 @@ import os
 import selectors
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -106,13 +107,20 @@ _WARM_CELL = (
     "def twice(v):\n    return [v, v][0] * 2\n"
     "text = f'{twice(total)}'\ntext\n"
 )
+#: A `[files]` section for `_exercise`: the default hide list and one entry of each kind.
+_WARM_FILES: dict[str, Any] = {
+    "read": ["~/data/*.csv", "/usr/share"],
+    "write": ["$SCRATCH/out/**"],
+    "deny": ["**/.ssh/**"],
+    "hide": [".env", ".env.*", "*.pem", "*.key", "id_rsa*", "id_ed25519*", ".netrc"],
+}
 _WARM_HEAD = (
     b"POST /run HTTP/1.1\r\nhost: worker\r\nauthorization: Bearer x\r\n"
     b"content-type: application/json\r\ncontent-length: 2"
 )
 
 
-def _exercise() -> None:
+def _exercise(strict: bool = False) -> None:
     """Run the worker's pure per-call code (the code layer's check, rewrite and compile of a
     cell, the runner's compile and value encoding, its output stream, the request parse, the
     event encoding) a few times in the template, on data of its
@@ -126,7 +134,7 @@ def _exercise() -> None:
     from agent_sandbox._wire import encode_event
     from agent_sandbox._worker.run import Runner, _Budget, _Output
     from agent_sandbox._worker.server import _parse_head
-    from agent_sandbox.guards import _code_budget, _code_check
+    from agent_sandbox.guards import _code_budget, _code_check, _files
 
     policy: dict[str, Any] = {}
     # A runner of its own, not the workers': only its compile of a new cell (no source kept
@@ -150,8 +158,13 @@ def _exercise() -> None:
             out.flush()
             _parse_head(_WARM_HEAD)
             encode_event("stdout", {"text": "x"})
+            # The `[files]` section's compile (paths resolved, globs and hide patterns made
+            # regexes, kept in `re`'s cache): a rules object of the template's own, dropped
+            # at once; no guard is configured here, each worker builds its own rules.
+            _files.FileRules(_WARM_FILES, scratch=os.getcwd(), import_roots=sys.path)
     except Exception:  # an optimisation only: a failure here changes nothing
-        pass
+        if strict:  # (the tests' call: a failure would otherwise go unnoticed)
+            raise
     finally:
         _code_check._RULES_CACHE.clear()
 

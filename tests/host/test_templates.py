@@ -260,3 +260,24 @@ def test_a_template_started_in_the_background_never_raises_into_its_thread(
         assert sb.run("1 + 1").value == 2  # workers start directly
     finally:
         sb.close()
+
+
+def test_template_exercise_runs_every_step() -> None:
+    """The template's warm-up of the per-call code and of the `[files]` compile runs to its
+    end (it swallows its failures in the template, so a broken step would go unnoticed and
+    only cost memory per session); it leaves the code layer's rule cache empty."""
+    import re
+
+    from agent_sandbox._worker import template
+    from agent_sandbox.guards import _code_check
+    from agent_sandbox.policies._paths import name_regex
+    from agent_sandbox.policies._model import FilesPolicy
+
+    template._exercise(strict=True)
+    assert not _code_check._RULES_CACHE
+    # The hide list warmed is the default one: the default's regexes are in `re`'s cache.
+    assert list(FilesPolicy().hide) == template._WARM_FILES["hide"]
+    cached = len(re._cache)  # type: ignore[attr-defined]
+    for entry in template._WARM_FILES["hide"]:
+        name_regex(entry)  # compiled already: nothing new in the cache
+    assert len(re._cache) == cached  # type: ignore[attr-defined]
