@@ -309,6 +309,8 @@ def _tmpfs(libc: Any, path: str, size: int, mode: str, flags: int) -> None:
 def _unescape(field: str) -> str:
     """A mount point as /proc/self/mountinfo writes it (space, tab, newline, backslash
     as octal escapes)."""
+    if "\\" not in field:
+        return field
     out, i = [], 0
     while i < len(field):
         if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
