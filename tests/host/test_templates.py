@@ -270,8 +270,8 @@ def test_template_exercise_runs_every_step() -> None:
 
     from agent_sandbox._worker import template
     from agent_sandbox.guards import _code_check
-    from agent_sandbox.policies._paths import name_regex
     from agent_sandbox.policies._model import FilesPolicy
+    from agent_sandbox.policies._paths import name_regex
 
     template._exercise(strict=True)
     assert not _code_check._RULES_CACHE
