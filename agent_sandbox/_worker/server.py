@@ -396,3 +396,72 @@ def serve(boot: dict[str, Any]) -> None:
     finally:
         sys.stdout.flush()
         os._exit(0)
+
+
+#: A cell like the ones a worker checks and compiles in its calls (no import, no name a
+#: policy could refuse), for `_exercise`.
+_WARM_CELL = (
+    "total = 0\nfor i in range(3):\n    total += i\n"
+    "def twice(v):\n    return [v, v][0] * 2\n"
+    "text = f'{twice(total)}'\ntext\n"
+)
+#: A `[files]` section for `_exercise`: the default hide list and one entry of each kind.
+_WARM_FILES: dict[str, Any] = {
+    "read": ["~/data/*.csv", "/usr/share"],
+    "write": ["$SCRATCH/out/**"],
+    "deny": ["**/.ssh/**"],
+    "hide": [".env", ".env.*", "*.pem", "*.key", "id_rsa*", "id_ed25519*", ".netrc"],
+}
+_WARM_HEAD = (
+    b"POST /run HTTP/1.1\r\nhost: worker\r\nauthorization: Bearer x\r\n"
+    b"content-type: application/json\r\ncontent-length: 2"
+)
+
+
+def exercise(strict: bool = False) -> None:
+    """In a worker template, before it forks workers: run the worker's pure per-call code
+    (the code layer's check, rewrite and compile of a cell, the runner's compile and value
+    encoding, its output stream, the request parse, the event encoding) and the `[files]`
+    section's compile a few times, on data of its own, so that Python's adaptive
+    interpreter has specialised that code and `re` has compiled those patterns here: a
+    forked worker then writes less into the template's code objects and data in its first
+    calls (pages it would otherwise copy; issue 19: memory per session). Touches no guard,
+    no `builtins`, no state a worker reads; the code layer's rule cache is emptied again."""
+    import ast
+    import builtins
+
+    from agent_sandbox._wire import encode_event
+    from agent_sandbox._worker.run import Runner, _Budget, _Output
+    from agent_sandbox.guards import _code_budget, _code_check, _files
+
+    policy: dict[str, Any] = {}
+    # A runner of its own, not the workers': only its compile of a new cell (no source kept
+    # for tracebacks, no code check) and its encoding of a value are used.
+    runner = Runner({"name": "template-warm-up"}, os.getcwd())
+    try:
+        for _ in range(10):
+            tree = ast.parse(_WARM_CELL, "<warm>", "exec")
+            rules = _code_check.compile_rules(policy, "")
+            _code_check.check_tree(tree, rules, "<warm>", source=_WARM_CELL)
+            _code_budget.rewrite(tree, rules)
+            compile(tree, "<warm>", "exec")
+            body, tail = runner._compile_new(_WARM_CELL, "<warm>")
+            namespace: dict[str, Any] = {"__name__": "__warm__", "__builtins__": builtins}
+            exec(body, namespace)
+            value = eval(tail, namespace)
+            runner._outcome(value, None, "<warm>")
+            runner._outcome([value, 1, {"k": [1.5, None]}], None, "<warm>")
+            out = _Output("stdout", lambda kind, data: None, _Budget(1 << 16, "template-warm-up"))
+            out.write("warm\n")
+            out.flush()
+            _parse_head(_WARM_HEAD)
+            encode_event("stdout", {"text": "x"})
+            # The `[files]` section's compile (paths resolved, globs and hide patterns made
+            # regexes, kept in `re`'s cache): a rules object of the template's own, dropped
+            # at once; no guard is configured here, each worker builds its own rules.
+            _files.FileRules(_WARM_FILES, scratch=os.getcwd(), import_roots=sys.path)
+    except Exception:  # an optimisation only: a failure here changes nothing
+        if strict:  # (the tests' call: a failure would otherwise go unnoticed)
+            raise
+    finally:
+        _code_check._RULES_CACHE.clear()

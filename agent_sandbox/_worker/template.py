@@ -95,7 +95,7 @@ def _warm_up() -> Any:
     # Made once here rather than in each worker's memory (issue 19: memory per session).
     agent_sandbox.providers._landlock_sys.warm_up()
     agent_sandbox.providers._inworker.warm_up()
-    agent_sandbox._worker.setup.exercise()
+    agent_sandbox._worker.server.exercise()
     return ctypes.CDLL(None, use_errno=True)
 
 

@@ -268,16 +268,16 @@ def test_template_exercise_runs_every_step() -> None:
     only cost memory per session); it leaves the code layer's rule cache empty."""
     import re
 
-    from agent_sandbox._worker import setup
+    from agent_sandbox._worker import server
     from agent_sandbox.guards import _code_check
     from agent_sandbox.policies._model import FilesPolicy
     from agent_sandbox.policies._paths import name_regex
 
-    setup.exercise(strict=True)
+    server.exercise(strict=True)
     assert not _code_check._RULES_CACHE
     # The hide list warmed is the default one: the default's regexes are in `re`'s cache.
-    assert list(FilesPolicy().hide) == setup._WARM_FILES["hide"]
+    assert list(FilesPolicy().hide) == server._WARM_FILES["hide"]
     cached = len(re._cache)  # type: ignore[attr-defined]
-    for entry in setup._WARM_FILES["hide"]:
+    for entry in server._WARM_FILES["hide"]:
         name_regex(entry)  # compiled already: nothing new in the cache
     assert len(re._cache) == cached  # type: ignore[attr-defined]
