@@ -80,7 +80,7 @@ from agent_sandbox.providers._qemu_image import (
     missing_tools,
     no_space,
 )
-from agent_sandbox.providers._qemu_kvm import Verdict
+from agent_sandbox.providers._qemu_kvm import MACHINE_DEVICES, Verdict
 from agent_sandbox.providers._view import egress_plan, policy_paths
 
 __all__ = [
@@ -221,17 +221,7 @@ def qemu_argv(
         "host" if accel == "kvm" else "max",
         "-m",
         f"{mem_mb}M",
-        "-smp",
-        "1",
-        "-nodefaults",
-        "-no-user-config",
-        "-display",
-        "none",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-device",
-        "virtio-serial-device",
+        *MACHINE_DEVICES,
         "-chardev",
         f"socket,id=sb,path={os.path.join(run_dir, 'port.sock')},server=on,wait=off",
         "-device",

@@ -157,6 +157,25 @@ def _remember(path: str, key: str, verdict: Verdict) -> None:
             raise
 
 
+#: What every guest of this provider is given after its memory: one vCPU, no default
+#: devices, no display, the console on stdio and the bus of the virtio-serial ports. The
+#: probe boot and the templates (`_qemu.qemu_argv`) share it, so a probe boots what a
+#: template would.
+MACHINE_DEVICES = (
+    "-smp",
+    "1",
+    "-nodefaults",
+    "-no-user-config",
+    "-display",
+    "none",
+    "-no-reboot",
+    "-serial",
+    "stdio",
+    "-device",
+    "virtio-serial-device",
+)
+
+
 def probe_argv(qemu: str, vmlinux: str, initrd: str, append: str) -> list[str]:
     """The probe boot: the image under KVM with the CPU model a KVM template would use, and
     the two virtio-serial ports the guest agent looks for (to nothing)."""
@@ -170,17 +189,7 @@ def probe_argv(qemu: str, vmlinux: str, initrd: str, append: str) -> list[str]:
         "host",
         "-m",
         "256M",
-        "-smp",
-        "1",
-        "-nodefaults",
-        "-no-user-config",
-        "-display",
-        "none",
-        "-no-reboot",
-        "-serial",
-        "stdio",
-        "-device",
-        "virtio-serial-device",
+        *MACHINE_DEVICES,
         "-chardev",
         "null,id=sb",
         "-device",

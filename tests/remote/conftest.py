@@ -19,6 +19,7 @@ import pytest
 
 from agent_sandbox import Policy
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
+from agent_sandbox._host.remote_serve import ServeConfig
 from agent_sandbox.providers._remote import (
     LocalClaimBackend,
     RemoteProvider,
@@ -111,3 +112,20 @@ def remote(backend: LocalClaimBackend, certs: Certs) -> RemoteProvider:
     return RemoteProvider(
         backend, session_key=SESSION_KEY, bind_secret=BIND_SECRET, tls=certs.tls()
     )
+
+
+def serve_config(certs: Certs, provider: str = "subprocess", **changes: object) -> ServeConfig:
+    """A loopback `worker serve` configuration with the test certificates (mTLS), the test
+    bind secret and `provider` inside, changed by `changes`."""
+    config = ServeConfig(
+        host="127.0.0.1",
+        port=0,
+        tls_cert=certs.server,
+        tls_key=certs.server,
+        client_ca=certs.ca,
+        bind_secret=BIND_SECRET,
+        provider=provider,
+    )
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config

@@ -24,23 +24,12 @@ from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
 from agent_sandbox._host.remote_worker import RemoteWorker
 from agent_sandbox._wire import encode_event
 
-from .conftest import BIND_SECRET, Certs, remote_policy
+from .conftest import BIND_SECRET, Certs, remote_policy, serve_config
 from .fakes import HostilePod, serving, stream
 
 
 def _config(certs: Certs, **changes: object) -> ServeConfig:
-    config = ServeConfig(
-        host="127.0.0.1",
-        port=0,
-        tls_cert=certs.server,
-        tls_key=certs.server,
-        client_ca=certs.ca,
-        bind_secret=BIND_SECRET,
-        provider="subprocess",
-    )
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return config
+    return serve_config(certs, "subprocess", **changes)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from agent_sandbox._host.remote_worker import RemoteWorker
 from agent_sandbox.providers import AutoProvider, ProbeResult
 
 from ..providers.conftest import NATIVE, hostile_policy
-from .conftest import BIND_SECRET, Certs, remote_policy
+from .conftest import BIND_SECRET, Certs, remote_policy, serve_config
 from .fakes import serving
 
 pytestmark = pytest.mark.filterwarnings(
@@ -34,18 +34,7 @@ def _fake_root(tmp_path: Path, version: str) -> str:
 
 
 def _config(certs: Certs, **changes: object) -> ServeConfig:
-    config = ServeConfig(
-        host="127.0.0.1",
-        port=0,
-        tls_cert=certs.server,
-        tls_key=certs.server,
-        client_ca=certs.ca,
-        bind_secret=BIND_SECRET,
-        provider="auto",
-    )
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return config
+    return serve_config(certs, **{"provider": "auto", **changes})
 
 
 @pytest.fixture
