@@ -69,3 +69,15 @@ def _no_crewai_lock_files_left() -> Iterator[None]:
                 path.unlink()
         except FileNotFoundError:
             pass
+
+
+@pytest.fixture(autouse=True)
+def _probe_cache_switch_restored() -> Iterator[None]:
+    """`agent-sandbox doctor` run in-process switches the probe cache off for the rest of
+    its process (`_probe_cache.probe_afresh`); a test that does so must not switch it off
+    for the tests after it."""
+    from agent_sandbox.providers import _probe_cache
+
+    before = _probe_cache._afresh
+    yield
+    _probe_cache._afresh = before
