@@ -9,9 +9,8 @@ the boundary every RunResult then names, and whether the pod's secret files stay
 code's reach (`_host/placement.py`, shared with `worker check` and `worker serve`).
 `--live` also starts one worker under each available provider and shows what the worker
 reported about itself (NoNewPrivs, CapEff, Landlock, seccomp) and how long it took to become
-ready. `--json` prints the same
-as one JSON object. The exit status is 0 when at least one kernel boundary works here (a
-provider, or the gVisor runtime detected).
+ready. `--json` prints the same as one JSON object. The exit status is 0 when at least one
+kernel boundary works here (a provider, or the gVisor runtime detected).
 """
 
 from __future__ import annotations
@@ -111,7 +110,8 @@ def collect(*, live: bool = False) -> dict[str, Any]:
     if place.in_container:
         # Where `worker serve` runs: the layer a remote worker gets here, decided as a bind
         # decides it (`--provider auto`, the runtime detected, not declared).
-        report["in_pod"] = inpod_report("auto", "", place).to_json()
+        inpod = inpod_report("auto", "", place)
+        report["in_pod"] = {**inpod.to_json(), "lines": inpod.lines()}
     if live:
         report["live"] = [_live(str(p["name"])) for p in providers if p["available"]]
     return report
@@ -204,15 +204,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         else:
             print(style.red(f"  live {item['provider']}: {item['error']}"))
     if "in_pod" in report:
-        from agent_sandbox._host.placement import InPod, Place
-
-        data = dict(report["in_pod"])
-        data["place"] = Place(**{**data["place"], "evidence": tuple(data["place"]["evidence"])})
-        data["stack"] = tuple(data["stack"])
         kind = report["placement"]["container"]
         where = "a Kubernetes pod" if kind == "kubernetes" else f"a container ({kind})"
         print(style.bold(f"in {where}: what `agent-sandbox worker serve` would run here"))
-        for line in InPod(**data).lines():
+        for line in report["in_pod"]["lines"]:
             print("  " + line)
     if not boundary:
         print(style.yellow("no kernel boundary works here: only the `subprocess` provider runs"))

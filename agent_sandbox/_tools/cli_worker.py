@@ -141,14 +141,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def boundary_report(provider: str, runtime: str) -> list[str]:
-    """Lines saying which layer holds code in this place (`worker check`; `doctor` prints the
-    same from `placement.inpod_report` when it runs in a container or pod)."""
-    from agent_sandbox._host.placement import inpod_report
-
-    return inpod_report(provider, runtime).lines()
-
-
 def _cmd_manifests(args: argparse.Namespace) -> int:
     import json
 

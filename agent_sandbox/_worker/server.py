@@ -399,13 +399,13 @@ def serve(boot: dict[str, Any]) -> None:
 
 
 #: A cell like the ones a worker checks and compiles in its calls (no import, no name a
-#: policy could refuse), for `_exercise`.
+#: policy could refuse), for `exercise`.
 _WARM_CELL = (
     "total = 0\nfor i in range(3):\n    total += i\n"
     "def twice(v):\n    return [v, v][0] * 2\n"
     "text = f'{twice(total)}'\ntext\n"
 )
-#: A `[files]` section for `_exercise`: the default hide list and one entry of each kind.
+#: A `[files]` section for `exercise`: the default hide list and one entry of each kind.
 _WARM_FILES: dict[str, Any] = {
     "read": ["~/data/*.csv", "/usr/share"],
     "write": ["$SCRATCH/out/**"],
