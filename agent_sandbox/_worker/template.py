@@ -5,7 +5,9 @@ A pool for a provider that starts its worker as a plain child (`subprocess`, `la
 keeps one template per policy: it imports all of that once, runs no user code, holds no
 secret, arms nothing, and on request forks a child that becomes a worker. In order:
 
-1. The template imports the worker's modules and says `ready` on its control socket.
+1. The template imports the worker's modules, runs their per-call code on data of its own
+   (`server.exercise`), applies the guards' patches, which depend on no policy and stay
+   disarmed (`guards._install.preinstall`), and says `ready` on its control socket.
 2. For each request (JSON plus three descriptors: the listening socket, the boot pipe and
    the log) it forks. The child closes the control socket, starts a new session, points
    stdout and stderr at the log, changes to its scratch directory, takes the environment it
@@ -15,8 +17,9 @@ secret, arms nothing, and on request forks a child that becomes a worker. In ord
 3. The template reports `spawned` with the child's pid, and each child's exit status when
    it reaps it, so the parent sees signals and exit codes as from a direct child.
 
-What it does not change: every worker still applies its own limits and restrictions; the
-template only saves the imports.
+What it does not change: every worker still applies its own limits and restrictions, and
+configures, seals and arms the guards for its own policy; the template saves the imports and
+the patching (whose pages every worker would otherwise write again).
 
 Per-process secrets: `random` reseeds itself after a fork, and the child replaces the
 `multiprocessing` authentication key when that module is loaded. Two things cannot be
@@ -98,6 +101,8 @@ def _warm_up() -> Any:
     agent_sandbox.providers._landlock_sys.warm_up()
     agent_sandbox.providers._inworker.warm_up()
     agent_sandbox._worker.server.exercise()
+    # Last: the guards' patches (disarmed until a worker configures and arms them).
+    agent_sandbox.guards._install.preinstall()
     return ctypes.CDLL(None, use_errno=True)
 
 
