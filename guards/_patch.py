@@ -357,7 +357,8 @@ def patches() -> list[Patch]:
 def deferred() -> int:
     """How many `wrap_later` patches wait for their module's first import."""
     with _lock:
-        return sum(len(entries) for module, entries in _pending.items() if module not in sys.modules)
+        waiting = (entries for module, entries in _pending.items() if module not in sys.modules)
+        return sum(len(entries) for entries in waiting)
 
 
 def _is_broken(patch: Patch) -> bool:
