@@ -40,22 +40,22 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
 1. P (the child, PID 1 of a new PID namespace: a short-lived helper forked by the template
    unshares its children's PID namespace and forks P, then exits, and P passes to the
    template, its subreaper; see `_fork_in_pid_namespace`): sends one byte on the request's
-   credential socket, so the host reads its pid (the kernel's credentials) and places it
-   and W in the worker's cgroups while W boots (W forks nothing before its handshake).
-   Then new mount, network and IPC namespaces, and P forks W at once; W builds its view
-   before anything else (P's pages are then written only for this much, and freed by its
-   exec). In the new mount namespace the sandbox's root and `/dev` are read-only, and
-   `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts` are fresh file systems of its own (no sibling shares them; what the view mounts under
-   `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
-   provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
-   processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
-   covered read-only. P meanwhile drops every capability, sets no-new-privileges,
-   closes every descriptor but 0-2 and execs the small C init (`guards/_nsinit.c`, see
-   `_exec_init`), which reaps until W exits, then exits as W did (a signal N as status
-   128 + N): P keeps no copy of this interpreter (about 3 MB PSS per worker otherwise).
-   Where that program is missing, P's own Python loop does the same. It dies with the
-   template (its parent-death signal, kept across the exec), and so does everything in
-   its namespace.
+   credential socket, so the host reads its pid (the kernel's credentials) and places it and
+   W in the worker's cgroups while W boots (W forks nothing before its handshake). Then new
+   mount, network and IPC namespaces, and P forks W at once; W builds its view before
+   anything else (P's pages are then written only for this much, and freed by its exec). In
+   the new mount namespace the sandbox's root and `/dev` are read-only, and `/tmp`, the
+   scratch directory, `/dev/shm` and `/dev/pts` are fresh file systems of its own (no
+   sibling shares them; what the view mounts under `/tmp`, the policy's paths there, is
+   copied onto the new one); `lo` is up where the provider brings it up for a fresh worker;
+   a fresh `/proc` (only the worker's own processes), with `/proc/sys`,
+   `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` covered read-only. P meanwhile drops
+   every capability, sets no-new-privileges, closes every descriptor but 0-2 and execs the
+   small C init (`guards/_nsinit.c`, see `_exec_init`), which reaps until W exits, then
+   exits as W did (a signal N as status 128 + N): P keeps no copy of this interpreter (about
+   3 MB PSS per worker otherwise). Where that program is missing, P's own Python loop does
+   the same. It dies with the template (its parent-death signal, kept across the exec), and
+   so does everything in its namespace.
 2. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
