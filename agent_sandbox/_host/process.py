@@ -135,6 +135,9 @@ class WorkerProcess:
         #: Called once when the worker is discarded (a pool starts its template once its
         #: first worker is handed back; see `_host/pool.py`).
         self.on_discard: Callable[[], object] | None = None
+        #: Called once when the worker's next call ends, or at its discard if it makes none
+        #: (a pool refills once the call of the worker it handed out is over).
+        self.after_call: Callable[[], object] | None = None
         self.cgroups: WorkerCgroups | None = None
         self._in_call = False
         self._host_pid: int | None = None
@@ -600,19 +603,22 @@ class WorkerProcess:
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:
-            self.client.run(code, t0 + wall, forward, filename)
-        except KeyboardInterrupt:
-            # Ctrl-C in the caller: the cell in the worker is interrupted too (its variables
-            # stay), and the caller gets its KeyboardInterrupt.
-            self.client.close()
-            self._in_call = False
-            self.interrupt()
-            raise
-        except (TimeoutError, TransportError) as exc:
-            self._on_call_failure(builder, exc, wall, timeout, timeout_source)
+            try:
+                self.client.run(code, t0 + wall, forward, filename)
+            except KeyboardInterrupt:
+                # Ctrl-C in the caller: the cell in the worker is interrupted too (its
+                # variables stay), and the caller gets its KeyboardInterrupt.
+                self.client.close()
+                self._in_call = False
+                self.interrupt()
+                raise
+            except (TimeoutError, TransportError) as exc:
+                self._on_call_failure(builder, exc, wall, timeout, timeout_source)
+            finally:
+                self._in_call = False
+            return self._finish(builder, t0, session)
         finally:
-            self._in_call = False
-        return self._finish(builder, t0, session)
+            self._call_ended()
 
     def _on_call_failure(
         self,
@@ -655,17 +661,26 @@ class WorkerProcess:
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:
-            await client.run(code, t0 + wall, forward, filename)
-        except asyncio.CancelledError:
-            # A cancelled call: the cell in the worker is interrupted too (state kept).
-            self._in_call = False
-            self.interrupt()
-            raise
-        except (TimeoutError, TransportError) as exc:
-            self._on_call_failure(builder, exc, wall, timeout, timeout_source)
+            try:
+                await client.run(code, t0 + wall, forward, filename)
+            except asyncio.CancelledError:
+                # A cancelled call: the cell in the worker is interrupted too (state kept).
+                self._in_call = False
+                self.interrupt()
+                raise
+            except (TimeoutError, TransportError) as exc:
+                self._on_call_failure(builder, exc, wall, timeout, timeout_source)
+            finally:
+                self._in_call = False
+            return self._finish(builder, t0, session)
         finally:
-            self._in_call = False
-        return self._finish(builder, t0, session)
+            self._call_ended()
+
+    def _call_ended(self) -> None:
+        hook, self.after_call = self.after_call, None
+        if hook is not None:
+            with contextlib.suppress(Exception):
+                hook()
 
     def _builder(self, wall: float) -> ResultBuilder:
         """The judge and accumulator of the next call's events
@@ -1081,6 +1096,7 @@ class WorkerProcess:
         if hook is not None:
             with contextlib.suppress(Exception):
                 hook()
+        self._call_ended()  # handed out and discarded without a call
         if self.egress is not None:
             self.egress.close()  # no connection of a discarded worker outlives this call
         if self.kernel_log is not None:

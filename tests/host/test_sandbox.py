@@ -6,7 +6,9 @@ import asyncio
 import os
 import socket
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,6 +349,57 @@ def test_warm_pool_hands_out_a_started_worker(policy: Policy) -> None:
         result = sb.run("1")
         assert result.ok
         assert pool.started >= started  # refill runs in the background
+
+
+def _ready_within(pool: Any, count: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if pool.ready_count() >= count:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_the_refill_waits_for_the_call_of_the_worker_it_replaces(
+    policy: Policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm pool refills once the call of the worker it handed out has ended, not while
+    that call runs (the refill's start competed with it: issue 19, the first call), and a
+    worker handed out and discarded without a call lets the refill go too."""
+    from agent_sandbox._host import pool as pool_module
+
+    # A grace no test run reaches: only the call's end (or the discard) lets a refill go.
+    monkeypatch.setattr(pool_module, "REFILL_GRACE", 60.0)
+    with Sandbox(policy, warm=1) as sb:
+        sb.warm_up()
+        pool = sb._pool
+        started = pool.started
+        worker = pool.acquire()
+        time.sleep(0.1)
+        assert pool.started == started and pool.ready_count() == 0  # waiting for the call
+        worker.discard()  # handed out, no call: the refill goes now
+        assert _ready_within(pool, 1, 5.0)
+        started = pool.started
+        session = sb.session("refill")
+        assert session.run("1").ok  # the call ends: the refill goes at once
+        assert _ready_within(pool, 1, 5.0) and pool.started == started + 1
+
+
+def test_a_refill_starts_after_its_grace_when_the_call_runs_long(
+    policy: Policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long call does not keep the pool empty: the refill starts after `REFILL_GRACE`."""
+    from agent_sandbox._host import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "REFILL_GRACE", 0.05)
+    with Sandbox(policy, warm=1) as sb:
+        sb.warm_up()
+        pool = sb._pool
+        worker = pool.acquire()  # and no call on it yet
+        try:
+            assert _ready_within(pool, 1, pool_module.REFILL_GRACE + 5.0)
+        finally:
+            worker.discard()
 
 
 async def test_async_run_and_session(policy: Policy) -> None:

@@ -49,3 +49,25 @@ def test_a_plain_scalar_result_is_sent_as_before(tmp_path: Path) -> None:
     for code, type_name in [("2**70", "int"), ("float('nan')", "float")]:
         kind, data = _outcome(runner, code)
         assert kind == "result" and data["value"]["__type__"] == type_name
+
+
+def test_the_first_calls_work_done_ahead_leaves_no_trace(tmp_path: Path) -> None:
+    """`server._first_call_ahead` (before the handshake) runs the first call's code on the
+    worker's own runner and code layer, and leaves nothing a call could see: no call or
+    cell counted, no cell kept or reused, no name, no refusal recorded, and the next call is
+    still `<cell-1>`."""
+    from agent_sandbox._worker import audit, server
+    from agent_sandbox.guards._code_budget import make_code_check
+
+    runner = Runner({"name": "t"}, str(tmp_path))
+    check = make_code_check({}, runner.namespace, "t")
+    runner.code_check, runner.code_start, runner.reuse_compiled = check, check.start, check.pure
+    names = set(runner.namespace)
+    server._first_call_ahead(runner)
+    assert (runner.calls, runner.cells) == (0, 0)
+    assert not runner._compiled and set(runner.namespace) == names
+    assert not audit._between.entries
+    events: list[tuple[str, Any]] = []
+    runner.run("1/0", lambda kind, data: events.append((kind, data)))
+    errors = [data for kind, data in events if kind == "error"]
+    assert errors and "<cell-1>" in str(errors[0]), events
