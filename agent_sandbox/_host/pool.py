@@ -2,12 +2,13 @@
 
 A pool keeps `warm` started, handshaken workers for one (policy, provider) pair and refills
 in a background thread after each acquire, once the call of the worker it handed out has
-ended (or after `REFILL_GRACE`), so that the refill does not compete with that call. Pools are shared between sandboxes with the same
-policy through `PoolRegistry` only when they ask for it (`Sandbox(share_workers=True)`), and
-closed when the last sandbox using one is closed. By default each sandbox has its own pool,
-so workers forked for one sandbox never come from another sandbox's template: forked workers
-share their template's hash secret and memory layout (see `_worker/template.py`), and that
-sharing stays within one sandbox. The cost is one template (and `warm` workers) per sandbox.
+ended (or after `REFILL_GRACE`), so that the refill does not compete with that call. Pools
+are shared between sandboxes with the same policy through `PoolRegistry` only when they ask
+for it (`Sandbox(share_workers=True)`), and closed when the last sandbox using one is
+closed. By default each sandbox has its own pool, so workers forked for one sandbox never
+come from another sandbox's template: forked workers share their template's hash secret and
+memory layout (see `_worker/template.py`), and that sharing stays within one sandbox. The
+cost is one template (and `warm` workers) per sandbox.
 
 The pool also keeps a worker template (`_host/templates.py`): a pre-imported process that
 forks new workers, so a start costs a fork instead of the worker's imports. For `subprocess`
