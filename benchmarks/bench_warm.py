@@ -177,8 +177,11 @@ def main() -> None:
     parser.add_argument("--providers", default="subprocess,landlock,auto")
     parser.add_argument("--no-peers", action="store_true", help="skip the peer rows")
     parser.add_argument(
-        "--first", type=int, default=20, metavar="N", help="sessions per run for the first-call"
-        " rows (0: skip them)"
+        "--first",
+        type=int,
+        default=20,
+        metavar="N",
+        help="sessions per run for the first-call rows (0: skip them)",
     )
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}; {os.cpu_count()} cores; load {os.getloadavg()}")
