@@ -429,6 +429,17 @@ def _first_call_ahead(runner: Runner) -> None:
     written for the first time, and, in a worker forked from a template, copied)."""
     try:
         _parse_head(_WARM_HEAD)
+        check = runner.code_check
+        if check is not None:
+            # Only a cell the rules accept (a refusal would be recorded, and carried into
+            # the first call): asked first of the pure part of the check.
+            import ast
+
+            from agent_sandbox.guards._code_check import find_violations
+
+            rules = getattr(check, "rules", None)
+            if rules is None or find_violations(ast.parse("0"), rules):
+                return
         runner._compile_new("0", "<first-call-ahead>")
         runner._outcome(0, None, "<first-call-ahead>")
         encode_event("result", {"value": 0})
