@@ -5,7 +5,9 @@ A pool for a provider that starts its worker as a plain child (`subprocess`, `la
 keeps one template per policy: it imports all of that once, runs no user code, holds no
 secret, arms nothing, and on request forks a child that becomes a worker. In order:
 
-1. The template imports the worker's modules and says `ready` on its control socket.
+1. The template imports the worker's modules, runs their per-call code on data of its own
+   (`server.exercise`), applies the guards' patches, which depend on no policy and stay
+   disarmed (`guards._install.preinstall`), and says `ready` on its control socket.
 2. For each request (JSON plus three descriptors: the listening socket, the boot pipe and
    the log) it forks. The child closes the control socket, starts a new session, points
    stdout and stderr at the log, changes to its scratch directory, takes the environment it
@@ -15,8 +17,9 @@ secret, arms nothing, and on request forks a child that becomes a worker. In ord
 3. The template reports `spawned` with the child's pid, and each child's exit status when
    it reaps it, so the parent sees signals and exit codes as from a direct child.
 
-What it does not change: every worker still applies its own limits and restrictions; the
-template only saves the imports.
+What it does not change: every worker still applies its own limits and restrictions, and
+configures, seals and arms the guards for its own policy; the template saves the imports and
+the patching (whose pages every worker would otherwise write again).
 
 Per-process secrets: `random` reseeds itself after a fork, and the child replaces the
 `multiprocessing` authentication key when that module is loaded. Two things cannot be
@@ -39,14 +42,16 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    template, its subreaper; see `_fork_in_pid_namespace`): sends one byte on the request's
    credential socket, so the host reads its pid (the kernel's credentials) and places it
    and W in the worker's cgroups while W boots (W forks nothing before its handshake).
-   Then new mount, network and IPC namespaces; in its mount namespace the sandbox's root
+   Then new mount, network and IPC namespaces, and W is forked at once: W waits on a pipe
+   until P has built its view, so the pages P's set-up writes are P's own (gone with its
+   exec) rather than pages W would keep. In the new mount namespace the sandbox's root
    and `/dev` are read-only, and `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts`
    are fresh file systems of its own (no sibling shares them; what the view mounts under
    `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
    provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
    processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
-   covered read-only. It forks W, drops every capability, sets no-new-privileges, closes
-   every descriptor but 0-2 and execs the small C init (`guards/_nsinit.c`, see
+   covered read-only. P then lets W go on, drops every capability, sets no-new-privileges,
+   closes every descriptor but 0-2 and execs the small C init (`guards/_nsinit.c`, see
    `_exec_init`), which reaps until W exits, then exits as W did (a signal N as status
    128 + N): P keeps no copy of this interpreter (about 3 MB PSS per worker otherwise).
    Where that program is missing, P's own Python loop does the same. It dies with the
@@ -96,6 +101,8 @@ def _warm_up() -> Any:
     agent_sandbox.providers._landlock_sys.warm_up()
     agent_sandbox.providers._inworker.warm_up()
     agent_sandbox._worker.server.exercise()
+    # Last: the guards' patches (disarmed until a worker configures and arms them).
+    agent_sandbox.guards._install.preinstall()
     return ctypes.CDLL(None, use_errno=True)
 
 
@@ -316,12 +323,39 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     cred = socket.socket(fileno=cred_fd)
     cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
     cred.close()
-    nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _check(
         libc,
         libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC),
         "unshare",
     )
+    # W is forked now, in the new namespaces, and waits until P has built its view: every
+    # page P's set-up below writes is then P's own, gone with P's exec, rather than a page W
+    # inherits from P and keeps once P execs its init (issue 19: memory per session).
+    go_r, go_w = os.pipe()
+    worker = os.fork()
+    if worker == 0:
+        os.close(go_w)
+        ready = os.read(go_r, 1)  # b"" when P failed and exited (or was killed)
+        os.close(go_r)
+        if ready != b"k":
+            os._exit(70)
+        return  # W
+    os.close(go_r)
+    _build_view(ns, libc)
+    os.write(go_w, b"k")
+    os.close(go_w)
+    _set_caps(libc, 0)
+    _exec_init(libc, worker)  # returns only where the C init cannot run
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == worker:
+            os._exit(_status_code(status))
+
+
+def _build_view(ns: dict[str, Any], libc: Any) -> None:
+    """P, in the new mount, network and IPC namespaces: the worker's own file systems and
+    `/proc`, the shared ones read-only, `lo` up."""
+    nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
     scratch = str(ns["scratch"])
     tmpfs_bytes = int(ns["tmpfs_bytes"])
@@ -352,15 +386,6 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
             _mount(libc, path, path, None, _MS_BIND | _MS_REC)
             flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev | _MS_NOEXEC
             _mount(libc, None, path, None, flags)
-    worker = os.fork()
-    if worker == 0:
-        return  # W
-    _set_caps(libc, 0)
-    _exec_init(libc, worker)  # returns only where the C init cannot run
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == worker:
-            os._exit(_status_code(status))
 
 
 _PR_SET_NO_NEW_PRIVS = 38
