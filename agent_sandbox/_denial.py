@@ -10,7 +10,10 @@ Standard library only: the worker imports this before arming.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "BETWEEN_CALLS",

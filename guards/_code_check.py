@@ -36,12 +36,15 @@ import builtins
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, overload
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import CodeRejected
 from agent_sandbox._hints import grant_hint
 from agent_sandbox._worker import audit
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any, Literal, overload
 
 __all__ = [
     "ATTRIBUTE_GROUPS",
@@ -858,40 +861,40 @@ def check_tree(
         raise reject(violations, filename, policy_name or rules.policy_name)
 
 
-@overload
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = ...,
-    *,
-    mode: Literal["exec"] = ...,
-    known_names: Iterable[str] = ...,
-    policy_name: str = ...,
-) -> ast.Module: ...
+if TYPE_CHECKING:  # (the overloads are for type checkers only)
 
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["exec"] = ...,
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Module: ...
 
-@overload
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = ...,
-    *,
-    mode: Literal["eval"],
-    known_names: Iterable[str] = ...,
-    policy_name: str = ...,
-) -> ast.Expression: ...
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["eval"],
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Expression: ...
 
-
-@overload
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = ...,
-    *,
-    mode: Literal["single"],
-    known_names: Iterable[str] = ...,
-    policy_name: str = ...,
-) -> ast.Interactive: ...
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["single"],
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Interactive: ...
 
 
 def check_code(

@@ -44,7 +44,6 @@ import stat as _stat_mod
 import sys
 from _thread import get_ident
 from collections.abc import Iterable
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
@@ -60,6 +59,10 @@ from agent_sandbox.policies._paths import (
     name_regex,
     unescape,
 )
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["FileRules", "check", "configure", "install", "rules"]
 

@@ -53,13 +53,16 @@ import types
 from _thread import get_ident
 from collections.abc import Iterator, MutableMapping
 from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ImportDenied
 from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "GuardFinder",
@@ -248,7 +251,7 @@ def _visible_dict(real: Any, namespace: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _ModuleTable(MutableMapping[str, Any]):
+class _ModuleTable(MutableMapping[str, "Any"]):  # (a string: no `typing` at run time)
     """`sys.modules` as user code sees it through the view of `sys`: each module it hands
     out is judged like an import of its name; writes and deletes go to `sys.modules`."""
 

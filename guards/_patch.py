@@ -34,7 +34,12 @@ import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
+
+    Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 __all__ = [
     "Patch",
@@ -48,7 +53,6 @@ __all__ = [
     "wrap_later",
 ]
 
-Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 _MISSING = object()
 

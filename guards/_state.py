@@ -32,10 +32,13 @@ import dataclasses
 import os
 import sys
 from _thread import get_ident
-from typing import Any, NoReturn
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._worker import audit
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 _getframe = sys._getframe
 

@@ -28,7 +28,10 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Mapping
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["apply_worker_setup", "kernel_status", "open_egress_listener", "verify_checks"]
 

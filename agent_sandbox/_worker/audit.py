@@ -35,9 +35,12 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from agent_sandbox._denial import BETWEEN_CALLS, DURING_CALL, Denial
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "MAX_KEYS",

@@ -29,7 +29,6 @@ import time
 import traceback
 import types
 from collections.abc import Callable
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import LimitExceeded, SandboxDenied
@@ -37,9 +36,14 @@ from agent_sandbox._hints import grant_hint
 from agent_sandbox._wire import json_values, value_budget
 from agent_sandbox._worker import audit, objects
 
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
+
+    Emit = Callable[[str, Any], None]
+
 __all__ = ["Runner", "to_data"]
 
-Emit = Callable[[str, Any], None]
 
 _FLUSH_BYTES = 8192
 _FLUSH_SECONDS = 0.02

@@ -32,12 +32,15 @@ import time
 # NOTE: allowed because it is exactly what hmac.compare_digest is, without importing OpenSSL
 # (2 ms of the worker's start-up).
 from _operator import _compare_digest as compare_digest
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.run import Runner, on_interrupt
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["serve"]
 
