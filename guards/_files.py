@@ -37,7 +37,6 @@ change the links there.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import posix
 import stat as _stat_mod
@@ -438,7 +437,7 @@ def check(op: str, path: Any, dir_fd: int | None = None, follow: bool = True) ->
         exc_class, denial = decision
         requested = text if dir_fd is None else f"<dir_fd {dir_fd}>/{text}"
         detail = f"{denial.detail} (requested as '{requested}')"
-        decision = (exc_class, dataclasses.replace(denial, detail=detail))
+        decision = (exc_class, denial.replace(detail=detail))
     if not volatile and dir_fd is None and text.startswith("/"):
         if len(fast) > 8192:
             fast.clear()

@@ -46,7 +46,6 @@ it is not a boundary either.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import importlib
 import sys
 import types
@@ -213,9 +212,7 @@ def _judge_attribute(real: Any, name: str, value: Any) -> Any:
         denial = _rules.denial(target)
         where = f"{real.__dict__.get('__name__')}.{name}"
         if where != target:
-            denial = dataclasses.replace(
-                denial, detail=f"{denial.detail} (reached as the attribute {where})"
-            )
+            denial = denial.replace(detail=f"{denial.detail} (reached as the attribute {where})")
         refuse(ImportDenied, denial)  # returns only in learning mode
     return view_of(value)
 
@@ -261,9 +258,7 @@ class _ModuleTable(MutableMapping[str, "Any"]):  # (a string: no `typing` at run
             denial = _rules.denial(name)
             refuse(
                 ImportDenied,
-                dataclasses.replace(
-                    denial, detail=f"{denial.detail} (reached through sys.modules)"
-                ),
+                denial.replace(detail=f"{denial.detail} (reached through sys.modules)"),
             )
         return view_of(module)
 

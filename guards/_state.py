@@ -28,7 +28,6 @@ the kernel boundary is what holds then.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from _thread import get_ident
@@ -135,7 +134,7 @@ def refuse(exc_class: type[BaseException], denial: Denial, *, always: bool = Fal
     file, hidden names) is refused in learning mode too.
     """
     if state.learn and not always:
-        audit.record(dataclasses.replace(denial, learned=True))
+        audit.record(denial.replace(learned=True))
         return
     _raise(exc_class, denial)
 
