@@ -117,7 +117,19 @@ class Denial:
         "origin",
         "last",
     )
-    __match_args__ = _FIELDS
+    __match_args__ = (
+        "rule",
+        "action",
+        "target",
+        "policy",
+        "hint",
+        "detail",
+        "learned",
+        "internal",
+        "count",
+        "origin",
+        "last",
+    )
 
     rule: str
     action: str

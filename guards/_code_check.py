@@ -341,8 +341,11 @@ class _Frozen:
 
     __slots__ = ()
 
+    def _fields(self) -> tuple[str, ...]:
+        return self.__slots__  # (each subclass's own)
+
     def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
+        return tuple(getattr(self, name) for name in self._fields())
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"cannot assign to field {name!r}")
@@ -359,7 +362,7 @@ class _Frozen:
         return hash(self._values())
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
         return f"{self.__class__.__qualname__}({fields})"
 
 
