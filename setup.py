@@ -14,7 +14,9 @@ does it when the list of modules changes); `--config-settings editable_mode=leni
 the import hook instead.
 """
 
+import contextlib
 import os
+import subprocess
 from typing import Any
 
 from setuptools import Extension, setup
@@ -39,6 +41,15 @@ NSINIT_SOURCE = "guards/_nsinit.c"
 NSINIT_NAME = "_nsinit"
 
 
+def _runs(program: str) -> bool:
+    """The built init answers a wrong command line with its usage line and status 64."""
+    try:
+        done = subprocess.run([program], capture_output=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 64 and done.stderr.startswith(b"usage: _nsinit")
+
+
 class BuildExtWithInit(build_ext):  # type: ignore[misc]
     """`build_ext` that also links guards/_nsinit.c into an executable beside the modules."""
 
@@ -46,18 +57,42 @@ class BuildExtWithInit(build_ext):  # type: ignore[misc]
         super().run()
         folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))
         target = os.path.join(folder, NSINIT_NAME)
-        try:
-            objects = self.compiler.compile(
-                [NSINIT_SOURCE], output_dir=self.build_temp, extra_postargs=["-O2", "-Wall"]
-            )
+        for build in (self._link_without_libc, self._link_with_libc):
             try:
-                self.compiler.link_executable(objects, target, extra_postargs=["-static", "-s"])
-            except Exception:  # no static C library: a dynamic one (the view has libc)
-                self.compiler.link_executable(objects, target)
-        except Exception as exc:  # optional, like the extensions
-            print(f"warning: {NSINIT_SOURCE} not built ({exc}); the Python init serves")
-            return
-        os.chmod(target, 0o755)
+                build(target)
+            except Exception as exc:  # optional, like the extensions
+                print(f"note: {NSINIT_SOURCE}: {build.__name__} failed ({exc})")
+                continue
+            if _runs(target):
+                os.chmod(target, 0o755)
+                return
+            print(f"note: {NSINIT_SOURCE}: the program from {build.__name__} does not run")
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        print(f"warning: {NSINIT_SOURCE} not built; the Python init serves")
+
+    def _link_without_libc(self, target: str) -> None:
+        """Two pages, its own system calls (x86-64 and arm64; `#error` elsewhere)."""
+        flags = ["-Os", "-Wall", "-fno-stack-protector", "-fno-asynchronous-unwind-tables"]
+        flags += ["-ffreestanding", "-fno-builtin", "-fno-tree-loop-distribute-patterns"]
+        objects = self.compiler.compile(
+            [NSINIT_SOURCE],
+            output_dir=os.path.join(self.build_temp, "nolibc"),
+            macros=[("NSINIT_NOLIBC", "1")],
+            extra_postargs=flags,
+        )
+        self.compiler.link_executable(
+            objects, target, extra_postargs=["-nostdlib", "-static", "-no-pie", "-s"]
+        )
+
+    def _link_with_libc(self, target: str) -> None:
+        objects = self.compiler.compile(
+            [NSINIT_SOURCE], output_dir=self.build_temp, extra_postargs=["-O2", "-Wall"]
+        )
+        try:
+            self.compiler.link_executable(objects, target, extra_postargs=["-static", "-s"])
+        except Exception:  # no static C library: a dynamic one (the view has libc)
+            self.compiler.link_executable(objects, target)
 
     def get_outputs(self) -> list[str]:
         folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))

@@ -10,6 +10,9 @@ The order, at worker start (hook 5b of `_worker.setup.prepare`):
    and its audit hook (last, so it sits ahead of wrapt's post-import finder).
 4. Build the user namespace's own `__builtins__` (with the judging `__import__`).
 
+Steps 3 and 4 depend on no policy: a worker template does them once before it forks
+(`preinstall`), and its workers start at step 1 with them done.
+
 Per call, `arming()` puts that `__builtins__` back into the namespace and sets the armed
 flag; threads started while armed stay armed. After the call, `tamper_check()` returns the
 reasons the guards are no longer intact: a wrapper replaced or removed, the import finder
@@ -175,6 +178,40 @@ class Guards:
         self.installed = False
 
 
+def _patch_everything() -> ModuleType:
+    """Steps 3 and 4 of the module docstring: every patch, then the user builtins' copy.
+    Neither depends on the policy: the wrappers judge by the rules step 1 configures."""
+    _files.install()
+    _net.install()
+    _env.install()
+    _calls.install()
+    _patch.wrap(_thread, "start_new_thread", _thread_start_wrapper)
+    if getattr(threading, "_start_new_thread", None) is not None:
+        _patch.wrap(threading, "_start_new_thread", _thread_start_wrapper)
+    _imports.install()
+    return _imports.make_user_builtins()
+
+
+#: The user builtins `preinstall` made (None: this process patches at `install_guards`).
+_preinstalled: ModuleType | None = None
+
+
+def preinstall() -> None:
+    """In a worker template, before it forks any worker: steps 3 and 4 (every patch, the
+    import finder and audit hook, the user builtins' copy) and the tamper check's grouping,
+    which depend on no policy. Nothing is armed or configured: every wrapper passes its
+    call through while the flag is down, as in a fresh worker before its first call. Each
+    forked worker then configures the rules for its own policy (steps 1 and 2) in
+    `install_guards`, seals them, and arms them per call exactly as a fresh worker does;
+    the pages of this work stay shared with the template instead of being written again
+    by every worker (issue 19: memory per session, about 1.2 MB)."""
+    global _preinstalled
+    if _preinstalled is not None:
+        return
+    _preinstalled = _patch_everything()
+    _patch.broken()  # the grouping `Guards.prime` would do in each worker
+
+
 def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None) -> Guards:
     """Install every guard for the boot configuration `boot`; see the module docstring."""
     policy: dict[str, Any] = boot.get("policy") or {}
@@ -206,17 +243,10 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
         if scratch and key not in os.environ:
             os.environ[key] = value
             env_set.append(key)
-    # 3. patch
-    _files.install()
-    _net.install()
-    _env.install()
-    _calls.install()
-    _patch.wrap(_thread, "start_new_thread", _thread_start_wrapper)
-    if getattr(threading, "_start_new_thread", None) is not None:
-        _patch.wrap(threading, "_start_new_thread", _thread_start_wrapper)
-    _imports.install()
-    # 4. the user namespace's builtins (after the builtins were wrapped)
-    guards = Guards(namespace, _imports.make_user_builtins())
+    # 3. patch, and 4. the user namespace's builtins (after the builtins were wrapped): done
+    #    already when this process was forked from a worker template (`preinstall`).
+    user_builtins = _preinstalled or _patch_everything()
+    guards = Guards(namespace, user_builtins)
     guards.env_set = env_set
     if namespace is not None:
         namespace["__builtins__"] = guards.user_builtins
@@ -236,6 +266,9 @@ def summary() -> dict[str, Any]:
     """
     return {
         "patches": len(_patch.patches()),
+        # Patches of modules not imported yet (applied at their import): a worker forked
+        # from a template has fewer of them, as its template imported a few more modules.
+        "deferred": _patch.deferred(),
         "finder": sys.meta_path[:1] == [_imports.finder()],
         "block": block_info(),
     }

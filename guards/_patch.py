@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Patch",
     "broken",
+    "deferred",
     "patches",
     "keep_post_import_finder",
     "resolve_global",
@@ -359,6 +360,13 @@ def patches() -> list[Patch]:
     """The patches applied so far, oldest first."""
     with _lock:
         return list(_patches)
+
+
+def deferred() -> int:
+    """How many `wrap_later` patches wait for their module's first import."""
+    with _lock:
+        waiting = (entries for module, entries in _pending.items() if module not in sys.modules)
+        return sum(len(entries) for entries in waiting)
 
 
 def _is_broken(patch: Patch) -> bool:

@@ -5,7 +5,9 @@ A pool for a provider that starts its worker as a plain child (`subprocess`, `la
 keeps one template per policy: it imports all of that once, runs no user code, holds no
 secret, arms nothing, and on request forks a child that becomes a worker. In order:
 
-1. The template imports the worker's modules and says `ready` on its control socket.
+1. The template imports the worker's modules, runs their per-call code on data of its own
+   (`server.exercise`), applies the guards' patches, which depend on no policy and stay
+   disarmed (`guards._install.preinstall`), and says `ready` on its control socket.
 2. For each request (JSON plus three descriptors: the listening socket, the boot pipe and
    the log) it forks. The child closes the control socket, starts a new session, points
    stdout and stderr at the log, changes to its scratch directory, takes the environment it
@@ -15,8 +17,9 @@ secret, arms nothing, and on request forks a child that becomes a worker. In ord
 3. The template reports `spawned` with the child's pid, and each child's exit status when
    it reaps it, so the parent sees signals and exit codes as from a direct child.
 
-What it does not change: every worker still applies its own limits and restrictions; the
-template only saves the imports.
+What it does not change: every worker still applies its own limits and restrictions, and
+configures, seals and arms the guards for its own policy; the template saves the imports and
+the patching (whose pages every worker would otherwise write again).
 
 Per-process secrets: `random` reseeds itself after a fork, and the child replaces the
 `multiprocessing` authentication key when that module is loaded. Two things cannot be
@@ -37,21 +40,22 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
 1. P (the child, PID 1 of a new PID namespace: a short-lived helper forked by the template
    unshares its children's PID namespace and forks P, then exits, and P passes to the
    template, its subreaper; see `_fork_in_pid_namespace`): sends one byte on the request's
-   credential socket, so the host reads its pid (the kernel's credentials) and places it
-   and W in the worker's cgroups while W boots (W forks nothing before its handshake).
-   Then new mount, network and IPC namespaces; in its mount namespace the sandbox's root
-   and `/dev` are read-only, and `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts`
-   are fresh file systems of its own (no sibling shares them; what the view mounts under
-   `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
-   provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
-   processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
-   covered read-only. It forks W, drops every capability, sets no-new-privileges, closes
-   every descriptor but 0-2 and execs the small C init (`guards/_nsinit.c`, see
-   `_exec_init`), which reaps until W exits, then exits as W did (a signal N as status
-   128 + N): P keeps no copy of this interpreter (about 3 MB PSS per worker otherwise).
-   Where that program is missing, P's own Python loop does the same. It dies with the
-   template (its parent-death signal, kept across the exec), and so does everything in
-   its namespace.
+   credential socket, so the host reads its pid (the kernel's credentials) and places it and
+   W in the worker's cgroups while W boots (W forks nothing before its handshake). Then new
+   mount, network and IPC namespaces, and P forks W at once; W builds its view before
+   anything else (P's pages are then written only for this much, and freed by its exec). In
+   the new mount namespace the sandbox's root and `/dev` are read-only, and `/tmp`, the
+   scratch directory, `/dev/shm` and `/dev/pts` are fresh file systems of its own (no
+   sibling shares them; what the view mounts under `/tmp`, the policy's paths there, is
+   copied onto the new one); `lo` is up where the provider brings it up for a fresh worker;
+   a fresh `/proc` (only the worker's own processes), with `/proc/sys`,
+   `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` covered read-only. P meanwhile drops
+   every capability, sets no-new-privileges, closes every descriptor but 0-2 and execs the
+   small C init (`guards/_nsinit.c`, see `_exec_init`), which reaps until W exits, then
+   exits as W did (a signal N as status 128 + N): P keeps no copy of this interpreter (about
+   3 MB PSS per worker otherwise). Where that program is missing, P's own Python loop does
+   the same. It dies with the template (its parent-death signal, kept across the exec), and
+   so does everything in its namespace.
 2. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
@@ -96,6 +100,8 @@ def _warm_up() -> Any:
     agent_sandbox.providers._landlock_sys.warm_up()
     agent_sandbox.providers._inworker.warm_up()
     agent_sandbox._worker.server.exercise()
+    # Last: the guards' patches (disarmed until a worker configures and arms them).
+    agent_sandbox.guards._install.preinstall()
     return ctypes.CDLL(None, use_errno=True)
 
 
@@ -316,12 +322,34 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     cred = socket.socket(fileno=cred_fd)
     cred.send(b"p")  # the host reads this process's pid and places it in its cgroups
     cred.close()
-    nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _check(
         libc,
         libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC),
         "unshare",
     )
+    # W is forked now, in the new namespaces, and builds its view itself (it holds the
+    # template's capabilities until its own set-up drops them, and is in the new PID
+    # namespace, whose `/proc` it mounts); P execs its init at once. P's pages are then
+    # written only for this much and freed by the exec, rather than written once more after
+    # W's fork (every page of P is shared with W again) and kept by W (issue 19: memory per
+    # session, and the CPU of the copy-on-write faults in a burst). A failed step ends W,
+    # and with it P, with status 70 and the step named in the log.
+    worker = os.fork()
+    if worker == 0:
+        _build_view(ns, libc)
+        return  # W
+    _set_caps(libc, 0)
+    _exec_init(libc, worker)  # returns only where the C init cannot run
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == worker:
+            os._exit(_status_code(status))
+
+
+def _build_view(ns: dict[str, Any], libc: Any) -> None:
+    """W, in the new mount, network and IPC namespaces, before anything else: its own file
+    systems and `/proc`, the shared ones read-only, `lo` up."""
+    nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
     scratch = str(ns["scratch"])
     tmpfs_bytes = int(ns["tmpfs_bytes"])
@@ -352,15 +380,6 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
             _mount(libc, path, path, None, _MS_BIND | _MS_REC)
             flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | nosuid_nodev | _MS_NOEXEC
             _mount(libc, None, path, None, flags)
-    worker = os.fork()
-    if worker == 0:
-        return  # W
-    _set_caps(libc, 0)
-    _exec_init(libc, worker)  # returns only where the C init cannot run
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == worker:
-            os._exit(_status_code(status))
 
 
 _PR_SET_NO_NEW_PRIVS = 38
@@ -392,6 +411,22 @@ def _exec_init(libc: Any, worker: int) -> None:
         os.execve(_init_program, [_init_program, str(worker)], {})
 
 
+def _raw_fork(libc: Any) -> int:
+    """fork(2) through the C library, without Python's own work around it (`os.fork` runs
+    the at-fork hooks of `threading`, `random` and others in the child: about 0.3-0.5 ms
+    here, mostly copy-on-write faults, on the template's critical path for a helper that
+    only unshares and forks). Only for a single-threaded process (a template always is) and
+    a child that does not need fresh interpreter state (no threads, no random numbers)
+    before it execs, exits, or makes the process that does with `os.fork`."""
+    pid = int(libc.fork())
+    if pid < 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, f"fork: {os.strerror(err)}")
+    return pid
+
+
 def _fork_in_pid_namespace(libc: Any) -> int:
     """Fork a child that is PID 1 of a new PID namespace: its pid here in the template
     (where it is this process's child), 0 in the child.
@@ -403,11 +438,14 @@ def _fork_in_pid_namespace(libc: Any) -> int:
     namespace, as for an unprivileged user, the template's capabilities do not reach that
     namespace, and `setns` to it is refused.) The child goes on only once the template has
     reaped the helper (it closes a pipe the child waits on): its parent-death signal, armed
-    next, would fire at the helper's exit."""
+    next, would fire at the helper's exit.
+
+    Both forks are `_raw_fork`s: neither the helper nor P runs user code or needs fresh
+    Python state, and the worker W, which P forks with `os.fork`, gets it all."""
     pid_r, pid_w = os.pipe()
     go_r, go_w = os.pipe()
     try:
-        helper = os.fork()
+        helper = _raw_fork(libc)
     except OSError:
         for fd in (pid_r, pid_w, go_r, go_w):
             os.close(fd)
@@ -417,7 +455,7 @@ def _fork_in_pid_namespace(libc: Any) -> int:
         try:
             os.close(pid_r)
             _check(libc, libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
-            child = os.fork()
+            child = _raw_fork(libc)
             if child > 0:
                 os.write(pid_w, child.to_bytes(4, "little"))
         except BaseException as exc:

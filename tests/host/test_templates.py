@@ -281,3 +281,58 @@ def test_template_exercise_runs_every_step() -> None:
     for entry in server._WARM_FILES["hide"]:
         name_regex(entry)  # compiled already: nothing new in the cache
     assert len(re._cache) == cached  # type: ignore[attr-defined]
+
+
+#: Calls each guard refuses under `_GUARDED`, and one it lets through.
+_GUARD_PROBES = {
+    "import": "import socket",
+    "file": "open('/root/.ssh/id_rsa').read()",
+    "write": "open('/etc/agent-sandbox-probe', 'w')",
+    "call": "import os\nos.system('true')",
+    "allowed": "import random\nrandom.random() < 1",
+}
+_GUARDED = Policy(
+    name="templates-guards",
+    provider="landlock",
+    imports={"allow": ["os", "random"]},
+    limits={"wall_seconds": 10},
+)
+
+
+@pytest.mark.parametrize("provider", ["landlock", "auto"])
+def test_a_forked_worker_is_guarded_exactly_as_a_fresh_one(provider: str) -> None:
+    """The template patches once before it forks (`guards._install.preinstall`); each forked
+    worker configures the rules of its own policy, seals and arms them. A fresh worker and a
+    forked one of the same sandbox report the same guards at their handshake and refuse the
+    same calls with the same rules."""
+    from agent_sandbox._host.templates import TemplateChild
+
+    policy = _GUARDED.model_copy(update={"provider": provider})
+    with Sandbox(policy, warm=0) as sb:
+        fresh = sb.session("fresh")
+        assert fresh.run("1").ok
+        sb._pool.template()
+        forked = sb.session("forked")
+        assert forked.run("1").ok
+        assert fresh.worker is not None and forked.worker is not None
+        assert not isinstance(fresh.worker.proc, TemplateChild)
+        assert isinstance(forked.worker.proc, TemplateChild)
+        guards = [s.worker.hello["checks"]["guards"] for s in (fresh, forked)]
+        assert guards[0]["finder"] is guards[1]["finder"] is True
+        # The same patches, applied or waiting for their module (the template imported a few
+        # modules a fresh worker has not, such as `gc`, so their patches are applied already).
+        assert [g["patches"] + g["deferred"] for g in guards] == [
+            guards[0]["patches"] + guards[0]["deferred"]
+        ] * 2, guards
+        assert guards[1]["patches"] >= guards[0]["patches"], guards
+        for name, code in _GUARD_PROBES.items():
+            seen = []
+            for session in (fresh, forked):
+                result = session.run(code)
+                seen.append((result.ok, sorted({d.rule for d in result.denials})))
+            assert seen[0] == seen[1], (name, seen)
+            if name == "allowed":
+                assert seen[1] == (True, []), seen
+            else:
+                assert seen[1][1], (name, seen)  # refused, and by a named rule
+        assert not forked.run("1").denials  # and still intact after the refusals
