@@ -1,10 +1,11 @@
 /* The init (PID 1) of a worker forked from a worker template inside a namespace sandbox.
  *
- * `agent_sandbox/_worker/template.py` forks the init (P) from the Python template; P sets up
- * the worker's namespaces in Python, forks the worker (W), drops every capability, sets
- * no-new-privileges, closes every descriptor but 0-2 and then execs this program with W's
- * pid (`_nsinit <pid>`), so that P no longer holds a copy of the template's interpreter (its
- * pages, written after the fork, were private to it: about 1.7 MB each, 3 MB of PSS).
+ * `agent_sandbox/_worker/template.py` forks the init (P) from the Python template; P enters
+ * the worker's new namespaces, forks the worker (W, which builds its own view), drops every
+ * capability, sets no-new-privileges, closes every descriptor but 0-2 and then execs this
+ * program with W's pid (`_nsinit <pid>`), so that P no longer holds a copy of the template's
+ * interpreter (its pages, written after the fork, were private to it: about 1.7 MB each,
+ * 3 MB of PSS).
  *
  * It does exactly what P's Python loop did after forking W:
  *

@@ -40,23 +40,22 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
 1. P (the child, PID 1 of a new PID namespace: a short-lived helper forked by the template
    unshares its children's PID namespace and forks P, then exits, and P passes to the
    template, its subreaper; see `_fork_in_pid_namespace`): sends one byte on the request's
-   credential socket, so the host reads its pid (the kernel's credentials) and places it
-   and W in the worker's cgroups while W boots (W forks nothing before its handshake).
-   Then new mount, network and IPC namespaces, and W is forked at once: W waits on a pipe
-   until P has built its view, so the pages P's set-up writes are P's own (gone with its
-   exec) rather than pages W would keep. In the new mount namespace the sandbox's root
-   and `/dev` are read-only, and `/tmp`, the scratch directory, `/dev/shm` and `/dev/pts`
-   are fresh file systems of its own (no sibling shares them; what the view mounts under
-   `/tmp`, the policy's paths there, is copied onto the new one); `lo` is up where the
-   provider brings it up for a fresh worker; a fresh `/proc` (only the worker's own
-   processes), with `/proc/sys`, `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus`
-   covered read-only. P then lets W go on, drops every capability, sets no-new-privileges,
-   closes every descriptor but 0-2 and execs the small C init (`guards/_nsinit.c`, see
-   `_exec_init`), which reaps until W exits, then exits as W did (a signal N as status
-   128 + N): P keeps no copy of this interpreter (about 3 MB PSS per worker otherwise).
-   Where that program is missing, P's own Python loop does the same. It dies with the
-   template (its parent-death signal, kept across the exec), and so does everything in
-   its namespace.
+   credential socket, so the host reads its pid (the kernel's credentials) and places it and
+   W in the worker's cgroups while W boots (W forks nothing before its handshake). Then new
+   mount, network and IPC namespaces, and P forks W at once; W builds its view before
+   anything else (P's pages are then written only for this much, and freed by its exec). In
+   the new mount namespace the sandbox's root and `/dev` are read-only, and `/tmp`, the
+   scratch directory, `/dev/shm` and `/dev/pts` are fresh file systems of its own (no
+   sibling shares them; what the view mounts under `/tmp`, the policy's paths there, is
+   copied onto the new one); `lo` is up where the provider brings it up for a fresh worker;
+   a fresh `/proc` (only the worker's own processes), with `/proc/sys`,
+   `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` covered read-only. P meanwhile drops
+   every capability, sets no-new-privileges, closes every descriptor but 0-2 and execs the
+   small C init (`guards/_nsinit.c`, see `_exec_init`), which reaps until W exits, then
+   exits as W did (a signal N as status 128 + N): P keeps no copy of this interpreter (about
+   3 MB PSS per worker otherwise). Where that program is missing, P's own Python loop does
+   the same. It dies with the template (its parent-death signal, kept across the exec), and
+   so does everything in its namespace.
 2. W: the worker, which then sets itself up exactly as a fresh worker does, with the plan's
    Landlock (its own domain: signals and abstract sockets scoped to it, no ptrace of a
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
@@ -328,22 +327,17 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
         libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC),
         "unshare",
     )
-    # W is forked now, in the new namespaces, and waits until P has built its view: every
-    # page P's set-up below writes is then P's own, gone with P's exec, rather than a page W
-    # inherits from P and keeps once P execs its init (issue 19: memory per session).
-    go_r, go_w = os.pipe()
+    # W is forked now, in the new namespaces, and builds its view itself (it holds the
+    # template's capabilities until its own set-up drops them, and is in the new PID
+    # namespace, whose `/proc` it mounts); P execs its init at once. P's pages are then
+    # written only for this much and freed by the exec, rather than written once more after
+    # W's fork (every page of P is shared with W again) and kept by W (issue 19: memory per
+    # session, and the CPU of the copy-on-write faults in a burst). A failed step ends W,
+    # and with it P, with status 70 and the step named in the log.
     worker = os.fork()
     if worker == 0:
-        os.close(go_w)
-        ready = os.read(go_r, 1)  # b"" when P failed and exited (or was killed)
-        os.close(go_r)
-        if ready != b"k":
-            os._exit(70)
+        _build_view(ns, libc)
         return  # W
-    os.close(go_r)
-    _build_view(ns, libc)
-    os.write(go_w, b"k")
-    os.close(go_w)
     _set_caps(libc, 0)
     _exec_init(libc, worker)  # returns only where the C init cannot run
     while True:
@@ -353,8 +347,8 @@ def _enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
 
 
 def _build_view(ns: dict[str, Any], libc: Any) -> None:
-    """P, in the new mount, network and IPC namespaces: the worker's own file systems and
-    `/proc`, the shared ones read-only, `lo` up."""
+    """W, in the new mount, network and IPC namespaces, before anything else: its own file
+    systems and `/proc`, the shared ones read-only, `lo` up."""
     nosuid_nodev = _MS_NOSUID | _MS_NODEV
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
     scratch = str(ns["scratch"])
@@ -417,6 +411,22 @@ def _exec_init(libc: Any, worker: int) -> None:
         os.execve(_init_program, [_init_program, str(worker)], {})
 
 
+def _raw_fork(libc: Any) -> int:
+    """fork(2) through the C library, without Python's own work around it (`os.fork` runs
+    the at-fork hooks of `threading`, `random` and others in the child: about 0.3-0.5 ms
+    here, mostly copy-on-write faults, on the template's critical path for a helper that
+    only unshares and forks). Only for a single-threaded process (a template always is) and
+    a child that does not need fresh interpreter state (no threads, no random numbers)
+    before it execs, exits, or makes the process that does with `os.fork`."""
+    pid = int(libc.fork())
+    if pid < 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, f"fork: {os.strerror(err)}")
+    return pid
+
+
 def _fork_in_pid_namespace(libc: Any) -> int:
     """Fork a child that is PID 1 of a new PID namespace: its pid here in the template
     (where it is this process's child), 0 in the child.
@@ -428,11 +438,14 @@ def _fork_in_pid_namespace(libc: Any) -> int:
     namespace, as for an unprivileged user, the template's capabilities do not reach that
     namespace, and `setns` to it is refused.) The child goes on only once the template has
     reaped the helper (it closes a pipe the child waits on): its parent-death signal, armed
-    next, would fire at the helper's exit."""
+    next, would fire at the helper's exit.
+
+    Both forks are `_raw_fork`s: neither the helper nor P runs user code or needs fresh
+    Python state, and the worker W, which P forks with `os.fork`, gets it all."""
     pid_r, pid_w = os.pipe()
     go_r, go_w = os.pipe()
     try:
-        helper = os.fork()
+        helper = _raw_fork(libc)
     except OSError:
         for fd in (pid_r, pid_w, go_r, go_w):
             os.close(fd)
@@ -442,7 +455,7 @@ def _fork_in_pid_namespace(libc: Any) -> int:
         try:
             os.close(pid_r)
             _check(libc, libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
-            child = os.fork()
+            child = _raw_fork(libc)
             if child > 0:
                 os.write(pid_w, child.to_bytes(4, "little"))
         except BaseException as exc:
