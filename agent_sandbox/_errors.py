@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import errno as _errno
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
 
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
+    from typing import Any
+
     from agent_sandbox._denial import Denial
 
 __all__ = [
@@ -273,7 +275,7 @@ class SandboxDenied(SandboxError):
         self.denial = denial
         super().__init__(denial.message(), *args)
         if self.os_errno is not None and isinstance(self, OSError):
-            as_os_error = cast(OSError, self)
+            as_os_error: OSError = self  # type: ignore[assignment]
             as_os_error.errno = self.os_errno
             as_os_error.strerror = denial.message()
             as_os_error.filename = denial.target

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["clean", "clean_block", "quote", "toml_fragment", "toml_key", "toml_string"]
 

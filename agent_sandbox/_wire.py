@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["EVENT_KINDS", "Event", "encode_event", "json_values", "value_budget"]
 
@@ -33,7 +36,7 @@ EVENT_KINDS = frozenset(
     }
 )
 
-Event = tuple[str, Any]
+Event = tuple[str, "Any"]  # (a string: `typing` is not imported at run time)
 
 
 #: One encoder for every event (`json.dumps` with these options builds one per call).

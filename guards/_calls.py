@@ -32,7 +32,6 @@ import ast
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import CallDenied
@@ -40,20 +39,29 @@ from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
 
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
+
 __all__ = ["REGISTRY", "ApiRules", "Entry", "configure", "install"]
 
 _st = state
 _getframe = sys._getframe
 
 
-class Entry(NamedTuple):
+class Entry:
     """One registry entry: the category, where the function lives, and how it is judged."""
 
-    category: str
-    module: str
-    attr: str
-    label: str = ""
-    user_only: bool = False
+    __slots__ = ("attr", "category", "label", "module", "user_only")
+
+    def __init__(
+        self, category: str, module: str, attr: str, label: str = "", user_only: bool = False
+    ) -> None:
+        self.category = category
+        self.module = module
+        self.attr = attr
+        self.label = label
+        self.user_only = user_only
 
     @property
     def name(self) -> str:

@@ -41,12 +41,17 @@ import itertools
 import re
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import AttributeDenied, LimitExceeded
 from agent_sandbox._worker import audit
 from agent_sandbox.guards._code_check import _CHILD_FIELDS, Rules, _child_fields, compile_rules
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any, TypeVar
+
+    _N = TypeVar("_N", bound=ast.AST)
 
 __all__ = [
     "SPECIAL_ATTRIBUTES",
@@ -75,7 +80,6 @@ _ZIP = "__sbx_zip__"
 _BUDGET = "__sbx_budget__"
 _TICK = "__sbx_tick__"
 _DUMMY = "__sbx_x__"
-_N = TypeVar("_N", bound=ast.AST)
 
 
 # ---------------------------------------------------------------- the rewrite (pure AST)

@@ -33,15 +33,17 @@ from __future__ import annotations
 
 import ast
 import builtins
-import dataclasses
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, overload
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import CodeRejected
 from agent_sandbox._hints import grant_hint
 from agent_sandbox._worker import audit
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any, Literal, overload
 
 __all__ = [
     "ATTRIBUTE_GROUPS",
@@ -332,20 +334,63 @@ def is_dunder(name: str) -> bool:
     return len(name) > 4 and name[:2] == "__" and name[-2:] == "__"
 
 
-@dataclasses.dataclass(frozen=True)
-class Violation:
+class _Frozen:
+    """A frozen value over its `__slots__`: equality, hash and repr over the fields (what
+    `dataclasses.dataclass(frozen=True)` made, without importing `dataclasses` and `inspect`
+    into the worker's start). Subclasses set their fields with `object.__setattr__`."""
+
+    __slots__ = ()
+
+    def _fields(self) -> tuple[str, ...]:
+        return self.__slots__  # (each subclass's own)
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._fields())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
+        return f"{self.__class__.__qualname__}({fields})"
+
+
+class Violation(_Frozen):
     """One place where the code leaves the sub-language.
 
     `hint` is the exact policy line that would allow it, or "" when nothing can
     (a never-grantable name, a node the checker has no rule for).
     """
 
+    __slots__ = ("column", "detail", "hint", "line", "rule", "text")
     rule: str
     line: int
     column: int
     text: str
     detail: str
-    hint: str = ""
+    hint: str
+
+    def __init__(
+        self, rule: str, line: int, column: int, text: str, detail: str, hint: str = ""
+    ) -> None:
+        init = object.__setattr__
+        init(self, "rule", rule)
+        init(self, "line", line)
+        init(self, "column", column)
+        init(self, "text", text)
+        init(self, "detail", detail)
+        init(self, "hint", hint)
 
     def describe(self) -> str:
         """One line for the model: where, what, why and how to allow it."""
@@ -368,10 +413,26 @@ class Violation:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Rules:
+class Rules(_Frozen):
     """A policy's `code` section compiled to sets (built once per policy dict)."""
 
+    __slots__ = (
+        "any_attribute",
+        "any_name",
+        "attributes",
+        "attributes_listed",
+        "deny_names",
+        "dunders",
+        "dunders_listed",
+        "max_allocation",
+        "max_call_depth",
+        "max_iterations",
+        "names",
+        "names_listed",
+        "policy_name",
+        "syntax",
+        "syntax_listed",
+    )
     policy_name: str
     syntax: frozenset[str]
     syntax_listed: tuple[str, ...]
@@ -387,6 +448,42 @@ class Rules:
     max_iterations: int
     max_call_depth: int
     max_allocation: int
+
+    def __init__(
+        self,
+        *,
+        policy_name: str,
+        syntax: frozenset[str],
+        syntax_listed: tuple[str, ...],
+        any_name: bool,
+        names: frozenset[str],
+        names_listed: tuple[str, ...],
+        deny_names: frozenset[str],
+        any_attribute: bool,
+        attributes: frozenset[str],
+        attributes_listed: tuple[str, ...],
+        dunders: frozenset[str],
+        dunders_listed: tuple[str, ...],
+        max_iterations: int,
+        max_call_depth: int,
+        max_allocation: int,
+    ) -> None:
+        init = object.__setattr__
+        init(self, "policy_name", policy_name)
+        init(self, "syntax", syntax)
+        init(self, "syntax_listed", syntax_listed)
+        init(self, "any_name", any_name)
+        init(self, "names", names)
+        init(self, "names_listed", names_listed)
+        init(self, "deny_names", deny_names)
+        init(self, "any_attribute", any_attribute)
+        init(self, "attributes", attributes)
+        init(self, "attributes_listed", attributes_listed)
+        init(self, "dunders", dunders)
+        init(self, "dunders_listed", dunders_listed)
+        init(self, "max_iterations", max_iterations)
+        init(self, "max_call_depth", max_call_depth)
+        init(self, "max_allocation", max_allocation)
 
     def attribute_problem(self, name: str) -> tuple[str, str, str] | None:
         """(rule, detail, hint) when reading attribute `name` is refused, else None."""
@@ -858,40 +955,40 @@ def check_tree(
         raise reject(violations, filename, policy_name or rules.policy_name)
 
 
-@overload
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = ...,
-    *,
-    mode: Literal["exec"] = ...,
-    known_names: Iterable[str] = ...,
-    policy_name: str = ...,
-) -> ast.Module: ...
+if TYPE_CHECKING:  # (the overloads are for type checkers only)
 
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["exec"] = ...,
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Module: ...
 
-@overload
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = ...,
-    *,
-    mode: Literal["eval"],
-    known_names: Iterable[str] = ...,
-    policy_name: str = ...,
-) -> ast.Expression: ...
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["eval"],
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Expression: ...
 
-
-@overload
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = ...,
-    *,
-    mode: Literal["single"],
-    known_names: Iterable[str] = ...,
-    policy_name: str = ...,
-) -> ast.Interactive: ...
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["single"],
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Interactive: ...
 
 
 def check_code(

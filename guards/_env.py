@@ -23,13 +23,16 @@ from __future__ import annotations
 import os
 import sys
 from _thread import get_ident
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import EnvDenied
 from agent_sandbox._hints import glob_escape, grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["configure", "install"]
 

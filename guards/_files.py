@@ -37,14 +37,12 @@ change the links there.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import posix
 import stat as _stat_mod
 import sys
 from _thread import get_ident
 from collections.abc import Iterable
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
@@ -60,6 +58,10 @@ from agent_sandbox.policies._paths import (
     name_regex,
     unescape,
 )
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["FileRules", "check", "configure", "install", "rules"]
 
@@ -435,7 +437,7 @@ def check(op: str, path: Any, dir_fd: int | None = None, follow: bool = True) ->
         exc_class, denial = decision
         requested = text if dir_fd is None else f"<dir_fd {dir_fd}>/{text}"
         detail = f"{denial.detail} (requested as '{requested}')"
-        decision = (exc_class, dataclasses.replace(denial, detail=detail))
+        decision = (exc_class, denial.replace(detail=detail))
     if not volatile and dir_fd is None and text.startswith("/"):
         if len(fast) > 8192:
             fast.clear()

@@ -46,20 +46,22 @@ it is not a boundary either.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import importlib
 import sys
 import types
 from _thread import get_ident
 from collections.abc import Iterator, MutableMapping
 from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import ImportDenied
 from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import is_user_frame, refuse, state
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "GuardFinder",
@@ -210,9 +212,7 @@ def _judge_attribute(real: Any, name: str, value: Any) -> Any:
         denial = _rules.denial(target)
         where = f"{real.__dict__.get('__name__')}.{name}"
         if where != target:
-            denial = dataclasses.replace(
-                denial, detail=f"{denial.detail} (reached as the attribute {where})"
-            )
+            denial = denial.replace(detail=f"{denial.detail} (reached as the attribute {where})")
         refuse(ImportDenied, denial)  # returns only in learning mode
     return view_of(value)
 
@@ -248,7 +248,7 @@ def _visible_dict(real: Any, namespace: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _ModuleTable(MutableMapping[str, Any]):
+class _ModuleTable(MutableMapping[str, "Any"]):  # (a string: no `typing` at run time)
     """`sys.modules` as user code sees it through the view of `sys`: each module it hands
     out is judged like an import of its name; writes and deletes go to `sys.modules`."""
 
@@ -258,9 +258,7 @@ class _ModuleTable(MutableMapping[str, Any]):
             denial = _rules.denial(name)
             refuse(
                 ImportDenied,
-                dataclasses.replace(
-                    denial, detail=f"{denial.detail} (reached through sys.modules)"
-                ),
+                denial.replace(detail=f"{denial.detail} (reached through sys.modules)"),
             )
         return view_of(module)
 

@@ -35,11 +35,14 @@ import os
 import sys
 import threading
 from types import ModuleType
-from typing import Any
 
 from agent_sandbox.guards import _calls, _env, _files, _imports, _net, _patch, _state
 from agent_sandbox.guards._state import block_info, state
 from agent_sandbox.guards._state import configure as configure_state
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Guards", "install_guards"]
 

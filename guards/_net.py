@@ -32,13 +32,16 @@ import _socket
 import ipaddress
 import socket
 from _thread import get_ident
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import NetworkDenied
 from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _files, _patch
 from agent_sandbox.guards._state import refuse, state
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["NetRules", "configure", "install"]
 

@@ -33,8 +33,12 @@ import sys
 import threading
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
+
+    Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 __all__ = [
     "Patch",
@@ -49,21 +53,25 @@ __all__ = [
     "wrap_later",
 ]
 
-Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 _MISSING = object()
 
 
-@dataclass
 class Patch:
     """One applied patch: where, what was there before, what we put there."""
 
-    owner: Any
-    name: str
-    original: Any
-    installed: Any
-    label: str
-    where: Any = None  # vars(owner), kept so the tamper check is one dict lookup per patch
+    __slots__ = ("installed", "label", "name", "original", "owner", "where")
+
+    def __init__(
+        self, owner: Any, name: str, original: Any, installed: Any, label: str, where: Any = None
+    ) -> None:
+        self.owner = owner
+        self.name = name
+        self.original = original
+        self.installed = installed
+        self.label = label
+        #: vars(owner), kept so the tamper check is one dict lookup per patch
+        self.where = where
 
 
 def _function_wrapper_type() -> Any:

@@ -28,14 +28,16 @@ the kernel boundary is what holds then.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from _thread import get_ident
-from typing import Any, NoReturn
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._worker import audit
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 _getframe = sys._getframe
 
@@ -132,7 +134,7 @@ def refuse(exc_class: type[BaseException], denial: Denial, *, always: bool = Fal
     file, hidden names) is refused in learning mode too.
     """
     if state.learn and not always:
-        audit.record(dataclasses.replace(denial, learned=True))
+        audit.record(denial.replace(learned=True))
         return
     _raise(exc_class, denial)
 

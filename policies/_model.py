@@ -550,6 +550,8 @@ class Policy(_Section):
     @field_validator("result_types")
     @classmethod
     def _result_types(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            return value  # the default: the unpickler's tables load with the first worker
         from agent_sandbox._host.intake.unpickle_classes import denied_name
 
         for entry in value:

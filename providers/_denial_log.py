@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import socket
 import struct
 import threading
@@ -298,7 +297,7 @@ class Watch:
         with self._lock:
             old = self._denials.get(key)
             if old is not None:
-                self._denials[key] = dataclasses.replace(old, count=old.count + 1)
+                self._denials[key] = old.replace(count=old.count + 1)
             elif len(self._denials) < MAX_DENIALS:
                 self._denials[key] = denial
             else:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["ACCESS_SETS", "MIN_ABI", "landlock_abi", "restrict_self"]
 

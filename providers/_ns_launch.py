@@ -42,13 +42,18 @@ stacks them), rlimits (the worker's own set-up), and any uid change: the worker 
 mapped to the parent's uid, without capabilities; the view is the boundary.
 """
 
+from __future__ import annotations
+
 import _frozen_importlib_external as _bootstrap_external  # always loaded; no importlib.util
 import _signal  # type: ignore[import-not-found]  # no enum import, unlike `signal`
 import ctypes
 import marshal
 import os
 import sys
-from typing import Any
+
+TYPE_CHECKING = False  # (not `typing`'s: importing typing costs the launcher ~7 ms, re with it)
+if TYPE_CHECKING:
+    from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000

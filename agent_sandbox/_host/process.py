@@ -54,7 +54,6 @@ from agent_sandbox._host.intake import guard_block
 from agent_sandbox._host.intake.builder import Mark, ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
 from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
-from agent_sandbox._host.intake.unpickle import Decoder
 from agent_sandbox._host.launch import (
     BOOT_SCRIPT,
     LOG_BYTES,
@@ -77,6 +76,7 @@ from agent_sandbox.providers._limits import (
 )
 
 if TYPE_CHECKING:
+    from agent_sandbox._host.intake.unpickle import Decoder
     from agent_sandbox._host.templates import WorkerTemplate
     from agent_sandbox.providers._denial_log import Watch
     from agent_sandbox.providers._egress import Route
@@ -192,7 +192,6 @@ class WorkerProcess:
         """
         self = cls()
         self.policy = policy
-        self.decoder = Decoder.from_policy(policy)
         provider.prepare(policy)  # a first use's one-time build: outside the start timeout
         t0 = time.monotonic()
         lifecycle.ensure_guardian()
@@ -297,6 +296,11 @@ class WorkerProcess:
                     self._place_in_cgroups(
                         lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
                     )
+            # Loaded here, while the worker boots (on a fresh host's idle core), rather than
+            # with this module: the restricted unpickler's tables (about 5 ms of imports).
+            from agent_sandbox._host.intake.unpickle import Decoder
+
+            self.decoder = Decoder.from_policy(policy)
             self.bounds = HostBounds.from_policy(policy)
             self.client = WorkerClient(
                 sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()

@@ -30,14 +30,16 @@ Standard library only (the worker imports it before arming).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 from agent_sandbox._denial import BETWEEN_CALLS, DURING_CALL, Denial
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "MAX_KEYS",
@@ -118,8 +120,8 @@ class Tally:
         for first, last, count in self.entries.values():
             extra: dict[str, Any] = {"count": count}
             if count > 1 or last is not first:
-                extra["last"] = dataclasses.replace(last, count=1, last=None)
-            out.append(dataclasses.replace(first, **extra))
+                extra["last"] = last.replace(count=1, last=None)
+            out.append(first.replace(**extra))
         return out
 
     def __len__(self) -> int:
@@ -149,7 +151,7 @@ def _stamp(denial: Denial) -> Denial:
         changes["policy"] = _policy_name
     if denial.origin != origin:
         changes["origin"] = origin
-    return dataclasses.replace(denial, **changes) if changes else denial
+    return denial.replace(**changes) if changes else denial
 
 
 def _classified(denial: Denial, count: int = 1) -> None:
@@ -160,7 +162,7 @@ def _classified(denial: Denial, count: int = 1) -> None:
         else:
             tally, sink = _between, None
             if denial.origin != BETWEEN_CALLS:
-                denial = dataclasses.replace(denial, origin=BETWEEN_CALLS)
+                denial = denial.replace(origin=BETWEEN_CALLS)
         first, new = tally.add(denial, count)
     if new and sink is not None:
         sink(first)
@@ -305,9 +307,9 @@ def _resolve(frame: FrameType, *, internal: bool, error: Any = None) -> None:
         carried = {key for key, excs in watch.raised.items() if any(id(e) in chain for e in excs)}
         verdict = {key: bool(carried) and key not in carried for key in verdict}
     for key, (first, last, count) in list(watch.pending.entries.items()):
-        _classified(dataclasses.replace(first, internal=verdict[key]))
+        _classified(first.replace(internal=verdict[key]))
         if count > 1:
-            _classified(dataclasses.replace(last, internal=verdict[key]), count - 1)
+            _classified(last.replace(internal=verdict[key]), count - 1)
     mine = watch.thread == threading.get_ident()
     if mine and not _thread_has_watches() and sys.gettrace() is _global_tracer:
         sys.settrace(None)

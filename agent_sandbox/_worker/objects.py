@@ -37,11 +37,14 @@ import enum
 import io
 import os
 import sys
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import SandboxDenied
 from agent_sandbox._hints import grant_hint
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["TooLarge", "encode_value", "exception_payload", "result_too_large"]
 

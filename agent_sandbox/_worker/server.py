@@ -20,10 +20,12 @@ worker sends with h11.
 
 from __future__ import annotations
 
+# NOTE: `_signal` rather than `signal`, whose enums of signals and handlers cost about 0.5 ms
+# of the start; only SIGINT's handler is set here.
+import _signal  # type: ignore[import-not-found]
 import json
 import os
 import selectors
-import signal
 import socket
 import sys
 import threading
@@ -32,12 +34,15 @@ import time
 # NOTE: allowed because it is exactly what hmac.compare_digest is, without importing OpenSSL
 # (2 ms of the worker's start-up).
 from _operator import _compare_digest as compare_digest
-from typing import Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.run import Runner, on_interrupt
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["serve"]
 
@@ -369,7 +374,7 @@ def serve(boot: dict[str, Any]) -> None:
 
     runner, checks, hooks = prepare(boot)
     # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).
-    signal.signal(signal.SIGINT, on_interrupt)
+    _signal.signal(_signal.SIGINT, on_interrupt)
     server = _Server(boot, runner, checks)
     server.tamper_check = hooks.get("tamper_check")
     _first_call_ahead(runner)

@@ -16,10 +16,13 @@ server calls (`tamper_check` after every call).
 from __future__ import annotations
 
 import resource
-from typing import Any
 
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.run import Runner
+
+TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["apply_rlimits", "import_ahead", "prepare", "rlimits_for"]
 

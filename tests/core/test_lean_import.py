@@ -73,3 +73,21 @@ def test_a_first_result_loads_no_policy_file_machinery() -> None:
         "    assert sb.run('1+1').value == 2"
     )
     assert not {"tomllib", "difflib"} & loaded
+
+
+def test_the_channel_and_the_unpickler_load_with_the_first_worker_not_before() -> None:
+    """It loads h11 and the restricted unpickler (about 11 ms of imports) only when a worker
+    starts, after its launch, so a fresh process imports them while the worker boots: not
+    with `Sandbox`, nor with a `Policy` that names no `result_types`."""
+    deferred = {"h11", "agent_sandbox._host.intake.unpickle"}
+    deferred |= {"agent_sandbox._host.intake.unpickle_classes"}
+    loaded = _modules_after(
+        "from agent_sandbox import Policy, Sandbox\nSandbox(Policy(name='lean'), warm=0).close()"
+    )
+    assert not deferred & loaded
+    loaded = _modules_after(
+        "from agent_sandbox import Policy, Sandbox\n"
+        "with Sandbox(Policy(name='lean'), warm=0) as sb:\n"
+        "    assert sb.run('1+1').value == 2"
+    )
+    assert deferred <= loaded

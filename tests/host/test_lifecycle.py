@@ -503,9 +503,22 @@ async def test_a_stateless_arun_cancelled_while_its_worker_starts_leaves_no_work
     (it is not left running untracked until the sandbox closes)."""
     with Sandbox(policy, warm=0) as sb:
         started = _recording_acquire(sb)
+        # The start goes on only once the call is cancelled (a worker's start may take less
+        # time than any fixed sleep here).
+        entered, gate = threading.Event(), threading.Event()
+        recording = sb._pool.acquire
+
+        def acquire() -> Any:
+            entered.set()
+            gate.wait(10)
+            return recording()
+
+        sb._pool.acquire = acquire  # type: ignore[method-assign]
         task = asyncio.ensure_future(sb.arun("1"))
-        await asyncio.sleep(0.05)
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
         task.cancel()
+        gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(1500):

@@ -130,6 +130,43 @@ def test_cgroups_are_created_joined_killed_and_removed() -> None:
         groups.remove()
 
 
+def test_kill_looks_again_within_a_millisecond_and_gives_up_as_late_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It reads the groups again 0.5 ms after a kill (killed members leave within a
+    millisecond or two; a fixed 5 ms pause was paid by every stateless call's end), and
+    still tries for about a quarter of a second before it gives up."""
+    from agent_sandbox.providers import _limits
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(_limits.time, "sleep", sleeps.append)
+    killed: list[int] = []
+    monkeypatch.setattr(_limits.os, "kill", lambda pid, sig: killed.append(pid))
+
+    class _Dying(WorkerCgroups):
+        reads = 0
+
+        def pids(self) -> list[int]:
+            self.reads += 1
+            return [4242] if self.reads == 1 else []
+
+    dying = _Dying({})
+    dying._final = {}
+    dying.kill()
+    assert (killed, sleeps) == ([4242], [0.0005])
+
+    class _Stuck(WorkerCgroups):
+        def pids(self) -> list[int]:
+            return [4242]
+
+    sleeps.clear()
+    stuck = _Stuck({})
+    stuck._final = {}
+    stuck.kill()
+    assert len(sleeps) == 50 and 0.23 <= sum(sleeps) <= 0.25
+    assert sleeps == sorted(sleeps) and max(sleeps) == 0.005
+
+
 @needs_cgroups
 def test_a_launcher_joins_its_groups_before_it_forks(groups: WorkerCgroups) -> None:
     """It puts a launcher and the children it forks at once in the groups, with no attach."""

@@ -274,10 +274,12 @@ def run(boot):
 
 
 def _run_fake_worker(tmp_path: Path, mounts: list[list[str]]) -> tuple[int, str, Path]:
-    boot_script = tmp_path / "fake_boot.py"
-    boot_script.write_text(_FAKE_BOOT)
     shared = tmp_path / "shared"
     shared.mkdir()
+    # In the view at the same path, like the real boot script: C may load it only after B
+    # pivoted into the view (a loaded machine), where the rest of tmp_path is gone.
+    boot_script = shared / "fake_boot.py"
+    boot_script.write_text(_FAKE_BOOT)
     marker = shared / "ran"
     outside = tmp_path / "outside.txt"  # on the host, not in the view
     outside.write_text("host only")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_sandbox import Sandbox
 from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
 
 # Imports a worker makes before its handshake (see `_worker.setup.prepare`).
@@ -132,3 +133,21 @@ def test_a_refreshed_folder_is_stamped_and_a_changed_source_is_compiled_again(
     assert not _pyc_is_current(folder / "a.py")
     refresh_bytecode.__wrapped__((str(folder),))
     assert _pyc_is_current(folder / "a.py")
+
+
+#: What a worker's start must not import (issue 19: a from-scratch start within 4x a bare
+#: interpreter): `typing` (annotations only, under TYPE_CHECKING), `dataclasses` with
+#: `inspect`, `dis` and `copy` under it (the worker's values are written over __slots__).
+_NOT_AT_START = {"typing", "dataclasses", "inspect", "dis", "copy"}
+
+
+def test_a_worker_start_and_first_call_import_no_typing_nor_dataclasses(
+    sandbox: Sandbox,
+) -> None:
+    """It starts a worker under the default provider and lists, in its first call, the
+    modules loaded: none of the ones the start-up does without."""
+    result = sandbox.run("import sys\nsorted(sys.modules)")
+    assert result.ok, result.error
+    loaded = set(result.value)
+    assert "agent_sandbox.guards._install" in loaded  # (the list is the worker's own)
+    assert not _NOT_AT_START & loaded

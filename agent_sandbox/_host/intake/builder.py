@@ -194,7 +194,7 @@ class ResultBuilder:
         hint = self._host_hint if self.host_policy is not None else None
         denial = check_denial(data, self.policy, hint=hint, nested=nested)
         if denial.internal and denial.rule.startswith(_NEVER_INTERNAL):
-            denial = dataclasses.replace(denial, internal=False)
+            denial = denial.replace(internal=False)
         return denial
 
     def add_denial(self, denial: Denial) -> int:
@@ -203,14 +203,13 @@ class ResultBuilder:
         pos = self._positions.get(key)
         if pos is None and len(self.denials) >= MAX_DENIALS:
             actual = denial.last or denial
-            denial = dataclasses.replace(
-                denial,
+            denial = denial.replace(
                 action="*",
                 target=_OTHER_TARGETS,
                 detail=f"more than {MAX_DENIALS} distinct refusals in one call; the rest are "
                 "counted per rule",
                 hint="",
-                last=dataclasses.replace(actual, count=1, last=None),
+                last=actual.replace(count=1, last=None),
             )
             key = denial.key()
             pos = self._positions.get(key)
@@ -219,8 +218,8 @@ class ResultBuilder:
             self.denials.append(denial)
             return len(self.denials) - 1
         old = self.denials[pos]
-        self.denials[pos] = dataclasses.replace(
-            old, count=min(old.count + denial.count, MAX_COUNT), last=denial.last or denial
+        self.denials[pos] = old.replace(
+            count=min(old.count + denial.count, MAX_COUNT), last=denial.last or denial
         )
         return pos
 
@@ -311,7 +310,7 @@ class ResultBuilder:
             self.denial_chars += denial_chars(last)
             if self.denial_chars > self.bounds.denial_chars:
                 raise over("the worker's denials", self.denial_chars, self.bounds.denial_chars)
-            self.denials[pos] = dataclasses.replace(old, count=max(old.count, count), last=last)
+            self.denials[pos] = old.replace(count=max(old.count, count), last=last)
             accepted.append([index, count, last.to_dict()])
         return "counts", accepted
 
@@ -323,7 +322,7 @@ class ResultBuilder:
                 raise WorkerMisbehaved("the worker's `internal` event names no denial of this call")
             pos = self._wire[i]
             if not self.denials[pos].rule.startswith(_NEVER_INTERNAL):
-                self.denials[pos] = dataclasses.replace(self.denials[pos], internal=True)
+                self.denials[pos] = self.denials[pos].replace(internal=True)
         return "internal", data
 
     def _on_image(self, data: Any) -> tuple[str, Any]:
@@ -425,7 +424,7 @@ class ResultBuilder:
             shown = f"[{d.rule}]" in text and quote(d.target) in text
             if (d.rule, d.target) in carried or (shown and d.target):
                 if d.internal:
-                    self.denials[i] = dataclasses.replace(d, internal=False)
+                    self.denials[i] = d.replace(internal=False)
                 if not d.learned and first_rule is None:
                     first_rule = d.rule
         if error.kind == "exception" and first_rule is not None:

@@ -262,7 +262,7 @@ def render_notice(data: Any) -> str:
 #: An action is a verb of a few lowercase words (`read`, `connect`, `format field`), or
 #: `*` for the refusals counted per rule past the worker's bound on distinct ones.
 _ACTION = r"\*|(?=.{1,24}$)[a-z][a-z0-9_.-]*(?: [a-z][a-z0-9_.-]*){0,2}"
-_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Denial)}
+_FIELD_TYPES: dict[str, str] = dict(Denial.__annotations__)  # field -> its type, as written
 _NOT = _CONTROL_CHARS
 # One quoted data slot (a repr, a TOML string or a code span; backslash escapes allowed),
 # holding no control character.

@@ -22,13 +22,14 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
-
-import h11
+from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import TransportError
 from agent_sandbox._host.intake.framing import KindCaps, SSEParser
 from agent_sandbox._wire import Event, value_budget
+
+if TYPE_CHECKING:
+    import h11
 
 __all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
 
@@ -43,6 +44,17 @@ class ConnectionLost(TransportError):
 _HEADS_KEPT = 32
 
 
+def _load_h11() -> None:
+    """Import h11 (about 6 ms) with the first connection, not with this module.
+
+    A worker's start connects only after its launch, so in a fresh process the import runs
+    while the worker boots, on the host's idle core, instead of before the launch (the host
+    imports this module with `Sandbox`).
+    """
+    global h11
+    import h11
+
+
 class _Protocol:
     """Sans-IO HTTP/1.1 client for one connection to a worker."""
 
@@ -53,6 +65,7 @@ class _Protocol:
         kind_caps: KindCaps | None = None,
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
+        _load_h11()
         self.conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=65536)
         # A local worker checks `Authorization`; a remote one gets its own headers (its
         # token header, the router's) from `remote_transport`.
