@@ -84,7 +84,45 @@ DURING_CALL = "call"
 BETWEEN_CALLS = "between-calls"
 
 
-class Denial:
+class FrozenValue:
+    """A frozen value over its `__slots__`: equality, hash and repr over the fields, no
+    assignment or deletion (what `dataclasses.dataclass(frozen=True)` makes, without
+    `dataclasses` and the `inspect` it imports, which the worker's start avoids). Shared by
+    `Denial` and the code layer's `Violation` and `Rules`; a subclass lists its fields as
+    its `__slots__` and sets them with `object.__setattr__`."""
+
+    __slots__ = ()
+
+    def _fields(self) -> tuple[str, ...]:
+        return self.__slots__  # type: ignore[return-value]  # (each subclass's own tuple)
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._fields())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(
+            f"cannot assign to field {name!r} (a {self.__class__.__name__} is frozen)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(
+            f"cannot delete field {name!r} (a {self.__class__.__name__} is frozen)"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
+        return f"{self.__class__.__qualname__}({fields})"
+
+
+class Denial(FrozenValue):
     """One refusal: which rule, what was attempted on what, under which policy, how to allow it.
 
     `action` is a verb (`read`, `connect`, `import`, `call`, ...); `target` is what it was
@@ -169,27 +207,6 @@ class Denial:
         init(self, "count", count)
         init(self, "origin", origin)
         init(self, "last", last)
-
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self._FIELDS)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot assign to field {name!r} (a Denial is frozen)")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"cannot delete field {name!r} (a Denial is frozen)")
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
-        return f"{self.__class__.__qualname__}({fields})"
 
     def __reduce__(self) -> tuple[type[Denial], tuple[Any, ...]]:
         return (self.__class__, self._values())

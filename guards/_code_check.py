@@ -36,7 +36,7 @@ import builtins
 import re
 from collections.abc import Iterable, Mapping
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import Denial, FrozenValue
 from agent_sandbox._errors import CodeRejected
 from agent_sandbox._hints import grant_hint
 from agent_sandbox._worker import audit
@@ -334,39 +334,7 @@ def is_dunder(name: str) -> bool:
     return len(name) > 4 and name[:2] == "__" and name[-2:] == "__"
 
 
-class _Frozen:
-    """A frozen value over its `__slots__`: equality, hash and repr over the fields (what
-    `dataclasses.dataclass(frozen=True)` made, without importing `dataclasses` and `inspect`
-    into the worker's start). Subclasses set their fields with `object.__setattr__`."""
-
-    __slots__ = ()
-
-    def _fields(self) -> tuple[str, ...]:
-        return self.__slots__  # (each subclass's own)
-
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self._fields())
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"cannot delete field {name!r}")
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields())
-        return f"{self.__class__.__qualname__}({fields})"
-
-
-class Violation(_Frozen):
+class Violation(FrozenValue):
     """One place where the code leaves the sub-language.
 
     `hint` is the exact policy line that would allow it, or "" when nothing can
@@ -413,7 +381,7 @@ class Violation(_Frozen):
         )
 
 
-class Rules(_Frozen):
+class Rules(FrozenValue):
     """A policy's `code` section compiled to sets (built once per policy dict)."""
 
     __slots__ = (
