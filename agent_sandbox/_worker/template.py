@@ -418,6 +418,11 @@ def _raw_fork(libc: Any) -> int:
     only unshares and forks). Only for a single-threaded process (a template always is) and
     a child that does not need fresh interpreter state (no threads, no random numbers)
     before it execs, exits, or makes the process that does with `os.fork`."""
+    import sys
+
+    threading = sys.modules.get("threading")
+    if threading is not None and threading.active_count() > 1:
+        return os.fork()  # (never in a template: another thread's state would be copied)
     pid = int(libc.fork())
     if pid < 0:
         import ctypes

@@ -573,3 +573,32 @@ def test_the_c_init_ends_on_sigint_and_refuses_a_bad_command_line() -> None:
         proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_the_raw_fork_falls_back_to_os_fork_beside_another_thread() -> None:
+    """`template._raw_fork` skips Python's at-fork work only in a single-threaded process; in
+    one with another thread it is an ordinary `os.fork` (whose child resets threading)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, os, threading\n"
+        "from agent_sandbox._worker import template\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def child_sees():\n"
+        "    pid = template._raw_fork(libc)\n"
+        "    if pid == 0:\n"
+        "        os._exit(threading.active_count())\n"
+        "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "alone = child_sees()\n"
+        "stop = threading.Event()\n"
+        "t = threading.Thread(target=stop.wait); t.start()\n"
+        "beside = child_sees()\n"
+        "stop.set(); t.join()\n"
+        "print(alone, beside)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    # Alone: one thread either way. Beside a thread: the child is an os.fork child, whose
+    # threading module knows only the thread that forked.
+    assert out.stdout.split() == ["1", "1"], out.stdout
