@@ -560,10 +560,14 @@ def test_the_c_init_ends_on_sigint_and_refuses_a_bad_command_line() -> None:
         [sys.executable, "-c", _init_harness("time.sleep(30)")], stderr=subprocess.PIPE
     )
     try:
+        # Until the init runs and catches SIGINT (its handler set: a signal sent between
+        # the exec and the handler would kill it by default, as it would any program).
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if os.readlink(f"/proc/{proc.pid}/exe") == str(NSINIT):
-                break
+                caught = int(_status(proc.pid).get("SigCgt", "0"), 16)
+                if caught & (1 << (signal.SIGINT - 1)):
+                    break
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(10) == 70
