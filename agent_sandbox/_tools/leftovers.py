@@ -187,7 +187,7 @@ def run_agent(
         forked = bool(named(marker))
         # The grandchild names itself after its parent exits, so READY may come first.
         settle = time.monotonic() + 5
-        while not forked and line.strip() == "READY" and moment in ("idle", "running"):
+        while not forked and line.strip() == "READY" and moment in ("idle", "running", "starting"):
             if time.monotonic() > settle:
                 break
             time.sleep(0.02)
