@@ -15,6 +15,9 @@ figure repeated `--repeat` times (medians and the range of the ratio over the re
 * a burst: 20 new sessions of one sandbox at once, each running `1+1`, until every result
   is in, for the template pools (`subprocess`, `landlock`) and `auto` (bwrap here, whose pool
   forks from a template inside the sandbox), beside 20 fork+exit in this process;
+* what one forked worker costs: its CPU and minor page faults, its init's (a namespace
+  template's PID 1) and the template's own CPU per worker, over ten sessions made one after
+  the other;
 * a from-scratch start of each namespace provider against a bare `python -S -c pass`;
 * the memory of an idle session (PSS of its worker and the launchers above it, from
   /proc/<pid>/smaps_rollup; for a worker forked from a namespace template, its init) per
@@ -252,6 +255,60 @@ def idle_pss(name: str, n: int = 4) -> tuple[float, float, float, float]:
         return total / n, float(own), above / n, files / n
 
 
+def _cpu_ms(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            return int(fh.read().split()[0]) / 1e6
+    except OSError:
+        return 0.0
+
+
+def _minflt(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rfind(")") + 2 :].split()[7])
+
+
+def worker_cost(name: str, n: int = 10) -> tuple[float, float, float, float, float]:
+    """Per worker forked by the pool's template (medians over `n` sessions made one after
+    the other, each after one call): the worker's CPU (ms) and minor faults, its init's
+    (a namespace template's PID 1, whose count includes its Python life before the exec;
+    0 for a plain template), and the template's own CPU per worker (its helpers' are not
+    counted: they are reaped by it)."""
+    from agent_sandbox.providers._limits import _descendants
+
+    with Sandbox(_policy_for(name), warm=0, max_sessions=n + 2) as sb:
+        _start_template(sb)
+        assert sb.run("1").ok
+        template = sb._pool._template
+        assert template is not None and template.proc is not None
+        tree = [template.proc.pid, *(p for p, _ in _descendants(template.proc.pid))]
+        before = sum(_cpu_ms(pid) for pid in tree)
+        sessions = [sb.session(f"cost{i}") for i in range(n)]
+        for session in sessions:
+            assert session.run("x = 1").ok
+        after = sum(_cpu_ms(pid) for pid in tree)
+        rows = []
+        for session in sessions:
+            worker = session.worker
+            assert worker is not None and worker.proc is not None
+            inner = worker.worker_pid() or worker.proc.pid
+            init = worker.proc.pid if inner != worker.proc.pid else 0
+            rows.append(
+                (
+                    _cpu_ms(inner),
+                    _minflt(inner),
+                    _cpu_ms(init) if init else 0.0,
+                    _minflt(init) if init else 0,
+                )
+            )
+    medians = [statistics.median(column) for column in zip(*rows, strict=True)]
+    return medians[0], medians[1], medians[2], medians[3], (after - before) / n
+
+
 def _ratio_range(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -286,6 +343,15 @@ def pools(repeat: int, runs: int) -> None:
                     f"{_ratio_range(ratios)} (target <= {BURST_TARGET}x: {verdict}; "
                     f"met in {sum(r <= BURST_TARGET for r in ratios)} of {repeat})"
                 )
+
+    print("\nWhat one forked worker costs, median of 10 sessions made one after the other")
+    print("  (CPU from /proc/<pid>/schedstat, minor page faults from /proc/<pid>/stat)")
+    for name in available:
+        w_cpu, w_flt, init_cpu, init_flt, tmpl = worker_cost(name)
+        print(
+            f"  {name:10} worker {w_cpu:5.2f} ms, {w_flt:5.0f} faults; its init {init_cpu:5.2f}"
+            f" ms, {init_flt:4.0f} faults; the template {tmpl:5.2f} ms"
+        )
 
     fresh = [n for n in _FRESH if get_provider(n).probe().available]
     print(f"\nFrom-scratch start to ready vs bare `python -S -c pass` ({runs} runs x {repeat})")
