@@ -1,4 +1,4 @@
-"""The C extensions (guards/_fastimport.c, guards/_fastscan.c) and the editable mode; the rest
+"""The C extensions (guards/_fastimport.c, _fastscan.c, _nsfork.c) and the editable mode; the rest
 is in pyproject.toml.
 
 `optional`: without a compiler the install still succeeds and the guard falls back to its
@@ -110,5 +110,8 @@ setup(
         # The host's pickle prescan for plain data and strict base64
         # (agent_sandbox/_host/intake/unpickle.py falls back to its Python path without it).
         Extension("agent_sandbox.guards._fastscan", sources=["guards/_fastscan.c"], optional=True),
+        # A namespace template's fork of a worker (agent_sandbox/_worker/nstemplate.py falls
+        # back to a helper process and Python without it).
+        Extension("agent_sandbox.guards._nsfork", sources=["guards/_nsfork.c"], optional=True),
     ],
 )

@@ -1,6 +1,6 @@
 /* The init (PID 1) of a worker forked from a worker template inside a namespace sandbox.
  *
- * `agent_sandbox/_worker/template.py` forks the init (P) from the Python template; P enters
+ * `agent_sandbox/_worker/nstemplate.py` forks the init (P) from the Python template; P enters
  * the worker's new namespaces, forks the worker (W, which builds its own view), drops every
  * capability, sets no-new-privileges, closes every descriptor but 0-2 and then execs this
  * program with W's pid (`_nsinit <pid>`), so that P no longer holds a copy of the template's

@@ -138,7 +138,7 @@ def bwrap_argv(
     return tuple(argv)
 
 
-#: What a worker template inside the sandbox keeps (`_worker/template.py`): enough to give
+#: What a worker template inside the sandbox keeps (`_worker/nstemplate.py`): enough to give
 #: each forked worker namespaces and mounts of its own (SYS_ADMIN, NET_ADMIN for `lo`), to let
 #: the worker empty its bounding set (SETPCAP), and to forbid user namespaces in the whole
 #: sandbox at its start (SYS_RESOURCE, dropped right after). No worker keeps any of them.

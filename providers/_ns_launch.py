@@ -34,7 +34,7 @@ start-up cost too (`_signal` rather than `signal`, which imports `enum`). Three 
    serves. Without `boot` (the probe), B forks C after step 2f and C `execve`s `argv`.
    For a worker template (`template` in the configuration), C keeps CAP_SYS_ADMIN,
    CAP_NET_ADMIN and CAP_SETPCAP (`TEMPLATE_KEEP`): it runs no user code, and gives each
-   worker it forks namespaces of its own (`_worker/template.py`), every one of which drops
+   worker it forks namespaces of its own (`_worker/nstemplate.py`), every one of which drops
    them before it serves.
 
 What it does not do: seccomp and Landlock (the worker applies them to itself when the plan

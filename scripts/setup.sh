@@ -50,8 +50,7 @@ quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; 
 files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ guards/_fastimport.c -nt "$stamp" ] || [ guards/_fastscan.c -nt "$stamp" ] \
-   || [ guards/_nsinit.c -nt "$stamp" ] \
+   || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
   quiet .venv/bin/python -m pip install -q --upgrade pip

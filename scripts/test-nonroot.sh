@@ -29,8 +29,7 @@ fi
 files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-   || [ setup.py -nt "$stamp" ] || [ guards/_fastimport.c -nt "$stamp" ] \
-   || [ guards/_fastscan.c -nt "$stamp" ] || [ guards/_nsinit.c -nt "$stamp" ] \
+   || [ setup.py -nt "$stamp" ] || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]
 then
   "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]" >"$log" 2>&1 \
