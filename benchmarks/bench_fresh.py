@@ -1,9 +1,12 @@
 """A fresh agent process: `import agent_sandbox`, and a first result under `auto`, beside a fresh
 `python -I -c` in the same run.
 
-Each round starts, interleaved, three fresh interpreters:
+Each round starts, interleaved, fresh interpreters:
 
 * floor: `python -I -c "print(1+1)"`;
+* pydantic and one model: a fresh process that imports pydantic and validates one
+  one-field model, the least any process pays that builds a `Policy` (DESIGN.md: the
+  policy is a pydantic model; LangChain's and CrewAI's tools are pydantic models too);
 * `import agent_sandbox` (what a program pays before it uses anything);
 * the first result: `Sandbox(Policy(name=...))` under the default provider (`auto`),
   `run("1+1")`, close, with the providers' trial probes remembered from an earlier process
@@ -39,8 +42,13 @@ FIRST_RESULT = (
     "with Sandbox(Policy(name='fresh'), warm=0) as sb:\n"
     "    assert sb.run('1+1').value == 2\n"
 )
+#: What the policy model rests on (DESIGN.md: a pydantic model): pydantic and one model.
+PYDANTIC_ONE_MODEL = (
+    "from pydantic import BaseModel\nclass M(BaseModel):\n    x: int = 0\nassert M(x=1).x == 1\n"
+)
 COMMANDS = {
     "floor: python -I -c": [sys.executable, "-I", "-c", "print(1+1)"],
+    "pydantic, one model": [sys.executable, "-c", PYDANTIC_ONE_MODEL],
     "import agent_sandbox": [sys.executable, "-c", "import agent_sandbox"],
     "first result (auto)": [sys.executable, "-c", FIRST_RESULT],
     "first result, probes afresh": [sys.executable, "-c", FIRST_RESULT],

@@ -18,7 +18,8 @@ figure repeated `--repeat` times (medians and the range of the ratio over the re
 * what one forked worker costs: its CPU and minor page faults, its init's (a namespace
   template's PID 1) and the template's own CPU per worker, over ten sessions made one after
   the other;
-* a from-scratch start of each namespace provider against a bare `python -S -c pass`;
+* a from-scratch start of each namespace provider against a bare `python -S -c pass`, after
+  the worker's imports alone against the same (the floor of any start from scratch);
 * the memory of an idle session (PSS of its worker and the launchers above it, from
   /proc/<pid>/smaps_rollup; for a worker forked from a namespace template, its init) per
   provider, the template (once per pool) apart, with the part above the worker, and its
@@ -356,6 +357,17 @@ def pools(repeat: int, runs: int) -> None:
     fresh = [n for n in _FRESH if get_provider(n).probe().available]
     print(f"\nFrom-scratch start to ready vs bare `python -S -c pass` ({runs} runs x {repeat})")
     policy = Policy(name="bench")
+    from agent_sandbox._host.launch import package_dirs
+
+    ratios = []
+    for _ in range(repeat):
+        bare, imports = time_round_robin([bare_python, worker_imports(package_dirs())], runs)
+        ratios.append(statistics.median(imports) / statistics.median(bare))
+    print(
+        f"  {'imports':10} the worker's imports alone, no sandbox and no set-up: "
+        f"{statistics.median(ratios):.1f}x bare (range {_ratio_range(ratios)}): the floor "
+        f"of any start from scratch"
+    )
     for name in fresh:
         ratios, meds = [], []
         for _ in range(repeat):
@@ -478,14 +490,33 @@ import os; os._exit(0)  # a worker never finalises its interpreter before it is 
 """
 
 
+def worker_imports(folders: dict[str, str], drop_cache: bool = False) -> Callable[[], None]:
+    """A bare interpreter started as a worker is (`-I -S -B`) that imports what a worker
+    imports before its handshake, and nothing else: no sandbox, no set-up, no socket."""
+    import json
+    import shutil
+
+    from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots
+
+    argv = [sys.executable, "-I", "-S", "-B", "-c", _IMPORT_WORKER, BOOT_SCRIPT]
+    argv += [json.dumps(folders), json.dumps(list(import_roots()))]
+
+    def run() -> None:
+        if drop_cache:
+            for folder in folders.values():
+                shutil.rmtree(os.path.join(folder, "__pycache__"), ignore_errors=True)
+        subprocess.run(argv, check=True)
+
+    return run
+
+
 def start_up_parts(runs: int) -> None:
     """What parts of a start cost: the worker's imports (from bytecode, and from source as
     when the caches were stale), and a launcher joining its cgroups before it execs."""
-    import json
     import shutil
     import tempfile
 
-    from agent_sandbox._host.launch import BOOT_SCRIPT, import_roots, package_dirs, refresh_bytecode
+    from agent_sandbox._host.launch import package_dirs, refresh_bytecode
     from agent_sandbox.providers._limits import WorkerCgroups, cgroup_support
 
     dirs = package_dirs()
@@ -496,21 +527,9 @@ def start_up_parts(runs: int) -> None:
         copies[name] = os.path.join(fresh, name)
         shutil.copytree(folder, copies[name], ignore=shutil.ignore_patterns("__pycache__"))
 
-    def imports(folders: dict[str, str], drop_cache: bool) -> Callable[[], None]:
-        argv = [sys.executable, "-I", "-S", "-B", "-c", _IMPORT_WORKER, BOOT_SCRIPT]
-        argv += [json.dumps(folders), json.dumps(list(import_roots()))]
-
-        def run() -> None:
-            if drop_cache:
-                for folder in folders.values():
-                    shutil.rmtree(os.path.join(folder, "__pycache__"), ignore_errors=True)
-            subprocess.run(argv, check=True)
-
-        return run
-
     refresh_bytecode(tuple(sorted(dirs.values())))
     labels = ["python -S -c pass", "worker imports, bytecode", "worker imports, from source"]
-    fns = [bare_python, imports(dirs, False), imports(copies, True)]
+    fns = [bare_python, worker_imports(dirs, False), worker_imports(copies, True)]
     if cgroup_support()["hierarchies"]:
 
         def plain_sh() -> None:

@@ -228,8 +228,11 @@ def enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
 
 
 def init_loop(worker: int) -> None:
-    """P's own loop where the C init cannot run: reap until W exits, then exit as it did."""
-    signal.set_wakeup_fd(-1)  # (the template's pipe, which P no longer holds)
+    """P's own loop where the C init cannot run: reap until W exits, then exit as it did.
+    P keeps no descriptor but 0-2 (the template's control socket among them), as the C
+    init does."""
+    signal.set_wakeup_fd(-1)
+    os.closerange(3, 1 << 16)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == worker:
