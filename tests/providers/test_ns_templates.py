@@ -612,12 +612,14 @@ def test_the_raw_fork_falls_back_to_os_fork_beside_another_thread() -> None:
 
 #: Runs in a user namespace of its own (root in it, so that the harness may make PID, mount,
 #: network and IPC namespaces as root and as a normal user). It plays the template: a log
-#: pipe, a credential socket, then `fork_worker`; W reports what it sees on the log as one
-#: JSON line and exits 7 once the harness lets it go; the harness prints one JSON line.
+#: pipe, a credential socket, then the C fork (`c`) or, as without guards/_nsfork.c, the
+#: helper's fork and P's part in Python (`python`: W then builds its view, a fresh `/tmp`
+#: among it, inside its own mount namespace); W reports what it sees on the log as one JSON
+#: line and exits 7 once the harness lets it go; the harness prints one JSON line.
 _FORK_HARNESS = r"""
-import json, os, socket, struct, sys
-from agent_sandbox.guards import _nsfork
-init, cred_kind = sys.argv[1], sys.argv[2]
+import ctypes, json, os, socket, struct, sys
+from agent_sandbox._worker import nstemplate
+init, cred_kind, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 ns_here = {n: os.readlink(f"/proc/self/ns/{n}") for n in ("mnt", "net", "ipc", "pid")}
 log_r, log_w = os.pipe()
 go_r, go_w = os.pipe()
@@ -629,7 +631,24 @@ else:  # not a socket: the credentials step fails in P
     mine = None
     cred_fd, spare = os.pipe()
 os.register_at_fork(after_in_child=lambda: os.environ.__setitem__("AFTER_CHILD", "ran"))
-role, pid = _nsfork.fork_worker(log_w, cred_fd, init)
+if mode == "c":
+    from agent_sandbox.guards import _nsfork
+    role, pid = _nsfork.fork_worker(log_w, cred_fd, init)
+else:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)  # a subreaper, as `nstemplate.prepare` makes the template
+    nstemplate._init_program = init
+    pid = nstemplate._fork_in_pid_namespace(libc)
+    role = "template"
+    if pid == 0:  # P, as `_become_worker` before it enters the namespaces
+        os.setsid()
+        os.dup2(log_w, 1)
+        os.dup2(log_w, 2)
+        os.close(log_w)
+        view = {"scratch": "/tmp/harness-scratch/w", "scratch_bytes": 1 << 20,
+                "tmpfs_bytes": 1 << 20, "template_scratch": "", "loopback": True}
+        nstemplate.enter_namespaces(view, cred_fd, libc)  # returns in W only
+        role = "worker"
 if role == "worker":
     closed = []
     for fd in (log_w, cred_fd):
@@ -642,6 +661,7 @@ if role == "worker":
     print(json.dumps({
         "pid": os.getpid(), "ppid": os.getppid(), "after_fork": os.environ.get("AFTER_CHILD"),
         "closed": closed == [log_w, cred_fd],
+        "fresh_tmp": os.path.ismount("/tmp") and os.listdir("/tmp") == ["harness-scratch"],
         "new_ns": [n for n, v in ns_here.items() if os.readlink(f"/proc/self/ns/{n}") != v],
     }), flush=True)
     os._exit(7)
@@ -661,11 +681,13 @@ if mine is not None:
 exe = ""
 try:
     exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    for _ in range(500):  # until the exec (or the fallback) has happened
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until the exec (or the fallback) has happened
         exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
         if exe == "_nsinit" or init == "":
             break
-        os.sched_yield()
+        time.sleep(0.001)
 except OSError:
     pass
 os.close(go_w)
@@ -682,7 +704,9 @@ print(json.dumps({"role": role, "p": pid, "cred_pid": cred_pid, "exe": exe,
 """
 
 
-def _fork_harness(init: str, cred_kind: str = "socket") -> tuple[dict[str, Any], list[Any]]:
+def _fork_harness(
+    init: str, cred_kind: str = "socket", mode: str = "c"
+) -> tuple[dict[str, Any], list[Any]]:
     """The harness's report and the JSON lines P and W wrote to the log."""
     import shutil
     import subprocess
@@ -690,7 +714,8 @@ def _fork_harness(init: str, cred_kind: str = "socket") -> tuple[dict[str, Any],
 
     if shutil.which("unshare") is None:
         pytest.skip("util-linux `unshare` is not installed")
-    pytest.importorskip("agent_sandbox.guards._nsfork")
+    if mode == "c":
+        pytest.importorskip("agent_sandbox.guards._nsfork")
     out = subprocess.run(
         [
             "unshare",
@@ -701,6 +726,7 @@ def _fork_harness(init: str, cred_kind: str = "socket") -> tuple[dict[str, Any],
             _FORK_HARNESS,
             init,
             cred_kind,
+            mode,
         ],
         capture_output=True,
         text=True,
@@ -737,6 +763,21 @@ def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child() -> None:
     assert sorted(worker["new_ns"]) == ["ipc", "mnt", "net", "pid"]
     assert worker["after_fork"] == "ran"
     assert worker["closed"] is True
+
+
+def test_without_the_c_fork_the_helper_and_python_take_the_same_steps() -> None:
+    """Without guards/_nsfork.c: a helper forks P into a new PID namespace and P's part runs
+    in Python (`enter_namespaces`), with the same outcome as the C fork, and W builds its
+    view (a fresh `/tmp` of its own holding only its scratch directory)."""
+    report, lines = _fork_harness(str(NSINIT), mode="python")
+    assert report["cred_pid"] == report["p"]
+    assert report["exe"] == "_nsinit"
+    assert report["code"] == 7, report["log"]
+    (worker,) = lines
+    assert worker["pid"] == 2 and worker["ppid"] == 1
+    assert sorted(worker["new_ns"]) == ["ipc", "mnt", "net", "pid"]
+    assert worker["after_fork"] == "ran"
+    assert worker["fresh_tmp"] is True
 
 
 def test_without_an_init_p_returns_to_python_with_no_capability() -> None:
