@@ -11,8 +11,8 @@
  *
  * `fork_worker(log_fd, cred_fd, init)` does it with system calls only:
  *
- * - clone(2) with CLONE_NEWPID, as fork(2) otherwise: P is the template's own child and PID 1
- *   of a new PID namespace (no helper process, no reparenting). P runs no Python: the C
+ * - clone3(2) (or clone(2)) with CLONE_NEWPID, as fork(2) otherwise: P is the template's own
+ *   child and PID 1 of a new PID namespace (no helper process, no reparenting). P runs no Python: the C
  *   library's record of P's thread keeps the template's thread id, which only matters to a
  *   thread signalling itself through that record, and nothing here does.
  * - In P, in this order: its parent-death signal (SIGKILL: it dies with the template), a
@@ -25,7 +25,8 @@
  * - W returns ("worker", 0) to Python, which builds W's view and sets it up (`_build_view`).
  * - P execs `init` with W's pid; where `init` is empty or the exec fails, P returns
  *   ("init", W's pid) and the Python loop of `nstemplate.init_loop` serves instead.
- * - The template gets ("template", P's pid); OSError when clone(2) fails.
+ * - The template gets ("template", P's pid); OSError when the clone fails (ENOSYS where
+ *   neither system call can be made here: the template then uses its helper).
  *
  * Linux only; optional like the other extensions: without it the template forks P through
  * a short-lived helper and P does the same steps in Python. */
@@ -38,6 +39,7 @@
 #include <linux/capability.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -46,7 +48,37 @@
 #include <unistd.h>
 
 /* Bumped when the behaviour changes, so a stale build is noticed (`nstemplate._load_nsfork`). */
-#define NSFORK_VERSION 1
+#define NSFORK_VERSION 2
+
+/* The kernel's `struct clone_args`, its first version (64 bytes): defined here because
+ * <linux/sched.h>, which has it, clashes with the C library's <sched.h>. */
+struct nsfork_clone_args {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls;
+};
+
+/* fork(2) into a new PID namespace: clone3(2) where the kernel has it (its arguments are
+ * the same on every architecture), otherwise clone(2) on the architectures whose argument
+ * order is flags first (every other argument is 0 here, so only that order matters); -1
+ * with ENOSYS elsewhere, and the template falls back to its helper. */
+static long clone_newpid(void) {
+#ifdef SYS_clone3
+    struct nsfork_clone_args args;
+    memset(&args, 0, sizeof args);
+    args.flags = CLONE_NEWPID;
+    args.exit_signal = SIGCHLD;
+    long pid = syscall(SYS_clone3, &args, sizeof args);
+    if (pid >= 0 || errno != ENOSYS) {
+        return pid;
+    }
+#endif
+#if defined(__x86_64__) || defined(__aarch64__) || defined(__i386__) || defined(__arm__) \
+    || defined(__riscv) || defined(__powerpc__) || defined(__loongarch__)
+    return syscall(SYS_clone, (unsigned long)(CLONE_NEWPID | SIGCHLD), 0L, 0L, 0L, 0L);
+#else
+    errno = ENOSYS;
+    return -1;
+#endif
+}
 
 /* In P: name the failed step in the log and end P. */
 static void fail(const char *step) {
@@ -107,7 +139,7 @@ static PyObject *fork_worker(PyObject *self, PyObject *args) {
                                           "must be two descriptors above 2");
         return NULL;
     }
-    long p = syscall(SYS_clone, (unsigned long)(CLONE_NEWPID | SIGCHLD), 0L, 0L, 0L, 0L);
+    long p = clone_newpid();
     if (p < 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }

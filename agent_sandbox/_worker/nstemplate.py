@@ -29,11 +29,12 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
    worker gets from bubblewrap and the host adds to the plan of a forked one.
 
-Step 1 is done in C where guards/_nsfork.c is built (`_nsfork.fork_worker`): one clone(2)
-makes P the template's own child in a new PID namespace, and P's part runs as system calls
-only, so P writes about 30 pages before its exec instead of about 440 (issue 19: 20
-sessions at once; about 1.3 ms of CPU per worker). W comes back to Python and builds its
-view. Without that extension, a short-lived helper forked by the template unshares its
+Step 1 is done in C where guards/_nsfork.c is built (`_nsfork.fork_worker`): one clone3(2)
+(clone(2) on a kernel without it) makes P the template's own child in a new PID namespace,
+and P's part runs as system calls only, so P writes about 30 pages before its exec instead
+of about 440 (issue 19: 20 sessions at once; about 1.3 ms of CPU per worker). W comes back
+to Python and builds its view. Without that extension (or where it can make neither system call, ENOSYS), a
+short-lived helper forked by the template unshares its
 children's PID namespace and forks P, then exits, P passes to the template, its subreaper
 (see `_fork_in_pid_namespace`), and P's part runs in Python (`enter_namespaces`); both
 paths take the same steps in the same order.
@@ -44,6 +45,7 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -283,7 +285,7 @@ _init_program = ""
 #: The C fork of a worker (guards/_nsfork.c), found by `prepare` (None without it).
 _nsfork: Any = None
 #: The version of guards/_nsfork.c this module expects (an older build is not used).
-_NSFORK_VERSION = 1
+_NSFORK_VERSION = 2
 
 
 def _load_nsfork() -> Any:
@@ -416,8 +418,14 @@ def fork(libc: Any, log_fd: int, cred_fd: int) -> tuple[str, int]:
     """Fork one worker's init (P) in a new PID namespace: ("template", P's pid) here; in
     the C fork's W ("worker", 0) and its P where no init can run ("init", W's pid); in the
     helper's P ("child", 0), which then does P's part in Python (`enter_namespaces`)."""
+    global _nsfork
     if _nsfork is not None:
-        role, pid = _nsfork.fork_worker(log_fd, cred_fd, _init_program)
-        return str(role), int(pid)
+        try:
+            role, pid = _nsfork.fork_worker(log_fd, cred_fd, _init_program)
+            return str(role), int(pid)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+            _nsfork = None  # no clone it can make here: the helper from now on
     pid = _fork_in_pid_namespace(libc)
     return ("template", pid) if pid else ("child", 0)

@@ -638,9 +638,15 @@ else:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(36, 1, 0, 0, 0)  # a subreaper, as `nstemplate.prepare` makes the template
     nstemplate._init_program = init
-    pid = nstemplate._fork_in_pid_namespace(libc)
-    role = "template"
-    if pid == 0:  # P, as `_become_worker` before it enters the namespaces
+
+    class NoClone:  # a C fork that can make no clone here (`enosys`)
+        @staticmethod
+        def fork_worker(*args):
+            raise OSError(38, "Function not implemented")
+
+    nstemplate._nsfork = NoClone() if mode == "enosys" else None
+    role, pid = nstemplate.fork(libc, log_w, cred_fd)
+    if role == "child":  # P, as `_become_worker` before it enters the namespaces
         os.setsid()
         os.dup2(log_w, 1)
         os.dup2(log_w, 2)
@@ -699,6 +705,7 @@ while True:
         break
     chunks.append(chunk)
 print(json.dumps({"role": role, "p": pid, "cred_pid": cred_pid, "exe": exe,
+                  "c_fork_kept": nstemplate._nsfork is not None,
                   "code": os.waitstatus_to_exitcode(status),
                   "log": b"".join(chunks).decode(errors="replace")}))
 """
@@ -765,11 +772,14 @@ def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child() -> None:
     assert worker["closed"] is True
 
 
-def test_without_the_c_fork_the_helper_and_python_take_the_same_steps() -> None:
-    """Without guards/_nsfork.c: a helper forks P into a new PID namespace and P's part runs
-    in Python (`enter_namespaces`), with the same outcome as the C fork, and W builds its
-    view (a fresh `/tmp` of its own holding only its scratch directory)."""
-    report, lines = _fork_harness(str(NSINIT), mode="python")
+@pytest.mark.parametrize("mode", ["python", "enosys"])
+def test_without_the_c_fork_the_helper_and_python_take_the_same_steps(mode: str) -> None:
+    """Without guards/_nsfork.c (`python`), or where it can make no clone (`enosys`: it is
+    then dropped for good): a helper forks P into a new PID namespace and P's part runs in
+    Python (`enter_namespaces`), with the same outcome as the C fork, and W builds its view
+    (a fresh `/tmp` of its own holding only its scratch directory)."""
+    report, lines = _fork_harness(str(NSINIT), mode=mode)
+    assert report["c_fork_kept"] is False
     assert report["cred_pid"] == report["p"]
     assert report["exe"] == "_nsinit"
     assert report["code"] == 7, report["log"]
