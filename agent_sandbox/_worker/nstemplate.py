@@ -33,11 +33,11 @@ Step 1 is done in C where guards/_nsfork.c is built (`_nsfork.fork_worker`): one
 (clone(2) on a kernel without it) makes P the template's own child in a new PID namespace,
 and P's part runs as system calls only, so P writes about 30 pages before its exec instead
 of about 440 (issue 19: 20 sessions at once; about 1.3 ms of CPU per worker). W comes back
-to Python and builds its view. Without that extension (or where it can make neither system call, ENOSYS), a
-short-lived helper forked by the template unshares its
-children's PID namespace and forks P, then exits, P passes to the template, its subreaper
-(see `_fork_in_pid_namespace`), and P's part runs in Python (`enter_namespaces`); both
-paths take the same steps in the same order.
+to Python and builds its view. Without that extension (or where it can make neither system
+call, ENOSYS), a short-lived helper forked by the template unshares its children's PID
+namespace and forks P, then exits, P passes to the template, its subreaper (see
+`_fork_in_pid_namespace`), and P's part runs in Python (`enter_namespaces`); both paths
+take the same steps in the same order.
 
 Standard library only.
 """
