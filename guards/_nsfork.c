@@ -11,10 +11,15 @@
  *
  * `fork_worker(log_fd, cred_fd, init)` does it with system calls only:
  *
- * - clone3(2) (or clone(2)) with CLONE_NEWPID, as fork(2) otherwise: P is the template's own
- *   child and PID 1 of a new PID namespace (no helper process, no reparenting). P runs no Python: the C
- *   library's record of P's thread keeps the template's thread id, which only matters to a
- *   thread signalling itself through that record, and nothing here does.
+ * - clone3(2) (or clone(2)) with CLONE_NEWPID, as fork(2) otherwise: P is the template's
+ *   own child and PID 1 of a new PID namespace (no helper process, no reparenting). P runs
+ *   no Python of its own: only the interpreter's before-fork hooks, which `PyOS_BeforeFork`
+ *   runs as `os.fork` does. The C library's record of P's thread keeps the template's
+ *   thread id, which only matters to a thread signalling itself through that record, and
+ *   nothing here does.
+ * - Only for a single-threaded template (`nstemplate.fork` checks the kernel's count): P
+ *   would wait forever for a lock another thread held at the clone (the before-fork hooks'
+ *   and the C library's fork take some); the helper's path serves instead.
  * - In P, in this order: its parent-death signal (SIGKILL: it dies with the template), a
  *   session of its own, the log as stdout and stderr, the byte on the credential socket
  *   (the host reads P's pid from the kernel's credentials and places P and W in the worker's
@@ -22,7 +27,7 @@
  *   `PyOS_AfterFork_Child`, as `os.fork` does. A failed step writes
  *   "agent-sandbox worker set-up failed: <step>: <error>" to the log and ends P with status 70
  *   (and W with it, as the Python path does).
- * - W returns ("worker", 0) to Python, which builds W's view and sets it up (`_build_view`).
+ * - W returns ("worker", 0) to Python, which builds W's view and sets it up (`build_view`).
  * - P execs `init` with W's pid; where `init` is empty or the exec fails, P returns
  *   ("init", W's pid) and the Python loop of `nstemplate.init_loop` serves instead.
  * - The template gets ("template", P's pid); OSError when the clone fails (ENOSYS where
@@ -48,7 +53,7 @@
 #include <unistd.h>
 
 /* Bumped when the behaviour changes, so a stale build is noticed (`nstemplate._load_nsfork`). */
-#define NSFORK_VERSION 2
+#define NSFORK_VERSION 3
 
 /* The kernel's `struct clone_args`, its first version (64 bytes): defined here because
  * <linux/sched.h>, which has it, clashes with the C library's <sched.h>. */
@@ -57,9 +62,10 @@ struct nsfork_clone_args {
 };
 
 /* fork(2) into a new PID namespace: clone3(2) where the kernel has it (its arguments are
- * the same on every architecture), otherwise clone(2) on the architectures whose argument
- * order is flags first (every other argument is 0 here, so only that order matters); -1
- * with ENOSYS elsewhere, and the template falls back to its helper. */
+ * the same on every architecture), otherwise (ENOSYS, or EPERM from a container's seccomp
+ * profile that refuses clone3 alone) clone(2) on the architectures whose argument order is
+ * flags first (every other argument is 0 here, so only that order matters); -1 with ENOSYS
+ * elsewhere, and the template falls back to its helper. */
 static long clone_newpid(void) {
 #ifdef SYS_clone3
     struct nsfork_clone_args args;
@@ -67,7 +73,7 @@ static long clone_newpid(void) {
     args.flags = CLONE_NEWPID;
     args.exit_signal = SIGCHLD;
     long pid = syscall(SYS_clone3, &args, sizeof args);
-    if (pid >= 0 || errno != ENOSYS) {
+    if (pid >= 0 || (errno != ENOSYS && errno != EPERM)) {
         return pid;
     }
 #endif

@@ -31,10 +31,12 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
 
 Step 1 is done in C where guards/_nsfork.c is built (`_nsfork.fork_worker`): one clone3(2)
 (clone(2) on a kernel without it) makes P the template's own child in a new PID namespace,
-and P's part runs as system calls only, so P writes about 30 pages before its exec instead
-of about 440 (issue 19: 20 sessions at once; about 1.3 ms of CPU per worker). W comes back
-to Python and builds its view. Without that extension (or where it can make neither system
-call, ENOSYS), a short-lived helper forked by the template unshares its children's PID
+and P's part runs as system calls (and the interpreter's before-fork hooks, as `os.fork`
+runs them), so P writes about 30 pages before its exec instead of about 440 (issue 19: 20
+sessions at once; about 1.3 ms of CPU per worker). W comes back to Python and builds its
+view. Without that extension, where it can make neither system call (ENOSYS), or in a
+template with another thread (the clone's child would wait for that thread's locks), a
+short-lived helper forked by the template unshares its children's PID
 namespace and forks P, then exits, P passes to the template, its subreaper (see
 `_fork_in_pid_namespace`), and P's part runs in Python (`enter_namespaces`); both paths
 take the same steps in the same order.
@@ -232,13 +234,19 @@ def enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
 def init_loop(worker: int) -> None:
     """P's own loop where the C init cannot run: reap until W exits, then exit as it did.
     P keeps no descriptor but 0-2 (the template's control socket among them), as the C
-    init does."""
-    signal.set_wakeup_fd(-1)
-    os.closerange(3, 1 << 16)
-    while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == worker:
-            os._exit(_status_code(status))
+    init does, and ends with status 70 and a line on stderr on anything unexpected (SIGINT
+    among them), as the C init does: never through the template's own exit path."""
+    try:
+        signal.set_wakeup_fd(-1)
+        os.closerange(3, 1 << 16)
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == worker:
+                os._exit(_status_code(status))
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            os.write(2, f"agent-sandbox worker init: {exc!r}\n".encode())
+        os._exit(70)
 
 
 def build_view(ns: dict[str, Any], libc: Any) -> None:
@@ -285,7 +293,7 @@ _init_program = ""
 #: The C fork of a worker (guards/_nsfork.c), found by `prepare` (None without it).
 _nsfork: Any = None
 #: The version of guards/_nsfork.c this module expects (an older build is not used).
-_NSFORK_VERSION = 2
+_NSFORK_VERSION = 3
 
 
 def _load_nsfork() -> Any:
@@ -320,6 +328,17 @@ def _exec_init(libc: Any, worker: int) -> None:
         os.execve(_init_program, [_init_program, str(worker)], {})
 
 
+def _threads() -> int:
+    """This process's threads, as the kernel counts them (native threads included: a
+    library's thread pool is no `threading.Thread`)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
 def _raw_fork(libc: Any) -> int:
     """fork(2) through the C library, without Python's own work around it (`os.fork` runs
     the at-fork hooks of `threading`, `random` and others in the child: about 0.3-0.5 ms
@@ -327,10 +346,7 @@ def _raw_fork(libc: Any) -> int:
     only unshares and forks). Only for a single-threaded process (a template always is) and
     a child that does not need fresh interpreter state (no threads, no random numbers)
     before it execs, exits, or makes the process that does with `os.fork`."""
-    import sys
-
-    threading = sys.modules.get("threading")
-    if threading is not None and threading.active_count() > 1:
+    if _threads() > 1:
         return os.fork()  # (never in a template: another thread's state would be copied)
     pid = int(libc.fork())
     if pid < 0:
@@ -419,7 +435,7 @@ def fork(libc: Any, log_fd: int, cred_fd: int) -> tuple[str, int]:
     the C fork's W ("worker", 0) and its P where no init can run ("init", W's pid); in the
     helper's P ("child", 0), which then does P's part in Python (`enter_namespaces`)."""
     global _nsfork
-    if _nsfork is not None:
+    if _nsfork is not None and _threads() == 1:
         try:
             role, pid = _nsfork.fork_worker(log_fd, cred_fd, _init_program)
             return str(role), int(pid)

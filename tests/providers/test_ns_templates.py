@@ -612,14 +612,17 @@ def test_the_raw_fork_falls_back_to_os_fork_beside_another_thread() -> None:
 
 #: Runs in a user namespace of its own (root in it, so that the harness may make PID, mount,
 #: network and IPC namespaces as root and as a normal user). It plays the template: a log
-#: pipe, a credential socket, then the C fork (`c`) or, as without guards/_nsfork.c, the
-#: helper's fork and P's part in Python (`python`: W then builds its view, a fresh `/tmp`
-#: among it, inside its own mount namespace); W reports what it sees on the log as one JSON
-#: line and exits 7 once the harness lets it go; the harness prints one JSON line.
+#: pipe, a credential socket, then the fork by `mode`: `c`, the C fork; `c-noclone3-<errno>`,
+#: the same under a seccomp filter that refuses clone3(2) with that error; `python`, as
+#: without guards/_nsfork.c (the helper's fork and P's part in Python; W then builds its
+#: view, a fresh `/tmp` among it, inside its own mount namespace); `enosys`, a C fork that
+#: can make no clone; `threaded`, a template with a second thread. W reports what it sees
+#: on the log as one JSON line and exits 7 once the harness lets it go (`action` `go`), or
+#: the harness interrupts P first (`sigint`); the harness prints one JSON line.
 _FORK_HARNESS = r"""
-import ctypes, json, os, socket, struct, sys
+import ctypes, errno, json, os, signal, socket, struct, sys, threading, time
 from agent_sandbox._worker import nstemplate
-init, cred_kind, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+init, cred_kind, mode, action = sys.argv[1:5]
 ns_here = {n: os.readlink(f"/proc/self/ns/{n}") for n in ("mnt", "net", "ipc", "pid")}
 log_r, log_w = os.pipe()
 go_r, go_w = os.pipe()
@@ -631,20 +634,34 @@ else:  # not a socket: the credentials step fails in P
     mine = None
     cred_fd, spare = os.pipe()
 os.register_at_fork(after_in_child=lambda: os.environ.__setitem__("AFTER_CHILD", "ran"))
-if mode == "c":
+stop = threading.Event()
+other = threading.Thread(target=stop.wait)
+if mode == "threaded":
+    other.start()
+calls = []
+if mode.startswith("c"):
     from agent_sandbox.guards import _nsfork
+    if mode.startswith("c-noclone3-"):
+        import pyseccomp
+        refused = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+        refused.add_rule(pyseccomp.ERRNO(getattr(errno, mode.rsplit("-", 1)[1])), "clone3")
+        refused.load()
     role, pid = _nsfork.fork_worker(log_w, cred_fd, init)
 else:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(36, 1, 0, 0, 0)  # a subreaper, as `nstemplate.prepare` makes the template
     nstemplate._init_program = init
 
-    class NoClone:  # a C fork that can make no clone here (`enosys`)
+    class Spy:  # the C fork, its calls counted; or one that can make no clone (`enosys`)
         @staticmethod
         def fork_worker(*args):
-            raise OSError(38, "Function not implemented")
+            calls.append(args)
+            if mode == "enosys":
+                raise OSError(errno.ENOSYS, "Function not implemented")
+            from agent_sandbox.guards import _nsfork
+            return _nsfork.fork_worker(*args)
 
-    nstemplate._nsfork = NoClone() if mode == "enosys" else None
+    nstemplate._nsfork = None if mode == "python" else Spy()
     role, pid = nstemplate.fork(libc, log_w, cred_fd)
     if role == "child":  # P, as `_become_worker` before it enters the namespaces
         os.setsid()
@@ -671,12 +688,10 @@ if role == "worker":
         "new_ns": [n for n, v in ns_here.items() if os.readlink(f"/proc/self/ns/{n}") != v],
     }), flush=True)
     os._exit(7)
-if role == "init":  # no init to exec: P reports its capabilities, then reaps W
-    os.close(go_w)  # (W goes on once the harness's end is closed too)
+if role == "init":  # no init to exec: P reports its capabilities, then the Python loop
     caps = [l for l in open("/proc/self/status") if l.startswith("CapEff")][0].split()[1]
     print(json.dumps({"role": "init", "cap_eff": caps}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    os._exit(os.waitstatus_to_exitcode(status))
+    nstemplate.init_loop(pid)
 os.close(log_w)
 os.close(go_r)
 cred_pid = None
@@ -684,35 +699,39 @@ if mine is not None:
     theirs.close()
     _msg, anc, _f, _a = mine.recvmsg(1, socket.CMSG_SPACE(12))
     cred_pid = struct.unpack("iII", anc[0][2][:12])[0] if anc else None
-exe = ""
+exe, p_fds = "", []
+deadline = time.monotonic() + 10
 try:
-    exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    import time
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # until the exec (or the fallback) has happened
+    while time.monotonic() < deadline:  # until P has exec'd the init or is in its loop
         exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-        if exe == "_nsinit" or init == "":
+        p_fds = sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))
+        if (exe == "_nsinit" or init == "") and p_fds == [0, 1, 2]:
             break
         time.sleep(0.001)
 except OSError:
     pass
+if action == "sigint":
+    os.kill(pid, signal.SIGINT)
 os.close(go_w)
 _, status = os.waitpid(pid, 0)
+stop.set()
+if other.is_alive():
+    other.join()
 chunks = []
 while True:
     chunk = os.read(log_r, 65536)
     if not chunk:
         break
     chunks.append(chunk)
-print(json.dumps({"role": role, "p": pid, "cred_pid": cred_pid, "exe": exe,
-                  "c_fork_kept": nstemplate._nsfork is not None,
+print(json.dumps({"role": role, "p": pid, "cred_pid": cred_pid, "exe": exe, "p_fds": p_fds,
+                  "c_fork_kept": nstemplate._nsfork is not None, "c_calls": len(calls),
                   "code": os.waitstatus_to_exitcode(status),
                   "log": b"".join(chunks).decode(errors="replace")}))
 """
 
 
 def _fork_harness(
-    init: str, cred_kind: str = "socket", mode: str = "c"
+    init: str, cred_kind: str = "socket", mode: str = "c", action: str = "go"
 ) -> tuple[dict[str, Any], list[Any]]:
     """The harness's report and the JSON lines P and W wrote to the log."""
     import shutil
@@ -721,20 +740,13 @@ def _fork_harness(
 
     if shutil.which("unshare") is None:
         pytest.skip("util-linux `unshare` is not installed")
-    if mode == "c":
+    if mode != "python":
         pytest.importorskip("agent_sandbox.guards._nsfork")
+    if mode.startswith("c-noclone3-"):
+        pytest.importorskip("pyseccomp")
+    argv = [sys.executable, "-c", _FORK_HARNESS, init, cred_kind, mode, action]
     out = subprocess.run(
-        [
-            "unshare",
-            "--user",
-            "--map-root-user",
-            sys.executable,
-            "-c",
-            _FORK_HARNESS,
-            init,
-            cred_kind,
-            mode,
-        ],
+        ["unshare", "--user", "--map-root-user", *argv],
         capture_output=True,
         text=True,
         timeout=30,
@@ -755,15 +767,19 @@ def test_the_c_fork_of_a_worker_is_built() -> None:
     assert nstemplate._load_nsfork() is _nsfork
 
 
-def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child() -> None:
+@pytest.mark.parametrize("mode", ["c", "c-noclone3-ENOSYS", "c-noclone3-EPERM"])
+def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child(mode: str) -> None:
     """P is the caller's own child (the credentials name the pid the caller got), PID 1 of a
-    new PID namespace, and execs the init; W is P's child in new mount, network, IPC and PID
-    namespaces, ran Python's after-fork hooks as an `os.fork` child does, holds neither
-    the log nor the credential descriptor, and its exit status is P's."""
-    report, lines = _fork_harness(str(NSINIT))
+    new PID namespace, and execs the init holding only descriptors 0-2; W is P's child in
+    new mount, network, IPC and PID namespaces, ran Python's after-fork hooks as an
+    `os.fork` child does, holds neither the log nor the credential descriptor, and its exit
+    status is P's. Also where clone3(2) is refused (no such call, or a container's seccomp
+    profile): the C fork then makes clone(2)."""
+    report, lines = _fork_harness(str(NSINIT), mode=mode)
     assert report["role"] == "template"
     assert report["cred_pid"] == report["p"]
     assert report["exe"] == "_nsinit"
+    assert report["p_fds"] == [0, 1, 2]
     assert report["code"] == 7, report["log"]
     (worker,) = lines
     assert worker["pid"] == 2 and worker["ppid"] == 1
@@ -772,16 +788,20 @@ def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child() -> None:
     assert worker["closed"] is True
 
 
-@pytest.mark.parametrize("mode", ["python", "enosys"])
+@pytest.mark.parametrize("mode", ["python", "enosys", "threaded"])
 def test_without_the_c_fork_the_helper_and_python_take_the_same_steps(mode: str) -> None:
-    """Without guards/_nsfork.c (`python`), or where it can make no clone (`enosys`: it is
-    then dropped for good): a helper forks P into a new PID namespace and P's part runs in
-    Python (`enter_namespaces`), with the same outcome as the C fork, and W builds its view
-    (a fresh `/tmp` of its own holding only its scratch directory)."""
+    """Without guards/_nsfork.c (`python`), where it can make no clone (`enosys`: it is then
+    dropped for good), or in a template with another thread (`threaded`: the clone's child
+    would wait forever for a lock that thread held, so the C fork is not even asked): a
+    helper forks P into a new PID namespace and P's part runs in Python
+    (`enter_namespaces`), with the same outcome as the C fork, and W builds its view (a
+    fresh `/tmp` of its own holding only its scratch directory)."""
     report, lines = _fork_harness(str(NSINIT), mode=mode)
-    assert report["c_fork_kept"] is False
+    assert report["c_fork_kept"] is (mode == "threaded")
+    assert report["c_calls"] == {"python": 0, "enosys": 1, "threaded": 0}[mode]
     assert report["cred_pid"] == report["p"]
     assert report["exe"] == "_nsinit"
+    assert report["p_fds"] == [0, 1, 2]
     assert report["code"] == 7, report["log"]
     (worker,) = lines
     assert worker["pid"] == 2 and worker["ppid"] == 1
@@ -791,13 +811,23 @@ def test_without_the_c_fork_the_helper_and_python_take_the_same_steps(mode: str)
 
 
 def test_without_an_init_p_returns_to_python_with_no_capability() -> None:
-    """No init to exec (not built): P returns ("init", W's pid) to the Python loop, having
-    dropped every capability first."""
+    """No init to exec (not built): P returns ("init", W's pid) to the Python loop
+    (`nstemplate.init_loop`), having dropped every capability first; the loop keeps only
+    descriptors 0-2 and ends with W's status."""
     report, lines = _fork_harness("")
     by_role = {line.get("role", "worker"): line for line in lines}
     assert by_role["init"]["cap_eff"] == "0000000000000000"
     assert by_role["worker"]["ppid"] == 1
+    assert report["p_fds"] == [0, 1, 2]
     assert report["code"] == 7, report["log"]
+
+
+def test_the_python_init_loop_ends_on_sigint_with_status_70() -> None:
+    """SIGINT to P in its Python loop ends it with status 70 and a line in the log, as the C
+    init does, never through the template's own exit path (its atexit handlers)."""
+    report, _lines = _fork_harness("", action="sigint")
+    assert report["code"] == 70, report["log"]
+    assert "agent-sandbox worker init: KeyboardInterrupt()" in report["log"]
 
 
 def test_a_failed_step_in_p_is_named_in_the_log_and_ends_it_with_status_70() -> None:
