@@ -757,6 +757,22 @@ def _fork_harness(
     return report, lines
 
 
+def _a_worker_and_its_init(report: dict[str, Any], lines: list[Any]) -> dict[str, Any]:
+    """What every fork path must give (the harness's report and W's line, returned): P is
+    the caller's child named by the credentials, exec'd the init with only descriptors 0-2
+    and relayed W's status; W is PID 2 under P in four new namespaces and ran the
+    after-fork hooks."""
+    assert report["cred_pid"] == report["p"]
+    assert report["exe"] == "_nsinit"
+    assert report["p_fds"] == [0, 1, 2]
+    assert report["code"] == 7, report["log"]
+    (worker,) = lines
+    assert worker["pid"] == 2 and worker["ppid"] == 1
+    assert sorted(worker["new_ns"]) == ["ipc", "mnt", "net", "pid"]
+    assert worker["after_fork"] == "ran"
+    return dict(worker)
+
+
 def test_the_c_fork_of_a_worker_is_built() -> None:
     """setup.py builds guards/_nsfork.c; without it each namespace worker's init costs about
     1.3 ms of CPU and 400 page faults more (the Python path), so its absence fails here."""
@@ -777,14 +793,7 @@ def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child(mode: str) -
     profile): the C fork then makes clone(2)."""
     report, lines = _fork_harness(str(NSINIT), mode=mode)
     assert report["role"] == "template"
-    assert report["cred_pid"] == report["p"]
-    assert report["exe"] == "_nsinit"
-    assert report["p_fds"] == [0, 1, 2]
-    assert report["code"] == 7, report["log"]
-    (worker,) = lines
-    assert worker["pid"] == 2 and worker["ppid"] == 1
-    assert sorted(worker["new_ns"]) == ["ipc", "mnt", "net", "pid"]
-    assert worker["after_fork"] == "ran"
+    worker = _a_worker_and_its_init(report, lines)
     assert worker["closed"] is True
 
 
@@ -799,14 +808,7 @@ def test_without_the_c_fork_the_helper_and_python_take_the_same_steps(mode: str)
     report, lines = _fork_harness(str(NSINIT), mode=mode)
     assert report["c_fork_kept"] is (mode == "threaded")
     assert report["c_calls"] == {"python": 0, "enosys": 1, "threaded": 0}[mode]
-    assert report["cred_pid"] == report["p"]
-    assert report["exe"] == "_nsinit"
-    assert report["p_fds"] == [0, 1, 2]
-    assert report["code"] == 7, report["log"]
-    (worker,) = lines
-    assert worker["pid"] == 2 and worker["ppid"] == 1
-    assert sorted(worker["new_ns"]) == ["ipc", "mnt", "net", "pid"]
-    assert worker["after_fork"] == "ran"
+    worker = _a_worker_and_its_init(report, lines)
     assert worker["fresh_tmp"] is True
 
 
