@@ -28,7 +28,8 @@
  *   "agent-sandbox worker set-up failed: <step>: <error>" to the log and ends P with status 70
  *   (and W with it, as the Python path does).
  * - W returns ("worker", 0) to Python, which builds W's view and sets it up (`build_view`).
- * - P execs `init` with W's pid; where `init` is empty or the exec fails, P returns
+ * - P execs `init` with W's pid, by a descriptor it opened before W's fork (W's fresh `/tmp`
+ *   can hide the path for a moment); where `init` is empty or the exec fails, P returns
  *   ("init", W's pid) and the Python loop of `nstemplate.init_loop` serves instead.
  * - The template gets ("template", P's pid); OSError when the clone fails (ENOSYS where
  *   neither system call can be made here: the template then uses its helper).
@@ -41,6 +42,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/capability.h>
 #include <sched.h>
 #include <signal.h>
@@ -53,7 +55,7 @@
 #include <unistd.h>
 
 /* Bumped when the behaviour changes, so a stale build is noticed (`nstemplate._load_nsfork`). */
-#define NSFORK_VERSION 3
+#define NSFORK_VERSION 4
 
 /* The kernel's `struct clone_args`, its first version (64 bytes): defined here because
  * <linux/sched.h>, which has it, clashes with the C library's <sched.h>. */
@@ -99,38 +101,47 @@ static void fail(const char *step) {
     _exit(70);
 }
 
-static void close_from_3(void) {
+/* Close every descriptor from `low` to `high` (inclusive). */
+static void close_between(unsigned int low, unsigned int high) {
+    if (low > high) {
+        return;
+    }
 #ifdef SYS_close_range
-    if (syscall(SYS_close_range, 3U, ~0U, 0U) == 0) {
+    if (syscall(SYS_close_range, low, high, 0U) == 0) {
         return;
     }
 #endif
-    for (int fd = 3; fd < (1 << 16); fd++) {
-        (void)close(fd);
+    for (unsigned int fd = low; fd <= high && fd < (1U << 16); fd++) {
+        (void)close((int)fd);
     }
 }
 
-/* P, once W is forked: no capability, no new privileges, no descriptor but 0-2, then the
- * init. Returns only when the init cannot run. */
-static void exec_init(const char *init, pid_t worker) {
+/* P, once W is forked: no capability, no new privileges, no descriptor but 0-2 and
+ * `init_fd` (close-on-exec), then the init, by that descriptor: W shares P's new mount
+ * namespace and builds its view in it, and its fresh `/tmp` can hide the init's path for a
+ * moment (a checkout under /tmp) before its mounts there are carried back. Returns only
+ * when the init cannot run. */
+static void exec_init(const char *init, int init_fd, pid_t worker) {
     struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2];
     memset(data, 0, sizeof data);
     if (syscall(SYS_capset, &header, data) != 0) {
         fail("capset");
     }
-    if (init[0] == '\0') {
+    if (init_fd < 0) {
         return;
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
         fail("no new privileges");
     }
-    close_from_3();
+    close_between(3U, (unsigned int)init_fd - 1U);
+    close_between((unsigned int)init_fd + 1U, ~0U);
     char pid_text[24];
     snprintf(pid_text, sizeof pid_text, "%ld", (long)worker);
     char *argv[] = {(char *)init, pid_text, NULL};
     char *envp[] = {NULL};
-    execve(init, argv, envp);
+    fexecve(init_fd, argv, envp);
+    (void)close(init_fd);
 }
 
 static PyObject *fork_worker(PyObject *self, PyObject *args) {
@@ -156,6 +167,8 @@ static PyObject *fork_worker(PyObject *self, PyObject *args) {
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) {
         fail("parent-death signal");
     }
+    /* The init, opened before W exists (see `exec_init`); -1 (the Python loop) without it. */
+    int init_fd = init[0] != '\0' ? open(init, O_RDONLY | O_CLOEXEC) : -1;
     if (setsid() < 0) {
         fail("setsid");
     }
@@ -176,10 +189,13 @@ static PyObject *fork_worker(PyObject *self, PyObject *args) {
         fail("fork");
     }
     if (worker == 0) {
+        if (init_fd >= 0) {
+            (void)close(init_fd); /* P's, for its exec: nothing W keeps */
+        }
         PyOS_AfterFork_Child();
         return Py_BuildValue("(si)", "worker", 0);
     }
-    exec_init(init, worker);
+    exec_init(init, init_fd, worker);
     PyOS_AfterFork_Parent();
     return Py_BuildValue("(sl)", "init", (long)worker);
 }

@@ -221,14 +221,28 @@ def enter_namespaces(ns: dict[str, Any], cred_fd: int, libc: Any) -> None:
     # written only for this much and freed by the exec, rather than written once more after
     # W's fork (every page of P is shared with W again) and kept by W (issue 19: memory per
     # session, and the CPU of the copy-on-write faults in a burst). A failed step ends W,
-    # and with it P, with status 70 and the step named in the log.
+    # and with it P, with status 70 and the step named in the log. The init is opened
+    # first: W's fresh `/tmp` can hide its path for a moment (see `_exec_init`).
+    init_fd = _open_init()
     worker = os.fork()
     if worker == 0:
+        if init_fd >= 0:
+            os.close(init_fd)
         build_view(ns, libc)
         return  # W
     _set_caps(libc, 0)
-    _exec_init(libc, worker)  # returns only where the C init cannot run
+    _exec_init(libc, init_fd, worker)  # returns only where the C init cannot run
     init_loop(worker)
+
+
+def _open_init() -> int:
+    """The C init, opened (close-on-exec) for P's exec; -1 without it."""
+    if not _init_program:
+        return -1
+    try:
+        return os.open(_init_program, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def init_loop(worker: int) -> None:
@@ -293,7 +307,7 @@ _init_program = ""
 #: The C fork of a worker (guards/_nsfork.c), found by `prepare` (None without it).
 _nsfork: Any = None
 #: The version of guards/_nsfork.c this module expects (an older build is not used).
-_NSFORK_VERSION = 3
+_NSFORK_VERSION = 4
 
 
 def _load_nsfork() -> Any:
@@ -313,19 +327,24 @@ def _find_init_program() -> str:
     return path if path and os.access(path, os.X_OK) else ""
 
 
-def _exec_init(libc: Any, worker: int) -> None:
+def _exec_init(libc: Any, init_fd: int, worker: int) -> None:
     """P, once W is forked and P holds no capability: become the C init (guards/_nsinit.c),
     which reaps, relays W's status and handles signals as the loop after this call does,
     without a copy of the template's interpreter. No-new-privileges first, so the exec
     cannot give P back any capability (P is root in its user namespace for `root`); every
-    descriptor but 0-2 is closed (P needs none of the plan's). Returns when it cannot run
-    (not built, or the exec is refused): the Python loop then serves."""
-    if not _init_program:
+    descriptor but 0-2 is closed (P needs none of the plan's) but `init_fd`, the init opened
+    before W's fork and executed by that descriptor (close-on-exec): W shares P's mount
+    namespace and mounts its fresh `/tmp` there, which hides a path under /tmp (a checkout
+    there) until W has carried the view's mounts back. Returns when it cannot run (not
+    built, or the exec is refused): the Python loop then serves."""
+    if init_fd < 0:
         return
     _check(libc, libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
-    os.closerange(3, 1 << 16)
+    os.closerange(3, init_fd)
+    os.closerange(init_fd + 1, 1 << 16)
     with contextlib.suppress(OSError):
-        os.execve(_init_program, [_init_program, str(worker)], {})
+        os.execve(init_fd, [_init_program, str(worker)], {})
+    os.close(init_fd)
 
 
 def _threads() -> int:

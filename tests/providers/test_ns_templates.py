@@ -615,7 +615,8 @@ def test_the_raw_fork_falls_back_to_os_fork_beside_another_thread() -> None:
 #: pipe, a credential socket, then the fork by `mode`: `c`, the C fork; `c-noclone3-<errno>`,
 #: the same under a seccomp filter that refuses clone3(2) with that error; `python`, as
 #: without guards/_nsfork.c (the helper's fork and P's part in Python; W then builds its
-#: view, a fresh `/tmp` among it, inside its own mount namespace); `enosys`, a C fork that
+#: view, a fresh `/tmp` among it, inside its own mount namespace; `python-hidden`, the same
+#: with P made to wait until that `/tmp` hides the init's path); `enosys`, a C fork that
 #: can make no clone; `threaded`, a template with a second thread. W reports what it sees
 #: on the log as one JSON line and exits 7 once the harness lets it go (`action` `go`), or
 #: the harness interrupts P first (`sigint`); the harness prints one JSON line.
@@ -661,7 +662,17 @@ else:
             from agent_sandbox.guards import _nsfork
             return _nsfork.fork_worker(*args)
 
-    nstemplate._nsfork = None if mode == "python" else Spy()
+    nstemplate._nsfork = None if mode.startswith("python") else Spy()
+    if mode == "python-hidden":  # P execs only once W's fresh /tmp hides the init's path
+        set_caps = nstemplate._set_caps
+
+        def set_caps_late(libc, mask):
+            end = time.monotonic() + 5
+            while os.getpid() == 1 and os.path.exists(init) and time.monotonic() < end:
+                time.sleep(0.001)
+            set_caps(libc, mask)
+
+        nstemplate._set_caps = set_caps_late
     role, pid = nstemplate.fork(libc, log_w, cred_fd)
     if role == "child":  # P, as `_become_worker` before it enters the namespaces
         os.setsid()
@@ -699,21 +710,26 @@ if mine is not None:
     theirs.close()
     _msg, anc, _f, _a = mine.recvmsg(1, socket.CMSG_SPACE(12))
     cred_pid = struct.unpack("iII", anc[0][2][:12])[0] if anc else None
-exe, p_fds = "", []
+exe, p_fds, status = "", [], None
 deadline = time.monotonic() + 10
-try:
-    while time.monotonic() < deadline:  # until P has exec'd the init or is in its loop
+while time.monotonic() < deadline:  # until P has exec'd the init or is in its loop
+    done, wait_status = os.waitpid(pid, os.WNOHANG)
+    if done:  # P ended early (a failed step)
+        status = wait_status
+        break
+    try:
         exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
         p_fds = sorted(int(fd) for fd in os.listdir(f"/proc/{pid}/fd"))
-        if (exe == "_nsinit" or init == "") and p_fds == [0, 1, 2]:
-            break
-        time.sleep(0.001)
-except OSError:
-    pass
+    except OSError:  # (P in the middle of its exec: no executable or table to read yet)
+        continue
+    if (exe == "_nsinit" or init == "") and p_fds == [0, 1, 2]:
+        break
+    time.sleep(0.001)
 if action == "sigint":
     os.kill(pid, signal.SIGINT)
 os.close(go_w)
-_, status = os.waitpid(pid, 0)
+if status is None:
+    _, status = os.waitpid(pid, 0)
 stop.set()
 if other.is_alive():
     other.join()
@@ -740,7 +756,7 @@ def _fork_harness(
 
     if shutil.which("unshare") is None:
         pytest.skip("util-linux `unshare` is not installed")
-    if mode != "python":
+    if not mode.startswith("python"):
         pytest.importorskip("agent_sandbox.guards._nsfork")
     if mode.startswith("c-noclone3-"):
         pytest.importorskip("pyseccomp")
@@ -842,6 +858,21 @@ def test_a_failed_step_in_p_is_named_in_the_log_and_ends_it_with_status_70() -> 
         in report["log"]
     )
     assert lines == []
+
+
+def test_p_execs_the_init_even_once_ws_fresh_tmp_hides_its_path(tmp_path: Path) -> None:
+    """W builds its view in the mount namespace it shares with P, and its fresh `/tmp` hides
+    whatever lies under /tmp until the view's mounts there are carried back (a checkout
+    under /tmp: the init's path too). P opens the init before W's fork and execs it by that
+    descriptor, so the init runs even when P gets to its exec only after W's mount (forced
+    here; it fell back to the Python loop when it exec'd by path)."""
+    import shutil
+
+    init = tmp_path / "_nsinit"
+    shutil.copy2(NSINIT, init)
+    report, lines = _fork_harness(str(init), mode="python-hidden")
+    worker = _a_worker_and_its_init(report, lines)
+    assert worker["fresh_tmp"] is True
 
 
 @pytest.mark.parametrize("fds", [(1, 5), (5, 2), (7, 7), (-1, 9)])
