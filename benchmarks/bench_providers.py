@@ -276,7 +276,7 @@ def _minflt(pid: int) -> int:
 def worker_cost(name: str, n: int = 10) -> tuple[float, float, float, float, float]:
     """Per worker forked by the pool's template (medians over `n` sessions made one after
     the other, each after one call): the worker's CPU (ms) and minor faults, its init's
-    (a namespace template's PID 1, whose count includes its Python life before the exec;
+    (a namespace template's PID 1, whose count includes its life before the exec;
     0 for a plain template), and the template's own CPU per worker (its helpers' are not
     counted: they are reaped by it; with guards/_nsfork.c the template forks no helper)."""
     from agent_sandbox.providers._limits import _descendants
