@@ -23,6 +23,12 @@ from agent_sandbox.providers import get_provider
 
 #: Kernel providers the containment matrix runs against (strongest last).
 KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail")
+#: What tests that open connections use where the product refuses the cloud metadata
+#: address (169.254.169.254): a documentation address no rule names, refused the same way
+#: (a literal no rule names; a name that resolves to a non-global address), so a test
+#: whose containment regressed sends nothing to a real metadata service. The metadata
+#: address's own classification is pinned by the pure rule tests (test_egress.py).
+METADATA_STAND_IN = "192.0.2.254"
 
 #: Native helpers for hostile code: libc through ctypes, no Python-level API involved.
 NATIVE = r"""

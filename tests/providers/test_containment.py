@@ -64,7 +64,7 @@ def _under_qemu(
     if provider != "qemu":
         return
     if gap:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
     else:
         pytest.skip(reason)
 
@@ -380,7 +380,7 @@ def test_native_attacks_reach_the_host_without_a_kernel_boundary(
 
 def _landlock_gap(request: pytest.FixtureRequest, provider: str, reason: str) -> None:
     if provider == "landlock":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
 
 
 def test_blocks_connecting_to_a_host_pathname_unix_socket(
@@ -698,6 +698,7 @@ def _scratch_gap(request: pytest.FixtureRequest, provider: str) -> None:
         request.applymarker(
             pytest.mark.xfail(
                 strict=True,
+                raises=AssertionError,
                 reason="firejail cannot size a tmpfs: its scratch is a host directory, "
                 "checked after each call only",
             )

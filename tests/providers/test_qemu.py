@@ -430,6 +430,7 @@ def test_clones_of_one_template_get_their_own_randomness(vm_cache: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="clones restored from one template keep its string hash secret (it cannot be "
     "renewed after the imports hashed with it, and a re-exec would cost the whole start "
     "under TCG); each template boot draws its own. Documented in docs/providers.md (qemu)",
