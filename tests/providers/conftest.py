@@ -95,6 +95,20 @@ def nsend_udp(port, data=b"leak", host=b"\x7f\x00\x00\x01"):
 """
 
 
+def require_landlock_and_seccomp() -> None:
+    """Skip (a failure where CI requires them) unless Landlock and seccomp both work here:
+    a test of the default stack then asserts both are in it, never `if` they are."""
+    from agent_sandbox.providers._landlock import probe_landlock
+    from agent_sandbox.providers._seccomp import probe_seccomp
+
+    landlock = probe_landlock()
+    if not landlock.available:
+        pytest.skip(f"landlock unavailable here: {landlock.reason}")
+    seccomp, why = probe_seccomp()
+    if not seccomp:
+        pytest.skip(f"seccomp unavailable here: {why}")
+
+
 def skip_unless_available(name: str) -> None:
     """Skip the test with the provider's probe reason when it cannot run here."""
     try:
