@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,6 +226,28 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
         # The warning that native-code opens the Python layer is the point of this policy.
         warnings.simplefilter("ignore", UserWarning)
         return Policy(**data)
+
+
+@pytest.fixture
+def environ_canary() -> Iterator[tuple[int, str]]:
+    """A host process with a secret in its environment (as the agent's own process has),
+    and the secret. The canary is really there: this fixture reads it back first."""
+    value = "environ-canary-" + os.urandom(8).hex()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "AGENT_SANDBOX_TEST_CANARY": value},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"  # it runs
+        assert value.encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
+        yield proc.pid, value
+    finally:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        proc.wait(30)
+        proc.stdout.close()
 
 
 @pytest.fixture

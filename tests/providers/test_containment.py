@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,25 +83,6 @@ def _refused(result: Any) -> int:
         outcome = outcome[1]
     assert isinstance(outcome, int) and outcome < 0, _output(result)
     return -outcome
-
-
-@pytest.fixture
-def environ_canary() -> Iterator[tuple[int, str]]:
-    """A host process with a secret in its environment (as the agent's own process has),
-    and the secret. The canary is really there: this fixture reads it back first."""
-    value = "environ-canary-" + os.urandom(8).hex()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"],
-        stdin=subprocess.PIPE,
-        env={**os.environ, "AGENT_SANDBOX_TEST_CANARY": value},
-    )
-    try:
-        assert value.encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
-        yield proc.pid, value
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(30)
 
 
 def test_blocks_native_read_of_a_tmp_canary_outside_scratch(
