@@ -49,6 +49,7 @@ import http
 import ipaddress
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -65,6 +66,8 @@ __all__ = [
     "Route",
     "egress_proxy",
     "proxy_env",
+    "dns_resolver",
+    "normalise_host",
     "set_resolver",
 ]
 
@@ -145,14 +148,131 @@ def _allow_rules(policy: Any) -> list[Any]:
     return [r for r in policy.net.rules if r.action == "allow"]
 
 
+# -- one spelling for every host ---------------------------------------------------------
+
+#: The longest host name DNS carries (RFC 1035: 253 characters in text form).
+MAX_NAME = 253
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_IPV4_COMPAT = ipaddress.ip_network("::/96")
+_LABEL = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """A target host in its one canonical spelling (see `normalise_host`).
+
+    `name` is set for a host name (lower case, no trailing dot); `ip` for an address (the
+    one the proxy connects to), and `judged` is the address the rules judge: the IPv4
+    address embedded in an IPv4-mapped, IPv4-compatible, NAT64, 6to4 or Teredo address
+    (the host such an address reaches), else `ip` itself. `form` names the spelling.
+    """
+
+    text: str
+    name: str | None = None
+    ip: Any = None
+    judged: Any = None
+    form: str = "name"
+
+
+def _legacy_ipv4(text: str) -> Any:
+    """`inet_aton`'s forms (1 to 4 parts, each decimal, 0-octal or 0x-hex, the last one
+    filling the remaining bytes: `2130706433`, `0x7f.1`, `0177.0.0.01`, `127.1`); None when
+    `text` is not one."""
+    parts = text.split(".")
+    if not 1 <= len(parts) <= 4:
+        return None
+    values: list[int] = []
+    for part in parts:
+        try:
+            if part[:2] in ("0x", "0X"):
+                values.append(int(part[2:] or "0", 16))
+            elif part[:1] == "0" and len(part) > 1:
+                values.append(int(part[1:], 8))
+            elif part.isdigit() and part.isascii():
+                values.append(int(part, 10))
+            else:
+                return None
+        except ValueError:
+            return None
+    *head, last = values
+    if any(v > 255 for v in head) or last >= 1 << (8 * (4 - len(head))):
+        return None
+    number = last
+    for i, v in enumerate(head):
+        number |= v << (8 * (3 - i))
+    return ipaddress.IPv4Address(number)
+
+
+def _embedded_ipv4(ip: Any) -> tuple[Any, str]:
+    """The IPv4 address an IPv6 address carries, and the form that carries it."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped, "ipv4-mapped"
+    if ip in _IPV4_COMPAT and int(ip) > 1:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "ipv4-compatible"
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "nat64"
+    if ip.sixtofour is not None:
+        return ip.sixtofour, "6to4"
+    if ip.teredo is not None:
+        return ip.teredo[1], "teredo"
+    return None, "ipv6"
+
+
+def normalise_host(text: str) -> Host:
+    """The one canonical form of a host as a client spelled it; ValueError when it is
+    neither an address nor a valid host name (the error says which part is wrong).
+
+    Every judgement starts here: brackets, case, one trailing dot and an IPv6 zone
+    (`%eth0`, `%25eth0`) are dropped; IPv4 is read in all of `inet_aton`'s spellings;
+    an IPv4-mapped or IPv4-compatible address becomes its IPv4 address (connected to as
+    IPv4); a NAT64, 6to4 or Teredo address is judged by the IPv4 address it reaches.
+    """
+    if not isinstance(text, str) or not text:
+        raise ValueError("an empty host")
+    if len(text) > MAX_NAME + 2:
+        raise ValueError(f"a host of {len(text)} characters (a name has at most {MAX_NAME})")
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    host = host.lower()
+    if host.endswith(".") and not host.endswith(".."):
+        host = host[:-1]
+    if ":" in host:
+        address = host.split("%", 1)[0]
+        try:
+            ip6 = ipaddress.IPv6Address(address)
+        except ValueError:
+            raise ValueError(f"{text[:80]!r} is not an IPv6 address") from None
+        embedded, form = _embedded_ipv4(ip6)
+        if form in ("ipv4-mapped", "ipv4-compatible"):
+            return Host(str(embedded), ip=embedded, judged=embedded, form=form)
+        return Host(str(ip6), ip=ip6, judged=embedded or ip6, form=form)
+    ip4 = _legacy_ipv4(host)
+    if ip4 is not None:
+        return Host(str(ip4), ip=ip4, judged=ip4, form="ipv4")
+    if not host or len(host) > MAX_NAME:
+        raise ValueError(f"a host name of {len(host)} characters (at most {MAX_NAME})")
+    raw = host.encode("ascii", "replace")
+    for label in raw.split(b"."):
+        if not 1 <= len(label) <= 63 or not _LABEL.issuperset(label):
+            raise ValueError(
+                f"{text[:80]!r} is not a valid host name (labels of 1 to 63 letters, digits, "
+                "'-' or '_')"
+            )
+    if raw.replace(b".", b"").isdigit():
+        raise ValueError(f"{text[:80]!r} is neither an IPv4 address nor a host name")
+    return Host(host, name=host)
+
+
 # -- decisions (pure) --------------------------------------------------------------------
 
 
 def _address(text: str) -> Any:
-    ip = ipaddress.ip_address(text.split("%")[0])
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
+    """The address a client's spelling of an IP names (ValueError for a name)."""
+    spelled = normalise_host(text)
+    if spelled.ip is None:
+        raise ValueError(f"{text!r} is a host name, not an address")
+    return spelled.ip
 
 
 def is_special(ip: Any) -> bool:
@@ -161,7 +281,11 @@ def is_special(ip: Any) -> bool:
 
 
 def _special_only(net: Any) -> bool:
-    return any(net.version == s.version and net.subnet_of(s) for s in _SPECIAL_NETS)
+    """Whether a rule's network names non-global addresses on purpose: it lies inside one
+    of the special ranges, or it is one address (`0.0.0.0/0` is neither)."""
+    return net.prefixlen == net.max_prefixlen or any(
+        net.version == s.version and net.subnet_of(s) for s in _SPECIAL_NETS
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +295,8 @@ class _Rule:
     name: str | None
     networks: tuple[Any, ...]
     ports: tuple[tuple[int, int], ...]
+    #: `*` (or `any`): every host name and every global address.
+    every_name: bool = False
 
     def has_port(self, port: int) -> bool:
         return any(lo <= port <= hi for lo, hi in self.ports)
@@ -178,19 +304,32 @@ class _Rule:
     def holds(self, ip: Any) -> bool:
         return any(ip.version == net.version and ip in net for net in self.networks)
 
+    def names(self, name: str) -> bool:
+        return self.every_name or self.name == name
+
+
+_EVERY_HOST = frozenset({"*", "any"})
+
 
 class EgressRules:
     """A policy's TCP connect rules, as the proxy judges them (pure: no I/O here).
 
-    * A target given by name needs a rule naming that host on that port (names compare
-      case-insensitively, without a trailing dot), or an IP/CIDR rule on that port; a
-      deny rule naming it, or covering an address it resolves to, beats any allow.
+    Every target is first put in its one spelling (`normalise_host`), then:
+
+    * A target given by name needs an allow rule naming that host on that port (names
+      compare case-insensitively, without a trailing dot), or a `*` rule; only then is it
+      resolved. An IP/CIDR rule never makes a name resolvable: a name no rule names is
+      refused before any resolver sees it (`net.resolve`), so names carry no data out.
+    * A deny rule naming a host beats any allow, for the name and for every address the
+      name resolves to (`deny_addresses`, filled by the proxy from the same resolver), so
+      the denied host is not reachable by its address either.
     * A name rule reaches only global addresses: a name that resolves to a loopback,
       private, link-local (the metadata address 169.254.169.254), shared or multicast
       address is refused unless an IP or CIDR rule lying inside such a range covers it
       (`0.0.0.0/0` does not count: it names no such address).
-    * A target given as an address needs an IP/CIDR rule covering it, with the same rule
-      for non-global addresses; `localhost` in a rule names the loopback addresses.
+    * A target given as an address needs an IP/CIDR rule covering it (the address it
+      reaches, for NAT64, 6to4 and Teredo), with the same rule for non-global addresses;
+      `localhost` in a rule names the loopback addresses.
     """
 
     def __init__(self, policy: Any) -> None:
@@ -205,14 +344,31 @@ class EgressRules:
             host = rule.host.strip()
             name: str | None = None
             networks: tuple[Any, ...] = ()
-            if host.lower() in _LOOPBACK_NAMES:
+            every = host.lower() in _EVERY_HOST
+            if every:
+                networks = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+            elif host.lower() in _LOOPBACK_NAMES:
                 networks = tuple(ipaddress.ip_network(n) for n in _LOOPBACK_NAMES[host.lower()])
             else:
                 try:
                     networks = (ipaddress.ip_network(host, strict=False),)
                 except ValueError:
-                    name = host.lower().rstrip(".")
-            self.rules.append(_Rule(rule.action, host, name, networks, tuple(rule.port_ranges())))
+                    try:
+                        spelled = normalise_host(host)
+                    except ValueError:
+                        spelled = Host(host.lower(), name=host.lower())
+                    if spelled.ip is not None:
+                        networks = (ipaddress.ip_network(spelled.judged),)
+                    else:
+                        name = spelled.name
+            self.rules.append(
+                _Rule(rule.action, host, name, networks, tuple(rule.port_ranges()), every)
+            )
+        #: The names deny rules name, and the addresses they resolved to (by the proxy).
+        self.deny_names = sorted(
+            {r.name for r in self.rules if r.action == "deny" and r.name is not None}
+        )
+        self.deny_addresses: dict[str, list[Any]] = {}
 
     def _denial(self, rule: str, action: str, target: str, detail: str, hint: str) -> Denial:
         return Denial(
@@ -225,10 +381,24 @@ class EgressRules:
             learned=self.learn,
         )
 
+    def bad_host(self, host: str, port: int, why: str) -> Denial:
+        """The denial for a host that is neither an address nor a valid name."""
+        return self._denial(
+            "net.resolve",
+            "resolve",
+            host[:120] + ("..." if len(host) > 120 else ""),
+            f"not a host the proxy connects to ({why}; port {port})",
+            "name the host by a valid DNS name or an IP address",
+        )
+
     def before_resolve(self, host: str, port: int) -> Denial | None:
-        """Judge a host name before it is looked up (so a refused name is never resolved)."""
-        name = host.lower().rstrip(".")
-        named = [r for r in self.rules if r.name == name]
+        """Judge a host name before it is looked up: None only when an allow rule names it
+        (or `*`) on this port and no deny rule names it; nothing else is ever resolved."""
+        try:
+            name = normalise_host(host).name or host.lower()
+        except ValueError as exc:
+            return self.bad_host(host, port, str(exc))
+        named = [r for r in self.rules if r.names(name)]
         for rule in named:
             if rule.action == "deny" and rule.has_port(port):
                 return self._denial(
@@ -240,14 +410,6 @@ class EgressRules:
                 )
         if any(r.action == "allow" and r.has_port(port) for r in named):
             return None
-        if any(
-            r.action == "allow"
-            and r.name is None
-            and r.has_port(port)
-            and not all(_special_only(net) for net in r.networks)
-            for r in self.rules
-        ):
-            return None  # a rule for global addresses may cover what the name resolves to
         if any(r.action == "allow" for r in named):
             ports = ",".join(r.host + ":" + _ports_text(r.ports) for r in named)
             return self._denial(
@@ -255,14 +417,14 @@ class EgressRules:
                 "connect",
                 f"{host}:{port}",
                 f"the [net] rules name this host for other ports only ({ports})",
-                grant_hint({"net.rules": [{"host": host, "ports": str(port)}]}),
+                grant_hint({"net.rules": [{"host": name, "ports": str(port)}]}),
             )
         return self._denial(
             "net.resolve",
             "resolve",
-            host,
+            name,
             f"no [net] rule names this host, so it is not resolved (port {port})",
-            grant_hint({"net.rules": [{"host": host, "ports": str(port)}]}),
+            grant_hint({"net.rules": [{"host": name, "ports": str(port)}]}),
         )
 
     def judge(
@@ -271,18 +433,20 @@ class EgressRules:
         """The addresses a connection may use, in order; else the denial for the first."""
         name = host.lower().rstrip(".")
         name_allows = by_name and any(
-            r.action == "allow" and r.name == name and r.has_port(port) for r in self.rules
+            r.action == "allow" and r.names(name) and r.has_port(port) for r in self.rules
         )
         usable: list[str] = []
         first: Denial | None = None
         for text in addresses:
             try:
-                ip = _address(text)
+                spelled = normalise_host(text)
             except ValueError:
                 continue
-            denial = self._judge_address(host, port, ip, name_allows)
+            if spelled.ip is None:
+                continue
+            denial = self._judge_address(host, port, spelled, name_allows)
             if denial is None:
-                usable.append(str(ip))
+                usable.append(str(spelled.ip))
             elif first is None:
                 first = denial
         if usable:
@@ -297,24 +461,42 @@ class EgressRules:
             )
         return [], first
 
-    def _judge_address(self, host: str, port: int, ip: Any, name_allows: bool) -> Denial | None:
+    def _judge_address(
+        self, host: str, port: int, spelled: Host, name_allows: bool
+    ) -> Denial | None:
         target = f"{host}:{port}"
-        special = is_special(ip)
+        ip = spelled.judged
+        both = (ip,) if spelled.ip == ip else (ip, spelled.ip)
+        special = is_special(ip) or spelled.form == "teredo"
+        shown = str(ip) if spelled.ip == ip else f"{spelled.ip} ({spelled.form} for {ip})"
         for rule in self.rules:
-            if rule.action == "deny" and rule.has_port(port) and rule.holds(ip):
+            if rule.action == "deny" and rule.has_port(port) and any(map(rule.holds, both)):
                 return self._denial(
                     "net.connect",
                     "connect",
                     target,
-                    f"{ip} is covered by a deny rule for {rule.host!r}, and deny beats allow",
+                    f"{shown} is covered by a deny rule for {rule.host!r}, and deny beats allow",
+                    f"remove the deny rule for {rule.host!r} from [net] rules",
+                )
+        for rule in self.rules:
+            if rule.action != "deny" or rule.name is None or not rule.has_port(port):
+                continue
+            if any(a in self.deny_addresses.get(rule.name, ()) for a in both):
+                return self._denial(
+                    "net.connect",
+                    "connect",
+                    target,
+                    f"{shown} is an address of {rule.host!r}, which a deny rule names, and "
+                    "deny beats allow",
                     f"remove the deny rule for {rule.host!r} from [net] rules",
                 )
         for rule in self.rules:
             if rule.action != "allow" or rule.name is not None or not rule.has_port(port):
                 continue
             if any(
-                ip.version == net.version and ip in net and (not special or _special_only(net))
+                a.version == net.version and a in net and (not special or _special_only(net))
                 for net in rule.networks
+                for a in both
             ):
                 return None
         if name_allows and not special:
@@ -325,12 +507,12 @@ class EgressRules:
                 "net.connect",
                 "connect",
                 target,
-                f"{host} resolves to {ip}, a {_kind(ip)} address, which a host-name rule "
+                f"{host} resolves to {shown}, a {_kind(ip)} address, which a host-name rule "
                 "never reaches; a rule must name that address",
                 hint,
             )
         if special:
-            detail = f"{ip} is a {_kind(ip)} address and no [net] rule names it"
+            detail = f"{shown} is a {_kind(ip)} address and no [net] rule names it"
         else:
             detail = "no [net] rule allows tcp connect to this address"
         return self._denial("net.connect", "connect", target, detail, hint)
@@ -363,18 +545,140 @@ def system_resolve(host: str) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-_resolver: Resolver = system_resolve
+def _dns_query(qid: int, name: str, qtype: int) -> bytes:
+    labels = b"".join(bytes([len(p)]) + p for p in name.encode("ascii").split(b"."))
+    return (
+        qid.to_bytes(2, "big")
+        + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00"
+        + labels
+        + (b"\x00" + qtype.to_bytes(2, "big") + b"\x00\x01")
+    )
+
+
+def _dns_skip_name(data: bytes, i: int) -> int:
+    for _ in range(128):
+        n = data[i]
+        if n == 0:
+            return i + 1
+        if n & 0xC0 == 0xC0:
+            return i + 2
+        i += 1 + n
+    raise ValueError("a name with too many labels")
+
+
+def _dns_answers(data: bytes, qid: int, qtype: int) -> list[str]:
+    """The addresses of type `qtype` in a DNS answer; OSError for an error code."""
+    if len(data) < 12 or int.from_bytes(data[:2], "big") != qid or not data[2] & 0x80:
+        raise ValueError("not the answer to this query")
+    rcode = data[3] & 0x0F
+    if rcode:
+        raise OSError(f"the DNS server answered rcode {rcode}")
+    qdcount, ancount = int.from_bytes(data[4:6], "big"), int.from_bytes(data[6:8], "big")
+    i = 12
+    for _ in range(qdcount):
+        i = _dns_skip_name(data, i) + 4
+    out: list[str] = []
+    for _ in range(ancount):
+        i = _dns_skip_name(data, i)
+        rtype, length = (
+            int.from_bytes(data[i : i + 2], "big"),
+            int.from_bytes(data[i + 8 : i + 10], "big"),
+        )
+        rdata = data[i + 10 : i + 10 + length]
+        i += 10 + length
+        if rtype == qtype == 1 and len(rdata) == 4:
+            out.append(str(ipaddress.IPv4Address(rdata)))
+        elif rtype == qtype == 28 and len(rdata) == 16:
+            out.append(str(ipaddress.IPv6Address(rdata)))
+    return out
+
+
+def dns_resolver(server: tuple[str, int], timeout: float = RESOLVE_TIMEOUT) -> Resolver:
+    """A resolver that asks one DNS server over UDP (A, then AAAA), and nothing else:
+    no search list, no hosts file, no other server (the pinned resolver)."""
+    import secrets
+
+    def resolve(host: str) -> list[str]:
+        name = normalise_host(host).name
+        if name is None:
+            raise OSError(f"{host!r} is not a host name")
+        family = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
+        out: list[str] = []
+        deadline = time.monotonic() + timeout
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(server)
+            for qtype in (1, 28):
+                qid = secrets.randbits(16)
+                sock.send(_dns_query(qid, name, qtype))
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise OSError(f"the DNS server {server[0]}:{server[1]} did not answer")
+                    sock.settimeout(left)
+                    try:
+                        data = sock.recv(4096)
+                    except TimeoutError:
+                        continue
+                    try:
+                        out.extend(_dns_answers(data, qid, qtype))
+                    except (ValueError, IndexError):
+                        continue  # not our answer, or malformed: wait for the real one
+                    break
+        if not out:
+            raise OSError(f"[Errno -2] Name or service not known: {name!r}")
+        return out
+
+    return resolve
+
+
+#: How long a lookup's answer (or failure) is kept, and how many names are kept.
+RESOLVE_CACHE_SECONDS = 30.0
+RESOLVE_CACHE_NAMES = 1024
+
+
+class _CachedResolver:
+    """The proxy's one resolver (pinned: set on the host, never by the worker), its
+    answers kept for RESOLVE_CACHE_SECONDS; it is asked only for names a rule names."""
+
+    def __init__(self, resolve: Resolver) -> None:
+        self.resolve = resolve
+        self._cache: dict[str, tuple[float, list[str] | None, str]] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, name: str) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(name)
+        if hit is not None and now - hit[0] < RESOLVE_CACHE_SECONDS:
+            if hit[1] is None:
+                raise OSError(hit[2])
+            return list(hit[1])
+        try:
+            answer: list[str] | None = list(self.resolve(name))
+            error = ""
+        except Exception as exc:
+            answer, error = None, str(exc) or repr(exc)
+        with self._lock:
+            if len(self._cache) >= RESOLVE_CACHE_NAMES:
+                self._cache.clear()
+            self._cache[name] = (now, answer, error)
+        if answer is None:
+            raise OSError(error)
+        return list(answer)
+
+
+_resolver = _CachedResolver(system_resolve)
 
 
 def set_resolver(resolver: Resolver | None) -> Resolver:
-    """Replace the proxy's resolver (tests map names to loopback servers); returns the old.
-
-    `None` puts the system resolver back. The resolver runs on the host, in a thread, and
-    raises OSError for a name that does not resolve.
+    """Replace the proxy's resolver (tests map names to loopback servers, or point it at
+    a DNS server with `dns_resolver`); returns the old. `None` puts the system resolver
+    back. The resolver runs on the host, in a thread, and raises OSError for a name that
+    does not resolve; its answers are cached (`RESOLVE_CACHE_SECONDS`).
     """
     global _resolver
-    old = _resolver
-    _resolver = resolver or system_resolve
+    old = _resolver.resolve
+    _resolver = _CachedResolver(resolver or system_resolve)
     return old
 
 
@@ -771,8 +1075,8 @@ class _Leg:
             if not size or len(size) > 15 or not _HEX.issuperset(size):
                 raise _BadMessage(f"a malformed chunk size {line[:20]!r}")
             n = int(size, 16)
-            if raw:
-                dst.write(line + b"\r\n")
+            if raw:  # rebuilt from what was parsed: no chunk extension is passed on
+                dst.write(b"%x\r\n" % n)
             if n == 0:
                 break
             await self.relay(n, dst)
@@ -782,14 +1086,14 @@ class _Leg:
                 dst.write(b"\r\n")
             await dst.drain()
         total = 0
-        while True:  # trailers, up to the blank line
+        while True:  # trailers, up to the blank line: read and dropped, never passed on
             line = await self.line()
             total += len(line)
             if total > MAX_HEAD_BYTES:
                 raise _BadMessage("chunked trailers too long")
-            if raw:
-                dst.write(line + b"\r\n")
             if not line:
+                if raw:
+                    dst.write(b"\r\n")
                 return
 
     async def relay_to_close(self, dst: asyncio.StreamWriter) -> None:
@@ -985,13 +1289,15 @@ class _Session:
         except ValueError as exc:
             await _reply(self.writer, 400, str(exc))
             return False
+        with contextlib.suppress(ValueError):  # a bad host is refused by `_decide`
+            host = normalise_host(host).text
         connect = method.upper() == "CONNECT"
         if connect or self.up_key != (host, port) or self.up is None:
             self._close_upstream()
             addresses, denial = await _decide(self.route, host, port)
             if denial is not None:
                 self.route.record(denial)  # recorded before the refusal reaches the worker
-                await _reply(self.writer, 403, denial.message(), rule=denial.rule)
+                await _refuse(self.writer, denial, connect=connect)
                 return False
             error = await self._connect(addresses, port)
             if error:
@@ -1029,13 +1335,14 @@ class _Session:
         drop = _hop_by_hop(headers)
         client_close = version != b"HTTP/1.1" or b"close" in drop
         out = [f"{method} {path} HTTP/1.1\r\n".encode("ascii")]
-        has_host = False
+        # One Host, the target's (the request's absolute URI decides; RFC 9112 3.2.2): the
+        # client's Host lines, duplicates and all, are never passed on.
+        spelled = f"[{host}]" if ":" in host else host
+        authority = spelled if port == 80 else f"{spelled}:{port}"
+        out.append(f"host: {authority}\r\n".encode("ascii"))
         for name, value in headers:
-            if name not in drop:
+            if name not in drop and name != b"host":
                 out.append(name + b": " + value + b"\r\n")
-                has_host = has_host or name == b"host"
-        if not has_host:
-            out.append(f"host: {host}:{port}\r\n".encode("ascii"))
         out.append(b"\r\n")
         kind, length = framing
         if kind == "length" and length <= len(self.client.buf):
@@ -1085,6 +1392,10 @@ class _Session:
                     raise _BadMessage("the upstream switched protocols unasked")
                 out.append(b"\r\n")
                 self.writer.write(b"".join(out))
+                # Back-pressure: no more is read from the upstream until the client has
+                # taken this head (a flood of 1xx heads to a client that does not read
+                # fills the socket's buffers, never the host's memory).
+                await self.writer.drain()
                 continue
             break
         if method == "HEAD" or code in (204, 304):
@@ -1127,33 +1438,57 @@ class _Session:
                     dst.write_eof()
 
 
-async def _decide(route: Route, host: str, port: int) -> tuple[list[str], Denial | None]:
-    """Judge a target; a name is judged, then resolved on the host, then judged by address."""
-    rules = route.rules
-    try:
-        _address(host)
-        return rules.judge(host, port, [host], by_name=False)
-    except ValueError:
-        pass
-    denial = rules.before_resolve(host, port)
-    if denial is not None:
-        return [], denial
+async def _lookup(name: str) -> list[str]:
+    """The pinned resolver's answer for a name a rule names (bounded by RESOLVE_TIMEOUT)."""
     loop = asyncio.get_running_loop()
     resolver = _resolver
+    return await asyncio.wait_for(
+        loop.run_in_executor(None, resolver.lookup, name), RESOLVE_TIMEOUT
+    )
+
+
+async def _decide(route: Route, host: str, port: int) -> tuple[list[str], Denial | None]:
+    """Judge a target: its one spelling first (`normalise_host`); an address is judged as
+    it is; a name is judged, then (only when a rule names it) resolved on the host by the
+    pinned resolver, then judged by address. A deny rule's names are resolved too, so
+    their addresses are refused whatever the spelling."""
+    rules = route.rules
     try:
-        addresses = await asyncio.wait_for(
-            loop.run_in_executor(None, resolver, host), RESOLVE_TIMEOUT
-        )
+        spelled = normalise_host(host)
+    except ValueError as exc:
+        return [], rules.bad_host(host, port, str(exc))
+    for name in rules.deny_names:
+        with contextlib.suppress(Exception):
+            found = await _lookup(name)
+            rules.deny_addresses[name] = [
+                a for a in (_address_or_none(t) for t in found) if a is not None
+            ]
+    if spelled.ip is not None:
+        return rules.judge(spelled.text, port, [spelled.text], by_name=False)
+    assert spelled.name is not None
+    denial = rules.before_resolve(spelled.name, port)
+    if denial is not None:
+        return [], denial
+    try:
+        addresses = await _lookup(spelled.name)
     except Exception as exc:  # whatever the resolver raises, the name did not resolve
         why = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or repr(exc)
         return [], rules._denial(
             "net.resolve",
             "resolve",
-            host,
+            spelled.name,
             f"the host does not resolve ({why})",
             "check the host name in the policy's [net] rules",
         )
-    return rules.judge(host, port, addresses, by_name=True)
+    return rules.judge(spelled.name, port, addresses, by_name=True)
+
+
+def _address_or_none(text: str) -> Any:
+    try:
+        spelled = normalise_host(text)
+    except ValueError:
+        return None
+    return spelled.judged if spelled.ip is not None else None
 
 
 def _parse_target(method: str, target: str) -> tuple[str, int, str]:
@@ -1201,6 +1536,38 @@ async def _reply(
         head.append(f"x-agent-sandbox-denial: {rule}\r\n")
     head.append("\r\n")
     writer.write("".join(head).encode("latin-1", "replace") + body)
+    with contextlib.suppress(OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
+
+
+def _one_line(denial: Denial) -> bytes:
+    """The refusal as one line of printable ASCII: the rule, the target, the reason, the
+    hint (what the client's error message shows)."""
+    text = " ".join(denial.message().split())
+    return text.encode("ascii", "backslashreplace")[: MAX_HEAD_BYTES // 2]
+
+
+async def _refuse(writer: asyncio.StreamWriter, denial: Denial, *, connect: bool) -> None:
+    """Refuse a request so that every client raises its own connection error naming the
+    rule and the hint, and none reads a refusal as a response (then end the connection).
+
+    `CONNECT`: a 403 whose reason phrase is the refusal (clients raise on a failed tunnel
+    and quote the phrase: `Tunnel connection failed: 403 [net.resolve] ...`). Plain HTTP:
+    the refusal in place of the status line, which no HTTP client takes for a response
+    (http.client's `BadStatusLine`, h11's and aiohttp's protocol errors), so the code's
+    request fails as a connection does instead of returning a body to parse.
+    """
+    line = _one_line(denial)
+    if connect:
+        body = line + b"\n"
+        writer.write(
+            b"HTTP/1.1 403 " + line + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\nx-agent-sandbox-denial: %s\r\n\r\n"
+            % (len(body), denial.rule.encode("ascii", "replace"))
+            + body
+        )
+    else:
+        writer.write(line + b"\r\n\r\n")
     with contextlib.suppress(OSError, asyncio.TimeoutError):
         await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
 
