@@ -1,0 +1,119 @@
+"""Every HTTP client sees the same refusal from the egress proxy, with the rule and hint.
+
+For each client (requests, urllib, httpx sync and async, aiohttp, http.client, raw sockets)
+a host the policy does not allow, asked for over plain HTTP and over HTTPS: the code gets
+the client's own connection error whose text names the rule and the hint, the result's
+error is `denied` with that rule, and the refusal is recorded by the host. The servers are
+loopback servers started here; names are mapped by the proxy's injected resolver.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent_sandbox import Policy, Sandbox
+from agent_sandbox.providers import _egress
+
+from .conftest import skip_unless_available
+
+# (client, code fetching URL; {url} is replaced)
+CLIENTS = {
+    "requests": "import requests\nrequests.get({url!r}, timeout=20).text",
+    "urllib": "import urllib.request\nurllib.request.urlopen({url!r}, timeout=20).read()",
+    "httpx": "import httpx\nhttpx.get({url!r}, timeout=20).text",
+    "httpx-async": (
+        "import asyncio, httpx\n"
+        "async def main():\n"
+        "    async with httpx.AsyncClient(timeout=20) as c:\n"
+        "        return (await c.get({url!r})).text\n"
+        "asyncio.run(main())"
+    ),
+    "aiohttp": (
+        "import asyncio, aiohttp\n"
+        "async def main():\n"
+        "    async with aiohttp.ClientSession(trust_env=True) as s:\n"
+        "        async with s.get({url!r}) as r:\n"
+        "            return await r.text()\n"
+        "asyncio.run(main())"
+    ),
+    "http.client": (
+        "import http.client, os, urllib.parse\n"
+        "u = urllib.parse.urlsplit({url!r})\n"
+        "p = urllib.parse.urlsplit(os.environ['HTTP_PROXY'])\n"
+        "if u.scheme == 'https':\n"
+        "    c = http.client.HTTPSConnection(p.hostname, p.port, timeout=20)\n"
+        "    c.set_tunnel(u.hostname, u.port or 443)\n"
+        "    c.request('GET', u.path or '/')\n"
+        "else:\n"
+        "    c = http.client.HTTPConnection(p.hostname, p.port, timeout=20)\n"
+        "    c.request('GET', {url!r})\n"
+        "c.getresponse().read()"
+    ),
+    "socket": (
+        "import socket, urllib.parse\n"
+        "u = urllib.parse.urlsplit({url!r})\n"
+        "socket.create_connection((u.hostname, u.port or 80), timeout=20).close()"
+    ),
+}
+
+TARGETS = {
+    "http-name": ("http://refused.test:8080/x", "net.resolve", "refused.test"),
+    "https-name": ("https://refused.test:8443/x", "net.resolve", "refused.test"),
+    "http-ip": ("http://198.51.100.7:8080/x", "net.connect", "198.51.100.7:8080"),
+}
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[Any]:
+    provider = next(
+        (p for p in ("bwrap", "unshare") if _available(p)),
+        None,
+    )
+    if provider is None:
+        pytest.skip("no namespace provider here")
+    old = _egress.set_resolver(lambda host: ["127.0.0.1"] if host == "allowed.test" else [])
+    policy = Policy(
+        name="clients-danger",
+        imports={"allow": ["*"]},
+        net={"rules": [{"host": "allowed.test", "ports": "9"}]},
+        limits={"wall_seconds": 60},
+    )
+    try:
+        with Sandbox(policy, provider=provider, warm=0) as sb:
+            yield sb.session("clients")
+    finally:
+        _egress.set_resolver(old)
+
+
+def _available(name: str) -> bool:
+    try:
+        skip_unless_available(name)
+    except pytest.skip.Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_every_client_sees_the_refusal_with_its_rule(
+    sandbox: Any, client: str, target: str
+) -> None:
+    """It denies a host outside the policy to every client alike: the client's own error
+    names the rule and hint, the result is `denied` with that rule, the host recorded it."""
+    pytest.importorskip(client.split("-")[0].split(".")[0])
+    url, rule, where = TARGETS[target]
+    result = sandbox.run(CLIENTS[client].format(url=url))
+    error = result.error
+    net = [d for d in result.denials if d.rule.startswith("net.") and not d.internal]
+    other = [d for d in result.denials if not d.internal and not d.rule.startswith("net.")]
+    row = (client, target, error and error.kind, error and error.rule, error and error.type)
+    print("ROW", row, error and error.message[:160])
+    assert error is not None, row
+    assert (error.kind, error.rule) == ("denied", rule), row
+    assert f"[{rule}]" in error.message and where in error.message, row
+    assert any((d.rule, d.target) == (rule, where) for d in net), (row, net)
+    assert not other, (row, other)  # no probe by a library is shown as the user's refusal
