@@ -9,7 +9,6 @@ loopback servers started here; names are mapped by the proxy's injected resolver
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
