@@ -48,6 +48,8 @@ RULES: dict[str, str] = {
     "limits.cpu": "CPU time above `limits.cpu_seconds`",
     "limits.file-size": "a file larger than `limits.file_size_mb`",
     "limits.memory": "memory above `limits.memory_mb`",
+    "limits.net": "a proxy connection past a `net` bound (`net.connections`, "
+    "`net.bytes_per_call`, `net.connection_seconds`, the request head's size or time)",
     "limits.open-files": "more open files than `limits.open_files`",
     "limits.output": "more output than `limits.output_bytes`",
     "limits.processes": "more processes than `limits.processes`",

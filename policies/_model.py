@@ -163,9 +163,22 @@ class NetRule(_Section):
 
 
 class NetPolicy(_Section):
-    """Network rules; no rule means no network. A deny rule beats an allow rule."""
+    """Network rules; no rule means no network. A deny rule beats an allow rule.
+
+    The bounds below are the host's egress proxy's, per worker (namespace and qemu
+    providers): one worker reaching its own never delays or refuses another's.
+    """
 
     rules: tuple[NetRule, ...] = ()
+    #: Proxy connections (tunnels included) one worker may hold open at once.
+    connections: int = Field(default=64, ge=1, le=4096)
+    #: Bytes the proxy relays for one worker in one call (both directions, all connections).
+    bytes_per_call: int = Field(default=1 << 30, ge=1024)
+    #: The longest one proxy connection lives, from its accept (an absolute deadline).
+    connection_seconds: float = Field(default=300.0, gt=0, le=86_400)
+    #: Whether the proxy's connections outlive the call that opened them (a client's
+    #: keep-alive pool, a thread between calls); by default they end with the call.
+    keep_connections: bool = False
 
     def allows_any(self) -> bool:
         """Whether any allow rule exists (the description says "network off" otherwise)."""

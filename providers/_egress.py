@@ -23,9 +23,14 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
    the worker's route, before the refusal is sent; the parent merges them into the call's
    `RunResult` (`Route.drain`). The worker cannot suppress or forge them.
 
-Bounds: connections per worker and in all, the request head size, the relay buffers (with
-back-pressure), and timeouts on the head, the name lookup, the upstream connect and idle
-relays. The proxy runs as one event-loop thread of the agent's process, started with the
+Bounds, per worker (its policy's `[net]` bounds, with defaults): open connections
+(`net.connections`), bytes relayed per call (`net.bytes_per_call`), the life of one
+connection (`net.connection_seconds`, an absolute deadline); connections end with the call
+unless `net.keep_connections`. No bound is shared between workers, so what one holds never
+refuses or delays another's connection. Also the request head size and its absolute
+deadline, the relay buffers (back-pressure: nothing is read from one side faster than the
+other side takes it, 1xx heads included), and timeouts on the name lookup and the upstream
+connect. Each refusal at a bound is recorded as `limits.net`. The proxy runs as one event-loop thread of the agent's process, started with the
 first route and stopped with the last (a pool or sandbox closing its workers stops it).
 
 SOCKS5 (RFC 1928, no authentication, `CONNECT` only) is served on the same port: a
@@ -77,7 +82,8 @@ PROXY_PORT = 3128
 
 #: Bounds (see the module docstring).
 MAX_CONNECTIONS_PER_ROUTE = 64
-MAX_CONNECTIONS = 512
+MAX_BYTES_PER_CALL = 1 << 30
+CONNECTION_SECONDS = 300.0
 MAX_HEAD_BYTES = 16 * 1024
 BUFFER_BYTES = 64 * 1024
 HEAD_TIMEOUT = 10.0
@@ -733,6 +739,32 @@ class Route:
         #: The loop's task serving the listener, and why it could not (see `attach`).
         self.serve_task: asyncio.Task[None] | None = None
         self.failure: str | None = None
+        #: This worker's own bounds (the policy's `[net]` bounds, else the defaults).
+        self.max_connections = MAX_CONNECTIONS_PER_ROUTE
+        self.max_bytes = MAX_BYTES_PER_CALL
+        self.lifetime = CONNECTION_SECONDS
+        self.keep = False
+        #: Bytes relayed for this worker since the last drain (the call's).
+        self.relayed = 0
+        self.open = 0
+
+    def bound(self, policy: Any) -> None:
+        """Take the policy's `[net]` bounds (a policy without them keeps the defaults)."""
+        net = getattr(policy, "net", None)
+        self.max_connections = int(getattr(net, "connections", self.max_connections))
+        self.max_bytes = int(getattr(net, "bytes_per_call", self.max_bytes))
+        self.lifetime = float(getattr(net, "connection_seconds", self.lifetime))
+        self.keep = bool(getattr(net, "keep_connections", self.keep))
+
+    def limit_denial(self, target: str, detail: str, hint: str) -> Denial:
+        return Denial(
+            "limits.net",
+            "connect",
+            target,
+            self.rules.policy_name,
+            detail=detail + " (refused by the host's egress proxy)",
+            hint=hint,
+        )
 
     def record(self, denial: Denial) -> None:
         with self._lock:
@@ -746,6 +778,7 @@ class Route:
         with self._lock:
             out, self._denials = self._denials, []
             dropped, self._dropped = self._dropped, 0
+            self.relayed = 0
         if dropped:
             out.append(
                 Denial(
@@ -758,6 +791,13 @@ class Route:
                 )
             )
         return out
+
+    def end_call(self) -> None:
+        """The call ended: end this worker's connections unless the policy keeps them
+        (`net.keep_connections`), so no tunnel opened by a call outlives it."""
+        if self.keep or self.closed or not self.tasks:
+            return
+        self.proxy._end_connections(self)
 
     def close(self) -> None:
         """Stop accepting, end every connection of this worker (idempotent)."""
@@ -848,6 +888,7 @@ class EgressProxy:
                 listener.close()
                 raise
             route = Route(self, rules, listener)
+            route.bound(policy)
             self._routes.add(route)
         try:
             loop.call_soon_threadsafe(self._spawn_serve, route)
@@ -907,6 +948,22 @@ class EgressProxy:
         if route.tasks:
             await asyncio.wait(list(route.tasks), timeout=2.0)
 
+    def _end_connections(self, route: Route) -> None:
+        loop = self._loop
+        if loop is None or not self.running:
+            return
+
+        async def end() -> None:
+            tasks = list(route.tasks)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=2.0)
+
+        future = asyncio.run_coroutine_threadsafe(end(), loop)
+        with contextlib.suppress(Exception):
+            future.result(5.0)
+
     def _stop_if_idle(self) -> None:
         with self._lock:
             if self._routes or self._thread is None:
@@ -935,9 +992,19 @@ class EgressProxy:
     async def _connection(
         self, route: Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if len(route.tasks) > MAX_CONNECTIONS_PER_ROUTE or self._connections >= MAX_CONNECTIONS:
-            writer.close()
+        # Each worker's own bound: what one holds never refuses or delays another's.
+        if route.open >= route.max_connections:
+            route.record(
+                route.limit_denial(
+                    f"connection {route.open + 1}",
+                    f"this worker already holds {route.open} proxy connections, its "
+                    f"bound (net.connections = {route.max_connections})",
+                    grant_hint({"net.connections": route.max_connections * 2}),
+                )
+            )
+            writer.transport.abort()
             return
+        route.open += 1
         self._connections += 1
         sock = writer.get_extra_info("socket")
         if sock is not None:  # asyncio sets it only when the listener's proto says TCP
@@ -954,6 +1021,7 @@ class EgressProxy:
             logging.getLogger("agent_sandbox.egress").exception("egress proxy connection failed")
         finally:
             self._connections -= 1
+            route.open -= 1
             session.close()
 
 
@@ -1110,8 +1178,12 @@ class _Session:
 
     Plain HTTP requests keep the client connection alive and reuse the upstream connection
     while the target stays the same; `CONNECT` turns the connection into a tunnel. One
-    timer per connection enforces the timeouts: the request head must arrive within
-    HEAD_TIMEOUT, and any later silence longer than IDLE_TIMEOUT ends the connection.
+    timer per connection enforces the deadlines, all absolute: each request head must
+    arrive within HEAD_TIMEOUT of its start (a head trickled byte by byte does not extend
+    it), the connection ends `net.connection_seconds` after its accept, and silence longer
+    than IDLE_TIMEOUT ends it too. Every byte read counts against the worker's
+    `net.bytes_per_call`. A deadline or bound that ends a connection is recorded as a
+    `limits.net` refusal (silence and an idle kept-alive connection are not refusals).
 
     Only the message heads are parsed (strictly: see `_split_head`, `_framing`); bodies are
     relayed as they come, their framing (Content-Length, chunked, or the close of the
@@ -1129,23 +1201,70 @@ class _Session:
         self.up: _Leg | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.loop = asyncio.get_running_loop()
-        self.limit = HEAD_TIMEOUT
-        self.last = self.loop.time()
-        self.timer: asyncio.TimerHandle | None = self.loop.call_later(self.limit, self._check)
+        self.limit = IDLE_TIMEOUT
+        now = self.last = self.loop.time()
+        #: Absolute deadlines: the connection's life, and the request head being read.
+        self.end = now + route.lifetime
+        self.head_end: float | None = now + HEAD_TIMEOUT
+        self.target = "the proxy"
+        self.timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT, self._check)
 
     def _check(self) -> None:
-        idle = self.loop.time() - self.last
-        if idle >= self.limit:
-            self.timer = None
-            for w in (self.writer, self.up_writer):
-                if w is not None:
-                    w.transport.abort()  # pending reads end; the session closes
+        now = self.loop.time()
+        why = ""
+        if now >= self.end:
+            why = (
+                f"the connection reached its deadline (net.connection_seconds = "
+                f"{self.route.lifetime:g})"
+            )
+        elif self.head_end is not None and now >= self.head_end:
+            if not self.client.buf:
+                self._abort()  # a connection left idle before a head: closed, not refused
+                return
+            why = f"the request head did not arrive within {HEAD_TIMEOUT:g} s"
+        elif now - self.last >= self.limit:
+            why = ""  # silence: the peers went quiet, nothing was refused
+            self._abort()
             return
-        self.timer = self.loop.call_later(self.limit - idle, self._check)
+        if why:
+            self.route.record(
+                self.route.limit_denial(
+                    self.target,
+                    why,
+                    grant_hint({"net.connection_seconds": self.route.lifetime * 2})
+                    if "deadline" in why
+                    else "send the whole request head at once",
+                )
+            )
+            self._abort()
+            return
+        wake = min(self.end, self.last + self.limit)
+        if self.head_end is not None:
+            wake = min(wake, self.head_end)
+        self.timer = self.loop.call_later(max(wake - now, 0.01), self._check)
+
+    def _abort(self) -> None:
+        self.timer = None
+        for w in (self.writer, self.up_writer):
+            if w is not None:
+                w.transport.abort()  # pending reads end; the session closes
 
     async def read(self, reader: asyncio.StreamReader) -> bytes:
         data = await reader.read(BUFFER_BYTES)
         self.last = self.loop.time()
+        route = self.route
+        route.relayed += len(data)
+        if route.relayed > route.max_bytes:
+            route.record(
+                route.limit_denial(
+                    self.target,
+                    f"the proxy relayed more than {route.max_bytes} bytes for this worker in "
+                    f"this call (net.bytes_per_call)",
+                    grant_hint({"net.bytes_per_call": route.max_bytes * 2}),
+                )
+            )
+            self._abort()
+            raise ConnectionError("net.bytes_per_call reached")
         return data
 
     def close(self) -> None:
@@ -1167,6 +1286,8 @@ class _Session:
             return
         self.client.buf = first
         while True:
+            if self.head_end is None:  # the next request on a kept-alive connection
+                self.head_end = self.loop.time() + HEAD_TIMEOUT
             try:
                 head = await self.client.until(b"\r\n\r\n", MAX_HEAD_BYTES)
                 if head is None:
@@ -1179,11 +1300,30 @@ class _Session:
                         raise _BadMessage("a Transfer-Encoding that does not end in chunked")
                     framing = ("length", 0)
             except _BadMessage as exc:
+                self._refused_head(str(exc))
                 await _reply(self.writer, 400, f"the proxy could not parse the request ({exc})")
                 return
-            self.limit = IDLE_TIMEOUT  # the head is in; from here on, silence is what counts
+            self.head_end = None  # the head is in; from here on, silence is what counts
+            self.target = target[:200]
             if not await self._one(method, target, version, headers, framing):
                 return
+
+    def _refused_head(self, why: str) -> None:
+        """Record a request the proxy would not read (host-side, with its rule)."""
+        too_long = why.startswith("more than")
+        self.route.record(
+            self.route.limit_denial(
+                "the proxy", f"a request head too long ({why})", "send a shorter request head"
+            )
+            if too_long
+            else self.route.rules._denial(
+                "net.connect",
+                "connect",
+                "the proxy",
+                f"a malformed request head ({why})",
+                "send a well-formed HTTP/1.1 request (or SOCKS5)",
+            )
+        )
 
     async def _socks(self, data: bytes) -> None:
         """A SOCKS5 client (RFC 1928): no authentication, `CONNECT` only, judged like a
@@ -1233,7 +1373,8 @@ class _Session:
         if version != 5 or command != 1:
             reply(7)  # command not supported: CONNECT only
             return
-        self.limit = IDLE_TIMEOUT
+        self.head_end = None
+        self.target = f"{host[:200]}:{port}"
         addresses, denial = await _decide(self.route, host, port)
         if denial is not None:
             self.route.record(denial)  # recorded before the refusal reaches the worker

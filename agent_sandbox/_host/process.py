@@ -773,6 +773,7 @@ class WorkerProcess:
             # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
             for denial in self.egress.drain():
                 builder.add_denial(denial)
+            self.egress.end_call()  # no tunnel of this call outlives it (net.keep_connections)
         if self.kernel_log is not None:
             # Landlock's refusals as the kernel logged them, recorded by the host; the
             # ones the Python guards already reported for the same target are not repeated.

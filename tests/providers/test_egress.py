@@ -826,13 +826,15 @@ def test_the_proxy_refuses_an_ambiguous_request_head(
     framing_route: tuple[Any, int, int], head: str
 ) -> None:
     """A head another parser could frame differently (request smuggling) is a 400, not
-    forwarded; nothing is recorded as a policy denial."""
+    forwarded; the host records the refusal (`net.connect`, a malformed head)."""
     route, proxy_port, port = framing_route
     out = _raw_exchange(
         proxy_port, (head.format(url=f"http://127.0.0.1:{port}/") + "\r\n").encode()
     )
     assert out.startswith(b"HTTP/1.1 400 "), out
-    assert route.drain() == []
+    [denial] = route.drain()
+    assert (denial.rule, denial.target) == ("net.connect", "the proxy")
+    assert "malformed request head" in denial.detail
 
 
 def test_the_proxy_drops_an_answer_with_ambiguous_framing(

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox
+from agent_sandbox.adapters._common import outcome
 from agent_sandbox.providers import _egress
 
 from .conftest import skip_unless_available
@@ -116,3 +117,6 @@ def test_every_client_sees_the_refusal_with_its_rule(
     assert f"[{rule}]" in error.message and where in error.message, row
     assert any((d.rule, d.target) == (rule, where) for d in net), (row, net)
     assert not other, (row, other)  # no probe by a library is shown as the user's refusal
+    told = outcome(result)  # what LangChain's and CrewAI's tools report
+    assert (told.is_error, told.kind, told.rule) == (True, "denied", rule), (row, told)
+    assert "hide" not in told.text and "files.hidden" not in told.text
