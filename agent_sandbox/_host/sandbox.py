@@ -338,7 +338,7 @@ class Sandbox:
     def _logged(self, result: RunResult) -> RunResult:
         from agent_sandbox._host import oplog
 
-        oplog.write(result, tool=self.tool)
+        oplog.write(result, tool=self.tool, policy=self.policy)
         return result
 
     # -- stateless calls -----------------------------------------------------------------
