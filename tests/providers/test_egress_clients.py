@@ -120,3 +120,35 @@ def test_every_client_sees_the_refusal_with_its_rule(
     told = outcome(result)  # what LangChain's and CrewAI's tools report
     assert (told.is_error, told.kind, told.rule) == (True, "denied", rule), (row, told)
     assert "hide" not in told.text and "files.hidden" not in told.text
+
+
+@pytest.mark.parametrize("mode", ["enforce", "learn"])
+def test_a_socket_the_kernel_refuses_names_its_rule_and_learn_proposes_the_line(
+    mode: str,
+) -> None:
+    """With no `[net]` rule the kernel (seccomp) refuses every internet socket; code that
+    connects to an address gets `net.connect` with the target and the hint (not a bare
+    EPERM), and learning mode proposes the `[[net.rules]]` line for it."""
+    from agent_sandbox._tools.learn.propose import propose
+
+    provider = next((p for p in ("bwrap", "unshare") if _available(p)), None)
+    if provider is None:
+        pytest.skip("no namespace provider here")
+    policy = Policy(
+        name="no-network", mode=mode, imports={"allow": ["socket"]}, limits={"wall_seconds": 30}
+    )
+    code = "import socket\nsocket.create_connection(('198.51.100.7', 8080), timeout=5)"
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        result = sb.run(code)
+        bare = sb.run("import socket\nsocket.socket()")
+    assert result.error is not None
+    if mode == "enforce":
+        assert (result.error.kind, result.error.rule) == ("denied", "net.connect"), result.error
+        [denial] = [d for d in result.denials if not d.internal]
+        assert denial.target == "198.51.100.7:8080"
+        assert 'host = "198.51.100.7", ports = "8080"' in denial.hint
+        assert bare.error is not None and bare.error.rule == "net.connect"  # no bare EPERM
+    else:
+        assert result.error.type == "PermissionError"  # the kernel still refuses it
+        rules = [(r.host, r.ports) for r in propose(policy, [result]).proposed.net.rules]
+        assert rules == [("198.51.100.7", "8080")]
