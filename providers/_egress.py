@@ -1329,49 +1329,31 @@ class _Session:
         """A SOCKS5 client (RFC 1928): no authentication, `CONNECT` only, judged like a
         `CONNECT` request (a name is resolved and judged on the host: `socks5h://`)."""
 
-        async def need(n: int) -> bytes:
+        async def need(parse: Callable[[bytes], Any]) -> Any:
             nonlocal data
-            while len(data) < n:
+            while (out := parse(data)) is None:
                 if len(data) > MAX_HEAD_BYTES:
                     raise ConnectionError("SOCKS5 head too long")
                 more = await self.read(self.reader)
                 if not more:
                     raise ConnectionError("SOCKS5 client went away")
                 data += more
-            return data
+            return out
 
         def reply(code: int) -> None:
             self.writer.write(bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0]))
 
-        await need(2)
-        count = data[1]
-        await need(2 + count)
-        if 0 not in data[2 : 2 + count]:
-            self.writer.write(b"\x05\xff")  # no acceptable method
+        answer, used = await need(socks5_greeting)
+        self.writer.write(answer)
+        data = data[used:]
+        if answer != b"\x05\x00":
+            self._refused_head("a SOCKS5 greeting offering no method without authentication")
             return
-        self.writer.write(b"\x05\x00")
-        data = data[2 + count :]
-        await need(5)
-        version, command, _reserved, kind = data[0], data[1], data[2], data[3]
-        if kind == 1:
-            end = 4 + 4
-            await need(end + 2)
-            host = str(ipaddress.IPv4Address(data[4:end]))
-        elif kind == 4:
-            end = 4 + 16
-            await need(end + 2)
-            host = str(ipaddress.IPv6Address(data[4:end]))
-        elif kind == 3:
-            end = 5 + data[4]
-            await need(end + 2)
-            host = data[5:end].decode("ascii", "replace")
-        else:
-            reply(8)  # address type not supported
-            return
-        port = int.from_bytes(data[end : end + 2], "big")
-        leftover = data[end + 2 :]
-        if version != 5 or command != 1:
-            reply(7)  # command not supported: CONNECT only
+        code, host, port, used = await need(socks5_request)
+        leftover = data[used:]
+        if code:
+            self._refused_head(f"a SOCKS5 request the proxy does not serve (reply {code})")
+            reply(code)
             return
         self.head_end = None
         self.target = f"{host[:200]}:{port}"
@@ -1630,6 +1612,48 @@ def _address_or_none(text: str) -> Any:
     except ValueError:
         return None
     return spelled.judged if spelled.ip is not None else None
+
+
+def socks5_greeting(data: bytes) -> tuple[bytes, int] | None:
+    """A SOCKS5 greeting (RFC 1928 section 3): (the answer, bytes used); None when more
+    bytes are needed. Only "no authentication" (0) is accepted; else 0xFF."""
+    if len(data) < 2:
+        return None
+    used = 2 + data[1]
+    if len(data) < used:
+        return None
+    if data[0] != 5 or 0 not in data[2:used]:
+        return b"\x05\xff", used
+    return b"\x05\x00", used
+
+
+def socks5_request(data: bytes) -> tuple[int, str, int, int] | None:
+    """A SOCKS5 request (RFC 1928 section 4): (reply code, host, port, bytes used), the
+    code 0 for a `CONNECT` the proxy serves, 7 for another command or version, 8 for an
+    unknown address type; None when more bytes are needed."""
+    if len(data) < 5:
+        return None
+    version, command, kind = data[0], data[1], data[3]
+    if kind == 1:
+        end = 8
+    elif kind == 4:
+        end = 20
+    elif kind == 3:
+        end = 5 + data[4]
+    else:
+        return 8, "", 0, len(data)
+    if len(data) < end + 2:
+        return None
+    if kind == 1:
+        host = str(ipaddress.IPv4Address(data[4:end]))
+    elif kind == 4:
+        host = str(ipaddress.IPv6Address(data[4:end]))
+    else:
+        host = data[5:end].decode("ascii", "backslashreplace")
+    port = int.from_bytes(data[end : end + 2], "big")
+    if version != 5 or command != 1:
+        return 7, host, port, end + 2
+    return 0, host, port, end + 2
 
 
 def _parse_target(method: str, target: str) -> tuple[str, int, str]:
