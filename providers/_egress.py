@@ -30,8 +30,9 @@ unless `net.keep_connections`. No bound is shared between workers, so what one h
 refuses or delays another's connection. Also the request head size and its absolute
 deadline, the relay buffers (back-pressure: nothing is read from one side faster than the
 other side takes it, 1xx heads included), and timeouts on the name lookup and the upstream
-connect. Each refusal at a bound is recorded as `limits.net`. The proxy runs as one event-loop thread of the agent's process, started with the
-first route and stopped with the last (a pool or sandbox closing its workers stops it).
+connect. Each refusal at a bound is recorded as `limits.net`. The proxy runs as one
+event-loop thread of the agent's process, started with the first route and stopped with
+the last (a pool or sandbox closing its workers stops it).
 
 SOCKS5 (RFC 1928, no authentication, `CONNECT` only) is served on the same port: a
 connection whose first byte is 5 is a SOCKS5 client (`socks5h://127.0.0.1:3128`, names
