@@ -135,6 +135,14 @@ def describe_policy(
     if policy.net.allows_any():
         targets = [f"{r.host}:{r.ports}" for r in policy.net.rules if r.action == "allow"]
         lines.append(f"- Network: only {', '.join(targets)}.")
+        if "egress-proxy" in (boundary or "").split("+"):
+            # What works behind the host's egress proxy, and what does not (issue 31).
+            lines.append(
+                "  Only through the proxy in HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (HTTP, "
+                "HTTPS via CONNECT, SOCKS5): requests, urllib, httpx, aiohttp with "
+                "trust_env=True and pip use it; a direct socket (socket.create_connection, "
+                "http.client without set_tunnel, database drivers) reaches nothing."
+            )
     else:
         lines.append("- Network: off.")
     writable = ["the scratch directory (the working directory)"]

@@ -152,3 +152,55 @@ def test_a_socket_the_kernel_refuses_names_its_rule_and_learn_proposes_the_line(
         assert result.error.type == "PermissionError"  # the kernel still refuses it
         rules = [(r.host, r.ports) for r in propose(policy, [result]).proposed.net.rules]
         assert rules == [("198.51.100.7", "8080")]
+
+
+def test_the_description_says_exactly_which_clients_reach_an_allowed_service() -> None:
+    """Behind the egress proxy the tool description says proxy-aware clients reach an
+    allowed loopback service and a direct socket reaches nothing; both halves hold."""
+    import http.server
+    import threading
+
+    from agent_sandbox._host.boundary import resolve_boundary
+    from agent_sandbox.adapters._common import describe_policy
+
+    provider = next((p for p in ("bwrap", "unshare") if _available(p)), None)
+    if provider is None:
+        pytest.skip("no namespace provider here")
+
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", "5")
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    policy = Policy(
+        name="loopback-service",
+        provider=provider,
+        imports={"allow": ["requests", "socket", "http", "urllib"]},
+        net={"rules": [{"host": "127.0.0.1", "ports": str(port)}]},
+        limits={"wall_seconds": 30},
+    )
+    try:
+        boundary = resolve_boundary(policy)
+        text = describe_policy(policy, boundary=boundary.name)
+        assert f"Network: only 127.0.0.1:{port}." in text
+        assert "a direct socket" in text and "reaches nothing" in text
+        with Sandbox(policy, warm=0) as sb:
+            via_proxy = sb.run(f"import requests\nrequests.get('http://127.0.0.1:{port}/').text")
+            direct = sb.run(
+                f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5)"
+            )
+        assert via_proxy.value == "hello", via_proxy
+        assert direct.error is not None and "Connection" in direct.error.type, direct.error
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
