@@ -108,16 +108,8 @@ def test_one_worker_at_its_bound_never_refuses_or_delays_another(upstream: int) 
         assert denial.rule == "limits.net" and "net.connections = 64" in denial.detail
         assert "net.connections = 128" in denial.hint
         print(
-            "\nFAIRNESS B's tunnel open (ms): A idle median %.2f range %.2f-%.2f; "
-            "A holding 64 median %.2f range %.2f-%.2f"
-            % (
-                statistics.median(before) * 1e3,
-                min(before) * 1e3,
-                max(before) * 1e3,
-                statistics.median(during) * 1e3,
-                min(during) * 1e3,
-                max(during) * 1e3,
-            )
+            f"\nFAIRNESS B's tunnel open (ms): A idle median {statistics.median(before) * 1e3:.2f} range {min(before) * 1e3:.2f}-{max(before) * 1e3:.2f}; "
+            f"A holding 64 median {statistics.median(during) * 1e3:.2f} range {min(during) * 1e3:.2f}-{max(during) * 1e3:.2f}"
         )
     finally:
         for sock in held:
