@@ -137,12 +137,25 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
         if "egress-proxy" in (boundary or "").split("+"):
             # What works behind the host's egress proxy, and what does not (issue 31).
-            lines.append(
-                "  Only through the proxy in HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (HTTP, "
-                "HTTPS via CONNECT, SOCKS5): requests, urllib, httpx, aiohttp with "
-                "trust_env=True and pip use it; a direct socket (socket.create_connection, "
-                "http.client without set_tunnel, database drivers) reaches nothing."
+            from agent_sandbox.providers._egress import loopback_forwards
+
+            direct = [f"{h}:{p}" for h, p in loopback_forwards(policy)]
+            text = (
+                "  Through the proxy in HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (HTTP, HTTPS "
+                "via CONNECT, SOCKS5): requests, urllib, httpx, aiohttp with trust_env=True "
+                "and pip use it; "
             )
+            if direct:
+                text += (
+                    f"{', '.join(direct)} also by any client directly (sockets, http.client, "
+                    "database drivers); a direct socket to anything else reaches nothing."
+                )
+            else:
+                text += (
+                    "a direct socket (socket.create_connection, http.client without "
+                    "set_tunnel, database drivers) reaches nothing."
+                )
+            lines.append(text)
     else:
         lines.append("- Network: off.")
     writable = ["the scratch directory (the working directory)"]

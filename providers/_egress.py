@@ -692,33 +692,97 @@ def set_resolver(resolver: Resolver | None) -> Resolver:
 # -- taking the worker's listener (the worker's side is `_inworker.open_egress_listener`) --
 
 
+#: At most this many loopback address:port pairs are forwarded into a sandbox.
+MAX_FORWARDS = 16
+
+
+def loopback_forwards(policy: Any) -> list[tuple[str, int]]:
+    """The allowed loopback services a namespace sandbox gets at the same address inside
+    (`host = "127.0.0.1" ports = "8765"`): a listener there, served by the host, which
+    judges and forwards each connection to that address:port on the host, so clients
+    that do not read `HTTP_PROXY` (http.client, sockets, database drivers) reach it.
+    Only single loopback addresses (`localhost` is 127.0.0.1), at most MAX_FORWARDS
+    pairs in all (the first ones), never the proxy's own port."""
+    out: list[tuple[str, int]] = []
+    for rule in policy.net.rules:
+        if rule.action != "allow" or rule.protocol not in ("tcp", "any"):
+            continue
+        if rule.direction not in ("connect", "any"):
+            continue
+        host = rule.host.strip().lower()
+        if host in ("localhost", "localhost.localdomain"):
+            host = "127.0.0.1"
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        if not ip.is_loopback:
+            continue
+        for lo, hi in rule.port_ranges():
+            if hi - lo >= MAX_FORWARDS:
+                continue  # a wide range: through the proxy only
+            for port in range(max(lo, 1), hi + 1):
+                pair = (str(ip), port)
+                if port != PROXY_PORT and pair not in out:
+                    out.append(pair)
+    return out[:MAX_FORWARDS]
+
+
 def receive_listener(channel: socket.socket, timeout: float) -> socket.socket:
     """In the host: the listening socket the worker sent, checked (raises EgressError)."""
+    listener, extra = receive_listeners(channel, timeout, [])
+    for sock in extra.values():
+        sock.close()
+    return listener
+
+
+def receive_listeners(
+    channel: socket.socket, timeout: float, forwards: list[tuple[str, int]]
+) -> tuple[socket.socket, dict[tuple[str, int], socket.socket]]:
+    """In the host: the proxy's listening socket the worker sent, and its listeners for
+    `forwards` (the host's own list; each matched by the address the kernel says it is
+    bound to, anything else refused), checked (raises EgressError)."""
     channel.settimeout(max(timeout, 0.05))
     try:
-        _msg, fds, _flags, _addr = socket.recv_fds(channel, 16, 4)
+        _msg, fds, _flags, _addr = socket.recv_fds(channel, 16, 1 + MAX_FORWARDS)
     except (OSError, TimeoutError) as exc:
         raise EgressError(f"the worker sent no proxy listener ({exc})") from None
-    if len(fds) != 1:
+    if not 1 <= len(fds) <= 1 + len(forwards):
         for fd in fds:
             with contextlib.suppress(OSError):
                 socket.close(fd)
         raise EgressError(f"the worker sent {len(fds)} descriptors for the proxy, not one")
+    socks: list[socket.socket] = []
     try:
-        sock = socket.socket(fileno=fds[0])
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            socket.close(fds[0])
-        raise EgressError(f"the worker's proxy descriptor is not a socket ({exc})") from None
-    ok = (
-        sock.family in (socket.AF_INET, socket.AF_UNIX)
-        and sock.type == socket.SOCK_STREAM
-        and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
-    )
-    if not ok:
-        sock.close()
-        raise EgressError("the worker's proxy descriptor is not a listening stream socket")
-    return sock
+        for fd in fds:
+            try:
+                socks.append(socket.socket(fileno=fd))
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    socket.close(fd)
+                raise EgressError(
+                    f"the worker's proxy descriptor is not a socket ({exc})"
+                ) from None
+        for sock in socks:
+            ok = (
+                sock.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            )
+            if not ok:
+                raise EgressError("the worker's proxy descriptor is not a listening stream socket")
+        extra: dict[tuple[str, int], socket.socket] = {}
+        for sock in socks[1:]:
+            bound = sock.getsockname()
+            pair = (str(ipaddress.ip_address(bound[0])), int(bound[1]))
+            if pair not in forwards or pair in extra:
+                raise EgressError(f"the worker sent a listener on {pair}, which is not forwarded")
+            extra[pair] = sock
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks[0], extra
 
 
 # -- the host's proxy --------------------------------------------------------------------
@@ -748,6 +812,9 @@ class Route:
         #: Bytes relayed for this worker since the last drain (the call's).
         self.relayed = 0
         self.open = 0
+        #: Listeners at allowed loopback addresses inside the sandbox (`loopback_forwards`).
+        self.forwards: dict[tuple[str, int], socket.socket] = {}
+        self.forward_servers: list[asyncio.AbstractServer] = []
 
     def bound(self, policy: Any) -> None:
         """Take the policy's `[net]` bounds (a policy without them keeps the defaults)."""
@@ -873,7 +940,13 @@ class EgressProxy:
         with self._lock:
             self._spawn_locked()
 
-    def attach(self, policy: Any, listener: socket.socket, timeout: float = 5.0) -> Route:
+    def attach(
+        self,
+        policy: Any,
+        listener: socket.socket,
+        timeout: float = 5.0,
+        forwards: dict[tuple[str, int], socket.socket] | None = None,
+    ) -> Route:
         """Serve a worker's listener under `policy`'s rules; returns its route.
 
         The listener already listens (the worker made it), so connections wait in its
@@ -890,6 +963,7 @@ class EgressProxy:
                 raise
             route = Route(self, rules, listener)
             route.bound(policy)
+            route.forwards = dict(forwards or {})
             self._routes.add(route)
         try:
             loop.call_soon_threadsafe(self._spawn_serve, route)
@@ -922,6 +996,21 @@ class EgressProxy:
         route.server = await asyncio.start_server(
             handler, sock=route.listener, limit=BUFFER_BYTES, backlog=128
         )
+        for (host, port), sock in route.forwards.items():
+
+            def forwarder(
+                reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter,
+                target: tuple[str, int] = (host, port),
+            ) -> None:
+                task = asyncio.ensure_future(self._connection(route, reader, writer, target))
+                route.tasks.add(task)
+                task.add_done_callback(route.tasks.discard)
+
+            sock.setblocking(False)
+            route.forward_servers.append(
+                await asyncio.start_server(forwarder, sock=sock, limit=BUFFER_BYTES, backlog=128)
+            )
 
     def _remove(self, route: Route) -> None:
         with self._lock:
@@ -944,6 +1033,10 @@ class EgressProxy:
             route.server.close()
         else:
             route.listener.close()
+        for server in route.forward_servers:
+            server.close()
+        for sock in route.forwards.values():
+            sock.close()
         for task in list(route.tasks):
             task.cancel()
         if route.tasks:
@@ -991,7 +1084,11 @@ class EgressProxy:
     # -- one connection ------------------------------------------------------------------
 
     async def _connection(
-        self, route: Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        route: Route,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        forward: tuple[str, int] | None = None,
     ) -> None:
         # Each worker's own bound: what one holds never refuses or delays another's.
         if route.open >= route.max_connections:
@@ -1013,7 +1110,10 @@ class EgressProxy:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = _Session(route, reader, writer)
         try:
-            await session.serve()
+            if forward is None:
+                await session.serve()
+            else:
+                await session.forward(*forward)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, _BadMessage):
             pass  # the peer went away, stalled or broke the framing: the connection ends
         except Exception:  # a bug must end one connection, never the proxy
@@ -1324,6 +1424,26 @@ class _Session:
                 f"a malformed request head ({why})",
                 "send a well-formed HTTP/1.1 request (or SOCKS5)",
             )
+        )
+
+    async def forward(self, host: str, port: int) -> None:
+        """A connection to a forwarded loopback service (`loopback_forwards`): judged like
+        a `CONNECT` to host:port, then relayed as bytes; a refusal closes it, recorded."""
+        self.head_end = None
+        self.target = f"{host}:{port}"
+        addresses, denial = await _decide(self.route, host, port)
+        if denial is not None:
+            self.route.record(denial)
+            self.writer.transport.abort()
+            return
+        if await self._connect(addresses, port):
+            self.writer.transport.abort()  # the service is not there: like a closed port
+            return
+        assert self.up is not None and self.up_writer is not None
+        await asyncio.gather(
+            self._pump(self.reader, self.up_writer),
+            self._pump(self.up.reader, self.writer),
+            return_exceptions=True,
         )
 
     async def _socks(self, data: bytes) -> None:

@@ -378,11 +378,16 @@ class WorkerProcess:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
         egress proxy; a worker whose proxy cannot serve is never kept."""
         assert self.policy is not None
-        from agent_sandbox.providers._egress import EgressError, egress_proxy, receive_listener
+        from agent_sandbox.providers._egress import (
+            EgressError,
+            egress_proxy,
+            loopback_forwards,
+            receive_listeners,
+        )
 
         try:
-            listener = receive_listener(channel, timeout)
-            self.egress = egress_proxy().attach(self.policy, listener)
+            listener, forwards = receive_listeners(channel, timeout, loopback_forwards(self.policy))
+            self.egress = egress_proxy().attach(self.policy, listener, forwards=forwards)
         except EgressError as exc:
             raise self._start_failed(f"the egress proxy could not start: {exc}") from None
 

@@ -417,8 +417,10 @@ def test_a_refusal_reaches_the_result_without_the_workers_help(
 def test_without_the_guards_no_address_is_reachable_and_udp_fails(
     ns_provider: str, http_server: _Server, tcp_listener: Any, tmp_path: Path
 ) -> None:
-    """With network rules, native code still reaches nothing directly: the host's loopback
-    listener gets no connection, a public address has no route, UDP sockets are refused."""
+    """With network rules, native code reaches directly only what they allow: an allowed
+    loopback service (forwarded by the host, `loopback_forwards`); the host's loopback
+    listener on a port no rule names gets no connection, a public address has no route,
+    UDP sockets are refused."""
     from .conftest import hostile_policy
 
     sock, port = tcp_listener
@@ -427,19 +429,21 @@ def test_without_the_guards_no_address_is_reachable_and_udp_fails(
         arena,
         net={
             "rules": [
-                {"host": "127.0.0.1", "ports": str(port)},
+                {"host": "127.0.0.1", "ports": str(http_server.port)},
                 {"host": "0.0.0.0/0", "ports": "80"},
             ]
         },
     )
     code = NATIVE + (
         f"(nconnect_tcp({port}), nconnect_tcp(80, bytes([93, 184, 216, 34])), "
-        f"nsend_udp({port}), nsend_udp(53, host=bytes([8, 8, 8, 8])))"
+        f"nsend_udp({port}), nsend_udp(53, host=bytes([8, 8, 8, 8])), "
+        f"nconnect_tcp({http_server.port}))"
     )
     with Sandbox(policy, provider=ns_provider, warm=0) as sb:
         result = sb.run(code)
     assert result.error is None, result.error
-    local, remote, udp_local, udp_remote = result.value
+    local, remote, udp_local, udp_remote, allowed = result.value
+    assert tuple(allowed) == ("connect", 0)  # the allowed service, forwarded by the host
     assert local[0] == "connect" and local[1] != 0  # ECONNREFUSED: the namespace's own lo
     assert remote == ["connect", -101] or remote == ("connect", -101)  # ENETUNREACH
     assert udp_local[0] == "socket" and udp_local[1] == -1  # EPERM from seccomp
