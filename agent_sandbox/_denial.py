@@ -42,6 +42,9 @@ RULES: dict[str, str] = {
     "env": "a host environment variable the policy does not pass",
     "files.hidden": "a hidden name (`files.hide`); it looks absent",
     "files.read": "reading, listing or stat-ing a path outside `files.read`",
+    "files.transfer": "a session file put, get or remove refused: a name that is not one "
+    "plain component of scratch (`..`, `/`, NUL), a link, not a regular file, an existing "
+    "name without `overwrite`, or a file that changed while it was read",
     "files.write": "writing, creating, deleting or renaming outside `files.write`",
     "guard.tampered": "a guard was disarmed, replaced or displaced; the worker is discarded",
     "imports": "an import of a module outside `imports.allow`",
@@ -54,6 +57,7 @@ RULES: dict[str, str] = {
     "limits.result": "a result larger than `limits.result_bytes`",
     "limits.scratch": "the scratch directory filled past `limits.scratch_mb`",
     "limits.timeout": "wall time above `limits.wall_seconds`",
+    "limits.transfer": "a session file larger than `limits.transfer_mb`",
     "net.bind": "binding or listening on an address outside `net.rules`",
     "net.connect": "connecting or sending to an address outside `net.rules`",
     "net.resolve": "resolving a host name that no `net.rules` entry names",

@@ -348,6 +348,8 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+    #: The largest file the session files API puts into scratch or takes out of it.
+    transfer_mb: int = Field(default=64, ge=1)
 
 
 _REMOTE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")

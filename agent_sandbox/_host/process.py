@@ -44,6 +44,7 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
     TransportError,
+    WorkerError,
     WorkerStartError,
     describe_exit,
 )
@@ -679,6 +680,35 @@ class WorkerProcess:
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
+
+    def file_request(self, payload: dict[str, Any], timeout: float) -> Any:
+        """One request of the session files API (`_host/files.py`), between calls.
+
+        On its own connection, whose reply bound fits one chunk of a download. A worker that
+        does not answer within `timeout`, or breaks the protocol, is discarded (its scratch
+        with it) and the error says so.
+        """
+        from agent_sandbox._host.files import CHUNK
+
+        client = self.client
+        if client is None or self.dead:
+            raise WorkerError("the worker has ended")
+        files_client = WorkerClient(client.path, self.token, CHUNK * 4 // 3 + 65536)
+        try:
+            return files_client.request_json("/files", payload, time.monotonic() + timeout)
+        except TimeoutError:
+            self.death_reason = f"it did not answer a files request within {timeout:g} s"
+            self.discard()
+            raise WorkerError(
+                f"the worker did not answer the files request within {timeout:g} s; "
+                "it was discarded"
+            ) from None
+        except TransportError as exc:
+            self.death_reason = f"it broke the files protocol ({exc})"
+            self.discard()
+            raise WorkerError(f"the worker's files reply was refused ({exc}); it was discarded") from None
+        finally:
+            files_client.close()
 
     def _call_ended(self) -> None:
         hook, self.after_call = self.after_call, None

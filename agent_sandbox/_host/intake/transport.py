@@ -266,6 +266,14 @@ class WorkerClient:
         if proto.status != 200:
             raise TransportError(f"the worker refused the call (HTTP {proto.status})")
 
+    def request_json(self, target: str, payload: Any, deadline: float) -> Any:
+        """POST `payload` to `target` and return the worker's JSON reply (a simple response
+        within `max_event_bytes`, not a stream); TransportError on any other status."""
+        proto = self._exchange("POST", target, payload, deadline, None)
+        if proto.status != 200 or proto.streaming:
+            raise TransportError(f"the worker refused {target} (HTTP {proto.status})")
+        return proto.json_body()
+
     def shutdown(self, timeout: float = 1.0) -> None:
         try:
             self._exchange("POST", "/shutdown", None, time.monotonic() + timeout, None)
