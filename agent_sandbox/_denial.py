@@ -65,6 +65,8 @@ RULES: dict[str, str] = {
     "nothing was run and the session is kept",
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
+    "tools": "a call to a host tool that `tools.allow` does not list",
+    "tools.timeout": "a host tool that did not return within `tools.timeout_seconds`",
     "worker.crashed": "the worker process died during the call; its state is lost",
     "worker.protocol": "the worker sent something malformed, out of order or contradictory; "
     "the host discarded it and its result",

@@ -33,6 +33,9 @@ EVENT_KINDS = frozenset(
         "notice",
         "done",
         "files",
+        # A request of the code to the host (a host tool's call), answered on the same
+        # connection; never a part of the result (`_host/intake/transport.py`).
+        "host_call",
     }
 )
 

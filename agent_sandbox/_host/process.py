@@ -54,7 +54,12 @@ from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.intake import guard_block
 from agent_sandbox._host.intake.builder import Mark, ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
-from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox._host.intake.transport import (
+    AsyncWorkerClient,
+    ConnectionLost,
+    HostCall,
+    WorkerClient,
+)
 from agent_sandbox._host.launch import (
     BOOT_SCRIPT,
     LOG_BYTES,
@@ -595,11 +600,14 @@ class WorkerProcess:
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: HostCall | None = None,
     ) -> RunResult:
         """Run one call; never raises for the code's own failures (they are in the result).
 
         `timeout_source` says who set `timeout` (the tool's option, the CLI's flag), for the
         refusal's hint; `filename` is the name the code's frames carry (default `<cell-N>`).
+        `host_call` answers the code's host-tool requests during this call (None refuses
+        them; see `agent_sandbox._host.hosttools`).
         """
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
@@ -607,6 +615,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         forward = self._forwarder(builder, on_event)
         self._in_call = True
+        self.client.host_call = host_call
         try:
             try:
                 self.client.run(code, t0 + wall, forward, filename)
@@ -621,6 +630,8 @@ class WorkerProcess:
                 self._on_call_failure(builder, exc, wall, timeout, timeout_source)
             finally:
                 self._in_call = False
+                if self.client is not None:
+                    self.client.host_call = None
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
@@ -652,6 +663,7 @@ class WorkerProcess:
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: HostCall | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         import asyncio  # loaded already: this runs in its loop
@@ -663,6 +675,7 @@ class WorkerProcess:
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
+        client.host_call = host_call
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:

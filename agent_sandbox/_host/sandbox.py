@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -131,12 +131,15 @@ class Session:
         on_event: OnEvent | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_tools: Mapping[str, Callable[..., Any]] | None = None,
     ) -> RunResult:
         """Run `code` in this session's interpreter; variables persist across calls.
 
         `timeout` overrides the policy's `limits.wall_seconds` for this call; `timeout_source`
         names who set it (for the refusal's hint). `filename` is the name the code's frames
-        carry in tracebacks (default `<cell-N>`).
+        carry in tracebacks (default `<cell-N>`). `host_tools` (name -> function of this
+        process) are callable from the code as `_host_tool(name, args, kwargs)` during this
+        call, each only when the policy's `tools.allow` lists it (`_host/hosttools.py`).
         """
         self._lock.acquire()
         try:
@@ -148,6 +151,7 @@ class Session:
                 session=self.key,
                 timeout_source=timeout_source,
                 filename=filename,
+                **self._host_call(host_tools),
             )
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
@@ -162,6 +166,7 @@ class Session:
         on_event: OnEvent | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_tools: Mapping[str, Callable[..., Any]] | None = None,
     ) -> RunResult:
         """The async twin of `run()`. Cancelling it at any point leaves the session usable."""
         await self._lock.acquire_async()
@@ -178,12 +183,22 @@ class Session:
                 session=self.key,
                 timeout_source=timeout_source,
                 filename=filename,
+                **self._host_call(host_tools),
             )
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             if ownership.release():
                 self._lock.release()
                 self.sandbox._room_changed()
+
+    def _host_call(self, host_tools: Mapping[str, Callable[..., Any]] | None) -> dict[str, Any]:
+        if host_tools is None:
+            return {}
+        if self.sandbox.provider.name == "remote":
+            raise SandboxError("host tools need a local provider (a remote worker's channel is relayed)")
+        from agent_sandbox._host.hosttools import make_handler
+
+        return {"host_call": make_handler(self.sandbox.policy, host_tools)}
 
     async def _prepare_in_thread(
         self, ownership: _Ownership

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
 
 OnEvent = Callable[[Event], None]
+#: Serves one host-tool request (the event's data) and returns the reply object.
+HostCall = Callable[[Any], dict[str, Any]]
 
 
 class ConnectionLost(TransportError):
@@ -183,6 +185,9 @@ class WorkerClient:
         self._proto: _Protocol | None = None
         self._poll: select.poll | None = None
         self._buffer: bytearray | None = None
+        #: Answers the code's host-tool requests during a call (`_host/hosttools.py`);
+        #: None refuses them.
+        self.host_call: HostCall | None = None
 
     def _connect(self, deadline: float) -> tuple[socket.socket, _Protocol, select.poll]:
         if (
@@ -235,6 +240,9 @@ class WorkerClient:
                 except BlockingIOError:
                     continue
                 for event in proto.receive(bytes(received[:n])):
+                    if event[0] == "host_call":
+                        _send_all(sock, poll, answer_host_call(self.host_call, event[1]), deadline)
+                        continue
                     if on_event is not None:
                         on_event(event)
         except TimeoutError:
@@ -293,6 +301,38 @@ class WorkerClient:
         self._poll = None
 
 
+def answer_host_call(handler: HostCall | None, data: Any) -> bytes:
+    """The framed reply (`<length>\n<json>`) to one host-tool request of the code."""
+    if handler is None:
+        reply: dict[str, Any] = {
+            "ok": False,
+            "rule": "tools",
+            "detail": "no host tools are served in this call",
+            "hint": "call it through an agent framework's executor that serves its tools",
+        }
+    else:
+        try:
+            reply = handler(data)
+        except Exception as exc:  # the handler's own failure reaches the code as an error
+            reply = {"ok": False, "error": f"the host could not serve the call ({exc})"}
+    body = json.dumps(reply, default=str).encode()
+    return b"%d\n%b" % (len(body), body)
+
+
+def _send_all(sock: socket.socket, poll: select.poll, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    fd = sock.fileno()
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            poll.modify(fd, select.POLLOUT)
+            try:
+                _wait(poll, deadline)
+            finally:
+                poll.modify(fd, select.POLLIN)
+
+
 def _wait(poll: select.poll, deadline: float) -> None:
     """Until the polled socket is ready (or closed), or TimeoutError at `deadline`."""
     while True:
@@ -313,6 +353,7 @@ class AsyncWorkerClient:
         self.token = token
         self.max_event_bytes = max_event_bytes
         self.kind_caps = kind_caps
+        self.host_call: HostCall | None = None
 
     async def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
@@ -339,6 +380,11 @@ class AsyncWorkerClient:
             while not proto.done:
                 data = await reader.read(262144)
                 for event in proto.receive(data):
+                    if event[0] == "host_call":
+                        reply = await asyncio.to_thread(answer_host_call, self.host_call, event[1])
+                        writer.write(reply)
+                        await writer.drain()
+                        continue
                     on_event(event)
             if proto.status != 200:
                 raise TransportError(f"the worker refused the call (HTTP {proto.status})")
