@@ -384,8 +384,8 @@ class _Server:
             if broken:
                 return  # the caller left (a cancelled call): nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
-        if self.boot.get("policy", {}).get("tools", {}).get("allow"):
-            self.runner.namespace["_host_tool"] = self._host_tool_caller(sock, put, owner)
+        # Always present (a policy without tools refuses every call on the host, by rule).
+        self.runner.namespace["_host_tool"] = self._host_tool_caller(sock, put, owner)
         started = time.perf_counter()
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
