@@ -539,7 +539,9 @@ class ToolRunner:
     def list_files(self, *, thread_id: str | None = None) -> list[FileInfo]:
         return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
 
-    def produced_files(self, result: RunResult, thread_id: str | None = None) -> list[dict[str, Any]]:
+    def produced_files(
+        self, result: RunResult, thread_id: str | None = None
+    ) -> list[dict[str, Any]]:
         """The files `result` says its call wrote, with their bytes (base64) where the session
         files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
         from agent_sandbox._errors import FileTransferRefused

@@ -85,7 +85,7 @@ class _Logger:
         self._log.info(message)
 
 
-class SandboxedExecutor(PythonExecutor):
+class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is untyped)
     """A smolagents `PythonExecutor` whose code runs in an agent_sandbox session.
 
     `policy` is a `Policy`, a shipped policy's name or a TOML path; `provider` overrides its

@@ -71,8 +71,8 @@ _reach_the_installed_layout()
 # The rest loads on first use (PEP 562): `import agent_sandbox` alone imports neither the
 # learning code nor pydantic and the policy models; type checkers see the names below.
 if _typing.TYPE_CHECKING:
-    from agent_sandbox._host.oplog import log_refusals as log_refusals
     from agent_sandbox._host.files import FileInfo as FileInfo
+    from agent_sandbox._host.oplog import log_refusals as log_refusals
     from agent_sandbox._host.result import Image as Image
     from agent_sandbox._host.result import RunError as RunError
     from agent_sandbox._host.result import RunResult as RunResult

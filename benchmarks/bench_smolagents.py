@@ -107,8 +107,9 @@ def main() -> None:
         base = tool_floor if "tool call" in name else floor
         values = [r[name] * 1e6 for r in results]
         ratios = [r[name] / r[base] for r in results]
+        span = f"[{min(values):.0f}-{max(values):.0f}]"
         print(
-            f"  {name:42s} {statistics.median(values):8.0f} us [{min(values):.0f}-{max(values):.0f}]"
+            f"  {name:42s} {statistics.median(values):8.0f} us {span}"
             f"  {statistics.median(ratios):6.1f}x [{min(ratios):.1f}-{max(ratios):.1f}]"
         )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

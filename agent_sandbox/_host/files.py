@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileTransferRefused, TransportError, WorkerError
-from agent_sandbox._worker.files import name_problem
+from agent_sandbox._wire import name_problem
 
 if TYPE_CHECKING:
     from agent_sandbox._host.process import WorkerProcess
@@ -40,7 +40,7 @@ __all__ = ["FileInfo", "get", "listing", "put", "remove"]
 #: Bytes per request (their base64 text stays well inside the worker's request bound).
 CHUNK = 4 * 1024 * 1024
 #: The rules a worker's refusal may carry (anything else is reported as `files.transfer`).
-_WORKER_RULES = frozenset({"files.transfer", "limits.scratch"})
+_WORKER_RULES = frozenset({"files.transfer", "limits.scratch", "limits.file-size"})
 _MB = 1024 * 1024
 
 
@@ -54,7 +54,9 @@ class FileInfo:
     kind: str = "file"
 
 
-def _refused(policy: Policy, rule: str, action: str, target: str, detail: str, hint: str = "") -> FileTransferRefused:
+def _refused(
+    policy: Policy, rule: str, action: str, target: str, detail: str, hint: str = ""
+) -> FileTransferRefused:
     denial = Denial(rule, action, target, policy=policy.name, detail=detail, hint=hint)
     return FileTransferRefused(denial)
 
@@ -103,7 +105,11 @@ def read_host_file(policy: Policy, source: str | os.PathLike[str], name: str) ->
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             raise _refused(
-                policy, "files.transfer", "put", name, f"{os.fspath(source)!r} is not a regular file"
+                policy,
+                "files.transfer",
+                "put",
+                name,
+                f"{os.fspath(source)!r} is not a regular file",
             )
         if before.st_size > limit:
             raise _too_large(policy, "put", name, before.st_size)
@@ -144,7 +150,9 @@ def _ask(worker: WorkerProcess, payload: dict[str, Any], timeout: float) -> dict
     return reply
 
 
-def _worker_refusal(policy: Policy, reply: dict[str, Any], action: str, name: str) -> FileTransferRefused:
+def _worker_refusal(
+    policy: Policy, reply: dict[str, Any], action: str, name: str
+) -> FileTransferRefused:
     rule = reply.get("rule")
     detail = reply.get("detail")
     return _refused(

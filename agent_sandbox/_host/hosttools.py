@@ -91,7 +91,7 @@ def _call(
     def body() -> None:
         try:
             box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - reported to the code, never raised here
+        except BaseException as exc:  # reported to the code, never raised here
             box["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             done.set()

@@ -719,7 +719,9 @@ class WorkerProcess:
         except TransportError as exc:
             self.death_reason = f"it broke the files protocol ({exc})"
             self.discard()
-            raise WorkerError(f"the worker's files reply was refused ({exc}); it was discarded") from None
+            raise WorkerError(
+                f"the worker's files reply was refused ({exc}); it was discarded"
+            ) from None
         finally:
             files_client.close()
 

@@ -195,7 +195,9 @@ class Session:
         if host_tools is None:
             return {}
         if self.sandbox.provider.name == "remote":
-            raise SandboxError("host tools need a local provider (a remote worker's channel is relayed)")
+            raise SandboxError(
+                "host tools need a local provider (a remote worker's channel is relayed)"
+            )
         from agent_sandbox._host.hosttools import make_handler
 
         return {"host_call": make_handler(self.sandbox.policy, host_tools)}
@@ -269,7 +271,9 @@ class Session:
         policy = self.sandbox.policy
         name = files.check_name(policy, name, "put")
         if (data is None) == (source is None):
-            raise TypeError("put_file needs exactly one of `data` (bytes) or `source` (a host path)")
+            raise TypeError(
+                "put_file needs exactly one of `data` (bytes) or `source` (a host path)"
+            )
         if data is not None:
             if not isinstance(data, bytes | bytearray | memoryview):
                 raise TypeError(f"`data` must be bytes, not {type(data).__name__}")

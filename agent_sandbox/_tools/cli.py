@@ -4,12 +4,12 @@ Commands:
 
 * `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--in FILE]...`:
   run code in a sandboxed worker (each `--in` file is placed in its scratch first, under its
-  base name, through the session files API); output streams live; denials print in a block. Exit statuses (also in
-  the README): 0 the code completed and nothing was refused; 1 the code raised (or learning
-  could not make, write or apply a proposal); 2 a policy refusal or a limit; 64 a usage
-  error; 66 an input file that cannot be read; 69 a provider that cannot run here; 70 the
-  worker failed; 78 a policy that does not load; 130 interrupted. Under `--json` every error
-  is a JSON object on stdout too.
+  base name, through the session files API); output streams live; denials print in a block.
+  Exit statuses (also in the README): 0 the code completed and nothing was refused; 1 the
+  code raised (or learning could not make, write or apply a proposal); 2 a policy refusal or
+  a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider that cannot
+  run here; 70 the worker failed; 78 a policy that does not load; 130 interrupted. Under
+  `--json` every error is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).

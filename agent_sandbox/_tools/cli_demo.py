@@ -17,7 +17,10 @@ def add_parser(subparsers: Any) -> None:
         help="run two offline scripted agents that get a call refused (no network, no API key)",
     )
     demo.add_argument(
-        "--only", choices=("langchain", "crewai", "smolagents"), default=None, help="run one framework only"
+        "--only",
+        choices=("langchain", "crewai", "smolagents"),
+        default=None,
+        help="run one framework only",
     )
     demo.set_defaults(func=_cmd_demo)
 

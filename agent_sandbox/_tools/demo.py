@@ -243,7 +243,7 @@ def scripted_smolagents_model(codes: Sequence[str]) -> Any:
     parses). `model.seen` keeps the last message of each prompt it was given."""
     from smolagents.models import ChatMessage, MessageRole, Model
 
-    class ScriptedSmolagentsModel(Model):
+    class ScriptedSmolagentsModel(Model):  # type: ignore[misc]  # (smolagents is untyped)
         def __init__(self, replies: Sequence[str]) -> None:
             super().__init__(model_id="scripted")
             self.replies = list(replies)

@@ -25,41 +25,16 @@ import os
 import secrets
 import stat
 
+from agent_sandbox._wire import STAGING_PREFIX, name_problem
+
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["FileOps", "name_problem"]
+__all__ = ["FileOps"]
 
-#: The prefix of an upload's staging name (hidden from `list`).
-STAGING_PREFIX = ".agent-sandbox-upload-"
 #: At most this many entries are listed (and counted towards the scratch quota).
 MAX_LIST = 10_000
-_NAME_BYTES = 255
-
-
-def name_problem(name: object) -> str:
-    """Why `name` is not a file name in scratch ("" when it is one): one path component,
-    no NUL, no control character, not `.`/`..`, at most 255 bytes. Shared with the host."""
-    if not isinstance(name, str) or not name:
-        return "a file name must be a non-empty string"
-    if "\x00" in name:
-        return "a file name must not contain a NUL byte"
-    if "/" in name or "\\" in name:
-        return "a file name is one path component: no '/' or '\\' (no directories, no absolute paths)"
-    if name in (".", ".."):
-        return "'.' and '..' are not file names"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "a file name must not contain control characters"
-    if name.startswith(STAGING_PREFIX):
-        return "names starting with " + repr(STAGING_PREFIX) + " are reserved"
-    try:
-        encoded = name.encode("utf-8")
-    except UnicodeEncodeError:
-        return "a file name must be valid UTF-8 text"
-    if len(encoded) > _NAME_BYTES:
-        return f"a file name is at most {_NAME_BYTES} bytes"
-    return ""
 
 
 class _Refused(Exception):
@@ -118,7 +93,7 @@ class FileOps:
         return name  # type: ignore[return-value]
 
     def _entries(self, dfd: int) -> list[tuple[str, os.stat_result]]:
-        out = []
+        out: list[tuple[str, os.stat_result]] = []
         with os.scandir(dfd) as it:
             for entry in it:
                 if len(out) >= MAX_LIST:
@@ -201,7 +176,10 @@ class FileOps:
                     view = view[os.write(fd, view) :]
             except OSError as exc:
                 self._abort(upload)
-                rule = "limits.scratch" if exc.errno in (28, 122) else "files.transfer"
+                # ENOSPC/EDQUOT: the scratch tmpfs is full; EFBIG: RLIMIT_FSIZE (file_size_mb).
+                rule = {28: "limits.scratch", 122: "limits.scratch", 27: "limits.file-size"}.get(
+                    exc.errno or 0, "files.transfer"
+                )
                 raise _Refused(rule, "put", name, f"cannot write: {exc.strerror}") from None
             state[3] = written + len(data)
             if not request.get("last"):
@@ -306,7 +284,9 @@ class FileOps:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
-                raise _Refused("files.transfer", "remove", name, "no such file in scratch") from None
+                raise _Refused(
+                    "files.transfer", "remove", name, "no such file in scratch"
+                ) from None
             if stat.S_ISDIR(st.st_mode):
                 raise _Refused("files.transfer", "remove", name, "a directory, not a file")
             try:

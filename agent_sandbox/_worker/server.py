@@ -38,6 +38,7 @@ from _operator import _compare_digest as compare_digest
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
+from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, on_interrupt
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
@@ -258,49 +259,6 @@ class _Server:
             return
         self._send_simple(sock, conn, 200, self._files.handle(request))
 
-    def _host_tool_caller(self, sock: socket.socket, put: Any, owner: int) -> Any:
-        """`_host_tool(name, args, kwargs)` for this call's code: a request to the host on
-        the call's own connection (a `host_call` event), answered by one framed reply the host
-        writes on the same connection (`<length>\n<json>`). The host decides: it runs the
-        tool only when `tools.allow` lists it, within `tools.timeout_seconds`."""
-        from agent_sandbox._errors import CallDenied
-
-        policy_name = self.runner.policy_name
-        calls = [0]
-        tool_lock = threading.Lock()
-        timeout = float(self.boot.get("policy", {}).get("tools", {}).get("timeout_seconds", 30))
-
-        def host_tool(name: str, args: Any = (), kwargs: Any = None) -> Any:
-            if os.getpid() != owner:
-                raise RuntimeError("host tools are callable from the worker's own process only")
-            try:
-                payload = json.dumps(
-                    {"name": str(name), "args": list(args), "kwargs": dict(kwargs or {})}
-                )
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"a host tool's arguments must be JSON data: {exc}") from None
-            with tool_lock:
-                calls[0] += 1
-                put("host_call", {"id": calls[0], "request": payload})
-                reply = _read_frame(sock, timeout + 5.0)
-            if reply.get("ok") is True:
-                return reply.get("value")
-            if "rule" in reply:
-                denial = Denial(
-                    rule=str(reply.get("rule"))[:40],
-                    action="call",
-                    target=f"tool {str(name)[:100]}",
-                    policy=policy_name,
-                    hint=str(reply.get("hint", ""))[:500],
-                    detail=str(reply.get("detail", ""))[:1000],
-                )
-                exc = CallDenied(denial)
-                audit.record_raised(denial, exc)
-                raise exc
-            raise RuntimeError(f"host tool {name!r} failed: {str(reply.get('error'))[:2000]}")
-
-        return host_tool
-
     def _run(self, sock: socket.socket, conn: _Conn, body: bytes) -> None:
         try:
             request = json.loads(body)
@@ -385,7 +343,9 @@ class _Server:
                 return  # the caller left (a cancelled call): nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         # Always present (a policy without tools refuses every call on the host, by rule).
-        self.runner.namespace["_host_tool"] = self._host_tool_caller(sock, put, owner)
+        self.runner.namespace["_host_tool"] = host_tool_caller(
+            sock, put, owner, self.runner.policy_name, self.boot.get("policy", {})
+        )
         started = time.perf_counter()
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
@@ -426,35 +386,6 @@ class _Server:
             flush(_STREAM_END)
         if tampered:
             raise _Stop
-
-
-def _read_frame(sock: socket.socket, timeout: float) -> dict[str, Any]:
-    """One host reply on the call's connection: `<length>\n<json object>` (bounded)."""
-    sock.settimeout(timeout)
-    try:
-        head = b""
-        while not head.endswith(b"\n"):
-            byte = sock.recv(1)
-            if not byte or len(head) > 12:
-                raise ConnectionError("the host's tool reply is malformed")
-            head += byte
-        length = int(head)
-        if not 0 <= length <= _MAX_BODY:
-            raise ConnectionError("the host's tool reply is too large")
-        body = b""
-        while len(body) < length:
-            data = sock.recv(min(65536, length - len(body)))
-            if not data:
-                raise ConnectionError("the host closed the connection")
-            body += data
-    except (OSError, ValueError) as exc:
-        raise RuntimeError(f"no reply from the host for a tool call ({exc})") from None
-    finally:
-        sock.settimeout(None)
-    reply = json.loads(body)
-    if not isinstance(reply, dict):
-        raise RuntimeError("the host's tool reply is malformed")
-    return reply
 
 
 def _chunk(data: bytes) -> bytes:

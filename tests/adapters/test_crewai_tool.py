@@ -259,7 +259,9 @@ def test_uploads_reach_the_code_and_produced_files_are_kept(crew):
     t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0, return_files=True)
     try:
         t.put_file("notes.txt", b"alpha beta gamma")
-        out = t._run("n = len(open('notes.txt').read().split())\nopen('n.txt','w').write(str(n))\nn")
+        out = t._run(
+            "n = len(open('notes.txt').read().split())\nopen('n.txt','w').write(str(n))\nn"
+        )
         assert out == "3"
         (produced,) = t.last_files
         assert produced["name"] == "n.txt" and base64.b64decode(produced["base64"]) == b"3"

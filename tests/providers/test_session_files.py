@@ -67,9 +67,7 @@ def test_put_run_get_list_remove_round_trip(provider: str) -> None:
         info = session.put_file("in.csv", b"a,b\n1,2\n")
         assert (info.name, info.size) == ("in.csv", 8)
         result = session.run(
-            "data = open('in.csv').read()\n"
-            "open('out.txt', 'w').write(data.upper())\n"
-            "data"
+            "data = open('in.csv').read()\nopen('out.txt', 'w').write(data.upper())\ndata"
         )
         assert result.ok, result.error
         assert result.value == "a,b\n1,2\n"
