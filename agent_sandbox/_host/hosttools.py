@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from agent_sandbox._hints import grant_hint
+
 if TYPE_CHECKING:
     from agent_sandbox.policies import Policy
 
@@ -48,12 +50,11 @@ def make_handler(
             return {"ok": False, "error": "a malformed host-tool request"}
         name, args, kwargs = request
         if name not in allowed:
-            listed = ", ".join(sorted(allowed)) or "none"
             return {
                 "ok": False,
                 "rule": "tools",
-                "detail": f"the policy's tools.allow does not list it (listed: {listed})",
-                "hint": f'add "{name}" to `allow` under [tools] in the policy',
+                "detail": "the tool is not in [tools] allow",
+                "hint": grant_hint({"tools.allow": [name]}),
             }
         fn = tools.get(name)
         if fn is None:
@@ -101,8 +102,8 @@ def _call(
         return {
             "ok": False,
             "rule": "tools.timeout",
-            "detail": f"it did not return within tools.timeout_seconds = {timeout:g}",
-            "hint": "raise `timeout_seconds` under [tools] in the policy, or make the tool faster",
+            "detail": f"the tool did not return within {timeout:g} s ([tools] timeout_seconds)",
+            "hint": grant_hint({"tools.timeout_seconds": timeout * 2}),
         }
     if "error" in box:
         return {"ok": False, "error": box["error"][:2000]}

@@ -61,7 +61,7 @@ def host_tool_caller(
             denial = Denial(
                 rule=str(reply.get("rule"))[:40],
                 action="call",
-                target=f"tool {str(name)[:100]}",
+                target=str(name)[:100],
                 policy=policy_name,
                 hint=str(reply.get("hint", ""))[:500],
                 detail=str(reply.get("detail", ""))[:1000],

@@ -120,6 +120,7 @@ def test_denies_a_tool_the_policy_does_not_list(executor: SandboxedExecutor) -> 
     with pytest.raises(AgentError) as excinfo:
         executor("secret()")
     assert "[tools]" in str(excinfo.value) and "secret" in str(excinfo.value)
+    assert 'tools.allow = ["secret"]' in str(excinfo.value)  # the host's hint
     assert ran == []
     assert executor.last_result is not None
     assert [d.rule for d in executor.last_result.denials] == ["tools"]
@@ -152,6 +153,7 @@ def test_a_tool_that_never_returns_is_refused_after_its_timeout(
             executor("stuck()")
         assert entered.is_set()
         assert "tools.timeout" in str(excinfo.value)
+        assert "tools.timeout_seconds = 2" in str(excinfo.value)
         assert executor("1 + 1").output == 2
     finally:
         release.set()

@@ -295,6 +295,9 @@ _DETAIL_PATTERNS = (
     r"the module is not in \[imports\] allow",
     r"Q is listed in \[api\] deny, which beats \[api\] allow",
     r"[\w.]+ is a sensitive call \([\w-]+\) the policy does not grant",
+    # host tools (the host's own words, relayed by the worker's stub)
+    r"the tool is not in \[tools\] allow",
+    r"the tool did not return within N s \(\[tools\] timeout_seconds\)",
     r"the variable exists on the host but the policy does not pass it",
     # network
     r"not an IP address",
