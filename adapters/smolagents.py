@@ -115,6 +115,7 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
         #: The `RunResult` of the most recent step (for inspection and tests).
         self.last_result: RunResult | None = None
         self._setup_done = False
+        self._setup_code = ""
 
     # -- smolagents' PythonExecutor interface ------------------------------------------
 
@@ -134,7 +135,8 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
                 f"[sandbox] tools not in the policy's [tools] allow (calls will be refused): "
                 f"{', '.join(unlisted)}"
             )
-        self._run_setup("".join(code))
+        self._setup_code = "".join(code)
+        self._run_setup(self._setup_code)
         self._setup_done = True
 
     def send_variables(self, variables: Mapping[str, Any]) -> None:
@@ -162,9 +164,16 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
     def __call__(self, code_action: str) -> CodeOutput:
         if not self._setup_done:
             self.send_tools({})
+        worker = self.session.worker
+        notes: list[str] = []
+        if worker is None or worker.dead or not worker.alive():
+            # A fresh interpreter (the last one hit a limit or crashed): its stubs and
+            # `final_answer` are defined again first; the notice (what was lost) goes into
+            # this step's logs, where the model reads it.
+            notes = self._run_setup(self._setup_code)
         result = self.session.run(code_action, host_tools=self.tools)
         self.last_result = result
-        logs = result.stdout + result.stderr
+        logs = "".join(f"[notice] {n}\n" for n in notes) + result.stdout + result.stderr
         error = result.error
         if (
             error is not None
@@ -193,10 +202,14 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _run_setup(self, code: str) -> None:
-        result = self.session.run(code, filename="<smolagents-setup>")
+    def _run_setup(self, code: str) -> list[str]:
+        """Run set-up code; returns the notices its call carried (a replaced interpreter)."""
+        result = self.session.run(code or "None", filename="<smolagents-setup>")
+        for notice in result.notices:
+            self.logger.log(f"[sandbox] {notice}")
         if result.error is not None:
             raise AgentError(outcome(result).text, self.logger)
+        return list(result.notices)
 
 
 def _callable(tool: Any) -> Callable[..., Any]:

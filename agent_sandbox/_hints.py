@@ -189,9 +189,9 @@ def host_hint(
     if rule == "tools":
         return grant_hint({"tools.allow": [target]}) if target.isidentifier() else ""
     if rule == "tools.timeout":
-        current = float(((policy.get("tools") or {}).get("timeout_seconds")) or 30)
-        value = current * 2
-        return grant_hint({"tools.timeout_seconds": int(value) if value == int(value) else value})
+        seconds = float(((policy.get("tools") or {}).get("timeout_seconds")) or 30) * 2
+        shown = int(seconds) if seconds == int(seconds) else seconds
+        return grant_hint({"tools.timeout_seconds": shown})
     if rule in _LIMIT_KEYS:
         return limit_hint(rule, policy, timeout=timeout)
     return ""

@@ -11,7 +11,8 @@ host's judge of those requests:
 * a name `tools.allow` does not list is refused (rule `tools`), whatever the code registered;
 * a listed tool runs in a thread of its own; one that does not return within
   `tools.timeout_seconds` is refused (rule `tools.timeout`) and the code goes on (the thread
-  cannot be killed: it is left to finish, and its result is dropped);
+  cannot be killed: it is left to finish, and its result is dropped); the host never waits
+  past the call's own deadline (`limits.wall_seconds`): the call then ends as a timeout;
 * what the tool returns goes back as JSON (a value JSON cannot carry is sent as its `str`),
   at most `MAX_REPLY_BYTES`; an exception goes back as its type and message.
 
@@ -39,12 +40,13 @@ MAX_REPLY_BYTES = 4_000_000
 
 def make_handler(
     policy: Policy, tools: Mapping[str, Callable[..., Any]]
-) -> Callable[[Any], dict[str, Any]]:
+) -> Callable[[Any, float], dict[str, Any]]:
     """The answer to each host-tool request of one call, judged by `policy.tools`."""
     allowed = frozenset(policy.tools.allow)
     timeout = float(policy.tools.timeout_seconds)
 
-    def handle(data: Any) -> dict[str, Any]:
+    def handle(data: Any, remaining: float) -> dict[str, Any]:
+        """`remaining`: seconds before the call's own deadline (`limits.wall_seconds`)."""
         request = _request(data)
         if request is None:
             return {"ok": False, "error": "a malformed host-tool request"}
@@ -59,6 +61,10 @@ def make_handler(
         fn = tools.get(name)
         if fn is None:
             return {"ok": False, "error": f"no host tool named {name!r} is served in this call"}
+        if remaining < timeout:
+            # The call's wall time ends first: waited for until then, and the call ends
+            # there as a timeout (`limits.timeout`), whatever the tool does.
+            return _call(fn, name, args, kwargs, remaining, by_deadline=True)
         return _call(fn, name, args, kwargs, timeout)
 
     return handle
@@ -84,7 +90,13 @@ def _request(data: Any) -> tuple[str, list[Any], dict[str, Any]] | None:
 
 
 def _call(
-    fn: Callable[..., Any], name: str, args: list[Any], kwargs: dict[str, Any], timeout: float
+    fn: Callable[..., Any],
+    name: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    timeout: float,
+    *,
+    by_deadline: bool = False,
 ) -> dict[str, Any]:
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -99,6 +111,8 @@ def _call(
 
     threading.Thread(target=body, name=f"host-tool-{name}", daemon=True).start()
     if not done.wait(timeout):
+        if by_deadline:
+            return {"ok": False, "error": "the call's wall time ran out while the tool ran"}
         return {
             "ok": False,
             "rule": "tools.timeout",

@@ -218,3 +218,30 @@ def test_code_agent_runs_under_the_policy_and_reads_refusals() -> None:
     assert steps[2].error is None and steps[2].is_final_answer
     # The model read each refusal at its next step.
     assert "[tools]" in model.seen[1] and "[imports]" in model.seen[2]
+
+
+def test_a_tool_that_outlasts_the_call_ends_it_as_a_timeout() -> None:
+    """The host waits for a tool no longer than the call's own wall time: a tool slower than
+    `limits.wall_seconds` (with a longer `tools.timeout_seconds`) ends the call as
+    `limits.timeout`, and the next step runs in a fresh interpreter."""
+    policy = Policy(
+        name="smol-wall",
+        tools={"allow": ["stuck"], "timeout_seconds": 600},
+        limits={"wall_seconds": 1},
+    )
+    release = threading.Event()
+    ex = SandboxedExecutor(policy, warm=0)
+    try:
+        ex.send_tools({"stuck": lambda: release.wait(60)})
+        with pytest.raises(AgentError) as excinfo:
+            ex("stuck()")
+        assert "limits.timeout" in str(excinfo.value)
+        assert ex.last_result is not None and ex.last_result.error is not None
+        assert ex.last_result.error.rule == "limits.timeout"
+        # The next step runs in a fresh interpreter with the stubs defined again.
+        output = ex("callable(stuck), callable(final_answer)")
+        assert output.output == [True, True]
+        assert "[notice]" in output.logs and "variables" in output.logs  # the model reads it
+    finally:
+        release.set()
+        ex.cleanup()

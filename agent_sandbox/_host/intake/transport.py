@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
 
 OnEvent = Callable[[Event], None]
-#: Serves one host-tool request (the event's data) and returns the reply object.
-HostCall = Callable[[Any], dict[str, Any]]
+#: Serves one host-tool request (the event's data, the seconds left before the call's
+#: deadline) and returns the reply object.
+HostCall = Callable[[Any, float], dict[str, Any]]
 
 
 class ConnectionLost(TransportError):
@@ -241,7 +242,8 @@ class WorkerClient:
                     continue
                 for event in proto.receive(bytes(received[:n])):
                     if event[0] == "host_call":
-                        _send_all(sock, poll, answer_host_call(self.host_call, event[1]), deadline)
+                        reply = answer_host_call(self.host_call, event[1], deadline)
+                        _send_all(sock, poll, reply, deadline)
                         continue
                     if on_event is not None:
                         on_event(event)
@@ -301,8 +303,9 @@ class WorkerClient:
         self._poll = None
 
 
-def answer_host_call(handler: HostCall | None, data: Any) -> bytes:
-    """The framed reply (`<length>\n<json>`) to one host-tool request of the code."""
+def answer_host_call(handler: HostCall | None, data: Any, deadline: float) -> bytes:
+    """The framed reply (`<length>\n<json>`) to one host-tool request of the code; the
+    handler waits for the tool until `deadline` (the call's) at the latest."""
     if handler is None:
         reply: dict[str, Any] = {
             "ok": False,
@@ -312,7 +315,7 @@ def answer_host_call(handler: HostCall | None, data: Any) -> bytes:
         }
     else:
         try:
-            reply = handler(data)
+            reply = handler(data, max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # the handler's own failure reaches the code as an error
             reply = {"ok": False, "error": f"the host could not serve the call ({exc})"}
     body = json.dumps(reply, default=str).encode()
@@ -354,6 +357,7 @@ class AsyncWorkerClient:
         self.max_event_bytes = max_event_bytes
         self.kind_caps = kind_caps
         self.host_call: HostCall | None = None
+        self._deadline = 0.0
 
     async def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
@@ -361,6 +365,7 @@ class AsyncWorkerClient:
         import asyncio  # loaded already: this runs in its loop
 
         remaining = max(0.001, deadline - time.monotonic())
+        self._deadline = deadline
         try:
             await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
         except TimeoutError:
@@ -381,7 +386,9 @@ class AsyncWorkerClient:
                 data = await reader.read(262144)
                 for event in proto.receive(data):
                     if event[0] == "host_call":
-                        reply = await asyncio.to_thread(answer_host_call, self.host_call, event[1])
+                        reply = await asyncio.to_thread(
+                            answer_host_call, self.host_call, event[1], self._deadline
+                        )
                         writer.write(reply)
                         await writer.drain()
                         continue
