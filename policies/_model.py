@@ -37,6 +37,7 @@ __all__ = [
     "PROVIDERS",
     "Policy",
     "RemotePolicy",
+    "ToolsPolicy",
     "SENSITIVE_CATEGORIES",
 ]
 
@@ -362,6 +363,29 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+    #: The largest file the session files API puts into scratch or takes out of it.
+    transfer_mb: int = Field(default=64, ge=1)
+
+
+class ToolsPolicy(_Section):
+    """Host tools the code may call (an agent framework's tools, run by the host process).
+
+    A call is a request from the worker to the host over the worker's channel; the host runs
+    the tool only when its name is in `allow` (else a `tools` refusal), and stops waiting for
+    it after `timeout_seconds` (a `tools.timeout` refusal; the call's `limits.wall_seconds`
+    still bounds the whole call). None by default.
+    """
+
+    allow: tuple[str, ...] = ()
+    timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+    @field_validator("allow")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not _IDENT_RE.match(entry):
+                raise ValueError(f"{entry!r} is not a tool name (a Python identifier)")
+        return value
 
 
 _REMOTE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -543,6 +567,7 @@ class Policy(_Section):
     api: ApiPolicy = Field(default_factory=ApiPolicy)
     code: CodePolicy = Field(default_factory=CodePolicy)
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
+    tools: ToolsPolicy = Field(default_factory=ToolsPolicy)
     #: Where the workers run when `provider = "remote"` (not part of the fingerprint).
     remote: RemotePolicy | None = None
     #: Where the policy was loaded from (not part of the fingerprint).
