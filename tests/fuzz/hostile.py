@@ -1,0 +1,112 @@
+"""Crafted hostile pickles for the host's readers, one builder per attack class (issue 30).
+
+Each builder takes a size knob and returns the bytes; the tests in
+`tests/host/intake/test_one_reading.py` and `test_linear_cost.py` run them, and
+`tests/fuzz/corpus/` holds the small ones for the fuzz replay.
+"""
+
+from __future__ import annotations
+
+import struct
+
+PROTO5 = b"\x80\x05"
+STOP = b"."
+
+
+def frame(size: int) -> bytes:
+    return b"\x95" + struct.pack("<Q", size)
+
+
+def short_str(text: str) -> bytes:
+    raw = text.encode()
+    assert len(raw) < 256
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+# -- one reading of the bytes: a FRAME whose end falls inside an opcode ------------------------
+
+#: PROTO 5, FRAME(4), BININT -77, STOP: the BININT's argument crosses the frame's end.
+SMALLEST_FRAME_SPLIT = bytes.fromhex("80059504000000000000004ab3ffffff2e")
+
+
+def frame_split(hidden: bytes) -> bytes:
+    """A stream that a linear reader reads as a string and a bytes value and a file-fed unpickler
+    reads as the opcodes `hidden`.
+
+    FRAME(4) holds SHORT_BINUNICODE, its length 3 and two bytes: a linear reader (both
+    prescans, `pickle.loads`) takes those two and one more as the value, then a second
+    SHORT_BINBYTES whose payload is `hidden`, then TUPLE2 and STOP. CPython's unpickler fed
+    from a file reads the length inside the frame, finds the payload crossing the frame's
+    end, drops the frame's last two bytes and reads three fresh ones after it: it is two
+    bytes ahead of the linear reader, at the first byte of `hidden`, which it executes.
+    """
+    assert len(hidden) < 256
+    return (
+        PROTO5
+        + frame(4)
+        + b"\x8c\x03ab"  # SHORT_BINUNICODE 3: 'ab' in the frame, the third byte after it
+        + b"x"
+        + b"C"
+        + bytes([len(hidden)])
+        + hidden
+        + b"\x86"  # TUPLE2
+        + STOP
+    )
+
+
+def _fraction_global() -> bytes:
+    return short_str("fractions") + short_str("Fraction") + b"\x93"
+
+
+def fraction_from_string(text: str = "1e5") -> bytes:
+    """The issue's first reproducer, rebuilt: what a file-fed unpickler runs is
+    `fractions.Fraction(text)` (the allowlist takes two ints only)."""
+    return frame_split(b"0" + _fraction_global() + short_str(text) + b"\x85R" + STOP)
+
+
+def build_on_class() -> bytes:
+    """The issue's second reproducer, rebuilt: what a file-fed unpickler runs is BUILD on
+    the class `fractions.Fraction` with the slot state {'pwned': 'yes'} (a setattr on a
+    host class)."""
+    state = b"N}" + short_str("pwned") + short_str("yes") + b"s\x86"
+    return frame_split(b"0" + _fraction_global() + state + b"b" + STOP)
+
+
+def frame_in_frame() -> bytes:
+    """A FRAME inside a frame (CPython never writes one): FRAME(12) holding FRAME(1)."""
+    return PROTO5 + frame(12) + frame(1) + b"N" + b"0" + b"N" + STOP
+
+
+def shared_tuple_key(width: int, levels: int = 8) -> bytes:
+    """A dict whose key is `levels` nested tuples, each of `width` copies of the one below
+    it (memo references): the stream grows as width*levels, the expanded key as
+    width**levels (the issue's 157-byte stream held the host 3.7 s)."""
+    out = bytearray(PROTO5 + b"K\x01\x85\x940")  # (1,) in memo 0, popped
+    for level in range(1, levels):
+        out += b"("
+        for _ in range(width):
+            out += b"h" + bytes([level - 1])  # BINGET
+        out += b"t\x940"
+    out += b"}h" + bytes([levels - 1]) + b"Ns" + STOP
+    return bytes(out)
+
+
+def int_keys_one_slot(count: int) -> bytes:
+    """A dict of `count` int keys with distinct hashes that the C prescan's old public
+    scramble (`h * 0x9E3779B97F4A7C15 >> 32`) put in one slot of every table size: each
+    insertion walked the whole chain (the issue: 79 s with the GIL held at the cap)."""
+    inverse = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
+    limit = (1 << 61) - 1
+    out = bytearray(PROTO5 + b"}(")
+    made = 0
+    x = 0
+    while made < count:
+        x += 1
+        h = (x * inverse) & ((1 << 64) - 1)  # h * M == x: bits 32..63 clear
+        value = h - (1 << 64) if h >> 63 else h
+        if not -limit < value < limit or value == -1:
+            continue
+        out += b"\x8a\x08" + value.to_bytes(8, "little", signed=True) + b"N"
+        made += 1
+    out += b"u" + STOP
+    return bytes(out)
