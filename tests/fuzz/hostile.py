@@ -7,6 +7,7 @@ Each builder takes a size knob and returns the bytes; the tests in
 
 from __future__ import annotations
 
+import pickletools
 import struct
 
 PROTO5 = b"\x80\x05"
@@ -109,4 +110,31 @@ def int_keys_one_slot(count: int) -> bytes:
         out += b"\x8a\x08" + value.to_bytes(8, "little", signed=True) + b"N"
         made += 1
     out += b"u" + STOP
+    return bytes(out)
+
+
+# -- re-framing: the generator of the one-reading differential -----------------------------------
+
+
+def ops(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(start, end, opcode byte) of each opcode as a linear reader sees it (FRAMEs kept)."""
+    out = []
+    positions = [pos for _, _, pos in pickletools.genops(data)] + [len(data)]
+    for k, (op, _arg, pos) in enumerate(pickletools.genops(data)):
+        out.append((pos, positions[k + 1], bytes([data[pos]])))
+        assert op.code.encode("latin-1") == out[-1][2]
+    return out
+
+
+def reframe(data: bytes, cuts: list[tuple[int, int]]) -> bytes:
+    """`data` without its FRAMEs, then a FRAME(length) inserted before each chosen opcode
+    (`cuts`: opcode index, frame length; lengths may end inside an opcode or past others)."""
+    body = [(s, e, b) for s, e, b in ops(data) if b != b"\x95"]
+    chunks = [data[s:e] for s, e, _ in body]
+    frames = dict(cuts)
+    out = bytearray()
+    for k, chunk in enumerate(chunks):
+        if k in frames and k > 0:  # never before PROTO
+            out += b"\x95" + struct.pack("<Q", frames[k])
+        out += chunk
     return bytes(out)

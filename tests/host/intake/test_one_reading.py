@@ -19,7 +19,6 @@ import fractions
 import io
 import os
 import pickle
-import pickletools
 import struct
 import sys
 from pathlib import Path
@@ -178,30 +177,6 @@ _values = st.recursive(
 )
 
 
-def _ops(data: bytes) -> list[tuple[int, int, bytes]]:
-    """(start, end, opcode byte) of each opcode as a linear reader sees it (FRAMEs kept)."""
-    out = []
-    positions = [pos for _, _, pos in pickletools.genops(data)] + [len(data)]
-    for k, (op, _arg, pos) in enumerate(pickletools.genops(data)):
-        out.append((pos, positions[k + 1], bytes([data[pos]])))
-        assert op.code.encode("latin-1") == out[-1][2]
-    return out
-
-
-def reframe(data: bytes, cuts: list[tuple[int, int]]) -> bytes:
-    """`data` without its FRAMEs, then a FRAME(length) inserted before each chosen opcode
-    (`cuts`: opcode index, frame length; lengths may end inside an opcode or past others)."""
-    body = [(s, e, b) for s, e, b in _ops(data) if b != b"\x95"]
-    chunks = [data[s:e] for s, e, _ in body]
-    frames = dict(cuts)
-    out = bytearray()
-    for k, chunk in enumerate(chunks):
-        if k in frames and k > 0:  # never before PROTO
-            out += b"\x95" + struct.pack("<Q", frames[k])
-        out += chunk
-    return bytes(out)
-
-
 class _Trace(pickle._Unpickler):  # type: ignore[name-defined,misc]
     """The pure-Python unpickler on the same exact reader, recording each opcode it runs."""
 
@@ -238,7 +213,7 @@ def test_what_the_prescan_accepts_runs_as_it_was_judged(
     past others, nested): whenever either prescan accepts, the restricted unpickler builds
     the value of the same opcodes read linearly, the pure-Python unpickler on the same
     reader runs exactly genops' opcodes in genops' order, and the reader ends at the end."""
-    data = reframe(pickle.dumps(value, protocol=protocol), cuts)
+    data = hostile.reframe(pickle.dumps(value, protocol=protocol), cuts)
     try:
         python_prescan(data)
         accepted = True
@@ -248,12 +223,12 @@ def test_what_the_prescan_accepts_runs_as_it_was_judged(
         assert accepted, f"the C prescan accepted what the Python one refuses: {data!r:.200}"
     if not accepted:
         return
-    linear = [b for _, _, b in _ops(data)]
+    linear = [b for _, _, b in hostile.ops(data)]
     tracer = _Trace(data)
     traced = tracer.load()
     assert tracer.trace == linear
     got = load_restricted(data)
-    unframed = reframe(data, [])
+    unframed = hostile.reframe(data, [])
     assert got == pickle.loads(unframed) == traced == value
 
 
@@ -261,7 +236,7 @@ def test_the_differential_sees_the_old_disagreement() -> None:
     """The differential's oracle fails on the issue's stream when the frame check is off
     (the trace stops short of genops' opcodes), so it can catch a regression."""
     data = hostile.SMALLEST_FRAME_SPLIT
-    linear = [b for _, _, b in _ops(data)]
+    linear = [b for _, _, b in hostile.ops(data)]
     tracer = _Trace(data)
     with pytest.raises(pickle.UnpicklingError):
         tracer.load()
