@@ -137,8 +137,8 @@ class ResponseReader:
             head = bytes(self.buf[:end])
             del self.buf[: end + 4]
             self._head(head)
-            if self.status != 200 or not self.chunked:
-                return []  # the caller refuses the call; the body is not read
+        if self.status != 200 or not self.chunked:
+            return []  # the caller refuses the call; the body is never read (on any feed)
         return self._body()
 
     def _no_bare_line_ends(self) -> None:
