@@ -59,7 +59,11 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _VCHAR = rb"[\x21-\x7e\x80-\xff]"
 _STATUS_LINE = re.compile(rb"HTTP/1\.1 [0-9]{3}(?: [ \t\x21-\x7e\x80-\xff]*)?")
 _HEADER_FIELD = re.compile(
-    rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):[ \t]*((?:" + _VCHAR + rb"+(?:[ \t]+" + _VCHAR + rb"+)*)?)[ \t]*"
+    rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):[ \t]*((?:"
+    + _VCHAR
+    + rb"+(?:[ \t]+"
+    + _VCHAR
+    + rb"+)*)?)[ \t]*"
 )
 # Where the reader is in the chunked body.
 _SIZE, _DATA, _DATA_CRLF, _LAST_CRLF, _DONE = range(5)

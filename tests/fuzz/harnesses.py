@@ -35,7 +35,6 @@ import binascii
 import os
 import pickle
 import pickletools
-import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -171,7 +170,9 @@ def fastscan(data: bytes) -> None:
         try:
             value = load_restricted(strict, Allowlist(), budgets)
         except UnpickleRefused:
-            raise AssertionError(f"decode_blob accepted what Python refuses {strict!r:.200}") from None
+            raise AssertionError(
+                f"decode_blob accepted what Python refuses {strict!r:.200}"
+            ) from None
     if type(value) is not type(blob) or value != blob:
         raise AssertionError(f"decode_blob differs from load_restricted on {strict!r:.200}")
 
@@ -207,9 +208,13 @@ def unpickle_target(data: bytes) -> None:
             accepted = True
         except UnpickleRefused:
             accepted = False
-        if _fastscan is not None and _c_prescan(data, BUDGETS) and not accepted:
-            if not _python_accepts(data):
-                raise AssertionError(f"the C prescan accepted what Python refuses: {data!r:.300}")
+        if (
+            _fastscan is not None
+            and _c_prescan(data, BUDGETS)
+            and not accepted
+            and not _python_accepts(data)
+        ):
+            raise AssertionError(f"the C prescan accepted what Python refuses: {data!r:.300}")
         if not accepted:
             return
         linear = [data[pos] for _op, _arg, pos in pickletools.genops(data)]
@@ -356,7 +361,3 @@ HARNESSES: dict[str, Callable[[bytes], None]] = {
     "guard_block": guard_block,
     "serve_relay": serve_relay,
 }
-
-
-def _unused() -> None:  # keep struct imported for harness authors extending the corpus
-    struct.calcsize("<Q")

@@ -138,3 +138,35 @@ def reframe(data: bytes, cuts: list[tuple[int, int]]) -> bytes:
             out += b"\x95" + struct.pack("<Q", frames[k])
         out += chunk
     return bytes(out)
+
+
+def repeated_build_state(keys: int, builds: int) -> bytes:
+    """One exception instance given the same memoized state dict of `keys` string keys
+    `builds` times (BUILD leaves its target on the stack): each BUILD re-checks and
+    re-applies every key, so the work is keys * builds from a stream of keys + builds."""
+    out = bytearray(PROTO5 + short_str("builtins") + short_str("ValueError") + b"\x93)R")
+    out += b"}("
+    for k in range(keys):
+        out += short_str(f"k{k}") + b"N"
+    out += b"u\x94"  # the state, memo 0, left on the stack: BUILD it once
+    out += b"b"
+    out += b"h\x00b" * (builds - 1)
+    out += STOP
+    return bytes(out)
+
+
+def repeated_copying_call(items: int, calls: int) -> bytes:
+    """`collections.deque(seq)` called `calls` times on one memoized list of `items` ints:
+    each call copies the list, so the value is items * calls from a stream of
+    items + calls."""
+    out = bytearray(PROTO5 + b"](")
+    out += b"K\x01" * items
+    out += b"e\x94"  # the list, memo 0
+    out += b"0"  # popped: fetched back below
+    out += b"]"  # the result: a list of deques
+    out += short_str("collections") + short_str("deque") + b"\x93\x94"  # memo 1
+    out += b"0("
+    for _ in range(calls):
+        out += b"h\x01h\x00\x85R"
+    out += b"e" + STOP
+    return bytes(out)

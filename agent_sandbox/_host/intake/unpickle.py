@@ -179,7 +179,7 @@ class Decoder:
     ) -> None:
         self.objects = objects
         self.allow = Allowlist(result_types)
-        self.budgets = Budgets(max_bytes=max_bytes)
+        self.budgets = Budgets(max_bytes=max_bytes, max_copied=max(8_000_000, 2 * max_bytes))
         self.policy = policy
 
     @classmethod

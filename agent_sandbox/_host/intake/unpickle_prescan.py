@@ -54,6 +54,12 @@ class Budgets:
     max_globals: int = 256
     max_int_bytes: int = 65_536
     max_same_hash: int = 64
+    #: Items and characters that constructor calls (REDUCE, NEWOBJ) and BUILD states hand
+    #: over, summed over the stream. Without sharing this stays below twice the stream's
+    #: size; a memoized list or state dict passed again and again (`deque(shared)` a
+    #: million times, one state dict BUILT over and over) would make the host copy
+    #: items * uses, quadratic in the stream, in the prescan and in the unpickler.
+    max_copied: int = 8_000_000
 
 
 # -- step 1: the prescan --------------------------------------------------------------------------
@@ -62,7 +68,7 @@ class Budgets:
 class _Val:
     """What one stack slot holds, as far as the prescan can tell."""
 
-    __slots__ = ("const", "depth", "hash", "hashes", "keys", "kind", "name")
+    __slots__ = ("const", "depth", "hash", "hashes", "keys", "kind", "n", "name")
 
     def __init__(self, kind: str, const: Any = None, name: str = "", depth: int = 0) -> None:
         self.kind = kind
@@ -71,7 +77,8 @@ class _Val:
         self.depth = depth
         self.keys: list[list[_Val]] | None = None  # a dict's key batches, checked at BUILD
         self.hashes: dict[int, int] | None = None
-        self.hash: int | None | object = _UNSET  # the key's hash, once computed (`_key_hash`)
+        self.hash: int | object | None = _UNSET  # the key's hash, once computed (`_key_hash`)
+        self.n = 0  # items held (containers) or bytes (bytes values); see `_size`
 
 
 _DEPTH = operator.attrgetter("depth")
@@ -141,6 +148,18 @@ class _Scan:
         self.meta: list[list[_Val]] = []
         self.memo: list[_Val] = []
         self.globals: set[str] = set()
+        self.copied = 0
+
+    def copy_cost(self, vals: Iterable[_Val], pos: int) -> None:
+        """Charge what a call or BUILD hands over (shallow: items, characters, bytes)."""
+        self.copied += 1 + sum(map(_size, vals))
+        if self.copied > self.b.max_copied:
+            raise self.refuse(
+                f"calls and BUILD states hand over more than {self.b.max_copied} items "
+                f"(shared values passed again and again)",
+                pos,
+                "max_copied",
+            )
 
     def refuse(self, why: str, pos: int, budget: str | None = None) -> UnpickleRefused:
         return UnpickleRefused(f"{why} (at byte {pos})", budget=budget)
@@ -361,7 +380,9 @@ class _Scan:
                 width = {0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8}[op]
                 size, pos = _length(data, pos, width, at)
                 kind = "bytearray" if op == 0x96 else "bytes"
-                stack_push(_Val(kind, bytes(data[pos : pos + size]) if size <= 64 else None), at)
+                v = _Val(kind, bytes(data[pos : pos + size]) if size <= 64 else None)
+                v.n = size
+                stack_push(v, at)
                 pos += size
                 continue
             if op == 0x28:  # MARK
@@ -385,6 +406,7 @@ class _Scan:
                     target.kind == "obj" and APPENDS in self.allow.lookup(target.name).uses
                 ):
                     raise self.refuse(f"APPEND to a {target.kind}", at)
+                target.n += len(items)
                 self.grow(target, items, at)
                 continue
             if op == 0x73 or op == 0x75:  # SETITEM, SETITEMS
@@ -406,6 +428,7 @@ class _Scan:
                     if target.keys is None:
                         target.keys = []
                     target.keys.append(keys)
+                target.n += len(keys)
                 self.grow(target, items, at)
                 continue
             if op == 0x90:  # ADDITEMS
@@ -413,12 +436,14 @@ class _Scan:
                 target = self.top(at)
                 if target.kind != "set":
                     raise self.refuse(f"ADDITEMS to a {target.kind}", at)
+                target.n += len(items)
                 self.count_hashes(target, items, at)
                 self.grow(target, items, at)
                 continue
             if op == 0x91:  # FROZENSET
                 items = self.pop_mark(at)
                 v = _Val("frozenset")
+                v.n = len(items)
                 self.count_hashes(v, items, at)
                 self.grow(v, items, at)
                 stack_push(v, at)
@@ -433,6 +458,7 @@ class _Scan:
                     items = self.stack[-count:]
                     del self.stack[-count:]
                 v = _Val("tuple", items)
+                v.n = len(items)
                 self.grow(v, items, at)
                 stack_push(v, at)
                 continue
@@ -465,6 +491,7 @@ class _Scan:
                 if args.kind != "tuple":
                     raise self.refuse("REDUCE with arguments that are not a tuple", at)
                 self.use(func, REDUCE, at, args.const)
+                self.copy_cost(args.const, at)
                 stack_push(_Val("obj", name=func.name, depth=args.depth + 1), at)
                 continue
             if op == 0x81:  # NEWOBJ
@@ -473,6 +500,7 @@ class _Scan:
                 if args.kind != "tuple":
                     raise self.refuse("NEWOBJ with arguments that are not a tuple", at)
                 self.use(cls, NEWOBJ, at, args.const)
+                self.copy_cost(args.const, at)
                 stack_push(_Val("obj", name=cls.name, depth=args.depth + 1), at)
                 continue
             if op == 0x92:  # NEWOBJ_EX
@@ -482,6 +510,7 @@ class _Scan:
                 if args.kind != "tuple" or kwargs.kind != "dict":
                     raise self.refuse("NEWOBJ_EX with malformed arguments", at)
                 self.use(cls, NEWOBJ_EX, at, None)
+                self.copy_cost([*args.const, kwargs], at)
                 stack_push(_Val("obj", name=cls.name, depth=max(args.depth, kwargs.depth) + 1), at)
                 continue
             if op == 0x62:  # BUILD
@@ -494,6 +523,9 @@ class _Scan:
                         at,
                     )
                 entry = self.allow.lookup(target.name)
+                self.copy_cost(
+                    state.const if state.kind == "tuple" and state.const else [state], at
+                )
                 if BUILD not in entry.uses:
                     raise UnpickleRefused(
                         f"{target.name} may not receive state (BUILD)", target=target.name
@@ -504,6 +536,13 @@ class _Scan:
                 continue
             name = _OPCODE_NAMES.get(op, f"0x{op:02x}")
             raise self.refuse(f"opcode {name} is outside the allowed families", at)
+
+
+def _size(v: _Val) -> int:
+    """What handing `v` to a constructor or BUILD copies: its characters, bytes or items."""
+    if v.kind == "str":
+        return len(v.const)  # type: ignore[no-any-return]
+    return v.n
 
 
 def _length(data: bytes, pos: int, width: int, at: int, *, signed: bool = False) -> tuple[int, int]:

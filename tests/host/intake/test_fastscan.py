@@ -568,7 +568,9 @@ def _hostile() -> Any:
 @given(
     value=_data,
     protocol=st.sampled_from([4, 5]),
-    cuts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 300) | st.integers(0, 12)), max_size=5),
+    cuts=st.lists(
+        st.tuples(st.integers(0, 60), st.integers(0, 300) | st.integers(0, 12)), max_size=5
+    ),
 )
 def test_reframed_streams_never_accepted_by_c_alone(
     value: Any, protocol: int, cuts: list[tuple[int, int]]
@@ -581,7 +583,12 @@ def test_reframed_streams_never_accepted_by_c_alone(
 def test_c_refuses_the_frame_split_reproducers() -> None:
     """It denies, in C too, every stream whose FRAME ends inside an opcode or holds one."""
     h = _hostile()
-    for data in (h.SMALLEST_FRAME_SPLIT, h.fraction_from_string(), h.build_on_class(), h.frame_in_frame()):
+    for data in (
+        h.SMALLEST_FRAME_SPLIT,
+        h.fraction_from_string(),
+        h.build_on_class(),
+        h.frame_in_frame(),
+    ):
         assert not check(data)
         assert not python_accepts(data, Budgets())
 

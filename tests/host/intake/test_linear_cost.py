@@ -22,7 +22,7 @@ from agent_sandbox._host.intake.unpickle import load_restricted
 from agent_sandbox._host.intake.unpickle_prescan import Budgets, python_prescan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fuzz"))
-import hostile  # noqa: E402
+import hostile
 
 try:
     from agent_sandbox.guards import _fastscan
@@ -86,7 +86,9 @@ def test_tuple_key_hash_flood_is_still_refused() -> None:
     keys = []
     for k in range(80):
         bits = [(-1 if (k >> b) & 1 else -2) for b in range(7)]
-        keys.append(b"(" + b"".join(b"J" + v.to_bytes(4, "little", signed=True) for v in bits) + b"t")
+        keys.append(
+            b"(" + b"".join(b"J" + v.to_bytes(4, "little", signed=True) for v in bits) + b"t"
+        )
     data = hostile.PROTO5 + b"}(" + b"".join(k + b"N" for k in keys) + b"u" + hostile.STOP
     with pytest.raises(UnpickleRefused, match="hash flooding"):
         load_restricted(data)
@@ -126,3 +128,51 @@ def test_the_old_scramble_put_every_crafted_key_in_one_slot() -> None:
     for v in values:
         h = v & ((1 << 64) - 1)
         assert ((h * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 32 & ((1 << 21) - 1) == 0
+
+
+@pytest.mark.parametrize(
+    "build", [hostile.repeated_build_state, hostile.repeated_copying_call], ids=["build", "call"]
+)
+def test_shared_arguments_passed_again_and_again_are_refused(
+    build: Callable[[int, int], bytes],
+) -> None:
+    """It denies the quadratic copy of one memoized value handed to a constructor or BUILD
+    over and over (`deque(shared)` per call, one state dict per BUILD): the items handed
+    over are counted against `max_copied`, so the host's work is bounded by the budget,
+    whatever the sharing; a small such stream still loads."""
+    load_restricted(build(200, 200))
+    small = Budgets(max_copied=100_000)
+    with pytest.raises(UnpickleRefused, match="hand over more than") as refused:
+        load_restricted(build(1000, 1000), None, small)
+    assert refused.value.budget == "max_copied"
+    scan = unpickle_prescan._Scan(build(1000, 1000), unpickle_prescan.Allowlist(), small)
+    with pytest.raises(UnpickleRefused):
+        scan.run()
+    assert scan.copied <= small.max_copied + 1001  # stopped at the first charge over it
+
+
+def test_streams_without_sharing_stay_far_below_the_copy_budget() -> None:
+    """What CPython's pickler writes for values with many constructor calls hands over
+    fewer items than twice its size, so `max_copied` (2x the default cap) never refuses
+    a stream that does not pass one value again and again."""
+    import collections
+    import datetime
+    import decimal
+    import fractions
+    import pickle
+
+    value = [
+        (
+            fractions.Fraction(k, 7),
+            decimal.Decimal(f"{k}.5"),
+            datetime.datetime(2020, 1, 1 + k % 28),
+            collections.deque(range(k % 50)),
+            collections.OrderedDict((str(j), j) for j in range(k % 20)),
+            ValueError("x" * (k % 100), k),
+        )
+        for k in range(2000)
+    ]
+    data = pickle.dumps(value, protocol=5)
+    scan = unpickle_prescan._Scan(data, unpickle_prescan.Allowlist(), Budgets())
+    scan.run()
+    assert 0 < scan.copied <= 2 * len(data)
