@@ -56,12 +56,21 @@ def _classes(cap: int) -> dict[str, tuple[bytes, Callable[[bytes], str]]]:
         except UnpickleRefused as exc:
             return f"refused: {exc.reason[:60]}"
 
-    width = max(1, (cap - 40) // 14)  # 7 levels of width LONG_BINGETs... BINGET: 2 bytes
-    keys = max(1, (cap - 10) // 11)
+    # 7 levels of `width` BINGETs (2 bytes each), within the opcode budget
+    width = max(1, min((cap - 40) // 14, (b.max_opcodes - 64) // 7 - 3))
+    keys = max(1, (cap - 10) // 11)  # LONG1 8 bytes + NONE
     return {
         "shared tuple key (Python prescan)": (hostile.shared_tuple_key(width), python),
         "one-slot int keys (C prescan)": (hostile.int_keys_one_slot(keys), c_prescan),
         "one-slot int keys (whole decode)": (hostile.int_keys_one_slot(keys), restricted),
+        "one state dict BUILT again (decode)": (
+            hostile.repeated_build_state(max(1, cap // 20), max(1, cap // 6)),
+            restricted,
+        ),
+        "deque(shared list) again (decode)": (
+            hostile.repeated_copying_call(max(1, (cap - 100) // 4), max(1, (cap - 100) // 12)),
+            restricted,
+        ),
     }
 
 
@@ -69,8 +78,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bytes", type=int, default=4_000_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--only", default="", help="run only the classes whose name has this")
     args = parser.parse_args()
     for name, (data, run) in _classes(args.bytes).items():
+        if args.only not in name:
+            continue
         times = []
         answer = ""
         for _ in range(args.repeat):
