@@ -65,6 +65,8 @@ try:
     from agent_sandbox.guards import _fastscan
 except ImportError:  # the C extension is optional: `fastscan` then checks nothing
     _fastscan = None  # type: ignore[assignment]
+    if os.environ.get("FUZZ_REQUIRE_FASTSCAN"):  # scripts/fuzz-long.sh: never silently
+        raise
 
 import tblib  # noqa: E402,F401 - imported now: the decoder imports it lazily
 

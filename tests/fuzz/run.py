@@ -2,6 +2,8 @@
 
     .venv/bin/python tests/fuzz/run.py unpickle tests/fuzz/corpus/unpickle -max_total_time=600
     .venv/bin/python tests/fuzz/run.py seed          # (re)writes tests/fuzz/corpus/*/seed-*
+    .venv/bin/python tests/fuzz/run.py replay NAME FOLDER SECONDS ARTIFACTS
+                                     # every input, then seeded mutations (no coverage)
 
 Any libFuzzer option passes through (`-runs=`, `-max_total_time=`, `-timeout=`,
 `-artifact_prefix=`, corpus folders). libFuzzer prints executions (`#N`) and the final
@@ -13,27 +15,14 @@ from __future__ import annotations
 import datetime
 import decimal
 import pickle
+import random
 import sys
+import time
 import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-
-
-def _bare_package() -> None:
-    """Map `agent_sandbox` as a bare package, so only the modules under test load (and get
-    instrumented), not its `__init__` and pydantic."""
-    import importlib.util
-    import types
-
-    if "agent_sandbox" in sys.modules:
-        return
-    spec = importlib.util.find_spec("agent_sandbox")
-    assert spec is not None and spec.submodule_search_locations
-    package = types.ModuleType("agent_sandbox")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["agent_sandbox"] = package
 
 
 def seeds() -> dict[str, list[bytes]]:
@@ -90,12 +79,71 @@ def write_seeds() -> None:
             (folder / f"seed-{k:02d}").write_bytes(data)
 
 
+def mutate(data: bytes, rng: random.Random, pool: list[bytes]) -> bytes:
+    """One random edit: flip, insert, delete, copy a run, splice another input, or set a
+    little-endian length field to a nearby value (what moves a frame's end)."""
+    out = bytearray(data)
+    pick = rng.randrange(6)
+    at = rng.randrange(len(out) + 1)
+    if pick == 0 and out:
+        out[min(at, len(out) - 1)] ^= 1 << rng.randrange(8)
+    elif pick == 1:
+        out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+    elif pick == 2:
+        del out[at : at + rng.randrange(1, 9)]
+    elif pick == 3 and out:
+        start = rng.randrange(len(out))
+        out[at:at] = out[start : start + rng.randrange(1, 33)]
+    elif pick == 4 and pool:
+        other = rng.choice(pool)
+        out = out[:at] + other[rng.randrange(len(other) + 1) :]
+    elif out:
+        width = rng.choice((1, 2, 4, 8))
+        at = min(at, max(0, len(out) - width))
+        value = int.from_bytes(out[at : at + width], "little") + rng.randrange(-9, 10)
+        out[at : at + width] = (value % (1 << (8 * width))).to_bytes(width, "little")
+    return bytes(out[:8192])
+
+
+def replay(name: str, folder: Path, seconds: float, artifacts: Path) -> None:
+    """Every input in `folder`, then seeded random mutations of them until `seconds` of
+    CPU time have passed (for the sanitized builds, where libFuzzer's coverage feedback
+    does not work); prints the executions; writes a failing input to `artifacts`."""
+    import harnesses
+
+    target = harnesses.HARNESSES[name]
+    pool = [p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()]
+    rng = random.Random(30)
+    runs = 0
+    start = time.process_time()
+    queue = iter(pool)
+    while True:
+        data = next(queue, None)
+        if data is None:
+            if time.process_time() - start > seconds or not pool:
+                break
+            data = mutate(rng.choice(pool), rng, pool)
+        try:
+            target(data)
+        except BaseException:
+            artifacts.mkdir(parents=True, exist_ok=True)
+            (artifacts / f"crash-{name}-{runs}").write_bytes(data)
+            raise
+        runs += 1
+    print(f"stat::number_of_executed_units: {runs}")
+
+
 def main(argv: list[str]) -> None:
     if argv[1:2] == ["seed"]:
         write_seeds()
         return
-    _bare_package()
+    if argv[1:2] == ["replay"]:
+        replay(argv[2], Path(argv[3]), float(argv[4]), Path(argv[5]))
+        return
     import atheris
+
+    # The whole package is imported (not a bare one): `agent_sandbox.guards` (the C
+    # extension) is only found through the package's own import set-up.
 
     with atheris.instrument_imports(include=["agent_sandbox"]):
         import harnesses
