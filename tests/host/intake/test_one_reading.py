@@ -145,13 +145,17 @@ def test_accepts_what_cpython_writes_with_frames_and_large_bytes() -> None:
         assert load_restricted(data) == value
 
 
-def test_the_reader_must_be_consumed_to_the_end() -> None:
-    """The unpickler must read the judged buffer to its last byte (a second check that the
-    two readings agree); here the prescan is bypassed to show the check fires."""
-    data = hostile.SMALLEST_FRAME_SPLIT.replace(b"\x95\x04", b"\x95\x05")  # a frame that fits
+def test_the_reader_must_be_consumed_to_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It denies a stream the unpickler finishes before its end (a second check that the
+    two readings agree): with the prescan switched off, a frame split whose hidden program
+    is `POP NONE STOP` loads None, and the unconsumed rest is refused."""
+    data = hostile.frame_split(b"0N.")
+    monkeypatch.setattr(unpickle, "prescan", lambda *args: set())
+    with pytest.raises(UnpickleRefused, match="read the stream differently"):
+        load_restricted(data)
     reader = unpickle._Reader(data)
-    assert unpickle._Unpickler(reader, Allowlist()).load() == -77
-    assert reader.consumed == len(data)
+    assert unpickle._Unpickler(reader, Allowlist()).load() is None  # the hidden program ran
+    assert reader.consumed < len(data)
 
 
 # -- the differential: whatever the prescan accepts runs as genops reads it -----------------------
