@@ -136,6 +136,13 @@ class _Protocol:
                 if not data:
                     raise ConnectionLost("the worker closed the connection mid-response")
                 return events
+            if event is h11.PAUSED:
+                # h11 waits for the next cycle (the response ended, or a protocol switch):
+                # asking again would return PAUSED forever. Found by tests/fuzz (a feed
+                # after the end spun with the GIL held).
+                if self.done:
+                    return events
+                raise TransportError("the worker's response paused the connection")
             if isinstance(event, h11.Response):
                 self.status = event.status_code
                 ctype = dict(event.headers).get(b"content-type", b"")
