@@ -212,10 +212,13 @@ class WorkerCgroups:
         memory_mb = int(_limit(limits, "memory_mb", 2048))
         processes = int(_limit(limits, "processes", 64)) + extra_processes
         quota = max(1000, int(float(_limit(limits, "cpu_cores", 1.0)) * _CPU_PERIOD))
-        name = f"{_PREFIX}{os.getpid()}-{worker_id}"
+        from agent_sandbox._host import lifecycle
+
+        # Named for this agent's owner token (`_host/guardian.py`): a sweeper removes it
+        # only once it has proven the owner dead by taking the owner's lock.
+        name = f"{_PREFIX}{lifecycle.owner_tag()}-{worker_id}"
         dirs: dict[str, str] = {}
         hs = _hierarchies()
-        _sweep_stale(hs)
         try:
             unified = hs.get("unified")
             if unified is not None:
@@ -428,6 +431,8 @@ class WorkerCgroups:
             if not pids:
                 return
             for pid in pids:
+                if pid <= 0:
+                    continue  # a member this pid namespace cannot see: never kill(0)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(pause)
@@ -477,31 +482,6 @@ def _remove_left_over() -> None:
         with contextlib.suppress(OSError):
             groups.kill()
             groups.remove(timeout=1.0)
-
-
-_SWEPT = False
-
-
-def _sweep_stale(hs: Mapping[str, _Hierarchy]) -> None:
-    """Once per process: remove empty groups left by parents that died without cleaning up
-    (a parent ended with `os._exit` or SIGKILL runs no clean-up)."""
-    global _SWEPT
-    if _SWEPT:
-        return
-    _SWEPT = True
-    for h in hs.values():
-        try:
-            names = os.listdir(h.base)
-        except OSError:
-            continue
-        for name in names:
-            owner = name[len(_PREFIX) :].split("-", 1)[0]
-            if not name.startswith(_PREFIX) or not owner.isdigit():
-                continue
-            if os.path.exists(f"/proc/{owner}"):
-                continue
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(h.base, name))  # fails (and stays) while not empty
 
 
 def _limit(limits: Any, key: str, default: float) -> Any:

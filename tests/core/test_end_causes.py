@@ -180,7 +180,7 @@ def closed_sandbox() -> tuple[str, str]:
 
 
 def evicted() -> tuple[str, str]:
-    with Sandbox(_policy(), warm=0, max_sessions=1) as sb:
+    with Sandbox(_policy(), warm=0, max_sessions=1, evict_idle=0.05) as sb:
         a = sb.session("a")
         assert a.run("x = 1").ok
         time.sleep(0.1)
