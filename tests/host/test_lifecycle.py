@@ -218,6 +218,30 @@ def test_remove_tree_takes_deep_wide_and_read_only_trees(tmp_path: Path) -> None
     assert remove_tree(str(root))  # already gone: still fine
 
 
+def test_remove_tree_holds_a_bounded_number_of_descriptors(tmp_path: Path) -> None:
+    """It removes a 1200-level tree under `ulimit -n 256` (one descriptor per level would
+    need 1200), in a child process whose descriptor limit is set before it starts."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "tree"
+    root.mkdir()
+    _deep_tree(root, 1200)
+    (tmp_path / "keep.txt").write_text("keep")
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+        "from agent_sandbox._host.guardian import remove_tree, MAX_TREE_FDS\n"
+        "assert MAX_TREE_FDS < 256\n"
+        "print(remove_tree(sys.argv[1]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "True\n", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
 def test_closing_removes_control_dirs_synchronously(policy: Policy) -> None:
     """It removes a closed session's control directory (with a deep scratch tree) before
     close() returns, and a closed sandbox's every directory."""
