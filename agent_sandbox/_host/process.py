@@ -274,6 +274,8 @@ class WorkerProcess:
                 "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
                 "worker_setup": dict(self.plan.worker_setup),
                 "host_env_names": sorted(os.environ),
+                # Started from scratch in the launch thread: it dies with that thread.
+                "die_with_parent": template is None,
             }
             try:
                 _write_all(boot_w, json.dumps(boot).encode())
