@@ -1078,11 +1078,14 @@ class WorkerProcess:
                 self.client.close()
             proc = self.proc
             if proc is not None and not self._reaped:
-                _signal_group(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(_TERM_GRACE)
-                except subprocess.TimeoutExpired:
-                    pass
+                # A stopped process cannot act on SIGTERM (it stays pending until SIGCONT):
+                # the grace would only be waited out, past the call's limit. Straight to KILL.
+                if not self.stopped():
+                    _signal_group(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(_TERM_GRACE)
+                    except subprocess.TimeoutExpired:
+                        pass
                 _signal_group(proc.pid, signal.SIGKILL)
                 try:
                     proc.wait(5.0)

@@ -293,3 +293,40 @@ def test_each_cause_reads_as_the_table_says(cause: str, table: dict[str, tuple[s
     phrase, documented = table[cause]
     assert operator == documented, (cause, operator, text)
     assert phrase in text, (cause, phrase, text)
+
+
+@pytest.mark.parametrize("provider", ["landlock", "subprocess"])
+def test_a_stopped_worker_is_killed_without_the_term_grace(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It sends a worker stopped mid-call (SIGSTOP) straight SIGKILL when its wall limit
+    passes: a stopped process cannot act on SIGTERM, so the 0.5 s TERM grace would only be
+    waited out past the limit. The result names the stop, not a timeout."""
+    from agent_sandbox._host import process
+
+    if not get_provider(provider).probe().available:
+        pytest.skip(f"{provider} is not available here")
+    sent: list[int] = []
+    real = process._signal_group
+
+    def spy(pid: int, sig: int) -> None:
+        sent.append(sig)
+        real(pid, sig)
+
+    monkeypatch.setattr(process, "_signal_group", spy)
+    policy = _policy(wall_seconds=2).model_copy(update={"no_kernel_boundary": "accepted"})
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        session = sb.session("s")
+        assert session.run("x = 1").ok
+        worker = session.worker
+        assert worker is not None
+        thread, out = _in_thread(lambda: session.run("import time\ntime.sleep(30)"))
+        _wait(lambda: worker._in_call)
+        pid = worker.worker_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        _wait(worker.stopped)
+        thread.join(20)
+        result = out["r"]
+        assert result.error is not None and result.error.type == "WorkerStopped", result
+        assert signal.SIGKILL in sent and signal.SIGTERM not in sent, sent
