@@ -292,7 +292,7 @@ class Sandbox:
         session_ttl: float = 1800.0,
         start_timeout: float = 15.0,
         session_wait: float = 30.0,
-        evict_idle: float = 5.0,
+        evict_idle: float = 2.0,
         tool: str = "",
         share_workers: bool = False,
     ) -> None:

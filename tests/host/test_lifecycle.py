@@ -391,7 +391,7 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(policy:
     before = _own_dirs()
     # Processes of pools other tests left open (a pool keeps its template while it is open).
     others = set(marked(owner_tag()))
-    # Finished sessions give their slots up once idle past evict_idle (5 s): the later
+    # Finished sessions give their slots up once idle past evict_idle (2 s): the later
     # threads wait for them, longer than session_wait's default under load.
     sb = Sandbox(policy, session_wait=300)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(50)]
