@@ -725,14 +725,16 @@ def record_limit_hits(
     *,
     scratch: str = "",
     guest: GuestLimits | None = None,
+    scratch_in_memory: int | None = None,
 ) -> bool:
     """Turn every limit hit of the call into a `limits.<name>` denial in `builder`.
 
     Sources: new cgroup events (an OOM kill, a refused fork), a host `scratch` directory over
     `limits.scratch_mb` (`scratch_over`), and a limit error the worker reported
     (MemoryError, EFBIG, ENOSPC, EMFILE, EAGAIN). A worker killed by the memory cgroup is
-    reported as `limits.memory`, not as a crash. Returns True when the worker must be
-    replaced.
+    reported as `limits.memory`, not as a crash; when its scratch is a tmpfs whose files
+    held half of `memory_mb` or more (`scratch_in_memory`, bytes), the denial says the
+    files filled it. Returns True when the worker must be replaced.
     """
     hits: list[str] = []
     why: dict[str, str] = {}
@@ -745,6 +747,19 @@ def record_limit_hits(
                 why[rule] = reason
     if scratch and scratch_over(scratch, int(policy.limits.scratch_mb) * _MB):
         hits.append("limits.scratch")
+    memory = int(policy.limits.memory_mb)
+    if (
+        "limits.memory" in hits
+        and "limits.memory" not in why
+        and scratch_in_memory is not None
+        and scratch_in_memory * 2 >= memory * _MB
+    ):
+        why["limits.memory"] = (
+            f"the call went over `memory_mb = {memory}`, and {scratch_in_memory // _MB} MB "
+            "of it were files in the scratch directory: scratch is a tmpfs here, so files "
+            "written to it are held in memory (not on disk) and count toward memory_mb; "
+            "write less to scratch or raise memory_mb"
+        )
     error = builder.error
     if error is not None and error.kind == "limit" and error.rule in REPLACING_RULES:
         hits.append(error.rule)

@@ -143,6 +143,11 @@ class WorkerProcess:
         self._host_pid: int | None = None
         self._stat_fds: dict[int, int] = {}
         self._stat_lock = threading.Lock()
+        #: A descriptor on the worker's scratch when it is a tmpfs counted in its memory
+        #: cgroup (kept so its use can still be measured after an OOM kill), and that use
+        #: as measured when the worker was ended.
+        self._scratch_fd = -1
+        self._scratch_used: int | None = None
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
@@ -333,6 +338,7 @@ class WorkerProcess:
                 )
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
+            self._hold_scratch()
             self._watch_guards()
             self._watch_kernel_log()
             if "egress" in self.plan.worker_setup:
@@ -546,6 +552,62 @@ class WorkerProcess:
                 return _parse_stat(os.pread(fd, 4096, 0))
             except OSError:
                 return "", 0
+
+    def _hold_scratch(self) -> None:
+        """Keep a descriptor on the worker's scratch if it is a tmpfs and a memory cgroup
+        bounds the worker: its files are then memory, and an OOM kill they caused is named
+        as theirs (`scratch_in_memory`). The descriptor keeps the tmpfs until the worker is
+        ended, however it died; checked to be the tmpfs its mount table names."""
+        cgroups = self.cgroups
+        if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
+            return
+        assert self.plan is not None
+        inside = str(self.plan.worker_setup.get("scratch_inside", self.scratch))
+        pid = self.worker_pid()
+        if pid is None:
+            return
+        try:
+            with open(f"/proc/{pid}/mountinfo") as fh:
+                mountinfo = fh.read()
+        except OSError:
+            return
+        device = None
+        for line in mountinfo.splitlines():
+            left, _, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if len(fields) >= 5 and rest and fields[4] == inside:
+                device = fields[2] if rest[0] == "tmpfs" else None  # the last mount wins
+        if device is None:
+            return
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(f"/proc/{pid}/root{inside}", flags)
+        except OSError:
+            return
+        st = os.fstat(fd)
+        if f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != device:
+            os.close(fd)
+            return
+        self._scratch_fd = fd
+
+    def scratch_in_memory(self) -> int | None:
+        """Bytes the worker's files hold in its tmpfs scratch (None: not a tmpfs in memory)."""
+        if self._scratch_used is not None:
+            return self._scratch_used
+        if self._scratch_fd < 0:
+            return None
+        try:
+            st = os.fstatvfs(self._scratch_fd)
+        except OSError:
+            return None
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def _release_scratch(self) -> None:
+        if self._scratch_fd >= 0:
+            self._scratch_used = self.scratch_in_memory()
+            with contextlib.suppress(OSError):
+                os.close(self._scratch_fd)
+            self._scratch_fd = -1
 
     def _close_stat_fds(self) -> None:
         with self._stat_lock:
@@ -794,7 +856,12 @@ class WorkerProcess:
         self.rewind_log()
         if (
             record_limit_hits(
-                builder, self.cgroups, self.policy, scratch=self.scratch, guest=self.guest_limits
+                builder,
+                self.cgroups,
+                self.policy,
+                scratch=self.scratch,
+                guest=self.guest_limits,
+                scratch_in_memory=self.scratch_in_memory(),
             )
             and not self.dead
         ):
@@ -1147,6 +1214,7 @@ class WorkerProcess:
 
     def _cleanup_dirs(self) -> None:
         self._close_stat_fds()
+        self._release_scratch()
         if self._egress_channel is not None:
             self._egress_channel.close()
         if self.egress is not None:

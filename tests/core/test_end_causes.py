@@ -330,3 +330,30 @@ def test_a_stopped_worker_is_killed_without_the_term_grace(
         result = out["r"]
         assert result.error is not None and result.error.type == "WorkerStopped", result
         assert signal.SIGKILL in sent and signal.SIGTERM not in sent, sent
+
+
+@pytest.mark.parametrize("provider", ["bwrap", "unshare", "landlock"])
+def test_scratch_files_that_fill_memory_are_named_as_files(provider: str) -> None:
+    """It names the scratch files when they, not the code's objects, filled `memory_mb`
+    (scratch is a tmpfs under these providers: its files are memory), and does not when
+    the code's own objects did."""
+    from agent_sandbox.providers._limits import cgroup_support
+
+    if not get_provider(provider).probe().available:
+        pytest.skip(f"{provider} is not available here")
+    if not cgroup_support().get("memory"):
+        pytest.skip("no memory cgroup here: memory_mb is not enforced by a group")
+    write = (
+        "f = open('big.bin', 'wb')\nfor i in range(300):\n    f.write(b'x' * (1 << 20))\n"
+        "f.close()\n'done'"
+    )
+    hog = "hold = []\nwhile True:\n    hold.append(bytearray(16 << 20))"
+    policy = _policy(memory_mb=150, scratch_mb=400)
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        files = sb.run(write)
+        objects = sb.run(hog)
+    assert files.error is not None and files.error.rule == "limits.memory", files
+    assert "files in the scratch directory" in files.error.message
+    assert "held in memory (not on disk)" in files.error.message
+    assert objects.error is not None and objects.error.rule == "limits.memory", objects
+    assert "scratch" not in objects.error.message
