@@ -602,6 +602,23 @@ class WorkerProcess:
             return None
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
+    def _vm_end(self) -> str | None:
+        """How the worker's VM ended, when its launcher saw QEMU end before the guest said
+        the worker ended (`qemu-ended.json`, written by the launcher in a directory the
+        guest cannot write); None otherwise."""
+        if self.plan is None or not self.plan.interrupt_launcher or not self.control_dir:
+            return None
+        path = os.path.join(self.control_dir, "vm", "qemu-ended.json")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                code = json.loads(fh.read(256)).get("returncode")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(code, int):
+            return None
+        return describe_exit(code)
+
     def _release_scratch(self) -> None:
         if self._scratch_fd >= 0:
             self._scratch_used = self.scratch_in_memory()
@@ -645,6 +662,11 @@ class WorkerProcess:
             or bool(flags & _PF_EXITING)
             or (template is not None and not template.alive())
         )
+        vm = self.plan is not None and self.plan.interrupt_launcher
+        if not exiting and vm and not _live_children(self.proc.pid):
+            # A VM: the launcher outlives its QEMU, its only child, by a moment. No live
+            # child left means the VM itself ended: wait for the launcher's exit.
+            return "exited", self.wait_exit(_EXITING_WAIT)
         if not exiting:
             return "running", None
         return "exited", self.wait_exit(_EXITING_WAIT)
@@ -1000,6 +1022,7 @@ class WorkerProcess:
             return
         how, raw = self._status_now()
         status = self._worker_status(raw)
+        vm = self._vm_end()  # read before the kill removes the control directory
         self.dead = True
         self.kill()
         if how == "stopped":
@@ -1038,6 +1061,18 @@ class WorkerProcess:
                 message="the sandbox worker ended during the call because its worker "
                 "template (the process that forks workers) ended; the session's variables "
                 "are lost and the next call starts a fresh interpreter",
+                traceback=self.log_tail(),
+                rule="worker.crashed",
+            )
+            return
+        if vm is not None:
+            self.death_reason = f"its virtual machine (QEMU) ended ({vm})"
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker's virtual machine (the QEMU process) ended during "
+                f"the call ({vm}); the session's variables are lost and "
+                "the next call starts a fresh virtual machine",
                 traceback=self.log_tail(),
                 rule="worker.crashed",
             )
@@ -1254,6 +1289,23 @@ class WorkerProcess:
             fd = self._log.fileno()
             if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
                 os.lseek(fd, 0, os.SEEK_SET)
+
+
+def _live_children(pid: int) -> list[int]:
+    """The children of `pid` that have not ended (zombies excluded)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                words = fh.read().split()
+        except OSError:
+            continue
+        out += [int(w) for w in words if _proc_state(int(w))[0] not in ("", "Z", "X")]
+    return out
 
 
 def _proc_state(pid: int) -> tuple[str, int]:
