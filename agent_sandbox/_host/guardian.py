@@ -419,12 +419,36 @@ def owned_dirs(
 # -- processes and groups ----------------------------------------------------------------------
 
 
+def _launched_by(entry: int, marker: bytes, control: bytes) -> bool:
+    """Whether process `entry` carries the owner mark in its initial environment, or is a
+    `firejail` whose command line names one of the owner's control directories.
+
+    A set-user-ID `firejail` run by a normal user cannot be read in /proc/<pid>/environ
+    (nor the sandbox it starts: neither is dumpable), its parent-death signal is cleared by
+    the exec, and it can still be signalled by that user (its real uid): its command line,
+    which this agent wrote and which names the control directory, is what finds it."""
+    try:
+        with open(f"/proc/{entry}/environ", "rb") as fh:
+            if (b"\0" + fh.read()).find(b"\0" + marker) >= 0:
+                return True
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{entry}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return os.path.basename(argv[0]) == b"firejail" and any(control in a for a in argv[1:])
+
+
 def kill_marked(tag: str) -> int:
-    """SIGKILL every process this pid namespace shows whose initial environment carries the
-    owner token (random, so it names this owner's processes only); how many."""
+    """SIGKILL every process this pid namespace shows that this owner launched (its token,
+    random, in the initial environment; or a `firejail` naming its control directory);
+    how many."""
     if not is_token(tag):
         return 0
     marker = f"{OWNER_ENV}={tag}".encode() + b"\0"
+    control = f"/{DIR_PREFIX}{tag}-".encode()
     me = os.getpid()
     killed = 0
     for _ in range(20):  # a marked process may fork while we scan
@@ -432,12 +456,7 @@ def kill_marked(tag: str) -> int:
         for entry in _pids():
             if entry == me:
                 continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    env = fh.read()
-            except OSError:
-                continue
-            if (b"\0" + env).find(b"\0" + marker) >= 0:
+            if _launched_by(entry, marker, control):
                 with contextlib.suppress(OSError):
                     os.kill(entry, signal.SIGKILL)
                     found += 1
