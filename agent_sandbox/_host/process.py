@@ -1293,7 +1293,7 @@ class WorkerProcess:
 
 def _live_children(pid: int) -> list[int]:
     """The children of `pid` that have not ended (zombies excluded)."""
-    out = []
+    out: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
