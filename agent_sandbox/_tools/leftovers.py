@@ -39,7 +39,7 @@ __all__ = [
     "run_agent",
 ]
 
-#: argv: provider, marker, moment (idle, forked, running, starting, closing, exit), extra (a delay
+#: argv: provider, marker, moment (idle, running, starting, closing, exit), extra (a delay
 #: in 20 ms steps for "starting"). It prints READY when the moment has come.
 ORPHAN_AGENT = r"""
 import sys, threading, time, warnings
@@ -76,13 +76,6 @@ def say(text):
     sys.stdout.flush()
 if moment == "idle":
     assert sb.session("a").run(FORK).ok
-    say("READY")
-elif moment == "forked":
-    # As "idle", in a worker forked by the pool's template (not started from scratch).
-    sb._pool.template()
-    session = sb.session("a")
-    assert session.run(FORK).ok
-    assert getattr(session.worker.proc, "_template", None) is not None, "not forked"
     say("READY")
 elif moment == "running":
     def on_event(kind, data):
@@ -195,11 +188,7 @@ def run_agent(
         forked = bool(named(marker))
         # The grandchild names itself after its parent exits, so READY may come first.
         settle = time.monotonic() + 5
-        while (
-            not forked
-            and line.strip() == "READY"
-            and moment in ("idle", "forked", "running", "starting")
-        ):
+        while not forked and line.strip() == "READY" and moment in ("idle", "running", "starting"):
             if time.monotonic() > settle:
                 break
             time.sleep(0.02)

@@ -185,7 +185,8 @@ def _end_descendants() -> None:
     """SIGKILL every child until none is left: the workers, and (this being a subreaper)
     whatever they started that outlived its own parent, which is reparented here as they
     die. Each pid signalled is an unreaped child of this process: it cannot be reused."""
-    for _ in range(1000):
+    deadline = time.monotonic() + 5.0  # reaped, not only signalled, within a bound
+    while time.monotonic() < deadline:
         children: list[int] = []
         try:
             for tid in os.listdir("/proc/self/task"):

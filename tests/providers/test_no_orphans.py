@@ -110,15 +110,3 @@ def test_nothing_outlives_an_agent_killed_with_its_guardian(provider: str, momen
     tag = left.dirs[0][len(guardian.DIR_PREFIX) :].split("-", 1)[0]
     guardian.sweep(hierarchy_bases(), tempfile.gettempdir())
     assert control_dirs(tag) == []
-
-
-@pytest.mark.parametrize("provider", ["subprocess", "landlock"])
-def test_a_forked_workers_detached_processes_end_with_the_template(provider: str) -> None:
-    """It ends, when the agent dies with no guardian, what a worker forked by a plain
-    template detached (a setsid double fork): the template is the subreaper of its
-    workers' orphans and ends them all when the agent's end of its socket closes."""
-    skip_unless_available(provider)
-    left = run_agent(provider, "forked", guardian=False, bound=10)
-    assert left.ready == "READY", left.ready
-    assert left.forked, "the double fork did not run"
-    assert (left.named, left.marked) == ([], []), f"survivors: {left}"
