@@ -3,9 +3,11 @@
 * `sandbox.run(code)` is stateless: a fresh worker from the warm pool, discarded after.
 * `sandbox.session(key)` returns a `Session` whose worker keeps its variables between
   calls. Calls on one session are serialized; calls on different sessions run in parallel.
-  At most `max_sessions` sessions hold an interpreter: a new one takes the slot of the
-  least recently used session not in a call (or waits for one, up to `session_wait`, then
-  raises `CapacityError`); sessions idle longer than `session_ttl` give theirs up too. An
+  At most `max_sessions` sessions hold an interpreter: a new one takes a free slot, or,
+  when its first call is waiting for one, the slot of the least recently used session idle
+  for at least `evict_idle` seconds (a conversation between two turns keeps its state);
+  else it waits up to `session_wait`, then raises `CapacityError`. Sessions idle longer
+  than `session_ttl` give theirs up too. An
   evicted session stays usable: its next call gets a fresh interpreter and says so.
 * `await sandbox.arun(code)` and `await session.arun(code)` are the async twins.
 
@@ -48,9 +50,8 @@ __all__ = ["Sandbox", "Session"]
 
 OnEvent = Callable[[str, Any], None]
 
-#: A session idle for less than this is not evicted for a newcomer (a thread between two
-#: calls of its own), and the wait for a slot re-checks this often.
-_EVICT_GRACE = 0.05
+#: The wait for a slot re-checks at least this often (a call's end also wakes it).
+_RECHECK = 0.05
 
 
 class Session:
@@ -428,6 +429,7 @@ class Sandbox:
         session_ttl: float = 1800.0,
         start_timeout: float = 15.0,
         session_wait: float = 30.0,
+        evict_idle: float = 2.0,
         tool: str = "",
         share_workers: bool = False,
     ) -> None:
@@ -461,6 +463,10 @@ class Sandbox:
                 owner=self._pool_owner,
             )
         self.session_wait = session_wait
+        if evict_idle < 0:
+            raise ValueError(f"evict_idle must be 0 or more seconds, not {evict_idle!r}")
+        #: A session idle for less than this many seconds is never evicted for a newcomer.
+        self.evict_idle = float(evict_idle)
         # Sessions holding a slot (least recently used first), and evicted ones kept usable.
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._parked: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
@@ -574,11 +580,12 @@ class Sandbox:
         """The session called `key` (created on first use); a new unique one if `key` is None.
 
         At most `max_sessions` sessions hold an interpreter. A new session takes a free
-        slot, or the slot of the least recently used session that is not in a call; that
-        session stays usable, and its next call gets a fresh interpreter and a notice that
-        its state was lost. A session in a call is never evicted: when every slot is in a
-        call, the new session's first call waits up to `session_wait` seconds for one, then
-        raises `CapacityError`.
+        slot; when there is none, its first call takes the slot of the least recently used
+        session that is not in a call and has been idle for at least `evict_idle` seconds;
+        that session stays usable, and its next call gets a fresh interpreter and a notice
+        that it was evicted and its state lost. A session in a call, or idle for less than
+        `evict_idle`, is never evicted: the new session's first call waits up to
+        `session_wait` seconds for a slot, then raises `CapacityError`.
         """
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
@@ -592,7 +599,8 @@ class Sandbox:
             if session is None or session._closed:
                 session = Session(self, key)
                 self._parked[key] = session
-                self._try_admit(session, discard)  # without waiting; else at its first call
+                # A free slot now; else its first call waits for one (and may evict).
+                self._try_admit(session, discard, evict=False)
             elif session._admitted:
                 self._sessions.move_to_end(key)
         for worker in discard:
@@ -613,23 +621,27 @@ class Sandbox:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise CapacityError(self.max_sessions, self._busy(), self.session_wait)
-                    self._room.wait(min(remaining, _EVICT_GRACE))
+                    self._room.wait(min(remaining, _RECHECK))
         finally:
             for worker in discard:
                 worker.discard()
 
-    def _try_admit(self, session: Session, discard: list[WorkerProcess]) -> bool:
+    def _try_admit(
+        self, session: Session, discard: list[WorkerProcess], *, evict: bool = True
+    ) -> bool:
         if session._admitted:
             return True
         if len(self._sessions) >= self.max_sessions:
-            victim = self._idle_victim(session)
+            victim = self._idle_victim(session) if evict else None
             if victim is None:
                 return False
+            idle = time.monotonic() - victim.last_used
             self._evict(
                 victim,
-                f"this session's interpreter was ended to make room for another session "
-                f"(max_sessions = {self.max_sessions}); its variables and imports were lost, "
-                "so define them again",
+                f"this session was evicted after {idle:.1f} s idle (the least recently used "
+                f"of those idle for at least evict_idle = {self.evict_idle:g} s) to make room "
+                f"for another session (max_sessions = {self.max_sessions}); its variables "
+                "and imports were lost, so define them again",
                 discard,
             )
         self._parked.pop(session.key, None)
@@ -638,11 +650,15 @@ class Sandbox:
         return True
 
     def _idle_victim(self, newcomer: Session) -> Session | None:
-        """The least recently used session not in a call and idle for a moment (or None)."""
+        """The least recently used session not in a call and idle for at least `evict_idle`
+        seconds (or None)."""
         now = time.monotonic()
-        for other in self._sessions.values():
-            if other is newcomer or now - other.last_used < _EVICT_GRACE:
-                continue
+        eligible = [
+            other
+            for other in self._sessions.values()
+            if other is not newcomer and now - other.last_used >= self.evict_idle
+        ]
+        for other in sorted(eligible, key=lambda s: s.last_used):
             if other._lock.acquire(timeout=0):  # not in a call, nobody waiting
                 other._lock.release()
                 return other
