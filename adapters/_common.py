@@ -17,8 +17,10 @@ Nothing here imports a framework.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, cast
 
@@ -43,6 +45,7 @@ __all__ = [
     "internal_failure",
     "learner_for",
     "outcome",
+    "thread_key",
 ]
 
 PolicySpec = Policy | str | os.PathLike[str] | None
@@ -388,6 +391,44 @@ def image_blocks(result: RunResult) -> list[dict[str, Any]]:
 SessionKeyFn = Callable[[dict[str, Any]], "str | None"]
 
 
+#: Thread-id types with a faithful text form (type and value both part of the key).
+_SCALAR_TAGS: dict[type, str] = {bool: "bool", int: "int", float: "float", bytes: "bytes"}
+
+
+def thread_key(thread_id: object) -> str | None:
+    """The session key of a conversation thread id; None (a stateless call) for no id.
+
+    Type and value both count, so no two ids a framework tells apart share an interpreter:
+    a `str` id is `thread:<id>`; any other id is `thread#<type>:<value>` (`thread#int:1`,
+    `thread#bool:True`, `thread#uuid:...`, `thread#tuple:[...]` of its items' keys), a
+    form no `str` id can take. A `None` or empty-string id is no id. Types without a
+    faithful text form are refused (`TypeError` naming the type) rather than guessed.
+    """
+    if thread_id is None or (type(thread_id) is str and thread_id == ""):
+        return None
+    return _typed_key(thread_id, 0)
+
+
+def _typed_key(value: object, depth: int) -> str:
+    if depth > 8:
+        raise TypeError("a thread id nested more than 8 levels deep")
+    kind = type(value)
+    if kind is str:
+        return f"thread:{value}"
+    if kind in _SCALAR_TAGS:
+        text = value.hex() if isinstance(value, bytes) else repr(value)
+        return f"thread#{_SCALAR_TAGS[kind]}:{text}"
+    if isinstance(value, uuid.UUID):
+        return f"thread#uuid:{value}"
+    if kind is tuple or kind is list:
+        items = [_typed_key(item, depth + 1) for item in value]  # type: ignore[attr-defined]
+        return f"thread#{kind.__name__}:{json.dumps(items, ensure_ascii=True)}"
+    raise TypeError(
+        f"a thread id of type {kind.__name__} has no faithful key: use a str, int, UUID, "
+        "bytes, bool, float, or a tuple or list of them"
+    )
+
+
 class ToolRunner:
     """The sandbox side of a tool: one lazily started `Sandbox`, sessions, and no exceptions.
 
@@ -460,13 +501,12 @@ class ToolRunner:
             self.learner.record(self.tool_name, self.policy, result)
         return result
 
-    def session_key(self, thread_id: str | None) -> str | None:
-        """The session a call runs in (None: stateless)."""
+    def session_key(self, thread_id: object) -> str | None:
+        """The session a call runs in (None: stateless); see `thread_key`."""
         if self.session_mode == "none":
             return None
         if self.session_mode == "thread":
-            # No thread id: the caller may be anyone, so nothing is kept between such calls.
-            return f"thread:{thread_id}" if thread_id else None
+            return thread_key(thread_id)
         return "tool"
 
     def _call_options(self, on_event: OnEvent | None) -> dict[str, Any]:
@@ -479,10 +519,10 @@ class ToolRunner:
         }
 
     def run(
-        self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
+        self, code: str, *, thread_id: object = None, on_event: OnEvent | None = None
     ) -> RunResult:
-        key = self.session_key(thread_id)
         try:
+            key = self.session_key(thread_id)
             sandbox = self.sandbox
             kw = self._call_options(on_event)
             if key is None:
@@ -492,10 +532,10 @@ class ToolRunner:
             return internal_failure(exc, self.policy)
 
     async def arun(
-        self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
+        self, code: str, *, thread_id: object = None, on_event: OnEvent | None = None
     ) -> RunResult:
-        key = self.session_key(thread_id)
         try:
+            key = self.session_key(thread_id)
             sandbox = self.sandbox
             kw = self._call_options(on_event)
             if key is None:
@@ -511,7 +551,7 @@ class ToolRunner:
         with self._lock:
             return self._sandbox.sessions() if self._sandbox is not None else []
 
-    def reset(self, thread_id: str | None = None) -> None:
+    def reset(self, thread_id: object = None) -> None:
         """Forget the interpreter of `thread_id`'s session (or the tool's own session)."""
         key = self.session_key(thread_id) or "tool"
         with self._lock:

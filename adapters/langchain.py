@@ -175,7 +175,7 @@ class SandboxedPythonTool(BaseTool):
         """Keys of the live sessions (`thread:<id>`, or `tool`)."""
         return self._runner.sessions()
 
-    def reset(self, thread_id: str | None = None) -> None:
+    def reset(self, thread_id: object = None) -> None:
         """Forget the interpreter of a conversation thread (or of the tool's own session)."""
         self._runner.reset(thread_id)
 
@@ -252,12 +252,12 @@ class SandboxedPythonTool(BaseTool):
         return on_event
 
 
-def _thread_id(config: RunnableConfig | None) -> str | None:
+def _thread_id(config: RunnableConfig | None) -> object:
+    """The config's `thread_id` as given (its type is part of the session key)."""
     if not config:
         return None
     configurable = config.get("configurable") or {}
-    tid = configurable.get("thread_id")
-    return str(tid) if tid is not None else None
+    return configurable.get("thread_id")
 
 
 def _stream_writer() -> Callable[[Any], None] | None:

@@ -153,6 +153,13 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Every string from a worker is valid text by the time the host sees it (a lone
+    # surrogate becomes U+FFFD in the intake); a terminal whose encoding cannot show a
+    # character still gets an escape, never a crash.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

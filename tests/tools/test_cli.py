@@ -133,3 +133,16 @@ def test_a_library_internal_refusal_is_not_a_failure_of_the_cli() -> None:
     out = run_cli("run", "--policy", "data-analysis", "-c", code)
     assert out.returncode == 0, out.stderr
     assert "to allow it" not in out.stderr and "denied" not in out.stderr
+
+
+def test_text_that_is_not_unicode_cannot_crash_the_cli() -> None:
+    """It denies a lone surrogate (`print('\\ud800')`, a returned one, a dict key) the power
+    to crash the CLI or make its JSON invalid: each arrives as U+FFFD, in plain and JSON output."""
+    code = "print('a\\ud800b')\n{'\\udfff': ['\\ud800']}"
+    plain = subprocess.run([*CLI, "run", "-c", code], capture_output=True, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.decode("utf-8") == "a\ufffdb\n"
+    assert "\ufffd" in plain.stderr.decode("utf-8")  # the value line
+    as_json = subprocess.run([*CLI, "run", "--json", "-c", code], capture_output=True, timeout=60)
+    data = json.loads(as_json.stdout.decode("utf-8"))  # strict UTF-8, valid JSON
+    assert data["stdout"] == "a\ufffdb\n" and data["value"] == {"\ufffd": ["\ufffd"]}
