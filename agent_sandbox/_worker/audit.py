@@ -69,6 +69,8 @@ _MAX_STACK = 400
 _OTHER_TARGETS = "(other targets)"
 _OTHER_SENSITIVE = "(other sensitive targets)"
 _FOLDS = frozenset({_OTHER_TARGETS, _OTHER_SENSITIVE})
+#: Modules whose functions hand the code a listing, leaving out what they could not list.
+_LISTING_MODULES = frozenset({"glob", "os", "pathlib", "posixpath", "genericpath", "shutil"})
 
 _lock = threading.RLock()
 _sink: Callable[[Denial], None] | None = None
@@ -246,6 +248,7 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
     frame: FrameType | None = sys._getframe(1)
     direct = True
     user: FrameType | None = None
+    callee = ""  # the module of the function the user frame called
     depth = 0
     while frame is not None and depth < _MAX_STACK:
         name = frame.f_globals.get("__name__", "")
@@ -254,10 +257,16 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
                 user = frame
                 break
             direct = False
+            callee = name if isinstance(name, str) else ""
         frame = frame.f_back
         depth += 1
     if user is None or direct:
         _classified(denial)  # straight into user code, or no user code to watch: the user's
+        return denial
+    if denial.action == "list" and callee in _LISTING_MODULES:
+        # `glob.glob`, `Path.glob`, `os.walk` swallow the refusal and return less: what the
+        # code got changed, so it is the user's, though the call returned normally.
+        _classified(denial)
         return denial
     try:
         watching = _watch(user, denial, exc)
