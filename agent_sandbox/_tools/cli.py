@@ -2,9 +2,10 @@
 
 Commands:
 
-* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S]`: run code in a
-  sandboxed worker; output streams live; denials print in a block. Exit statuses (also in
-  the README): 0 the code completed and nothing was refused; 1 the code raised (or learning
+* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--out DIR]
+  [--force] [--no-out]`: run code in a sandboxed worker; output streams live; denials print
+  in a block; the images and files the run produced are written to `--out` (`cli_out.py`).
+  Exit statuses (also in the README): 0 the code completed and nothing was refused; 1 the code raised (or learning
   could not make, write or apply a proposal); 2 a policy refusal or a limit; 64 a usage
   error; 66 an input file that cannot be read; 69 a provider that cannot run here; 70 the
   worker failed; 78 a policy that does not load; 130 interrupted. Under `--json` every error
@@ -128,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_seconds, default=None, help="wall-clock seconds (> 0)"
     )
     run.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    run.add_argument(
+        "--out",
+        default=".",
+        metavar="DIR",
+        help="write the images and files the run produced here (default: the working "
+        "directory); never over an existing file without --force",
+    )
+    run.add_argument(
+        "--force", action="store_true", help="let --out replace existing files (never links)"
+    )
+    run.add_argument(
+        "--no-out", action="store_true", help="write nothing; list what the run produced"
+    )
     run.set_defaults(func=_cmd_run)
 
     policy = sub.add_parser("policy", help="check or explain a policy")
@@ -251,19 +265,52 @@ def _cmd_run(args: argparse.Namespace) -> int:
             err.flush()
 
     filename = None if args.code is not None or args.file == "-" else str(args.file)
+    from agent_sandbox._tools.cli_out import collect, write_outputs
+
     with Sandbox(args.policy, provider=args.provider, warm=0, tool="cli") as sandbox:
-        result = sandbox.run(
+        session = sandbox.session()
+        result = session.run(
             code,
             timeout=args.timeout,
             on_event=live,
             timeout_source="the --timeout option",
             filename=filename,
         )
+        outputs = (
+            collect(session, result, int(sandbox.policy.limits.result_bytes))
+            if (result.images or result.files)
+            else []
+        )
+    if not args.no_out:
+        write_outputs(outputs, args.out, force=args.force)
     if args.json:
-        print(result.to_json())
+        data = json.loads(result.to_json())
+        data["outputs"] = [
+            {"name": o.name, "kind": o.kind, "path": o.path or None, "not_returned": o.reason}
+            for o in outputs
+        ]
+        print(json.dumps(data, ensure_ascii=False))
     else:
         print_result_tail(result, sys.stderr)
+        print_outputs(outputs, sys.stderr, written=not args.no_out)
     return exit_code(result)
+
+
+def print_outputs(outputs: Any, stream: TextIO, *, written: bool) -> None:
+    """List what the run produced: where each was written, or why it was not (names quoted)."""
+    from agent_sandbox._render import clean, quote
+
+    style = Style(stream)
+    for o in outputs:
+        if o.path:
+            print(
+                style.green("wrote ") + f"{quote(o.path)} ({o.kind} {quote(o.name)})", file=stream
+            )
+        elif o.data is not None and not written:
+            print(f"produced {o.kind} {quote(o.name)} ({len(o.data)} bytes)", file=stream)
+        else:
+            why = clean(o.reason or "not written", 300)
+            print(style.yellow(f"not returned: {o.kind} {quote(o.name)}: {why}"), file=stream)
 
 
 def exit_code(result: Any) -> int:
