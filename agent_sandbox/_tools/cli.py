@@ -3,13 +3,13 @@
 Commands:
 
 * `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--out DIR]
-  [--force] [--no-out]`: run code in a sandboxed worker; output streams live; denials print
-  in a block; the images and files the run produced are written to `--out` (`cli_out.py`).
-  Exit statuses (also in the README): 0 the code completed and nothing was refused; 1 the
-  code raised (or learning could not make, write or apply a proposal); 2 a policy refusal
-  or a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider that cannot run here; 70 the
-  worker failed; 78 a policy that does not load; 130 interrupted. Under `--json` every error
-  is a JSON object on stdout too.
+  [--force] [--no-out]`: run code in a sandboxed worker; output streams live; denials
+  print in a block; the images and files the run produced are written to `--out`
+  (`cli_out.py`). Exit statuses (also in the README): 0 the code completed and nothing was
+  refused; 1 the code raised (or learning could not make, write or apply a proposal); 2 a
+  policy refusal or a limit; 64 a usage error; 66 an input file that cannot be read; 69 a
+  provider that cannot run here; 70 the worker failed; 78 a policy that does not load; 130
+  interrupted. Under `--json` every error is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
