@@ -220,7 +220,7 @@ def _exit_status(exc: SandboxError) -> int:
 
     if isinstance(exc, LearningError):
         return EXIT_ERROR
-    if isinstance(exc, _InputError):
+    if isinstance(exc, InputFileError):
         return EXIT_NOINPUT
     if isinstance(exc, ProviderUnavailable):
         return EXIT_UNAVAILABLE
@@ -229,7 +229,7 @@ def _exit_status(exc: SandboxError) -> int:
     return EXIT_SOFTWARE
 
 
-class _InputError(SandboxError):
+class InputFileError(SandboxError):
     """The file named on the command line cannot be read."""
 
 
@@ -245,7 +245,7 @@ def _read_source(args: argparse.Namespace) -> str:
         with open(args.file, encoding="utf-8") as fh:
             return fh.read()
     except OSError as exc:
-        raise _InputError(f"cannot read {args.file}: {exc.strerror}") from None
+        raise InputFileError(f"cannot read {args.file}: {exc.strerror}") from None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -66,6 +66,24 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 66 and "cannot read" in out.stderr
     out = run_cli("run", "--policy", str(tmp_path / "none.toml"), "-c", "1")
     assert out.returncode == 78 and "none.toml" in out.stderr
+    out = run_cli("run", "--json", str(tmp_path / "none.py"))
+    error = json.loads(out.stdout)["error"]
+    assert error["type"] == "InputFileError" and error["exit_status"] == 66
+
+
+def test_a_missing_extends_file_is_named_with_the_file_and_line_that_extend_it(
+    tmp_path: Path,
+) -> None:
+    """It names the policy file and the line of its `extends` when the file it extends is
+    missing, not only the missing path."""
+    policy = tmp_path / "tool.toml"
+    policy.write_text('name = "tool"\nextends = "base.toml"\n')
+    out = run_cli("policy", "check", str(policy))
+    assert out.returncode == 78
+    assert (
+        f"{policy}:2: [extends] extends 'base.toml', which names {tmp_path / 'base.toml'}"
+        in out.stderr
+    )
 
 
 def test_policy_check_and_explain(tmp_path: Path) -> None:
