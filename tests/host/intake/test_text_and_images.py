@@ -181,3 +181,16 @@ def test_the_policy_bound_reaches_the_host() -> None:
     )
     bounds = HostBounds.from_policy(policy)
     assert (bounds.image_pixels, bounds.image_frames) == (100, 2)
+
+
+def test_objects_mode_applies_the_same_rule_to_text() -> None:
+    """It returns a lone surrogate in an objects-mode value as U+FFFD (the worker applies the
+    rule to plain containers; bytes that look like one stay bytes), never a refusal."""
+    from agent_sandbox import Sandbox
+    from agent_sandbox.policies._load import policy_from_dict
+
+    policy = policy_from_dict({"name": "o", "result_mode": "objects"})
+    with Sandbox(policy, warm=0) as sandbox:
+        result = sandbox.run("['a\\ud800', {'k\\udfff': ('x',)}, b'\\xed\\xa0\\x80']")
+    assert result.error is None, result.error
+    assert result.value == ["a\ufffd", {"k\ufffd": ("x",)}, b"\xed\xa0\x80"]
