@@ -113,7 +113,11 @@ def test_every_grant_form_lists_what_it_grants_and_nothing_else(provider: str, s
         assert got["glob_all"] == [n for n in want["listdir"] if not n.startswith(".")], form
         assert got["walk"] == want["walk"] and got["isdir"] is True, form
         assert got["pandas"] == want["pandas"], form
-        assert ".env" not in got["listdir"] and result.user_denials() == (), form
+        assert ".env" not in got["listdir"], form
+        # No refusal of anything under the grant: the code got what it asked for. (A
+        # library's own probe elsewhere, such as /proc/sys/vm/overcommit_memory read at
+        # import under unshare, is not this test's business.)
+        assert not [d for d in result.user_denials() if str(sales.parent) in d.target], form
         seen[form] = got
     assert seen["dir"] == seen["dir/"] == seen["dir/**"]
 
