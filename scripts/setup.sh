@@ -64,7 +64,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
   echo "setup: pip is up to date; installing the package and its extras..." >&2
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
+  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
   echo "$files" >"$stamp"
   echo "setup: installed in $((SECONDS - start)) s" >&2
 fi

@@ -44,6 +44,7 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
     TransportError,
+    WorkerError,
     WorkerStartError,
     describe_exit,
 )
@@ -53,7 +54,12 @@ from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.intake import guard_block
 from agent_sandbox._host.intake.builder import Mark, ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
-from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox._host.intake.transport import (
+    AsyncWorkerClient,
+    ConnectionLost,
+    HostCall,
+    WorkerClient,
+)
 from agent_sandbox._host.launch import (
     BOOT_SCRIPT,
     LOG_BYTES,
@@ -378,11 +384,16 @@ class WorkerProcess:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
         egress proxy; a worker whose proxy cannot serve is never kept."""
         assert self.policy is not None
-        from agent_sandbox.providers._egress import EgressError, egress_proxy, receive_listener
+        from agent_sandbox.providers._egress import (
+            EgressError,
+            egress_proxy,
+            loopback_forwards,
+            receive_listeners,
+        )
 
         try:
-            listener = receive_listener(channel, timeout)
-            self.egress = egress_proxy().attach(self.policy, listener)
+            listener, forwards = receive_listeners(channel, timeout, loopback_forwards(self.policy))
+            self.egress = egress_proxy().attach(self.policy, listener, forwards=forwards)
         except EgressError as exc:
             raise self._start_failed(f"the egress proxy could not start: {exc}") from None
 
@@ -594,11 +605,14 @@ class WorkerProcess:
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: HostCall | None = None,
     ) -> RunResult:
         """Run one call; never raises for the code's own failures (they are in the result).
 
         `timeout_source` says who set `timeout` (the tool's option, the CLI's flag), for the
         refusal's hint; `filename` is the name the code's frames carry (default `<cell-N>`).
+        `host_call` answers the code's host-tool requests during this call (None refuses
+        them; see `agent_sandbox._host.hosttools`).
         """
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
@@ -606,6 +620,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         forward = self._forwarder(builder, on_event)
         self._in_call = True
+        self.client.host_call = host_call
         try:
             try:
                 self.client.run(code, t0 + wall, forward, filename)
@@ -620,6 +635,8 @@ class WorkerProcess:
                 self._on_call_failure(builder, exc, wall, timeout, timeout_source)
             finally:
                 self._in_call = False
+                if self.client is not None:
+                    self.client.host_call = None
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
@@ -651,6 +668,7 @@ class WorkerProcess:
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: HostCall | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         import asyncio  # loaded already: this runs in its loop
@@ -662,6 +680,7 @@ class WorkerProcess:
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
+        client.host_call = host_call
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:
@@ -679,6 +698,37 @@ class WorkerProcess:
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
+
+    def file_request(self, payload: dict[str, Any], timeout: float) -> Any:
+        """One request of the session files API (`_host/files.py`), between calls.
+
+        On its own connection, whose reply bound fits one chunk of a download. A worker that
+        does not answer within `timeout`, or breaks the protocol, is discarded (its scratch
+        with it) and the error says so.
+        """
+        from agent_sandbox._host.files import CHUNK
+
+        client = self.client
+        if client is None or self.dead:
+            raise WorkerError("the worker has ended")
+        files_client = WorkerClient(client.path, self.token, CHUNK * 4 // 3 + 65536)
+        try:
+            return files_client.request_json("/files", payload, time.monotonic() + timeout)
+        except TimeoutError:
+            self.death_reason = f"it did not answer a files request within {timeout:g} s"
+            self.discard()
+            raise WorkerError(
+                f"the worker did not answer the files request within {timeout:g} s; "
+                "it was discarded"
+            ) from None
+        except TransportError as exc:
+            self.death_reason = f"it broke the files protocol ({exc})"
+            self.discard()
+            raise WorkerError(
+                f"the worker's files reply was refused ({exc}); it was discarded"
+            ) from None
+        finally:
+            files_client.close()
 
     def _call_ended(self) -> None:
         hook, self.after_call = self.after_call, None
@@ -773,6 +823,7 @@ class WorkerProcess:
             # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
             for denial in self.egress.drain():
                 builder.add_denial(denial)
+            self.egress.end_call()  # no tunnel of this call outlives it (net.keep_connections)
         if self.kernel_log is not None:
             # Landlock's refusals as the kernel logged them, recorded by the host; the
             # ones the Python guards already reported for the same target are not repeated.

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from agent_sandbox._errors import CapacityError, SandboxClosed
+from agent_sandbox._errors import CapacityError, SandboxClosed, SandboxError
 from agent_sandbox._host.boundary import Boundary, resolve_boundary
 from agent_sandbox._host.calllock import CallLock
 from agent_sandbox._host.pool import REGISTRY, WorkerPool
@@ -40,6 +41,7 @@ from agent_sandbox.providers import Provider
 if TYPE_CHECKING:
     import asyncio  # imported where used: a program that never awaits does not load it
 
+    from agent_sandbox._host.files import FileInfo
     from agent_sandbox._host.remote_pool import RemotePool
 
 __all__ = ["Sandbox", "Session"]
@@ -64,6 +66,9 @@ class Session:
         self._closed = False
         self._admitted = False  # holds one of the sandbox's `max_sessions` slots
         self._evicted_notice = ""  # why its interpreter was taken (said at the next call)
+        # Notices a files operation met (a replaced interpreter): said at the next call.
+        self._pending_notices: list[str] = []
+        self._pending_lost = False
         self.last_used = time.monotonic()
 
     @property
@@ -110,6 +115,10 @@ class Session:
             self._lost_reason = worker.end_cause()
         if self._closed or self.sandbox.closed:
             result = _closed_error(result)
+        if self._pending_notices or self._pending_lost:
+            notices = self._pending_notices + notices
+            lost = lost or self._pending_lost
+            self._pending_notices, self._pending_lost = [], False
         if notices or lost:
             result = _replace(result, notices=tuple(notices) + result.notices, state_lost=lost)
         return result
@@ -122,12 +131,15 @@ class Session:
         on_event: OnEvent | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_tools: Mapping[str, Callable[..., Any]] | None = None,
     ) -> RunResult:
         """Run `code` in this session's interpreter; variables persist across calls.
 
         `timeout` overrides the policy's `limits.wall_seconds` for this call; `timeout_source`
         names who set it (for the refusal's hint). `filename` is the name the code's frames
-        carry in tracebacks (default `<cell-N>`).
+        carry in tracebacks (default `<cell-N>`). `host_tools` (name -> function of this
+        process) are callable from the code as `_host_tool(name, args, kwargs)` during this
+        call, each only when the policy's `tools.allow` lists it (`_host/hosttools.py`).
         """
         self._lock.acquire()
         try:
@@ -139,6 +151,7 @@ class Session:
                 session=self.key,
                 timeout_source=timeout_source,
                 filename=filename,
+                **self._host_call(host_tools),
             )
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
@@ -153,6 +166,7 @@ class Session:
         on_event: OnEvent | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_tools: Mapping[str, Callable[..., Any]] | None = None,
     ) -> RunResult:
         """The async twin of `run()`. Cancelling it at any point leaves the session usable."""
         await self._lock.acquire_async()
@@ -169,12 +183,24 @@ class Session:
                 session=self.key,
                 timeout_source=timeout_source,
                 filename=filename,
+                **self._host_call(host_tools),
             )
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             if ownership.release():
                 self._lock.release()
                 self.sandbox._room_changed()
+
+    def _host_call(self, host_tools: Mapping[str, Callable[..., Any]] | None) -> dict[str, Any]:
+        if host_tools is None:
+            return {}
+        if self.sandbox.provider.name == "remote":
+            raise SandboxError(
+                "host tools need a local provider (a remote worker's channel is relayed)"
+            )
+        from agent_sandbox._host.hosttools import make_handler
+
+        return {"host_call": make_handler(self.sandbox.policy, host_tools)}
 
     async def _prepare_in_thread(
         self, ownership: _Ownership
@@ -201,6 +227,117 @@ class Session:
         except asyncio.CancelledError:
             ownership.abandon()
             raise
+
+    # -- files in scratch (the host side is `agent_sandbox._host.files`) -----------------
+
+    def _files(self, op: Callable[[WorkerProcess, Policy, float], Any]) -> Any:
+        """Run one files operation on this session's worker, with the call lock held."""
+        self._lock.acquire()
+        try:
+            if self.sandbox.provider.name == "remote":
+                raise SandboxError(
+                    "the session files API needs a local provider; a remote session's "
+                    "scratch is on another machine (use files.read/write grants there)"
+                )
+            worker, notices, lost = self._prepare()
+            self._pending_notices += notices
+            self._pending_lost = self._pending_lost or lost
+            self.last_used = time.monotonic()
+            policy = self.sandbox.policy
+            return op(worker, policy, float(policy.limits.wall_seconds))
+        finally:
+            self._lock.release()
+            self.sandbox._room_changed()
+
+    def put_file(
+        self,
+        name: str,
+        data: bytes | bytearray | memoryview | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """Place `data` (or the host file `source`) in this session's scratch as `name`.
+
+        The code sees it as `name` in its working directory. `name` is one plain file name
+        (no `/`, `..` or NUL, not a `files.hide` pattern); the size is bounded by
+        `limits.transfer_mb` and what is left of `limits.scratch_mb`; an existing name is
+        refused unless `overwrite`. A host file that changes while it is read is refused.
+        Every refusal is a `FileTransferRefused` whose `.denial` names the rule. Files live
+        with the session's interpreter: a replaced interpreter starts with an empty scratch.
+        """
+        from agent_sandbox._host import files
+
+        policy = self.sandbox.policy
+        name = files.check_name(policy, name, "put")
+        if (data is None) == (source is None):
+            raise TypeError(
+                "put_file needs exactly one of `data` (bytes) or `source` (a host path)"
+            )
+        if data is not None:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise TypeError(f"`data` must be bytes, not {type(data).__name__}")
+            payload = bytes(data)
+        else:
+            assert source is not None
+            payload = files.read_host_file(policy, source, name)
+        return self._files(  # type: ignore[no-any-return]
+            lambda w, p, t: files.put(w, p, name, payload, overwrite=overwrite, timeout=t)
+        )
+
+    def get_file(self, name: str) -> bytes:
+        """The bytes of the scratch file `name` (a regular file, no link followed), bounded by
+        `limits.transfer_mb`; refused if it changes while it is read."""
+        from agent_sandbox._host import files
+
+        name = files.check_name(self.sandbox.policy, name, "get")
+        return self._files(lambda w, p, t: files.get(w, p, name, timeout=t))  # type: ignore[no-any-return]
+
+    def list_files(self) -> list[FileInfo]:
+        """The entries of this session's scratch directory, by name."""
+        from agent_sandbox._host import files
+
+        return self._files(lambda w, p, t: files.listing(w, p, timeout=t))  # type: ignore[no-any-return]
+
+    def remove_file(self, name: str) -> None:
+        """Remove the scratch file `name` (a link is removed itself, never what it names)."""
+        from agent_sandbox._host import files
+
+        name = files.check_name(self.sandbox.policy, name, "remove")
+        self._files(lambda w, p, t: files.remove(w, p, name, timeout=t))
+
+    async def aput_file(
+        self,
+        name: str,
+        data: bytes | bytearray | memoryview | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """The async twin of `put_file()` (in a thread; a cancelled one still finishes)."""
+        import asyncio
+
+        return await asyncio.to_thread(
+            lambda: self.put_file(name, data, source=source, overwrite=overwrite)
+        )
+
+    async def aget_file(self, name: str) -> bytes:
+        """The async twin of `get_file()`."""
+        import asyncio
+
+        return await asyncio.to_thread(self.get_file, name)
+
+    async def alist_files(self) -> list[FileInfo]:
+        """The async twin of `list_files()`."""
+        import asyncio
+
+        return await asyncio.to_thread(self.list_files)
+
+    async def aremove_file(self, name: str) -> None:
+        """The async twin of `remove_file()`."""
+        import asyncio
+
+        await asyncio.to_thread(self.remove_file, name)
 
     def interrupt(self, grace: float | None = None) -> bool:
         """Interrupt this session's running call, as Ctrl-C in a Jupyter kernel.
@@ -338,7 +475,7 @@ class Sandbox:
     def _logged(self, result: RunResult) -> RunResult:
         from agent_sandbox._host import oplog
 
-        oplog.write(result, tool=self.tool)
+        oplog.write(result, tool=self.tool, policy=self.policy)
         return result
 
     # -- stateless calls -----------------------------------------------------------------

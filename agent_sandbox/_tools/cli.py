@@ -2,14 +2,15 @@
 
 Commands:
 
-* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--out DIR]
-  [--force] [--no-out]`: run code in a sandboxed worker; output streams live; denials
-  print in a block; the images and files the run produced are written to `--out`
-  (`cli_out.py`). Exit statuses (also in the README): 0 the code completed and nothing was
-  refused; 1 the code raised (or learning could not make, write or apply a proposal); 2 a
-  policy refusal or a limit; 64 a usage error; 66 an input file that cannot be read; 69 a
-  provider that cannot run here; 70 the worker failed; 78 a policy that does not load; 130
-  interrupted. Under `--json` every error is a JSON object on stdout too.
+* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--in FILE]...
+  [--out DIR] [--force] [--no-out]`: run code in a sandboxed worker (each `--in` file is
+  placed in its scratch first, under its base name, through the session files API); output
+  streams live; denials print in a block; the images and files the run produced are written
+  to `--out` (`cli_out.py`). Exit statuses (also in the README): 0 the code completed and
+  nothing was refused; 1 the code raised (or learning could not make, write or apply a
+  proposal); 2 a policy refusal or a limit; 64 a usage error; 66 an input file that cannot
+  be read; 69 a provider that cannot run here; 70 the worker failed; 78 a policy that does
+  not load; 130 interrupted. Under `--json` every error is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
@@ -142,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-out", action="store_true", help="write nothing; list what the run produced"
     )
+    run.add_argument(
+        "--in",
+        dest="inputs",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="place FILE in the worker's scratch (its working directory) under its base name "
+        "before the run (repeatable; bounded by limits.transfer_mb; a refusal exits with 2)",
+    )
     run.set_defaults(func=_cmd_run)
 
     policy = sub.add_parser("policy", help="check or explain a policy")
@@ -212,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_status(exc: SandboxError) -> int:
     """The documented exit status for a failure outside the user's code."""
     from agent_sandbox._errors import (
+        FileTransferRefused,
         LearningError,
         PolicyError,
         PolicyNotFound,
@@ -220,6 +231,8 @@ def _exit_status(exc: SandboxError) -> int:
 
     if isinstance(exc, LearningError):
         return EXIT_ERROR
+    if isinstance(exc, FileTransferRefused):
+        return EXIT_DENIED
     if isinstance(exc, InputFileError):
         return EXIT_NOINPUT
     if isinstance(exc, ProviderUnavailable):
@@ -267,8 +280,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     filename = None if args.code is not None or args.file == "-" else str(args.file)
     from agent_sandbox._tools.cli_out import collect, write_outputs
 
+    inputs = _input_files(args.inputs)
     with Sandbox(args.policy, provider=args.provider, warm=0, tool="cli") as sandbox:
-        session = sandbox.session()
+        # One session of this run alone: the files, the code and the read-back of what it
+        # wrote need one interpreter.
+        session = sandbox.session("cli")
+        for name, path in inputs:
+            session.put_file(name, source=path)
         result = session.run(
             code,
             timeout=args.timeout,
@@ -277,7 +295,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             filename=filename,
         )
         outputs = (
-            collect(session, result, int(sandbox.policy.limits.result_bytes))
+            collect(
+                session,
+                result,
+                int(sandbox.policy.limits.result_bytes),
+                skip={name for name, _ in inputs},
+            )
             if (result.images or result.files)
             else []
         )
@@ -311,6 +334,24 @@ def print_outputs(outputs: Any, stream: TextIO, *, written: bool) -> None:
         else:
             why = clean(o.reason or "not written", 300)
             print(style.yellow(f"not returned: {o.kind} {quote(o.name)}: {why}"), file=stream)
+
+
+def _input_files(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(scratch name, host path) for each `--in`; an unreadable file or two files of one
+    base name are input errors (exit 66), before any worker starts."""
+    out: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        name = os.path.basename(os.path.normpath(path))
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise InputFileError(f"--in {path}: not a readable file")
+        if name in seen:
+            raise InputFileError(
+                f"--in {path}: {seen[name]} has the same base name {name!r}; rename one"
+            )
+        seen[name] = path
+        out.append((name, path))
+    return out
 
 
 def exit_code(result: Any) -> int:

@@ -51,11 +51,14 @@ def safe_name(name: str) -> str:
     return base[:200]
 
 
-def collect(session: Any, result: Any, result_bytes: int) -> list[Output]:
+def collect(
+    session: Any, result: Any, result_bytes: int, skip: set[str] | None = None
+) -> list[Output]:
     """The images of `result` (with their data) and its other scratch files, read back
-    through `session` (or why each was not)."""
+    through `session` (or why each was not); names in `skip` (the run's `--in` files) are
+    not outputs."""
     out: list[Output] = []
-    seen = set()
+    seen = set(skip or ())
     for image in result.images:
         seen.add(image.name)
         try:
