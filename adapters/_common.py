@@ -571,7 +571,7 @@ class ToolRunner:
 
     # -- files in a session's scratch (the session files API) ---------------------------
 
-    def _file_session(self, thread_id: str | None) -> Any:
+    def _file_session(self, thread_id: object) -> Any:
         key = self.session_key(thread_id)
         if key is None:
             raise ValueError(
@@ -586,23 +586,21 @@ class ToolRunner:
         data: bytes | None = None,
         *,
         source: str | os.PathLike[str] | None = None,
-        thread_id: str | None = None,
+        thread_id: object = None,
         overwrite: bool = False,
     ) -> FileInfo:
         """Place a file in the scratch of `thread_id`'s session (`Session.put_file`)."""
         session = self._file_session(thread_id)
         return session.put_file(name, data, source=source, overwrite=overwrite)  # type: ignore[no-any-return]
 
-    def get_file(self, name: str, *, thread_id: str | None = None) -> bytes:
+    def get_file(self, name: str, *, thread_id: object = None) -> bytes:
         """A file of the scratch of `thread_id`'s session (`Session.get_file`)."""
         return self._file_session(thread_id).get_file(name)  # type: ignore[no-any-return]
 
-    def list_files(self, *, thread_id: str | None = None) -> list[FileInfo]:
+    def list_files(self, *, thread_id: object = None) -> list[FileInfo]:
         return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
 
-    def produced_files(
-        self, result: RunResult, thread_id: str | None = None
-    ) -> list[dict[str, Any]]:
+    def produced_files(self, result: RunResult, thread_id: object = None) -> list[dict[str, Any]]:
         """The files `result` says its call wrote, with their bytes (base64) where the session
         files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
         from agent_sandbox._errors import FileTransferRefused
