@@ -363,6 +363,10 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+    #: What one returned image may decode to (its headers are read on the host, never its
+    #: pixels): pixels of one frame, and frames. Past either, the image is not returned.
+    image_pixels: int = Field(default=16_777_216, ge=1, le=2**40)
+    image_frames: int = Field(default=1, ge=1, le=10_000)
     #: The largest file the session files API puts into scratch or takes out of it.
     transfer_mb: int = Field(default=64, ge=1)
 

@@ -301,9 +301,11 @@ class _Scan:
                 if end > n:
                     raise self.refuse("a length past the end of the stream", at)
                 try:
-                    text = data[pos + 1 : end].decode("utf-8", "surrogatepass")
+                    text = data[pos + 1 : end].decode("utf-8")
                 except UnicodeDecodeError:
-                    raise self.refuse("a string that is not UTF-8", at) from None
+                    raise self.refuse(
+                        "a string that is not text (invalid UTF-8 or a lone surrogate)", at
+                    ) from None
                 pos = end
                 self.stack.append(_Val("str", text))
                 continue
@@ -343,9 +345,11 @@ class _Scan:
                 raw = data[pos : pos + size]
                 pos += size
                 try:
-                    text = raw.decode("utf-8", "surrogatepass")
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise self.refuse("a string that is not UTF-8", at) from None
+                    raise self.refuse(
+                        "a string that is not text (invalid UTF-8 or a lone surrogate)", at
+                    ) from None
                 stack_push(_Val("str", text), at)
                 continue
             if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
