@@ -6,6 +6,10 @@ size; it tracks what each stack slot holds (`_Val`) so that a global is used onl
 allowlist entry grants (`agent_sandbox._host.intake.unpickle_classes`), BUILD only targets
 an instance built in the stream, and dict and set insertions are checked for hash flooding.
 The flow is in `agent_sandbox._host.intake.unpickle`.
+
+It is longer than 600 lines on purpose: it is the whole judgement of an objects-mode
+stream (the opcode families, the frame rule, the budgets, the slot tracking), and a reviewer
+checks each opcode's handling against the others in one place.
 """
 
 from __future__ import annotations
