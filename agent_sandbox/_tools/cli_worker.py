@@ -50,6 +50,20 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the starting process is gone"
     )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="connections not yet authenticated held at once (default: from the pod's memory "
+        "limit, a sixteenth of it at 256 KiB each, 8-256; 128 without a limit); more are "
+        "closed at accept",
+    )
+    serve.add_argument(
+        "--head-timeout",
+        type=float,
+        default=10.0,
+        help="seconds from accept for the TLS handshake and an authenticated request head",
+    )
     serve.set_defaults(func=_cmd_serve)
     check = wsub.add_parser("check", help="say which layer is the kernel boundary here")
     _common(check)
@@ -124,6 +138,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             idle_exit=args.idle_exit,
             keepalive=args.keepalive,
             exit_with_parent=args.exit_with_parent,
+            max_pending=args.max_connections,
+            head_timeout=args.head_timeout,
         )
         config.check()
         prewarm(config.provider)  # before the port opens: a ready pod binds fast
