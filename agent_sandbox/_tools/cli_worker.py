@@ -73,10 +73,32 @@ def add_parser(subparsers: Any) -> None:
     man = ksub.add_parser("manifests", help="print the SandboxTemplate and SandboxWarmPool")
     man.add_argument("policy", help="a policy file or the name of a shipped policy")
     man.add_argument("--image", required=True, help="the worker image (see docs/scale-out.md)")
-    man.add_argument("--namespace", default="default")
-    man.add_argument("--runtime", choices=("runc", "gvisor", "kata"), default="gvisor")
-    man.add_argument("--replicas", type=int, default=2)
-    man.add_argument("--mtls", action="store_true", help="require client certificates")
+    man.add_argument("--namespace", default="default", help="a DNS label (default: default)")
+    man.add_argument(
+        "--runtime",
+        default=None,
+        help="required: gvisor or kata (the runtime is the boundary), or runc (Landlock in "
+        "the pod); it must exist as a RuntimeClass on the cluster",
+    )
+    man.add_argument("--replicas", default="2", help="warm pods, 0-1000 (default 2)")
+    man.add_argument(
+        "--hop",
+        default="router",
+        help="router (default: plain HTTP from the agent-sandbox router, which agents reach "
+        "over TLS) or direct (TLS to the pod's IP from inside the cluster)",
+    )
+    man.add_argument("--mtls", action="store_true", help="require client certificates (direct)")
+    man.add_argument(
+        "--router-namespace",
+        default="agent-sandbox-system",
+        help="the namespace of the pods allowed to dial the workers (the router's)",
+    )
+    man.add_argument(
+        "--router-labels",
+        default="app=sandbox-router",
+        help="their labels, KEY=VALUE[,KEY=VALUE] (default app=sandbox-router)",
+    )
+    man.add_argument("--idle-exit", default="900", help="seconds idle once bound (default 900)")
     man.add_argument("--format", choices=("yaml", "json"), default="yaml")
     man.set_defaults(func=_cmd_manifests)
 
@@ -162,18 +184,22 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
 
     from agent_sandbox._errors import PolicyError
     from agent_sandbox.policies import resolve_policy
-    from agent_sandbox.providers._k8s_manifests import ManifestError, manifests
+    from agent_sandbox.providers._k8s_manifests import ManifestError, check_inputs, manifests
 
     try:
-        policy = resolve_policy(args.policy)
-        docs = manifests(
-            policy,
+        options = check_inputs(
             image=args.image,
             namespace=args.namespace,
             runtime=args.runtime,
             replicas=args.replicas,
+            hop=args.hop,
             mtls=args.mtls,
+            router_namespace=args.router_namespace,
+            router_labels=args.router_labels,
+            idle_exit=args.idle_exit,
         )
+        policy = resolve_policy(args.policy)
+        docs = manifests(policy, **options)
     except (PolicyError, ManifestError) as exc:
         print(f"agent-sandbox k8s manifests: error: {exc}", file=sys.stderr)
         return 78 if isinstance(exc, PolicyError) else 64
