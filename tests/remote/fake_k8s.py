@@ -37,10 +37,17 @@ SANDBOXES = "/apis/agents.x-k8s.io/v1beta1/namespaces/{ns}/sandboxes"
 
 
 class FakeKube:
-    def __init__(self, pods: list[tuple[str, str, int]], namespace: str = "default") -> None:
-        """`pods`: the warm pool, as (sandbox name, pod IP, port)."""
+    def __init__(
+        self,
+        pods: list[tuple[str, str, int]],
+        namespace: str = "default",
+        factory: Any = None,
+    ) -> None:
+        """`pods`: the warm pool, as (sandbox name, pod IP, port); `factory()`: a new pod
+        when none is idle (the warm pool's replenishment, a cold start)."""
         self.ns = namespace
         self.idle = list(pods)
+        self.factory = factory
         self.claims: dict[str, dict[str, Any]] = {}
         self.sandboxes: dict[str, dict[str, Any]] = {}
         self.bound: dict[str, tuple[str, str, int]] = {}
@@ -139,6 +146,8 @@ class FakeKube:
                 ]
             }
             return
+        if not self.idle and self.factory is not None:
+            self.idle.append(self.factory())
         if not self.idle:
             return
         sandbox, ip, port = self.idle.pop(0)
@@ -152,6 +161,22 @@ class FakeKube:
             "sandbox": {"name": sandbox, "podIPs": [ip]},
             "conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}],
         }
+
+    def finish(self, sandbox: str, reason: str = "PodSucceeded") -> None:
+        """The controller seeing the sandbox's pod end (`restartPolicy: Never`): the Sandbox
+        and its claim are no longer Ready and are Finished (upstream's reasons)."""
+        with self.lock:
+            ended = [
+                {"type": "Ready", "status": "False", "reason": reason},
+                {"type": "Finished", "status": "True", "reason": reason},
+            ]
+            if sandbox in self.sandboxes:
+                self.sandboxes[sandbox]["status"]["conditions"] = ended
+            for name, bound in self.bound.items():
+                if bound[0] == sandbox:
+                    claim = self.claims[name]
+                    claim["status"]["conditions"] = ended
+                    claim["metadata"]["resourceVersion"] = self._next_rv()
 
     def get(self, path: str) -> tuple[int, Any]:
         base, _, name = path.rpartition("/")
