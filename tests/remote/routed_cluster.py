@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,27 @@ ROUTER_TOKEN = "router-token-for-tests"
 PORT = 8888  # the template's
 
 
+#: By hand, the real upstream router instead of the stand-in (never in CI: it is not
+#: vendored): `AGENT_SANDBOX_UPSTREAM_ROUTER=https://127.0.0.1:PORT` (its uvicorn, TLS),
+#: `..._CA` (the CA of its certificate), `..._POD_IP` (an address of this machine the pods
+#: are reached at; the router refuses loopback), its `ROUTER_AUTH_TOKEN` = ROUTER_TOKEN.
+EXTERNAL = os.environ.get("AGENT_SANDBOX_UPSTREAM_ROUTER", "")
+
+
+class _External:
+    """The real router, run by hand (see `EXTERNAL`)."""
+
+    def __init__(self) -> None:
+        self.url = EXTERNAL
+        self.network: dict[str, tuple[str, int]] = {}
+
+    def __enter__(self) -> _External:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 class RoutedCluster:
     def __init__(self, certs: Certs, template: dict[str, Any], warm: int) -> None:
         self.certs = certs
@@ -31,13 +53,17 @@ class RoutedCluster:
         self.pods: dict[str, Pod] = {}
         self._names = itertools.count()
         self._lock = threading.Lock()
-        self.router = UpstreamRouter(certs.server, token=ROUTER_TOKEN)
+        self.router: Any = (
+            _External() if EXTERNAL else UpstreamRouter(certs.server, token=ROUTER_TOKEN)
+        )
         self.kube = FakeKube([self._new_pod() for _ in range(warm)], factory=self._new_pod)
 
     def _new_pod(self) -> tuple[str, str, int]:
         with self._lock:
             n = next(self._names)
         name, ip = f"{POOL}-{n}", f"198.51.100.{10 + n}"
+        if EXTERNAL:
+            ip = os.environ["AGENT_SANDBOX_UPSTREAM_POD_IP"]
         pod = start_pod(self.template, name, bind_secret=BIND_SECRET, ip=ip)
         self.pods[name] = pod
         # The pod network: the Pod IP and the template's port reach the pod's process.
@@ -45,9 +71,22 @@ class RoutedCluster:
         return name, ip, PORT
 
     def backend(self, **kw: Any) -> Any:
+        from agent_sandbox.providers._remote import Claim
         from agent_sandbox.providers._remote_k8s import K8sClaimBackend
 
-        return K8sClaimBackend(
+        cluster = self
+
+        class OwnPort(K8sClaimBackend):
+            """With the real router, the pods share this machine's address: each is reached
+            at the port it got (on a cluster: the template's port at its own Pod IP)."""
+
+            def claim(self, name: str, timeout: float) -> Claim:
+                got = super().claim(name, timeout)
+                port = cluster.pods[got.headers["X-Sandbox-ID"]].port
+                headers = {**got.headers, "X-Sandbox-Port": str(port)}
+                return Claim(got.name, got.pool, got.url, headers, got.created, got.uid)
+
+        return (OwnPort if EXTERNAL else K8sClaimBackend)(
             POOL,
             router_url=self.router.url,
             router_token=ROUTER_TOKEN,
@@ -56,11 +95,12 @@ class RoutedCluster:
         )
 
     def provider(self, backend: Any = None, **kw: Any) -> RemoteProvider:
+        ca = os.environ.get("AGENT_SANDBOX_UPSTREAM_ROUTER_CA") if EXTERNAL else None
         return RemoteProvider(
             backend or self.backend(),
             session_key=SESSION_KEY,
             bind_secret=BIND_SECRET,
-            tls=self.certs.tls(client_cert=None),
+            tls=self.certs.tls(client_cert=None, **({"ca_file": ca} if ca else {})),
             **kw,
         )
 
