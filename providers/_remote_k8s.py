@@ -261,7 +261,7 @@ def _map_error(
             reason="OtherPool",
         )
     status = getattr(exc, "status", None)
-    if isinstance(status, int) and type(exc).__name__ == "ApiException":
+    if isinstance(status, int) and _is_api_exception(exc):
         text = _api_message(exc)
         if status == 403 and "exceeded quota" in text:
             return ClaimCapacityError(pool, timeout, f"the namespace's ResourceQuota: {text}")
@@ -302,6 +302,14 @@ def _map_error(
     if isinstance(exc, sdk.SandboxError):
         return ClaimError(f"{where} failed: {exc}", reason=type(exc).__name__)
     return None
+
+
+def _is_api_exception(exc: BaseException) -> bool:
+    try:
+        from kubernetes.client.exceptions import ApiException
+    except ImportError:  # pragma: no cover - the SDK depends on it
+        return False
+    return isinstance(exc, ApiException)
 
 
 def _api_message(exc: BaseException) -> str:

@@ -59,6 +59,18 @@ RETRY_DELAYS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 
 
+def _tls_refused(exc: BaseException) -> bool:
+    """A certificate or handshake refused somewhere in `exc`'s chain."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class RemoteNotReady(TransportError):
     """The worker is being bound by another process of the same session (HTTP 503)."""
 
@@ -238,6 +250,11 @@ class RemoteWorkerClient:
             raise TimeoutError("the remote worker did not answer in time") from None
         except httpx.TransportError as exc:
             self.close()
+            if _tls_refused(exc):
+                # Not a passing failure (never retried): the peer's certificate is wrong.
+                raise TransportError(
+                    f"the TLS handshake with the remote worker failed: {exc}"
+                ) from None
             raise ConnectionLost(f"the connection to the remote worker failed: {exc}") from None
         try:
             return status, json.loads(data) if data else None
