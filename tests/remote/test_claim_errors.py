@@ -175,4 +175,4 @@ def test_a_failed_delete_is_logged_and_swept(
 
 def test_the_bind_retry_delays_are_the_sdks() -> None:
     assert remote_transport.RETRY_DELAYS == (0.5, 1.0, 2.0, 4.0)
-    assert remote_transport.RETRY_STATUSES == {500, 502, 503, 504}
+    assert {500, 502, 503, 504} == remote_transport.RETRY_STATUSES

@@ -81,7 +81,7 @@ def test_it_denies_a_pod_ip_without_the_name_override(named: tuple[str, str, str
     """It denies the connection: the certificate does not name the IP dialled."""
     ca, pod, _ = named
     with serving(_server(pod)) as server:
-        with pytest.raises(WorkerStartError, match="certificate|TLS|handshake"):
+        with pytest.raises(WorkerStartError, match=r"certificate|TLS|handshake"):
             _connect(server, RemoteTLS(ca_file=ca))
         assert not server._bound
 
@@ -91,6 +91,6 @@ def test_it_denies_a_pod_whose_certificate_names_another_service(
 ) -> None:
     ca, _, other = named
     with serving(_server(other)) as server:
-        with pytest.raises(WorkerStartError, match="certificate|TLS|handshake"):
+        with pytest.raises(WorkerStartError, match=r"certificate|TLS|handshake"):
             _connect(server, RemoteTLS(ca_file=ca, server_name=NAME))
         assert not server._bound
