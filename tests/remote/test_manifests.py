@@ -235,6 +235,25 @@ def test_the_worker_image_runs_what_the_template_expects() -> None:
     assert "bubblewrap" in text  # `auto`'s first candidate, under gVisor and Kata
 
 
+def test_the_worker_image_builds_its_wheel_inside() -> None:
+    """deploy/worker.Dockerfile is multi-stage: the wheel (with its C extensions, checked)
+    is built in the image for the image's platform and Python, and the runtime stage takes
+    it from there; nothing built outside (a `dist/` of the builder's platform) is copied."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "deploy" / "worker.Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", text, re.M)
+    assert stages == [("python:3.11-slim-bookworm", "build"), ("python:3.11-slim-bookworm", "")]
+    build, runtime = text.split("\nFROM python:3.11-slim-bookworm\n")
+    assert "pip wheel" in build and "the wheel lacks its C extensions" in build
+    assert "COPY --from=build /dist/" in runtime and "COPY dist/" not in text
+    assert "gcc" not in runtime  # no compiler in the image that runs
+    ignored = (root / ".dockerignore").read_text().split()
+    assert {".venv", "build", "dist", "**/*.so"} <= set(ignored)
+
+
 @pytest.mark.parametrize("runtime", ["runc", "gvisor", "kata"])
 def test_the_pod_and_network_rules_validate_against_the_kubernetes_schema(runtime: str) -> None:
     """The template's pod spec as a v1 Pod and its network rules as a NetworkPolicy spec,
