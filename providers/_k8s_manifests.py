@@ -122,8 +122,10 @@ def sandbox_template(
     idle_exit: float = 900.0,
     router_namespace: str = ROUTER_NAMESPACE,
     router_labels: dict[str, str] | None = None,
+    name: str = "",
 ) -> dict[str, Any]:
-    """The SandboxTemplate for `policy`'s workers (see the module docstring).
+    """The SandboxTemplate for `policy`'s workers (see the module docstring); `name` (also
+    the warm pool's, the `[remote] pool`): default `template_name(policy)`.
 
     `hop="router"` (the default): the pods serve plain HTTP, as the upstream routers dial
     them (`http://<pod>:<port>`), and admit only `router_labels` pods of `router_namespace`;
@@ -216,7 +218,7 @@ def sandbox_template(
         "apiVersion": GROUP,
         "kind": "SandboxTemplate",
         "metadata": {
-            "name": template_name(policy),
+            "name": name or template_name(policy),
             "namespace": namespace,
             "labels": {
                 "app.kubernetes.io/managed-by": "agent-sandbox-kit",
@@ -315,6 +317,7 @@ def check_inputs(
     router_namespace: str = ROUTER_NAMESPACE,
     router_labels: str = "app=sandbox-router",
     idle_exit: str | float = 900.0,
+    pool: str = "",
 ) -> dict[str, Any]:
     """The manifest options from the command line, checked as the API server would check
     what they become (ManifestError naming the input and the rule); the keyword arguments
@@ -356,4 +359,5 @@ def check_inputs(
         "router_namespace": _dns_label("--router-namespace", router_namespace),
         "router_labels": _labels(router_labels),
         "idle_exit": idle,
+        "name": _dns_label("--pool", pool) if pool else "",
     }

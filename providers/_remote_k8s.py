@@ -294,6 +294,12 @@ def _map_error(
             )
             return _Passing(f"{where}: HTTP {status}", final)
         return ClaimError(f"{where}: HTTP {status}: {text}", reason="APIError", status=status)
+    if type(exc).__name__ == "ConfigException":  # kubernetes.config: no way to the cluster
+        return ClaimError(
+            f"{where}: no Kubernetes configuration ({exc}); in a pod, mount a service "
+            "account token; elsewhere, a kubeconfig (KUBECONFIG or ~/.kube/config)",
+            reason="NoConfig",
+        )
     if _is_connection_error(exc):
         final = ClaimError(
             f"{where}: the API server could not be reached ({exc})", reason="Unreachable"

@@ -99,6 +99,12 @@ def add_parser(subparsers: Any) -> None:
         help="their labels, KEY=VALUE[,KEY=VALUE] (default app=sandbox-router)",
     )
     man.add_argument("--idle-exit", default="900", help="seconds idle once bound (default 900)")
+    man.add_argument(
+        "--pool",
+        default="",
+        help="the name of the template and warm pool, the policy's [remote] pool (default: "
+        "ags-<policy name>-<fingerprint[:8]>); printed on stderr either way",
+    )
     man.add_argument("--format", choices=("yaml", "json"), default="yaml")
     man.set_defaults(func=_cmd_manifests)
 
@@ -197,12 +203,20 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
             router_namespace=args.router_namespace,
             router_labels=args.router_labels,
             idle_exit=args.idle_exit,
+            pool=args.pool,
         )
         policy = resolve_policy(args.policy)
         docs = manifests(policy, **options)
     except (PolicyError, ManifestError) as exc:
         print(f"agent-sandbox k8s manifests: error: {exc}", file=sys.stderr)
         return 78 if isinstance(exc, PolicyError) else 64
+    meta = docs[1]["metadata"]
+    print(
+        f"agent-sandbox k8s manifests: SandboxWarmPool {meta['namespace']}/{meta['name']}: "
+        f'the agents\' policy names it: [remote] pool = "{meta["name"]}", '
+        f'namespace = "{meta["namespace"]}"',
+        file=sys.stderr,
+    )
     if args.format == "json":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
         return 0

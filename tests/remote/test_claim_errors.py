@@ -176,3 +176,15 @@ def test_a_failed_delete_is_logged_and_swept(
 def test_the_bind_retry_delays_are_the_sdks() -> None:
     assert remote_transport.RETRY_DELAYS == (0.5, 1.0, 2.0, 4.0)
     assert {500, 502, 503, 504} == remote_transport.RETRY_STATUSES
+
+
+def test_no_kubernetes_configuration_is_named(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kubernetes.config import kube_config
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", f"{tmp_path}/none")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ClaimError, match="no Kubernetes configuration") as info:
+        K8sClaimBackend(POOL).claim("ags-nowhere", 5)
+    assert info.value.reason == "NoConfig" and info.value.__cause__ is not None

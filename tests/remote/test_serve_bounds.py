@@ -302,16 +302,18 @@ def _big_body(port: int) -> None:
             s.sendall(block)
 
 
-def test_an_unauthenticated_flood_leaves_the_server_bounded_and_serving() -> None:
+@pytest.mark.parametrize("given", [32, 0])
+def test_an_unauthenticated_flood_leaves_the_server_bounded_and_serving(given: int) -> None:
     """It denies 1,000 unauthenticated connections (a third slow heads, a third 16 MiB
     bodies without a token, a third silent) their memory and threads: the server's threads
-    stay within `--max-connections` plus its own, its memory within 48 MiB of its size once
-    bound, and the bound session's calls go on through the flood."""
-    max_pending = 32
-    with _serve_process("--max-connections", str(max_pending), "--head-timeout", "2") as (
-        proc,
-        port,
-    ):
+    stay within `--max-connections` (given, or its default here) plus its own, its memory
+    within 48 MiB of its size once bound, and the bound session's calls go on through the
+    flood."""
+    from agent_sandbox._host import remote_serve
+
+    flags = ["--max-connections", str(given)] if given else []
+    max_pending = given or default_pending(remote_serve._CONN_BUDGET, remote_serve._DEFAULT_PENDING)
+    with _serve_process(*flags, "--head-timeout", "2") as (proc, port):
         worker = RemoteWorker.connect(
             remote_policy(),
             f"http://127.0.0.1:{port}",
