@@ -312,7 +312,7 @@ def _map_error(
 
 def _is_api_exception(exc: BaseException) -> bool:
     try:
-        from kubernetes.client.exceptions import ApiException
+        from kubernetes.client.exceptions import ApiException  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - the SDK depends on it
         return False
     return isinstance(exc, ApiException)
