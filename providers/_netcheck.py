@@ -223,13 +223,37 @@ def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
     net = getattr(policy, "net", None)
     if net is None or not getattr(net, "rules", None):
         return []
-    if provider == "landlock":
-        return _landlock(policy)
-    if provider == "firejail":
-        return _firejail(policy)
-    if provider in ("bwrap", "unshare", "qemu"):
-        return _namespace(policy)
+    check = _CHECKS.get(provider)
+    if check is None:
+        # Fail closed: a provider this table does not know (a new one, a typo) is taken to
+        # enforce no rule below Python, so every rule refuses the policy until it is added.
+        return [
+            (
+                i,
+                f"no statement of which [net] rules {provider!r} enforces below Python "
+                "(providers/_netcheck.py)",
+                _NAMESPACE,
+            )
+            for i in range(len(policy.net.rules))
+        ]
+    return check(policy)
+
+
+def _none(policy: Any) -> list[tuple[int, str, str]]:
+    """The explicit opt-out (`subprocess` with `no_kernel_boundary = "accepted"`): it
+    enforces nothing below Python, and the opt-out says so."""
     return []
+
+
+#: What each provider enforces, by name: every provider is listed, or refuses every rule.
+_CHECKS = {
+    "landlock": _landlock,
+    "firejail": _firejail,
+    "bwrap": _namespace,
+    "unshare": _namespace,
+    "qemu": _namespace,
+    "subprocess": _none,
+}
 
 
 def refuse_unenforceable(provider: str, policy: Any) -> None:
