@@ -346,13 +346,21 @@ class WorkerServer:
                 pending = self._pending.pop(raw, None) is not None
             (self._pending_slots if pending else self._authed_slots).release()
 
-    def _head(self, sock: socket.socket, conn: h11.Connection) -> h11.Request | None:
+    def _head(
+        self, raw: socket.socket, sock: socket.socket, conn: h11.Connection
+    ) -> h11.Request | None:
         """The next request's head (nothing of its body is read here); None when the peer
-        closed or timed out. A malformed head is answered 400 and closed (`_Stop`)."""
+        closed or timed out. A malformed head is answered 400 and closed (`_Stop`). An
+        authenticated connection waits `_READ_TIMEOUT` for it; one that is not, what is left
+        of its `head_timeout` (the watchdog cuts it then in any case)."""
         try:
             while True:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
+                    with self._lock:
+                        deadline = self._pending.get(raw)
+                    wait = _READ_TIMEOUT if deadline is None else deadline - time.monotonic()
+                    sock.settimeout(max(0.001, wait))
                     conn.receive_data(sock.recv(65536))
                     continue
                 if isinstance(event, h11.Request):
@@ -434,7 +442,7 @@ class WorkerServer:
     def _handle(self, raw: socket.socket, sock: socket.socket, conn: h11.Connection) -> bool:
         """One request: its head, then its route and credentials, and only then its body
         (no byte of a body is read before the token or bind secret is checked)."""
-        request = self._head(sock, conn)
+        request = self._head(raw, sock, conn)
         if request is None:
             return False
         method, target = request.method, request.target.split(b"?", 1)[0]

@@ -378,3 +378,29 @@ def test_an_unauthenticated_flood_leaves_the_server_bounded_and_serving(given: i
             assert proc.poll() is None
         finally:
             worker.close()
+
+
+def test_an_authenticated_connection_outlives_the_head_timeout() -> None:
+    """`head_timeout` bounds connections that have not authenticated; the session's own
+    keep-alive connection waits `_READ_TIMEOUT` between calls and is reused."""
+    import time
+
+    with serving(_plain(head_timeout=0.3)) as srv:
+        worker = RemoteWorker.connect(
+            remote_policy(),
+            f"http://127.0.0.1:{srv.port}",
+            token=secrets.token_hex(16),
+            bind_secret=BIND_SECRET,
+            tls=RemoteTLS(plaintext="accepted"),
+            start_timeout=15,
+        )
+        try:
+            assert worker.run("x = 1\nx").value == 1
+            client = worker.remote_client
+            assert client is not None
+            first = client._sock
+            time.sleep(1.0)  # past the head timeout, idle between calls
+            assert worker.run("x + 1").value == 2
+            assert client._sock is first  # the same connection: not cut
+        finally:
+            worker.close()
