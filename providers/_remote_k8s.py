@@ -310,12 +310,15 @@ def _map_error(
     return None
 
 
+def _is_a(exc: BaseException, module: str, names: tuple[str, ...]) -> bool:
+    """`exc` is (a subclass of) one of `module`'s `names`, found by its classes' names: the
+    kubernetes client's and urllib3's errors, which the SDK raises, without importing those
+    packages here (they are the SDK's dependencies, not ours)."""
+    return any(c.__module__ == module and c.__name__ in names for c in type(exc).__mro__)
+
+
 def _is_api_exception(exc: BaseException) -> bool:
-    try:
-        from kubernetes.client.exceptions import ApiException  # type: ignore[import-untyped]
-    except ImportError:  # pragma: no cover - the SDK depends on it
-        return False
-    return isinstance(exc, ApiException)
+    return _is_a(exc, "kubernetes.client.exceptions", ("ApiException",))
 
 
 def _api_message(exc: BaseException) -> str:
@@ -331,15 +334,6 @@ def _api_message(exc: BaseException) -> str:
 def _is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, OSError)):
         return True
-    try:
-        import urllib3.exceptions
-    except ImportError:  # pragma: no cover - the SDK depends on it
-        return False
-    return isinstance(
-        exc,
-        (
-            urllib3.exceptions.ProtocolError,
-            urllib3.exceptions.NewConnectionError,
-            urllib3.exceptions.MaxRetryError,
-        ),
+    return _is_a(
+        exc, "urllib3.exceptions", ("ProtocolError", "NewConnectionError", "MaxRetryError")
     )

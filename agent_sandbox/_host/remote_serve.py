@@ -20,6 +20,12 @@ time (plus a grace) has its worker killed here too, whatever the host does. When
 dies, the session is over and the server exits; it also exits after `idle_exit` seconds
 without a request once bound (the pod ends, and the claim's TTL reaps it), and with
 `exit_with_parent` when the process that started it is gone (the local claim backend).
+
+This module is longer than 600 lines because `WorkerServer` is one state machine: its bounds
+before authentication, the bind and the relay of `/run` read and change the same
+per-connection and per-session state under one lock; its pure parts are apart already
+(`serve_relay`: the `/run` framing, `serve_guard`: the guard check, `serve_limits`: the
+checks before it listens).
 """
 
 from __future__ import annotations

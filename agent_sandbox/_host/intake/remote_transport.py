@@ -14,6 +14,11 @@ The session token travels in `X-Agent-Sandbox-Token`, not `Authorization`: the
 agent-sandbox router strips `Authorization` (it may carry the router's own scoped token).
 Plain `http://` is refused unless the caller accepts it in so many words
 (`plaintext="accepted"`, for a hop a TLS-terminating router already protects).
+
+This module is longer than 600 lines because the blocking and the asyncio calls are twins
+over one protocol object with one set of checks (deadline, caps, framing), and the retries
+of the bind and handshake sit with the requests they repeat; split, the checks would be kept
+in step in two places.
 """
 
 from __future__ import annotations
