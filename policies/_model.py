@@ -41,7 +41,7 @@ __all__ = [
 
 #: Provider names a policy may request. `auto` is the only one that chooses.
 PROVIDERS = frozenset(
-    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu", "remote"}
+    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "gvisor", "qemu", "remote"}
 )
 
 #: Sensitive-call categories (see `agent_sandbox.guards`); a function rule names a

@@ -16,6 +16,9 @@ refuse too). What each one enforces, by the kind of rule:
 | deny, one host, on a port an allow opens    | no (1)   | yes (proxy)            | n/a       |
 | deny, any host                              | yes      | yes                    | yes       |
 
+`gvisor` runs the worker with `--network=none` (only the Sentry's own loopback) and refuses
+every allow rule; so does any provider name this table does not know.
+
 (1) Landlock filters TCP by port only: the rule would open its port to every address,
     including the agent's own loopback services and the cloud metadata address, which the
     same rule under the proxy never reaches. (2) firejail runs the worker with `--net=none`:
@@ -42,6 +45,9 @@ _ANY_HOST = frozenset({"*", "0.0.0.0/0", "::/0", "any"})
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 _NAMESPACE = "bwrap or unshare"
+#: Providers that enforce no rule below Python by design (`subprocess`: the policy's opt-out
+#: says so) or decide elsewhere (`auto`: each candidate's own row; `remote`: the pod's).
+_NO_RULES_BELOW_PYTHON = frozenset({"subprocess", "auto", "remote"})
 
 
 def _is_loopback(host: str) -> bool:
@@ -229,7 +235,21 @@ def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
         return _firejail(policy)
     if provider in ("bwrap", "unshare", "qemu"):
         return _namespace(policy)
-    return []
+    if provider in _NO_RULES_BELOW_PYTHON:
+        return []
+    # gvisor, and any provider this table does not know: every allow rule is refused (an
+    # unknown name never enforces a rule by omission).
+    why = (
+        "gVisor runs the worker with --network=none and the host's egress proxy is not wired "
+        "into it"
+        if provider == "gvisor"
+        else f"provider {provider!r} has no known way to enforce [net] rules"
+    )
+    return [
+        (i, why, f"{_NAMESPACE} (the host's egress proxy enforces host names)")
+        for i, rule in enumerate(policy.net.rules)
+        if rule.action == "allow"
+    ]
 
 
 def refuse_unenforceable(provider: str, policy: Any) -> None:
