@@ -101,6 +101,9 @@ class GvisorPlan(LaunchPlan):
     config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     bundle_dir: str = ""
     state_dir: str = ""
+    #: The granted paths' pins (`_grants.py`), checked again on the host just before runsc
+    #: starts: the Sentry's inode numbers are its own, so the worker cannot check them.
+    pins: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     root_links: Mapping[str, str] = dataclasses.field(default_factory=dict)
     stdin_fd: int = -1
 
@@ -385,9 +388,9 @@ class GvisorProvider(Provider):
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
         refuse_unenforceable(self.name, policy)
-        # Refuses a grant that runs through a link. The pins are not checked inside: the
-        # Sentry's device numbers are its own, not the host's.
-        grant_pins(policy, spec)
+        # Refuses a grant that runs through a link. The pins are checked again by `launch`,
+        # on the host: the Sentry's device and inode numbers are its own, not the host's.
+        pins = grant_pins(policy, spec)
         refuse_unservable(policy, spec)
         host = host_layout_for(policy, spec)
         present = frozenset(
@@ -422,6 +425,7 @@ class GvisorProvider(Provider):
             config=bundle_config(policy, spec, host, present),
             bundle_dir=bundle,
             state_dir=state,
+            pins=pins,
             root_links={p: t for p, t in sorted(host.symlinks.items())},
             stdin_fd=spec.boot_fd,
         )
@@ -431,6 +435,7 @@ class GvisorProvider(Provider):
         with the boot pipe as its standard input."""
         if not isinstance(plan, GvisorPlan):
             raise ProviderUnavailable("gvisor", "the plan is not a gVisor plan")
+        check_pins_on_host(plan.pins)
         write_bundle(plan)
         return subprocess.Popen(
             list(plan.argv),
@@ -442,6 +447,29 @@ class GvisorProvider(Provider):
             start_new_session=True,
             close_fds=True,
         )
+
+
+def check_pins_on_host(pins: Mapping[str, Any]) -> None:
+    """Each granted path, walked again without following links, must still be the object
+    the build pinned; raises WorkerStartError naming the path otherwise.
+
+    NOTE: runsc's gofer opens each bind source by path a few tens of milliseconds later; a
+    swap inside that window is not caught (docs/providers.md, gvisor).
+    """
+    from agent_sandbox._errors import PolicyError, WorkerStartError
+    from agent_sandbox.providers._grants import _walk
+
+    for path, pin in pins.items():
+        try:
+            now = _walk(path, "files", path, None)
+        except PolicyError:
+            now = ["link"]
+        if now != (list(pin) if pin is not None else None):
+            raise WorkerStartError(
+                f"the granted path {path} is not the object the policy check pinned (a link "
+                "planted or a directory swapped between the check and the start); start the "
+                "worker again, and see which tool can write there"
+            )
 
 
 def _runsc_env() -> dict[str, str]:

@@ -22,7 +22,7 @@ from agent_sandbox import Policy, Sandbox
 from agent_sandbox.providers import get_provider
 
 #: Kernel providers the containment matrix runs against (strongest last).
-KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail")
+KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail", "gvisor")
 
 #: Native helpers for hostile code: libc through ctypes, no Python-level API involved.
 NATIVE = r"""
