@@ -463,3 +463,90 @@ def test_setup_and_ci_install_runsc() -> None:
         text = script.read_text()
         assert "need+=(runsc)" in text or "install -y -qq --no-install-recommends runsc" in text
         assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+
+
+# -- chosen on purpose: min_boundary, auto, doctor ----------------------------------------
+
+
+def test_a_provider_below_min_boundary_is_refused() -> None:
+    """A policy naming bwrap while asking for a user-space kernel is refused at
+    construction, naming the providers that meet it."""
+    from agent_sandbox import PolicyError
+
+    with pytest.raises(PolicyError) as info:
+        Policy(name="t", provider="bwrap", min_boundary="user-space-kernel")
+    assert 'below min_boundary = "user-space-kernel"' in str(info.value)
+    assert "gvisor, qemu" in str(info.value)
+    Policy(name="t", provider="gvisor", min_boundary="user-space-kernel")
+    with pytest.raises(PolicyError):
+        Policy(name="t", provider="gvisor", min_boundary="virtual-machine")
+
+
+def test_min_boundary_default_keeps_fingerprints() -> None:
+    assert Policy(name="t").fingerprint() == Policy(name="t", min_boundary="host-kernel").fingerprint()
+    assert Policy(name="t").fingerprint() != Policy(
+        name="t", min_boundary="user-space-kernel"
+    ).fingerprint()
+
+
+class _Stub(_gvisor.Provider):
+    def __init__(self, name: str, available: bool) -> None:
+        self.stub_name = name
+        self.available = available
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.stub_name
+
+    def probe(self) -> _gvisor.ProbeResult:
+        return _gvisor.ProbeResult(self.stub_name, self.available, "" if self.available else "absent")
+
+    def build(self, policy: Any, spec: WorkerSpec) -> _gvisor.LaunchPlan:
+        return _gvisor.LaunchPlan(self.stub_name, ("x",), {}, (), "/", stack=(self.stub_name,))
+
+
+def test_auto_takes_the_fastest_provider_meeting_min_boundary() -> None:
+    """auto: gvisor when it works, qemu when only it does, an error naming both when none
+    does; never a namespace sandbox for a policy that asks for a user-space kernel."""
+    from agent_sandbox.providers import AutoProvider
+
+    policy = Policy(name="t", min_boundary="user-space-kernel")
+    both = AutoProvider(stronger=(_Stub("gvisor", True), _Stub("qemu", True)))
+    assert both.build(policy, SPEC).provider == "gvisor"
+    only_vm = AutoProvider(stronger=(_Stub("gvisor", False), _Stub("qemu", True)))
+    assert only_vm.build(policy, SPEC).provider == "qemu"
+    vm_policy = Policy(name="t", min_boundary="virtual-machine")
+    assert both.build(vm_policy, SPEC).provider == "qemu"
+    none = AutoProvider(stronger=(_Stub("gvisor", False), _Stub("qemu", False)))
+    with pytest.raises(ProviderUnavailable) as info:
+        none.build(policy, SPEC)
+    assert 'min_boundary = "user-space-kernel"' in str(info.value)
+    assert "gvisor: absent" in str(info.value) and "qemu: absent" in str(info.value)
+
+
+def test_a_sandbox_asking_for_a_user_space_kernel_gets_gvisor(gvisor: GvisorProvider) -> None:
+    with Sandbox(Policy(name="t", min_boundary="user-space-kernel"), warm=0) as sandbox:
+        result = sandbox.run("1 + 1")
+    assert result.value == 2
+    assert result.provider == "gvisor" and result.stack[0] == "gvisor"
+
+
+def test_doctor_reports_gvisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor: runsc's release and platform where it works; the install command where not."""
+    from agent_sandbox._tools import cli_doctor
+
+    providers = [
+        {
+            "name": "gvisor",
+            "available": True,
+            "version": "runsc version 0.0~20221219.0",
+            "reason": "",
+            "details": {"platform": "ptrace", "release": 20221219},
+        }
+    ]
+    ok = cli_doctor._gvisor(providers)
+    assert ok["available"] and ok["release"] == 20221219 and ok["platform"] == "ptrace"
+    assert "install" not in ok
+    providers[0].update(available=False, reason="the `runsc` executable (gVisor) is not on PATH")
+    missing = cli_doctor._gvisor(providers)
+    assert not missing["available"] and missing["install"] == INSTALL_HINT
