@@ -101,6 +101,9 @@ class LaunchPlan:
     #: their memory in the memory limit); the worker's own limits stay the policy's.
     launcher_tasks: int = 0
     launcher_mb: int = 0
+    #: A command that delivers the parent's interrupt (SIGINT) to the worker, for a
+    #: launcher that does not forward it (`runsc run` dies of it): () to signal the pid.
+    interrupt_argv: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

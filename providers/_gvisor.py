@@ -30,7 +30,9 @@ How a worker starts (`build` is pure, `launch` writes what it says):
 
 Limits outside the sandbox: the host's cgroups around runsc (memory and CPU; `pids.max`
 counts the Sentry's and gofer's own threads too, so it gets their slack), the host's wall
-clock, the output bounds. Every plan's stack starts with `gvisor`.
+clock, the output bounds. Every plan's stack starts with `gvisor`. The parent's interrupt goes
+through `runsc kill <id> INT` (`LaunchPlan.interrupt_argv`): `runsc run` does not forward
+SIGINT, it dies of it.
 
 Refused at construction, naming the cause: a grant of a device, a socket or a FIFO (gVisor
 serves regular files and directories through its gofer), `[net]` allow rules (the egress
@@ -420,6 +422,7 @@ class GvisorProvider(Provider):
             worker_depth=None,
             interrupt_launcher=True,
             socket_path=os.path.join(uds, SOCKET_NAME),
+            interrupt_argv=(exe, "--rootless", "--root", state, "kill", container_id(spec), "INT"),
             launcher_tasks=LAUNCHER_TASKS,
             launcher_mb=LAUNCHER_MB,
             config=bundle_config(policy, spec, host, present),

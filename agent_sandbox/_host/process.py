@@ -791,9 +791,18 @@ class WorkerProcess:
             return False
         attached = self._in_call
         seq = self.calls
+        argv = self.plan.interrupt_argv if self.plan is not None else ()
         try:
-            os.kill(pid, signal.SIGINT)
-        except OSError:
+            if argv:
+                # The launcher's own command delivers it (gVisor: `runsc kill <id> INT`).
+                sent = subprocess.run(
+                    list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=5
+                )
+                if sent.returncode != 0:
+                    return False
+            else:
+                os.kill(pid, signal.SIGINT)
+        except (OSError, subprocess.TimeoutExpired):
             return False
 
         def expire() -> None:

@@ -182,6 +182,7 @@ def test_plan_names_gvisor_and_its_socket(monkeypatch: pytest.MonkeyPatch) -> No
     assert plan.stdin_fd == SPEC.boot_fd and plan.pass_fds == ()
     assert plan.argv[-1] == "as-1" and plan.interrupt_launcher
     assert plan.launcher_tasks > 0 and plan.launcher_mb > 0
+    assert plan.interrupt_argv[1:] == ("--rootless", "--root", plan.state_dir, "kill", "as-1", "INT")
 
 
 @pytest.mark.parametrize(
@@ -390,6 +391,34 @@ def _own_dirs() -> list[str]:
 
     prefix = os.path.basename(lifecycle.control_dir_prefix())
     return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
+
+
+def test_an_interrupt_reaches_the_cell_and_keeps_the_session(gvisor: GvisorProvider) -> None:
+    """The interrupt reaches the running cell as KeyboardInterrupt (through `runsc kill`),
+    and the session's variables stay."""
+    import threading
+
+    policy = Policy(name="t", provider="gvisor", imports={"allow": ["time"]})
+    with Sandbox(policy, warm=0) as sandbox:
+        session = sandbox.session("a")
+        assert session.run("x = 41").ok
+        started = threading.Event()
+        sent: list[bool] = []
+
+        def interrupt() -> None:
+            started.wait(30)
+            sent.append(session.interrupt())
+
+        thread = threading.Thread(target=interrupt)
+        thread.start()
+        result = session.run(
+            "import time\nprint('spinning', flush=True)\nwhile True: time.sleep(0.01)",
+            on_event=lambda kind, data: started.set() if kind == "stdout" else None,
+        )
+        thread.join()
+        assert sent == [True]
+        assert result.error is not None and result.error.type == "KeyboardInterrupt"
+        assert session.run("x + 1").value == 42
 
 
 def _runsc_processes(marker: str) -> list[int]:
