@@ -34,10 +34,16 @@ clock, the output bounds. Every plan's stack starts with `gvisor`. The parent's 
 through `runsc kill <id> INT` (`LaunchPlan.interrupt_argv`): `runsc run` does not forward
 SIGINT, it dies of it.
 
+Network: with `[net]` allow rules, the host's egress proxy as under `bwrap` (the same rules,
+the same refusals in `_netcheck.py`): `launch` binds the host's end of the worker's proxy
+route in the socket directory and the parent attaches it to its proxy; inside, a relay
+process the worker forks before its restrictions listens on the proxy address on the
+Sentry's loopback and carries each connection to that socket (`--host-uds=all`).
+
 Refused at construction, naming the cause: a grant of a device, a socket or a FIFO (gVisor
-serves regular files and directories through its gofer), `[net]` allow rules (the egress
-proxy is not wired into gVisor's network yet: `_netcheck.py`), a missing runsc, a runsc
-older than `MIN_RELEASE`.
+serves regular files and directories through its gofer), a `[net]` rule the proxy cannot
+serve (UDP, a listener for outside peers), a missing runsc, a runsc older than
+`MIN_RELEASE`.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from agent_sandbox.providers._view import (
     TMPFS_BYTES,
     HostLayout,
     Mount,
+    egress_plan,
     host_layout_for,
     mounts_for,
     policy_paths,
@@ -86,10 +93,13 @@ INSTALL_HINT = "apt-get install runsc (Debian, Ubuntu) or https://gvisor.dev/doc
 PLATFORM = "ptrace"
 #: Where the worker binds its server's socket, inside `<control>/uds`.
 SOCKET_NAME = "ctl.sock"
+#: The host's end of the egress proxy route, in the same directory.
+EGRESS_SOCKET = "egress.sock"
 #: Room in the host's cgroups for runsc, its gofer and the Sentry beside the worker: about
-#: 40 host threads and 70 MiB resident here; the worker's own processes and memory are held
+#: 40 host threads at rest (more under load: Go starts threads for blocked calls) and 70 MiB
+#: resident here; the worker's own processes and memory are held
 #: inside by its rlimits (RLIMIT_NPROC, RLIMIT_AS), which gVisor enforces.
-LAUNCHER_TASKS = 96
+LAUNCHER_TASKS = 512
 LAUNCHER_MB = 192
 _MASK_BYTES = 4096
 _MB = 1024 * 1024
@@ -108,6 +118,9 @@ class GvisorPlan(LaunchPlan):
     pins: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     root_links: Mapping[str, str] = dataclasses.field(default_factory=dict)
     stdin_fd: int = -1
+    #: The worker's end of the egress channel (`WorkerSpec.egress_fd`): `launch` binds the
+    #: host's end of the proxy route in the socket directory and sends it there; -1: none.
+    egress_fd: int = -1
 
 
 def release_of(version_text: str) -> int | None:
@@ -183,7 +196,11 @@ def _rlimits(policy: Any) -> list[dict[str, Any]]:
 
 
 def bundle_config(
-    policy: Any, spec: WorkerSpec, host: HostLayout, present: frozenset[str]
+    policy: Any,
+    spec: WorkerSpec,
+    host: HostLayout,
+    present: frozenset[str],
+    proxy_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The OCI `config.json` of one worker (pure: unit tests compare it exactly).
 
@@ -200,7 +217,7 @@ def bundle_config(
         if entry is not None:
             mounts.append(entry)
     mounts.append({"destination": uds, "type": "bind", "source": uds, "options": ["rbind", "rw"]})
-    env = base_env(spec)
+    env = base_env(spec, proxy_env)
     return {
         "ociVersion": "1.0.0",
         "process": {
@@ -241,20 +258,28 @@ def container_id(spec: WorkerSpec) -> str:
 
 
 def runsc_argv(
-    runsc: str, state_dir: str, bundle_dir: str, container_id: str, platform: str = PLATFORM
+    runsc: str,
+    state_dir: str,
+    bundle_dir: str,
+    container_id: str,
+    platform: str = PLATFORM,
+    *,
+    egress: bool = False,
 ) -> tuple[str, ...]:
     """The runsc command line for one worker (pure).
 
     `--rootless`: runsc sets up its sandbox without root and without host cgroups (the
     parent's own groups hold it); `--network=none`: no device but the Sentry's loopback;
     `--host-uds=create`: the worker may bind its server's socket in the shared socket
-    directory, and connects to no host socket.
+    directory, and connects to no host socket; with egress, `--host-uds=all`: its relay
+    also connects to the host's end of the proxy route there (and, as under bwrap, the
+    code may connect to a host socket inside what the view binds).
     """
     return (
         runsc,
         "--rootless",
         "--network=none",
-        "--host-uds=create",
+        "--host-uds=all" if egress else "--host-uds=create",
         f"--platform={platform}",
         "--root",
         state_dir,
@@ -389,7 +414,7 @@ class GvisorProvider(Provider):
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
-        refuse_unenforceable(self.name, policy)
+        refuse_unenforceable(self.name, policy)  # egress_plan refuses again, same rules
         # Refuses a grant that runs through a link. The pins are checked again by `launch`,
         # on the host: the Sentry's device and inode numbers are its own, not the host's.
         pins = grant_pins(policy, spec)
@@ -410,10 +435,25 @@ class GvisorProvider(Provider):
         if _seccomp.probe_seccomp()[0]:
             setup.update(_seccomp.seccomp_setup(policy))
             layers = ("seccomp",)
+        egress, proxy_vars, _fds = egress_plan(self.name, policy, spec)
+        if egress:
+            # The parent's proxy route ends in the socket directory (`launch` binds it and
+            # sends it over the egress channel); a relay inside carries the proxy address
+            # on the Sentry's loopback to it (`_inworker.start_egress_relay`).
+            setup.update(egress)
+            setup["egress"] = {**egress["egress"], "fd": -1}
+            setup["egress_relay"] = {
+                "host": egress["egress"]["host"],
+                "port": egress["egress"]["port"],
+                "socket": os.path.join(uds, EGRESS_SOCKET),
+            }
+            layers += ("egress-proxy",)
         exe = str(self.probe().details.get("path", self.runsc))
         return GvisorPlan(
             provider=self.name,
-            argv=runsc_argv(exe, state, bundle, container_id(spec), self.platform),
+            argv=runsc_argv(
+                exe, state, bundle, container_id(spec), self.platform, egress=bool(egress)
+            ),
             env=_runsc_env(),
             pass_fds=(),
             cwd=spec.control_dir,
@@ -425,12 +465,13 @@ class GvisorProvider(Provider):
             interrupt_argv=(exe, "--rootless", "--root", state, "kill", container_id(spec), "INT"),
             launcher_tasks=LAUNCHER_TASKS,
             launcher_mb=LAUNCHER_MB,
-            config=bundle_config(policy, spec, host, present),
+            config=bundle_config(policy, spec, host, present, proxy_vars),
             bundle_dir=bundle,
             state_dir=state,
             pins=pins,
             root_links={p: t for p, t in sorted(host.symlinks.items())},
             stdin_fd=spec.boot_fd,
+            egress_fd=spec.egress_fd if egress else -1,
         )
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -440,6 +481,8 @@ class GvisorProvider(Provider):
             raise ProviderUnavailable("gvisor", "the plan is not a gVisor plan")
         check_pins_on_host(plan.pins)
         write_bundle(plan)
+        if plan.egress_fd >= 0:
+            send_egress_listener(plan)
         return subprocess.Popen(
             list(plan.argv),
             env=dict(plan.env),
@@ -473,6 +516,26 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
                 "planted or a directory swapped between the check and the start); start the "
                 "worker again, and see which tool can write there"
             )
+
+
+def send_egress_listener(plan: GvisorPlan) -> None:
+    """Bind the host's end of the proxy route in the socket directory and send it over the
+    egress channel, where the parent takes it onto its egress proxy (as it takes a worker's
+    listener under bwrap, or the QEMU relay's)."""
+    import socket
+
+    relay = plan.worker_setup.get("egress_relay") or {}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(relay["socket"]))
+        listener.listen(128)
+        channel = socket.socket(fileno=os.dup(plan.egress_fd))
+        try:
+            socket.send_fds(channel, [b"egress"], [listener.fileno()])
+        finally:
+            channel.close()
+    finally:
+        listener.close()
 
 
 def _runsc_env() -> dict[str, str]:

@@ -16,8 +16,8 @@ refuse too). What each one enforces, by the kind of rule:
 | deny, one host, on a port an allow opens    | no (1)   | yes (proxy)            | n/a       |
 | deny, any host                              | yes      | yes                    | yes       |
 
-`gvisor` runs the worker with `--network=none` (only the Sentry's own loopback) and refuses
-every allow rule; so does any provider name this table does not know.
+`gvisor` has the column of bwrap (the Sentry's own loopback, the host's egress proxy through
+a relay); a provider name this table does not know refuses every allow rule.
 
 (1) Landlock filters TCP by port only: the rule would open its port to every address,
     including the agent's own loopback services and the cloud metadata address, which the
@@ -233,18 +233,13 @@ def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
         return _landlock(policy)
     if provider == "firejail":
         return _firejail(policy)
-    if provider in ("bwrap", "unshare", "qemu"):
+    if provider in ("bwrap", "unshare", "qemu", "gvisor"):
         return _namespace(policy)
     if provider in _NO_RULES_BELOW_PYTHON:
         return []
-    # gvisor, and any provider this table does not know: every allow rule is refused (an
-    # unknown name never enforces a rule by omission).
-    why = (
-        "gVisor runs the worker with --network=none and the host's egress proxy is not wired "
-        "into it"
-        if provider == "gvisor"
-        else f"provider {provider!r} has no known way to enforce [net] rules"
-    )
+    # A provider this table does not know: every allow rule is refused (an unknown name
+    # never enforces a rule by omission).
+    why = f"provider {provider!r} has no known way to enforce [net] rules"
     return [
         (i, why, f"{_NAMESPACE} (the host's egress proxy enforces host names)")
         for i, rule in enumerate(policy.net.rules)

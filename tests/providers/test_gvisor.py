@@ -241,13 +241,35 @@ def test_it_refuses_a_grant_gvisor_cannot_serve(tmp_path: Path, kind: str) -> No
             server.close()
 
 
-def test_net_allow_rules_are_refused_for_gvisor_and_unknown_providers() -> None:
-    """No network device under gvisor: an allow rule is refused, never silently cut; a
-    provider name the table does not know refuses every allow rule too (never fails open)."""
+def test_net_rules_under_gvisor_are_those_of_bwrap_and_unknown_providers_refuse_all() -> None:
+    """gvisor refuses what the egress proxy cannot serve (UDP off loopback, a listener for
+    outside peers), as bwrap does; a provider name the table does not know refuses every
+    allow rule (never fails open)."""
+    tcp = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+    udp = Policy(
+        name="t", net={"rules": [{"host": "198.51.100.7", "ports": 53, "protocol": "udp"}]}
+    )
+    assert unenforceable("gvisor", tcp) == []
+    assert [i for i, _why, _alt in unenforceable("gvisor", udp)] == [0]
+    assert unenforceable("gvisor", udp) == unenforceable("bwrap", udp)
+    assert [i for i, _why, _alt in unenforceable("no-such-provider", tcp)] == [0]
+    assert unenforceable("subprocess", tcp) == []
+
+
+def test_a_networked_plan_relays_to_the_hosts_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
+    spec = dataclasses.replace(SPEC, egress_fd=9)
     policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
-    assert [i for i, _why, _alt in unenforceable("gvisor", policy)] == [0]
-    assert [i for i, _why, _alt in unenforceable("no-such-provider", policy)] == [0]
-    assert unenforceable("subprocess", policy) == []
+    plan = GvisorProvider().build(policy, spec)
+    assert plan.stack[-1] == "egress-proxy" and plan.egress_fd == 9
+    assert plan.worker_setup["egress"]["fd"] == -1  # nothing to send from inside
+    assert plan.worker_setup["egress_relay"] == {
+        "host": "127.0.0.1",
+        "port": 3128,
+        "socket": "/tmp/as-1/uds/egress.sock",
+    }
+    assert "--host-uds=all" in plan.argv
+    assert "HTTPS_PROXY=http://127.0.0.1:3128" in plan.config["process"]["env"]
 
 
 # -- real runs ---------------------------------------------------------------------------
@@ -419,6 +441,59 @@ def test_an_interrupt_reaches_the_cell_and_keeps_the_session(gvisor: GvisorProvi
         assert sent == [True]
         assert result.error is not None and result.error.type == "KeyboardInterrupt"
         assert session.run("x + 1").value == 42
+
+
+def test_egress_goes_through_the_hosts_proxy(gvisor: GvisorProvider) -> None:
+    """It denies a connection the rules do not name (a net.connect denial recorded by the
+    host's proxy) and a direct connection past the proxy (no route: only the Sentry's
+    loopback), and serves the one a rule names."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    policy = Policy(
+        name="danger-gvisor-net",
+        provider="gvisor",
+        imports={"allow": ["*"]},
+        api={"allow": ["native-code"]},
+        code={"enabled": False},
+        net={"rules": [{"host": "127.0.0.1", "ports": str(port)}]},
+    )
+    fetch = "import urllib.request\nurllib.request.urlopen({!r}, timeout=10).read()"
+    direct = textwrap.dedent(
+        f"""
+        import ctypes, struct
+        libc = ctypes.CDLL(None, use_errno=True)
+        s = libc.socket(2, 1, 0)
+        addr = struct.pack("=H", 2) + struct.pack("!H4s8x", {port}, bytes([127, 0, 0, 1]))
+        rc = libc.connect(s, addr, len(addr))
+        (rc, ctypes.get_errno())
+        """
+    )
+    try:
+        with Sandbox(policy, warm=0) as sandbox:
+            ok = sandbox.run(fetch.format(f"http://127.0.0.1:{port}/"))
+            refused = sandbox.run(fetch.format("http://192.0.2.1:80/"))
+            bypass = sandbox.run(direct)
+    finally:
+        server.close()
+    assert ok.error is None and ok.stack[-1] == "egress-proxy"
+    assert "ok" in str(ok.value)
+    assert refused.error is not None
+    assert "net.connect" in [d.rule for d in refused.denials]
+    assert bypass.error is None, bypass.error
+    assert bypass.value[0] == -1 and bypass.value[1] == 111  # ECONNREFUSED: the Sentry's lo
 
 
 def _runsc_processes(marker: str) -> list[int]:
