@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox.providers import get_provider

@@ -88,7 +88,9 @@ __all__ = [
 #: lack the rootless `run` with `--host-uds=create` it relies on.
 MIN_RELEASE = 20221219
 #: What `doctor` and the probe name when runsc is missing.
-INSTALL_HINT = "apt-get install runsc (Debian, Ubuntu) or https://gvisor.dev/docs/user_guide/install/"
+INSTALL_HINT = (
+    "apt-get install runsc (Debian, Ubuntu) or https://gvisor.dev/docs/user_guide/install/"
+)
 #: The Sentry platform: ptrace works without KVM on every x86-64 and arm64 host.
 PLATFORM = "ptrace"
 #: Where the worker binds its server's socket, inside `<control>/uds`.
@@ -133,8 +135,10 @@ def release_of(version_text: str) -> int | None:
 def _dirs(spec: WorkerSpec) -> tuple[str, str, str]:
     """(bundle, runsc state root, socket directory), all inside the control directory."""
     base = os.path.join(spec.control_dir, "gvisor")
-    return os.path.join(base, "bundle"), os.path.join(base, "state"), os.path.join(
-        spec.control_dir, "uds"
+    return (
+        os.path.join(base, "bundle"),
+        os.path.join(base, "state"),
+        os.path.join(spec.control_dir, "uds"),
     )
 
 
@@ -331,7 +335,9 @@ def _probe(runsc: str) -> ProbeResult:
     path = shutil.which(runsc)
     if path is None:
         return ProbeResult(
-            "gvisor", False, f"the `runsc` executable (gVisor) is not on PATH; install: {INSTALL_HINT}"
+            "gvisor",
+            False,
+            f"the `runsc` executable (gVisor) is not on PATH; install: {INSTALL_HINT}",
         )
     return cached_probe("gvisor", {"runsc": file_key(path)}, lambda: _trial(path))
 
@@ -507,9 +513,9 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
 
     for path, pin in pins.items():
         try:
-            now = _walk(path, "files", path, None)
+            now: Any = _walk(path, "files", path, None)
         except PolicyError:
-            now = ["link"]
+            now = "a link"
         if now != (list(pin) if pin is not None else None):
             raise WorkerStartError(
                 f"the granted path {path} is not the object the policy check pinned (a link "

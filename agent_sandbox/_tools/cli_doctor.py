@@ -220,7 +220,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if gv["available"]:
         print(
             f"  gvisor: runsc release {gv['release']}, platform {gv['platform']}, rootless "
-            "(a user-space kernel: `min_boundary = \"user-space-kernel\"`)"
+            '(a user-space kernel: `min_boundary = "user-space-kernel"`)'
         )
     else:
         hint = "" if gv["install"] in gv["reason"] else f"; install: {gv['install']}"

@@ -20,6 +20,20 @@ from agent_sandbox._host.calllock import CallLock
 from agent_sandbox._host.guardian import remove_tree
 
 
+@pytest.fixture(params=["auto", "gvisor"])
+def policy(request: pytest.FixtureRequest, policy: Policy) -> Policy:
+    """The core policy under `auto`, then under `gvisor` (skipped where runsc cannot run):
+    a worker behind its own kernel has no host pid, so interrupts and cleanup go another way."""
+    if request.param == "auto":
+        return policy
+    from agent_sandbox.providers import get_provider
+
+    probe = get_provider("gvisor").probe()
+    if not probe.available:
+        pytest.skip(f"provider 'gvisor' unavailable here: {probe.reason}")
+    return policy.merged({"provider": "gvisor"})
+
+
 async def test_an_arun_cancelled_while_it_waits_for_the_lock_does_not_lock_the_session(
     policy: Policy,
 ) -> None:

@@ -27,7 +27,7 @@ from agent_sandbox.providers._egress import EgressError, EgressRules, egress_pro
 
 from .conftest import NATIVE, received_connection, skip_unless_available
 
-NAMESPACE_PROVIDERS = ("unshare", "bwrap")
+NAMESPACE_PROVIDERS = ("unshare", "bwrap", "gvisor")
 
 
 # -- servers and names ----------------------------------------------------------------------

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import stat
 import subprocess
 import tempfile
 import textwrap
@@ -182,7 +181,14 @@ def test_plan_names_gvisor_and_its_socket(monkeypatch: pytest.MonkeyPatch) -> No
     assert plan.stdin_fd == SPEC.boot_fd and plan.pass_fds == ()
     assert plan.argv[-1] == "as-1" and plan.interrupt_launcher
     assert plan.launcher_tasks > 0 and plan.launcher_mb > 0
-    assert plan.interrupt_argv[1:] == ("--rootless", "--root", plan.state_dir, "kill", "as-1", "INT")
+    assert plan.interrupt_argv[1:] == (
+        "--rootless",
+        "--root",
+        plan.state_dir,
+        "kill",
+        "as-1",
+        "INT",
+    )
 
 
 @pytest.mark.parametrize(
@@ -587,10 +593,13 @@ def test_a_provider_below_min_boundary_is_refused() -> None:
 
 
 def test_min_boundary_default_keeps_fingerprints() -> None:
-    assert Policy(name="t").fingerprint() == Policy(name="t", min_boundary="host-kernel").fingerprint()
-    assert Policy(name="t").fingerprint() != Policy(
-        name="t", min_boundary="user-space-kernel"
-    ).fingerprint()
+    assert (
+        Policy(name="t").fingerprint() == Policy(name="t", min_boundary="host-kernel").fingerprint()
+    )
+    assert (
+        Policy(name="t").fingerprint()
+        != Policy(name="t", min_boundary="user-space-kernel").fingerprint()
+    )
 
 
 class _Stub(_gvisor.Provider):
@@ -603,7 +612,9 @@ class _Stub(_gvisor.Provider):
         return self.stub_name
 
     def probe(self) -> _gvisor.ProbeResult:
-        return _gvisor.ProbeResult(self.stub_name, self.available, "" if self.available else "absent")
+        return _gvisor.ProbeResult(
+            self.stub_name, self.available, "" if self.available else "absent"
+        )
 
     def build(self, policy: Any, spec: WorkerSpec) -> _gvisor.LaunchPlan:
         return _gvisor.LaunchPlan(self.stub_name, ("x",), {}, (), "/", stack=(self.stub_name,))

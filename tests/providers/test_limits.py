@@ -399,7 +399,7 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     _limits._LIVE.discard(groups)  # not a real group: nothing to remove at exit
 
 
-ALL_PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
+ALL_PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail", "gvisor")
 
 
 @pytest.mark.parametrize("ignore_sigxcpu", [False, True], ids=["plain", "sigxcpu-ignored"])

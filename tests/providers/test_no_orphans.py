@@ -19,7 +19,7 @@ from agent_sandbox._tools.leftovers import run_agent
 
 from .conftest import skip_unless_available
 
-PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
+PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail", "gvisor")
 
 
 def _run_agent(
@@ -51,7 +51,7 @@ def test_nothing_outlives_an_agent_killed_while_workers_start(provider: str, del
     _run_agent(provider, "starting", str(delay))
 
 
-@pytest.mark.parametrize("provider", ["unshare", "bwrap", "firejail"])
+@pytest.mark.parametrize("provider", ["unshare", "bwrap", "firejail", "gvisor"])
 def test_a_normal_exit_right_after_a_call_cleans_up_by_itself(provider: str) -> None:
     """It ends every worker (those the pool's refill and three other sessions were starting
     included: the bwrap exit race) and removes every control directory at a normal exit
