@@ -994,6 +994,13 @@ class WorkerProcess:
             )
             return
         how, raw = self._status_now()
+        if how == "running" and self.plan is not None and self.plan.interrupt_launcher:
+            # A worker behind its own kernel (gVisor, a VM) has no host process: its
+            # connection closes when it dies, and its launcher exits a moment later.
+            assert self.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(_LAUNCHER_EXIT_GRACE)
+            how, raw = self._status_now()
         status = self._worker_status(raw)
         self.dead = True
         self.kill()
@@ -1256,6 +1263,11 @@ class WorkerProcess:
             fd = self._log.fileno()
             if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
                 os.lseek(fd, 0, os.SEEK_SET)
+
+
+#: How long the host waits for the launcher of a worker without a host process to exit
+#: once the worker's connection closed during a call (runsc took a few ms here).
+_LAUNCHER_EXIT_GRACE = 2.0
 
 
 def _proc_state(pid: int) -> tuple[str, int]:
