@@ -479,9 +479,10 @@ PROVIDER_CLASS = {
 
 def meets_boundary(provider: str, minimum: str) -> bool:
     """Whether `provider`'s class of boundary is `minimum` or stronger (`auto`: decided per
-    candidate, so always True here; an unknown name: False)."""
-    if provider == "auto":
-        return True
+    candidate, so always True here; the default `host-kernel`: True, since a provider
+    without a boundary is the opt-out's to allow; an unknown name: False)."""
+    if provider == "auto" or minimum == "host-kernel":
+        return True  # the default: `no_kernel_boundary` alone governs the opt-out
     have = PROVIDER_CLASS.get(provider)
     if have is None:
         return False
