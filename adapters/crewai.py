@@ -220,7 +220,7 @@ def sandboxed_crewai_tool(
     """
     from crewai.tools.base_tool import Tool
 
-    from agent_sandbox.adapters._sandboxed import SandboxedFunction, tool_body
+    from agent_sandbox.adapters._function import SandboxedFunction, tool_body
 
     func, fields = tool_body(tool, BaseTool)
     body: SandboxedFunction[..., Any] = SandboxedFunction(

@@ -367,7 +367,7 @@ def sandboxed_langchain_tool(
     """
     from langchain_core.tools import StructuredTool
 
-    from agent_sandbox.adapters._sandboxed import SandboxedFunction, tool_body
+    from agent_sandbox.adapters._function import SandboxedFunction, tool_body
 
     func, fields = tool_body(tool, BaseTool)
     body: SandboxedFunction[..., Any] = SandboxedFunction(

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agent_sandbox.guards import _code_budget
-from agent_sandbox.guards._code_check import check_code, compile_rules, find_violations
+from agent_sandbox.guards._code_budget import check_code
+from agent_sandbox.guards._code_check import compile_rules, find_violations
 
 LOOP = """
 total = 0

@@ -17,7 +17,7 @@ What it enforces, while armed:
    `namedtuple`, `sys._getframe` in `logging`, `signal.signal` in `asyncio.run`).
 5. `eval`/`exec`/`compile` are judged for source text and ASTs, not for code objects.
    When `dynamic-code` is granted and the policy's code layer is enabled, the string is
-   checked by the code layer (`guards._code_check.check_code`) before it runs.
+   checked by the code layer (`guards._code_budget.check_code`) before it runs.
 
 What it does NOT stop: the immutable C type `pickle.Unpickler` (its `load` cannot be
 patched without breaking subclassing), `ctypes.pythonapi` and other objects created before
@@ -348,7 +348,7 @@ def install() -> None:
     """Wrap every registry entry (deferred for modules not imported yet)."""
     global _code_check
     try:
-        from agent_sandbox.guards._code_check import check_code
+        from agent_sandbox.guards._code_budget import check_code
     except ImportError:  # the code layer is optional here
         _code_check = None
     else:

@@ -45,11 +45,18 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import AttributeDenied, LimitExceeded
 from agent_sandbox._worker import audit
-from agent_sandbox.guards._code_check import _CHILD_FIELDS, Rules, _child_fields, compile_rules
+from agent_sandbox.guards._code_check import (
+    _CHILD_FIELDS,
+    Rules,
+    _child_fields,
+    check_tree,
+    compile_rules,
+)
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
-    from typing import Any, TypeVar
+    from collections.abc import Iterable, Mapping
+    from typing import Any, Literal, TypeVar, overload
 
     _N = TypeVar("_N", bound=ast.AST)
 
@@ -57,6 +64,7 @@ __all__ = [
     "SPECIAL_ATTRIBUTES",
     "CodeCheck",
     "SPECIAL_NAMES",
+    "check_code",
     "ensure_installed",
     "make_code_check",
     "rewrite",
@@ -936,8 +944,6 @@ class CodeCheck:
         start_call(self.rules, namespace=self.namespace)
 
     def __call__(self, code: str, tree: ast.Module) -> None:
-        from agent_sandbox.guards._code_check import check_tree
-
         start_call(self.rules, namespace=self.namespace)
         check_tree(tree, self.rules, "<cell>", source=code, known_names=self.namespace.keys())
         _Rewriter(self.rules).run(tree)
@@ -947,8 +953,70 @@ def make_code_check(
     code_policy: dict[str, Any], namespace: dict[str, Any], policy_name: str = ""
 ) -> CodeCheck:
     """The worker's code-layer hook for one session namespace (see `CodeCheck`)."""
-    import agent_sandbox.guards._code_check  # noqa: F401 (imported now, not in the first call)
-
     rules = compile_rules(code_policy, policy_name)
     ensure_installed(rules)
     return CodeCheck(rules, namespace)
+
+
+if TYPE_CHECKING:  # (the overloads are for type checkers only)
+
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["exec"] = ...,
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Module: ...
+
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["eval"],
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Expression: ...
+
+    @overload
+    def check_code(
+        source: str | bytes,
+        code_policy: Mapping[str, Any] | Rules,
+        filename: str = ...,
+        *,
+        mode: Literal["single"],
+        known_names: Iterable[str] = ...,
+        policy_name: str = ...,
+    ) -> ast.Interactive: ...
+
+
+def check_code(
+    source: str | bytes,
+    code_policy: Mapping[str, Any] | Rules,
+    filename: str = "<string>",
+    *,
+    mode: str = "exec",
+    known_names: Iterable[str] = (),
+    policy_name: str = "",
+) -> ast.Module | ast.Expression | ast.Interactive:
+    """Parse `source`, check it, and return the tree rewritten to run under budgets.
+
+    1. Parse with `mode` (`exec`, `eval` or `single`); a parse error is the ordinary
+       `SyntaxError`, exactly as plain Python would raise it.
+    2. Check against the policy's sub-language; every violation is recorded as a denial and
+       `CodeRejected` carries them all.
+    3. Rewrite (this module) so computed attribute access, loops, call depth and
+       large allocations are checked while it runs; compile the returned tree as usual. The
+       runtime helpers are installed in `builtins` on first use.
+    """
+    text = source.decode("utf-8") if isinstance(source, bytes) else source
+    tree = ast.parse(text, filename, mode)
+    rules = compile_rules(code_policy, policy_name)
+    check_tree(tree, rules, filename, source=text, known_names=known_names)
+    ensure_installed(rules)
+    rewrite(tree, rules)
+    return tree  # type: ignore[return-value]

@@ -38,12 +38,12 @@ from collections.abc import Iterable, Mapping
 
 from agent_sandbox._denial import Denial, FrozenValue
 from agent_sandbox._errors import CodeRejected
-from agent_sandbox._hints import grant_hint
+from agent_sandbox._render import toml_fragment
 from agent_sandbox._worker import audit
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
-    from typing import Any, Literal, overload
+    from typing import Any
 
 __all__ = [
     "ATTRIBUTE_GROUPS",
@@ -57,7 +57,6 @@ __all__ = [
     "SYNTAX_GROUPS",
     "Rules",
     "Violation",
-    "check_code",
     "check_tree",
     "compile_rules",
     "find_violations",
@@ -533,7 +532,7 @@ class Rules(FrozenValue):
 def _list_line(key: str, listed: tuple[str, ...], item: str) -> str:
     """The `[[grant]]` adding `item` to `[code] key` (what the policy lists stays)."""
     del listed
-    return grant_hint({f"code.{key}": [item]})
+    return toml_fragment({f"code.{key}": [item]})
 
 
 def _expand(items: Iterable[str], groups: Mapping[str, frozenset[str]]) -> frozenset[str]:
@@ -921,69 +920,3 @@ def check_tree(
     if violations:
         rules = compile_rules(code_policy)
         raise reject(violations, filename, policy_name or rules.policy_name)
-
-
-if TYPE_CHECKING:  # (the overloads are for type checkers only)
-
-    @overload
-    def check_code(
-        source: str | bytes,
-        code_policy: Mapping[str, Any] | Rules,
-        filename: str = ...,
-        *,
-        mode: Literal["exec"] = ...,
-        known_names: Iterable[str] = ...,
-        policy_name: str = ...,
-    ) -> ast.Module: ...
-
-    @overload
-    def check_code(
-        source: str | bytes,
-        code_policy: Mapping[str, Any] | Rules,
-        filename: str = ...,
-        *,
-        mode: Literal["eval"],
-        known_names: Iterable[str] = ...,
-        policy_name: str = ...,
-    ) -> ast.Expression: ...
-
-    @overload
-    def check_code(
-        source: str | bytes,
-        code_policy: Mapping[str, Any] | Rules,
-        filename: str = ...,
-        *,
-        mode: Literal["single"],
-        known_names: Iterable[str] = ...,
-        policy_name: str = ...,
-    ) -> ast.Interactive: ...
-
-
-def check_code(
-    source: str | bytes,
-    code_policy: Mapping[str, Any] | Rules,
-    filename: str = "<string>",
-    *,
-    mode: str = "exec",
-    known_names: Iterable[str] = (),
-    policy_name: str = "",
-) -> ast.Module | ast.Expression | ast.Interactive:
-    """Parse `source`, check it, and return the tree rewritten to run under budgets.
-
-    1. Parse with `mode` (`exec`, `eval` or `single`); a parse error is the ordinary
-       `SyntaxError`, exactly as plain Python would raise it.
-    2. Check against the policy's sub-language; every violation is recorded as a denial and
-       `CodeRejected` carries them all.
-    3. Rewrite (see `guards._code_budget`) so computed attribute access, loops, call depth and
-       large allocations are checked while it runs; compile the returned tree as usual. The
-       runtime helpers are installed in `builtins` on first use.
-    """
-    from agent_sandbox.guards import _code_budget
-
-    text = source.decode("utf-8") if isinstance(source, bytes) else source
-    tree = ast.parse(text, filename, mode)
-    rules = compile_rules(code_policy, policy_name)
-    check_tree(tree, rules, filename, source=text, known_names=known_names)
-    _code_budget.ensure_installed(rules)
-    _code_budget.rewrite(tree, rules)
-    return tree  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from agent_sandbox.policies._paths import check_entry
+from agent_sandbox.policies._validation import map_validation_errors, merge_dicts
 
 __all__ = [
     "ApiPolicy",
@@ -547,9 +548,7 @@ class Policy(_Section):
     """
 
     def __init__(self, /, **data: Any) -> None:
-        from agent_sandbox.policies._load import map_validation_errors
-
-        with map_validation_errors(None, None):
+        with map_validation_errors(None, None, root=Policy):
             super().__init__(**data)
 
     name: str = "unnamed"
@@ -717,11 +716,10 @@ class Policy(_Section):
 
         Lists replace lists; a nested table merges key by key. The result is validated again.
         """
-        from agent_sandbox.policies._load import merge_dicts, policy_from_dict
-
         base = self.model_dump(mode="json", by_alias=True)
-        merged = policy_from_dict(merge_dicts(base, overrides), source=self.source)
-        return merged.model_copy(update={"sources": self.sources})
+        with map_validation_errors(self.source, None, root=Policy):
+            merged = Policy.model_validate(merge_dicts(base, overrides))
+        return merged.model_copy(update={"source": self.source, "sources": self.sources})
 
     def to_toml(self) -> str:
         """The policy as TOML text that loads back into an equal policy (see `_toml.py`)."""

@@ -17,7 +17,7 @@ refuse too). What each one enforces, by the kind of rule:
 | deny, any host                              | yes      | yes                    | yes       |
 
 `gvisor` has the column of bwrap (the Sentry's own loopback, the host's egress proxy through
-a relay); a provider name this table does not know refuses every allow rule.
+a relay).
 
 (1) Landlock filters TCP by port only: the rule would open its port to every address,
     including the agent's own loopback services and the cloud metadata address, which the
@@ -45,9 +45,6 @@ _ANY_HOST = frozenset({"*", "0.0.0.0/0", "::/0", "any"})
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 _NAMESPACE = "bwrap or unshare"
-#: Providers that enforce no rule below Python by design (`subprocess`: the policy's opt-out
-#: says so) or decide elsewhere (`auto`: each candidate's own row; `remote`: the pod's).
-_NO_RULES_BELOW_PYTHON = frozenset({"subprocess", "auto", "remote"})
 
 
 def _is_loopback(host: str) -> bool:
@@ -229,22 +226,38 @@ def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
     net = getattr(policy, "net", None)
     if net is None or not getattr(net, "rules", None):
         return []
-    if provider == "landlock":
-        return _landlock(policy)
-    if provider == "firejail":
-        return _firejail(policy)
-    if provider in ("bwrap", "unshare", "qemu", "gvisor"):
-        return _namespace(policy)
-    if provider in _NO_RULES_BELOW_PYTHON:
-        return []
-    # A provider this table does not know: every allow rule is refused (an unknown name
-    # never enforces a rule by omission).
-    why = f"provider {provider!r} has no known way to enforce [net] rules"
-    return [
-        (i, why, f"{_NAMESPACE} (the host's egress proxy enforces host names)")
-        for i, rule in enumerate(policy.net.rules)
-        if rule.action == "allow"
-    ]
+    check = _CHECKS.get(provider)
+    if check is None:
+        # Fail closed: a provider this table does not know (a new one, a typo) is taken to
+        # enforce no rule below Python, so every rule refuses the policy until it is added.
+        return [
+            (
+                i,
+                f"no statement of which [net] rules {provider!r} enforces below Python "
+                "(providers/_netcheck.py)",
+                _NAMESPACE,
+            )
+            for i in range(len(policy.net.rules))
+        ]
+    return check(policy)
+
+
+def _none(policy: Any) -> list[tuple[int, str, str]]:
+    """The explicit opt-out (`subprocess` with `no_kernel_boundary = "accepted"`): it
+    enforces nothing below Python, and the opt-out says so."""
+    return []
+
+
+#: What each provider enforces, by name: every provider is listed, or refuses every rule.
+_CHECKS = {
+    "landlock": _landlock,
+    "firejail": _firejail,
+    "bwrap": _namespace,
+    "unshare": _namespace,
+    "qemu": _namespace,
+    "gvisor": _namespace,
+    "subprocess": _none,
+}
 
 
 def refuse_unenforceable(provider: str, policy: Any) -> None:

@@ -168,7 +168,9 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
         import yaml  # type: ignore[import-untyped]
     except ImportError:
         print(
-            "agent-sandbox k8s manifests: no YAML library here; use --format json", file=sys.stderr
+            "agent-sandbox k8s manifests: no YAML library here: install the k8s extra "
+            "(pip install 'agent-sandbox-kit[k8s]') or use --format json",
+            file=sys.stderr,
         )
         return 69
     print(yaml.safe_dump_all(docs, sort_keys=False), end="")

@@ -13,7 +13,7 @@ import pytest
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._errors import CodeRejected, LimitExceeded, PolicyError
 from agent_sandbox.guards import _code_budget
-from agent_sandbox.guards._code_check import check_code, compile_rules
+from agent_sandbox.guards._code_budget import check_code, compile_rules
 from agent_sandbox.policies import policy_from_toml, resolve_policy
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from agent_sandbox._errors import AttributeDenied, CodeRejected
 from agent_sandbox.guards import _code_budget
-from agent_sandbox.guards._code_check import check_code, compile_rules, find_violations
+from agent_sandbox.guards._code_budget import check_code
+from agent_sandbox.guards._code_check import compile_rules, find_violations
 
 
 def run_checked(source: str, code_policy: dict[str, Any] | None = None) -> dict[str, Any]:

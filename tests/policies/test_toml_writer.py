@@ -64,7 +64,7 @@ def test_comments_mark_items_and_the_header_is_a_comment_block() -> None:
         comments={("imports.allow", "subprocess"): "RISKY: runs programs"},
     )
     assert text.startswith("# line one\n# line two\n")
-    assert '"subprocess",  # RISKY: runs programs' in text
+    assert '"subprocess", # RISKY: runs programs' in text
     assert _same(policy_from_toml(text), policy)
 
 

@@ -275,3 +275,24 @@ def test_firejail_a_loopback_service_inside_the_sandbox_end_to_end() -> None:
         assert not received_connection(host_side)
     finally:
         host_side.close()
+
+
+def test_a_provider_the_table_does_not_know_refuses_every_rule() -> None:
+    """It fails closed: a provider name `_netcheck` has no entry for (a new provider, a typo)
+    enforces no `[net]` rule, so the policy is refused naming each rule, never accepted as if
+    the rules held."""
+    policy = Policy(
+        net={"rules": [{"host": "api.example.com", "ports": "443"}, {"host": "*", "ports": "80"}]}
+    )
+    problems = unenforceable("a-new-provider", policy)
+    assert [index for index, _why, _alternative in problems] == [0, 1]
+    with pytest.raises(ProviderUnavailable, match="no statement of which \\[net\\] rules"):
+        refuse_unenforceable("a-new-provider", policy)
+
+
+def test_every_registered_provider_has_a_net_statement() -> None:
+    """It keeps `_netcheck`'s table in step with the registry: every provider is listed."""
+    from agent_sandbox.providers._netcheck import _CHECKS
+    from agent_sandbox.providers._registry import all_providers
+
+    assert {p.name for p in all_providers()} - {"auto"} <= set(_CHECKS)

@@ -250,7 +250,7 @@ def test_it_refuses_a_grant_gvisor_cannot_serve(tmp_path: Path, kind: str) -> No
 def test_net_rules_under_gvisor_are_those_of_bwrap_and_unknown_providers_refuse_all() -> None:
     """gvisor refuses what the egress proxy cannot serve (UDP off loopback, a listener for
     outside peers), as bwrap does; a provider name the table does not know refuses every
-    allow rule (never fails open)."""
+    rule (never fails open)."""
     tcp = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
     udp = Policy(
         name="t", net={"rules": [{"host": "198.51.100.7", "ports": 53, "protocol": "udp"}]}

@@ -24,7 +24,7 @@ from agent_sandbox._errors import LearningError, PolicyError
 from agent_sandbox._tools.learn.findings import _HEADER_START, _rule_text, _source_path
 from agent_sandbox.policies import NetRule, Policy, policy_from_toml
 from agent_sandbox.policies._paths import visible
-from agent_sandbox.policies._toml import policy_to_toml
+from agent_sandbox.policies._toml import grant_to_toml, policy_to_toml
 
 if TYPE_CHECKING:
     from agent_sandbox._tools.learn.findings import Finding
@@ -357,31 +357,11 @@ def grant_between(current: Policy, proposed: Policy) -> dict[str, Any]:
 
 
 def appended_grant(current_text: str, grant: dict[str, Any], source_name: str) -> str:
-    """`current_text` unchanged, then a comment and the `[[grant]]` element (tomlkit writes
-    it, so every name is quoted and escaped as TOML data)."""
-    import tomlkit
-
-    element = tomlkit.table()
-    for table, entries in grant.items():
-        sub = tomlkit.table()
-        for key, value in entries.items():
-            array = tomlkit.array()
-            for item in value:
-                if isinstance(item, dict):
-                    inline = tomlkit.inline_table()
-                    inline.update(item)
-                    array.append(inline)
-                else:
-                    array.append(item)
-            sub.add(key, array)
-        element.add(table, sub)
-    doc = tomlkit.document()
-    aot = tomlkit.aot()
-    aot.append(element)
-    doc.add("grant", aot)
+    """`current_text` unchanged, then a comment and the `[[grant]]` element (written by
+    `policies._toml.grant_to_toml`, so every name is quoted and escaped as TOML data)."""
     head = current_text if current_text.endswith("\n") or not current_text else current_text + "\n"
     note = f"\n# Added by `agent-sandbox policy apply` from {source_name} (a reviewed proposal).\n"
-    return head + note + tomlkit.dumps(doc)
+    return head + note + grant_to_toml(grant)
 
 
 def _applied_text(text: str, source_name: str) -> str:

@@ -100,7 +100,7 @@ def test_relearning_the_same_code_gives_the_same_proposal(policy_file) -> None:
     first = learn_run(code, policy_file).proposal.to_toml()
     second = learn_run(code, policy_file).proposal.to_toml()
     assert first == second
-    assert '"csv"' in first and '"/etc/hostname",  # RISKY' in first
+    assert '"csv"' in first and '"/etc/hostname", # RISKY' in first
 
 
 @needs_kernel

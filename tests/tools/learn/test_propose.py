@@ -523,7 +523,7 @@ def test_a_glob_looking_name_is_proposed_escaped_and_risky(
     assert finding.status == "risky" and "pattern characters" in finding.reason
     text = proposal.to_toml()
     assert policy_from_toml(text).files.read == (entry,)
-    assert f"    '{entry}',  # RISKY: " in text  # a TOML literal string: escapes as written
+    assert f"    '{entry}', # RISKY: " in text  # a TOML literal string: escapes as written
 
 
 def test_a_name_with_control_characters_is_risky_and_shown_escaped(policy, learned, home):
