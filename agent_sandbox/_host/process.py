@@ -551,6 +551,13 @@ class WorkerProcess:
 
         return forward
 
+    def socket_address(self) -> str:
+        """Where the worker's server listens, as the host connects to it: the socket in the
+        control directory, or the pinned descriptor of one the worker bound itself."""
+        if self.client is not None:
+            return self.client.path
+        return os.path.join(self.control_dir, "ctl.sock")
+
     def plan_hides_prefix(self) -> bool:
         return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
 
