@@ -16,6 +16,7 @@ Nothing here imports a framework.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 import threading
@@ -24,6 +25,7 @@ from typing import Any, Literal, ParamSpec, cast
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._host.boundary import NO_BOUNDARY, Boundary, resolve_boundary
+from agent_sandbox._host.files import FileInfo
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox._host.sandbox import OnEvent, Sandbox
 from agent_sandbox._render import clean, clean_block, quote
@@ -135,6 +137,27 @@ def describe_policy(
     if policy.net.allows_any():
         targets = [f"{r.host}:{r.ports}" for r in policy.net.rules if r.action == "allow"]
         lines.append(f"- Network: only {', '.join(targets)}.")
+        if "egress-proxy" in (boundary or "").split("+"):
+            # What works behind the host's egress proxy, and what does not (issue 31).
+            from agent_sandbox.providers._egress import loopback_forwards
+
+            direct = [f"{h}:{p}" for h, p in loopback_forwards(policy)]
+            text = (
+                "  Through the proxy in HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (HTTP, HTTPS "
+                "via CONNECT, SOCKS5): requests, urllib, httpx, aiohttp with trust_env=True "
+                "and pip use it; "
+            )
+            if direct:
+                text += (
+                    f"{', '.join(direct)} also by any client directly (sockets, http.client, "
+                    "database drivers); a direct socket to anything else reaches nothing."
+                )
+            else:
+                text += (
+                    "a direct socket (socket.create_connection, http.client without "
+                    "set_tunnel, database drivers) reaches nothing."
+                )
+            lines.append(text)
     else:
         lines.append("- Network: off.")
     writable = ["the scratch directory (the working directory)"]
@@ -505,6 +528,59 @@ class ToolRunner:
             return self._learned(result)
         except Exception as exc:
             return internal_failure(exc, self.policy)
+
+    # -- files in a session's scratch (the session files API) ---------------------------
+
+    def _file_session(self, thread_id: str | None) -> Any:
+        key = self.session_key(thread_id)
+        if key is None:
+            raise ValueError(
+                "files live in a session's scratch: this call has none (session='none', or "
+                "session='thread' without a thread_id runs each call in a fresh interpreter)"
+            )
+        return self.sandbox.session(key)
+
+    def put_file(
+        self,
+        name: str,
+        data: bytes | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        thread_id: str | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """Place a file in the scratch of `thread_id`'s session (`Session.put_file`)."""
+        session = self._file_session(thread_id)
+        return session.put_file(name, data, source=source, overwrite=overwrite)  # type: ignore[no-any-return]
+
+    def get_file(self, name: str, *, thread_id: str | None = None) -> bytes:
+        """A file of the scratch of `thread_id`'s session (`Session.get_file`)."""
+        return self._file_session(thread_id).get_file(name)  # type: ignore[no-any-return]
+
+    def list_files(self, *, thread_id: str | None = None) -> list[FileInfo]:
+        return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
+
+    def produced_files(
+        self, result: RunResult, thread_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The files `result` says its call wrote, with their bytes (base64) where the session
+        files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
+        from agent_sandbox._errors import FileTransferRefused
+
+        if not result.files or self.session_key(thread_id) is None:
+            return []
+        out: list[dict[str, Any]] = []
+        for entry in result.files:
+            name = str(entry.get("name", ""))
+            item: dict[str, Any] = {"name": name, "size": entry.get("size")}
+            try:
+                item["base64"] = base64.b64encode(self.get_file(name, thread_id=thread_id)).decode()
+            except FileTransferRefused as exc:
+                item["refused"] = exc.denial.to_dict()
+            except Exception as exc:  # the file went with its interpreter, or the sandbox closed
+                item["error"] = str(exc)
+            out.append(item)
+        return out
 
     def sessions(self) -> list[str]:
         """Keys of the live sessions (`thread:<id>` or `tool`)."""

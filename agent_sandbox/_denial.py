@@ -42,18 +42,24 @@ RULES: dict[str, str] = {
     "env": "a host environment variable the policy does not pass",
     "files.hidden": "a hidden name (`files.hide`); it looks absent",
     "files.read": "reading, listing or stat-ing a path outside `files.read`",
+    "files.transfer": "a session file put, get or remove refused: a name that is not one "
+    "plain component of scratch (`..`, `/`, NUL), a link, not a regular file, an existing "
+    "name without `overwrite`, or a file that changed while it was read",
     "files.write": "writing, creating, deleting or renaming outside `files.write`",
     "guard.tampered": "a guard was disarmed, replaced or displaced; the worker is discarded",
     "imports": "an import of a module outside `imports.allow`",
     "limits.cpu": "CPU time above `limits.cpu_seconds`",
     "limits.file-size": "a file larger than `limits.file_size_mb`",
     "limits.memory": "memory above `limits.memory_mb`",
+    "limits.net": "a proxy connection past a `net` bound (`net.connections`, "
+    "`net.bytes_per_call`, `net.connection_seconds`, the request head's size or time)",
     "limits.open-files": "more open files than `limits.open_files`",
     "limits.output": "more output than `limits.output_bytes`",
     "limits.processes": "more processes than `limits.processes`",
     "limits.result": "a result larger than `limits.result_bytes`",
     "limits.scratch": "the scratch directory filled past `limits.scratch_mb`",
     "limits.timeout": "wall time above `limits.wall_seconds`",
+    "limits.transfer": "a session file larger than `limits.transfer_mb`",
     "net.bind": "binding or listening on an address outside `net.rules`",
     "net.connect": "connecting or sending to an address outside `net.rules`",
     "net.resolve": "resolving a host name that no `net.rules` entry names",
@@ -61,6 +67,8 @@ RULES: dict[str, str] = {
     "nothing was run and the session is kept",
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
+    "tools": "a call to a host tool that `tools.allow` does not list",
+    "tools.timeout": "a host tool that did not return within `tools.timeout_seconds`",
     "worker.crashed": "the worker process died during the call; its state is lost",
     "worker.protocol": "the worker sent something malformed, out of order or contradictory; "
     "the host discarded it and its result",

@@ -358,6 +358,17 @@ def _getaddrinfo_wrapper(
     host = call.get("host")
     if isinstance(host, bytes):
         host = host.decode("ascii", "replace")
+    if isinstance(host, str) and _is_ip(host) and not _rules.rules and _rules.proxy is None:
+        # No [net] rule at all: the kernel refuses every internet socket (seccomp), so the
+        # code would get a bare EPERM from `socket()` with no target. The lookup that comes
+        # first names the target: refused here with the rule, the hint and the target.
+        port = call.get("port")
+        if isinstance(port, int | str) and str(port).isdigit():
+            kind = call.get("type", 0)
+            protocol = "udp" if kind == _SOCK_DGRAM else "tcp"
+            denial = _rules.decide("connect", protocol, host, int(port))
+            if denial is not None:
+                refuse(NetworkDenied, denial)
     if host is None or (isinstance(host, str) and _is_ip(host)):
         return wrapped(*args, **kwargs)
     if not isinstance(host, str):
@@ -450,10 +461,43 @@ class _GuardedCSocket(_socket.socket):  # type: ignore[misc]
     """What `_socket.socket` names after install: the C socket with judged methods."""
 
 
+def _socket_init_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """An internet socket the kernel refuses (seccomp, under a policy with no `[net]`
+    rule) is a `net.connect` refusal with its rule and hint, not a bare EPERM."""
+    try:
+        return wrapped(*args, **kwargs)
+    except PermissionError:
+        family = args[0] if args else kwargs.get("family", _AF_INET)
+        if not _active() or int(family if family is not None else -1) not in (
+            _AF_INET,
+            _AF_INET6,
+        ):
+            raise
+        kind = args[1] if len(args) > 1 else kwargs.get("type", _SOCK_STREAM)
+        protocol = "udp" if int(kind if kind is not None else 0) & 0xF == _SOCK_DGRAM else "tcp"
+        refuse(
+            NetworkDenied,
+            Denial(
+                "net.connect",
+                "socket",
+                f"a {protocol} socket",
+                _rules.policy_name,
+                detail="the policy has no [net] rule, so the kernel refuses every internet socket",
+                hint=grant_hint(
+                    {"net.rules": [{"host": "<the host it connects to>", "ports": "<port>"}]}
+                ),
+            ),
+        )
+        raise
+
+
 def install() -> None:
     for name, wrapper in _METHODS.items():
         _patch.wrap(socket.socket, name, wrapper, label=f"socket.socket.{name}")
         _patch.wrap(_GuardedCSocket, name, wrapper, label=f"_socket.socket.{name}")
+    _patch.wrap(socket.socket, "__init__", _socket_init_wrapper, label="socket.socket.__init__")
     _patch.set_attr(_socket, "socket", _GuardedCSocket, label="_socket.socket")
     _patch.set_attr(_socket, "SocketType", _GuardedCSocket, label="_socket.SocketType")
     _patch.wrap(_socket, "getaddrinfo", _getaddrinfo_wrapper)

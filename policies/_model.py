@@ -37,6 +37,7 @@ __all__ = [
     "PROVIDERS",
     "Policy",
     "RemotePolicy",
+    "ToolsPolicy",
     "SENSITIVE_CATEGORIES",
 ]
 
@@ -164,9 +165,22 @@ class NetRule(_Section):
 
 
 class NetPolicy(_Section):
-    """Network rules; no rule means no network. A deny rule beats an allow rule."""
+    """Network rules; no rule means no network. A deny rule beats an allow rule.
+
+    The bounds below are the host's egress proxy's, per worker (namespace and qemu
+    providers): one worker reaching its own never delays or refuses another's.
+    """
 
     rules: tuple[NetRule, ...] = ()
+    #: Proxy connections (tunnels included) one worker may hold open at once.
+    connections: int = Field(default=64, ge=1, le=4096)
+    #: Bytes the proxy relays for one worker in one call (both directions, all connections).
+    bytes_per_call: int = Field(default=1 << 30, ge=1024)
+    #: The longest one proxy connection lives, from its accept (an absolute deadline).
+    connection_seconds: float = Field(default=300.0, gt=0, le=86_400)
+    #: Whether the proxy's connections outlive the call that opened them (a client's
+    #: keep-alive pool, a thread between calls); by default they end with the call.
+    keep_connections: bool = False
 
     def allows_any(self) -> bool:
         """Whether any allow rule exists (the description says "network off" otherwise)."""
@@ -349,6 +363,29 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+    #: The largest file the session files API puts into scratch or takes out of it.
+    transfer_mb: int = Field(default=64, ge=1)
+
+
+class ToolsPolicy(_Section):
+    """Host tools the code may call (an agent framework's tools, run by the host process).
+
+    A call is a request from the worker to the host over the worker's channel; the host runs
+    the tool only when its name is in `allow` (else a `tools` refusal), and stops waiting for
+    it after `timeout_seconds` (a `tools.timeout` refusal; the call's `limits.wall_seconds`
+    still bounds the whole call). None by default.
+    """
+
+    allow: tuple[str, ...] = ()
+    timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+    @field_validator("allow")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not _IDENT_RE.match(entry):
+                raise ValueError(f"{entry!r} is not a tool name (a Python identifier)")
+        return value
 
 
 _REMOTE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -578,6 +615,7 @@ class Policy(_Section):
     api: ApiPolicy = Field(default_factory=ApiPolicy)
     code: CodePolicy = Field(default_factory=CodePolicy)
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
+    tools: ToolsPolicy = Field(default_factory=ToolsPolicy)
     #: Where the workers run when `provider = "remote"` (not part of the fingerprint).
     remote: RemotePolicy | None = None
     #: Where the policy was loaded from (not part of the fingerprint).

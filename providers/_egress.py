@@ -23,10 +23,16 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
    the worker's route, before the refusal is sent; the parent merges them into the call's
    `RunResult` (`Route.drain`). The worker cannot suppress or forge them.
 
-Bounds: connections per worker and in all, the request head size, the relay buffers (with
-back-pressure), and timeouts on the head, the name lookup, the upstream connect and idle
-relays. The proxy runs as one event-loop thread of the agent's process, started with the
-first route and stopped with the last (a pool or sandbox closing its workers stops it).
+Bounds, per worker (its policy's `[net]` bounds, with defaults): open connections
+(`net.connections`), bytes relayed per call (`net.bytes_per_call`), the life of one
+connection (`net.connection_seconds`, an absolute deadline); connections end with the call
+unless `net.keep_connections`. No bound is shared between workers, so what one holds never
+refuses or delays another's connection. Also the request head size and its absolute
+deadline, the relay buffers (back-pressure: nothing is read from one side faster than the
+other side takes it, 1xx heads included), and timeouts on the name lookup and the upstream
+connect. Each refusal at a bound is recorded as `limits.net`. The proxy runs as one
+event-loop thread of the agent's process, started with the first route and stopped with
+the last (a pool or sandbox closing its workers stops it).
 
 SOCKS5 (RFC 1928, no authentication, `CONNECT` only) is served on the same port: a
 connection whose first byte is 5 is a SOCKS5 client (`socks5h://127.0.0.1:3128`, names
@@ -49,6 +55,7 @@ import http
 import ipaddress
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -65,6 +72,8 @@ __all__ = [
     "Route",
     "egress_proxy",
     "proxy_env",
+    "dns_resolver",
+    "normalise_host",
     "set_resolver",
 ]
 
@@ -74,7 +83,8 @@ PROXY_PORT = 3128
 
 #: Bounds (see the module docstring).
 MAX_CONNECTIONS_PER_ROUTE = 64
-MAX_CONNECTIONS = 512
+MAX_BYTES_PER_CALL = 1 << 30
+CONNECTION_SECONDS = 300.0
 MAX_HEAD_BYTES = 16 * 1024
 BUFFER_BYTES = 64 * 1024
 HEAD_TIMEOUT = 10.0
@@ -145,14 +155,131 @@ def _allow_rules(policy: Any) -> list[Any]:
     return [r for r in policy.net.rules if r.action == "allow"]
 
 
+# -- one spelling for every host ---------------------------------------------------------
+
+#: The longest host name DNS carries (RFC 1035: 253 characters in text form).
+MAX_NAME = 253
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_IPV4_COMPAT = ipaddress.ip_network("::/96")
+_LABEL = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """A target host in its one canonical spelling (see `normalise_host`).
+
+    `name` is set for a host name (lower case, no trailing dot); `ip` for an address (the
+    one the proxy connects to), and `judged` is the address the rules judge: the IPv4
+    address embedded in an IPv4-mapped, IPv4-compatible, NAT64, 6to4 or Teredo address
+    (the host such an address reaches), else `ip` itself. `form` names the spelling.
+    """
+
+    text: str
+    name: str | None = None
+    ip: Any = None
+    judged: Any = None
+    form: str = "name"
+
+
+def _legacy_ipv4(text: str) -> Any:
+    """`inet_aton`'s forms (1 to 4 parts, each decimal, 0-octal or 0x-hex, the last one
+    filling the remaining bytes: `2130706433`, `0x7f.1`, `0177.0.0.01`, `127.1`); None when
+    `text` is not one."""
+    parts = text.split(".")
+    if not 1 <= len(parts) <= 4:
+        return None
+    values: list[int] = []
+    for part in parts:
+        try:
+            if part[:2] in ("0x", "0X"):
+                values.append(int(part[2:] or "0", 16))
+            elif part[:1] == "0" and len(part) > 1:
+                values.append(int(part[1:], 8))
+            elif part.isdigit() and part.isascii():
+                values.append(int(part, 10))
+            else:
+                return None
+        except ValueError:
+            return None
+    *head, last = values
+    if any(v > 255 for v in head) or last >= 1 << (8 * (4 - len(head))):
+        return None
+    number = last
+    for i, v in enumerate(head):
+        number |= v << (8 * (3 - i))
+    return ipaddress.IPv4Address(number)
+
+
+def _embedded_ipv4(ip: Any) -> tuple[Any, str]:
+    """The IPv4 address an IPv6 address carries, and the form that carries it."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped, "ipv4-mapped"
+    if ip in _IPV4_COMPAT and int(ip) > 1:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "ipv4-compatible"
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "nat64"
+    if ip.sixtofour is not None:
+        return ip.sixtofour, "6to4"
+    if ip.teredo is not None:
+        return ip.teredo[1], "teredo"
+    return None, "ipv6"
+
+
+def normalise_host(text: str) -> Host:
+    """The one canonical form of a host as a client spelled it; ValueError when it is
+    neither an address nor a valid host name (the error says which part is wrong).
+
+    Every judgement starts here: brackets, case, one trailing dot and an IPv6 zone
+    (`%eth0`, `%25eth0`) are dropped; IPv4 is read in all of `inet_aton`'s spellings;
+    an IPv4-mapped or IPv4-compatible address becomes its IPv4 address (connected to as
+    IPv4); a NAT64, 6to4 or Teredo address is judged by the IPv4 address it reaches.
+    """
+    if not isinstance(text, str) or not text:
+        raise ValueError("an empty host")
+    if len(text) > MAX_NAME + 2:
+        raise ValueError(f"a host of {len(text)} characters (a name has at most {MAX_NAME})")
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    host = host.lower()
+    if host.endswith(".") and not host.endswith(".."):
+        host = host[:-1]
+    if ":" in host:
+        address = host.split("%", 1)[0]
+        try:
+            ip6 = ipaddress.IPv6Address(address)
+        except ValueError:
+            raise ValueError(f"{text[:80]!r} is not an IPv6 address") from None
+        embedded, form = _embedded_ipv4(ip6)
+        if form in ("ipv4-mapped", "ipv4-compatible"):
+            return Host(str(embedded), ip=embedded, judged=embedded, form=form)
+        return Host(str(ip6), ip=ip6, judged=embedded or ip6, form=form)
+    ip4 = _legacy_ipv4(host)
+    if ip4 is not None:
+        return Host(str(ip4), ip=ip4, judged=ip4, form="ipv4")
+    if not host or len(host) > MAX_NAME:
+        raise ValueError(f"a host name of {len(host)} characters (at most {MAX_NAME})")
+    raw = host.encode("ascii", "replace")
+    for label in raw.split(b"."):
+        if not 1 <= len(label) <= 63 or not _LABEL.issuperset(label):
+            raise ValueError(
+                f"{text[:80]!r} is not a valid host name (labels of 1 to 63 letters, digits, "
+                "'-' or '_')"
+            )
+    if raw.replace(b".", b"").isdigit():
+        raise ValueError(f"{text[:80]!r} is neither an IPv4 address nor a host name")
+    return Host(host, name=host)
+
+
 # -- decisions (pure) --------------------------------------------------------------------
 
 
 def _address(text: str) -> Any:
-    ip = ipaddress.ip_address(text.split("%")[0])
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
+    """The address a client's spelling of an IP names (ValueError for a name)."""
+    spelled = normalise_host(text)
+    if spelled.ip is None:
+        raise ValueError(f"{text!r} is a host name, not an address")
+    return spelled.ip
 
 
 def is_special(ip: Any) -> bool:
@@ -161,7 +288,11 @@ def is_special(ip: Any) -> bool:
 
 
 def _special_only(net: Any) -> bool:
-    return any(net.version == s.version and net.subnet_of(s) for s in _SPECIAL_NETS)
+    """Whether a rule's network names non-global addresses on purpose: it lies inside one
+    of the special ranges, or it is one address (`0.0.0.0/0` is neither)."""
+    return net.prefixlen == net.max_prefixlen or any(
+        net.version == s.version and net.subnet_of(s) for s in _SPECIAL_NETS
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +302,8 @@ class _Rule:
     name: str | None
     networks: tuple[Any, ...]
     ports: tuple[tuple[int, int], ...]
+    #: `*` (or `any`): every host name and every global address.
+    every_name: bool = False
 
     def has_port(self, port: int) -> bool:
         return any(lo <= port <= hi for lo, hi in self.ports)
@@ -178,19 +311,32 @@ class _Rule:
     def holds(self, ip: Any) -> bool:
         return any(ip.version == net.version and ip in net for net in self.networks)
 
+    def names(self, name: str) -> bool:
+        return self.every_name or self.name == name
+
+
+_EVERY_HOST = frozenset({"*", "any"})
+
 
 class EgressRules:
     """A policy's TCP connect rules, as the proxy judges them (pure: no I/O here).
 
-    * A target given by name needs a rule naming that host on that port (names compare
-      case-insensitively, without a trailing dot), or an IP/CIDR rule on that port; a
-      deny rule naming it, or covering an address it resolves to, beats any allow.
+    Every target is first put in its one spelling (`normalise_host`), then:
+
+    * A target given by name needs an allow rule naming that host on that port (names
+      compare case-insensitively, without a trailing dot), or a `*` rule; only then is it
+      resolved. An IP/CIDR rule never makes a name resolvable: a name no rule names is
+      refused before any resolver sees it (`net.resolve`), so names carry no data out.
+    * A deny rule naming a host beats any allow, for the name and for every address the
+      name resolves to (`deny_addresses`, filled by the proxy from the same resolver), so
+      the denied host is not reachable by its address either.
     * A name rule reaches only global addresses: a name that resolves to a loopback,
       private, link-local (the metadata address 169.254.169.254), shared or multicast
       address is refused unless an IP or CIDR rule lying inside such a range covers it
       (`0.0.0.0/0` does not count: it names no such address).
-    * A target given as an address needs an IP/CIDR rule covering it, with the same rule
-      for non-global addresses; `localhost` in a rule names the loopback addresses.
+    * A target given as an address needs an IP/CIDR rule covering it (the address it
+      reaches, for NAT64, 6to4 and Teredo), with the same rule for non-global addresses;
+      `localhost` in a rule names the loopback addresses.
     """
 
     def __init__(self, policy: Any) -> None:
@@ -205,14 +351,31 @@ class EgressRules:
             host = rule.host.strip()
             name: str | None = None
             networks: tuple[Any, ...] = ()
-            if host.lower() in _LOOPBACK_NAMES:
+            every = host.lower() in _EVERY_HOST
+            if every:
+                networks = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+            elif host.lower() in _LOOPBACK_NAMES:
                 networks = tuple(ipaddress.ip_network(n) for n in _LOOPBACK_NAMES[host.lower()])
             else:
                 try:
                     networks = (ipaddress.ip_network(host, strict=False),)
                 except ValueError:
-                    name = host.lower().rstrip(".")
-            self.rules.append(_Rule(rule.action, host, name, networks, tuple(rule.port_ranges())))
+                    try:
+                        spelled = normalise_host(host)
+                    except ValueError:
+                        spelled = Host(host.lower(), name=host.lower())
+                    if spelled.ip is not None:
+                        networks = (ipaddress.ip_network(spelled.judged),)
+                    else:
+                        name = spelled.name
+            self.rules.append(
+                _Rule(rule.action, host, name, networks, tuple(rule.port_ranges()), every)
+            )
+        #: The names deny rules name, and the addresses they resolved to (by the proxy).
+        self.deny_names = sorted(
+            {r.name for r in self.rules if r.action == "deny" and r.name is not None}
+        )
+        self.deny_addresses: dict[str, list[Any]] = {}
 
     def _denial(self, rule: str, action: str, target: str, detail: str, hint: str) -> Denial:
         return Denial(
@@ -225,10 +388,24 @@ class EgressRules:
             learned=self.learn,
         )
 
+    def bad_host(self, host: str, port: int, why: str) -> Denial:
+        """The denial for a host that is neither an address nor a valid name."""
+        return self._denial(
+            "net.resolve",
+            "resolve",
+            host[:120] + ("..." if len(host) > 120 else ""),
+            f"not a host the proxy connects to ({why}; port {port})",
+            "name the host by a valid DNS name or an IP address",
+        )
+
     def before_resolve(self, host: str, port: int) -> Denial | None:
-        """Judge a host name before it is looked up (so a refused name is never resolved)."""
-        name = host.lower().rstrip(".")
-        named = [r for r in self.rules if r.name == name]
+        """Judge a host name before it is looked up: None only when an allow rule names it
+        (or `*`) on this port and no deny rule names it; nothing else is ever resolved."""
+        try:
+            name = normalise_host(host).name or host.lower()
+        except ValueError as exc:
+            return self.bad_host(host, port, str(exc))
+        named = [r for r in self.rules if r.names(name)]
         for rule in named:
             if rule.action == "deny" and rule.has_port(port):
                 return self._denial(
@@ -240,14 +417,6 @@ class EgressRules:
                 )
         if any(r.action == "allow" and r.has_port(port) for r in named):
             return None
-        if any(
-            r.action == "allow"
-            and r.name is None
-            and r.has_port(port)
-            and not all(_special_only(net) for net in r.networks)
-            for r in self.rules
-        ):
-            return None  # a rule for global addresses may cover what the name resolves to
         if any(r.action == "allow" for r in named):
             ports = ",".join(r.host + ":" + _ports_text(r.ports) for r in named)
             return self._denial(
@@ -255,14 +424,14 @@ class EgressRules:
                 "connect",
                 f"{host}:{port}",
                 f"the [net] rules name this host for other ports only ({ports})",
-                grant_hint({"net.rules": [{"host": host, "ports": str(port)}]}),
+                grant_hint({"net.rules": [{"host": name, "ports": str(port)}]}),
             )
         return self._denial(
             "net.resolve",
             "resolve",
-            host,
+            name,
             f"no [net] rule names this host, so it is not resolved (port {port})",
-            grant_hint({"net.rules": [{"host": host, "ports": str(port)}]}),
+            grant_hint({"net.rules": [{"host": name, "ports": str(port)}]}),
         )
 
     def judge(
@@ -271,18 +440,20 @@ class EgressRules:
         """The addresses a connection may use, in order; else the denial for the first."""
         name = host.lower().rstrip(".")
         name_allows = by_name and any(
-            r.action == "allow" and r.name == name and r.has_port(port) for r in self.rules
+            r.action == "allow" and r.names(name) and r.has_port(port) for r in self.rules
         )
         usable: list[str] = []
         first: Denial | None = None
         for text in addresses:
             try:
-                ip = _address(text)
+                spelled = normalise_host(text)
             except ValueError:
                 continue
-            denial = self._judge_address(host, port, ip, name_allows)
+            if spelled.ip is None:
+                continue
+            denial = self._judge_address(host, port, spelled, name_allows)
             if denial is None:
-                usable.append(str(ip))
+                usable.append(str(spelled.ip))
             elif first is None:
                 first = denial
         if usable:
@@ -297,24 +468,42 @@ class EgressRules:
             )
         return [], first
 
-    def _judge_address(self, host: str, port: int, ip: Any, name_allows: bool) -> Denial | None:
+    def _judge_address(
+        self, host: str, port: int, spelled: Host, name_allows: bool
+    ) -> Denial | None:
         target = f"{host}:{port}"
-        special = is_special(ip)
+        ip = spelled.judged
+        both = (ip,) if spelled.ip == ip else (ip, spelled.ip)
+        special = is_special(ip) or spelled.form == "teredo"
+        shown = str(ip) if spelled.ip == ip else f"{spelled.ip} ({spelled.form} for {ip})"
         for rule in self.rules:
-            if rule.action == "deny" and rule.has_port(port) and rule.holds(ip):
+            if rule.action == "deny" and rule.has_port(port) and any(map(rule.holds, both)):
                 return self._denial(
                     "net.connect",
                     "connect",
                     target,
-                    f"{ip} is covered by a deny rule for {rule.host!r}, and deny beats allow",
+                    f"{shown} is covered by a deny rule for {rule.host!r}, and deny beats allow",
+                    f"remove the deny rule for {rule.host!r} from [net] rules",
+                )
+        for rule in self.rules:
+            if rule.action != "deny" or rule.name is None or not rule.has_port(port):
+                continue
+            if any(a in self.deny_addresses.get(rule.name, ()) for a in both):
+                return self._denial(
+                    "net.connect",
+                    "connect",
+                    target,
+                    f"{shown} is an address of {rule.host!r}, which a deny rule names, and "
+                    "deny beats allow",
                     f"remove the deny rule for {rule.host!r} from [net] rules",
                 )
         for rule in self.rules:
             if rule.action != "allow" or rule.name is not None or not rule.has_port(port):
                 continue
             if any(
-                ip.version == net.version and ip in net and (not special or _special_only(net))
+                a.version == net.version and a in net and (not special or _special_only(net))
                 for net in rule.networks
+                for a in both
             ):
                 return None
         if name_allows and not special:
@@ -325,12 +514,12 @@ class EgressRules:
                 "net.connect",
                 "connect",
                 target,
-                f"{host} resolves to {ip}, a {_kind(ip)} address, which a host-name rule "
+                f"{host} resolves to {shown}, a {_kind(ip)} address, which a host-name rule "
                 "never reaches; a rule must name that address",
                 hint,
             )
         if special:
-            detail = f"{ip} is a {_kind(ip)} address and no [net] rule names it"
+            detail = f"{shown} is a {_kind(ip)} address and no [net] rule names it"
         else:
             detail = "no [net] rule allows tcp connect to this address"
         return self._denial("net.connect", "connect", target, detail, hint)
@@ -363,51 +552,237 @@ def system_resolve(host: str) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-_resolver: Resolver = system_resolve
+def _dns_query(qid: int, name: str, qtype: int) -> bytes:
+    labels = b"".join(bytes([len(p)]) + p for p in name.encode("ascii").split(b"."))
+    return (
+        qid.to_bytes(2, "big")
+        + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00"
+        + labels
+        + (b"\x00" + qtype.to_bytes(2, "big") + b"\x00\x01")
+    )
+
+
+def _dns_skip_name(data: bytes, i: int) -> int:
+    for _ in range(128):
+        n = data[i]
+        if n == 0:
+            return i + 1
+        if n & 0xC0 == 0xC0:
+            return i + 2
+        i += 1 + n
+    raise ValueError("a name with too many labels")
+
+
+def _dns_answers(data: bytes, qid: int, qtype: int) -> list[str]:
+    """The addresses of type `qtype` in a DNS answer; OSError for an error code."""
+    if len(data) < 12 or int.from_bytes(data[:2], "big") != qid or not data[2] & 0x80:
+        raise ValueError("not the answer to this query")
+    rcode = data[3] & 0x0F
+    if rcode:
+        raise OSError(f"the DNS server answered rcode {rcode}")
+    qdcount, ancount = int.from_bytes(data[4:6], "big"), int.from_bytes(data[6:8], "big")
+    i = 12
+    for _ in range(qdcount):
+        i = _dns_skip_name(data, i) + 4
+    out: list[str] = []
+    for _ in range(ancount):
+        i = _dns_skip_name(data, i)
+        rtype, length = (
+            int.from_bytes(data[i : i + 2], "big"),
+            int.from_bytes(data[i + 8 : i + 10], "big"),
+        )
+        rdata = data[i + 10 : i + 10 + length]
+        i += 10 + length
+        if rtype == qtype == 1 and len(rdata) == 4:
+            out.append(str(ipaddress.IPv4Address(rdata)))
+        elif rtype == qtype == 28 and len(rdata) == 16:
+            out.append(str(ipaddress.IPv6Address(rdata)))
+    return out
+
+
+def dns_resolver(server: tuple[str, int], timeout: float = RESOLVE_TIMEOUT) -> Resolver:
+    """A resolver that asks one DNS server over UDP (A, then AAAA), and nothing else:
+    no search list, no hosts file, no other server (the pinned resolver)."""
+    import secrets
+
+    def resolve(host: str) -> list[str]:
+        name = normalise_host(host).name
+        if name is None:
+            raise OSError(f"{host!r} is not a host name")
+        family = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
+        out: list[str] = []
+        deadline = time.monotonic() + timeout
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(server)
+            for qtype in (1, 28):
+                qid = secrets.randbits(16)
+                sock.send(_dns_query(qid, name, qtype))
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise OSError(f"the DNS server {server[0]}:{server[1]} did not answer")
+                    sock.settimeout(left)
+                    try:
+                        data = sock.recv(4096)
+                    except TimeoutError:
+                        continue
+                    try:
+                        out.extend(_dns_answers(data, qid, qtype))
+                    except (ValueError, IndexError):
+                        continue  # not our answer, or malformed: wait for the real one
+                    break
+        if not out:
+            raise OSError(f"[Errno -2] Name or service not known: {name!r}")
+        return out
+
+    return resolve
+
+
+#: How long a lookup's answer (or failure) is kept, and how many names are kept.
+RESOLVE_CACHE_SECONDS = 30.0
+RESOLVE_CACHE_NAMES = 1024
+
+
+class _CachedResolver:
+    """The proxy's one resolver (pinned: set on the host, never by the worker), its
+    answers kept for RESOLVE_CACHE_SECONDS; it is asked only for names a rule names."""
+
+    def __init__(self, resolve: Resolver) -> None:
+        self.resolve = resolve
+        self._cache: dict[str, tuple[float, list[str] | None, str]] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, name: str) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(name)
+        if hit is not None and now - hit[0] < RESOLVE_CACHE_SECONDS:
+            if hit[1] is None:
+                raise OSError(hit[2])
+            return list(hit[1])
+        try:
+            answer: list[str] | None = list(self.resolve(name))
+            error = ""
+        except Exception as exc:
+            answer, error = None, str(exc) or repr(exc)
+        with self._lock:
+            if len(self._cache) >= RESOLVE_CACHE_NAMES:
+                self._cache.clear()
+            self._cache[name] = (now, answer, error)
+        if answer is None:
+            raise OSError(error)
+        return list(answer)
+
+
+_resolver = _CachedResolver(system_resolve)
 
 
 def set_resolver(resolver: Resolver | None) -> Resolver:
-    """Replace the proxy's resolver (tests map names to loopback servers); returns the old.
-
-    `None` puts the system resolver back. The resolver runs on the host, in a thread, and
-    raises OSError for a name that does not resolve.
+    """Replace the proxy's resolver (tests map names to loopback servers, or point it at
+    a DNS server with `dns_resolver`); returns the old. `None` puts the system resolver
+    back. The resolver runs on the host, in a thread, and raises OSError for a name that
+    does not resolve; its answers are cached (`RESOLVE_CACHE_SECONDS`).
     """
     global _resolver
-    old = _resolver
-    _resolver = resolver or system_resolve
+    old = _resolver.resolve
+    _resolver = _CachedResolver(resolver or system_resolve)
     return old
 
 
 # -- taking the worker's listener (the worker's side is `_inworker.open_egress_listener`) --
 
 
+#: At most this many loopback address:port pairs are forwarded into a sandbox.
+MAX_FORWARDS = 16
+
+
+def loopback_forwards(policy: Any) -> list[tuple[str, int]]:
+    """The allowed loopback services a namespace sandbox gets at the same address inside
+    (`host = "127.0.0.1" ports = "8765"`): a listener there, served by the host, which
+    judges and forwards each connection to that address:port on the host, so clients
+    that do not read `HTTP_PROXY` (http.client, sockets, database drivers) reach it.
+    Only single loopback addresses (`localhost` is 127.0.0.1), at most MAX_FORWARDS
+    pairs in all (the first ones), never the proxy's own port."""
+    out: list[tuple[str, int]] = []
+    for rule in policy.net.rules:
+        if rule.action != "allow" or rule.protocol not in ("tcp", "any"):
+            continue
+        if rule.direction not in ("connect", "any"):
+            continue
+        host = rule.host.strip().lower()
+        if host in ("localhost", "localhost.localdomain"):
+            host = "127.0.0.1"
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        if not ip.is_loopback:
+            continue
+        for lo, hi in rule.port_ranges():
+            if hi - lo >= MAX_FORWARDS:
+                continue  # a wide range: through the proxy only
+            for port in range(max(lo, 1), hi + 1):
+                pair = (str(ip), port)
+                if port != PROXY_PORT and pair not in out:
+                    out.append(pair)
+    return out[:MAX_FORWARDS]
+
+
 def receive_listener(channel: socket.socket, timeout: float) -> socket.socket:
     """In the host: the listening socket the worker sent, checked (raises EgressError)."""
+    listener, extra = receive_listeners(channel, timeout, [])
+    for sock in extra.values():
+        sock.close()
+    return listener
+
+
+def receive_listeners(
+    channel: socket.socket, timeout: float, forwards: list[tuple[str, int]]
+) -> tuple[socket.socket, dict[tuple[str, int], socket.socket]]:
+    """In the host: the proxy's listening socket the worker sent, and its listeners for
+    `forwards` (the host's own list; each matched by the address the kernel says it is
+    bound to, anything else refused), checked (raises EgressError)."""
     channel.settimeout(max(timeout, 0.05))
     try:
-        _msg, fds, _flags, _addr = socket.recv_fds(channel, 16, 4)
+        _msg, fds, _flags, _addr = socket.recv_fds(channel, 16, 1 + MAX_FORWARDS)
     except (OSError, TimeoutError) as exc:
         raise EgressError(f"the worker sent no proxy listener ({exc})") from None
-    if len(fds) != 1:
+    if not 1 <= len(fds) <= 1 + len(forwards):
         for fd in fds:
             with contextlib.suppress(OSError):
                 socket.close(fd)
         raise EgressError(f"the worker sent {len(fds)} descriptors for the proxy, not one")
+    socks: list[socket.socket] = []
     try:
-        sock = socket.socket(fileno=fds[0])
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            socket.close(fds[0])
-        raise EgressError(f"the worker's proxy descriptor is not a socket ({exc})") from None
-    ok = (
-        sock.family in (socket.AF_INET, socket.AF_UNIX)
-        and sock.type == socket.SOCK_STREAM
-        and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
-    )
-    if not ok:
-        sock.close()
-        raise EgressError("the worker's proxy descriptor is not a listening stream socket")
-    return sock
+        for fd in fds:
+            try:
+                socks.append(socket.socket(fileno=fd))
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    socket.close(fd)
+                raise EgressError(
+                    f"the worker's proxy descriptor is not a socket ({exc})"
+                ) from None
+        for sock in socks:
+            ok = (
+                sock.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+            )
+            if not ok:
+                raise EgressError("the worker's proxy descriptor is not a listening stream socket")
+        extra: dict[tuple[str, int], socket.socket] = {}
+        for sock in socks[1:]:
+            bound = sock.getsockname()
+            pair = (str(ipaddress.ip_address(bound[0])), int(bound[1]))
+            if pair not in forwards or pair in extra:
+                raise EgressError(f"the worker sent a listener on {pair}, which is not forwarded")
+            extra[pair] = sock
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks[0], extra
 
 
 # -- the host's proxy --------------------------------------------------------------------
@@ -429,6 +804,35 @@ class Route:
         #: The loop's task serving the listener, and why it could not (see `attach`).
         self.serve_task: asyncio.Task[None] | None = None
         self.failure: str | None = None
+        #: This worker's own bounds (the policy's `[net]` bounds, else the defaults).
+        self.max_connections = MAX_CONNECTIONS_PER_ROUTE
+        self.max_bytes = MAX_BYTES_PER_CALL
+        self.lifetime = CONNECTION_SECONDS
+        self.keep = False
+        #: Bytes relayed for this worker since the last drain (the call's).
+        self.relayed = 0
+        self.open = 0
+        #: Listeners at allowed loopback addresses inside the sandbox (`loopback_forwards`).
+        self.forwards: dict[tuple[str, int], socket.socket] = {}
+        self.forward_servers: list[asyncio.AbstractServer] = []
+
+    def bound(self, policy: Any) -> None:
+        """Take the policy's `[net]` bounds (a policy without them keeps the defaults)."""
+        net = getattr(policy, "net", None)
+        self.max_connections = int(getattr(net, "connections", self.max_connections))
+        self.max_bytes = int(getattr(net, "bytes_per_call", self.max_bytes))
+        self.lifetime = float(getattr(net, "connection_seconds", self.lifetime))
+        self.keep = bool(getattr(net, "keep_connections", self.keep))
+
+    def limit_denial(self, target: str, detail: str, hint: str) -> Denial:
+        return Denial(
+            "limits.net",
+            "connect",
+            target,
+            self.rules.policy_name,
+            detail=detail + " (refused by the host's egress proxy)",
+            hint=hint,
+        )
 
     def record(self, denial: Denial) -> None:
         with self._lock:
@@ -442,6 +846,7 @@ class Route:
         with self._lock:
             out, self._denials = self._denials, []
             dropped, self._dropped = self._dropped, 0
+            self.relayed = 0
         if dropped:
             out.append(
                 Denial(
@@ -454,6 +859,13 @@ class Route:
                 )
             )
         return out
+
+    def end_call(self) -> None:
+        """The call ended: end this worker's connections unless the policy keeps them
+        (`net.keep_connections`), so no tunnel opened by a call outlives it."""
+        if self.keep or self.closed or not self.tasks:
+            return
+        self.proxy._end_connections(self)
 
     def close(self) -> None:
         """Stop accepting, end every connection of this worker (idempotent)."""
@@ -528,7 +940,13 @@ class EgressProxy:
         with self._lock:
             self._spawn_locked()
 
-    def attach(self, policy: Any, listener: socket.socket, timeout: float = 5.0) -> Route:
+    def attach(
+        self,
+        policy: Any,
+        listener: socket.socket,
+        timeout: float = 5.0,
+        forwards: dict[tuple[str, int], socket.socket] | None = None,
+    ) -> Route:
         """Serve a worker's listener under `policy`'s rules; returns its route.
 
         The listener already listens (the worker made it), so connections wait in its
@@ -544,6 +962,8 @@ class EgressProxy:
                 listener.close()
                 raise
             route = Route(self, rules, listener)
+            route.bound(policy)
+            route.forwards = dict(forwards or {})
             self._routes.add(route)
         try:
             loop.call_soon_threadsafe(self._spawn_serve, route)
@@ -576,6 +996,21 @@ class EgressProxy:
         route.server = await asyncio.start_server(
             handler, sock=route.listener, limit=BUFFER_BYTES, backlog=128
         )
+        for (host, port), sock in route.forwards.items():
+
+            def forwarder(
+                reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter,
+                target: tuple[str, int] = (host, port),
+            ) -> None:
+                task = asyncio.ensure_future(self._connection(route, reader, writer, target))
+                route.tasks.add(task)
+                task.add_done_callback(route.tasks.discard)
+
+            sock.setblocking(False)
+            route.forward_servers.append(
+                await asyncio.start_server(forwarder, sock=sock, limit=BUFFER_BYTES, backlog=128)
+            )
 
     def _remove(self, route: Route) -> None:
         with self._lock:
@@ -598,10 +1033,30 @@ class EgressProxy:
             route.server.close()
         else:
             route.listener.close()
+        for server in route.forward_servers:
+            server.close()
+        for sock in route.forwards.values():
+            sock.close()
         for task in list(route.tasks):
             task.cancel()
         if route.tasks:
             await asyncio.wait(list(route.tasks), timeout=2.0)
+
+    def _end_connections(self, route: Route) -> None:
+        loop = self._loop
+        if loop is None or not self.running:
+            return
+
+        async def end() -> None:
+            tasks = list(route.tasks)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=2.0)
+
+        future = asyncio.run_coroutine_threadsafe(end(), loop)
+        with contextlib.suppress(Exception):
+            future.result(5.0)
 
     def _stop_if_idle(self) -> None:
         with self._lock:
@@ -629,11 +1084,25 @@ class EgressProxy:
     # -- one connection ------------------------------------------------------------------
 
     async def _connection(
-        self, route: Route, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        route: Route,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        forward: tuple[str, int] | None = None,
     ) -> None:
-        if len(route.tasks) > MAX_CONNECTIONS_PER_ROUTE or self._connections >= MAX_CONNECTIONS:
-            writer.close()
+        # Each worker's own bound: what one holds never refuses or delays another's.
+        if route.open >= route.max_connections:
+            route.record(
+                route.limit_denial(
+                    f"connection {route.open + 1}",
+                    f"this worker already holds {route.open} proxy connections, its "
+                    f"bound (net.connections = {route.max_connections})",
+                    grant_hint({"net.connections": route.max_connections * 2}),
+                )
+            )
+            writer.transport.abort()
             return
+        route.open += 1
         self._connections += 1
         sock = writer.get_extra_info("socket")
         if sock is not None:  # asyncio sets it only when the listener's proto says TCP
@@ -641,7 +1110,10 @@ class EgressProxy:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         session = _Session(route, reader, writer)
         try:
-            await session.serve()
+            if forward is None:
+                await session.serve()
+            else:
+                await session.forward(*forward)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, _BadMessage):
             pass  # the peer went away, stalled or broke the framing: the connection ends
         except Exception:  # a bug must end one connection, never the proxy
@@ -650,6 +1122,7 @@ class EgressProxy:
             logging.getLogger("agent_sandbox.egress").exception("egress proxy connection failed")
         finally:
             self._connections -= 1
+            route.open -= 1
             session.close()
 
 
@@ -771,8 +1244,8 @@ class _Leg:
             if not size or len(size) > 15 or not _HEX.issuperset(size):
                 raise _BadMessage(f"a malformed chunk size {line[:20]!r}")
             n = int(size, 16)
-            if raw:
-                dst.write(line + b"\r\n")
+            if raw:  # rebuilt from what was parsed: no chunk extension is passed on
+                dst.write(b"%x\r\n" % n)
             if n == 0:
                 break
             await self.relay(n, dst)
@@ -782,14 +1255,14 @@ class _Leg:
                 dst.write(b"\r\n")
             await dst.drain()
         total = 0
-        while True:  # trailers, up to the blank line
+        while True:  # trailers, up to the blank line: read and dropped, never passed on
             line = await self.line()
             total += len(line)
             if total > MAX_HEAD_BYTES:
                 raise _BadMessage("chunked trailers too long")
-            if raw:
-                dst.write(line + b"\r\n")
             if not line:
+                if raw:
+                    dst.write(b"\r\n")
                 return
 
     async def relay_to_close(self, dst: asyncio.StreamWriter) -> None:
@@ -806,8 +1279,12 @@ class _Session:
 
     Plain HTTP requests keep the client connection alive and reuse the upstream connection
     while the target stays the same; `CONNECT` turns the connection into a tunnel. One
-    timer per connection enforces the timeouts: the request head must arrive within
-    HEAD_TIMEOUT, and any later silence longer than IDLE_TIMEOUT ends the connection.
+    timer per connection enforces the deadlines, all absolute: each request head must
+    arrive within HEAD_TIMEOUT of its start (a head trickled byte by byte does not extend
+    it), the connection ends `net.connection_seconds` after its accept, and silence longer
+    than IDLE_TIMEOUT ends it too. Every byte read counts against the worker's
+    `net.bytes_per_call`. A deadline or bound that ends a connection is recorded as a
+    `limits.net` refusal (silence and an idle kept-alive connection are not refusals).
 
     Only the message heads are parsed (strictly: see `_split_head`, `_framing`); bodies are
     relayed as they come, their framing (Content-Length, chunked, or the close of the
@@ -825,23 +1302,70 @@ class _Session:
         self.up: _Leg | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.loop = asyncio.get_running_loop()
-        self.limit = HEAD_TIMEOUT
-        self.last = self.loop.time()
-        self.timer: asyncio.TimerHandle | None = self.loop.call_later(self.limit, self._check)
+        self.limit = IDLE_TIMEOUT
+        now = self.last = self.loop.time()
+        #: Absolute deadlines: the connection's life, and the request head being read.
+        self.end = now + route.lifetime
+        self.head_end: float | None = now + HEAD_TIMEOUT
+        self.target = "the proxy"
+        self.timer: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT, self._check)
 
     def _check(self) -> None:
-        idle = self.loop.time() - self.last
-        if idle >= self.limit:
-            self.timer = None
-            for w in (self.writer, self.up_writer):
-                if w is not None:
-                    w.transport.abort()  # pending reads end; the session closes
+        now = self.loop.time()
+        why = ""
+        if now >= self.end:
+            why = (
+                f"the connection reached its deadline (net.connection_seconds = "
+                f"{self.route.lifetime:g})"
+            )
+        elif self.head_end is not None and now >= self.head_end:
+            if not self.client.buf:
+                self._abort()  # a connection left idle before a head: closed, not refused
+                return
+            why = f"the request head did not arrive within {HEAD_TIMEOUT:g} s"
+        elif now - self.last >= self.limit:
+            why = ""  # silence: the peers went quiet, nothing was refused
+            self._abort()
             return
-        self.timer = self.loop.call_later(self.limit - idle, self._check)
+        if why:
+            self.route.record(
+                self.route.limit_denial(
+                    self.target,
+                    why,
+                    grant_hint({"net.connection_seconds": self.route.lifetime * 2})
+                    if "deadline" in why
+                    else "send the whole request head at once",
+                )
+            )
+            self._abort()
+            return
+        wake = min(self.end, self.last + self.limit)
+        if self.head_end is not None:
+            wake = min(wake, self.head_end)
+        self.timer = self.loop.call_later(max(wake - now, 0.01), self._check)
+
+    def _abort(self) -> None:
+        self.timer = None
+        for w in (self.writer, self.up_writer):
+            if w is not None:
+                w.transport.abort()  # pending reads end; the session closes
 
     async def read(self, reader: asyncio.StreamReader) -> bytes:
         data = await reader.read(BUFFER_BYTES)
         self.last = self.loop.time()
+        route = self.route
+        route.relayed += len(data)
+        if route.relayed > route.max_bytes:
+            route.record(
+                route.limit_denial(
+                    self.target,
+                    f"the proxy relayed more than {route.max_bytes} bytes for this worker in "
+                    f"this call (net.bytes_per_call)",
+                    grant_hint({"net.bytes_per_call": route.max_bytes * 2}),
+                )
+            )
+            self._abort()
+            raise ConnectionError("net.bytes_per_call reached")
         return data
 
     def close(self) -> None:
@@ -863,6 +1387,8 @@ class _Session:
             return
         self.client.buf = first
         while True:
+            if self.head_end is None:  # the next request on a kept-alive connection
+                self.head_end = self.loop.time() + HEAD_TIMEOUT
             try:
                 head = await self.client.until(b"\r\n\r\n", MAX_HEAD_BYTES)
                 if head is None:
@@ -875,61 +1401,83 @@ class _Session:
                         raise _BadMessage("a Transfer-Encoding that does not end in chunked")
                     framing = ("length", 0)
             except _BadMessage as exc:
+                self._refused_head(str(exc))
                 await _reply(self.writer, 400, f"the proxy could not parse the request ({exc})")
                 return
-            self.limit = IDLE_TIMEOUT  # the head is in; from here on, silence is what counts
+            self.head_end = None  # the head is in; from here on, silence is what counts
+            self.target = target[:200]
             if not await self._one(method, target, version, headers, framing):
                 return
+
+    def _refused_head(self, why: str) -> None:
+        """Record a request the proxy would not read (host-side, with its rule)."""
+        too_long = why.startswith("more than")
+        self.route.record(
+            self.route.limit_denial(
+                "the proxy", f"a request head too long ({why})", "send a shorter request head"
+            )
+            if too_long
+            else self.route.rules._denial(
+                "net.connect",
+                "connect",
+                "the proxy",
+                f"a malformed request head ({why})",
+                "send a well-formed HTTP/1.1 request (or SOCKS5)",
+            )
+        )
+
+    async def forward(self, host: str, port: int) -> None:
+        """A connection to a forwarded loopback service (`loopback_forwards`): judged like
+        a `CONNECT` to host:port, then relayed as bytes; a refusal closes it, recorded."""
+        self.head_end = None
+        self.target = f"{host}:{port}"
+        addresses, denial = await _decide(self.route, host, port)
+        if denial is not None:
+            self.route.record(denial)
+            self.writer.transport.abort()
+            return
+        if await self._connect(addresses, port):
+            self.writer.transport.abort()  # the service is not there: like a closed port
+            return
+        assert self.up is not None and self.up_writer is not None
+        await asyncio.gather(
+            self._pump(self.reader, self.up_writer),
+            self._pump(self.up.reader, self.writer),
+            return_exceptions=True,
+        )
 
     async def _socks(self, data: bytes) -> None:
         """A SOCKS5 client (RFC 1928): no authentication, `CONNECT` only, judged like a
         `CONNECT` request (a name is resolved and judged on the host: `socks5h://`)."""
 
-        async def need(n: int) -> bytes:
+        async def need(parse: Callable[[bytes], Any]) -> Any:
             nonlocal data
-            while len(data) < n:
+            while (out := parse(data)) is None:
                 if len(data) > MAX_HEAD_BYTES:
                     raise ConnectionError("SOCKS5 head too long")
                 more = await self.read(self.reader)
                 if not more:
                     raise ConnectionError("SOCKS5 client went away")
                 data += more
-            return data
+            return out
 
         def reply(code: int) -> None:
             self.writer.write(bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0]))
 
-        await need(2)
-        count = data[1]
-        await need(2 + count)
-        if 0 not in data[2 : 2 + count]:
-            self.writer.write(b"\x05\xff")  # no acceptable method
+        answer, used = await need(socks5_greeting)
+        self.writer.write(answer)
+        data = data[used:]
+        if answer != b"\x05\x00":
+            self._refused_head("a SOCKS5 greeting offering no method without authentication")
             return
-        self.writer.write(b"\x05\x00")
-        data = data[2 + count :]
-        await need(5)
-        version, command, _reserved, kind = data[0], data[1], data[2], data[3]
-        if kind == 1:
-            end = 4 + 4
-            await need(end + 2)
-            host = str(ipaddress.IPv4Address(data[4:end]))
-        elif kind == 4:
-            end = 4 + 16
-            await need(end + 2)
-            host = str(ipaddress.IPv6Address(data[4:end]))
-        elif kind == 3:
-            end = 5 + data[4]
-            await need(end + 2)
-            host = data[5:end].decode("ascii", "replace")
-        else:
-            reply(8)  # address type not supported
+        code, host, port, used = await need(socks5_request)
+        leftover = data[used:]
+        if code:
+            self._refused_head(f"a SOCKS5 request the proxy does not serve (reply {code})")
+            reply(code)
             return
-        port = int.from_bytes(data[end : end + 2], "big")
-        leftover = data[end + 2 :]
-        if version != 5 or command != 1:
-            reply(7)  # command not supported: CONNECT only
-            return
-        self.limit = IDLE_TIMEOUT
+        self.head_end = None
+        self.target = f"{host[:200]}:{port}"
         addresses, denial = await _decide(self.route, host, port)
         if denial is not None:
             self.route.record(denial)  # recorded before the refusal reaches the worker
@@ -985,13 +1533,15 @@ class _Session:
         except ValueError as exc:
             await _reply(self.writer, 400, str(exc))
             return False
+        with contextlib.suppress(ValueError):  # a bad host is refused by `_decide`
+            host = normalise_host(host).text
         connect = method.upper() == "CONNECT"
         if connect or self.up_key != (host, port) or self.up is None:
             self._close_upstream()
             addresses, denial = await _decide(self.route, host, port)
             if denial is not None:
                 self.route.record(denial)  # recorded before the refusal reaches the worker
-                await _reply(self.writer, 403, denial.message(), rule=denial.rule)
+                await _refuse(self.writer, denial, connect=connect)
                 return False
             error = await self._connect(addresses, port)
             if error:
@@ -1029,13 +1579,14 @@ class _Session:
         drop = _hop_by_hop(headers)
         client_close = version != b"HTTP/1.1" or b"close" in drop
         out = [f"{method} {path} HTTP/1.1\r\n".encode("ascii")]
-        has_host = False
+        # One Host, the target's (the request's absolute URI decides; RFC 9112 3.2.2): the
+        # client's Host lines, duplicates and all, are never passed on.
+        spelled = f"[{host}]" if ":" in host else host
+        authority = spelled if port == 80 else f"{spelled}:{port}"
+        out.append(f"host: {authority}\r\n".encode("ascii"))
         for name, value in headers:
-            if name not in drop:
+            if name not in drop and name != b"host":
                 out.append(name + b": " + value + b"\r\n")
-                has_host = has_host or name == b"host"
-        if not has_host:
-            out.append(f"host: {host}:{port}\r\n".encode("ascii"))
         out.append(b"\r\n")
         kind, length = framing
         if kind == "length" and length <= len(self.client.buf):
@@ -1085,6 +1636,10 @@ class _Session:
                     raise _BadMessage("the upstream switched protocols unasked")
                 out.append(b"\r\n")
                 self.writer.write(b"".join(out))
+                # Back-pressure: no more is read from the upstream until the client has
+                # taken this head (a flood of 1xx heads to a client that does not read
+                # fills the socket's buffers, never the host's memory).
+                await self.writer.drain()
                 continue
             break
         if method == "HEAD" or code in (204, 304):
@@ -1127,33 +1682,99 @@ class _Session:
                     dst.write_eof()
 
 
-async def _decide(route: Route, host: str, port: int) -> tuple[list[str], Denial | None]:
-    """Judge a target; a name is judged, then resolved on the host, then judged by address."""
-    rules = route.rules
-    try:
-        _address(host)
-        return rules.judge(host, port, [host], by_name=False)
-    except ValueError:
-        pass
-    denial = rules.before_resolve(host, port)
-    if denial is not None:
-        return [], denial
+async def _lookup(name: str) -> list[str]:
+    """The pinned resolver's answer for a name a rule names (bounded by RESOLVE_TIMEOUT)."""
     loop = asyncio.get_running_loop()
     resolver = _resolver
+    return await asyncio.wait_for(
+        loop.run_in_executor(None, resolver.lookup, name), RESOLVE_TIMEOUT
+    )
+
+
+async def _decide(route: Route, host: str, port: int) -> tuple[list[str], Denial | None]:
+    """Judge a target: its one spelling first (`normalise_host`); an address is judged as
+    it is; a name is judged, then (only when a rule names it) resolved on the host by the
+    pinned resolver, then judged by address. A deny rule's names are resolved too, so
+    their addresses are refused whatever the spelling."""
+    rules = route.rules
     try:
-        addresses = await asyncio.wait_for(
-            loop.run_in_executor(None, resolver, host), RESOLVE_TIMEOUT
-        )
+        spelled = normalise_host(host)
+    except ValueError as exc:
+        return [], rules.bad_host(host, port, str(exc))
+    for name in rules.deny_names:
+        with contextlib.suppress(Exception):
+            found = await _lookup(name)
+            rules.deny_addresses[name] = [
+                a for a in (_address_or_none(t) for t in found) if a is not None
+            ]
+    if spelled.ip is not None:
+        return rules.judge(spelled.text, port, [spelled.text], by_name=False)
+    assert spelled.name is not None
+    denial = rules.before_resolve(spelled.name, port)
+    if denial is not None:
+        return [], denial
+    try:
+        addresses = await _lookup(spelled.name)
     except Exception as exc:  # whatever the resolver raises, the name did not resolve
         why = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or repr(exc)
         return [], rules._denial(
             "net.resolve",
             "resolve",
-            host,
+            spelled.name,
             f"the host does not resolve ({why})",
             "check the host name in the policy's [net] rules",
         )
-    return rules.judge(host, port, addresses, by_name=True)
+    return rules.judge(spelled.name, port, addresses, by_name=True)
+
+
+def _address_or_none(text: str) -> Any:
+    try:
+        spelled = normalise_host(text)
+    except ValueError:
+        return None
+    return spelled.judged if spelled.ip is not None else None
+
+
+def socks5_greeting(data: bytes) -> tuple[bytes, int] | None:
+    """A SOCKS5 greeting (RFC 1928 section 3): (the answer, bytes used); None when more
+    bytes are needed. Only "no authentication" (0) is accepted; else 0xFF."""
+    if len(data) < 2:
+        return None
+    used = 2 + data[1]
+    if len(data) < used:
+        return None
+    if data[0] != 5 or 0 not in data[2:used]:
+        return b"\x05\xff", used
+    return b"\x05\x00", used
+
+
+def socks5_request(data: bytes) -> tuple[int, str, int, int] | None:
+    """A SOCKS5 request (RFC 1928 section 4): (reply code, host, port, bytes used), the
+    code 0 for a `CONNECT` the proxy serves, 7 for another command or version, 8 for an
+    unknown address type; None when more bytes are needed."""
+    if len(data) < 5:
+        return None
+    version, command, kind = data[0], data[1], data[3]
+    if kind == 1:
+        end = 8
+    elif kind == 4:
+        end = 20
+    elif kind == 3:
+        end = 5 + data[4]
+    else:
+        return 8, "", 0, len(data)
+    if len(data) < end + 2:
+        return None
+    if kind == 1:
+        host = str(ipaddress.IPv4Address(data[4:end]))
+    elif kind == 4:
+        host = str(ipaddress.IPv6Address(data[4:end]))
+    else:
+        host = data[5:end].decode("ascii", "backslashreplace")
+    port = int.from_bytes(data[end : end + 2], "big")
+    if version != 5 or command != 1:
+        return 7, host, port, end + 2
+    return 0, host, port, end + 2
 
 
 def _parse_target(method: str, target: str) -> tuple[str, int, str]:
@@ -1201,6 +1822,38 @@ async def _reply(
         head.append(f"x-agent-sandbox-denial: {rule}\r\n")
     head.append("\r\n")
     writer.write("".join(head).encode("latin-1", "replace") + body)
+    with contextlib.suppress(OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
+
+
+def _one_line(denial: Denial) -> bytes:
+    """The refusal as one line of printable ASCII: the rule, the target, the reason, the
+    hint (what the client's error message shows)."""
+    text = " ".join(denial.message().split())
+    return text.encode("ascii", "backslashreplace")[: MAX_HEAD_BYTES // 2]
+
+
+async def _refuse(writer: asyncio.StreamWriter, denial: Denial, *, connect: bool) -> None:
+    """Refuse a request so that every client raises its own connection error naming the
+    rule and the hint, and none reads a refusal as a response (then end the connection).
+
+    `CONNECT`: a 403 whose reason phrase is the refusal (clients raise on a failed tunnel
+    and quote the phrase: `Tunnel connection failed: 403 [net.resolve] ...`). Plain HTTP:
+    the refusal in place of the status line, which no HTTP client takes for a response
+    (http.client's `BadStatusLine`, h11's and aiohttp's protocol errors), so the code's
+    request fails as a connection does instead of returning a body to parse.
+    """
+    line = _one_line(denial)
+    if connect:
+        body = line + b"\n"
+        writer.write(
+            b"HTTP/1.1 403 " + line + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\nx-agent-sandbox-denial: %s\r\n\r\n"
+            % (len(body), denial.rule.encode("ascii", "replace"))
+            + body
+        )
+    else:
+        writer.write(line + b"\r\n\r\n")
     with contextlib.suppress(OSError, asyncio.TimeoutError):
         await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
 

@@ -237,15 +237,29 @@ def open_egress_listener(setup: Mapping[str, Any]) -> int:
     import socket
 
     channel = socket.socket(fileno=int(setup["fd"]))
+    listeners: list[socket.socket] = []
     try:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            listener.bind((str(setup["host"]), int(setup["port"])))
-            listener.listen(128)
-            socket.send_fds(channel, [b"egress"], [listener.fileno()])
-        finally:
-            listener.close()
+        listeners.append(listener)
+        listener.bind((str(setup["host"]), int(setup["port"])))
+        listener.listen(128)
+        # Allowed loopback services (`_egress.loopback_forwards`): a listener at the same
+        # address here, handed to the host, which forwards what it accepts. An address
+        # this namespace cannot bind (no IPv6) is left out; the host matches the rest.
+        for host, port in setup.get("forwards", ()):
+            family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+            forward = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                forward.bind((str(host), int(port)))
+                forward.listen(128)
+            except OSError:
+                forward.close()
+                continue
+            listeners.append(forward)
+        socket.send_fds(channel, [b"egress"], [s.fileno() for s in listeners])
     finally:
+        for sock in listeners:
+            sock.close()
         channel.close()
     return int(setup["port"])
 

@@ -381,6 +381,13 @@ class LocalClaimBackend:
             self._schedule_refill()
             return Claim(name, self.pool, server.url, created=True)
 
+    def stopped(self, claim: Claim) -> bool:
+        """Whether the local server of `claim` is stopped by a signal (SIGSTOP): it then
+        answers nothing, and a call waiting on it is not the code's timeout."""
+        with self._lock:
+            server = self._claimed.get(claim.name)
+        return server is not None and server.proc.poll() is None and _is_stopped(server.proc.pid)
+
     def release(self, claim: Claim) -> None:
         if not claim.created:
             return
@@ -430,12 +437,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T or t in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 :][:1] in (b"T", b"t")
+
+
 def _stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (the server ends its worker), then SIGKILL its group; always reaped."""
+    """SIGTERM (the server ends its worker), then SIGKILL its group; always reaped. A server
+    stopped by a signal cannot act on SIGTERM: its group gets SIGKILL at once (the grace
+    would only be waited out)."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+        stopped = _is_stopped(proc.pid)
+        if not stopped:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
         try:
+            if stopped:
+                raise subprocess.TimeoutExpired(proc.args, 0)
             proc.wait(5.0)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -275,13 +275,27 @@ def egress_plan(
     if network_mode(policy) != "proxy":
         return {}, {}, ()
     # Only now: the proxy's module brings asyncio, which a policy without network never needs.
-    from agent_sandbox.providers._egress import PROXY_HOST, PROXY_PORT, proxy_env
+    from agent_sandbox.providers._egress import (
+        PROXY_HOST,
+        PROXY_PORT,
+        loopback_forwards,
+        proxy_env,
+    )
     from agent_sandbox.providers._netcheck import refuse_unenforceable
 
     refuse_unenforceable(provider, policy)
     # A dry build (no channel yet: egress_fd -1) describes the same plan; a real start
     # always prepares the channel, and a worker without it fails its start.
-    setup = {"egress": {"fd": spec.egress_fd, "host": PROXY_HOST, "port": PROXY_PORT}}
+    setup = {
+        "egress": {
+            "fd": spec.egress_fd,
+            "host": PROXY_HOST,
+            "port": PROXY_PORT,
+            # Allowed loopback services, listened for at the same address inside and
+            # forwarded by the host: reachable by clients that ignore HTTP_PROXY too.
+            "forwards": [list(pair) for pair in loopback_forwards(policy)],
+        }
+    }
     fds = (spec.egress_fd,) if spec.egress_fd >= 0 else ()
     return setup, proxy_env(PROXY_HOST, PROXY_PORT), fds
 

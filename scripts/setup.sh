@@ -61,6 +61,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   if .venv/bin/python -m pip show -q agent-sandbox >/dev/null 2>&1; then
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
+  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
   echo "$files" >"$stamp"
 fi

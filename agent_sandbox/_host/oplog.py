@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from agent_sandbox._host.hostfile import open_append, worker_writable
 from agent_sandbox._host.result import RunResult
 
 __all__ = ["log_refusals", "write"]
@@ -81,8 +82,11 @@ def records(result: RunResult, tool: str = "") -> list[dict[str, Any]]:
     ]
 
 
-def write(result: RunResult, tool: str = "") -> None:
-    """Log `result`'s refusals when the log is on; never raises into the call."""
+def write(result: RunResult, tool: str = "", policy: Any = None) -> None:
+    """Log `result`'s refusals when the log is on; never raises into the call.
+
+    The file is opened by `hostfile.open_append`: never through a link, never a FIFO or a
+    hard link, never where a worker under `policy` (or any worker's scratch) can write."""
     target = _current()
     if target is None or not result.denials:
         return
@@ -94,7 +98,7 @@ def write(result: RunResult, tool: str = "") -> None:
                 target.info(line, extra={"sandbox": rec})
             return
         with _lock:
-            fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = open_append(target, writable=worker_writable(policy))
             try:
                 os.write(fd, ("\n".join(lines) + "\n").encode("ascii"))
             finally:

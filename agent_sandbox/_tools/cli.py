@@ -2,13 +2,14 @@
 
 Commands:
 
-* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S]`: run code in a
-  sandboxed worker; output streams live; denials print in a block. Exit statuses (also in
-  the README): 0 the code completed and nothing was refused; 1 the code raised (or learning
-  could not make, write or apply a proposal); 2 a policy refusal or a limit; 64 a usage
-  error; 66 an input file that cannot be read; 69 a provider that cannot run here; 70 the
-  worker failed; 78 a policy that does not load; 130 interrupted. Under `--json` every error
-  is a JSON object on stdout too.
+* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--in FILE]...`:
+  run code in a sandboxed worker (each `--in` file is placed in its scratch first, under its
+  base name, through the session files API); output streams live; denials print in a block.
+  Exit statuses (also in the README): 0 the code completed and nothing was refused; 1 the
+  code raised (or learning could not make, write or apply a proposal); 2 a policy refusal or
+  a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider that cannot
+  run here; 70 the worker failed; 78 a policy that does not load; 130 interrupted. Under
+  `--json` every error is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
@@ -128,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_seconds, default=None, help="wall-clock seconds (> 0)"
     )
     run.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    run.add_argument(
+        "--in",
+        dest="inputs",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="place FILE in the worker's scratch (its working directory) under its base name "
+        "before the run (repeatable; bounded by limits.transfer_mb; a refusal exits with 2)",
+    )
     run.set_defaults(func=_cmd_run)
 
     policy = sub.add_parser("policy", help="check or explain a policy")
@@ -191,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_status(exc: SandboxError) -> int:
     """The documented exit status for a failure outside the user's code."""
     from agent_sandbox._errors import (
+        FileTransferRefused,
         LearningError,
         PolicyError,
         PolicyNotFound,
@@ -199,6 +210,8 @@ def _exit_status(exc: SandboxError) -> int:
 
     if isinstance(exc, LearningError):
         return EXIT_ERROR
+    if isinstance(exc, FileTransferRefused):
+        return EXIT_DENIED
     if isinstance(exc, _InputError):
         return EXIT_NOINPUT
     if isinstance(exc, ProviderUnavailable):
@@ -244,8 +257,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
             err.flush()
 
     filename = None if args.code is not None or args.file == "-" else str(args.file)
+    inputs = _input_files(args.inputs)
     with Sandbox(args.policy, provider=args.provider, warm=0, tool="cli") as sandbox:
-        result = sandbox.run(
+        runner: Any = sandbox
+        if inputs:
+            # The files and the code need one interpreter: a session of this run alone.
+            runner = sandbox.session("cli")
+            for name, path in inputs:
+                runner.put_file(name, source=path)
+        result = runner.run(
             code,
             timeout=args.timeout,
             on_event=live,
@@ -257,6 +277,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         print_result_tail(result, sys.stderr)
     return exit_code(result)
+
+
+def _input_files(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(scratch name, host path) for each `--in`; an unreadable file or two files of one
+    base name are input errors (exit 66), before any worker starts."""
+    out: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        name = os.path.basename(os.path.normpath(path))
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise _InputError(f"--in {path}: not a readable file")
+        if name in seen:
+            raise _InputError(
+                f"--in {path}: {seen[name]} has the same base name {name!r}; rename one"
+            )
+        seen[name] = path
+        out.append((name, path))
+    return out
 
 
 def exit_code(result: Any) -> int:

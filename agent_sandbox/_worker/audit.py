@@ -216,6 +216,12 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
             direct = False
         frame = frame.f_back
         depth += 1
+    if user is None and not direct and denial.rule in _ABSENT_WHEN_REFUSED:
+        # A library's own thread (aiohttp reads `.netrc` in an executor) met a hidden file:
+        # it looks absent there too, so the probe is internal; the host makes it the
+        # user's again if the call's error shows it (`ResultBuilder.verdict`).
+        _classified(denial.replace(internal=True))
+        return denial
     if user is None or direct:
         _classified(denial)  # straight into user code, or no user code to watch: the user's
         return denial
@@ -289,6 +295,11 @@ def _chain_ids(exc: BaseException) -> set[int]:
     return seen
 
 
+#: Refusals the code sees as "not there" (a hidden file): a library that met one and went
+#: on handled it, whatever error came later.
+_ABSENT_WHEN_REFUSED = frozenset({"files.hidden"})
+
+
 def _resolve(frame: FrameType, *, internal: bool, error: Any = None) -> None:
     """Settle a watch. With `error` (an exception reached the frame): the refusals whose
     exception is in its chain are the user's and the others were handled inside; when
@@ -305,7 +316,14 @@ def _resolve(frame: FrameType, *, internal: bool, error: Any = None) -> None:
     if isinstance(error, BaseException):
         chain = _chain_ids(error)
         carried = {key for key, excs in watch.raised.items() if any(id(e) in chain for e in excs)}
-        verdict = {key: bool(carried) and key not in carried for key in verdict}
+        # A hidden file looks absent, and a library that probed one (requests' `.netrc`,
+        # a credentials file) took it as absent and went on: when the error that reached
+        # the user's code does not carry it, that probe is internal, even where nothing
+        # else is in the chain (the failure came from elsewhere, such as the network).
+        verdict = {
+            key: key not in carried and (bool(carried) or key[0] in _ABSENT_WHEN_REFUSED)
+            for key in verdict
+        }
     for key, (first, last, count) in list(watch.pending.entries.items()):
         _classified(first.replace(internal=verdict[key]))
         if count > 1:

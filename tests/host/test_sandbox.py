@@ -321,7 +321,7 @@ def test_closing_the_sandbox_while_a_call_runs(sandbox: Sandbox) -> None:
 
 def test_session_lru_eviction_and_ttl(policy: Policy) -> None:
     """It keeps at most max_sessions live and closes the least recently used."""
-    with Sandbox(policy, warm=0, max_sessions=2) as sb:
+    with Sandbox(policy, warm=0, max_sessions=2, evict_idle=0) as sb:
         for key in ("a", "b", "c"):
             sb.session(key).run("1")
         assert sb.sessions() == ["b", "c"]

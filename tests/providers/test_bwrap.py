@@ -170,7 +170,12 @@ def test_a_policy_with_a_remote_host_gets_the_egress_proxy() -> None:
     policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
     spec = dataclasses.replace(SPEC, egress_fd=7)
     plan = BwrapProvider().build(policy, spec)
-    assert plan.worker_setup["egress"] == {"fd": 7, "host": "127.0.0.1", "port": 3128}
+    assert plan.worker_setup["egress"] == {
+        "fd": 7,
+        "host": "127.0.0.1",
+        "port": 3128,
+        "forwards": [],
+    }
     assert 7 in plan.pass_fds
     assert plan.env["HTTPS_PROXY"] == plan.env["http_proxy"] == "http://127.0.0.1:3128"
     assert plan.env["NO_PROXY"] == ""

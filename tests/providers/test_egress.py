@@ -242,9 +242,9 @@ def test_one_client_connection_serves_requests_to_several_hosts(local_route: Any
     for _ in range(2):
         assert session.get(f"http://a.test:{a}/x", proxies=proxies).text == f"hello from {a} /x"
         assert session.get(f"http://b.test:{b}/y", proxies=proxies).text == f"hello from {b} /y"
-    refused = session.get(f"http://c.test:{a}/", proxies=proxies)
-    assert refused.status_code == 403
-    assert refused.headers["x-agent-sandbox-denial"] == "net.resolve"
+    # A refusal is the client's own connection error naming the rule, never a response.
+    with pytest.raises(requests.exceptions.ConnectionError, match=r"\[net\.resolve\]"):
+        session.get(f"http://c.test:{a}/", proxies=proxies)
     assert [d.rule for d in route.drain()] == ["net.resolve"]
     session.close()
 
@@ -280,8 +280,8 @@ def test_a_host_that_does_not_resolve_is_a_denial_naming_it(
     )
     try:
         port = route.listener.getsockname()[1]
-        response = requests.get("http://gone.test/", proxies={"http": f"http://127.0.0.1:{port}"})
-        assert response.status_code == 403
+        with pytest.raises(requests.exceptions.ConnectionError, match="does not resolve"):
+            requests.get("http://gone.test/", proxies={"http": f"http://127.0.0.1:{port}"})
         [denial] = route.drain()
         assert (denial.rule, denial.target) == ("net.resolve", "gone.test")
         assert "does not resolve" in denial.detail
@@ -372,18 +372,15 @@ def test_refusals_are_recorded_by_the_host_with_their_rule(
     with Sandbox(policy, provider=ns_provider, warm=0) as sb:
         session = sb.session("refusals")
         for url, (rule, target) in cases.items():
-            result = session.run(
-                "import requests\n"
-                "try:\n"
-                f"    r = requests.get({url!r}).status_code\n"
-                "except requests.exceptions.ProxyError as exc:\n"
-                "    r = 'proxy-error'\n"
-                "r"
-            )
+            result = session.run(f"import requests\nrequests.get({url!r}).status_code")
             denials = _net_denials(result)
             assert [(d.rule, d.target) for d in denials] == [(rule, target)], url
             assert "egress proxy" in denials[0].detail
-            assert result.value in (403, "proxy-error")
+            # the code got the client's own connection error, naming the rule: a refusal
+            assert result.error is not None and result.error.kind == "denied", url
+            assert result.error.rule == rule
+            assert result.error.type.startswith("requests.exceptions.")
+            assert f"[{rule}]" in result.error.message
             assert not result.ok
     with socket.socket() as probe:
         probe.settimeout(0.2)
@@ -420,8 +417,10 @@ def test_a_refusal_reaches_the_result_without_the_workers_help(
 def test_without_the_guards_no_address_is_reachable_and_udp_fails(
     ns_provider: str, http_server: _Server, tcp_listener: Any, tmp_path: Path
 ) -> None:
-    """With network rules, native code still reaches nothing directly: the host's loopback
-    listener gets no connection, a public address has no route, UDP sockets are refused."""
+    """With network rules, native code reaches directly only what they allow: an allowed
+    loopback service (forwarded by the host, `loopback_forwards`); the host's loopback
+    listener on a port no rule names gets no connection, a public address has no route,
+    UDP sockets are refused."""
     from .conftest import hostile_policy
 
     sock, port = tcp_listener
@@ -430,19 +429,21 @@ def test_without_the_guards_no_address_is_reachable_and_udp_fails(
         arena,
         net={
             "rules": [
-                {"host": "127.0.0.1", "ports": str(port)},
+                {"host": "127.0.0.1", "ports": str(http_server.port)},
                 {"host": "0.0.0.0/0", "ports": "80"},
             ]
         },
     )
     code = NATIVE + (
         f"(nconnect_tcp({port}), nconnect_tcp(80, bytes([93, 184, 216, 34])), "
-        f"nsend_udp({port}), nsend_udp(53, host=bytes([8, 8, 8, 8])))"
+        f"nsend_udp({port}), nsend_udp(53, host=bytes([8, 8, 8, 8])), "
+        f"nconnect_tcp({http_server.port}))"
     )
     with Sandbox(policy, provider=ns_provider, warm=0) as sb:
         result = sb.run(code)
     assert result.error is None, result.error
-    local, remote, udp_local, udp_remote = result.value
+    local, remote, udp_local, udp_remote, allowed = result.value
+    assert tuple(allowed) == ("connect", 0)  # the allowed service, forwarded by the host
     assert local[0] == "connect" and local[1] != 0  # ECONNREFUSED: the namespace's own lo
     # ENETUNREACH; gVisor's netstack says EHOSTUNREACH for the same missing route.
     unreachable = -113 if ns_provider == "gvisor" else -101
@@ -560,7 +561,7 @@ def test_learning_mode_proposes_the_hosts_the_proxy_refused(
         "import requests\n"
         "try:\n"
         "    requests.get('http://wanted.test:8080/').status_code\n"
-        "except requests.exceptions.ProxyError:\n"
+        "except requests.exceptions.ConnectionError:\n"
         "    pass\n"
         f"requests.get('http://allowed.test:{port}/ok').text"
     )
@@ -581,19 +582,13 @@ def test_a_host_that_does_not_resolve_is_a_denial_in_the_result_not_a_warning(
     """End to end: the model reads a `net.resolve` denial naming the host, recorded by the
     host's proxy; no UserWarning reaches the host's warnings or the call's stderr."""
     policy = _policy([{"host": "gone.test", "ports": "80"}])
-    code = (
-        "import requests\n"
-        "try:\n"
-        "    r = requests.get('http://gone.test/').status_code\n"
-        "except requests.exceptions.ProxyError:\n"
-        "    r = 'proxy-error'\n"
-        "r"
-    )
+    code = "import requests\nrequests.get('http://gone.test/').status_code"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Sandbox(policy, provider=ns_provider, warm=0) as sb:
             result = sb.run(code)
-    assert result.value in (403, "proxy-error"), result
+    assert result.error is not None and result.error.kind == "denied", result
+    assert result.error.rule == "net.resolve"
     denials = [(d.rule, d.target) for d in _net_denials(result)]
     assert ("net.resolve", "gone.test") in denials, denials
     [denial] = [d for d in _net_denials(result) if d.target == "gone.test"]
@@ -837,13 +832,15 @@ def test_the_proxy_refuses_an_ambiguous_request_head(
     framing_route: tuple[Any, int, int], head: str
 ) -> None:
     """A head another parser could frame differently (request smuggling) is a 400, not
-    forwarded; nothing is recorded as a policy denial."""
+    forwarded; the host records the refusal (`net.connect`, a malformed head)."""
     route, proxy_port, port = framing_route
     out = _raw_exchange(
         proxy_port, (head.format(url=f"http://127.0.0.1:{port}/") + "\r\n").encode()
     )
     assert out.startswith(b"HTTP/1.1 400 "), out
-    assert route.drain() == []
+    [denial] = route.drain()
+    assert (denial.rule, denial.target) == ("net.connect", "the proxy")
+    assert "malformed request head" in denial.detail
 
 
 def test_the_proxy_drops_an_answer_with_ambiguous_framing(
@@ -926,6 +923,8 @@ def fetch(url):
         return [exc.code, exc.headers.get("x-agent-sandbox-denial", "")]
     except OSError as exc:
         return ["error", repr(exc)]
+    except Exception as exc:  # a refusal: the client's own error, starting with the rule
+        return [type(exc).__name__, str(exc).split("]")[0] + "]"]
 def raw(port):  # past the proxy, through libc: the guest's loopback has no such server
     s = _libc.socket(2, 1, 0)
     addr = struct.pack("<HH4s8x", 2, socket.htons(port), bytes([127, 0, 0, 1]))
@@ -990,8 +989,8 @@ def test_qemu_reaches_an_allowed_server_by_name_and_the_host_records_refusals(
     out = json.loads(result.value)
     assert out["proxy"] == "http://127.0.0.1:3128"
     assert out["allowed"] == [200, f"hello from {port} /vm"], out
-    assert out["other"] == [403, "net.resolve"], out
-    assert out["metadata"] == [403, "net.connect"], out
+    assert out["other"] == ["BadStatusLine", "[net.resolve]"], out
+    assert out["metadata"] == ["BadStatusLine", "[net.connect]"], out
     assert out["raw"] != 0 and not got_raw, out  # ECONNREFUSED on the guest's own loopback
     assert result.stack[0] == "qemu" and result.stack[-1] == "egress-proxy"
     denials = {(d.rule, d.target) for d in _net_denials(result)}

@@ -130,7 +130,12 @@ def test_a_policy_with_a_remote_host_gets_the_egress_proxy() -> None:
     """It serves a remote host through the host's egress proxy (channel, variables, port)."""
     policy = Policy(name="t", net={"rules": [{"host": "example.org", "ports": 443}]})
     plan = UnshareProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
-    assert plan.worker_setup["egress"] == {"fd": 7, "host": "127.0.0.1", "port": 3128}
+    assert plan.worker_setup["egress"] == {
+        "fd": 7,
+        "host": "127.0.0.1",
+        "port": 3128,
+        "forwards": [],
+    }
     assert 7 in plan.pass_fds and plan.env["ALL_PROXY"] == "http://127.0.0.1:3128"
     assert plan.stack[-1] == "egress-proxy"
     if "landlock" in plan.worker_setup:

@@ -133,3 +133,38 @@ def test_a_library_internal_refusal_is_not_a_failure_of_the_cli() -> None:
     out = run_cli("run", "--policy", "data-analysis", "-c", code)
     assert out.returncode == 0, out.stderr
     assert "to allow it" not in out.stderr and "denied" not in out.stderr
+
+
+def test_run_in_places_files_in_scratch_before_the_run(tmp_path: Path) -> None:
+    """`--in FILE` (repeatable) puts each file in the worker's scratch under its base name."""
+    (tmp_path / "a.csv").write_text("x,y\n1,2\n")
+    (tmp_path / "b.txt").write_text("hello")
+    out = run_cli(
+        "run",
+        "--in",
+        str(tmp_path / "a.csv"),
+        "--in",
+        str(tmp_path / "b.txt"),
+        "-c",
+        "print(open('a.csv').read().count(','), open('b.txt').read())",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "2 hello\n"
+
+
+def test_run_in_refuses_a_missing_file_an_oversize_one_and_a_hidden_name(tmp_path: Path) -> None:
+    """A missing `--in` file is an input error (66) before any worker starts; one over
+    `limits.transfer_mb` and a hidden name are refusals (2) naming their rule."""
+    out = run_cli("run", "--in", str(tmp_path / "absent.csv"), "-c", "1")
+    assert out.returncode == 66 and "absent.csv" in out.stderr
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\0" * (1024 * 1024 + 1))
+    policy = tmp_path / "p.toml"
+    policy.write_text('name = "small-transfer"\n[limits]\ntransfer_mb = 1\n')
+    out = run_cli("run", "--policy", str(policy), "--in", str(big), "-c", "1")
+    assert out.returncode == 2, out.stderr
+    assert "limits.transfer" in out.stderr
+    secret = tmp_path / ".env"
+    secret.write_text("TOKEN=1")
+    out = run_cli("run", "--in", str(secret), "-c", "1")
+    assert out.returncode == 2 and "files.hidden" in out.stderr

@@ -74,6 +74,10 @@ class WorkerMisbehaved(TransportError):
     """The worker sent something malformed, out of order or contradictory (host wording)."""
 
 
+#: The largest host-tool request one event may carry (its JSON arguments).
+HOST_CALL_BYTES = 1_000_000
+
+
 @dataclasses.dataclass(frozen=True)
 class HostBounds:
     """What the host keeps from one call at most, from the policy's limits.
@@ -139,6 +143,7 @@ class HostBounds:
             "counts": (self.denial_chars * 2 + _SLACK, "limits.output_bytes"),
             "notice": (small, "limits.output_bytes"),
             "files": (small, "limits.output_bytes"),
+            "host_call": (HOST_CALL_BYTES, "limits.output_bytes"),
         }
 
     def max_event_bytes(self) -> int:
@@ -290,6 +295,9 @@ _DETAIL_PATTERNS = (
     r"the module is not in \[imports\] allow",
     r"Q is listed in \[api\] deny, which beats \[api\] allow",
     r"[\w.]+ is a sensitive call \([\w-]+\) the policy does not grant",
+    # host tools (the host's own words, relayed by the worker's stub)
+    r"the tool is not in \[tools\] allow",
+    r"the tool did not return within N s \(\[tools\] timeout_seconds\)",
     r"the variable exists on the host but the policy does not pass it",
     # network
     r"not an IP address",

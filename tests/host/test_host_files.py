@@ -1,0 +1,88 @@
+"""Files the host writes never follow the worker: a link, a FIFO or a hard link planted at
+the operator's refusal log is refused (nothing written through it), and a log where a
+worker can write is refused whatever is there."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from agent_sandbox import Denial, Policy, RunResult
+from agent_sandbox._host import guardian, oplog
+from agent_sandbox._host.hostfile import HostFileRefused, open_append, worker_writable
+
+
+def _result() -> RunResult:
+    return RunResult(
+        denials=(Denial("net.connect", "connect", "198.51.100.7:80", "p"),), policy="p"
+    )
+
+
+@pytest.fixture
+def log_to(caplog: pytest.LogCaptureFixture) -> object:
+    def use(path: Path) -> None:
+        oplog.log_refusals(path)
+
+    yield use
+    oplog.log_refusals(None)
+
+
+@pytest.mark.parametrize("plant", ["symlink", "dangling-symlink", "hardlink", "fifo", "dir-link"])
+def test_a_link_planted_at_the_refusal_log_is_not_written_through(
+    tmp_path: Path, plant: str, log_to: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It denies redirecting the host's log write: a symlink, a dangling symlink, a hard
+    link, a FIFO, or a linked directory at the log's path; the victim file is unchanged
+    and the host neither blocks nor writes."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    log = tmp_path / "refusals.jsonl"
+    if plant == "symlink":
+        log.symlink_to(victim)
+    elif plant == "dangling-symlink":
+        log.symlink_to(tmp_path / "created-by-the-host")
+    elif plant == "hardlink":
+        os.link(victim, log)
+    elif plant == "fifo":
+        os.mkfifo(log)
+    else:
+        (tmp_path / "real").mkdir()
+        (tmp_path / "linked").symlink_to(tmp_path / "real")
+        log = tmp_path / "linked" / "refusals.jsonl"
+        (tmp_path / "real" / "refusals.jsonl").symlink_to(victim)
+    log_to(log)  # type: ignore[operator]
+    with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
+        oplog.write(_result())
+    assert victim.read_text() == "precious\n"  # the attack ran and changed nothing
+    assert not (tmp_path / "created-by-the-host").exists()
+    assert "could not write the refusal log" in caplog.text
+
+
+def test_the_refusal_log_is_written_where_no_worker_writes(tmp_path: Path, log_to: object) -> None:
+    """The control case: a plain path gets the JSON line."""
+    log = tmp_path / "refusals.jsonl"
+    log_to(log)  # type: ignore[operator]
+    oplog.write(_result())
+    assert '"rule": "net.connect"' in log.read_text()
+
+
+def test_a_log_where_a_worker_can_write_is_refused(tmp_path: Path) -> None:
+    """It denies a host file in a worker-writable place: under the policy's write grants
+    or any worker's control directory (its scratch), whatever the file is."""
+    policy = Policy(name="w", files={"write": [str(tmp_path / "shared")]})
+    (tmp_path / "shared").mkdir()
+    with pytest.raises(HostFileRefused, match="where a worker can write"):
+        open_append(str(tmp_path / "shared" / "log"), writable=worker_writable(policy))
+    control = tempfile.mkdtemp(prefix=guardian.DIR_PREFIX + "test-")
+    try:
+        with pytest.raises(HostFileRefused, match="where a worker can write"):
+            open_append(os.path.join(control, "scratch", "log"), writable=worker_writable(None))
+        assert os.listdir(control) == []
+    finally:
+        os.rmdir(control)
+    fd = open_append(str(tmp_path / "fine"), writable=worker_writable(policy))
+    os.close(fd)
