@@ -48,7 +48,7 @@ chown 65534:65534 "$home"
 # must live within (issue 29). Set for the user's run only, in a subshell.
 # Root's requirements less what uid 65534 cannot have here: KVM (/dev/kvm is root's) and
 # cgroups (no delegated subtree).
-required=${AGENT_SANDBOX_REQUIRE_NONROOT-${AGENT_SANDBOX_REQUIRE:+bwrap,unshare,landlock,seccomp,firejail,tls,deps}}
+required=${AGENT_SANDBOX_REQUIRE_NONROOT-${AGENT_SANDBOX_REQUIRE:+bwrap,unshare,landlock,seccomp,firejail,gvisor,tls,deps}}
 (
   ulimit -n 1024
   "${as_user[@]}" env HOME="$home" PATH="$env_dir/bin:/usr/bin:/bin" \

@@ -22,9 +22,20 @@ from agent_sandbox import Policy, Sandbox
 
 #: Every name AGENT_SANDBOX_REQUIRE may hold.
 REQUIREMENTS = frozenset(
-    {"bwrap", "unshare", "landlock", "seccomp", "firejail", "qemu", "cgroups", "tls", "deps"}
+    {
+        "bwrap",
+        "unshare",
+        "landlock",
+        "seccomp",
+        "firejail",
+        "gvisor",
+        "qemu",
+        "cgroups",
+        "tls",
+        "deps",
+    }
 )
-_KERNEL = ("bwrap", "unshare", "landlock", "firejail")
+_KERNEL = ("bwrap", "unshare", "landlock", "firejail", "gvisor")
 #: A skip's reason (searched, case-insensitive) -> what it says is missing.
 MISSING_PATTERNS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), things)
@@ -36,6 +47,7 @@ MISSING_PATTERNS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
             ("landlock",),
         ),
         (r"\bfirejail\b.*unavailable|provider 'firejail' unavailable", ("firejail",)),
+        (r"\bgvisor\b.*unavailable|provider 'gvisor' unavailable|\brunsc\b", ("gvisor",)),
         (r"\bseccomp\b.*(unavailable|not installed|lacks)|pyseccomp|lacks.*seccomp", ("seccomp",)),
         (r"^qemu provider:|provider 'qemu' unavailable", ("qemu",)),
         (r"no kernel provider works here|no namespace provider is available", _KERNEL),

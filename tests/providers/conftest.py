@@ -24,7 +24,7 @@ from agent_sandbox import Policy, Sandbox
 from agent_sandbox.providers import get_provider
 
 #: Kernel providers the containment matrix runs against (strongest last).
-KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail")
+KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail", "gvisor")
 #: What tests that open connections use where the product refuses the cloud metadata
 #: address (169.254.169.254): a documentation address no rule names, refused the same way
 #: (a literal no rule names; a name that resolves to a non-global address), so a test

@@ -27,7 +27,7 @@ from agent_sandbox.providers._egress import EgressError, EgressRules, egress_pro
 
 from .conftest import METADATA_STAND_IN, NATIVE, received_connection, skip_unless_available
 
-NAMESPACE_PROVIDERS = ("unshare", "bwrap")
+NAMESPACE_PROVIDERS = ("unshare", "bwrap", "gvisor")
 
 
 # -- servers and names ----------------------------------------------------------------------
@@ -418,7 +418,11 @@ def test_a_refusal_reaches_the_result_without_the_workers_help(
 
 
 def test_without_the_guards_no_address_is_reachable_and_udp_fails(
-    ns_provider: str, http_server: _Server, tcp_listener: Any, tmp_path: Path
+    request: pytest.FixtureRequest,
+    ns_provider: str,
+    http_server: _Server,
+    tcp_listener: Any,
+    tmp_path: Path,
 ) -> None:
     """With network rules, native code reaches directly only what they allow: an allowed
     loopback service (forwarded by the host, `loopback_forwards`); the host's loopback
@@ -427,6 +431,16 @@ def test_without_the_guards_no_address_is_reachable_and_udp_fails(
     machine), UDP sockets are refused."""
     from .conftest import hostile_policy
 
+    if ns_provider == "gvisor":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="the direct forwards of allowed loopback services are not wired into "
+                "gVisor: a client that does not use the proxy meets the Sentry's own "
+                "loopback (ECONNREFUSED); through the proxy the service is served",
+            )
+        )
     sock, port = tcp_listener
     arena = {"ro": tmp_path, "rw": tmp_path}
     policy = hostile_policy(
@@ -449,7 +463,9 @@ def test_without_the_guards_no_address_is_reachable_and_udp_fails(
     local, remote, udp_local, udp_remote, allowed = result.value
     assert tuple(allowed) == ("connect", 0)  # the allowed service, forwarded by the host
     assert local[0] == "connect" and local[1] != 0  # ECONNREFUSED: the namespace's own lo
-    assert remote == ["connect", -101] or remote == ("connect", -101)  # ENETUNREACH
+    # ENETUNREACH; gVisor's netstack says EHOSTUNREACH for the same missing route.
+    unreachable = -113 if ns_provider == "gvisor" else -101
+    assert remote == ["connect", unreachable] or remote == ("connect", unreachable)
     assert udp_local[0] == "socket" and udp_local[1] == -1  # EPERM from seccomp
     assert udp_remote[0] == "socket" and udp_remote[1] == -1
     assert not received_connection(sock)
