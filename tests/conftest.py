@@ -47,7 +47,10 @@ MISSING_PATTERNS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
             ("landlock",),
         ),
         (r"\bfirejail\b.*unavailable|provider 'firejail' unavailable", ("firejail",)),
-        (r"\bgvisor\b.*unavailable|provider 'gvisor' unavailable|\brunsc\b", ("gvisor",)),
+        (
+            r"\bgvisor\b.*unavailable|provider 'gvisor' unavailable|\brunsc\b.*(missing|not installed|not found)",
+            ("gvisor",),
+        ),
         (r"\bseccomp\b.*(unavailable|not installed|lacks)|pyseccomp|lacks.*seccomp", ("seccomp",)),
         (r"^qemu provider:|provider 'qemu' unavailable", ("qemu",)),
         (r"no kernel provider works here|no namespace provider is available", _KERNEL),
