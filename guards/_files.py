@@ -386,6 +386,15 @@ def _listing_wrapper(
 _MAX_LINKS = 40
 
 
+def _current_dir(last: str) -> str:
+    """The working directory, or `last` when it was removed (`getcwd` fails): a relative
+    path is then judged where it would be, and the kernel answers ENOENT for it anyway."""
+    try:
+        return _getcwd()
+    except OSError:
+        return last
+
+
 class _Resolver:
     """Resolves paths like `realpath`, with the originals, and says whether the result may
     change under user code (a link or a component below a writable root)."""
@@ -393,7 +402,7 @@ class _Resolver:
     def __init__(self, rules: FileRules) -> None:
         self.rules = rules
         self.dirs: dict[str, str] = {}
-        self.cwd = _getcwd()
+        self.cwd = _current_dir("/")
 
     def volatile(self, resolved: str) -> bool:
         return self.rules.write.strictly_below(resolved)
@@ -667,7 +676,7 @@ def _chdir_wrapper(
         args = (check(READ, args[0]), *args[1:])
     result = wrapped(*args, **kwargs)
     if _resolver is not None:
-        _resolver.cwd = _getcwd()
+        _resolver.cwd = _current_dir(_resolver.cwd)
     return result
 
 

@@ -143,7 +143,7 @@ class Guards:
             self.namespace["__builtins__"] = self.user_builtins
         resolver = _files._resolver
         if resolver is not None:
-            resolver.cwd = os.getcwd()
+            resolver.cwd = _files._current_dir(resolver.cwd)
         self.calls += 1
 
     def run_armed(self, fn: Any, *args: Any) -> Any:

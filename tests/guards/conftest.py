@@ -73,9 +73,10 @@ def armed() -> Iterator[Callable[..., Harness]]:
     try:
         yield make
     finally:
+        # Back to a directory that exists first: the test's own may be removed by now.
+        os.chdir(saved_cwd)
         for harness in made:
             harness.guards.uninstall()
-        os.chdir(saved_cwd)
         audit.take()
         import shutil
 

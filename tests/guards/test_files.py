@@ -328,3 +328,12 @@ def test_learning_mode_records_and_proceeds(
 def test_disarmed_code_is_not_judged(guard: Any, tree: dict[str, Path]) -> None:
     """It does not judge code running outside `arming()` (the worker between calls)."""
     assert (tree["secret"] / "canary.txt").read_text() == CANARY
+
+
+def test_a_removed_working_directory_does_not_break_the_guard(guard: Any) -> None:
+    """It keeps judging (and can be uninstalled) after the code removed the directory it
+    changed to: a relative path is judged where it would be."""
+    gone = os.path.join(guard.scratch, "gone")
+    guard.run(f"import os\nos.mkdir({gone!r})\nos.chdir({gone!r})\nos.rmdir({gone!r})")
+    assert attempt(guard, "open('x.txt').read()") in ("FileNotFoundError", "FileAccessDenied")
+    guard.guards.uninstall()
