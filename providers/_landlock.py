@@ -525,7 +525,9 @@ class LandlockProvider(Provider):
             "drop_caps": True,
             "landlock": landlock_setup(policy, spec, pins=pins, masks=find_masks(policy, spec)),
         }
-        setup.update(seccomp_setup(policy))
+        # Landlock has no right for metadata changes: the filter refuses them all (the
+        # second layer of `_matrix`'s chmod, chown, utime and xattr cells).
+        setup.update(seccomp_setup(policy, metadata=True))
         # NOTE: mounting needs CAP_SYS_ADMIN, which a root-run worker has until step 5 of
         # `_inworker`; a worker run by another user gets it over a mount namespace of its
         # own by entering a user namespace first (the probe checks that works here).
