@@ -15,6 +15,8 @@ while it still has a single thread (see `_inworker.py` for the order):
   ctypes `execve` of `/bin/sh` and `_posixsubprocess.fork_exec` fail with EACCES.
 * TCP bind and connect only to the ports the policy's `net.rules` allow (ABI 4 and later).
 * Abstract Unix sockets and signals scoped to the worker's own domain (ABI 6 and later).
+* Metadata changes (chmod, chown, utimes, extended attributes), which Landlock has no right
+  for: its seccomp filter refuses every one, inside the grants too (`_seccomp.metadata_rules`).
 
 What it does NOT enforce (see `docs/providers.md` for what covers each):
 

@@ -19,6 +19,10 @@ fail with EPERM:
 
 A syscall of another ABI (x32, i386) kills the process (libseccomp's bad-arch action).
 
+With `metadata=True` (asked for by the `landlock` provider only) it also refuses every
+change of a file's mode, owner, times, extended attributes and inode flags, whatever the
+path or descriptor (`metadata_rules`): Landlock has no right for them.
+
 What it does NOT enforce: anything about paths, ports or hosts (Landlock and the namespace
 providers do that). `execve` is left to a second, separate program (`exec_rules`): a
 launcher such as `bwrap --seccomp FD` must still exec the worker after loading the first.

@@ -199,9 +199,7 @@ def _cells() -> list[Any]:
         for kind in KINDS:
             for op in OPERATIONS:
                 why = GAPS.get((provider, kind, op))
-                marks = (
-                    [pytest.mark.xfail(strict=True, raises=GapOpen, reason=why)] if why else []
-                )
+                marks = [pytest.mark.xfail(strict=True, raises=GapOpen, reason=why)] if why else []
                 cells.append(pytest.param(provider, kind, op, marks=marks))
     return cells
 
