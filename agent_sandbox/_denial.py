@@ -43,6 +43,8 @@ RULES: dict[str, str] = {
     "code.syntax": "syntax outside the policy's sub-language, or code that does not parse",
     "env": "a host environment variable the policy does not pass",
     "files.hidden": "a hidden name (`files.hide`); it looks absent",
+    "files.metadata": "changing a file's mode, owner, times or extended attributes under "
+    "the landlock provider, which refuses them all (Landlock cannot judge them)",
     "files.read": "reading, listing or stat-ing a path outside `files.read`",
     "files.transfer": "a session file put, get or remove refused: a name that is not one "
     "plain component of scratch (`..`, `/`, NUL), a link, not a regular file, an existing "

@@ -170,8 +170,12 @@ class FileRules:
         policy_name: str = "",
         policy_file: str = "",
         import_roots: Iterable[str] = (),
+        metadata_refused: bool = False,
     ) -> None:
         self.policy_name = policy_name
+        #: The provider's kernel layer refuses every metadata change (`landlock`: its
+        #: seccomp filter, `_seccomp.metadata_rules`); the guard says so as `files.metadata`.
+        self.metadata_refused = metadata_refused
         self.scratch = os.path.realpath(scratch) if scratch else ""
         self.control_dir = os.path.dirname(self.scratch) if self.scratch else ""
         self.policy_file = os.path.realpath(policy_file) if policy_file else ""
@@ -592,6 +596,46 @@ def _one_path(op: str, follow_default: bool = True, default: Any = None) -> Any:
     return wrapper
 
 
+def _metadata_wrapper(name: str, follow_default: bool, then: Any) -> Any:
+    """Wraps a metadata call (`then`: its path wrapper, or None): when the kernel layer
+    refuses every metadata change, the call is refused here with that rule, after the path
+    was judged as a write (a path outside the grants keeps its own rule)."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        rules = _rules
+        if rules is not None and rules.metadata_refused and _active():
+            target = args[0] if args else kwargs.get("path", kwargs.get("fd"))
+            follow = kwargs.get("follow_symlinks", follow_default)
+            target = check(WRITE, target, kwargs.get("dir_fd"), follow)
+            shown = (
+                f"<fd {target}>"
+                if isinstance(target, int)
+                else os.fsdecode(target)
+                if target is not None
+                else "?"
+            )
+            refuse(
+                FileAccessDenied,
+                Denial(
+                    rule="files.metadata",
+                    action=name,
+                    target=shown,
+                    policy=rules.policy_name,
+                    detail="the landlock provider refuses every change of a file's mode, "
+                    "owner, times or extended attributes (Landlock cannot judge them), "
+                    "inside the grants too",
+                    hint="copy contents only (shutil.copyfile instead of shutil.copy or "
+                    "copy2), or run under the bwrap or unshare provider",
+                ),
+                always=True,
+            )
+        if then is not None:
+            return then(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 def _two_paths(op1: str, op2: str) -> Any:
     """A wrapper for `f(src, dst, *, src_dir_fd=None, dst_dir_fd=None, ...)`."""
 
@@ -800,6 +844,19 @@ ONE_PATH: dict[str, tuple[str, bool]] = {
     "removexattr": (WRITE, True),
     "chroot": (WRITE, True),
 }
+#: Functions that change a file's metadata (path or descriptor): refused as `files.metadata`
+#: when the kernel layer refuses them all (`FileRules.metadata_refused`).
+METADATA: dict[str, bool] = {
+    "chmod": True,
+    "chown": True,
+    "lchown": False,
+    "lchmod": False,
+    "utime": True,
+    "setxattr": True,
+    "removexattr": True,
+    "fchmod": True,
+    "fchown": True,
+}
 #: Functions whose path defaults to "." when omitted.
 _DEFAULT_DOT = frozenset({"listdir", "scandir"})
 TWO_PATHS: dict[str, tuple[str, str]] = {
@@ -844,7 +901,13 @@ def install() -> None:
         for name, (op, follow) in ONE_PATH.items():
             if hasattr(module, name):
                 default = "." if name in _DEFAULT_DOT else None
-                _patch.wrap(module, name, _one_path(op, follow, default))
+                inner = _one_path(op, follow, default)
+                if name in METADATA:
+                    inner = _metadata_wrapper(name, follow, inner)
+                _patch.wrap(module, name, inner)
+        for name in ("fchmod", "fchown"):
+            if hasattr(module, name):
+                _patch.wrap(module, name, _metadata_wrapper(name, True, None))
         for name, (op1, op2) in TWO_PATHS.items():
             if hasattr(module, name):
                 _patch.wrap(module, name, _two_paths(op1, op2))

@@ -256,6 +256,9 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
             policy_name=name,
             policy_file=str(policy.get("source_file") or ""),
             import_roots=roots,
+            metadata_refused=bool(
+                ((boot.get("worker_setup") or {}).get("seccomp") or {}).get("metadata")
+            ),
         )
     )
     _imports.configure(_imports.ImportRules(policy.get("imports") or {}, name))

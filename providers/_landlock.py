@@ -15,6 +15,8 @@ while it still has a single thread (see `_inworker.py` for the order):
   ctypes `execve` of `/bin/sh` and `_posixsubprocess.fork_exec` fail with EACCES.
 * TCP bind and connect only to the ports the policy's `net.rules` allow (ABI 4 and later).
 * Abstract Unix sockets and signals scoped to the worker's own domain (ABI 6 and later).
+* Metadata changes (chmod, chown, utimes, extended attributes), which Landlock has no right
+  for: its seccomp filter refuses every one, inside the grants too (`_seccomp.metadata_rules`).
 
 What it does NOT enforce (see `docs/providers.md` for what covers each):
 
@@ -535,7 +537,9 @@ class LandlockProvider(Provider):
             "drop_caps": True,
             "landlock": landlock_setup(policy, spec, pins=pins, masks=find_masks(policy, spec)),
         }
-        setup.update(seccomp_setup(policy))
+        # Landlock has no right for metadata changes: the filter refuses them all (the
+        # second layer of `_matrix`'s chmod, chown, utime and xattr cells).
+        setup.update(seccomp_setup(policy, metadata=True))
         # NOTE: mounting needs CAP_SYS_ADMIN, which a root-run worker has until step 5 of
         # `_inworker`; a worker run by another user gets it over a mount namespace of its
         # own by entering a user namespace first (the probe checks that works here).

@@ -16,7 +16,7 @@ Grant kinds, for a target directory `T` holding a file `T/f`:
 
 from __future__ import annotations
 
-__all__ = ["EXPECTED", "GAPS", "KINDS", "OPERATIONS", "render_markdown"]
+__all__ = ["EXPECTED", "GAPS", "KINDS", "NARROWED", "OPERATIONS", "GapOpen", "render_markdown"]
 
 KINDS: tuple[str, ...] = ("read", "write", "scratch", "hidden", "deny", "none")
 
@@ -69,12 +69,10 @@ EXPECTED: dict[str, dict[str, bool]] = {
 }
 
 #: (provider, kind, operation) -> why that provider does not hold the cell today. Filled
-#: from the measured matrix; each is a strict xfail in the test.
-_LANDLOCK_META = (
-    "Landlock has no access right for metadata changes (chmod, chown, utimes, extended "
-    "attributes); under Landlock alone, with no mount namespace to bind the path read-only, "
-    "the owner of a file outside the writable grants can still change them"
-)
+#: from the measured matrix; each is a strict xfail in the test (`raises=GapOpen`).
+#: The chmod, chown, utime and xattr cells hold under `landlock` through its second layer:
+#: its seccomp filter refuses every metadata change (`_seccomp.metadata_rules`), inside the
+#: grants too, since Landlock has no right to judge them by.
 _LANDLOCK_NAMES = (
     "Landlock does not restrict stat, and a directory above a masked name is granted for "
     "listing, which Landlock applies to everything below it: names and metadata are "
@@ -82,17 +80,37 @@ _LANDLOCK_NAMES = (
 )
 GAPS: dict[tuple[str, str, str], str] = {
     **{
-        ("landlock", kind, op): _LANDLOCK_META
-        for kind in ("read", "hidden", "deny", "none")
-        for op in ("chmod", "chown", "utime", "setxattr", "removexattr")
-    },
-    **{
         ("landlock", kind, op): _LANDLOCK_NAMES
         for kind in ("hidden", "deny")
         for op in ("list", "stat")
     },
     ("landlock", "none", "stat"): _LANDLOCK_NAMES,
 }
+
+#: (provider, kind, operation) -> why an allowed cell is refused by that provider on
+#: purpose (a second layer that cannot tell the grants apart): the test expects the refusal.
+NARROWED: dict[tuple[str, str, str], str] = {
+    **{
+        ("landlock", kind, op): (
+            "The landlock provider's seccomp filter refuses every metadata change, inside the "
+            "grants too (Landlock has no right for them; the Python guard names "
+            "`files.metadata`)"
+        )
+        for kind in ("write", "scratch")
+        for op in ("chmod", "chown", "utime", "setxattr", "removexattr")
+    },
+    **{
+        ("gvisor", "write", op): (
+            "gVisor's file system for a host directory keeps no `user.` extended attributes "
+            "(ENOTSUP), in `files.write` too; its own scratch does"
+        )
+        for op in ("setxattr", "removexattr")
+    },
+}
+
+
+class GapOpen(AssertionError):
+    """A cell of the matrix that a provider does not hold (raised by the matrix test)."""
 
 
 def render_markdown() -> str:
@@ -110,6 +128,10 @@ def render_markdown() -> str:
                 if (k, o) == (kind, op):
                     n = reasons.setdefault(why, len(reasons) + 1)
                     cell += f" (not under {provider} alone [{n}])"
+            for (provider, k, o), why in NARROWED.items():
+                if (k, o) == (kind, op):
+                    n = reasons.setdefault(why, len(reasons) + 1)
+                    cell += f" (refused under {provider} [{n}])"
             cells.append(cell)
         lines.append(f"| `{op}`: {what} | " + " | ".join(cells) + " |")
     lines.append("")

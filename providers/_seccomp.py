@@ -19,6 +19,10 @@ fail with EPERM:
 
 A syscall of another ABI (x32, i386) kills the process (libseccomp's bad-arch action).
 
+With `metadata=True` (asked for by the `landlock` provider only) it also refuses every
+change of a file's mode, owner, times, extended attributes and inode flags, whatever the
+path or descriptor (`metadata_rules`): Landlock has no right for them.
+
 What it does NOT enforce: anything about paths, ports or hosts (Landlock and the namespace
 providers do that). `execve` is left to a second, separate program (`exec_rules`): a
 launcher such as `bwrap --seccomp FD` must still exec the worker after loading the first.
@@ -52,11 +56,13 @@ from agent_sandbox._errors import install_hint
 
 __all__ = [
     "DENIED_SYSCALLS",
+    "METADATA_SYSCALLS",
     "SeccompRule",
     "build_bpf",
     "exec_rules",
     "exec_setup",
     "grants_exec",
+    "metadata_rules",
     "probe_seccomp",
     "seccomp_rules",
     "seccomp_setup",
@@ -118,8 +124,47 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "userfaultfd",  # stalls the kernel at a chosen point: an exploit primitive
 )
 
-# NOTE: libseccomp 2.5.4 does not know these names; they are denied by x86_64 number.
-_RAW_X86_64 = {"statmount": 457, "listmount": 458, "open_tree_attr": 467}
+# NOTE: libseccomp 2.5.4 does not know these names; they are denied by number, which is the
+# same on x86_64 and aarch64 (the unified table from 424 on).
+_RAW_X86_64 = {
+    "statmount": 457,
+    "listmount": 458,
+    "open_tree_attr": 467,
+    "setxattrat": 463,
+    "removexattrat": 466,
+    "file_setattr": 469,
+}
+_RAW_ALWAYS = ("statmount", "listmount", "open_tree_attr")
+
+#: Calls that change a file's metadata (mode, owner, times, extended attributes, inode
+#: flags). Landlock has no access right for any of them, so under the `landlock` provider
+#: alone a file the worker's user owns outside `files.write` could be changed: the
+#: `landlock` provider refuses them all (`metadata_rules`). Path-based ones cannot be
+#: judged by a filter; descriptor-based ones need a descriptor Landlock judged, but one
+#: opened read-only is enough (`fchmod` on a read-granted file), and `fchownat` and
+#: `utimensat` take an `O_PATH` descriptor, which Landlock does not check at all.
+METADATA_SYSCALLS: tuple[str, ...] = (
+    "chmod",
+    "chown",
+    "fchmod",
+    "fchmodat",
+    "fchmodat2",
+    "fchown",
+    "fchownat",
+    "fremovexattr",
+    "fsetxattr",
+    "futimesat",
+    "lchown",
+    "lremovexattr",
+    "lsetxattr",
+    "removexattr",
+    "setxattr",
+    "utime",
+    "utimensat",
+    "utimes",
+)
+_FS_IOC_SETFLAGS = (0x40086602, 0x40046602)  # and FS_IOC32_SETFLAGS: chattr
+_FS_IOC_FSSETXATTR = 0x401C5820
 
 _CLONE_NEW_FLAGS = (
     0x00020000,  # CLONE_NEWNS
@@ -160,11 +205,27 @@ def _field(rule: Any, key: str) -> Any:
     return rule.get(key) if isinstance(rule, dict) else getattr(rule, key)
 
 
-def seccomp_rules(policy: Any) -> list[SeccompRule]:
-    """The whole rule table for `policy` (pure: nothing is built or applied)."""
+def metadata_rules() -> list[SeccompRule]:
+    """Every metadata change refused (the `landlock` provider's second layer; see
+    `METADATA_SYSCALLS`): the calls, the raw-numbered newer ones, and the inode-flag ioctls."""
+    eperm = errno.EPERM
+    rules = [SeccompRule(name, eperm) for name in METADATA_SYSCALLS]
+    rules += [SeccompRule(name, eperm) for name in ("file_setattr", "removexattrat", "setxattrat")]
+    rules += [
+        SeccompRule("ioctl", eperm, ((1, "eq", op, 0),))
+        for op in (*_FS_IOC_SETFLAGS, _FS_IOC_FSSETXATTR)
+    ]
+    return rules
+
+
+def seccomp_rules(policy: Any, *, metadata: bool = False) -> list[SeccompRule]:
+    """The whole rule table for `policy` (pure: nothing is built or applied); with
+    `metadata`, `metadata_rules()` too (the `landlock` provider asks for them)."""
     eperm = errno.EPERM
     rules = [SeccompRule(name, eperm) for name in DENIED_SYSCALLS]
-    rules += [SeccompRule(name, eperm) for name in sorted(_RAW_X86_64)]
+    rules += [SeccompRule(name, eperm) for name in _RAW_ALWAYS]
+    if metadata:
+        rules += metadata_rules()
     rules += [SeccompRule("clone", eperm, ((0, "masked_eq", f, f),)) for f in _CLONE_NEW_FLAGS]
     rules.append(SeccompRule("clone3", errno.ENOSYS))
     rules += [SeccompRule("ioctl", eperm, ((1, "eq", op, 0),)) for op in (_TIOCSTI, _TIOCLINUX)]
@@ -186,9 +247,9 @@ def seccomp_rules(policy: Any) -> list[SeccompRule]:
     return rules
 
 
-def build_bpf(policy: Any) -> bytes:
+def build_bpf(policy: Any, *, metadata: bool = False) -> bytes:
     """The rule table compiled to a raw BPF program (for prctl or `bwrap --seccomp FD`)."""
-    return _compile(tuple(seccomp_rules(policy)))
+    return _compile(tuple(seccomp_rules(policy, metadata=metadata)))
 
 
 #: The libraries pyseccomp looks up when it is imported, by the sonames the dynamic loader
@@ -248,7 +309,7 @@ def _compile(rules: tuple[SeccompRule, ...]) -> bytes:
         if rule.syscall in _RAW_X86_64:
             if sc.resolve_syscall(sc.system_arch(), rule.syscall) >= 0:
                 target = rule.syscall
-            elif os.uname().machine == "x86_64":
+            elif os.uname().machine in ("x86_64", "aarch64"):
                 target = _RAW_X86_64[rule.syscall]
             else:
                 continue
@@ -269,14 +330,17 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def seccomp_setup(policy: Any) -> dict[str, Any]:
+def seccomp_setup(policy: Any, *, metadata: bool = False) -> dict[str, Any]:
     """The `worker_setup` fragment: `{"seccomp": {"bpf": <base64>, "rules": n}}`, plus the
-    exec program of `exec_setup` when the policy grants no `process-exec`."""
-    bpf = build_bpf(policy)
-    return {
-        "seccomp": {"bpf": base64.b64encode(bpf).decode(), "rules": len(seccomp_rules(policy))},
-        **exec_setup(policy),
-    }
+    exec program of `exec_setup` when the policy grants no `process-exec`. With `metadata`
+    the filter refuses every metadata change too, and the fragment says so
+    (`"metadata": true`: the Python guard then explains the refusal as `files.metadata`)."""
+    bpf = build_bpf(policy, metadata=metadata)
+    count = len(seccomp_rules(policy, metadata=metadata))
+    fragment: dict[str, Any] = {"bpf": base64.b64encode(bpf).decode(), "rules": count}
+    if metadata:
+        fragment["metadata"] = True
+    return {"seccomp": fragment, **exec_setup(policy)}
 
 
 def grants_exec(policy: Any) -> bool:

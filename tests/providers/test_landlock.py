@@ -193,6 +193,7 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
         **({"user_ns": True} if os.geteuid() != 0 else {}),
     }
     assert plan.pass_fds == (5, 6)
+    assert plan.worker_setup["seccomp"]["metadata"] is True  # its second layer (_matrix)
 
 
 def test_verify_checks_refuses_a_worker_whose_report_lacks_a_restriction() -> None:
@@ -429,3 +430,63 @@ def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
     assert first["works"] is bool(first["audit_enabled"]) and first["reason"]
     assert probe_denial_logging(landlock_abi())["audit_enabled"] == first["audit_enabled"]
     assert probe_denial_logging(6)["reason"] == "Landlock ABI 6 < 7"
+
+
+_METADATA_CODE = r"""
+import json, os, shutil, tarfile, io
+out = {}
+with open("a.txt", "w") as fh:
+    fh.write("x")
+def t(name, f):
+    try:
+        f()
+        out[name] = "ok"
+    except PermissionError as exc:
+        out[name] = "PermissionError"
+t("copyfile", lambda: shutil.copyfile("a.txt", "b.txt"))
+t("copy", lambda: shutil.copy("a.txt", "c.txt"))
+t("copy2", lambda: shutil.copy2("a.txt", "d.txt"))
+t("chmod", lambda: os.chmod("a.txt", 0o600))
+t("utime", lambda: os.utime("a.txt"))
+def tar():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add("a.txt")
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as tf:
+        tf.extractall("x", filter="data")
+    assert open("x/a.txt").read() == "x"
+t("tar", tar)
+print(json.dumps(out))
+"""
+
+
+def test_metadata_changes_in_scratch_are_refused_with_a_readable_rule(
+    landlock: ProbeResult,
+) -> None:
+    """It refuses chmod, utime, shutil.copy and copy2 in scratch under the landlock provider
+    (its seccomp filter refuses every metadata change) and names `files.metadata` with a
+    hint; copying contents (shutil.copyfile) and extracting a tar archive (whose mode and
+    times tarfile only warns about) still work, and the refusal is in the trace."""
+    from agent_sandbox import Sandbox
+
+    policy = Policy(
+        name="p",
+        provider="landlock",
+        imports={"allow": ["json", "os", "shutil", "tarfile", "io"]},
+    )
+    with Sandbox(policy, warm=0) as sandbox:
+        result = sandbox.run(_METADATA_CODE)
+    assert result.error is None, result.error
+    assert json.loads(result.stdout) == {
+        "copyfile": "ok",
+        "copy": "PermissionError",
+        "copy2": "PermissionError",
+        "chmod": "PermissionError",
+        "utime": "PermissionError",
+        "tar": "ok",
+    }
+    meta = [d for d in result.denials if d.rule == "files.metadata"]
+    assert {d.action for d in meta} >= {"chmod", "utime"}
+    # The worker's hint arrives quoted in the detail (the host does not vouch for it).
+    assert all("shutil.copyfile" in d.detail for d in meta), meta

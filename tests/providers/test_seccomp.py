@@ -180,3 +180,104 @@ def test_exec_program_refuses_execve_and_execveat_without_a_process_grant() -> N
     assert "seccomp_exec" in exec_setup(by_function)
     granted = Policy(name="p", api={"allow": ["process-exec"]})
     assert exec_rules(granted) == [] and exec_setup(granted) == {}
+
+
+def test_metadata_rules_only_when_asked_and_exactly_these() -> None:
+    """It adds the metadata refusals (the landlock provider's second layer) only with
+    `metadata=True`, and then exactly: every path, *at and descriptor form, the newer
+    *xattrat and file_setattr calls, and the inode-flag ioctls."""
+    from agent_sandbox.providers._seccomp import METADATA_SYSCALLS, metadata_rules
+
+    plain = seccomp_rules(Policy(name="p"))
+    meta = seccomp_rules(Policy(name="p"), metadata=True)
+    assert [r for r in meta if r not in plain] == metadata_rules()
+    assert not {r.syscall for r in plain} & set(METADATA_SYSCALLS)
+    assert set(METADATA_SYSCALLS) == {
+        "chmod", "fchmod", "fchmodat", "fchmodat2",
+        "chown", "lchown", "fchown", "fchownat",
+        "utime", "utimes", "futimesat", "utimensat",
+        "setxattr", "lsetxattr", "fsetxattr",
+        "removexattr", "lremovexattr", "fremovexattr",
+    }  # fmt: skip
+    assert metadata_rules()[len(METADATA_SYSCALLS) :] == [
+        SeccompRule("file_setattr", EPERM),
+        SeccompRule("removexattrat", EPERM),
+        SeccompRule("setxattrat", EPERM),
+        SeccompRule("ioctl", EPERM, ((1, "eq", 0x40086602, 0),)),
+        SeccompRule("ioctl", EPERM, ((1, "eq", 0x40046602, 0),)),
+        SeccompRule("ioctl", EPERM, ((1, "eq", 0x401C5820, 0),)),
+    ]
+
+
+def test_only_the_landlock_provider_asks_for_the_metadata_rules(tmp_path: Path) -> None:
+    """It puts the metadata rules in the landlock worker's filter (and says so to the guard);
+    the namespace providers bind read-only instead and keep metadata in the grants open."""
+    from agent_sandbox.providers._seccomp import seccomp_setup
+
+    policy = Policy(name="p")
+    assert seccomp_setup(policy, metadata=True)["seccomp"]["metadata"] is True
+    assert "metadata" not in seccomp_setup(policy)["seccomp"]
+    assert seccomp_setup(policy, metadata=True)["seccomp"]["rules"] == len(
+        seccomp_rules(policy, metadata=True)
+    )
+
+
+_META_PROBE = r"""
+import base64, ctypes, json, os, sys
+from agent_sandbox.providers import _inworker
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    conv = [a if isinstance(a, bytes) else ctypes.c_long(a) for a in args]
+    rc = libc.syscall(ctypes.c_long(nr), *conv)
+    return 0 if rc >= 0 else ctypes.get_errno()
+path = sys.argv[2].encode()
+ro = os.open(path, os.O_RDONLY)
+opath = os.open(path, os.O_PATH)
+_inworker._prctl(38, 1)
+_inworker._load_seccomp(base64.b64decode(sys.argv[1]))
+st = os.stat(path)
+out = {
+    "chmod": call(90, path, 0o600), "fchmod_read_fd": call(91, ro, 0o600),
+    "fchmodat2_opath": call(452, opath, b"", 0o600, 0x1000),
+    "fchownat_opath": call(260, opath, b"", st.st_uid, st.st_gid, 0x1000),
+    "utimensat_null_path": call(280, ro, 0, 0, 0),
+    "utimensat_opath": call(280, opath, b"", 0, 0x1000),
+    "fsetxattr_read_fd": call(190, ro, b"user.x", b"1", 1, 0),
+    "setxattrat": call(463, -100, path, 0, 0, 0, 0),
+    "ioctl_setflags": call(16, ro, 0x40086602, 0),
+    "read": len(os.read(ro, 4)),
+}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="seccomp is Linux only")
+def test_metadata_filter_denies_every_form_in_the_kernel(tmp_path: Path) -> None:
+    """It denies chmod by path, fchmod through a read-only descriptor, fchmodat2, fchownat
+    and utimensat on an O_PATH descriptor (which Landlock never checks), futimens, fsetxattr,
+    setxattrat and chattr's ioctl, with EPERM; reading the descriptor still works."""
+    ok, why = probe_seccomp()
+    if not ok:
+        pytest.skip(why)
+    import base64
+    import os
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("the probe uses x86_64 syscall numbers")
+    target = tmp_path / "f"
+    target.write_text("data")
+    target.chmod(0o644)
+    bpf = base64.b64encode(build_bpf(Policy(name="p"), metadata=True)).decode()
+    proc = subprocess.run(
+        [sys.executable, "-c", _META_PROBE, bpf, str(target)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout)
+    assert out.pop("read") == 4  # the probe ran, with a working descriptor
+    assert out == dict.fromkeys(out, EPERM), out
+    assert len(out) == 9
+    assert target.stat().st_mode & 0o777 == 0o644
