@@ -190,3 +190,12 @@ def long_pickle_with_globals(count: int) -> bytes:
         out += b"h\x00J" + k.to_bytes(4, "little") + b"K\x07\x86R"
     out += b"e" + STOP
     return bytes(out)
+
+
+def sse_event(kind: str, data: bytes) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def empty_objects(count: int) -> bytes:
+    """`[{},{},...]`: 3 bytes of JSON per dict of 64 bytes once decoded."""
+    return b"[" + b"{}," * (count - 1) + b"{}]"

@@ -283,3 +283,64 @@ def test_an_unterminated_string_never_hides_values_of_valid_json() -> None:
     assert json_values(text, 0) == sum(blank.count(c) for c in b",[{") + 1 == 10
     with pytest.raises(ValueError):
         json.loads(hostile.escaped_quote_run(10, commas=3))
+
+
+def _host_parser() -> Any:
+    from agent_sandbox._host.intake.events import HostBounds
+    from agent_sandbox._host.intake.framing import SSEParser
+    from agent_sandbox._wire import value_budget
+
+    bounds = HostBounds()
+    caps = bounds.kind_caps()
+    return SSEParser(bounds.max_event_bytes(), caps, value_budget(caps["result"][0]))
+
+
+@pytest.mark.parametrize("kind", ["stdout", "image", "counts", "host_call"])
+def test_events_of_empty_objects_are_refused_before_decoding(kind: str) -> None:
+    """It denies the memory blow-up of decoding many small JSON values from an event that
+    is not an outcome (a 6 MB stdout event of `{}` decoded to about 160 MB): output must be
+    one JSON string, every other kind is counted against one value per 32 bytes of its cap
+    before it is decoded; the host's peak memory grows with the event, at most its size
+    again (N to 4N: at most 4.5x)."""
+    from agent_sandbox._errors import TransportError
+
+    from agent_sandbox._host.intake.events import HostBounds
+    from agent_sandbox._wire import value_budget
+
+    over = value_budget(HostBounds().kind_caps()[kind][0]) + 1000
+    sizes = (over, 4 * over) if kind != "stdout" else (200, 800)
+    peaks = []
+    for count in sizes:
+        data = hostile.sse_event(kind, hostile.empty_objects(count))
+        parser = _host_parser()
+        with pytest.raises(TransportError, match="JSON values|not one JSON string"):
+            parser.feed(data)
+        peaks.append(_peak(lambda d=data: _feed_quietly(d)))
+        assert peaks[-1] <= 2 * len(data) + 64 * 1024
+    assert peaks[1] / peaks[0] <= 4.5
+
+
+def _feed_quietly(data: bytes) -> None:
+    from agent_sandbox._errors import TransportError
+
+    try:
+        _host_parser().feed(data)
+    except TransportError:
+        pass
+
+
+def test_honest_events_still_decode_under_the_value_budgets() -> None:
+    """Output with every kind of character, an image and a host-tool request as the worker
+    and the code send them decode as before."""
+    import json
+
+    text = json.dumps('print,[{"x"}]\n\u2028\ud800' * 1000).encode()
+    image = json.dumps({"name": "a.png", "mime": "image/png", "data": "QUJD" * 10_000})
+    call = json.dumps({"tool": "t", "args": {"rows": [[k, str(k)] for k in range(1000)]}})
+    events = _host_parser().feed(
+        hostile.sse_event("stdout", text)
+        + hostile.sse_event("image", image.encode())
+        + hostile.sse_event("host_call", call.encode())
+    )
+    assert [kind for kind, _ in events] == ["stdout", "image", "host_call"]
+    assert events[0][1].startswith("print,[")
