@@ -136,7 +136,9 @@ def _intake_classes(cap: int) -> dict[str, tuple[bytes, Callable[[bytes], str]]]
     ev = hostile.sse_event
     out = cap // 4 * 6  # the output event's cap: 6 bytes of JSON per character kept
     pairs = (cap - 2 * 140_000) // 2
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
     one = ev("stdout", b'"x"')
     tb: dict[str, object] | None = None
     for _ in range(200):
@@ -146,7 +148,8 @@ def _intake_classes(cap: int) -> dict[str, tuple[bytes, Callable[[bytes], str]]]
     detail = "the name matches 'a' in [files] hide, so it looks absent " * 280
     denial = {"rule": "files.read", "action": "read", "target": "/t", "detail": detail[:16000]}
     denials = b"".join(
-        ev("denial", json.dumps({**denial, "target": f"/t{k}"}).encode()) for k in range(cap // 8000)
+        ev("denial", json.dumps({**denial, "target": f"/t{k}"}).encode())
+        for k in range(cap // 8000)
     )
     return {
         "escaped quotes, unterminated (JSON count)": (
@@ -181,9 +184,7 @@ def _intake_classes(cap: int) -> dict[str, tuple[bytes, Callable[[bytes], str]]]
         "image of base64 at the cap": (
             ev(
                 "image",
-                json.dumps(
-                    {"name": "a", "mime": "image/png", "data": "A" * (cap - 1024)}
-                ).encode(),
+                json.dumps({"name": "a", "mime": "image/png", "data": "A" * (cap - 1024)}).encode(),
             ),
             judged,
         ),

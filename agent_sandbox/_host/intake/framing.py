@@ -191,7 +191,8 @@ class SSEParser:
                 )
                 values = json_values(buf, budget, first, end)
                 if values > budget:
-                    setting = "limits.result_bytes" if kind in _STRUCTURED else "limits.output_bytes"
+                    structured = kind in _STRUCTURED
+                    setting = "limits.result_bytes" if structured else "limits.output_bytes"
                     raise MessageTooLarge(
                         f"one {kind} from the worker (counted in JSON values)",
                         values,

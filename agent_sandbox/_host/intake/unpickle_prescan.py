@@ -65,6 +65,7 @@ def check_deadline(deadline: float | None, what: str) -> None:
     if deadline is not None and _clock() >= deadline:
         raise DeadlinePassed(f"the call's deadline passed while the host was {what}")
 
+
 # -- budgets ----------------------------------------------------------------------------------
 
 

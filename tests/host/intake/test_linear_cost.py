@@ -265,8 +265,10 @@ def test_an_unterminated_string_of_escapes_costs_one_pass() -> None:
         matches = list(_JSON_STRING.finditer(data))
         assert len(matches) == 1 and matches[0].span() == (run, len(data))
         assert json_values(data, 1000) == 2002
-    memory = [_peak(lambda p=p: json_values(hostile.escaped_quote_run(p, 2000), 1000)) for p in (
-        100_000, 400_000)]
+    memory = [
+        _peak(lambda p=p: json_values(hostile.escaped_quote_run(p, 2000), 1000))
+        for p in (100_000, 400_000)
+    ]
     assert memory[1] / memory[0] <= 4.5
 
 
@@ -277,7 +279,7 @@ def test_an_unterminated_string_never_hides_values_of_valid_json() -> None:
 
     from agent_sandbox._wire import json_values
 
-    value = ["a,b", {"k\\\"[": ["\\", "x{y", 1]}, "\"", 2.5, None]
+    value = ["a,b", {'k\\"[': ["\\", "x{y", 1]}, '"', 2.5, None]
     text = json.dumps(value).encode()
     blank = json.dumps(["", {"": ["", "", 1]}, "", 2.5, None]).encode()  # strings emptied
     assert json_values(text, 0) == sum(blank.count(c) for c in b",[{") + 1 == 10
@@ -303,7 +305,6 @@ def test_events_of_empty_objects_are_refused_before_decoding(kind: str) -> None:
     before it is decoded; the host's peak memory grows with the event, at most its size
     again (N to 4N: at most 4.5x)."""
     from agent_sandbox._errors import TransportError
-
     from agent_sandbox._host.intake.events import HostBounds
     from agent_sandbox._wire import value_budget
 
@@ -313,7 +314,7 @@ def test_events_of_empty_objects_are_refused_before_decoding(kind: str) -> None:
     for count in sizes:
         data = hostile.sse_event(kind, hostile.empty_objects(count))
         parser = _host_parser()
-        with pytest.raises(TransportError, match="JSON values|not one JSON string"):
+        with pytest.raises(TransportError, match=r"JSON values|not one JSON string"):
             parser.feed(data)
         peaks.append(_peak(lambda d=data: _feed_quietly(d)))
         assert peaks[-1] <= 2 * len(data) + 64 * 1024
