@@ -170,3 +170,32 @@ def repeated_copying_call(items: int, calls: int) -> bytes:
         out += b"h\x01h\x00\x85R"
     out += b"e" + STOP
     return bytes(out)
+
+
+# -- the other intake paths: JSON events ---------------------------------------------------------
+
+
+def escaped_quote_run(pairs: int, commas: int = 140_000) -> bytes:
+    """A `result` event's data with more separators than the value budget (so the exact
+    count runs) and then one unterminated string of `pairs` escaped quotes: each `"` of
+    `"\\"\\"...` started a string match that ran to the end and failed (quadratic)."""
+    return b"[" + b"0," * commas + b'"' + b'\\"' * pairs
+
+
+def long_pickle_with_globals(count: int) -> bytes:
+    """A list of `count` `Fraction(k, 7)` (a global, so the Python prescan decides): about
+    7 opcodes each, for the call's deadline to stop part-way."""
+    out = bytearray(PROTO5 + short_str("fractions") + short_str("Fraction") + b"\x93\x940]\x94(")
+    for k in range(count):
+        out += b"h\x00J" + k.to_bytes(4, "little") + b"K\x07\x86R"
+    out += b"e" + STOP
+    return bytes(out)
+
+
+def sse_event(kind: str, data: bytes) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def empty_objects(count: int) -> bytes:
+    """`[{},{},...]`: 3 bytes of JSON per dict of 64 bytes once decoded."""
+    return b"[" + b"{}," * (count - 1) + b"{}]"

@@ -11,6 +11,7 @@ import binascii
 import dataclasses
 import re
 import struct
+import time
 from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import Denial, fold_detail, is_sensitive
@@ -83,7 +84,10 @@ class ResultBuilder:
     with an error is never ok.
 
     `policy` is the host's `Policy` (or only its name, for tests of the intake alone);
-    `wall` the call's effective wall time (for a timeout's hint).
+    `wall` the call's effective wall time (for a timeout's hint); `deadline` the call's
+    (a `time.monotonic` instant, `wall` from now by default): the long parses (an
+    objects-mode result, an exception's rich form) look at it as they go and stop with a
+    `TimeoutError` past it, which ends the call as its wall-clock limit does.
     """
 
     def __init__(
@@ -94,8 +98,12 @@ class ResultBuilder:
         *,
         bounds: HostBounds | None = None,
         call: int | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.decoder = decoder
+        if deadline is None and wall is not None:
+            deadline = time.monotonic() + wall
+        self.deadline = deadline
         if policy is None or isinstance(policy, str):
             self.host_policy: Any = None
             self.policy: str = policy or ""
@@ -433,7 +441,9 @@ class ResultBuilder:
 
     def _on_error(self, data: Any) -> tuple[str, Any]:
         hint = self._host_hint if self.host_policy is not None else None
-        self.error = check_error(data, self.decoder, self.notices, self.policy, hint=hint)
+        self.error = check_error(
+            data, self.decoder, self.notices, self.policy, hint=hint, deadline=self.deadline
+        )
         # The refusals the error carries (its exception chain's): the user's (`verdict()`).
         self._error_refusals = [self._check(r, nested=False) for r in data.get("refusals", ())]
         return "error", data
@@ -489,7 +499,7 @@ class ResultBuilder:
 
         decoder = self.decoder or Decoder(objects=False)
         try:
-            self.value = decoder.decode_value(data)
+            self.value = decoder.decode_value(data, self.deadline)
         except UnpickleRefused as exc:
             too_big = exc.budget == "max_bytes"
             denial = Denial(

@@ -52,6 +52,7 @@ def check_error(
     policy: str,
     *,
     hint: HintMaker | None = None,
+    deadline: float | None = None,
 ) -> RunError:
     """The worker's `error` event, judged: its shape, its kind, and the host's wording.
 
@@ -100,11 +101,14 @@ def check_error(
     elif "denial" in data:
         raise WorkerMisbehaved("the worker's error carries a denial but is not a refusal")
     fixed = {**data, "message": message}
-    return error_from_wire(fixed, decoder, notices)
+    return error_from_wire(fixed, decoder, notices, deadline)
 
 
 def error_from_wire(
-    data: dict[str, Any], decoder: Decoder | None = None, notices: list[str] | None = None
+    data: dict[str, Any],
+    decoder: Decoder | None = None,
+    notices: list[str] | None = None,
+    deadline: float | None = None,
 ) -> RunError:
     """Build a RunError from the worker's `error` event, tolerating missing fields.
 
@@ -124,18 +128,20 @@ def error_from_wire(
         rule=str(rule) if rule else None,
         line=opt_int(data.get("line")),
         column=opt_int(data.get("column")),
-        **_rebuild(data.get("exception"), decoder, notices),
+        **_rebuild(data.get("exception"), decoder, notices, deadline),
     )
 
 
-def _rebuild(payload: Any, decoder: Decoder | None, notices: list[str] | None) -> dict[str, Any]:
+def _rebuild(
+    payload: Any, decoder: Decoder | None, notices: list[str] | None, deadline: float | None
+) -> dict[str, Any]:
     if not isinstance(payload, dict):
         return {}
     from agent_sandbox._errors import UnpickleRefused
     from agent_sandbox._host.intake.unpickle import Decoder
 
     try:
-        rebuilt = (decoder or Decoder(objects=False)).rebuild_exception(payload)
+        rebuilt = (decoder or Decoder(objects=False)).rebuild_exception(payload, deadline)
     except UnpickleRefused as exc:
         if notices is not None:
             notices.append(f"the worker's exception could not be rebuilt: {exc.reason}")

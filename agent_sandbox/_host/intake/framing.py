@@ -2,9 +2,13 @@
 
 The format is `agent_sandbox._wire`. The parser caps the size of one event (per kind, once
 the kind line has arrived, so no event is buffered past its own cap), counts the JSON values
-of an outcome before decoding it, and turns anything malformed into a `TransportError`; it
-never evaluates what it reads. What an event may contain, in which order, and how much of it
-the host keeps is judged by `agent_sandbox._host.intake.events`.
+of every event but output before decoding it (an outcome against the result's budget, the
+others against one value per 32 bytes of their own cap), refuses output that is not one JSON
+string before decoding it, and turns anything malformed into a `TransportError`; it never
+evaluates what it reads. Decoded JSON costs more memory than its text (`[{},{}]` is 3 bytes
+per dict of 64), so without these a 6 MB output event of empty objects held about 160 MB.
+What an event may contain, in which order, and how much of it the host keeps is judged by
+`agent_sandbox._host.intake.events`.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import MessageTooLarge, TransportError
-from agent_sandbox._wire import EVENT_KINDS, json_values
+from agent_sandbox._wire import EVENT_KINDS, json_values, value_budget
 
 if TYPE_CHECKING:
     from agent_sandbox._wire import Event
 
 __all__ = ["KindCaps", "SSEParser", "valid_text"]
-#: The kinds whose data may be a large structure (the others are small and fixed-shape).
+#: The kinds whose data may be a large structure, counted against the result's budget.
 _STRUCTURED = frozenset({"result", "error"})
+#: The kinds whose data is one JSON string (one value, whatever its length).
+_TEXT = frozenset({"stdout", "stderr"})
 
 
 #: A per-kind cap: (largest event block in bytes, the policy setting that raises it).
@@ -59,6 +65,13 @@ class SSEParser:
             kind: (min(cap, max_event_bytes), setting)
             for kind, (cap, setting) in self._kind_caps.items()
         }
+        #: The JSON values one event of each other kind may hold (with a value budget).
+        self._budgets = {
+            kind: value_budget(cap)
+            for kind, (cap, _setting) in self._caps.items()
+            if kind not in _STRUCTURED and kind not in _TEXT
+        }
+        self._other_budget = value_budget(max_event_bytes)
 
     def reset(self) -> None:
         """Forget everything buffered: ready for the next response's stream."""
@@ -163,17 +176,29 @@ class SSEParser:
         return self._decode(kind, head + 7, end)
 
     def _decode(self, kind: str, first: int, end: int) -> Event:
-        """The event's data, `_buf[first:end]`: counted (a structured kind), then decoded."""
+        """The event's data, `_buf[first:end]`: counted (or checked to be one string), then
+        decoded."""
         buf = self._buf
-        if self._max_values is not None and kind in _STRUCTURED:
-            values = json_values(buf, self._max_values, first, end)
-            if values > self._max_values:
-                raise MessageTooLarge(
-                    f"one {kind} from the worker (counted in JSON values)",
-                    values,
-                    self._max_values,
-                    "limits.result_bytes",
+        if self._max_values is not None:
+            if kind in _TEXT:
+                if first >= end or buf[first] != 0x22:  # '"'; the decoder refuses a second value
+                    raise TransportError(f"the worker's {kind} event is not one JSON string")
+            else:
+                budget = (
+                    self._max_values
+                    if kind in _STRUCTURED
+                    else self._budgets.get(kind, self._other_budget)
                 )
+                values = json_values(buf, budget, first, end)
+                if values > budget:
+                    structured = kind in _STRUCTURED
+                    setting = "limits.result_bytes" if structured else "limits.output_bytes"
+                    raise MessageTooLarge(
+                        f"one {kind} from the worker (counted in JSON values)",
+                        values,
+                        budget,
+                        setting,
+                    )
         try:
             # Strict UTF-8 first: json.loads(bytes) would guess UTF-16/32 from the bytes and
             # import the codec the worker's bytes chose (found by fuzzing).

@@ -61,7 +61,7 @@ from agent_sandbox._errors import ChildException, UnpickleRefused
 from agent_sandbox._errors import SandboxDenied as _SandboxDenied
 from agent_sandbox._host.intake.events import quote
 from agent_sandbox._host.intake.unpickle_classes import _MAX_NAME, _NAME_RE, Allowlist, _resolve
-from agent_sandbox._host.intake.unpickle_prescan import Budgets, prescan
+from agent_sandbox._host.intake.unpickle_prescan import Budgets, check_deadline, prescan
 
 try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
     from agent_sandbox.guards import _fastscan
@@ -88,21 +88,27 @@ class _Reader:
     argument crosses the frame's end, drops the buffer's rest and reads on from here; the
     prescan refuses such streams (and frames inside frames), so over what it accepts the
     reads here cover the stream once, in order, and `consumed` ends at its length.
+
+    Each read looks at the call's deadline (the unpickler reads once per FRAME, or per
+    opcode outside frames), so a build that runs past it stops at its next read.
     """
 
-    __slots__ = ("_view", "consumed")
+    __slots__ = ("_view", "consumed", "deadline")
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, deadline: float | None = None) -> None:
         self._view = memoryview(data)
         self.consumed = 0
+        self.deadline = deadline
 
     def read(self, n: int = -1) -> bytes:
+        check_deadline(self.deadline, "building the result from its pickle")
         start = self.consumed
         end = len(self._view) if n is None or n < 0 else min(start + n, len(self._view))
         self.consumed = end
         return bytes(self._view[start:end])
 
     def readinto(self, buffer: Any) -> int:
+        check_deadline(self.deadline, "building the result from its pickle")
         target = memoryview(buffer).cast("B")
         chunk = self._view[self.consumed : self.consumed + len(target)]
         target[: len(chunk)] = chunk
@@ -126,16 +132,23 @@ class _Unpickler(pickle.Unpickler):
 
 
 def load_restricted(
-    data: bytes, allow: Allowlist | None = None, budgets: Budgets | None = None
+    data: bytes,
+    allow: Allowlist | None = None,
+    budgets: Budgets | None = None,
+    deadline: float | None = None,
 ) -> Any:
-    """Prescan `data`, then build it with the vetting `find_class`; the one entry point."""
+    """Prescan `data`, then build it with the vetting `find_class`; the one entry point.
+
+    `deadline` is the call's (a `time.monotonic` instant): past it, the prescan or the
+    build stops with `DeadlinePassed` (a `TimeoutError`; the caller kills the worker)."""
     allow = allow or Allowlist()
     data = bytes(data)
-    prescan(data, allow, budgets)
-    reader = _Reader(data)
+    prescan(data, allow, budgets, deadline)
+    check_deadline(deadline, "about to build the result from its pickle")
+    reader = _Reader(data, deadline)
     try:
         value = _Unpickler(reader, allow).load()
-    except UnpickleRefused:
+    except (UnpickleRefused, TimeoutError):
         raise
     except RecursionError:
         raise UnpickleRefused("the value nests too deeply to build") from None
@@ -192,8 +205,9 @@ class Decoder:
             policy=str(policy.name),
         )
 
-    def decode_value(self, data: dict[str, Any]) -> Any:
-        """The value of a `result` event carrying a pickle; raises UnpickleRefused."""
+    def decode_value(self, data: dict[str, Any], deadline: float | None = None) -> Any:
+        """The value of a `result` event carrying a pickle; raises UnpickleRefused, or
+        `DeadlinePassed` past `deadline` (the call's, a `time.monotonic` instant)."""
         if not self.objects:
             raise UnpickleRefused(
                 "the worker sent a pickle although the policy's result mode "
@@ -211,7 +225,7 @@ class Decoder:
             )
             if blob is not None:
                 return blob
-        return load_restricted(self._bytes(text), self.allow, self.budgets)
+        return load_restricted(self._bytes(text), self.allow, self.budgets, deadline)
 
     def _bytes(self, text: Any) -> bytes:
         if not isinstance(text, str):
@@ -231,14 +245,15 @@ class Decoder:
         except (binascii.Error, UnicodeEncodeError, ValueError):
             raise UnpickleRefused("the pickle is not valid base64") from None
 
-    def rebuild_exception(self, payload: Any) -> Rebuilt:
-        """The worker's exception as the host should raise it (see `Rebuilt`)."""
+    def rebuild_exception(self, payload: Any, deadline: float | None = None) -> Rebuilt:
+        """The worker's exception as the host should raise it (see `Rebuilt`); past
+        `deadline` (the call's) its rich form's decoding stops with `DeadlinePassed`."""
         notes: list[str] = []
-        exc, tb = self._rebuild(payload, notes, 0)
+        exc, tb = self._rebuild(payload, notes, 0, deadline)
         return Rebuilt(exc, tb, notes)
 
     def _rebuild(
-        self, payload: Any, notes: list[str], depth: int
+        self, payload: Any, notes: list[str], depth: int, deadline: float | None = None
     ) -> tuple[BaseException, types.TracebackType | None]:
         if not isinstance(payload, dict):
             raise UnpickleRefused("the exception payload is not an object")
@@ -250,7 +265,7 @@ class Decoder:
             exc = _denied(cls, desc)
         elif cls is not None and self.objects and isinstance(rich, dict) and "pickle" in rich:
             try:
-                args, state = self._args_state(rich["pickle"])
+                args, state = self._args_state(rich["pickle"], deadline)
                 exc = _construct(cls, args, state)
             except UnpickleRefused as refused:
                 notes.append(
@@ -274,7 +289,9 @@ class Decoder:
             for key in ("cause", "context"):
                 if isinstance(payload.get(key), dict):
                     try:
-                        chained, chained_tb = self._rebuild(payload[key], notes, depth + 1)
+                        chained, chained_tb = self._rebuild(
+                            payload[key], notes, depth + 1, deadline
+                        )
                     except UnpickleRefused:
                         continue
                     chained.__traceback__ = chained_tb
@@ -285,8 +302,10 @@ class Decoder:
             exc.__suppress_context__ = bool(payload.get("suppress_context"))
         return exc, tb
 
-    def _args_state(self, text: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        value = load_restricted(self._bytes(text), self.allow, self.budgets)
+    def _args_state(
+        self, text: Any, deadline: float | None = None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        value = load_restricted(self._bytes(text), self.allow, self.budgets, deadline)
         if (
             not isinstance(value, tuple)
             or len(value) != 2

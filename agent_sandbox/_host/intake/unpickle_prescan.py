@@ -18,6 +18,7 @@ import dataclasses
 import operator
 import struct
 import sys
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,28 @@ try:  # the C prescan of plain-data streams and strict base64 (optional: setup.p
 except ImportError:  # pragma: no cover - built by `pip install -e .`
     _fastscan = None  # type: ignore[assignment]
 
-__all__ = ["Budgets", "prescan"]
+__all__ = ["Budgets", "DeadlinePassed", "check_deadline", "prescan"]
+
+#: Opcodes the Python scan runs between two looks at the call's deadline (about 4 ms of
+#: scanning here): a stream of any size is stopped within one such stretch of its deadline.
+DEADLINE_EVERY = 4096
+#: The clock the deadline is read from (the transport's: `time.monotonic`); tests count
+#: its reads instead of waiting on it.
+_clock = time.monotonic
+
+
+class DeadlinePassed(TimeoutError):
+    """The call's deadline passed while the host was still decoding what the worker sent.
+
+    A `TimeoutError`, on purpose: the transport and the worker treat it as the call's
+    wall-clock limit (`limits.timeout`): the reading stops, the worker is killed."""
+
+
+def check_deadline(deadline: float | None, what: str) -> None:
+    """Raise `DeadlinePassed` when `deadline` (a `time.monotonic` instant) is behind us."""
+    if deadline is not None and _clock() >= deadline:
+        raise DeadlinePassed(f"the call's deadline passed while the host was {what}")
+
 
 # -- budgets ----------------------------------------------------------------------------------
 
@@ -144,10 +166,14 @@ _STATE_DUNDERS = frozenset(
 class _Scan:
     """One symbolic run of a stream (see `prescan`)."""
 
-    def __init__(self, data: bytes, allow: Allowlist, budgets: Budgets) -> None:
+    def __init__(
+        self, data: bytes, allow: Allowlist, budgets: Budgets, deadline: float | None = None
+    ) -> None:
         self.data = data
         self.allow = allow
         self.b = budgets
+        self.deadline = deadline
+        self.checks = 0  # looks at the deadline so far (tests count them)
         self.stack: list[_Val] = []
         self.meta: list[list[_Val]] = []
         self.memo: list[_Val] = []
@@ -164,6 +190,13 @@ class _Scan:
                 pos,
                 "max_copied",
             )
+
+    def next_check(self, ops: int) -> int:
+        """The opcode count at which `run` next looks at its budget and deadline."""
+        budget = self.b.max_opcodes + 1 if self.b.max_opcodes < len(self.data) else sys.maxsize
+        if self.deadline is None:
+            return budget
+        return min(budget, ops + DEADLINE_EVERY)
 
     def refuse(self, why: str, pos: int, budget: str | None = None) -> UnpickleRefused:
         return UnpickleRefused(f"{why} (at byte {pos})", budget=budget)
@@ -272,9 +305,11 @@ class _Scan:
         unpack = struct.unpack_from
         stack_push = self.push
         memo = self.memo
-        # Every opcode takes at least one byte, so the opcode budget only needs counting
-        # when it is smaller than the stream.
-        count_ops = b.max_opcodes < n
+        # One comparison per opcode: `next_check` is the next opcode count at which the
+        # opcode budget or the call's deadline (every DEADLINE_EVERY opcodes) is looked at.
+        # Every opcode takes at least one byte, so without a deadline the opcode budget only
+        # needs looking at when it is smaller than the stream.
+        next_check = self.next_check(0)
         # One reading of the bytes: the end of the current FRAME (-1 outside one). An opcode
         # whose argument crosses a frame's end, or a FRAME inside a frame, is read
         # differently by a file-fed unpickler (which drops the frame's rest and reads on)
@@ -289,10 +324,13 @@ class _Scan:
                     raise self.refuse("an opcode crosses the end of its FRAME", frame_end)
             if pos >= n:
                 raise self.refuse("the stream ends before STOP", pos)
-            if count_ops:
-                ops += 1
+            ops += 1
+            if ops >= next_check:
                 if ops > b.max_opcodes:
                     raise self.refuse(f"more than {b.max_opcodes} opcodes", pos, "max_opcodes")
+                self.checks += 1
+                check_deadline(self.deadline, f"scanning the result's pickle (at byte {pos})")
+                next_check = self.next_check(ops)
             op = data[pos]
             at = pos
             pos += 1
@@ -593,17 +631,23 @@ _OPCODE_NAMES = {
 
 
 def prescan(
-    data: bytes, allow: Allowlist | None = None, budgets: Budgets | None = None
+    data: bytes,
+    allow: Allowlist | None = None,
+    budgets: Budgets | None = None,
+    deadline: float | None = None,
 ) -> set[str]:
     """Check a stream before anything is built; return the globals it names.
 
     Raises `UnpickleRefused` naming the opcode, the global or the budget at fault. A stream
     of plain data (no globals) is first offered to the C prescan (`guards/_fastscan.c`),
     which accepts only what this Python scan accepts and answers "not sure" for everything
-    else; then this scan runs and decides.
+    else; then this scan runs and decides. Past `deadline` (a `time.monotonic` instant, the
+    call's) the scan stops with `DeadlinePassed`: the C prescan is linear and fast (about
+    50 ms at the 4 MB cap), the Python one is looked at every `DEADLINE_EVERY` opcodes.
     """
     data = bytes(data)
     budgets = budgets or Budgets()
+    check_deadline(deadline, "about to scan the result's pickle")
     if _fastscan is not None and _fastscan.prescan_data(
         data,
         budgets.max_bytes,
@@ -614,14 +658,17 @@ def prescan(
         budgets.max_same_hash,
     ):
         return set()
-    return python_prescan(data, allow, budgets)
+    return python_prescan(data, allow, budgets, deadline)
 
 
 def python_prescan(
-    data: bytes, allow: Allowlist | None = None, budgets: Budgets | None = None
+    data: bytes,
+    allow: Allowlist | None = None,
+    budgets: Budgets | None = None,
+    deadline: float | None = None,
 ) -> set[str]:
     """`prescan` without the C fast path (the reference the C prescan is tested against)."""
-    scan = _Scan(bytes(data), allow or Allowlist(), budgets or Budgets())
+    scan = _Scan(bytes(data), allow or Allowlist(), budgets or Budgets(), deadline)
     try:
         scan.run()
     except UnpickleRefused:

@@ -176,3 +176,172 @@ def test_streams_without_sharing_stay_far_below_the_copy_budget() -> None:
     scan = unpickle_prescan._Scan(data, unpickle_prescan.Allowlist(), Budgets())
     scan.run()
     assert 0 < scan.copied <= 2 * len(data)
+
+
+# -- the call's deadline inside long parses ----------------------------------------------------
+
+
+class _StepClock:
+    """A clock that moves one second per read: the deadline is counted in looks, not waited."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return float(self.reads)
+
+
+def test_the_deadline_stops_a_long_prescan_part_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It denies a long objects-mode result the host's time past the call's deadline: the
+    Python prescan looks at the deadline every DEADLINE_EVERY opcodes and stops at the first
+    look past it, so a stream of any size costs at most one stretch past the deadline."""
+    clock = _StepClock()
+    monkeypatch.setattr(unpickle_prescan, "_clock", clock)
+    data = hostile.long_pickle_with_globals(100_000)  # about 500,000 opcodes
+    scan = unpickle_prescan._Scan(data, unpickle_prescan.Allowlist(), Budgets(), deadline=3.0)
+    with pytest.raises(unpickle_prescan.DeadlinePassed, match="scanning the result's pickle"):
+        scan.run()
+    assert clock.reads == 3 and scan.checks == 3  # stopped at the third look, the first past it
+    # ... after 3 stretches of opcodes, far from the stream's end (at most 8 bytes an opcode).
+    with pytest.raises(unpickle_prescan.DeadlinePassed) as passed:
+        clock.reads = 0
+        load_restricted(data, None, Budgets(), deadline=3.0)
+    at = int(str(passed.value).rsplit("at byte ", 1)[1].rstrip(")"))
+    assert at <= 3 * unpickle_prescan.DEADLINE_EVERY * 8 < len(data) // 4
+    # Without a deadline, or before it, the same stream loads.
+    assert len(load_restricted(data, None, Budgets())) == 100_000
+
+
+def test_the_deadline_stops_the_build_at_its_next_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It denies the build (the C unpickler) time past the deadline: the reader it pulls
+    its frames from looks at the deadline on every read."""
+    from agent_sandbox._host.intake.unpickle import _Reader
+
+    clock = _StepClock()
+    monkeypatch.setattr(unpickle_prescan, "_clock", clock)
+    reader = _Reader(b"\x80\x05N.", deadline=2.0)
+    assert reader.read(2) == b"\x80\x05"  # the first look: before the deadline
+    with pytest.raises(TimeoutError):
+        reader.read(1)
+
+
+def test_a_result_decoded_past_the_deadline_ends_the_call_as_a_timeout(
+    monkeypatch: pytest.MonkeyPatch, objects_sandbox: Any
+) -> None:
+    """It denies a worker's result the host's time past the call's deadline, end to end:
+    the decode stops, the call ends with `limits.timeout` and the worker is killed (its
+    variables are lost), as when the call itself runs too long. The host's clock for the
+    decode is made to be past the deadline as soon as the result arrives."""
+    with objects_sandbox.session("deadline") as session:
+        session.run("import fractions\nkept = 1").raise_error()
+        monkeypatch.setattr(unpickle_prescan, "_clock", lambda: float("inf"))
+        result = session.run("[fractions.Fraction(k, 7) for k in range(2000)]")
+        monkeypatch.undo()
+        assert result.error is not None and result.error.rule == "limits.timeout"
+        assert result.value is None
+        after = session.run("kept")
+        assert after.error is not None and "kept" in after.error.message  # a fresh worker
+
+
+# -- JSON events -------------------------------------------------------------------------------
+
+
+def test_an_unterminated_string_of_escapes_costs_one_pass() -> None:
+    """It denies the quadratic count of a JSON event's values: with more separators than the
+    budget the count removes strings with a regular expression, and each `"` of an
+    unterminated `"\\"\\"...` used to start a match that ran to the end and failed. Now a
+    match never fails: one match covers the whole run (the work is one pass), and the old
+    pattern's failure is shown."""
+    import re
+
+    from agent_sandbox._wire import _JSON_STRING, json_values
+
+    old = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+    for pairs in (1000, 4000):
+        data = hostile.escaped_quote_run(pairs, commas=2000)
+        run = data.index(b'"')
+        assert old.match(data, run) is None  # the old pattern failed here, at every `"`
+        matches = list(_JSON_STRING.finditer(data))
+        assert len(matches) == 1 and matches[0].span() == (run, len(data))
+        assert json_values(data, 1000) == 2002
+    memory = [
+        _peak(lambda p=p: json_values(hostile.escaped_quote_run(p, 2000), 1000))
+        for p in (100_000, 400_000)
+    ]
+    assert memory[1] / memory[0] <= 4.5
+
+
+def test_an_unterminated_string_never_hides_values_of_valid_json() -> None:
+    """The exact count is unchanged for valid JSON (strings with escapes, separators inside
+    strings), and an unterminated string is invalid JSON, which the decoder refuses."""
+    import json
+
+    from agent_sandbox._wire import json_values
+
+    value = ["a,b", {'k\\"[': ["\\", "x{y", 1]}, '"', 2.5, None]
+    text = json.dumps(value).encode()
+    blank = json.dumps(["", {"": ["", "", 1]}, "", 2.5, None]).encode()  # strings emptied
+    assert json_values(text, 0) == sum(blank.count(c) for c in b",[{") + 1 == 10
+    with pytest.raises(ValueError):
+        json.loads(hostile.escaped_quote_run(10, commas=3))
+
+
+def _host_parser() -> Any:
+    from agent_sandbox._host.intake.events import HostBounds
+    from agent_sandbox._host.intake.framing import SSEParser
+    from agent_sandbox._wire import value_budget
+
+    bounds = HostBounds()
+    caps = bounds.kind_caps()
+    return SSEParser(bounds.max_event_bytes(), caps, value_budget(caps["result"][0]))
+
+
+@pytest.mark.parametrize("kind", ["stdout", "image", "counts", "host_call"])
+def test_events_of_empty_objects_are_refused_before_decoding(kind: str) -> None:
+    """It denies the memory blow-up of decoding many small JSON values from an event that
+    is not an outcome (a 6 MB stdout event of `{}` decoded to about 160 MB): output must be
+    one JSON string, every other kind is counted against one value per 32 bytes of its cap
+    before it is decoded; the host's peak memory grows with the event, at most its size
+    again (N to 4N: at most 4.5x)."""
+    from agent_sandbox._errors import TransportError
+    from agent_sandbox._host.intake.events import HostBounds
+    from agent_sandbox._wire import value_budget
+
+    over = value_budget(HostBounds().kind_caps()[kind][0]) + 1000
+    sizes = (over, 4 * over) if kind != "stdout" else (200, 800)
+    peaks = []
+    for count in sizes:
+        data = hostile.sse_event(kind, hostile.empty_objects(count))
+        parser = _host_parser()
+        with pytest.raises(TransportError, match=r"JSON values|not one JSON string"):
+            parser.feed(data)
+        peaks.append(_peak(lambda d=data: _feed_quietly(d)))
+        assert peaks[-1] <= 2 * len(data) + 64 * 1024
+    assert peaks[1] / peaks[0] <= 4.5
+
+
+def _feed_quietly(data: bytes) -> None:
+    from agent_sandbox._errors import TransportError
+
+    try:
+        _host_parser().feed(data)
+    except TransportError:
+        pass
+
+
+def test_honest_events_still_decode_under_the_value_budgets() -> None:
+    """Output with every kind of character, an image and a host-tool request as the worker
+    and the code send them decode as before."""
+    import json
+
+    text = json.dumps('print,[{"x"}]\n\u2028\ud800' * 1000).encode()
+    image = json.dumps({"name": "a.png", "mime": "image/png", "data": "QUJD" * 10_000})
+    call = json.dumps({"tool": "t", "args": {"rows": [[k, str(k)] for k in range(1000)]}})
+    events = _host_parser().feed(
+        hostile.sse_event("stdout", text)
+        + hostile.sse_event("image", image.encode())
+        + hostile.sse_event("host_call", call.encode())
+    )
+    assert [kind for kind, _ in events] == ["stdout", "image", "host_call"]
+    assert events[0][1].startswith("print,[")
