@@ -156,6 +156,45 @@ def test_a_link_planted_at_the_template_log_is_not_written_through(
         return str(folder)
 
     monkeypatch.setattr(templates.tempfile, "mkdtemp", mkdtemp)
-    with pytest.raises(HostFileRefused, match="template.log"):
+    with pytest.raises(HostFileRefused, match=r"template\.log"):
         templates.WorkerTemplate.start(Policy(name="t"), get_provider("subprocess"), timeout=10)
     assert made and victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_link_planted_at_a_vms_limit_report_is_not_read_through(
+    tmp_path: Path, plant: str
+) -> None:
+    """It denies steering the host's read of a VM's limit report (`guest-limits.json` in
+    the run directory, which QEMU can write): a symlink to a file of counters is not
+    followed (no hit), and a FIFO neither blocks the host nor counts."""
+    from agent_sandbox.providers._limits import GuestLimits
+
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"pids_max": 3}')
+    report = tmp_path / "guest-limits.json"
+    if plant == "symlink":
+        report.symlink_to(victim)
+    else:
+        os.mkfifo(report)
+    guest = GuestLimits(str(report), launcher_pid=2**22 + 1)  # no such process
+    assert guest.new_hits(Policy(name="t", limits={"processes": 4})) == []
+    report.unlink()
+    report.write_text('{"pids_max": 3}')  # the control case: the relay's own file counts
+    assert [r for r, _ in guest.new_hits(Policy(name="t", limits={"processes": 4}))] == [
+        "limits.processes"
+    ]
+
+
+def test_the_vm_relay_never_writes_its_limit_report_through_a_link(tmp_path: Path) -> None:
+    """It denies redirecting the host relay's write of `guest-limits.json`: a link at its
+    temporary name is refused (ELOOP), the victim unchanged."""
+    from agent_sandbox.providers import _qemu_host
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    report = tmp_path / "guest-limits.json"
+    (tmp_path / "guest-limits.json.tmp").symlink_to(victim)
+    with pytest.raises(OSError):
+        _qemu_host._write_limits(str(report), b'{"pids_max": 1}')
+    assert victim.read_text() == "precious\n" and not report.exists()
