@@ -18,6 +18,7 @@ CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from agent_sandbox._errors import install_hint
@@ -33,6 +34,7 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the ins
 from crewai.tools import BaseTool
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from agent_sandbox._host.files import FileInfo
 from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
@@ -95,6 +97,8 @@ class SandboxedPythonTool(BaseTool):
     """Live interpreters kept at most; beyond it the least recently used one is closed."""
     session_ttl: float = 1800.0
     """Seconds an idle session lives before it is closed."""
+    return_files: bool = False
+    """Fetch the bytes of the files each call wrote into `last_files` (base64)."""
     mode: Literal["enforce", "learn"] = "enforce"
     """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
     `agent_sandbox._tools.learn.propose.Learner`; write it with `tool.learner.write()`)."""
@@ -109,6 +113,7 @@ class SandboxedPythonTool(BaseTool):
 
     #: The last `RunResult` (for inspection in notebooks and tests).
     _last: RunResult | None = PrivateAttr(default=None)
+    _last_files: list[dict[str, Any]] = PrivateAttr(default_factory=list)
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -168,11 +173,51 @@ class SandboxedPythonTool(BaseTool):
         """Stop every worker of this tool; a later call starts new ones."""
         self._runner.close()
 
+    def put_file(
+        self,
+        name: str,
+        data: bytes | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """Upload: place `data` (or the host file `source`) in the tool's interpreter's
+        scratch, where the agent's code reads it as `name` (`Session.put_file`)."""
+        return self._runner.put_file(name, data, source=source, overwrite=overwrite)
+
+    def get_file(self, name: str) -> bytes:
+        """Download: a file the code wrote in the tool's scratch (`Session.get_file`)."""
+        return self._runner.get_file(name)
+
+    def list_files(self) -> list[FileInfo]:
+        return self._runner.list_files()
+
+    @property
+    def last_files(self) -> list[dict[str, Any]]:
+        """The files the most recent call wrote (`name`, `size`, and with `return_files`
+        their bytes as `base64`, or the refusal that kept them)."""
+        return list(self._last_files)
+
     def _run(self, code: str) -> Any:
-        return self._present(self._runner.run(code))
+        result = self._runner.run(code)
+        self._collect(result)
+        return self._present(result)
 
     async def _arun(self, code: str) -> Any:
-        return self._present(await self._runner.arun(code))
+        result = await self._runner.arun(code)
+        if self.return_files and result.files:
+            import asyncio
+
+            await asyncio.to_thread(self._collect, result)
+        else:
+            self._collect(result)
+        return self._present(result)
+
+    def _collect(self, result: RunResult) -> None:
+        if self.return_files:
+            self._last_files = self._runner.produced_files(result)
+        else:
+            self._last_files = [dict(f) for f in result.files]
 
     def _present(self, result: RunResult) -> Any:
         self._last = result

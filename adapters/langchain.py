@@ -25,6 +25,7 @@ result (`boundary`) and the LangSmith metadata (`sandbox.boundary`) name the bou
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -44,6 +45,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from agent_sandbox._host.files import FileInfo
 from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
@@ -121,6 +123,9 @@ class SandboxedPythonTool(BaseTool):
     """Per-call wall-time override in seconds (default: the policy's `limits.wall_seconds`)."""
     stream_output: bool = True
     """Send live stdout/stderr through LangGraph's stream writer when there is one."""
+    return_files: bool = False
+    """Put the bytes of the files each call wrote (base64, each within `limits.transfer_mb`)
+    in the artifact's `file_contents`; `files` always lists their names and sizes."""
     mode: Literal["enforce", "learn"] = "enforce"
     """`"learn"`: run in the learning envelope; `learner` collects a proposed policy (see
     `agent_sandbox._tools.learn.propose.Learner`; write it with `tool.learner.write()`)."""
@@ -175,13 +180,36 @@ class SandboxedPythonTool(BaseTool):
         """Keys of the live sessions (`thread:<id>`, or `tool`)."""
         return self._runner.sessions()
 
-    def reset(self, thread_id: str | None = None) -> None:
+    def reset(self, thread_id: object = None) -> None:
         """Forget the interpreter of a conversation thread (or of the tool's own session)."""
         self._runner.reset(thread_id)
 
     def close(self) -> None:
         """Stop every worker of this tool; a later call starts new ones."""
         self._runner.close()
+
+    def put_file(
+        self,
+        name: str,
+        data: bytes | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        thread_id: object = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """Upload: place `data` (or the host file `source`) in the scratch of `thread_id`'s
+        interpreter (the tool's own with `session="tool"`), where the model's code reads it
+        as `name`. Bounded and refused as `Session.put_file`."""
+        return self._runner.put_file(
+            name, data, source=source, thread_id=thread_id, overwrite=overwrite
+        )
+
+    def get_file(self, name: str, *, thread_id: object = None) -> bytes:
+        """Download: a file the code wrote in `thread_id`'s scratch (`Session.get_file`)."""
+        return self._runner.get_file(name, thread_id=thread_id)
+
+    def list_files(self, *, thread_id: object = None) -> list[FileInfo]:
+        return self._runner.list_files(thread_id=thread_id)
 
     # -- running -----------------------------------------------------------------------
 
@@ -192,8 +220,10 @@ class SandboxedPythonTool(BaseTool):
         config: RunnableConfig,
         run_manager: CallbackManagerForToolRun | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        result = self._runner.run(code, thread_id=_thread_id(config), on_event=self._live_writer())
-        return self._finish(result, _dispatch_sync)
+        thread_id = _thread_id(config)
+        result = self._runner.run(code, thread_id=thread_id, on_event=self._live_writer())
+        content, artifact = self._finish(result, _dispatch_sync)
+        return content, self._with_files(artifact, result, thread_id)
 
     async def _arun(
         self,
@@ -201,13 +231,24 @@ class SandboxedPythonTool(BaseTool):
         config: RunnableConfig,
         run_manager: AsyncCallbackManagerForToolRun | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        result = await self._runner.arun(
-            code, thread_id=_thread_id(config), on_event=self._live_writer()
-        )
+        thread_id = _thread_id(config)
+        result = await self._runner.arun(code, thread_id=thread_id, on_event=self._live_writer())
         out, payload = self._classify(result)
         if payload is not None:
             await _dispatch_async(payload)
-        return self._respond(out, result)
+        content, artifact = self._respond(out, result)
+        if self.return_files and result.files:
+            import asyncio
+
+            artifact = await asyncio.to_thread(self._with_files, artifact, result, thread_id)
+        return content, artifact
+
+    def _with_files(
+        self, artifact: dict[str, Any], result: RunResult, thread_id: object
+    ) -> dict[str, Any]:
+        if self.return_files and result.files:
+            artifact["file_contents"] = self._runner.produced_files(result, thread_id)
+        return artifact
 
     def _finish(
         self, result: RunResult, dispatch: Callable[[dict[str, Any]], None]
@@ -252,12 +293,12 @@ class SandboxedPythonTool(BaseTool):
         return on_event
 
 
-def _thread_id(config: RunnableConfig | None) -> str | None:
+def _thread_id(config: RunnableConfig | None) -> object:
+    """The config's `thread_id` as given (its type is part of the session key)."""
     if not config:
         return None
     configurable = config.get("configurable") or {}
-    tid = configurable.get("thread_id")
-    return str(tid) if tid is not None else None
+    return configurable.get("thread_id")
 
 
 def _stream_writer() -> Callable[[Any], None] | None:

@@ -23,6 +23,7 @@ from agent_sandbox._errors import ChildException as ChildException
 from agent_sandbox._errors import CodeRejected as CodeRejected
 from agent_sandbox._errors import EnvDenied as EnvDenied
 from agent_sandbox._errors import FileAccessDenied as FileAccessDenied
+from agent_sandbox._errors import FileTransferRefused as FileTransferRefused
 from agent_sandbox._errors import HiddenPathDenied as HiddenPathDenied
 from agent_sandbox._errors import ImportDenied as ImportDenied
 from agent_sandbox._errors import LearningError as LearningError
@@ -70,6 +71,7 @@ _reach_the_installed_layout()
 # The rest loads on first use (PEP 562): `import agent_sandbox` alone imports neither the
 # learning code nor pydantic and the policy models; type checkers see the names below.
 if _typing.TYPE_CHECKING:
+    from agent_sandbox._host.files import FileInfo as FileInfo
     from agent_sandbox._host.oplog import log_refusals as log_refusals
     from agent_sandbox._host.result import Image as Image
     from agent_sandbox._host.result import RunError as RunError
@@ -87,6 +89,7 @@ if _typing.TYPE_CHECKING:
 
 _LAZY = {
     "log_refusals": "agent_sandbox._host.oplog",
+    "FileInfo": "agent_sandbox._host.files",
     "Image": "agent_sandbox._host.result",
     "RunError": "agent_sandbox._host.result",
     "RunResult": "agent_sandbox._host.result",
@@ -127,6 +130,8 @@ __all__ = [
     "Denial",
     "EnvDenied",
     "FileAccessDenied",
+    "FileInfo",
+    "FileTransferRefused",
     "HiddenPathDenied",
     "Image",
     "ImportDenied",

@@ -21,6 +21,8 @@ __all__ = [
     "LEARNED",
     "USER",
     "RULES",
+    "fold_detail",
+    "is_sensitive",
     "rule_doc",
 ]
 
@@ -42,6 +44,9 @@ RULES: dict[str, str] = {
     "env": "a host environment variable the policy does not pass",
     "files.hidden": "a hidden name (`files.hide`); it looks absent",
     "files.read": "reading, listing or stat-ing a path outside `files.read`",
+    "files.transfer": "a session file put, get or remove refused: a name that is not one "
+    "plain component of scratch (`..`, `/`, NUL), a link, not a regular file, an existing "
+    "name without `overwrite`, or a file that changed while it was read",
     "files.write": "writing, creating, deleting or renaming outside `files.write`",
     "guard.tampered": "a guard was disarmed, replaced or displaced; the worker is discarded",
     "imports": "an import of a module outside `imports.allow`",
@@ -56,6 +61,7 @@ RULES: dict[str, str] = {
     "limits.result": "a result larger than `limits.result_bytes`",
     "limits.scratch": "the scratch directory filled past `limits.scratch_mb`",
     "limits.timeout": "wall time above `limits.wall_seconds`",
+    "limits.transfer": "a session file larger than `limits.transfer_mb`",
     "net.bind": "binding or listening on an address outside `net.rules`",
     "net.connect": "connecting or sending to an address outside `net.rules`",
     "net.resolve": "resolving a host name that no `net.rules` entry names",
@@ -63,6 +69,8 @@ RULES: dict[str, str] = {
     "nothing was run and the session is kept",
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
+    "tools": "a call to a host tool that `tools.allow` does not list",
+    "tools.timeout": "a host tool that did not return within `tools.timeout_seconds`",
     "worker.crashed": "the worker process died during the call; its state is lost",
     "worker.protocol": "the worker sent something malformed, out of order or contradictory; "
     "the host discarded it and its result",
@@ -293,3 +301,60 @@ class Denial(FrozenValue):
         if nested and isinstance(last, dict):
             kwargs["last"] = cls.from_dict(last, nested=False)
         return cls(**kwargs)
+
+
+#: Words in a refused target that make its refusal one the trail always keeps: credentials,
+#: keys, secrets, and the places they live (lower-cased substring match).
+_SENSITIVE_WORDS = (
+    "shadow",
+    "passw",
+    "secret",
+    "token",
+    "credential",
+    "private",
+    "id_rsa",
+    "id_ecdsa",
+    "id_ed25519",
+    ".ssh",
+    ".aws",
+    ".kube",
+    ".gnupg",
+    ".netrc",
+    ".docker",
+    "kubeconfig",
+    "api_key",
+    "apikey",
+    "access_key",
+    "/environ",
+    "sudoers",
+    "authorized_keys",
+    "169.254.169.254",
+    "fd00:ec2::254",
+    "metadata.google",
+    "/var/run/secrets",
+)
+#: Rules whose every refusal is important: the code tried to run a process, leave the
+#: sandbox's network, or was stopped by a limit or the guards' own checks.
+_SENSITIVE_RULES = ("api.", "net.", "limits.", "guard.", "worker.")
+
+
+def is_sensitive(rule: str, target: str) -> bool:
+    """Whether a refusal is one the refusal trail keeps whatever else was refused.
+
+    The recorder (`_worker/audit.py`) and the host's builder both keep a reserve of entries
+    for these beyond the bound on ordinary ones, so a flood of harmless refusals never
+    folds them away.
+    """
+    if rule.startswith(_SENSITIVE_RULES):
+        return True
+    low = target.lower()
+    return any(word in low for word in _SENSITIVE_WORDS)
+
+
+def fold_detail(rule: str, budget: int, sensitive: bool) -> str:
+    """The detail of the entry that counts refusals of `rule` past `budget` distinct ones."""
+    kind = "sensitive targets" if sensitive else "targets"
+    return (
+        f"past the first {budget} distinct {kind} of this rule in one call, further "
+        "refusals are counted here (count: how many; last: the latest, in full)"
+    )

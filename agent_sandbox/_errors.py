@@ -51,6 +51,7 @@ __all__ = [
     "CodeRejected",
     "EnvDenied",
     "FileAccessDenied",
+    "FileTransferRefused",
     "HiddenPathDenied",
     "ImportDenied",
     "LearningError",
@@ -289,6 +290,13 @@ class SandboxDenied(SandboxError):
 
 class FileAccessDenied(SandboxDenied, PermissionError):
     """A file operation outside the policy; a PermissionError so ordinary code handles it."""
+
+    os_errno = _errno.EACCES
+
+
+class FileTransferRefused(SandboxDenied, PermissionError):
+    """A session files API operation (put, get, list, remove) the policy or the name refused;
+    `.denial.rule` is `files.transfer`, `files.hidden`, `limits.transfer` or `limits.scratch`."""
 
     os_errno = _errno.EACCES
 

@@ -186,6 +186,12 @@ def host_hint(
         if cap is not None:
             value = min(value, cap)
         return grant_hint({f"code.budgets.{name}": value}) if value > current else ""
+    if rule == "tools":
+        return grant_hint({"tools.allow": [target]}) if target.isidentifier() else ""
+    if rule == "tools.timeout":
+        seconds = float(((policy.get("tools") or {}).get("timeout_seconds")) or 30) * 2
+        shown = int(seconds) if seconds == int(seconds) else seconds
+        return grant_hint({"tools.timeout_seconds": shown})
     if rule in _LIMIT_KEYS:
         return limit_hint(rule, policy, timeout=timeout)
     return ""

@@ -18,7 +18,19 @@ TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typ
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["EVENT_KINDS", "Event", "encode_event", "json_values", "value_budget"]
+__all__ = [
+    "EVENT_KINDS",
+    "STAGING_PREFIX",
+    "Event",
+    "encode_event",
+    "json_values",
+    "name_problem",
+    "value_budget",
+]
+
+#: The prefix of a session file upload's staging name in scratch (never a file's own name).
+STAGING_PREFIX = ".agent-sandbox-upload-"
+_NAME_BYTES = 255
 
 EVENT_KINDS = frozenset(
     {
@@ -33,6 +45,9 @@ EVENT_KINDS = frozenset(
         "notice",
         "done",
         "files",
+        # A request of the code to the host (a host tool's call), answered on the same
+        # connection; never a part of the result (`_host/intake/transport.py`).
+        "host_call",
     }
 )
 
@@ -81,3 +96,29 @@ def json_values(
     with memoryview(data) as view:
         bare = _JSON_STRING.sub(b"", view[start:end])
     return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+
+
+def name_problem(name: object) -> str:
+    """Why `name` is not a file name in scratch ("" when it is one): one path component,
+    no NUL, no control character, not `.`/`..`, at most 255 bytes. Shared with the host."""
+    if not isinstance(name, str) or not name:
+        return "a file name must be a non-empty string"
+    if "\x00" in name:
+        return "a file name must not contain a NUL byte"
+    if "/" in name or "\\" in name:
+        return (
+            "a file name is one path component: no '/' or '\\' (no directories, no absolute paths)"
+        )
+    if name in (".", ".."):
+        return "'.' and '..' are not file names"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "a file name must not contain control characters"
+    if name.startswith(STAGING_PREFIX):
+        return "names starting with " + repr(STAGING_PREFIX) + " are reserved"
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a file name must be valid UTF-8 text"
+    if len(encoded) > _NAME_BYTES:
+        return f"a file name is at most {_NAME_BYTES} bytes"
+    return ""

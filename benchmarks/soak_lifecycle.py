@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import threading
 import time
@@ -48,7 +47,8 @@ def policy() -> Policy:
 
 def burst(provider: str) -> tuple[float, int]:
     errors: list[BaseException] = []
-    sb = Sandbox(policy(), provider=provider)
+    # Finished sessions free their slots once idle past evict_idle: later threads wait.
+    sb = Sandbox(policy(), provider=provider, session_wait=300)
 
     def one(i: int) -> None:
         try:
@@ -108,7 +108,7 @@ def kill_scenario(provider: str, moment: str) -> tuple[int, int]:
 
 def leftovers() -> int:
     tag = owner_tag()
-    return len(control_dirs(tag)) + len(marked(tag)) + len(agent_cgroups(os.getpid()))
+    return len(control_dirs(tag)) + len(marked(tag)) + len(agent_cgroups(tag))
 
 
 def main() -> None:

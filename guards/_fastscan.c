@@ -168,15 +168,36 @@ int_hash(int64_t value)
     return h == -1 ? -2 : (Py_hash_t)h;
 }
 
-/* The first slot to probe for h (the hashes here are attacker-chosen: scramble them). */
+/* The hashes counted here are attacker-chosen, so the slot they start probing at comes from
+ * a keyed mix whose two keys are drawn from os.urandom when the module loads (a public
+ * scramble lets a worker pick keys that all land in one slot and make every insertion walk
+ * the whole table). However the keys fall, a probe run longer than MAX_PROBE makes the
+ * answer "not sure" and the Python prescan decides, so an insertion costs at most
+ * MAX_PROBE probes. */
+static uint64_t slot_key0, slot_key1;
+static uint64_t probe_steps; /* every probe step ever taken (`probes()`, for the tests) */
+#define MAX_PROBE 64
+
+static uint64_t
+fmix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDULL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
 static size_t
 slot(Py_hash_t h, size_t cap)
 {
-    uint64_t x = (uint64_t)h * 0x9E3779B97F4A7C15ULL;
-    return (size_t)(x >> 32) & (cap - 1);
+    uint64_t x = fmix64(fmix64((uint64_t)h ^ slot_key0) ^ slot_key1);
+    return (size_t)x & (cap - 1);
 }
 
-/* Count one more key with hash h in target's table; -1 over the budget or on failure. */
+/* Count one more key with hash h in target's table; -1 over the budget or on failure, -2
+ * on a probe run longer than MAX_PROBE (all three mean "not sure"). */
 static int
 count_hash(Scan *s, Val *target, Py_hash_t h)
 {
@@ -204,8 +225,16 @@ count_hash(Scan *s, Val *target, Py_hash_t h)
         for (size_t i = 0; i < t->cap; i++) {
             if (t->used[i]) {
                 size_t j = slot(t->keys[i], cap);
+                size_t probes = 0;
                 while (used[j]) {
                     j = (j + 1) & (cap - 1);
+                    probe_steps++;
+                    if (++probes > MAX_PROBE) {
+                        PyMem_Free(keys);
+                        PyMem_Free(counts);
+                        PyMem_Free(used);
+                        return -2;
+                    }
                 }
                 used[j] = 1;
                 keys[j] = t->keys[i];
@@ -221,8 +250,13 @@ count_hash(Scan *s, Val *target, Py_hash_t h)
         t->cap = cap;
     }
     size_t j = slot(h, t->cap);
+    size_t probes = 0;
     while (t->used[j] && t->keys[j] != h) {
         j = (j + 1) & (t->cap - 1);
+        probe_steps++;
+        if (++probes > MAX_PROBE) {
+            return -2; /* a long probe run: not sure */
+        }
     }
     if (!t->used[j]) {
         t->used[j] = 1;
@@ -278,7 +312,8 @@ count_hashes(Scan *s, Val *target, Val **keys, size_t n, size_t step)
     return 0;
 }
 
-/* Valid UTF-8, surrogates allowed (what `decode("utf-8", "surrogatepass")` accepts). */
+/* Valid UTF-8 without surrogates (what strict `decode("utf-8")` accepts): a string that
+   is not text is left to the Python scan, which refuses it. */
 static int
 utf8_ok(const unsigned char *p, size_t n)
 {
@@ -298,8 +333,12 @@ utf8_ok(const unsigned char *p, size_t n)
             extra = 2;
             lo = 0xA0;
         }
+        else if (c == 0xED) {
+            extra = 2;
+            hi = 0x9F; /* 0xED 0xA0..0xBF: a surrogate */
+        }
         else if (c >= 0xE1 && c <= 0xEF) {
-            extra = 2; /* 0xED: surrogates pass */
+            extra = 2;
         }
         else if (c == 0xF0) {
             extra = 3;
@@ -367,7 +406,19 @@ run(Scan *s, const unsigned char *d, size_t n, int64_t max_opcodes)
     size_t pos = 2;
     int64_t ops = 0;
     Val *v;
+    /* The end of the current FRAME (0 outside one): as in the Python scan, an opcode that
+     * crosses a frame's end and a FRAME inside a frame are refused (one reading of the
+     * bytes: a file-fed unpickler reads them differently from a linear one). */
+    size_t frame_end = 0;
     for (;;) {
+        if (frame_end) {
+            if (pos == frame_end) {
+                frame_end = 0;
+            }
+            else if (pos > frame_end) {
+                return 0;
+            }
+        }
         if (pos >= n) {
             return 0;
         }
@@ -422,13 +473,14 @@ run(Scan *s, const unsigned char *d, size_t n, int64_t max_opcodes)
         case 0x2E: /* STOP */
             return (s->nmarks == 0 && s->sp == 1 && pos == n) ? 1 : 0;
         case 0x95: /* FRAME */
-            if (n - pos < 8) {
+            if (frame_end || n - pos < 8) {
                 return 0;
             }
             if (le(d + pos, 8) > (uint64_t)(n - pos - 8)) {
                 return 0;
             }
             pos += 8;
+            frame_end = pos + (size_t)le(d + pos - 8, 8);
             break;
         case 0x58: /* BINUNICODE */
         case 0x8D: /* BINUNICODE8 */
@@ -1016,10 +1068,12 @@ decode_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     size_t pos = 2;
     int64_t ops = 0;
+    uint64_t frame_end = 0; /* where the FRAME ends, if there is one */
     if (hdr[pos] == 0x95) { /* FRAME: its length must fit in what follows it */
         if (h - pos < 9 || le(hdr + pos + 1, 8) > (uint64_t)(total - pos - 9)) {
             Py_RETURN_NONE;
         }
+        frame_end = pos + 9 + le(hdr + pos + 1, 8);
         pos += 9;
         ops++;
     }
@@ -1040,6 +1094,13 @@ decode_blob(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     size_t start = pos, end = pos + (size_t)size;
     /* The trailer: STOP, or MEMOIZE then STOP, and nothing after. */
     size_t rest = total - end;
+    /* The frame must end between two opcodes (as in the prescan): right after itself, after
+     * the bytes opcode, after MEMOIZE or after STOP. A frame ending inside the opcode's
+     * header or payload is read differently by a file-fed unpickler: not sure. */
+    if (frame_end && frame_end != start - 1 - width && frame_end != end
+        && !(rest == 2 && frame_end == end + 1) && frame_end != total) {
+        Py_RETURN_NONE;
+    }
     unsigned char tail[2];
     if ((rest != 1 && rest != 2) || b64_range(p, n, pad, end, total, tail) < 0) {
         Py_RETURN_NONE;
@@ -1134,7 +1195,19 @@ vector(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(b64_use_avx2);
 }
 
+PyDoc_STRVAR(probes_doc,
+"probes()\n--\n\n"
+"How many hash-table probe steps the prescan has taken in this process (for the tests that\n"
+"bound its cost).");
+
+static PyObject *
+probes(PyObject *module, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong(probe_steps);
+}
+
 static PyMethodDef module_methods[] = {
+    {"probes", probes, METH_NOARGS, probes_doc},
     {"prescan_data", (PyCFunction)(void (*)(void))prescan_data, METH_FASTCALL, prescan_data_doc},
     {"b64decode", b64decode, METH_O, b64decode_doc},
     {"decode_blob", (PyCFunction)(void (*)(void))decode_blob, METH_FASTCALL, decode_blob_doc},
@@ -1150,16 +1223,44 @@ static struct PyModuleDef fastscan_module = {
     .m_methods = module_methods,
 };
 
+/* The keys of `slot`, from os.urandom (a fresh pair in every process that loads this). */
+static int
+seed_slots(void)
+{
+    PyObject *os = PyImport_ImportModule("os");
+    if (os == NULL) {
+        return -1;
+    }
+    PyObject *raw = PyObject_CallMethod(os, "urandom", "i", 16);
+    Py_DECREF(os);
+    if (raw == NULL) {
+        return -1;
+    }
+    if (!PyBytes_Check(raw) || PyBytes_GET_SIZE(raw) != 16) {
+        Py_DECREF(raw);
+        PyErr_SetString(PyExc_RuntimeError, "os.urandom gave no 16 bytes");
+        return -1;
+    }
+    const unsigned char *k = (const unsigned char *)PyBytes_AS_STRING(raw);
+    slot_key0 = le(k, 8);
+    slot_key1 = le(k + 8, 8);
+    Py_DECREF(raw);
+    return 0;
+}
+
 PyMODINIT_FUNC
 PyInit__fastscan(void)
 {
     b64_init();
+    if (seed_slots() < 0) {
+        return NULL;
+    }
     PyObject *module = PyModule_Create(&fastscan_module);
     if (module == NULL) {
         return NULL;
     }
-    PyObject *all = Py_BuildValue("[sssss]", "VERSION", "b64decode", "decode_blob", "prescan_data", "vector");
-    if (all == NULL || PyModule_AddIntConstant(module, "VERSION", 2) < 0
+    PyObject *all = Py_BuildValue("[ssssss]", "VERSION", "b64decode", "decode_blob", "prescan_data", "probes", "vector");
+    if (all == NULL || PyModule_AddIntConstant(module, "VERSION", 3) < 0
         || PyModule_AddObjectRef(module, "__all__", all) < 0) {
         Py_XDECREF(all);
         Py_DECREF(module);

@@ -1,7 +1,7 @@
 """Type stub of the C extension `_fastscan.c` (the host's pickle prescan for plain data,
 strict base64, and the decoder of a pickle that is one bytes value)."""
 
-__all__ = ["VERSION", "b64decode", "decode_blob", "prescan_data", "vector"]
+__all__ = ["VERSION", "b64decode", "decode_blob", "prescan_data", "probes", "vector"]
 
 VERSION: int
 
@@ -19,4 +19,5 @@ def b64decode(text: str, /) -> bytes | None: ...
 def decode_blob(
     text: str, max_bytes: int, max_opcodes: int, max_memo: int, /
 ) -> bytes | bytearray | None: ...
+def probes() -> int: ...
 def vector(enabled: bool | None = None, /) -> bool: ...

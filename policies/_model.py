@@ -37,6 +37,7 @@ __all__ = [
     "PROVIDERS",
     "Policy",
     "RemotePolicy",
+    "ToolsPolicy",
     "SENSITIVE_CATEGORIES",
 ]
 
@@ -362,12 +363,45 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+    #: What one returned image may decode to (its headers are read on the host, never its
+    #: pixels): pixels of one frame, and frames. Past either, the image is not returned.
+    image_pixels: int = Field(default=16_777_216, ge=1, le=2**40)
+    image_frames: int = Field(default=1, ge=1, le=10_000)
+    #: The largest file the session files API puts into scratch or takes out of it.
+    transfer_mb: int = Field(default=64, ge=1)
+
+
+class ToolsPolicy(_Section):
+    """Host tools the code may call (an agent framework's tools, run by the host process).
+
+    A call is a request from the worker to the host over the worker's channel; the host runs
+    the tool only when its name is in `allow` (else a `tools` refusal), and stops waiting for
+    it after `timeout_seconds` (a `tools.timeout` refusal; the call's `limits.wall_seconds`
+    still bounds the whole call). None by default.
+    """
+
+    allow: tuple[str, ...] = ()
+    timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+    @field_validator("allow")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            if not _IDENT_RE.match(entry):
+                raise ValueError(f"{entry!r} is not a tool name (a Python identifier)")
+        return value
 
 
 _REMOTE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 #: The `[remote]` keys that only one claim backend reads.
-_K8S_ONLY = ("namespace", "router_url", "router_token_file", "shutdown_after_seconds")
+_K8S_ONLY = (
+    "namespace",
+    "router_url",
+    "router_token_file",
+    "shutdown_after_seconds",
+    "server_name",
+)
 _LOCAL_ONLY = ("server_cert", "server_key", "client_ca", "warm", "max_workers", "state_dir")
 
 
@@ -407,8 +441,13 @@ class RemotePolicy(_Section):
     max_claims: int = Field(default=16, ge=1, le=100_000)
     claim_timeout: float = Field(default=30.0, gt=0, le=3600)
     start_timeout: float = Field(default=15.0, gt=0, le=3600)
-    #: The claim's hard expiry in seconds (k8s `shutdownTime`); 0: none (the pod's idle exit).
-    shutdown_after_seconds: int = Field(default=0, ge=0)
+    #: The claim's hard expiry in seconds (k8s `shutdownTime`, then deleted): by default a
+    #: day, so a claim whose agent crashed is reaped even if its pod never idles out; 0 (in
+    #: so many words): none, the pod's idle exit alone.
+    shutdown_after_seconds: int = Field(default=86_400, ge=0)
+    #: Direct pod-IP mode (no `router_url`): the name the pods' shared certificate carries
+    #: (e.g. `ags-worker.<namespace>.svc`), checked instead of the pod's IP.
+    server_name: str = ""
     #: The local backend's `worker serve` certificate and key (key empty: in the cert's file),
     #: and the CA its clients' certificates must chain to (empty: no mTLS).
     server_cert: str = ""
@@ -543,6 +582,7 @@ class Policy(_Section):
     api: ApiPolicy = Field(default_factory=ApiPolicy)
     code: CodePolicy = Field(default_factory=CodePolicy)
     limits: LimitsPolicy = Field(default_factory=LimitsPolicy)
+    tools: ToolsPolicy = Field(default_factory=ToolsPolicy)
     #: Where the workers run when `provider = "remote"` (not part of the fingerprint).
     remote: RemotePolicy | None = None
     #: Where the policy was loaded from (not part of the fingerprint).

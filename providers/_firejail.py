@@ -94,7 +94,9 @@ def firejail_argv(
     """The whole firejail command line for one worker (pure; tests compare it exactly).
 
     0. `setpriv --pdeathsig KILL`: firejail has no die-with-parent of its own, and its
-       sandbox outlives a killed parent; killing firejail takes the sandbox down with it;
+       sandbox outlives a killed parent; killing firejail takes the sandbox down with it.
+       Run by a normal user, the exec of the set-user-ID firejail clears that signal: the
+       guardian and the sweep find firejail by its command line instead (`_host/guardian.py`);
     1. no profile, then every protection spelled out (caps, nonewprivs, seccomp, network);
     2. private `/dev`, `/tmp`, `/etc`; everything read-only;
     3. top-level entries the worker does not need, and /run's entries: blacklisted;
@@ -136,6 +138,9 @@ def firejail_argv(
     argv += [
         f"--keep-fd={spec.listen_fd},{spec.boot_fd}",
         "--deterministic-exit-code",
+        # The worker's end ends everything it started in the sandbox (a setsid double
+        # fork included), not only the worker.
+        "--deterministic-shutdown",
         "--",
         *worker_argv(spec),
     ]

@@ -213,10 +213,13 @@ class WorkerCgroups:
         memory_mb = int(_limit(limits, "memory_mb", 2048))
         processes = int(_limit(limits, "processes", 64)) + extra_processes
         quota = max(1000, int(float(_limit(limits, "cpu_cores", 1.0)) * _CPU_PERIOD))
-        name = f"{_PREFIX}{os.getpid()}-{worker_id}"
+        from agent_sandbox._host import lifecycle
+
+        # Named for this agent's owner token (`_host/guardian.py`): a sweeper removes it
+        # only once it has proven the owner dead by taking the owner's lock.
+        name = f"{_PREFIX}{lifecycle.owner_tag()}-{worker_id}"
         dirs: dict[str, str] = {}
         hs = _hierarchies()
-        _sweep_stale(hs)
         try:
             unified = hs.get("unified")
             if unified is not None:
@@ -429,6 +432,8 @@ class WorkerCgroups:
             if not pids:
                 return
             for pid in pids:
+                if pid <= 0:
+                    continue  # a member this pid namespace cannot see: never kill(0)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(pause)
@@ -478,31 +483,6 @@ def _remove_left_over() -> None:
         with contextlib.suppress(OSError):
             groups.kill()
             groups.remove(timeout=1.0)
-
-
-_SWEPT = False
-
-
-def _sweep_stale(hs: Mapping[str, _Hierarchy]) -> None:
-    """Once per process: remove empty groups left by parents that died without cleaning up
-    (a parent ended with `os._exit` or SIGKILL runs no clean-up)."""
-    global _SWEPT
-    if _SWEPT:
-        return
-    _SWEPT = True
-    for h in hs.values():
-        try:
-            names = os.listdir(h.base)
-        except OSError:
-            continue
-        for name in names:
-            owner = name[len(_PREFIX) :].split("-", 1)[0]
-            if not name.startswith(_PREFIX) or not owner.isdigit():
-                continue
-            if os.path.exists(f"/proc/{owner}"):
-                continue
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(h.base, name))  # fails (and stays) while not empty
 
 
 def _limit(limits: Any, key: str, default: float) -> Any:
@@ -766,14 +746,16 @@ def record_limit_hits(
     *,
     scratch: str = "",
     guest: GuestLimits | None = None,
+    scratch_in_memory: int | None = None,
 ) -> bool:
     """Turn every limit hit of the call into a `limits.<name>` denial in `builder`.
 
     Sources: new cgroup events (an OOM kill, a refused fork), a host `scratch` directory over
     `limits.scratch_mb` (`scratch_over`), and a limit error the worker reported
     (MemoryError, EFBIG, ENOSPC, EMFILE, EAGAIN). A worker killed by the memory cgroup is
-    reported as `limits.memory`, not as a crash. Returns True when the worker must be
-    replaced.
+    reported as `limits.memory`, not as a crash; when its scratch is a tmpfs whose files
+    held half of `memory_mb` or more (`scratch_in_memory`, bytes), the denial says the
+    files filled it. Returns True when the worker must be replaced.
     """
     hits: list[str] = []
     why: dict[str, str] = {}
@@ -786,6 +768,19 @@ def record_limit_hits(
                 why[rule] = reason
     if scratch and scratch_over(scratch, int(policy.limits.scratch_mb) * _MB):
         hits.append("limits.scratch")
+    memory = int(policy.limits.memory_mb)
+    if (
+        "limits.memory" in hits
+        and "limits.memory" not in why
+        and scratch_in_memory is not None
+        and scratch_in_memory * 2 >= memory * _MB
+    ):
+        why["limits.memory"] = (
+            f"the call went over `memory_mb = {memory}`, and {scratch_in_memory // _MB} MB "
+            "of it were files in the scratch directory: scratch is a tmpfs here, so files "
+            "written to it are held in memory (not on disk) and count toward memory_mb; "
+            "write less to scratch or raise memory_mb"
+        )
     error = builder.error
     if error is not None and error.kind == "limit" and error.rule in REPLACING_RULES:
         hits.append(error.rule)

@@ -237,7 +237,10 @@ def _exit_with(status: int) -> None:
     sys.stdout.flush()
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL and SIGSTOP have no handler to reset (their default is the only one)
         os.kill(os.getpid(), sig)
         time.sleep(1)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70)
@@ -343,6 +346,8 @@ def main() -> None:
         )
     except Exception as exc:
         sys.stderr.write(f"agent-sandbox qemu: {exc}\n")
+        if qemu.poll() is not None:  # QEMU ended first: that is what broke the relay
+            _qemu_ended(qemu, os.path.join(os.path.dirname(config["port"]), "guest-limits.json"))
         stop()
         return
     if qemu.poll() is None:
@@ -469,6 +474,7 @@ def _relay(
                 data = port.recv(262144)
                 if not data:
                     qemu.wait()
+                    _qemu_ended(qemu, limits_path)
                     return (qemu.returncode or 0) << 8 if qemu.returncode >= 0 else -qemu.returncode
                 buf += data
                 while len(buf) >= _HEAD.size:
@@ -515,8 +521,24 @@ def _relay(
                     del conns[chan]
                     _send(port, b"C", chan)
         if qemu.poll() is not None:
+            _qemu_ended(qemu, limits_path)
             code = qemu.returncode
             return (code & 0xFF) << 8 if code >= 0 else -code
+
+
+def _qemu_ended(qemu: "subprocess.Popen[bytes]", limits_path: str) -> None:
+    """QEMU ended before the guest reported the worker's end: say so to the parent in
+    `qemu-ended.json` in the run directory (which the guest cannot write), so a killed VM
+    is named as one and not as a worker that closed its connection."""
+    if not limits_path or qemu.returncode is None:
+        return
+    path = os.path.join(os.path.dirname(limits_path), "qemu-ended.json")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"returncode": qemu.returncode}, fh)
 
 
 def _status(payload: bytes) -> int:

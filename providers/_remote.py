@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import select
 import shutil
@@ -52,6 +53,7 @@ __all__ = [
     "Claim",
     "ClaimBackend",
     "ClaimCapacityError",
+    "ClaimError",
     "LocalClaimBackend",
     "RemoteBoundary",
     "RemoteProvider",
@@ -74,6 +76,17 @@ class ClaimCapacityError(CapacityError):
             "workers to the pool (SandboxWarmPool replicas), raise claim_timeout, or close "
             "sessions that are done",
         )
+
+
+class ClaimError(SandboxError):
+    """A claim the cluster refused or gave up on (not capacity): `reason` names the case
+    (Forbidden, Invalid, Terminating, ClaimFailed, WarmPoolNotFound, ...), `status` the API
+    server's HTTP status when there was one; the SDK's or the API's error is the cause."""
+
+    def __init__(self, message: str, *, reason: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
 
 
 class RemoteBoundary(Provider):
@@ -104,6 +117,20 @@ class RemoteBoundary(Provider):
         raise SandboxError("the remote provider starts no local worker (it claims remote ones)")
 
 
+#: What a router's timeout must leave beyond the policy's wall time: the pod's own grace
+#: (`remote_serve._WALL_GRACE`, 2 s) and its keep-alive period (15 s: a silent cell's
+#: response head comes that late), with margin.
+ROUTER_MARGIN = 30.0
+
+
+def router_timeout(policy: Policy) -> float:
+    """`X-Sandbox-Timeout` for a call under `policy`: its wall time plus `ROUTER_MARGIN`.
+    The Python router reads it per read (capped at its `PROXY_TIMEOUT_SECONDS`, 180 s by
+    default), so the pod's keep-alives keep longer calls open; the Go router ignores it and
+    bounds a whole call by its `--proxy-timeout` (docs/scale-out.md)."""
+    return float(math.ceil(policy.limits.wall_seconds + ROUTER_MARGIN))
+
+
 def claim_name(tenant: str, thread: str, fingerprint: str) -> str:
     """`ags-` + 20 base32 characters of SHA-256(tenant, thread, policy fingerprint): a valid
     DNS-1123 label, the same in every process, different for every (tenant, thread, policy)."""
@@ -120,6 +147,8 @@ class Claim:
     url: str
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     created: bool = True
+    #: The claim's UID where the backend has one (k8s): its delete is made on it.
+    uid: str | None = None
 
 
 class ClaimBackend(Protocol):
@@ -381,6 +410,13 @@ class LocalClaimBackend:
             self._schedule_refill()
             return Claim(name, self.pool, server.url, created=True)
 
+    def stopped(self, claim: Claim) -> bool:
+        """Whether the local server of `claim` is stopped by a signal (SIGSTOP): it then
+        answers nothing, and a call waiting on it is not the code's timeout."""
+        with self._lock:
+            server = self._claimed.get(claim.name)
+        return server is not None and server.proc.poll() is None and _is_stopped(server.proc.pid)
+
     def release(self, claim: Claim) -> None:
         if not claim.created:
             return
@@ -430,12 +466,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T or t in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 :][:1] in (b"T", b"t")
+
+
 def _stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (the server ends its worker), then SIGKILL its group; always reaped."""
+    """SIGTERM (the server ends its worker), then SIGKILL its group; always reaped. A server
+    stopped by a signal cannot act on SIGTERM: its group gets SIGKILL at once (the grace
+    would only be waited out)."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+        stopped = _is_stopped(proc.pid)
+        if not stopped:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
         try:
+            if stopped:
+                raise subprocess.TimeoutExpired(proc.args, 0)
             proc.wait(5.0)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -469,6 +521,10 @@ class RemoteSession:
         p = self.provider
         claim = p.backend.claim(self.name, p.claim_timeout)
         self.claim = claim
+        headers = dict(claim.headers)
+        if "X-Sandbox-ID" in headers:
+            # Through a router: its per-request timeout, from the policy's wall time.
+            headers["X-Sandbox-Timeout"] = f"{router_timeout(self.policy):g}"
         try:
             worker = RemoteWorker.connect(
                 self.policy,
@@ -476,7 +532,7 @@ class RemoteSession:
                 token=session_token(p.session_key, self.name),
                 bind_secret=p.bind_secret,
                 tls=p.tls,
-                headers=claim.headers,
+                headers=headers,
                 start_timeout=p.start_timeout,
             )
         except SessionConflict:

@@ -53,12 +53,18 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
    || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
+  # The first install takes a minute or two (the extras pull in LangChain and CrewAI): say
+  # so, and say each step, instead of staying silent.
+  start=$SECONDS
+  echo "setup: installing agent_sandbox and its extras into .venv (a minute or two the first time; log: $log)" >&2
   quiet .venv/bin/python -m pip install -q --upgrade pip
   # This project was once installed as `agent-sandbox`, a name that belongs to an unrelated
   # project on the package index; an old install of either would shadow ours.
   if .venv/bin/python -m pip show -q agent-sandbox >/dev/null 2>&1; then
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
+  echo "setup: pip is up to date; installing the package and its extras..." >&2
+  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
   echo "$files" >"$stamp"
+  echo "setup: installed in $((SECONDS - start)) s" >&2
 fi

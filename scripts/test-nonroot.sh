@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
    || [ setup.py -nt "$stamp" ] || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]
 then
-  "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,seccomp,remote,k8s]" >"$log" 2>&1 \
+  "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]" >"$log" 2>&1 \
     || { cat "$log" >&2; exit 1; }
   echo "$files" >"$stamp"
 fi

@@ -40,6 +40,7 @@ __all__ = [
     "launch",
     "on_exit",
     "owner_env",
+    "owner_lock",
     "owner_tag",
     "shutting_down",
     "starting",
@@ -48,18 +49,29 @@ __all__ = [
 T = TypeVar("T")
 
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"pid": None, "tag": "", "guardian": None, "pipe": -1}
+_STATE: dict[str, Any] = {"pid": None, "tag": "", "guardian": None, "pipe": -1, "lock": -1}
 _SHUTDOWN = threading.Event()
 _EXITING = "the agent is exiting; no worker is started"
 
 
 def owner_tag() -> str:
-    """This process's owner tag, `<pid>.<start time>` (recomputed after a fork)."""
+    """This process's owner token (16 random hex digits, drawn anew after a fork).
+
+    Drawing it takes the owner lock (`guardian.hold_owner_lock`): held for this process's
+    whole life, and its guardian's, before any name carrying the token exists.
+    """
     pid = os.getpid()
     with _LOCK:
         if _STATE["pid"] != pid:
-            _STATE.update(pid=pid, tag=guardian.owner_tag(pid), guardian=None, pipe=-1)
+            tag, fd = guardian.hold_owner_lock(tempfile.gettempdir())
+            _STATE.update(pid=pid, tag=tag, guardian=None, pipe=-1, lock=fd)
         return str(_STATE["tag"])
+
+
+def owner_lock() -> int:
+    """The descriptor holding this process's owner lock (-1 before `owner_tag()`)."""
+    with _LOCK:
+        return int(_STATE["lock"]) if _STATE["pid"] == os.getpid() else -1
 
 
 def control_dir_prefix() -> str:
@@ -139,6 +151,7 @@ def ensure_guardian() -> None:
             "-c",
             code,
             str(read_end),
+            str(_STATE["lock"]),
             tag,
             tempfile.gettempdir(),
             *_bases(),
@@ -146,7 +159,7 @@ def ensure_guardian() -> None:
         try:
             proc = subprocess.Popen(
                 argv,
-                pass_fds=(read_end,),
+                pass_fds=(read_end, _STATE["lock"]),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -165,11 +178,13 @@ def ensure_guardian() -> None:
 def _forget_after_fork() -> None:
     # A forked child must not keep the guardian's pipe open (the guardian would wait for
     # the child too) nor act as the agent.
-    fd = _STATE.get("pipe", -1)
-    if isinstance(fd, int) and fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _STATE.update(pid=None, tag="", guardian=None, pipe=-1)
+    # Nor the parent's owner lock: the child draws its own token when it makes anything.
+    for key in ("pipe", "lock"):
+        fd = _STATE.get(key, -1)
+        if isinstance(fd, int) and fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _STATE.update(pid=None, tag="", guardian=None, pipe=-1, lock=-1)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -310,9 +325,15 @@ def _at_exit() -> None:
         with contextlib.suppress(Exception):
             hook()
     try:
-        guardian.clean_owner(owner_tag(), _bases(), tempfile.gettempdir())
+        if not guardian.clean_owner(owner_tag(), _bases(), tempfile.gettempdir()):
+            settled = False
     except Exception:
         settled = False
+    if settled and _STATE["lock"] >= 0:
+        # Everything of this owner is gone: its lock file goes last (the guardian keeps
+        # the lock itself until it exits). Unsettled, the guardian finishes and removes it.
+        guardian.release_owner(tempfile.gettempdir(), owner_tag(), _STATE["lock"])
+        _STATE["lock"] = -1
     fd = _STATE["pipe"]
     if fd >= 0:
         if settled:

@@ -44,6 +44,7 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._errors import (
     MessageTooLarge,
     TransportError,
+    WorkerError,
     WorkerStartError,
     describe_exit,
 )
@@ -53,7 +54,12 @@ from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.intake import guard_block
 from agent_sandbox._host.intake.builder import Mark, ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
-from agent_sandbox._host.intake.transport import AsyncWorkerClient, ConnectionLost, WorkerClient
+from agent_sandbox._host.intake.transport import (
+    AsyncWorkerClient,
+    ConnectionLost,
+    HostCall,
+    WorkerClient,
+)
 from agent_sandbox._host.launch import (
     BOOT_SCRIPT,
     LOG_BYTES,
@@ -143,6 +149,11 @@ class WorkerProcess:
         self._host_pid: int | None = None
         self._stat_fds: dict[int, int] = {}
         self._stat_lock = threading.Lock()
+        #: A descriptor on the worker's scratch when it is a tmpfs counted in its memory
+        #: cgroup (kept so its use can still be measured after an OOM kill), and that use
+        #: as measured when the worker was ended.
+        self._scratch_fd = -1
+        self._scratch_used: int | None = None
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
@@ -274,6 +285,8 @@ class WorkerProcess:
                 "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
                 "worker_setup": dict(self.plan.worker_setup),
                 "host_env_names": sorted(os.environ),
+                # Started from scratch in the launch thread: it dies with that thread.
+                "die_with_parent": template is None,
             }
             try:
                 _write_all(boot_w, json.dumps(boot).encode())
@@ -331,6 +344,7 @@ class WorkerProcess:
                 )
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
+            self._hold_scratch()
             self._watch_guards()
             self._watch_kernel_log()
             if "egress" in self.plan.worker_setup:
@@ -550,6 +564,79 @@ class WorkerProcess:
             except OSError:
                 return "", 0
 
+    def _hold_scratch(self) -> None:
+        """Keep a descriptor on the worker's scratch if it is a tmpfs and a memory cgroup
+        bounds the worker: its files are then memory, and an OOM kill they caused is named
+        as theirs (`scratch_in_memory`). The descriptor keeps the tmpfs until the worker is
+        ended, however it died; checked to be the tmpfs its mount table names."""
+        cgroups = self.cgroups
+        if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
+            return
+        assert self.plan is not None
+        inside = str(self.plan.worker_setup.get("scratch_inside", self.scratch))
+        pid = self.worker_pid()
+        if pid is None:
+            return
+        try:
+            with open(f"/proc/{pid}/mountinfo") as fh:
+                mountinfo = fh.read()
+        except OSError:
+            return
+        device = None
+        for line in mountinfo.splitlines():
+            left, _, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if len(fields) >= 5 and rest and fields[4] == inside:
+                device = fields[2] if rest[0] == "tmpfs" else None  # the last mount wins
+        if device is None:
+            return
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(f"/proc/{pid}/root{inside}", flags)
+        except OSError:
+            return
+        st = os.fstat(fd)
+        if f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != device:
+            os.close(fd)
+            return
+        self._scratch_fd = fd
+
+    def scratch_in_memory(self) -> int | None:
+        """Bytes the worker's files hold in its tmpfs scratch (None: not a tmpfs in memory)."""
+        if self._scratch_used is not None:
+            return self._scratch_used
+        if self._scratch_fd < 0:
+            return None
+        try:
+            st = os.fstatvfs(self._scratch_fd)
+        except OSError:
+            return None
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def _vm_end(self) -> str | None:
+        """How the worker's VM ended, when its launcher saw QEMU end before the guest said
+        the worker ended (`qemu-ended.json`, written by the launcher in a directory the
+        guest cannot write); None otherwise."""
+        if self.plan is None or not self.plan.interrupt_launcher or not self.control_dir:
+            return None
+        path = os.path.join(self.control_dir, "vm", "qemu-ended.json")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                code = json.loads(fh.read(256)).get("returncode")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if not isinstance(code, int):
+            return None
+        return describe_exit(code)
+
+    def _release_scratch(self) -> None:
+        if self._scratch_fd >= 0:
+            self._scratch_used = self.scratch_in_memory()
+            with contextlib.suppress(OSError):
+                os.close(self._scratch_fd)
+            self._scratch_fd = -1
+
     def _close_stat_fds(self) -> None:
         with self._stat_lock:
             fds, self._stat_fds = self._stat_fds, {}
@@ -586,6 +673,11 @@ class WorkerProcess:
             or bool(flags & _PF_EXITING)
             or (template is not None and not template.alive())
         )
+        vm = self.plan is not None and self.plan.interrupt_launcher
+        if not exiting and vm and not _live_children(self.proc.pid):
+            # A VM: the launcher outlives its QEMU, its only child, by a moment. No live
+            # child left means the VM itself ended: wait for the launcher's exit.
+            return "exited", self.wait_exit(_EXITING_WAIT)
         if not exiting:
             return "running", None
         return "exited", self.wait_exit(_EXITING_WAIT)
@@ -599,11 +691,14 @@ class WorkerProcess:
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: HostCall | None = None,
     ) -> RunResult:
         """Run one call; never raises for the code's own failures (they are in the result).
 
         `timeout_source` says who set `timeout` (the tool's option, the CLI's flag), for the
         refusal's hint; `filename` is the name the code's frames carry (default `<cell-N>`).
+        `host_call` answers the code's host-tool requests during this call (None refuses
+        them; see `agent_sandbox._host.hosttools`).
         """
         assert self.client is not None and self.policy is not None
         wall = timeout if timeout is not None else self.policy.limits.wall_seconds
@@ -611,6 +706,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         forward = self._forwarder(builder, on_event)
         self._in_call = True
+        self.client.host_call = host_call
         try:
             try:
                 self.client.run(code, t0 + wall, forward, filename)
@@ -625,6 +721,8 @@ class WorkerProcess:
                 self._on_call_failure(builder, exc, wall, timeout, timeout_source)
             finally:
                 self._in_call = False
+                if self.client is not None:
+                    self.client.host_call = None
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
@@ -656,6 +754,7 @@ class WorkerProcess:
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: HostCall | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
         import asyncio  # loaded already: this runs in its loop
@@ -667,6 +766,7 @@ class WorkerProcess:
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
+        client.host_call = host_call
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:
@@ -684,6 +784,37 @@ class WorkerProcess:
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
+
+    def file_request(self, payload: dict[str, Any], timeout: float) -> Any:
+        """One request of the session files API (`_host/files.py`), between calls.
+
+        On its own connection, whose reply bound fits one chunk of a download. A worker that
+        does not answer within `timeout`, or breaks the protocol, is discarded (its scratch
+        with it) and the error says so.
+        """
+        from agent_sandbox._host.files import CHUNK
+
+        client = self.client
+        if client is None or self.dead:
+            raise WorkerError("the worker has ended")
+        files_client = WorkerClient(client.path, self.token, CHUNK * 4 // 3 + 65536)
+        try:
+            return files_client.request_json("/files", payload, time.monotonic() + timeout)
+        except TimeoutError:
+            self.death_reason = f"it did not answer a files request within {timeout:g} s"
+            self.discard()
+            raise WorkerError(
+                f"the worker did not answer the files request within {timeout:g} s; "
+                "it was discarded"
+            ) from None
+        except TransportError as exc:
+            self.death_reason = f"it broke the files protocol ({exc})"
+            self.discard()
+            raise WorkerError(
+                f"the worker's files reply was refused ({exc}); it was discarded"
+            ) from None
+        finally:
+            files_client.close()
 
     def _call_ended(self) -> None:
         hook, self.after_call = self.after_call, None
@@ -798,7 +929,12 @@ class WorkerProcess:
         self.rewind_log()
         if (
             record_limit_hits(
-                builder, self.cgroups, self.policy, scratch=self.scratch, guest=self.guest_limits
+                builder,
+                self.cgroups,
+                self.policy,
+                scratch=self.scratch,
+                guest=self.guest_limits,
+                scratch_in_memory=self.scratch_in_memory(),
             )
             and not self.dead
         ):
@@ -937,6 +1073,7 @@ class WorkerProcess:
             return
         how, raw = self._status_now()
         status = self._worker_status(raw)
+        vm = self._vm_end()  # read before the kill removes the control directory
         self.dead = True
         self.kill()
         if how == "stopped":
@@ -975,6 +1112,18 @@ class WorkerProcess:
                 message="the sandbox worker ended during the call because its worker "
                 "template (the process that forks workers) ended; the session's variables "
                 "are lost and the next call starts a fresh interpreter",
+                traceback=self.log_tail(),
+                rule="worker.crashed",
+            )
+            return
+        if vm is not None:
+            self.death_reason = f"its virtual machine (QEMU) ended ({vm})"
+            builder.error = RunError(
+                kind="crashed",
+                type="WorkerCrashed",
+                message="the sandbox worker's virtual machine (the QEMU process) ended during "
+                f"the call ({vm}); the session's variables are lost and "
+                "the next call starts a fresh virtual machine",
                 traceback=self.log_tail(),
                 rule="worker.crashed",
             )
@@ -1082,11 +1231,14 @@ class WorkerProcess:
                 self.client.close()
             proc = self.proc
             if proc is not None and not self._reaped:
-                _signal_group(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(_TERM_GRACE)
-                except subprocess.TimeoutExpired:
-                    pass
+                # A stopped process cannot act on SIGTERM (it stays pending until SIGCONT):
+                # the grace would only be waited out, past the call's limit. Straight to KILL.
+                if not self.stopped():
+                    _signal_group(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(_TERM_GRACE)
+                    except subprocess.TimeoutExpired:
+                        pass
                 _signal_group(proc.pid, signal.SIGKILL)
                 try:
                     proc.wait(5.0)
@@ -1148,6 +1300,7 @@ class WorkerProcess:
 
     def _cleanup_dirs(self) -> None:
         self._close_stat_fds()
+        self._release_scratch()
         if self._egress_channel is not None:
             self._egress_channel.close()
         if self.egress is not None:
@@ -1187,6 +1340,23 @@ class WorkerProcess:
             fd = self._log.fileno()
             if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
                 os.lseek(fd, 0, os.SEEK_SET)
+
+
+def _live_children(pid: int) -> list[int]:
+    """The children of `pid` that have not ended (zombies excluded)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                words = fh.read().split()
+        except OSError:
+            continue
+        out += [int(w) for w in words if _proc_state(int(w))[0] not in ("", "Z", "X")]
+    return out
 
 
 def _proc_state(pid: int) -> tuple[str, int]:

@@ -69,6 +69,28 @@ class ClaimedWorker(RemoteWorker):
     def end_cause(self) -> str:
         return self.death_reason or "its remote session ended"
 
+    def stopped(self) -> bool:
+        """Whether its server is stopped by a signal, where the claim backend can tell (a
+        local `worker serve` process; a pod's cannot be seen from here)."""
+        provider, claim = self.provider, self.claim
+        check = getattr(provider.backend, "stopped", None) if provider is not None else None
+        return bool(claim is not None and check is not None and check(claim))
+
+    def _on_stopped(self, builder: Any) -> None:
+        """Its server was stopped by a signal: named as such, not as the code's timeout."""
+        from agent_sandbox._host.result import RunError
+
+        self.death_reason = "its server was stopped by a signal (SIGSTOP or SIGTSTP)"
+        self.dead = True
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerStopped",
+            message="the remote sandbox worker's server was stopped by a signal (SIGSTOP or "
+            "SIGTSTP) and could not finish the call; it was ended, the session's variables "
+            "are lost and the next call starts a fresh worker",
+            rule="worker.crashed",
+        )
+
     def discard(self) -> None:
         if self._busy:
             return  # a refused (busy) call leaves the session as it was
@@ -270,6 +292,7 @@ def build_provider(remote: RemotePolicy, source: str | None = None) -> RemotePro
         client_key=remote.client_key or None,
         proxy=remote.proxy or None,
         plaintext=remote.plaintext,
+        server_name=remote.server_name or None,
     )
     backend: ClaimBackend
     if remote.backend == "local":

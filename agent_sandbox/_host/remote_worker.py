@@ -242,11 +242,15 @@ class RemoteWorker(WorkerProcess):
         session: str | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_call: Any = None,
     ) -> RunResult:
         """The call in the caller's event loop (its own asyncio TLS connection; no thread),
         judged as `run()` judges it. Cancelled, it asks the pod to interrupt the cell (the
         variables stay) and lets the call's stream drain in the loop, so the connection and
-        the session stay usable. Through a proxy (httpx) the call runs in a thread."""
+        the session stay usable. Through a proxy (httpx) the call runs in a thread. Host
+        tools (`host_call`) are not served to a remote worker (`Session` refuses them)."""
+        if host_call is not None:
+            raise WorkerStartError("host tools need a local provider")
         kwargs: dict[str, Any] = {
             "timeout": timeout,
             "on_event": on_event,

@@ -3,9 +3,11 @@
 * `sandbox.run(code)` is stateless: a fresh worker from the warm pool, discarded after.
 * `sandbox.session(key)` returns a `Session` whose worker keeps its variables between
   calls. Calls on one session are serialized; calls on different sessions run in parallel.
-  At most `max_sessions` sessions hold an interpreter: a new one takes the slot of the
-  least recently used session not in a call (or waits for one, up to `session_wait`, then
-  raises `CapacityError`); sessions idle longer than `session_ttl` give theirs up too. An
+  At most `max_sessions` sessions hold an interpreter: a new one takes a free slot, or,
+  when its first call is waiting for one, the slot of the least recently used session idle
+  for at least `evict_idle` seconds (a conversation between two turns keeps its state);
+  else it waits up to `session_wait`, then raises `CapacityError`. Sessions idle longer
+  than `session_ttl` give theirs up too. An
   evicted session stays usable: its next call gets a fresh interpreter and says so.
 * `await sandbox.arun(code)` and `await session.arun(code)` are the async twins.
 
@@ -21,14 +23,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from agent_sandbox._errors import CapacityError, SandboxClosed
+from agent_sandbox._errors import CapacityError, SandboxClosed, SandboxError
 from agent_sandbox._host.boundary import Boundary, resolve_boundary
 from agent_sandbox._host.calllock import CallLock
 from agent_sandbox._host.pool import REGISTRY, WorkerPool
@@ -40,15 +43,15 @@ from agent_sandbox.providers import Provider
 if TYPE_CHECKING:
     import asyncio  # imported where used: a program that never awaits does not load it
 
+    from agent_sandbox._host.files import FileInfo
     from agent_sandbox._host.remote_pool import RemotePool
 
 __all__ = ["Sandbox", "Session"]
 
 OnEvent = Callable[[str, Any], None]
 
-#: A session idle for less than this is not evicted for a newcomer (a thread between two
-#: calls of its own), and the wait for a slot re-checks this often.
-_EVICT_GRACE = 0.05
+#: The wait for a slot re-checks at least this often (a call's end also wakes it).
+_RECHECK = 0.05
 
 
 class Session:
@@ -64,6 +67,9 @@ class Session:
         self._closed = False
         self._admitted = False  # holds one of the sandbox's `max_sessions` slots
         self._evicted_notice = ""  # why its interpreter was taken (said at the next call)
+        # Notices a files operation met (a replaced interpreter): said at the next call.
+        self._pending_notices: list[str] = []
+        self._pending_lost = False
         self.last_used = time.monotonic()
 
     @property
@@ -110,6 +116,10 @@ class Session:
             self._lost_reason = worker.end_cause()
         if self._closed or self.sandbox.closed:
             result = _closed_error(result)
+        if self._pending_notices or self._pending_lost:
+            notices = self._pending_notices + notices
+            lost = lost or self._pending_lost
+            self._pending_notices, self._pending_lost = [], False
         if notices or lost:
             result = _replace(result, notices=tuple(notices) + result.notices, state_lost=lost)
         return result
@@ -122,12 +132,15 @@ class Session:
         on_event: OnEvent | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_tools: Mapping[str, Callable[..., Any]] | None = None,
     ) -> RunResult:
         """Run `code` in this session's interpreter; variables persist across calls.
 
         `timeout` overrides the policy's `limits.wall_seconds` for this call; `timeout_source`
         names who set it (for the refusal's hint). `filename` is the name the code's frames
-        carry in tracebacks (default `<cell-N>`).
+        carry in tracebacks (default `<cell-N>`). `host_tools` (name -> function of this
+        process) are callable from the code as `_host_tool(name, args, kwargs)` during this
+        call, each only when the policy's `tools.allow` lists it (`_host/hosttools.py`).
         """
         self._lock.acquire()
         try:
@@ -139,6 +152,7 @@ class Session:
                 session=self.key,
                 timeout_source=timeout_source,
                 filename=filename,
+                **self._host_call(host_tools),
             )
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
@@ -153,6 +167,7 @@ class Session:
         on_event: OnEvent | None = None,
         timeout_source: str | None = None,
         filename: str | None = None,
+        host_tools: Mapping[str, Callable[..., Any]] | None = None,
     ) -> RunResult:
         """The async twin of `run()`. Cancelling it at any point leaves the session usable."""
         await self._lock.acquire_async()
@@ -169,12 +184,24 @@ class Session:
                 session=self.key,
                 timeout_source=timeout_source,
                 filename=filename,
+                **self._host_call(host_tools),
             )
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             if ownership.release():
                 self._lock.release()
                 self.sandbox._room_changed()
+
+    def _host_call(self, host_tools: Mapping[str, Callable[..., Any]] | None) -> dict[str, Any]:
+        if host_tools is None:
+            return {}
+        if self.sandbox.provider.name == "remote":
+            raise SandboxError(
+                "host tools need a local provider (a remote worker's channel is relayed)"
+            )
+        from agent_sandbox._host.hosttools import make_handler
+
+        return {"host_call": make_handler(self.sandbox.policy, host_tools)}
 
     async def _prepare_in_thread(
         self, ownership: _Ownership
@@ -201,6 +228,117 @@ class Session:
         except asyncio.CancelledError:
             ownership.abandon()
             raise
+
+    # -- files in scratch (the host side is `agent_sandbox._host.files`) -----------------
+
+    def _files(self, op: Callable[[WorkerProcess, Policy, float], Any]) -> Any:
+        """Run one files operation on this session's worker, with the call lock held."""
+        self._lock.acquire()
+        try:
+            if self.sandbox.provider.name == "remote":
+                raise SandboxError(
+                    "the session files API needs a local provider; a remote session's "
+                    "scratch is on another machine (use files.read/write grants there)"
+                )
+            worker, notices, lost = self._prepare()
+            self._pending_notices += notices
+            self._pending_lost = self._pending_lost or lost
+            self.last_used = time.monotonic()
+            policy = self.sandbox.policy
+            return op(worker, policy, float(policy.limits.wall_seconds))
+        finally:
+            self._lock.release()
+            self.sandbox._room_changed()
+
+    def put_file(
+        self,
+        name: str,
+        data: bytes | bytearray | memoryview | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """Place `data` (or the host file `source`) in this session's scratch as `name`.
+
+        The code sees it as `name` in its working directory. `name` is one plain file name
+        (no `/`, `..` or NUL, not a `files.hide` pattern); the size is bounded by
+        `limits.transfer_mb` and what is left of `limits.scratch_mb`; an existing name is
+        refused unless `overwrite`. A host file that changes while it is read is refused.
+        Every refusal is a `FileTransferRefused` whose `.denial` names the rule. Files live
+        with the session's interpreter: a replaced interpreter starts with an empty scratch.
+        """
+        from agent_sandbox._host import files
+
+        policy = self.sandbox.policy
+        name = files.check_name(policy, name, "put")
+        if (data is None) == (source is None):
+            raise TypeError(
+                "put_file needs exactly one of `data` (bytes) or `source` (a host path)"
+            )
+        if data is not None:
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise TypeError(f"`data` must be bytes, not {type(data).__name__}")
+            payload = bytes(data)
+        else:
+            assert source is not None
+            payload = files.read_host_file(policy, source, name)
+        return self._files(  # type: ignore[no-any-return]
+            lambda w, p, t: files.put(w, p, name, payload, overwrite=overwrite, timeout=t)
+        )
+
+    def get_file(self, name: str) -> bytes:
+        """The bytes of the scratch file `name` (a regular file, no link followed), bounded by
+        `limits.transfer_mb`; refused if it changes while it is read."""
+        from agent_sandbox._host import files
+
+        name = files.check_name(self.sandbox.policy, name, "get")
+        return self._files(lambda w, p, t: files.get(w, p, name, timeout=t))  # type: ignore[no-any-return]
+
+    def list_files(self) -> list[FileInfo]:
+        """The entries of this session's scratch directory, by name."""
+        from agent_sandbox._host import files
+
+        return self._files(lambda w, p, t: files.listing(w, p, timeout=t))  # type: ignore[no-any-return]
+
+    def remove_file(self, name: str) -> None:
+        """Remove the scratch file `name` (a link is removed itself, never what it names)."""
+        from agent_sandbox._host import files
+
+        name = files.check_name(self.sandbox.policy, name, "remove")
+        self._files(lambda w, p, t: files.remove(w, p, name, timeout=t))
+
+    async def aput_file(
+        self,
+        name: str,
+        data: bytes | bytearray | memoryview | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """The async twin of `put_file()` (in a thread; a cancelled one still finishes)."""
+        import asyncio
+
+        return await asyncio.to_thread(
+            lambda: self.put_file(name, data, source=source, overwrite=overwrite)
+        )
+
+    async def aget_file(self, name: str) -> bytes:
+        """The async twin of `get_file()`."""
+        import asyncio
+
+        return await asyncio.to_thread(self.get_file, name)
+
+    async def alist_files(self) -> list[FileInfo]:
+        """The async twin of `list_files()`."""
+        import asyncio
+
+        return await asyncio.to_thread(self.list_files)
+
+    async def aremove_file(self, name: str) -> None:
+        """The async twin of `remove_file()`."""
+        import asyncio
+
+        await asyncio.to_thread(self.remove_file, name)
 
     def interrupt(self, grace: float | None = None) -> bool:
         """Interrupt this session's running call, as Ctrl-C in a Jupyter kernel.
@@ -291,6 +429,7 @@ class Sandbox:
         session_ttl: float = 1800.0,
         start_timeout: float = 15.0,
         session_wait: float = 30.0,
+        evict_idle: float = 2.0,
         tool: str = "",
         share_workers: bool = False,
     ) -> None:
@@ -324,6 +463,10 @@ class Sandbox:
                 owner=self._pool_owner,
             )
         self.session_wait = session_wait
+        if evict_idle < 0:
+            raise ValueError(f"evict_idle must be 0 or more seconds, not {evict_idle!r}")
+        #: A session idle for less than this many seconds is never evicted for a newcomer.
+        self.evict_idle = float(evict_idle)
         # Sessions holding a slot (least recently used first), and evicted ones kept usable.
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._parked: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
@@ -437,11 +580,12 @@ class Sandbox:
         """The session called `key` (created on first use); a new unique one if `key` is None.
 
         At most `max_sessions` sessions hold an interpreter. A new session takes a free
-        slot, or the slot of the least recently used session that is not in a call; that
-        session stays usable, and its next call gets a fresh interpreter and a notice that
-        its state was lost. A session in a call is never evicted: when every slot is in a
-        call, the new session's first call waits up to `session_wait` seconds for one, then
-        raises `CapacityError`.
+        slot; when there is none, its first call takes the slot of the least recently used
+        session that is not in a call and has been idle for at least `evict_idle` seconds;
+        that session stays usable, and its next call gets a fresh interpreter and a notice
+        that it was evicted and its state lost. A session in a call, or idle for less than
+        `evict_idle`, is never evicted: the new session's first call waits up to
+        `session_wait` seconds for a slot, then raises `CapacityError`.
         """
         if self.closed:
             raise SandboxClosed("the sandbox is closed")
@@ -455,7 +599,8 @@ class Sandbox:
             if session is None or session._closed:
                 session = Session(self, key)
                 self._parked[key] = session
-                self._try_admit(session, discard)  # without waiting; else at its first call
+                # A free slot now; else its first call waits for one (and may evict).
+                self._try_admit(session, discard, evict=False)
             elif session._admitted:
                 self._sessions.move_to_end(key)
         for worker in discard:
@@ -476,23 +621,27 @@ class Sandbox:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise CapacityError(self.max_sessions, self._busy(), self.session_wait)
-                    self._room.wait(min(remaining, _EVICT_GRACE))
+                    self._room.wait(min(remaining, _RECHECK))
         finally:
             for worker in discard:
                 worker.discard()
 
-    def _try_admit(self, session: Session, discard: list[WorkerProcess]) -> bool:
+    def _try_admit(
+        self, session: Session, discard: list[WorkerProcess], *, evict: bool = True
+    ) -> bool:
         if session._admitted:
             return True
         if len(self._sessions) >= self.max_sessions:
-            victim = self._idle_victim(session)
+            victim = self._idle_victim(session) if evict else None
             if victim is None:
                 return False
+            idle = time.monotonic() - victim.last_used
             self._evict(
                 victim,
-                f"this session's interpreter was ended to make room for another session "
-                f"(max_sessions = {self.max_sessions}); its variables and imports were lost, "
-                "so define them again",
+                f"this session was evicted after {idle:.1f} s idle (the least recently used "
+                f"of those idle for at least evict_idle = {self.evict_idle:g} s) to make room "
+                f"for another session (max_sessions = {self.max_sessions}); its variables "
+                "and imports were lost, so define them again",
                 discard,
             )
         self._parked.pop(session.key, None)
@@ -501,11 +650,15 @@ class Sandbox:
         return True
 
     def _idle_victim(self, newcomer: Session) -> Session | None:
-        """The least recently used session not in a call and idle for a moment (or None)."""
+        """The least recently used session not in a call and idle for at least `evict_idle`
+        seconds (or None)."""
         now = time.monotonic()
-        for other in self._sessions.values():
-            if other is newcomer or now - other.last_used < _EVICT_GRACE:
-                continue
+        eligible = [
+            other
+            for other in self._sessions.values()
+            if other is not newcomer and now - other.last_used >= self.evict_idle
+        ]
+        for other in sorted(eligible, key=lambda s: s.last_used):
             if other._lock.acquire(timeout=0):  # not in a call, nobody waiting
                 other._lock.release()
                 return other

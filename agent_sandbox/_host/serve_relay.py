@@ -22,6 +22,7 @@ Requests from the host still go through h11 (`remote_serve.py`), as do all other
 
 from __future__ import annotations
 
+import re
 import socket
 
 import h11
@@ -52,6 +53,18 @@ SSE_HEAD = (
 END = b"0\r\n\r\n"
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+# The head's grammar as h11 reads it (RFC 9110/9112: a token name, a value of visible
+# characters and inner blanks, optional blanks around it; `HTTP/1.1`, three digits, an
+# optional reason after one space), so the relay never accepts a head h11 frames otherwise.
+_VCHAR = rb"[\x21-\x7e\x80-\xff]"
+_STATUS_LINE = re.compile(rb"HTTP/1\.1 [0-9]{3}(?: [ \t\x21-\x7e\x80-\xff]*)?")
+_HEADER_FIELD = re.compile(
+    rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+):[ \t]*((?:"
+    + _VCHAR
+    + rb"+(?:[ \t]+"
+    + _VCHAR
+    + rb"+)*)?)[ \t]*"
+)
 # Where the reader is in the chunked body.
 _SIZE, _DATA, _DATA_CRLF, _LAST_CRLF, _DONE = range(5)
 
@@ -109,6 +122,7 @@ class ResponseReader:
         self.done = False
         self._state = _SIZE
         self._left = 0
+        self._head_checked = 0  # bytes of the head already checked for bare CR and LF
 
     def feed(self, data: bytes) -> list[bytes]:
         """The body's bytes that `data` completes (in order); sets `status`, then `done`."""
@@ -118,6 +132,7 @@ class ResponseReader:
             return []
         self.buf += data
         if self.status is None:
+            self._no_bare_line_ends()
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(self.buf) > HEAD_MAX:
@@ -126,20 +141,46 @@ class ResponseReader:
             head = bytes(self.buf[:end])
             del self.buf[: end + 4]
             self._head(head)
-            if self.status != 200 or not self.chunked:
-                return []  # the caller refuses the call; the body is not read
+        if self.status != 200 or not self.chunked:
+            return []  # the caller refuses the call; the body is never read (on any feed)
         return self._body()
+
+    def _no_bare_line_ends(self) -> None:
+        """Every CR and LF in the head so far is one half of a CRLF. h11 (which the host
+        runs on what the relay passes on) also ends a head at a bare LF, so a head with
+        one would be framed two ways; the worker writes CRLF, so anything else is refused.
+        Each byte is checked once (a head fed a byte at a time stays linear)."""
+        buf = self.buf
+        i = self._head_checked
+        n = len(buf)
+        while i < n:
+            cr = buf.find(b"\r", i)
+            lf = buf.find(b"\n", i, cr if cr >= 0 else n)
+            if lf >= 0:
+                raise UpstreamError("the worker's response head has a bare LF")
+            if cr < 0:
+                i = n
+                break
+            if cr + 1 >= n:
+                i = cr  # its LF has not arrived yet
+                break
+            if buf[cr + 1] != 0x0A:
+                raise UpstreamError("the worker's response head has a bare CR")
+            i = cr + 2
+            if i >= 4 and buf[i - 4 : i] == b"\r\n\r\n":
+                break  # the end of the head: the body is not a head's business
+        self._head_checked = i
 
     def _head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
         status = lines[0]
-        if len(status) < 12 or not status.startswith(b"HTTP/1.1 ") or not status[9:12].isdigit():
+        if not _STATUS_LINE.fullmatch(status):
             raise UpstreamError("the worker's response has no valid status line")
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip() or b" " in name:
+            field = _HEADER_FIELD.fullmatch(line)
+            if field is None:
                 raise UpstreamError("the worker's response has a malformed header")
-            name, value = name.lower(), value.strip().lower()
+            name, value = field.group(1).lower(), field.group(2).lower()
             if name == b"transfer-encoding":
                 if value != b"chunked" or self.chunked:
                     raise UpstreamError("the worker's response has an unexpected encoding")

@@ -1,4 +1,5 @@
-"""`agent-sandbox demo`: two offline agents (LangChain, CrewAI) using one sandboxed tool."""
+"""`agent-sandbox demo`: offline agents (LangChain, CrewAI, and smolagents when installed)
+using one sandboxed policy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def add_parser(subparsers: Any) -> None:
         help="run two offline scripted agents that get a call refused (no network, no API key)",
     )
     demo.add_argument(
-        "--only", choices=("langchain", "crewai"), default=None, help="run one framework only"
+        "--only",
+        choices=("langchain", "crewai", "smolagents"),
+        default=None,
+        help="run one framework only",
     )
     demo.set_defaults(func=_cmd_demo)
 
@@ -29,8 +33,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     only = args.only
     missing = [
         name
-        for name, module in (("langchain", "langchain.agents"), ("crewai", "crewai"))
-        if only in (None, name) and importlib.util.find_spec(module.split(".")[0]) is None
+        for name, module in (
+            ("langchain", "langchain.agents"),
+            ("crewai", "crewai"),
+            ("smolagents", "smolagents"),
+        )
+        if (only == name or (only is None and name != "smolagents"))
+        and importlib.util.find_spec(module.split(".")[0]) is None
     ]
     if missing:
         style = Style(sys.stderr)

@@ -19,6 +19,7 @@ to drive both frameworks offline. Frameworks are imported inside the functions o
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import logging
 import os
@@ -236,6 +237,31 @@ def scripted_crewai_llm(steps: Sequence[dict[str, Any]], *, native: bool = True)
 # -- the transcript ------------------------------------------------------------------------
 
 
+def scripted_smolagents_model(codes: Sequence[str]) -> Any:
+    """A smolagents `Model` that answers with one code block per step, in order, offline
+    (each reply is `Thought: ...` and the code between `<code>` tags, what a `CodeAgent`
+    parses). `model.seen` keeps the last message of each prompt it was given."""
+    from smolagents.models import ChatMessage, MessageRole, Model
+
+    class ScriptedSmolagentsModel(Model):  # type: ignore[misc]  # (smolagents is untyped)
+        def __init__(self, replies: Sequence[str]) -> None:
+            super().__init__(model_id="scripted")
+            self.replies = list(replies)
+            self.seen: list[str] = []
+
+        def generate(self, messages: Any, stop_sequences: Any = None, **kwargs: Any) -> Any:
+            last = messages[-1] if messages else None
+            content = getattr(last, "content", None) or (last or {}).get("content", "")  # type: ignore[union-attr]
+            self.seen.append(str(content))
+            if not self.replies:
+                raise RuntimeError("the scripted model has no reply left")
+            code = self.replies.pop(0)
+            text = f"Thought: step {len(self.seen)}.\n<code>\n{code}\n</code>"
+            return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+
+    return ScriptedSmolagentsModel(codes)
+
+
 @dataclass
 class Transcript:
     """What one demo run showed: lines, the refusals the framework recorded, the answer."""
@@ -406,6 +432,45 @@ def run_crewai_demo(script: DemoScript | None = None, policy: Policy | None = No
     return t
 
 
+def run_smolagents_demo(
+    script: DemoScript | None = None, policy: Policy | None = None
+) -> Transcript:
+    """Run a smolagents `CodeAgent` whose code runs in a sandboxed session
+    (`SandboxedExecutor`); the refusal is recorded from the step's memory."""
+    from smolagents import CodeAgent
+    from smolagents.monitoring import LogLevel
+
+    from agent_sandbox.adapters.smolagents import SandboxedExecutor
+
+    policy = policy or demo_policy()
+    script = script or demo_script(policy)
+    codes = [script.allowed, script.refused, script.corrected, f"final_answer({script.answer!r})"]
+    model = scripted_smolagents_model(codes)
+    executor = SandboxedExecutor(policy, warm=0)
+    try:
+        agent = CodeAgent(
+            tools=[], model=model, executor=executor, max_steps=6, verbosity_level=LogLevel.OFF
+        )
+        answer = agent.run(script.question)
+    finally:
+        executor.cleanup()
+    t = Transcript("smolagents (CodeAgent)")
+    t.add("user", script.question)
+    steps = [s for s in agent.memory.steps if hasattr(s, "code_action")]
+    for step, code in zip(steps, codes, strict=False):
+        t.add("call", code)
+        error = getattr(step, "error", None)
+        if error is not None:
+            t.add("refused", str(getattr(error, "message", error)))
+            rule = next((r for r in (script.rule,) if f"[{r}]" in str(error)), "")
+            t.recorded.append({"step_error": type(error).__name__, "rule": rule})
+        elif not getattr(step, "is_final_answer", False):
+            t.add("tool", str(getattr(step, "observations", "") or ""))
+    t.answer = str(answer)
+    t.add("answer", t.answer)
+    return t
+
+
 def _stack_text(policy: Policy) -> str:
     """The sandbox stack the policy's provider gives a worker on this machine."""
     from agent_sandbox._host.sandbox import Sandbox
@@ -438,5 +503,8 @@ def run_demo(stream: TextIO, *, only: str | None = None) -> list[Transcript]:
         print_transcript(transcripts[-1], stream)
     if only in (None, "crewai"):
         transcripts.append(run_crewai_demo(script, policy))
+        print_transcript(transcripts[-1], stream)
+    if only == "smolagents" or (only is None and importlib.util.find_spec("smolagents")):
+        transcripts.append(run_smolagents_demo(script, policy))
         print_transcript(transcripts[-1], stream)
     return transcripts

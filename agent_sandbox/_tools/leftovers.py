@@ -3,7 +3,8 @@
 * `named(marker)`: processes whose name (`comm`) is `marker`.
 * `marked(tag)`: processes started with an agent's owner mark (a worker, a launcher, a
   template), read from their environment.
-* `control_dirs(tag)`, `agent_cgroups(pid)`: an agent's control directories and cgroups.
+* `control_dirs(tag)`, `agent_cgroups(tag)`: an agent's control directories and cgroups
+  (`tag_of_pid(pid)` reads a live agent's owner token from the lock file it holds).
 * `run_agent(...)`: runs `ORPHAN_AGENT` (an agent whose sandboxed code makes a setsid double
   fork with ctypes, so no Python guard is involved, and names the grandchild `marker`) as a
   child process, ends it at a chosen moment (SIGKILL to that one pid, or a normal exit),
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent_sandbox._host.guardian import DIR_PREFIX, OWNER_ENV, owner_tag
+from agent_sandbox._host.guardian import DIR_PREFIX, OWNER_ENV, tag_of_pid
 
 __all__ = [
     "NO_GUARDIAN",
@@ -141,14 +142,14 @@ def control_dirs(tag: str) -> list[str]:
     return sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix))
 
 
-def agent_cgroups(pid: int) -> list[str]:
+def agent_cgroups(tag: str) -> list[str]:
     from agent_sandbox.providers._limits import hierarchy_bases
 
     return [
         name
         for base in hierarchy_bases()
         for name in os.listdir(base)
-        if name.startswith(f"agent-sandbox-{pid}-")
+        if name.startswith(f"agent-sandbox-{tag}-")
     ]
 
 
@@ -179,8 +180,8 @@ def run_agent(
     )
     tag = ""
     try:
-        tag = owner_tag(agent.pid)
         line = agent.stdout.readline() if agent.stdout else ""
+        tag = tag_of_pid(agent.pid) or ""  # held since its first worker: READY comes later
         if line.strip() != "READY":
             agent.kill()
             line += agent.stderr.read() if agent.stderr else ""

@@ -78,8 +78,29 @@ def run(boot: dict) -> None:  # type: ignore[type-arg]
     serve(boot)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the process that started this one ends (the host's lasting launch
+    thread, or the sandbox's launcher); exit now if it already ended (`parent` is the
+    parent seen before the request: a later one means it is gone)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def main() -> None:
-    run(load(int(sys.argv[1])))
+    parent = os.getppid()
+    boot = load(int(sys.argv[1]))
+    if boot.get("die_with_parent"):
+        # A worker started from scratch: nothing else ends it when the agent and its
+        # guardian both die (a template's workers die with their template instead).
+        _die_with_parent(parent)
+    run(boot)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from _operator import _compare_digest as compare_digest
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
+from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, on_interrupt
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
@@ -111,6 +112,7 @@ class _Server:
         self.tamper_check: Any = None
         #: This worker's pid (the server is made in the worker's own process).
         self.pid = os.getpid()
+        self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
     # -- connection handling -------------------------------------------------------------
 
@@ -129,6 +131,8 @@ class _Server:
             self._send_simple(sock, conn, 200, self._hello())
         elif request.method == b"POST" and target == b"/run":
             self._run(sock, conn, body)
+        elif request.method == b"POST" and target == b"/files":
+            self._file_op(sock, conn, body)
         elif request.method == b"POST" and target == b"/shutdown":
             self._send_simple(sock, conn, 200, {"ok": True})
             raise _Stop
@@ -227,6 +231,34 @@ class _Server:
             "checks": self.checks,
         }
 
+    def _file_op(self, sock: socket.socket, conn: _Conn, body: bytes) -> None:
+        """One operation of the session files API, between calls (`_worker/files.py`)."""
+        if self._files is None:
+            from agent_sandbox._worker.files import FileOps
+
+            runner = self.runner
+            limits = runner.policy.get("limits", {})
+            scratch_bytes = int(limits.get("scratch_mb", 512)) * 1024 * 1024
+
+            def changed(name: str, signature: Any) -> None:
+                seen = runner._scratch_seen
+                if seen is None:
+                    seen = runner._scratch_seen = runner._scan_scratch()
+                if signature is None:
+                    seen.pop(name, None)
+                else:
+                    seen[name] = signature
+
+            self._files = FileOps(runner.scratch, scratch_bytes, changed)
+        try:
+            request = json.loads(body)
+            if not isinstance(request, dict):
+                raise TypeError("not an object")
+        except (ValueError, TypeError) as exc:
+            self._send_simple(sock, conn, 400, {"error": f"bad files request: {exc}"}, close=True)
+            return
+        self._send_simple(sock, conn, 200, self._files.handle(request))
+
     def _run(self, sock: socket.socket, conn: _Conn, body: bytes) -> None:
         try:
             request = json.loads(body)
@@ -310,6 +342,10 @@ class _Server:
             if broken:
                 return  # the caller left (a cancelled call): nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
+        # Always present (a policy without tools refuses every call on the host, by rule).
+        self.runner.namespace["_host_tool"] = host_tool_caller(
+            sock, put, owner, self.runner.policy_name, self.boot.get("policy", {})
+        )
         started = time.perf_counter()
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)

@@ -45,6 +45,7 @@ import os
 import selectors
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -159,7 +160,10 @@ def _renew_secrets() -> None:
         mp.current_process().authkey = os.urandom(32)  # type: ignore[attr-defined]
 
 
-def _reap(control: socket.socket) -> None:
+def _reap(control: socket.socket, spawned: set[int]) -> None:
+    """Reap every ended child; report those this template forked (an orphan a worker left,
+    reparented here as to a subreaper, is reaped silently: its pid means nothing to the
+    host, and may be a later worker's)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -167,8 +171,42 @@ def _reap(control: socket.socket) -> None:
             return
         if pid == 0:
             return
+        if pid not in spawned:
+            continue
+        spawned.discard(pid)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         _send(control, {"exit": pid, "returncode": code})
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _end_descendants() -> None:
+    """SIGKILL every child until none is left: the workers, and (this being a subreaper)
+    whatever they started that outlived its own parent, which is reparented here as they
+    die. Each pid signalled is an unreaped child of this process: it cannot be reused."""
+    deadline = time.monotonic() + 5.0  # reaped, not only signalled, within a bound
+    while time.monotonic() < deadline:
+        children: list[int] = []
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/children") as fh:
+                    children += [int(w) for w in fh.read().split()]
+        except OSError:
+            pass
+        while True:  # reap what ended (zombies are listed as children too)
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                break
+            if pid in children:
+                children.remove(pid)
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.001)
 
 
 def run_template(
@@ -184,6 +222,12 @@ def run_template(
     libc = _warm_up()
     if namespace:
         nstemplate.prepare(libc)
+    else:
+        # A plain template (no pid namespace to end its workers' descendants): what a
+        # worker starts and detaches (a setsid double fork) is reparented here, and ended
+        # with everything else when the host is gone.
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    spawned: set[int] = set()
     import gc
 
     gc.collect()
@@ -201,14 +245,18 @@ def run_template(
     buffer = b""
     while True:
         events = selector.select()
-        _reap(control)
+        _reap(control, spawned)
         if not any(key.data == "control" for key, _ in events):
             with contextlib.suppress(BlockingIOError):
                 os.read(wakeup[0], 4096)
             continue
         data, fds_list, _flags, _addr = socket.recv_fds(control, 65536, _MAX_FDS)
         if not data:
-            os._exit(0)  # the parent is gone: its workers are killed by their own parent chain
+            # The parent is gone: its workers die with this process (their parent-death
+            # signal); what they detached is ended here first.
+            if not namespace:
+                _end_descendants()
+            os._exit(0)
         fds = list(fds_list)
         buffer += data
         if len(buffer) > _MAX_MESSAGE:
@@ -244,4 +292,5 @@ def run_template(
             _become_worker(request, fds, control, selector, wakeup, libc, read_boot)
         for fd in fds:
             os.close(fd)
+        spawned.add(pid)
         _send(control, {"spawned": pid, "req": request.get("req")})

@@ -249,3 +249,22 @@ def test_a_refusal_the_code_caught_is_still_a_tool_failure(crew):
         assert t.last_result is not None and t.last_result.internal_denials()
     finally:
         t.close()
+
+
+def test_uploads_reach_the_code_and_produced_files_are_kept(crew):
+    """A file put into the tool's interpreter is read by the agent's code; with
+    `return_files` the files a call wrote are in `last_files` with their bytes."""
+    import base64
+
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0, return_files=True)
+    try:
+        t.put_file("notes.txt", b"alpha beta gamma")
+        out = t._run(
+            "n = len(open('notes.txt').read().split())\nopen('n.txt','w').write(str(n))\nn"
+        )
+        assert out == "3"
+        (produced,) = t.last_files
+        assert produced["name"] == "n.txt" and base64.b64decode(produced["base64"]) == b"3"
+        assert t.get_file("n.txt") == b"3"
+    finally:
+        t.close()

@@ -422,3 +422,52 @@ class TestStandardIntegration(ToolsIntegrationTests):
     @property
     def tool_invoke_params_example(self) -> dict[str, Any]:
         return {"code": "print(1 + 1)"}
+
+
+def test_thread_ids_of_different_types_never_share_an_interpreter(tool):
+    """It denies thread ids that print alike (`1`, `"1"`, `True`, `1.0`, a tuple, a UUID and
+    its string) one shared set of variables: type and value both make the session key."""
+    import uuid
+
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    ids: list[Any] = [1, "1", True, 1.0, (1, "a"), ("1", "a"), [1, "a"], u, str(u), b"1"]
+
+    def call(code: str, thread: Any) -> Any:
+        return tool.invoke(
+            tool_call(code, call_id="c"), config={"configurable": {"thread_id": thread}}
+        )
+
+    for n, tid in enumerate(ids):
+        call(f"x = {n}", tid)
+    for n, tid in enumerate(ids):
+        assert call("x", tid).content == str(n), tid
+    assert len(tool.sessions()) == len(ids)
+    assert "thread:1" in tool.sessions() and "thread#int:1" in tool.sessions()
+
+
+def test_uploads_reach_the_code_and_produced_files_come_back_in_the_artifact() -> None:
+    """A file put for a thread is read by that thread's code; a file the code writes is in
+    the artifact (`files`, and with `return_files` its bytes in `file_contents`)."""
+    import base64
+
+    t = SandboxedPythonTool(policy=small_policy(), warm=0, return_files=True)
+    cfg = {"configurable": {"thread_id": "t1"}}
+    try:
+        t.put_file("sales.csv", b"region,total\nnorth,3\nsouth,4\n", thread_id="t1")
+        code = (
+            "rows = open('sales.csv').read().splitlines()[1:]\n"
+            "total = sum(int(r.split(',')[1]) for r in rows)\n"
+            "open('total.txt', 'w').write(str(total))\n"
+            "total"
+        )
+        msg = t.invoke(tool_call(code, call_id="c1"), config=cfg)
+        assert msg.status == "success" and msg.content == "7"
+        assert [f["name"] for f in msg.artifact["files"]] == ["total.txt"]
+        (produced,) = msg.artifact["file_contents"]
+        assert produced["name"] == "total.txt" and base64.b64decode(produced["base64"]) == b"7"
+        assert t.get_file("total.txt", thread_id="t1") == b"7"
+        assert [f.name for f in t.list_files(thread_id="t1")] == ["sales.csv", "total.txt"]
+        with pytest.raises(ValueError, match="thread_id"):
+            t.put_file("x.csv", b"1")  # session="thread" without a thread: no scratch to use
+    finally:
+        t.close()

@@ -30,9 +30,10 @@ _spec.loader.exec_module(_layout)
 EXTRAS_OF = {
     "agent_sandbox.adapters.langchain": {"langchain"},
     "agent_sandbox.adapters.crewai": {"crewai"},
-    # NOTE: the offline demo drives both frameworks; `agent-sandbox demo` says which extra
-    # is missing when one is.
-    "agent_sandbox._tools.demo": {"langchain", "crewai"},
+    "agent_sandbox.adapters.smolagents": {"smolagents"},
+    # NOTE: the offline demo drives the three frameworks; `agent-sandbox demo` says which
+    # extra is missing when one is.
+    "agent_sandbox._tools.demo": {"langchain", "crewai", "smolagents"},
     "agent_sandbox.providers._seccomp": {"seccomp"},
     "agent_sandbox._host.intake.remote_transport": {"remote"},
     "agent_sandbox.providers._remote_k8s": {"k8s"},

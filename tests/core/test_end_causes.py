@@ -180,7 +180,7 @@ def closed_sandbox() -> tuple[str, str]:
 
 
 def evicted() -> tuple[str, str]:
-    with Sandbox(_policy(), warm=0, max_sessions=1) as sb:
+    with Sandbox(_policy(), warm=0, max_sessions=1, evict_idle=0.05) as sb:
         a = sb.session("a")
         assert a.run("x = 1").ok
         time.sleep(0.1)
@@ -293,3 +293,67 @@ def test_each_cause_reads_as_the_table_says(cause: str, table: dict[str, tuple[s
     phrase, documented = table[cause]
     assert operator == documented, (cause, operator, text)
     assert phrase in text, (cause, phrase, text)
+
+
+@pytest.mark.parametrize("provider", ["landlock", "subprocess"])
+def test_a_stopped_worker_is_killed_without_the_term_grace(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It sends a worker stopped mid-call (SIGSTOP) straight SIGKILL when its wall limit
+    passes: a stopped process cannot act on SIGTERM, so the 0.5 s TERM grace would only be
+    waited out past the limit. The result names the stop, not a timeout."""
+    from agent_sandbox._host import process
+
+    if not get_provider(provider).probe().available:
+        pytest.skip(f"{provider} is not available here")
+    sent: list[int] = []
+    real = process._signal_group
+
+    def spy(pid: int, sig: int) -> None:
+        sent.append(sig)
+        real(pid, sig)
+
+    monkeypatch.setattr(process, "_signal_group", spy)
+    policy = _policy(wall_seconds=2).model_copy(update={"no_kernel_boundary": "accepted"})
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        session = sb.session("s")
+        assert session.run("x = 1").ok
+        worker = session.worker
+        assert worker is not None
+        thread, out = _in_thread(lambda: session.run("import time\ntime.sleep(30)"))
+        _wait(lambda: worker._in_call)
+        pid = worker.worker_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        _wait(worker.stopped)
+        thread.join(20)
+        result = out["r"]
+        assert result.error is not None and result.error.type == "WorkerStopped", result
+        assert signal.SIGKILL in sent and signal.SIGTERM not in sent, sent
+
+
+@pytest.mark.parametrize("provider", ["bwrap", "unshare", "landlock"])
+def test_scratch_files_that_fill_memory_are_named_as_files(provider: str) -> None:
+    """It names the scratch files when they, not the code's objects, filled `memory_mb`
+    (scratch is a tmpfs under these providers: its files are memory), and does not when
+    the code's own objects did."""
+    from agent_sandbox.providers._limits import cgroup_support
+
+    if not get_provider(provider).probe().available:
+        pytest.skip(f"{provider} is not available here")
+    if not cgroup_support().get("memory"):
+        pytest.skip("no memory cgroup here: memory_mb is not enforced by a group")
+    write = (
+        "f = open('big.bin', 'wb')\nfor i in range(300):\n    f.write(b'x' * (1 << 20))\n"
+        "f.close()\n'done'"
+    )
+    hog = "hold = []\nwhile True:\n    hold.append(bytearray(16 << 20))"
+    policy = _policy(memory_mb=150, scratch_mb=400)
+    with Sandbox(policy, provider=provider, warm=0) as sb:
+        files = sb.run(write)
+        objects = sb.run(hog)
+    assert files.error is not None and files.error.rule == "limits.memory", files
+    assert "files in the scratch directory" in files.error.message
+    assert "held in memory (not on disk)" in files.error.message
+    assert objects.error is not None and objects.error.rule == "limits.memory", objects
+    assert "scratch" not in objects.error.message

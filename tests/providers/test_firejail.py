@@ -97,6 +97,7 @@ def test_argv_is_exact_for_a_venv_under_tmp() -> None:
         "--blacklist=/data/in/secret.csv",
         "--keep-fd=3,4",
         "--deterministic-exit-code",
+        "--deterministic-shutdown",
         "--",
         "/tmp/venv-x/bin/python",
         "-I",

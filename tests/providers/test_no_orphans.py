@@ -60,3 +60,53 @@ def test_a_normal_exit_right_after_a_call_cleans_up_by_itself(provider: str) -> 
     the code's setsid double fork has no pid namespace to die with; the guardian ends it,
     as the tests above check.)"""
     _run_agent(provider, "exit", guardian=False, bound=1.0)
+
+
+@pytest.mark.parametrize(
+    "provider",
+    [
+        *(
+            pytest.param(
+                name,
+                marks=pytest.mark.xfail(
+                    strict=True,
+                    raises=AssertionError,
+                    reason=(
+                        "no pid namespace under this provider: the worker dies with the agent "
+                        "(parent-death signal), but the code's setsid double fork outlives "
+                        "the agent and its guardian until the next agent's sweep"
+                    ),
+                ),
+            )
+            for name in ("subprocess", "landlock")
+        ),
+        "unshare",
+        "bwrap",
+        "firejail",
+    ],
+)
+@pytest.mark.parametrize("moment", ["idle", "running"])
+def test_nothing_outlives_an_agent_killed_with_its_guardian(provider: str, moment: str) -> None:
+    """It ends the worker and everything it started when the agent dies with no guardian
+    (a container or unit killed as a whole: here the guardian is switched off and the
+    agent SIGKILLed): parent-death signals on every launch path and the sandbox's pid
+    namespace; the next agent's sweep then removes the control directories."""
+    import tempfile
+
+    from agent_sandbox._host import guardian
+    from agent_sandbox._tools.leftovers import control_dirs
+    from agent_sandbox.providers._limits import hierarchy_bases
+
+    skip_unless_available(provider)
+    left = run_agent(provider, moment, guardian=False, bound=10)
+    assert left.ready == "READY", left.ready
+    assert left.forked, "the double fork did not run"
+    # The worker, its launcher and template died with the agent (parent-death signals):
+    # whatever is left is the code's own double fork.
+    if set(left.marked) - set(left.named):
+        raise RuntimeError(f"the worker or its launcher outlived the agent: {left}")
+    assert (left.named, left.marked) == ([], []), f"survivors: {left}"
+    assert left.dirs, "nothing to sweep: the agent's directories went with no one to remove them"
+    tag = left.dirs[0][len(guardian.DIR_PREFIX) :].split("-", 1)[0]
+    guardian.sweep(hierarchy_bases(), tempfile.gettempdir())
+    assert control_dirs(tag) == []

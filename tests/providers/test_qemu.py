@@ -368,6 +368,39 @@ def test_a_runaway_call_times_out_and_the_vm_is_gone(vm_cache: str) -> None:
     assert not os.path.exists(worker.control_dir)
 
 
+def test_a_killed_qemu_is_named_as_the_vm_ending_not_a_lost_transport(vm_cache: str) -> None:
+    """It names a QEMU killed from outside during a call as the virtual machine's end (with
+    its signal), not as a worker that closed its connection while still running."""
+    worker = _start(_vm_policy())
+    try:
+        qemu = [p for p in _qemu_pids() if _under(p, worker.pid)]
+        assert qemu, "no QEMU below the worker's host process"
+        out: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: out.setdefault(
+                "r",
+                worker.run(
+                    "import time\nprint('go', flush=True)\ntime.sleep(60)",
+                    on_event=lambda kind, data: started.set(),
+                ),
+            )
+        )
+        started = threading.Event()
+        thread.start()
+        assert started.wait(30), "the call never started"
+        os.kill(qemu[0], signal.SIGKILL)
+        thread.join(30)
+        result = out["r"]
+        assert result.error is not None, result
+        assert result.error.type == "WorkerCrashed", result.error
+        assert "virtual machine (the QEMU process) ended" in result.error.message
+        assert "killed by SIGKILL" in result.error.message
+        assert worker.proc is not None and worker.proc.returncode == -signal.SIGKILL
+        assert "Traceback" not in worker.log_tail(50)  # the relay exited as QEMU did
+    finally:
+        worker.kill()
+
+
 def test_an_interrupt_reaches_the_cell_in_the_vm_and_keeps_the_variables(vm_cache: str) -> None:
     """It carries the host's interrupt into the guest (SIGINT to the relay, an `S` frame,
     SIGINT to the worker): KeyboardInterrupt in the running cell, the variables kept."""

@@ -17,7 +17,6 @@ import time
 
 import pytest
 
-from agent_sandbox._host.guardian import owner_tag
 from agent_sandbox._tools.leftovers import agent_cgroups, control_dirs, marked
 
 from .conftest import skip_unless_available
@@ -50,7 +49,8 @@ elif scenario == "in-flight":
 elif scenario == "refill":
     sb._pool.fill()
     sb._pool.acquire().discard()  # the refill thread is now starting a replacement
-print("DONE", flush=True)
+from agent_sandbox._host import lifecycle
+print("DONE", lifecycle.owner_tag(), flush=True)
 """
 
 
@@ -67,17 +67,17 @@ def test_the_agent_exits_quietly_and_leaves_nothing(provider: str, scenario: str
             stderr=subprocess.PIPE,
             text=True,
         )
-        tag = owner_tag(agent.pid)
         try:
             out, err = agent.communicate(timeout=120)
         finally:
             if agent.poll() is None:
                 agent.kill()
                 agent.wait(10)
-        assert (agent.returncode, out, err) == (0, "DONE\n", "")
+        word, _, tag = out.strip().partition(" ")
+        assert (agent.returncode, word, err) == (0, "DONE", "")
         deadline = time.monotonic() + 1.0
         while True:
-            left = (marked(tag), control_dirs(tag), agent_cgroups(agent.pid))
+            left = (marked(tag), control_dirs(tag), agent_cgroups(tag))
             if not any(left) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -121,3 +121,82 @@ def test_what_the_relay_writes_parses_as_h11_parses_it() -> None:
         body += event.data
     assert bytes(body) == b"".join(EVENTS)
     client.start_next_cycle()  # the connection stays usable
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 \ntransfer-encoding: chunked\n\n",
+        b"HTTP/1.1 200 \r\ntransfer-encoding: chunked\n\n",
+        b"HTTP/1.1 200 \r\nx-a: 1\n\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 \r\nx-a: 1\rx\r\ntransfer-encoding: chunked\r\n\r\n",
+    ],
+    ids=["all-bare-lf", "bare-lf-end", "lf-crlf-end", "bare-cr"],
+)
+@pytest.mark.parametrize("step", [1, 3, 1 << 16])
+def test_refuses_a_head_with_bare_line_ends(head: bytes, step: int) -> None:
+    """It denies a head with a bare LF or CR, which h11 frames differently (it ends a head
+    at a bare LF): the relay and the host must read the same response, in any pieces."""
+    data = head + b"5\r\nhello\r\n0\r\n\r\n"
+    reader = ResponseReader()
+    with pytest.raises(UpstreamError, match="bare"):
+        for i in range(0, len(data), step):
+            reader.feed(data[i : i + step])
+
+
+def _h11_body(data: bytes) -> tuple[int, bytes] | None:
+    """What h11 (the host's parser) reads from a worker response: (status, body) or None."""
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/run", headers=[("host", "w")]))
+    client.send(h11.EndOfMessage())
+    try:
+        client.receive_data(data)
+        client.receive_data(b"")
+        response = client.next_event()
+        if not isinstance(response, h11.Response):
+            return None
+        body = bytearray()
+        while True:
+            event = client.next_event()
+            if isinstance(event, h11.EndOfMessage):
+                return response.status_code, bytes(body)
+            if not isinstance(event, h11.Data):
+                return None
+            body += event.data
+    except h11.RemoteProtocolError:
+        return None
+
+
+_PIECES = [b"\r\n", b"\n", b"\r", b"HTTP/1.1 200 ", b"transfer-encoding: chunked", b"x-a: 1",
+           b"5", b"hello", b"0", b"content-length: 5", b":", b" "]  # fmt: skip
+
+
+def test_the_reader_never_frames_a_response_unlike_h11() -> None:
+    """Differential against h11 over responses assembled from framing pieces: whenever
+    ResponseReader completes a response, h11 reads the same status and body from it
+    (ResponseReader may refuse more: it is only ever stricter)."""
+    import random
+
+    rng = random.Random(30)
+    base = b"HTTP/1.1 200 \r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    done = 0
+    for _ in range(4000):
+        data = bytearray(base)
+        for _edit in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(data) + 1)
+            piece = rng.choice(_PIECES)
+            if rng.random() < 0.5:
+                data[at:at] = piece
+            else:
+                del data[at : at + rng.randrange(1, 4)]
+        reader = ResponseReader()
+        body = bytearray()
+        try:
+            body += b"".join(reader.feed(bytes(data)))
+        except UpstreamError:
+            continue
+        if not reader.done:
+            continue
+        done += 1
+        assert _h11_body(bytes(data)) == (reader.status, bytes(body)), bytes(data)
+    assert done > 20  # the corpus reaches complete responses

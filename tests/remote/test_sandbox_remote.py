@@ -247,6 +247,20 @@ def test_a_k8s_table_builds_the_k8s_backend(monkeypatch: pytest.MonkeyPatch) -> 
     assert (provider.tenant, provider.max_claims, provider.bind_secret) == ("acme", 3, "bind")
 
 
+def test_a_k8s_claim_expires_after_a_day_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A claim whose agent crashed is reaped by its expiry even if its pod never idles out;
+    none at all only in so many words (0)."""
+    monkeypatch.setenv(remote_pool.SESSION_KEY_ENV, "k" * 32)
+    monkeypatch.setenv(remote_pool.BIND_SECRET_ENV, "bind")
+    for table, expected in (({}, 86_400), ({"shutdown_after_seconds": 0}, None)):
+        policy = Policy(provider="remote", remote={"pool": "ags-a", **table})
+        assert policy.remote is not None
+        backend = remote_pool.build_provider(policy.remote).backend
+        assert backend.shutdown_after_seconds == expected  # type: ignore[attr-defined]
+
+
 def test_closing_the_last_sandbox_ends_the_local_servers(policy: Policy) -> None:
     """It ends a closed sandbox's claimed servers at once, and the shared provider's warm
     servers when its last sandbox closes."""
@@ -326,3 +340,46 @@ def test_the_langchain_tool_reports_an_exhausted_pool_to_the_model(
         assert refused.status == "error" and "'lc-tiny'" in refused.content
     finally:
         tool.close()
+
+
+def test_a_stopped_local_server_is_named_as_stopped_and_ended_at_once(
+    certs: Certs, secrets_files: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It names a call whose local `worker serve` was stopped (SIGSTOP) as a stopped
+    server, not as the code's wall-clock timeout, and ends that server with SIGKILL at once
+    (a stopped process cannot act on SIGTERM, so its grace would only be waited out)."""
+    import signal
+    import subprocess
+
+    sent: list[tuple[int, int]] = []
+    real = subprocess.Popen.send_signal
+
+    def spy(self: subprocess.Popen[bytes], sig: int) -> None:
+        sent.append((self.pid, sig))
+        real(self, sig)
+
+    monkeypatch.setattr(subprocess.Popen, "send_signal", spy)
+    policy = remote_policy(provider="remote", remote=table(certs, secrets_files))
+    policy = policy.model_copy(
+        update={"limits": policy.limits.model_copy(update={"wall_seconds": 2})}
+    )
+    with Sandbox(policy) as sb:
+        session = sb.session("stopped")
+        assert session.run("x = 1").ok
+        worker = session.worker
+        assert worker is not None and worker.claim is not None  # type: ignore[attr-defined]
+        backend = sb._pool.provider.backend  # type: ignore[union-attr]
+        server = backend._claimed[worker.claim.name].proc  # type: ignore[attr-defined]
+        os.kill(server.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 15
+        while not backend.stopped(worker.claim):  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the stop never took effect"
+            time.sleep(0.01)
+        result = session.run("x")
+        assert result.error is not None, result
+        assert result.error.type == "WorkerStopped", result.error
+        assert "server was stopped by a signal" in result.error.message
+        again = session.run("1 + 1")
+        assert again.value == 2 and again.state_lost
+        assert server.poll() == -signal.SIGKILL
+        assert (server.pid, signal.SIGTERM) not in sent

@@ -74,6 +74,10 @@ class WorkerMisbehaved(TransportError):
     """The worker sent something malformed, out of order or contradictory (host wording)."""
 
 
+#: The largest host-tool request one event may carry (its JSON arguments).
+HOST_CALL_BYTES = 1_000_000
+
+
 @dataclasses.dataclass(frozen=True)
 class HostBounds:
     """What the host keeps from one call at most, from the policy's limits.
@@ -91,11 +95,18 @@ class HostBounds:
     denial_chars: int = MAX_DENIAL_CHARS
     notices: int = MAX_NOTICES
     files: int = MAX_FILES
+    image_pixels: int = 16_777_216
+    image_frames: int = 1
 
     @classmethod
     def from_policy(cls, policy: Any) -> HostBounds:
         limits = policy.limits
-        return cls(output_chars=int(limits.output_bytes), result_bytes=int(limits.result_bytes))
+        return cls(
+            output_chars=int(limits.output_bytes),
+            result_bytes=int(limits.result_bytes),
+            image_pixels=int(limits.image_pixels),
+            image_frames=int(limits.image_frames),
+        )
 
     @property
     def image_chars(self) -> int:
@@ -139,6 +150,7 @@ class HostBounds:
             "counts": (self.denial_chars * 2 + _SLACK, "limits.output_bytes"),
             "notice": (small, "limits.output_bytes"),
             "files": (small, "limits.output_bytes"),
+            "host_call": (HOST_CALL_BYTES, "limits.output_bytes"),
         }
 
     def max_event_bytes(self) -> int:
@@ -285,11 +297,17 @@ _DETAIL_PATTERNS = (
     r"the path is outside \[files\] write \(only the scratch directory is writable unless "
     r"the policy says more\)",
     r"the path is outside \[files\] read",
+    # the refusal trail's folds (`_denial.fold_detail`)
+    r"past the first N distinct (?:sensitive )?targets of this rule in one call, further "
+    r"refusals are counted here \(count: how many; last: the latest, in full\)",
     # imports, calls, environment
     r"Q is listed in \[imports\] deny, which beats \[imports\] allow",
     r"the module is not in \[imports\] allow",
     r"Q is listed in \[api\] deny, which beats \[api\] allow",
     r"[\w.]+ is a sensitive call \([\w-]+\) the policy does not grant",
+    # host tools (the host's own words, relayed by the worker's stub)
+    r"the tool is not in \[tools\] allow",
+    r"the tool did not return within N s \(\[tools\] timeout_seconds\)",
     r"the variable exists on the host but the policy does not pass it",
     # network
     r"not an IP address",

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
 
 OnEvent = Callable[[Event], None]
+#: Serves one host-tool request (the event's data, the seconds left before the call's
+#: deadline) and returns the reply object.
+HostCall = Callable[[Any, float], dict[str, Any]]
 
 
 class ConnectionLost(TransportError):
@@ -133,6 +136,13 @@ class _Protocol:
                 if not data:
                     raise ConnectionLost("the worker closed the connection mid-response")
                 return events
+            if event is h11.PAUSED:
+                # h11 waits for the next cycle (the response ended, or a protocol switch):
+                # asking again would return PAUSED forever. Found by tests/fuzz (a feed
+                # after the end spun with the GIL held).
+                if self.done:
+                    return events
+                raise TransportError("the worker's response paused the connection")
             if isinstance(event, h11.Response):
                 self.status = event.status_code
                 ctype = dict(event.headers).get(b"content-type", b"")
@@ -183,6 +193,9 @@ class WorkerClient:
         self._proto: _Protocol | None = None
         self._poll: select.poll | None = None
         self._buffer: bytearray | None = None
+        #: Answers the code's host-tool requests during a call (`_host/hosttools.py`);
+        #: None refuses them.
+        self.host_call: HostCall | None = None
 
     def _connect(self, deadline: float) -> tuple[socket.socket, _Protocol, select.poll]:
         if (
@@ -235,6 +248,10 @@ class WorkerClient:
                 except BlockingIOError:
                     continue
                 for event in proto.receive(bytes(received[:n])):
+                    if event[0] == "host_call":
+                        reply = answer_host_call(self.host_call, event[1], deadline)
+                        _send_all(sock, poll, reply, deadline)
+                        continue
                     if on_event is not None:
                         on_event(event)
         except TimeoutError:
@@ -266,6 +283,14 @@ class WorkerClient:
         if proto.status != 200:
             raise TransportError(f"the worker refused the call (HTTP {proto.status})")
 
+    def request_json(self, target: str, payload: Any, deadline: float) -> Any:
+        """POST `payload` to `target` and return the worker's JSON reply (a simple response
+        within `max_event_bytes`, not a stream); TransportError on any other status."""
+        proto = self._exchange("POST", target, payload, deadline, None)
+        if proto.status != 200 or proto.streaming:
+            raise TransportError(f"the worker refused {target} (HTTP {proto.status})")
+        return proto.json_body()
+
     def shutdown(self, timeout: float = 1.0) -> None:
         try:
             self._exchange("POST", "/shutdown", None, time.monotonic() + timeout, None)
@@ -283,6 +308,39 @@ class WorkerClient:
         self._sock = None
         self._proto = None
         self._poll = None
+
+
+def answer_host_call(handler: HostCall | None, data: Any, deadline: float) -> bytes:
+    """The framed reply (`<length>\n<json>`) to one host-tool request of the code; the
+    handler waits for the tool until `deadline` (the call's) at the latest."""
+    if handler is None:
+        reply: dict[str, Any] = {
+            "ok": False,
+            "rule": "tools",
+            "detail": "no host tools are served in this call",
+            "hint": "call it through an agent framework's executor that serves its tools",
+        }
+    else:
+        try:
+            reply = handler(data, max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # the handler's own failure reaches the code as an error
+            reply = {"ok": False, "error": f"the host could not serve the call ({exc})"}
+    body = json.dumps(reply, default=str).encode()
+    return b"%d\n%b" % (len(body), body)
+
+
+def _send_all(sock: socket.socket, poll: select.poll, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    fd = sock.fileno()
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            poll.modify(fd, select.POLLOUT)
+            try:
+                _wait(poll, deadline)
+            finally:
+                poll.modify(fd, select.POLLIN)
 
 
 def _wait(poll: select.poll, deadline: float) -> None:
@@ -305,6 +363,8 @@ class AsyncWorkerClient:
         self.token = token
         self.max_event_bytes = max_event_bytes
         self.kind_caps = kind_caps
+        self.host_call: HostCall | None = None
+        self._deadline = 0.0
 
     async def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
@@ -312,6 +372,7 @@ class AsyncWorkerClient:
         import asyncio  # loaded already: this runs in its loop
 
         remaining = max(0.001, deadline - time.monotonic())
+        self._deadline = deadline
         try:
             await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
         except TimeoutError:
@@ -331,6 +392,13 @@ class AsyncWorkerClient:
             while not proto.done:
                 data = await reader.read(262144)
                 for event in proto.receive(data):
+                    if event[0] == "host_call":
+                        reply = await asyncio.to_thread(
+                            answer_host_call, self.host_call, event[1], self._deadline
+                        )
+                        writer.write(reply)
+                        await writer.drain()
+                        continue
                     on_event(event)
             if proto.status != 200:
                 raise TransportError(f"the worker refused the call (HTTP {proto.status})")

@@ -47,7 +47,6 @@ from __future__ import annotations
 import binascii
 import builtins
 import dataclasses
-import io
 import pickle
 import re
 import sys
@@ -79,9 +78,44 @@ _decode_blob = getattr(_fastscan, "decode_blob", None)
 # -- steps 2 and 3: find_class and the C unpickler -----------------------------------------------
 
 
+class _Reader:
+    """The stream as the unpickler reads it: each `read(n)` returns the next `n` bytes of
+    the one buffer the prescan judged, in order.
+
+    It has no `peek` and no `seek`, so the unpickler cannot prefetch past what it asked for
+    and skip back, and `readline` refuses (the line-based opcodes are outside the allowed
+    families). CPython's unpickler keeps a FRAME's bytes in a buffer and, when an opcode's
+    argument crosses the frame's end, drops the buffer's rest and reads on from here; the
+    prescan refuses such streams (and frames inside frames), so over what it accepts the
+    reads here cover the stream once, in order, and `consumed` ends at its length.
+    """
+
+    __slots__ = ("_view", "consumed")
+
+    def __init__(self, data: bytes) -> None:
+        self._view = memoryview(data)
+        self.consumed = 0
+
+    def read(self, n: int = -1) -> bytes:
+        start = self.consumed
+        end = len(self._view) if n is None or n < 0 else min(start + n, len(self._view))
+        self.consumed = end
+        return bytes(self._view[start:end])
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self._view[self.consumed : self.consumed + len(target)]
+        target[: len(chunk)] = chunk
+        self.consumed += len(chunk)
+        return len(chunk)
+
+    def readline(self) -> bytes:
+        raise UnpickleRefused("a line-based opcode (outside the allowed families)")
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, allow: Allowlist) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, reader: _Reader, allow: Allowlist) -> None:
+        super().__init__(reader)
         self._allow = allow
 
     def find_class(self, module: str, name: str) -> Any:
@@ -98,8 +132,9 @@ def load_restricted(
     allow = allow or Allowlist()
     data = bytes(data)
     prescan(data, allow, budgets)
+    reader = _Reader(data)
     try:
-        return _Unpickler(data, allow).load()
+        value = _Unpickler(reader, allow).load()
     except UnpickleRefused:
         raise
     except RecursionError:
@@ -108,6 +143,12 @@ def load_restricted(
         raise UnpickleRefused(
             f"building the value failed: {type(exc).__name__}: {_short(exc)}"
         ) from None
+    if reader.consumed != len(data):  # the prescan and the unpickler read it differently
+        raise UnpickleRefused(
+            f"the unpickler stopped at byte {reader.consumed} of {len(data)}: "
+            f"it read the stream differently from the prescan"
+        )
+    return value
 
 
 def _short(exc: BaseException) -> str:
@@ -138,7 +179,7 @@ class Decoder:
     ) -> None:
         self.objects = objects
         self.allow = Allowlist(result_types)
-        self.budgets = Budgets(max_bytes=max_bytes)
+        self.budgets = Budgets(max_bytes=max_bytes, max_copied=max(8_000_000, 2 * max_bytes))
         self.policy = policy
 
     @classmethod

@@ -6,6 +6,10 @@ size; it tracks what each stack slot holds (`_Val`) so that a global is used onl
 allowlist entry grants (`agent_sandbox._host.intake.unpickle_classes`), BUILD only targets
 an instance built in the stream, and dict and set insertions are checked for hash flooding.
 The flow is in `agent_sandbox._host.intake.unpickle`.
+
+It is longer than 600 lines on purpose: it is the whole judgement of an objects-mode
+stream (the opcode families, the frame rule, the budgets, the slot tracking), and a reviewer
+checks each opcode's handling against the others in one place.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import struct
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +58,12 @@ class Budgets:
     max_globals: int = 256
     max_int_bytes: int = 65_536
     max_same_hash: int = 64
+    #: Items and characters that constructor calls (REDUCE, NEWOBJ) and BUILD states hand
+    #: over, summed over the stream. Without sharing this stays below twice the stream's
+    #: size; a memoized list or state dict passed again and again (`deque(shared)` a
+    #: million times, one state dict BUILT over and over) would make the host copy
+    #: items * uses, quadratic in the stream, in the prescan and in the unpickler.
+    max_copied: int = 8_000_000
 
 
 # -- step 1: the prescan --------------------------------------------------------------------------
@@ -61,7 +72,7 @@ class Budgets:
 class _Val:
     """What one stack slot holds, as far as the prescan can tell."""
 
-    __slots__ = ("const", "depth", "hashes", "keys", "kind", "name")
+    __slots__ = ("const", "depth", "hash", "hashes", "keys", "kind", "n", "name")
 
     def __init__(self, kind: str, const: Any = None, name: str = "", depth: int = 0) -> None:
         self.kind = kind
@@ -70,22 +81,58 @@ class _Val:
         self.depth = depth
         self.keys: list[list[_Val]] | None = None  # a dict's key batches, checked at BUILD
         self.hashes: dict[int, int] | None = None
+        self.hash: int | object | None = _UNSET  # the key's hash, once computed (`_key_hash`)
+        self.n = 0  # items held (containers) or bytes (bytes values); see `_size`
 
 
-_NO_CONST = object()
 _DEPTH = operator.attrgetter("depth")
 _FLOODABLE = frozenset({"int", "float", "bool", "tuple"})
 
 
-def _constant(v: _Val, depth: int = 0) -> Any:
-    """The Python value of a hashable constant slot, or _NO_CONST."""
+_UNSET = object()
+_MASK = (1 << 64) - 1
+_XXPRIME_1 = 11400714785074694791
+_XXPRIME_2 = 14029467366897019727
+_XXPRIME_5 = 2870177450012600261
+
+
+def _tuple_hash(lanes: list[int]) -> int:
+    """`hash(t)` of a tuple whose items hash to `lanes` (CPython's tuplehash, 64-bit)."""
+    acc = _XXPRIME_5
+    for lane in lanes:
+        acc = (acc + (lane & _MASK) * _XXPRIME_2) & _MASK
+        acc = ((acc << 31) | (acc >> 33)) & _MASK
+        acc = (acc * _XXPRIME_1) & _MASK
+    acc = (acc + (len(lanes) ^ (_XXPRIME_5 ^ 3527539))) & _MASK
+    if acc == _MASK:
+        return 1546275796
+    return acc - (1 << 64) if acc >> 63 else acc
+
+
+#: The tuple hash is computed from its items' hashes, each once (a tuple shared through the
+#: memo is one `_Val`): expanding the tuple to hash it would cost its full, exponential size.
+_HASH_TUPLES = sys.hash_info.width == 64 and hash((1, "a")) == _tuple_hash([1, hash("a")])
+
+
+def _key_hash(v: _Val) -> int | None:
+    """The hash of a hashable constant slot (a scalar, or a tuple of them), or None.
+
+    Cached on the slot, so a structure shared through the memo is hashed once: the cost is
+    linear in the stream, whatever the value's expanded size."""
+    h = v.hash
+    if h is not _UNSET:
+        return h  # type: ignore[return-value]
+    result: int | None = None
     if v.kind in _SCALARS:
-        return v.const
-    if v.kind == "tuple" and depth < 8 and v.const is not None:
-        items = [_constant(x, depth + 1) for x in v.const]
-        if all(i is not _NO_CONST for i in items):
-            return tuple(items)
-    return _NO_CONST
+        if v.const is not None or v.kind == "none":  # bytes over 64 bytes keep no value
+            result = hash(v.const)
+    elif v.kind == "tuple" and v.const is not None and _HASH_TUPLES:
+        v.hash = None  # a tuple cannot hold itself, but stay finite if one did
+        lanes = [_key_hash(x) for x in v.const]
+        if all(lane is not None for lane in lanes):
+            result = _tuple_hash(lanes)  # type: ignore[arg-type]
+    v.hash = result
+    return result
 
 
 _PROTO = 0x80
@@ -105,6 +152,18 @@ class _Scan:
         self.meta: list[list[_Val]] = []
         self.memo: list[_Val] = []
         self.globals: set[str] = set()
+        self.copied = 0
+
+    def copy_cost(self, vals: Iterable[_Val], pos: int) -> None:
+        """Charge what a call or BUILD hands over (shallow: items, characters, bytes)."""
+        self.copied += 1 + sum(map(_size, vals))
+        if self.copied > self.b.max_copied:
+            raise self.refuse(
+                f"calls and BUILD states hand over more than {self.b.max_copied} items "
+                f"(shared values passed again and again)",
+                pos,
+                "max_copied",
+            )
 
     def refuse(self, why: str, pos: int, budget: str | None = None) -> UnpickleRefused:
         return UnpickleRefused(f"{why} (at byte {pos})", budget=budget)
@@ -143,13 +202,9 @@ class _Scan:
         for k in keys:
             if k.kind not in _FLOODABLE:
                 continue  # str and bytes hashes are salted per process: not craftable
-            c = _constant(k)
-            if c is _NO_CONST:
+            h = _key_hash(k)
+            if h is None:
                 continue
-            try:
-                h = hash(c)
-            except TypeError:
-                raise self.refuse("an unhashable key", pos) from None
             if target.hashes is None:
                 target.hashes = {}
             n = target.hashes.get(h, 0) + 1
@@ -220,7 +275,18 @@ class _Scan:
         # Every opcode takes at least one byte, so the opcode budget only needs counting
         # when it is smaller than the stream.
         count_ops = b.max_opcodes < n
+        # One reading of the bytes: the end of the current FRAME (-1 outside one). An opcode
+        # whose argument crosses a frame's end, or a FRAME inside a frame, is read
+        # differently by a file-fed unpickler (which drops the frame's rest and reads on)
+        # and by an in-memory one (which treats FRAME as a no-op): such streams are refused,
+        # so every reader executes the opcodes this scan judged (CPython never writes them).
+        frame_end = -1
         while True:
+            if frame_end >= 0:
+                if pos == frame_end:
+                    frame_end = -1
+                elif pos > frame_end:
+                    raise self.refuse("an opcode crosses the end of its FRAME", frame_end)
             if pos >= n:
                 raise self.refuse("the stream ends before STOP", pos)
             if count_ops:
@@ -239,9 +305,11 @@ class _Scan:
                 if end > n:
                     raise self.refuse("a length past the end of the stream", at)
                 try:
-                    text = data[pos + 1 : end].decode("utf-8", "surrogatepass")
+                    text = data[pos + 1 : end].decode("utf-8")
                 except UnicodeDecodeError:
-                    raise self.refuse("a string that is not UTF-8", at) from None
+                    raise self.refuse(
+                        "a string that is not text (invalid UTF-8 or a lone surrogate)", at
+                    ) from None
                 pos = end
                 self.stack.append(_Val("str", text))
                 continue
@@ -265,12 +333,15 @@ class _Scan:
                     raise self.refuse("bytes after STOP", pos)
                 return
             if op == 0x95:  # FRAME
+                if frame_end >= 0:
+                    raise self.refuse("a FRAME inside a frame", at)
                 if pos + 8 > n:
                     raise self.refuse("truncated FRAME", at)
                 (size,) = unpack("<Q", data, pos)
                 pos += 8
                 if size > n - pos:
                     raise self.refuse("a FRAME longer than the stream", at)
+                frame_end = pos + size
                 continue
             if op == 0x58 or op == 0x8D:  # BINUNICODE, BINUNICODE8
                 width = 4 if op == 0x58 else 8
@@ -278,9 +349,11 @@ class _Scan:
                 raw = data[pos : pos + size]
                 pos += size
                 try:
-                    text = raw.decode("utf-8", "surrogatepass")
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise self.refuse("a string that is not UTF-8", at) from None
+                    raise self.refuse(
+                        "a string that is not text (invalid UTF-8 or a lone surrogate)", at
+                    ) from None
                 stack_push(_Val("str", text), at)
                 continue
             if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
@@ -315,7 +388,9 @@ class _Scan:
                 width = {0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8}[op]
                 size, pos = _length(data, pos, width, at)
                 kind = "bytearray" if op == 0x96 else "bytes"
-                stack_push(_Val(kind, bytes(data[pos : pos + size]) if size <= 64 else None), at)
+                v = _Val(kind, bytes(data[pos : pos + size]) if size <= 64 else None)
+                v.n = size
+                stack_push(v, at)
                 pos += size
                 continue
             if op == 0x28:  # MARK
@@ -339,6 +414,7 @@ class _Scan:
                     target.kind == "obj" and APPENDS in self.allow.lookup(target.name).uses
                 ):
                     raise self.refuse(f"APPEND to a {target.kind}", at)
+                target.n += len(items)
                 self.grow(target, items, at)
                 continue
             if op == 0x73 or op == 0x75:  # SETITEM, SETITEMS
@@ -360,6 +436,7 @@ class _Scan:
                     if target.keys is None:
                         target.keys = []
                     target.keys.append(keys)
+                target.n += len(keys)
                 self.grow(target, items, at)
                 continue
             if op == 0x90:  # ADDITEMS
@@ -367,12 +444,14 @@ class _Scan:
                 target = self.top(at)
                 if target.kind != "set":
                     raise self.refuse(f"ADDITEMS to a {target.kind}", at)
+                target.n += len(items)
                 self.count_hashes(target, items, at)
                 self.grow(target, items, at)
                 continue
             if op == 0x91:  # FROZENSET
                 items = self.pop_mark(at)
                 v = _Val("frozenset")
+                v.n = len(items)
                 self.count_hashes(v, items, at)
                 self.grow(v, items, at)
                 stack_push(v, at)
@@ -387,6 +466,7 @@ class _Scan:
                     items = self.stack[-count:]
                     del self.stack[-count:]
                 v = _Val("tuple", items)
+                v.n = len(items)
                 self.grow(v, items, at)
                 stack_push(v, at)
                 continue
@@ -419,6 +499,7 @@ class _Scan:
                 if args.kind != "tuple":
                     raise self.refuse("REDUCE with arguments that are not a tuple", at)
                 self.use(func, REDUCE, at, args.const)
+                self.copy_cost(args.const, at)
                 stack_push(_Val("obj", name=func.name, depth=args.depth + 1), at)
                 continue
             if op == 0x81:  # NEWOBJ
@@ -427,6 +508,7 @@ class _Scan:
                 if args.kind != "tuple":
                     raise self.refuse("NEWOBJ with arguments that are not a tuple", at)
                 self.use(cls, NEWOBJ, at, args.const)
+                self.copy_cost(args.const, at)
                 stack_push(_Val("obj", name=cls.name, depth=args.depth + 1), at)
                 continue
             if op == 0x92:  # NEWOBJ_EX
@@ -436,6 +518,7 @@ class _Scan:
                 if args.kind != "tuple" or kwargs.kind != "dict":
                     raise self.refuse("NEWOBJ_EX with malformed arguments", at)
                 self.use(cls, NEWOBJ_EX, at, None)
+                self.copy_cost([*args.const, kwargs], at)
                 stack_push(_Val("obj", name=cls.name, depth=max(args.depth, kwargs.depth) + 1), at)
                 continue
             if op == 0x62:  # BUILD
@@ -448,6 +531,9 @@ class _Scan:
                         at,
                     )
                 entry = self.allow.lookup(target.name)
+                self.copy_cost(
+                    state.const if state.kind == "tuple" and state.const else [state], at
+                )
                 if BUILD not in entry.uses:
                     raise UnpickleRefused(
                         f"{target.name} may not receive state (BUILD)", target=target.name
@@ -458,6 +544,13 @@ class _Scan:
                 continue
             name = _OPCODE_NAMES.get(op, f"0x{op:02x}")
             raise self.refuse(f"opcode {name} is outside the allowed families", at)
+
+
+def _size(v: _Val) -> int:
+    """What handing `v` to a constructor or BUILD copies: its characters, bytes or items."""
+    if v.kind == "str":
+        return len(v.const)  # type: ignore[no-any-return]
+    return v.n
 
 
 def _length(data: bytes, pos: int, width: int, at: int, *, signed: bool = False) -> tuple[int, int]:

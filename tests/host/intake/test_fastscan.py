@@ -254,10 +254,20 @@ def test_crafted_hostile_streams_are_not_accepted_by_c(name: str) -> None:
             prescan(data)
 
 
-def test_surrogates_pass_as_in_python() -> None:
-    data = _stream(b"\x8c\x03\xed\xa0\x80")  # a lone surrogate, as surrogatepass encodes it
-    assert python_accepts(data, Budgets())
-    assert _fastscan.prescan_data(data, *_args(Budgets()))
+def test_lone_surrogates_are_refused_as_in_python() -> None:
+    """It denies a string that is not text (a lone surrogate, as surrogatepass encodes it):
+    the C scan leaves it to the Python scan, which refuses it, so no host code ever holds a
+    string that cannot be encoded."""
+    data = _stream(b"\x8c\x03\xed\xa0\x80")
+    assert not python_accepts(data, Budgets())
+    assert not _fastscan.prescan_data(data, *_args(Budgets()))
+    with pytest.raises(UnpickleRefused, match="lone surrogate"):
+        prescan(data)
+    # The code points around the surrogates stay text (U+D7FF, U+E000).
+    for ok in ("\ud7ff", "\ue000"):
+        data = _stream(b"\x8c\x03" + ok.encode())
+        assert python_accepts(data, Budgets())
+        assert _fastscan.prescan_data(data, *_args(Budgets()))
 
 
 def test_int_hashes_match_python() -> None:
@@ -549,3 +559,60 @@ def test_decoder_takes_the_blob_path_and_keeps_its_refusals(b64_loop: str) -> No
     bad = text[:100] + "!" + text[101:]
     with pytest.raises(UnpickleRefused):
         decoder.decode_value({"encoding": "pickle-b64", "pickle": bad})
+
+
+# -- frames: the C paths follow the one-reading rule (issue 30) -----------------------------------
+
+
+def _hostile() -> Any:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fuzz"))
+    import hostile
+
+    return hostile
+
+
+@SETTINGS
+@given(
+    value=_data,
+    protocol=st.sampled_from([4, 5]),
+    cuts=st.lists(
+        st.tuples(st.integers(0, 60), st.integers(0, 300) | st.integers(0, 12)), max_size=5
+    ),
+)
+def test_reframed_streams_never_accepted_by_c_alone(
+    value: Any, protocol: int, cuts: list[tuple[int, int]]
+) -> None:
+    """Valid plain data re-framed at random (frames ending inside opcodes, nested, past
+    others): the C prescan accepts only what the Python prescan accepts."""
+    check(_hostile().reframe(pickle.dumps(value, protocol=protocol), cuts))
+
+
+def test_c_refuses_the_frame_split_reproducers() -> None:
+    """It denies, in C too, every stream whose FRAME ends inside an opcode or holds one."""
+    h = _hostile()
+    for data in (
+        h.SMALLEST_FRAME_SPLIT,
+        h.fraction_from_string(),
+        h.build_on_class(),
+        h.frame_in_frame(),
+    ):
+        assert not check(data)
+        assert not python_accepts(data, Budgets())
+
+
+def test_blob_declines_a_frame_ending_inside_its_opcode(b64_loop: str) -> None:
+    """It denies, in decode_blob, a FRAME whose end falls inside the bytes opcode's header
+    or payload (the issue's "frame shorter than a bytes opcode's header"): for every frame
+    length, decode_blob answers exactly when the frame ends between two opcodes, and then
+    the Python path agrees (`check_blob`)."""
+    for op, width in ((b"C", 1), (b"B", 4), (b"\x8e", 8), (b"\x96", 8)):
+        for memo in (b"", b"\x94"):
+            ops = op + (5).to_bytes(width, "little") + b"hello" + memo + b"."
+            bounds = {0, 1 + width + 5, len(ops)} | ({1 + width + 5 + 1} if memo else set())
+            for length in range(len(ops) + 1):
+                data = b"\x80\x05\x95" + length.to_bytes(8, "little") + ops
+                text = base64.b64encode(data).decode()
+                assert check_blob(text) == (length in bounds), (op, memo, length)
