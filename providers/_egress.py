@@ -1117,8 +1117,18 @@ class EgressProxy:
                 await session.serve()
             else:
                 await session.forward(*forward)
-        except (TimeoutError, OSError, asyncio.IncompleteReadError, _BadMessage):
-            pass  # the peer went away, stalled or broke the framing: the connection ends
+        except _BadMessage as exc:  # a body or an answer the proxy would not relay
+            route.record(
+                route.rules._denial(
+                    "net.connect",
+                    "connect",
+                    session.target,
+                    f"a malformed message, not relayed ({exc}); the connection ended",
+                    "send well-formed HTTP/1.1 (the server's answer may be at fault)",
+                )
+            )
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
+            pass  # the peer went away or stalled: the connection ends
         except Exception:  # a bug must end one connection, never the proxy
             import logging
 
