@@ -43,7 +43,7 @@ __all__ = [
 
 #: Provider names a policy may request. `auto` is the only one that chooses.
 PROVIDERS = frozenset(
-    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu", "remote"}
+    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "gvisor", "qemu", "remote"}
 )
 
 #: Sensitive-call categories (see `agent_sandbox.guards`); a function rule names a
@@ -515,6 +515,48 @@ _FINGERPRINTS: dict[int, tuple[weakref.ref[Policy], str]] = {}
 
 NO_BOUNDARY_PROVIDERS = frozenset({"subprocess"})
 
+#: The classes of boundary a policy's `min_boundary` names, weakest first, and the class of
+#: each provider (`remote`: the pod's runtime decides, so it meets only the default).
+BOUNDARY_CLASSES = ("none", "host-kernel", "user-space-kernel", "virtual-machine")
+PROVIDER_CLASS = {
+    "subprocess": "none",
+    "landlock": "host-kernel",
+    "unshare": "host-kernel",
+    "bwrap": "host-kernel",
+    "firejail": "host-kernel",
+    "remote": "host-kernel",
+    "gvisor": "user-space-kernel",
+    "qemu": "virtual-machine",
+}
+
+
+def meets_boundary(provider: str, minimum: str) -> bool:
+    """Whether `provider`'s class of boundary is `minimum` or stronger (`auto`: decided per
+    candidate, so always True here; the default `host-kernel`: True, since a provider
+    without a boundary is the opt-out's to allow; an unknown name: False)."""
+    if provider == "auto" or minimum == "host-kernel":
+        return True  # the default: `no_kernel_boundary` alone governs the opt-out
+    have = PROVIDER_CLASS.get(provider)
+    if have is None:
+        return False
+    return BOUNDARY_CLASSES.index(have) >= BOUNDARY_CLASSES.index(minimum)
+
+
+def check_min_boundary(provider: str, minimum: str) -> None:
+    """Refuse a provider named explicitly whose class of boundary is below `min_boundary`."""
+    if not meets_boundary(provider, minimum):
+        have = PROVIDER_CLASS.get(provider, "unknown")
+        stronger = sorted(
+            p
+            for p, c in PROVIDER_CLASS.items()
+            if p != "remote" and BOUNDARY_CLASSES.index(c) >= BOUNDARY_CLASSES.index(minimum)
+        )
+        raise ValueError(
+            f"provider {provider!r} is a {have} boundary, below min_boundary = "
+            f'"{minimum}"; use provider = "auto" (the fastest that meets it) or one of '
+            f"{', '.join(stronger)}"
+        )
+
 
 def check_boundary_opt_out(provider: str, acknowledgement: str) -> None:
     """Refuse a provider without a kernel boundary unless the policy accepts that in words."""
@@ -567,6 +609,12 @@ class Policy(_Section):
     #: The explicit opt-out from a kernel boundary: `provider = "subprocess"` is refused
     #: unless this says `"accepted"` (the Python guards and rlimits are then all that holds).
     no_kernel_boundary: Literal["", "accepted"] = ""
+    #: The weakest class of boundary the workers may run behind (`BOUNDARY_CLASSES`, weakest
+    #: first): `host-kernel` (namespaces, Landlock, seccomp on the host's kernel; any kernel
+    #: provider), `user-space-kernel` (gVisor's Sentry, or stronger), `virtual-machine` (a
+    #: guest kernel under QEMU). `auto` then picks the fastest provider that meets it; a
+    #: provider named explicitly below it is refused.
+    min_boundary: Literal["host-kernel", "user-space-kernel", "virtual-machine"] = "host-kernel"
     result_mode: Literal["data-only", "objects"] = "data-only"
     #: Extra globals the host's restricted unpickler may rebuild in `objects` mode:
     #: `"pkg.models.*"` admits the pydantic models, dataclasses, enums, named tuples and
@@ -629,6 +677,7 @@ class Policy(_Section):
     @model_validator(mode="after")
     def _boundary_opt_out(self) -> Policy:
         check_boundary_opt_out(self.provider, self.no_kernel_boundary)
+        check_min_boundary(self.provider, self.min_boundary)
         return self
 
     @model_validator(mode="after")
@@ -665,7 +714,9 @@ class Policy(_Section):
         worker behind the host's egress proxy, which resolves names itself) no name is
         resolved here and no rule carries addresses.
         """
-        data = self.model_dump(mode="json", by_alias=True, exclude={"remote"})
+        # The default boundary class is left out, so adding the key changed no fingerprint.
+        exclude = {"remote"} | ({"min_boundary"} if self.min_boundary == "host-kernel" else set())
+        data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         pins = self.pinned_addresses() if pin else {}
         for rule in data.get("net", {}).get("rules", []):
             rule["addresses"] = list(pins.get(rule["host"], ()))
@@ -699,7 +750,9 @@ class Policy(_Section):
         cached = _FINGERPRINTS.get(id(self))
         if cached is not None and cached[0]() is self:
             return cached[1]
-        data = self.model_dump(mode="json", by_alias=True, exclude={"remote"})
+        # The default boundary class is left out, so adding the key changed no fingerprint.
+        exclude = {"remote"} | ({"min_boundary"} if self.min_boundary == "host-kernel" else set())
+        data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         value = hashlib.sha256(canonical.encode()).hexdigest()[:16]
         key = id(self)

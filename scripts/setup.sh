@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything agent_sandbox's demo and tests need on a fresh Debian 12 machine:
-# the OS sandboxes (bubblewrap, firejail, libseccomp) when running as root, and a
+# the OS sandboxes (bubblewrap, firejail, libseccomp, gVisor's runsc) when running as root, and a
 # virtualenv at .venv with the package and its extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
   [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
   command -v strip >/dev/null || need+=(binutils)
+  # The gvisor provider: runsc (gVisor's user-space kernel), run rootless.
+  command -v runsc >/dev/null || need+=(runsc)
   kernels=/var/cache/agent-sandbox/qemu
   if [ ${#need[@]} -gt 0 ] || ! ls "$kernels"/linux-image-*-amd64_*.deb >/dev/null 2>&1; then
     apt-get update -qq

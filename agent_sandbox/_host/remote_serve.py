@@ -634,7 +634,7 @@ class WorkerServer:
         deadline = time.monotonic() + wall + _WALL_GRACE
         inner, self._upstream = self._upstream, None
         if inner is None:
-            inner = connect_unix(os.path.join(worker.control_dir, "ctl.sock"))
+            inner = connect_unix(worker.socket_address())
             if inner is None:
                 worker.discard()
                 return None
