@@ -13,8 +13,8 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
    `curl` use it unchanged.
 3. The proxy speaks HTTP `CONNECT` (a TLS tunnel: it sees the host name and the port, never
    the contents) and plain HTTP proxying (absolute-form requests; the client and upstream
-   connections kept alive; only the heads are parsed, strictly, and bodies are relayed as
-   bytes with their framing tracked, see `_Session`). It judges each target against the
+   connections kept alive; both sides read by h11 and each message rebuilt from what was
+   parsed, see `_Session`). It judges each target against the
    policy's rules by host name and port (`EgressRules`), resolves names itself on the host
    (the worker never resolves), and refuses a name that resolves to a loopback, private, link-local,
    metadata or other non-global address unless a rule names that address. The host's
@@ -53,12 +53,15 @@ import contextlib
 import dataclasses
 import http
 import ipaddress
+import re
 import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import h11
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._hints import grant_hint
@@ -1114,8 +1117,18 @@ class EgressProxy:
                 await session.serve()
             else:
                 await session.forward(*forward)
-        except (TimeoutError, OSError, asyncio.IncompleteReadError, _BadMessage):
-            pass  # the peer went away, stalled or broke the framing: the connection ends
+        except _BadMessage as exc:  # a body or an answer the proxy would not relay
+            route.record(
+                route.rules._denial(
+                    "net.connect",
+                    "connect",
+                    session.target,
+                    f"a malformed message, not relayed ({exc}); the connection ended",
+                    "send well-formed HTTP/1.1 (the server's answer may be at fault)",
+                )
+            )
+        except (TimeoutError, OSError, asyncio.IncompleteReadError):
+            pass  # the peer went away or stalled: the connection ends
         except Exception:  # a bug must end one connection, never the proxy
             import logging
 
@@ -1130,148 +1143,135 @@ class _BadMessage(ValueError):
     """A request or response the proxy will not relay (malformed, ambiguous framing)."""
 
 
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_HEX = frozenset(b"0123456789abcdefABCDEF")
+#: The framing headers: never copied from one side to the other, set from what was parsed.
+_FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
+#: Where h11 ends a message head (it takes a bare LF as a line end, as RFC 9112 lets a
+#: recipient); the same search finds the head's bytes for `strict_head`.
+_HEAD_END = re.compile(rb"\n\r?\n")
+_TOO_LONG = f"more than {MAX_HEAD_BYTES} bytes before the end of a head or line"
 
 
-def _split_head(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    """The start line and the (lower-case name, value) headers of a message head.
-
-    Strict where a lenient reading could frame a message differently from the peer: bare
-    CR or LF, NUL, obsolete line folding, and a space before the colon are refused.
-    """
-    if b"\n" in head.replace(b"\r\n", b"") or b"\r" in head.replace(b"\r\n", b"") or b"\0" in head:
-        raise _BadMessage("a bare CR or LF, or a NUL, in the message head")
-    lines = head.split(b"\r\n")
-    headers: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or not _TOKEN.issuperset(name):
-            raise _BadMessage(f"a malformed header line {line[:60]!r}")
-        headers.append((name.lower(), value.strip(b" \t")))
-    return lines[0], headers
+def strict_head(raw: bytes) -> None:
+    """Refuse what h11 reads leniently in a request head (whose bytes start `raw`): a bare
+    LF as a line end and obsolete line folding (a line starting with a space or a tab),
+    both ways of making two parsers frame one message differently. h11 refuses the rest
+    (bare CR, NUL, a space before the colon, a malformed request line)."""
+    end = _HEAD_END.search(raw)
+    head = raw[: end.end()] if end is not None else raw
+    lines = head.split(b"\n")
+    if any(not line.endswith(b"\r") for line in lines[:-1]):
+        raise _BadMessage("a bare LF in the message head")
+    if any(line[:1] in (b" ", b"\t") for line in lines[1:-1]):
+        raise _BadMessage("obsolete line folding in the message head")
 
 
-def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
-    """("length", n), ("chunked", 0) or ("close", 0) from Content-Length / Transfer-Encoding;
-    _BadMessage when they disagree, repeat with different values, or are malformed."""
-    lengths = {v for k, v in headers if k == b"content-length"}
-    codings = [
-        c.strip().lower() for k, v in headers if k == b"transfer-encoding" for c in v.split(b",")
-    ]
-    if codings:
-        if lengths:
-            raise _BadMessage("both Content-Length and Transfer-Encoding")
-        if codings[-1] != b"chunked" or codings.count(b"chunked") != 1:
-            return "close", 0  # only a response may be delimited by the close
+def request_framing(request: Any) -> tuple[str, int]:
+    """How a request's body is framed, from what h11 parsed: ("length", n), ("chunked", 0)
+    or ("none", 0); _BadMessage for both Content-Length and Transfer-Encoding (h11 lets
+    the latter win, RFC 9112 6.3; the proxy refuses the pair outright) or an HTTP version
+    other than 1.0 and 1.1. h11 has already refused conflicting Content-Length values and
+    any Transfer-Encoding but `chunked`."""
+    if request.http_version not in (b"1.0", b"1.1"):
+        raise _BadMessage(
+            f"HTTP/{request.http_version.decode('ascii')} (the proxy speaks 1.0, 1.1)"
+        )
+    names = {name for name, _ in request.headers}
+    if names >= _FRAMING_HEADERS:
+        raise _BadMessage("both Content-Length and Transfer-Encoding")
+    if b"transfer-encoding" in names:
         return "chunked", 0
-    if not lengths:
-        return "close", 0
-    if len(lengths) != 1:
-        raise _BadMessage("conflicting Content-Length values")
-    (text,) = lengths
-    if not text.isdigit() or len(text) > 18:
-        raise _BadMessage(f"a malformed Content-Length {text[:20]!r}")
-    return "length", int(text)
+    for name, value in request.headers:
+        if name == b"content-length":
+            return "length", int(value)
+    return "none", 0
 
 
-def _hop_by_hop(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+def read_request(data: bytes) -> tuple[Any, tuple[str, int]]:
+    """A request head as the proxy reads it (h11, then `strict_head`, `request_framing`):
+    (the h11 Request, its framing); _BadMessage when refused or incomplete (the fuzz
+    targets and the smuggling table call this)."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    conn.receive_data(data)
+    try:
+        event = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise _BadMessage(_h11_reason(exc)) from None
+    if type(event) is not h11.Request:
+        raise _BadMessage("an incomplete request head")
+    strict_head(data)
+    return event, request_framing(event)
+
+
+def _h11_reason(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return _TOO_LONG if "buffer too long" in text else text
+
+
+def _hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named = {t.strip().lower() for k, v in headers if k == b"connection" for t in v.split(b",")}
     return _HOP_BY_HOP | named
 
 
-class _Leg:
-    """One side of a session (the client or the upstream): its reader and unread bytes."""
+def _end_to_end(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers passed on: all but the hop-by-hop ones (and those `Connection` names)."""
+    headers = list(headers)
+    drop = _hop_by_hop(headers)
+    return [(name, value) for name, value in headers if name not in drop]
 
-    __slots__ = ("buf", "reader", "session")
 
-    def __init__(self, session: _Session, reader: asyncio.StreamReader, buf: bytes = b"") -> None:
+class _Peer:
+    """One side of a session as h11 reads it: the client (h11's server role) or the
+    upstream (its client role). Bytes are read only when h11 needs more to give the next
+    event, so nothing is read from one side faster than the other side takes it."""
+
+    __slots__ = ("conn", "eof", "reader", "session", "strict")
+
+    def __init__(
+        self, session: _Session, reader: asyncio.StreamReader, role: Any, strict: bool = False
+    ) -> None:
         self.session = session
         self.reader = reader
-        self.buf = buf
+        self.conn = h11.Connection(role, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.strict = strict
+        self.eof = False
 
-    async def fill(self) -> bool:
-        data = await self.session.read(self.reader)
-        if not data:
-            return False
-        self.buf = self.buf + data if self.buf else data
-        return True
+    def pending(self) -> bytes:
+        """The bytes read and not yet parsed."""
+        return bytes(self.conn.trailing_data[0])
 
-    async def until(self, mark: bytes, bound: int) -> bytes | None:
-        """The bytes before `mark` (consumed with it); None at EOF with nothing buffered."""
-        start = 0
+    def feed(self, data: bytes) -> None:
+        self.eof = not data
+        self.conn.receive_data(data)
+
+    async def event(self) -> Any:
+        """The next h11 event; _BadMessage for a message h11 or `strict_head` refuses,
+        ConnectionError for a peer that went away mid-message."""
         while True:
-            i = self.buf.find(mark, start)
-            if i >= 0:
-                if i > bound:
-                    raise _BadMessage(f"more than {bound} bytes before the end of a head or line")
-                out, self.buf = self.buf[:i], self.buf[i + len(mark) :]
-                return out
-            if len(self.buf) > bound:
-                raise _BadMessage(f"more than {bound} bytes before the end of a head or line")
-            start = max(0, len(self.buf) - len(mark) + 1)
-            if not await self.fill():
-                if self.buf:
-                    raise ConnectionError("the peer closed the connection mid-message")
-                return None
+            head = self.strict and self.conn.their_state is h11.IDLE
+            raw = self.pending() if head else b""
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if self.eof:
+                    raise ConnectionError("the peer closed the connection mid-message") from None
+                raise _BadMessage(_h11_reason(exc)) from None
+            if event is h11.NEED_DATA:
+                self.feed(await self.session.read(self.reader))
+                continue
+            if head and type(event) is h11.Request:
+                strict_head(raw)
+            return event
 
-    async def line(self) -> bytes:
-        line = await self.until(b"\r\n", MAX_HEAD_BYTES)
-        if line is None:
-            raise ConnectionError("the peer closed the connection mid-message")
-        return line
+    def send(self, event: Any) -> bytes:
+        """The bytes h11 writes for `event` (framing from the headers given)."""
+        try:
+            return bytes(self.conn.send(event) or b"")
+        except h11.LocalProtocolError as exc:
+            raise _BadMessage(f"the proxy cannot pass on this message ({exc})") from None
 
-    async def relay(self, n: int, dst: asyncio.StreamWriter) -> None:
-        """Copy exactly `n` bytes to `dst` (back-pressure by drain)."""
-        while n > 0:
-            if not self.buf and not await self.fill():
-                raise ConnectionError("the peer closed the connection mid-body")
-            if len(self.buf) > n:
-                piece, self.buf = self.buf[:n], self.buf[n:]
-            else:
-                piece, self.buf = self.buf, b""
-            dst.write(piece)
-            n -= len(piece)
-            if n:
-                await dst.drain()
 
-    async def relay_chunked(self, dst: asyncio.StreamWriter, raw: bool) -> None:
-        """Copy a chunked body, chunk by chunk and its trailers; `raw=False` unwraps it
-        (for an HTTP/1.0 client, whose answer then ends with the connection)."""
-        while True:
-            line = await self.line()
-            size = line.split(b";", 1)[0].strip(b" \t")
-            if not size or len(size) > 15 or not _HEX.issuperset(size):
-                raise _BadMessage(f"a malformed chunk size {line[:20]!r}")
-            n = int(size, 16)
-            if raw:  # rebuilt from what was parsed: no chunk extension is passed on
-                dst.write(b"%x\r\n" % n)
-            if n == 0:
-                break
-            await self.relay(n, dst)
-            if await self.line() != b"":
-                raise _BadMessage("a chunk longer than its size")
-            if raw:
-                dst.write(b"\r\n")
-            await dst.drain()
-        total = 0
-        while True:  # trailers, up to the blank line: read and dropped, never passed on
-            line = await self.line()
-            total += len(line)
-            if total > MAX_HEAD_BYTES:
-                raise _BadMessage("chunked trailers too long")
-            if not line:
-                if raw:
-                    dst.write(b"\r\n")
-                return
-
-    async def relay_to_close(self, dst: asyncio.StreamWriter) -> None:
-        if self.buf:
-            dst.write(self.buf)
-            self.buf = b""
-        while data := await self.session.read(self.reader):
-            dst.write(data)
-            await dst.drain()
+def _send_all(writer: asyncio.StreamWriter, *parts: bytes) -> None:
+    writer.write(b"".join(parts))
 
 
 class _Session:
@@ -1286,9 +1286,9 @@ class _Session:
     `net.bytes_per_call`. A deadline or bound that ends a connection is recorded as a
     `limits.net` refusal (silence and an idle kept-alive connection are not refusals).
 
-    Only the message heads are parsed (strictly: see `_split_head`, `_framing`); bodies are
-    relayed as they come, their framing (Content-Length, chunked, or the close of the
-    upstream) tracked just enough to know where a message ends.
+    Both sides are read by h11 (`_Peer`), with `strict_head` and `request_framing` on
+    top for the forms h11 reads leniently; what goes out is rebuilt from what was parsed
+    and written by h11 (one Host, the proxy's own framing, no chunk extension or trailer).
     """
 
     def __init__(
@@ -1297,9 +1297,9 @@ class _Session:
         self.route = route
         self.reader = reader
         self.writer = writer
-        self.client = _Leg(self, reader)
+        self.client = _Peer(self, reader, h11.SERVER, strict=True)
         self.up_key: tuple[str, int] | None = None
-        self.up: _Leg | None = None
+        self.up: _Peer | None = None
         self.up_writer: asyncio.StreamWriter | None = None
         self.loop = asyncio.get_running_loop()
         self.limit = IDLE_TIMEOUT
@@ -1319,7 +1319,7 @@ class _Session:
                 f"{self.route.lifetime:g})"
             )
         elif self.head_end is not None and now >= self.head_end:
-            if not self.client.buf:
+            if not self.client.pending():
                 self._abort()  # a connection left idle before a head: closed, not refused
                 return
             why = f"the request head did not arrive within {HEAD_TIMEOUT:g} s"
@@ -1385,29 +1385,28 @@ class _Session:
         if first[:1] == b"\x05":
             await self._socks(first)
             return
-        self.client.buf = first
+        self.client.feed(first)
         while True:
             if self.head_end is None:  # the next request on a kept-alive connection
                 self.head_end = self.loop.time() + HEAD_TIMEOUT
             try:
-                head = await self.client.until(b"\r\n\r\n", MAX_HEAD_BYTES)
-                if head is None:
+                request = await self.client.event()
+                if type(request) is h11.ConnectionClosed:
                     return
-                start, headers = _split_head(head)
-                method, target, version = _request_line(start)
-                framing = _framing(headers)
-                if framing[0] == "close":  # a request's body is never delimited by a close
-                    if any(name == b"transfer-encoding" for name, _ in headers):
-                        raise _BadMessage("a Transfer-Encoding that does not end in chunked")
-                    framing = ("length", 0)
+                framing = request_framing(request)
             except _BadMessage as exc:
                 self._refused_head(str(exc))
                 await _reply(self.writer, 400, f"the proxy could not parse the request ({exc})")
                 return
             self.head_end = None  # the head is in; from here on, silence is what counts
+            target = request.target.decode("ascii", "backslashreplace")
             self.target = target[:200]
-            if not await self._one(method, target, version, headers, framing):
+            if not await self._one(request, target, framing):
                 return
+            conn = self.client.conn
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return  # h11 says the connection must close (HTTP/1.0, `Connection: close`)
+            conn.start_next_cycle()
 
     def _refused_head(self, why: str) -> None:
         """Record a request the proxy would not read (host-side, with its rule)."""
@@ -1512,30 +1511,32 @@ class _Session:
                 up_reader, self.up_writer = await asyncio.open_connection(
                     sock=sock, limit=BUFFER_BYTES
                 )
-                self.up = _Leg(self, up_reader)
+                self.up = _Peer(self, up_reader, h11.CLIENT)
                 return ""
             except (TimeoutError, OSError) as exc:
                 sock.close()
                 error = f"{address}:{port}: {exc or type(exc).__name__}"
         return error or "no address"
 
-    async def _one(
-        self,
-        method: str,
-        target: str,
-        version: bytes,
-        headers: list[tuple[bytes, bytes]],
-        framing: tuple[str, int],
-    ) -> bool:
+    async def _one(self, request: Any, target: str, framing: tuple[str, int]) -> bool:
         """Serve one request; False when the connection must end after it."""
+        method = request.method.decode("ascii")
+        connect = method.upper() == "CONNECT"
         try:
             host, port, path = _parse_target(method.upper(), target)
         except ValueError as exc:
             await _reply(self.writer, 400, str(exc))
             return False
+        if connect and framing != ("none", 0):
+            self._refused_head("a CONNECT request with a body")
+            await _reply(
+                self.writer,
+                400,
+                "the proxy could not parse the request (a CONNECT request with a body)",
+            )
+            return False
         with contextlib.suppress(ValueError):  # a bad host is refused by `_decide`
             host = normalise_host(host).text
-        connect = method.upper() == "CONNECT"
         if connect or self.up_key != (host, port) or self.up is None:
             self._close_upstream()
             addresses, denial = await _decide(self.route, host, port)
@@ -1551,124 +1552,139 @@ class _Session:
             self.up_key = (host, port)
         assert self.up is not None and self.up_writer is not None
         if connect:
+            await self.client.event()  # its EndOfMessage: a CONNECT has no body
+            leftover = self.client.pending()  # what the client sent after the head
             self.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            if self.client.buf:
-                self.up_writer.write(self.client.buf)
-                self.client.buf = b""
+            if leftover:
+                self.up_writer.write(leftover)
             await asyncio.gather(
                 self._pump(self.reader, self.up_writer),
                 self._pump(self.up.reader, self.writer),
                 return_exceptions=True,
             )
             return False
-        return await self._forward(method, path, version, headers, framing, host, port)
+        return await self._forward(request, path, framing, host, port)
 
     async def _forward(
-        self,
-        method: str,
-        path: str,
-        version: bytes,
-        headers: list[tuple[bytes, bytes]],
-        framing: tuple[str, int],
-        host: str,
-        port: int,
+        self, request: Any, path: str, framing: tuple[str, int], host: str, port: int
     ) -> bool:
-        """One plain-HTTP exchange in origin form: the heads rewritten, the bodies relayed."""
+        """One plain-HTTP exchange in origin form, rebuilt from what h11 parsed: the
+        target's one Host, the client's end-to-end headers, the framing the proxy read
+        (h11 writes it: no chunk extension or trailer is passed on), the bodies as data."""
         up, up_writer = self.up, self.up_writer
         assert up is not None and up_writer is not None
-        drop = _hop_by_hop(headers)
-        client_close = version != b"HTTP/1.1" or b"close" in drop
-        out = [f"{method} {path} HTTP/1.1\r\n".encode("ascii")]
         # One Host, the target's (the request's absolute URI decides; RFC 9112 3.2.2): the
         # client's Host lines, duplicates and all, are never passed on.
         spelled = f"[{host}]" if ":" in host else host
         authority = spelled if port == 80 else f"{spelled}:{port}"
-        out.append(f"host: {authority}\r\n".encode("ascii"))
-        for name, value in headers:
-            if name not in drop and name != b"host":
-                out.append(name + b": " + value + b"\r\n")
-        out.append(b"\r\n")
+        headers = [(b"host", authority.encode("ascii"))]
+        headers += [
+            (name, value)
+            for name, value in _end_to_end(request.headers)
+            if name != b"host" and name not in _FRAMING_HEADERS
+        ]
         kind, length = framing
-        if kind == "length" and length <= len(self.client.buf):
-            # No body, or all of it already read (most requests): one write up, then the
+        if kind == "length":
+            headers.append((b"content-length", b"%d" % length))
+        elif kind == "chunked":
+            headers.append((b"transfer-encoding", b"chunked"))
+        try:
+            rebuilt = h11.Request(
+                method=request.method, target=path.encode("ascii"), headers=headers
+            )
+        except h11.LocalProtocolError as exc:
+            raise _BadMessage(f"the proxy cannot pass on this request ({exc})") from None
+        head = up.send(rebuilt)
+        if kind == "none" or (kind == "length" and length == 0):
+            # No body (most requests): its end is already parsed; one write up, then the
             # response, in this task.
-            if length:
-                out.append(self.client.buf[:length])
-                self.client.buf = self.client.buf[length:]
-            up_writer.write(b"".join(out))
-            reuse, keep = await self._relay_response(method.upper(), client_close)
+            await self.client.event()
+            _send_all(up_writer, head, up.send(h11.EndOfMessage()))
+            await self._relay_response(request.method.upper())
         else:
-            up_writer.write(b"".join(out))
-            back = asyncio.ensure_future(self._relay_response(method.upper(), client_close))
+            up_writer.write(head)
+            back = asyncio.ensure_future(self._relay_response(request.method.upper()))
             try:
-                if kind == "length":
-                    await self.client.relay(length, up_writer)
-                else:
-                    await self.client.relay_chunked(up_writer, raw=True)
+                await self._relay_body()
                 await up_writer.drain()
-                reuse, keep = await back
+                await back
             finally:
                 back.cancel()
-        if not reuse:
+        upc = up.conn
+        if upc.our_state is h11.DONE and upc.their_state is h11.DONE and not up.pending():
+            upc.start_next_cycle()  # the upstream connection is reused for the same target
+        else:
             self._close_upstream()
-        return keep
+        return True
 
-    async def _relay_response(self, method: str, client_close: bool) -> tuple[bool, bool]:
-        """Relay the upstream's answer (interim 1xx heads, then the final one and its body);
-        (the upstream connection can be reused, the client's stays open)."""
-        up = self.up
+    async def _relay_body(self) -> None:
+        """The client's request body to the upstream, as data (back-pressure by drain);
+        its trailers are read and dropped."""
+        up, up_writer = self.up, self.up_writer
+        assert up is not None and up_writer is not None
+        while True:
+            event = await self.client.event()
+            if type(event) is h11.Data:
+                up_writer.write(up.send(h11.Data(data=event.data)))
+                await up_writer.drain()
+            elif type(event) is h11.EndOfMessage:
+                up_writer.write(up.send(h11.EndOfMessage()))
+                return
+            else:
+                raise ConnectionError("the client went away mid-body")
+
+    async def _relay_response(self, method: bytes) -> None:
+        """Relay the upstream's answer (interim 1xx heads, then the final one and its
+        body), rebuilt from what h11 parsed and written by the client's h11 connection."""
+        up, client = self.up, self.client
         assert up is not None
         while True:
-            head = await up.until(b"\r\n\r\n", MAX_HEAD_BYTES)
-            if head is None:
-                raise ConnectionError("the upstream server closed the connection")
-            start, headers = _split_head(head)
-            version, _, rest = start.partition(b" ")
-            code_text = rest[:3]
-            if version[:7] != b"HTTP/1." or len(code_text) != 3 or not code_text.isdigit():
-                raise _BadMessage(f"a malformed status line {start[:60]!r}")
-            code = int(code_text)
-            drop = _hop_by_hop(headers)
-            out = [b"HTTP/1.1 " + rest + b"\r\n"]
-            out.extend(n + b": " + v + b"\r\n" for n, v in headers if n not in drop)
-            if 100 <= code < 200:
-                if code == 101:
+            event = await up.event()
+            if type(event) is h11.InformationalResponse:
+                if event.status_code == 101:
                     raise _BadMessage("the upstream switched protocols unasked")
-                out.append(b"\r\n")
-                self.writer.write(b"".join(out))
+                self.writer.write(
+                    client.send(
+                        h11.InformationalResponse(
+                            status_code=event.status_code,
+                            headers=_end_to_end(event.headers),
+                            reason=event.reason,
+                        )
+                    )
+                )
                 # Back-pressure: no more is read from the upstream until the client has
                 # taken this head (a flood of 1xx heads to a client that does not read
                 # fills the socket's buffers, never the host's memory).
                 await self.writer.drain()
                 continue
+            if type(event) is not h11.Response:
+                raise ConnectionError("the upstream server closed the connection")
             break
-        if method == "HEAD" or code in (204, 304):
-            kind, length = "length", 0
-        else:
-            kind, length = _framing(headers)
-        reuse = version == b"HTTP/1.1" and b"close" not in drop and kind != "close"
-        keep = not client_close and kind != "close"
-        if kind == "chunked" and client_close:
-            kind = "unchunk"  # an HTTP/1.0 client: the body ends with the connection
-            out = [h for h in out if not h.lower().startswith(b"transfer-encoding:")]
-        if not keep:
-            out.append(b"connection: close\r\n")
-        out.append(b"\r\n")
-        if kind == "length" and length <= len(up.buf):
-            # The whole answer is already here (most small ones): one write to the client.
-            out.append(up.buf[:length])
-            up.buf = up.buf[length:]
-            self.writer.write(b"".join(out))
-        else:
-            self.writer.write(b"".join(out))
-            if kind == "length":
-                await up.relay(length, self.writer)
-            elif kind == "close":
-                await up.relay_to_close(self.writer)
+        names = {name for name, _ in event.headers}
+        if names >= _FRAMING_HEADERS:
+            raise _BadMessage("both Content-Length and Transfer-Encoding in an answer")
+        headers = _end_to_end(event.headers)
+        if not names & _FRAMING_HEADERS and not (
+            method == b"HEAD" or event.status_code in (204, 304)
+        ):
+            # Its body (if any) ends with the upstream's connection: so does the client's.
+            headers.append((b"connection", b"close"))
+        self.writer.write(
+            client.send(
+                h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
+            )
+        )
+        while True:
+            event = await up.event()
+            if type(event) is h11.Data:
+                self.writer.write(client.send(h11.Data(data=event.data)))
+                await self.writer.drain()
+            elif type(event) is h11.EndOfMessage:
+                self.writer.write(client.send(h11.EndOfMessage()))  # trailers dropped
+                break
             else:
-                await up.relay_chunked(self.writer, raw=kind == "chunked")
+                raise ConnectionError("the upstream server closed the connection mid-body")
         await self.writer.drain()
-        return reuse and not up.buf, keep
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         """Copy until EOF, then half-close `dst` (back-pressure by drain)."""
@@ -1856,21 +1872,6 @@ async def _refuse(writer: asyncio.StreamWriter, denial: Denial, *, connect: bool
         writer.write(line + b"\r\n\r\n")
     with contextlib.suppress(OSError, asyncio.TimeoutError):
         await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT)
-
-
-def _request_line(start: bytes) -> tuple[str, str, bytes]:
-    """(method, target, version) of a request line; _BadMessage when malformed."""
-    parts = start.split(b" ")
-    if (
-        len(parts) != 3
-        or not parts[0]
-        or not _TOKEN.issuperset(parts[0])
-        or not parts[1]
-        or not all(0x21 <= c <= 0x7E for c in parts[1])
-        or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0")
-    ):
-        raise _BadMessage(f"a malformed request line {start[:80]!r}")
-    return parts[0].decode("ascii"), parts[1].decode("ascii"), parts[2]
 
 
 _proxy: EgressProxy | None = None

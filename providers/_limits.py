@@ -36,6 +36,7 @@ import errno
 import json
 import os
 import signal
+import stat
 import threading
 import time
 import weakref
@@ -618,6 +619,28 @@ def scratch_over(path: str, limit_bytes: int, *, max_entries: int = 200_000) -> 
     return False
 
 
+#: The most of a guest's limit report the host reads (a few counters).
+REPORT_BYTES = 4096
+
+
+def _read_report(path: str) -> Any:
+    """The JSON of a limit report in the VM's run directory, which QEMU (the guest's side)
+    can write: opened without following a link and without blocking on a FIFO, read only
+    when it is a regular file, at most REPORT_BYTES; None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return json.loads(os.read(fd, REPORT_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 class GuestLimits:
     """The limit counters a VM's guest agent reported (`LaunchPlan.limit_reports`, written
     by the host relay): refused forks of the guest's pids cgroup, memory-limit and OOM-kill
@@ -646,10 +669,8 @@ class GuestLimits:
         if stamp == self._stamp:
             return []
         self._stamp = stamp
-        try:
-            with open(self.path) as fh:
-                now = json.load(fh)
-        except (OSError, ValueError):
+        now = _read_report(self.path)
+        if not isinstance(now, dict):
             return []
         grown = {
             key: int(value) - self._seen.get(key, 0)

@@ -38,6 +38,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -158,7 +159,13 @@ def _write_limits(path: str, payload: bytes) -> None:
     ):
         raise RuntimeError("the guest sent a malformed limit report")
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
+    # Never through a link or into a FIFO left at the temporary name (the run directory is
+    # QEMU's too); the rename replaces whatever is at `path` without following it.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RuntimeError("the limit report's temporary file is not a regular file")
         json.dump(counts, fh)
     os.replace(tmp, path)
 

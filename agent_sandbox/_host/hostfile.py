@@ -21,7 +21,7 @@ import stat
 import tempfile
 from collections.abc import Iterable
 
-__all__ = ["HostFileRefused", "open_append", "worker_writable"]
+__all__ = ["HostFileRefused", "create_new", "open_append", "worker_writable"]
 
 
 class HostFileRefused(OSError):
@@ -105,3 +105,28 @@ def open_append(path: str, *, writable: Iterable[str] = (), mode: int = 0o600) -
         raise HostFileRefused(f"{path!r} is not a regular file with one link: not written")
     os.set_blocking(fd, True)
     return fd
+
+
+def create_new(directory: str, name: str, *, mode: int = 0o600) -> int:
+    """A descriptor writing a new file `name` in `directory` (a control directory the host
+    just made): the directory walked without following a link (its parent's path is
+    resolved first), the file created with
+    `O_CREAT | O_EXCL | O_NOFOLLOW`, so anything already there (a link, a FIFO, a file) is
+    refused (HostFileRefused), never written through or truncated."""
+    if not name or "/" in name or name in (".", ".."):
+        raise HostFileRefused(f"{name!r} is not a file name")
+    # The directory's parent is resolved (the system's temporary directory may be a link);
+    # the directory itself, which the host just made, must not be one.
+    parent, base = os.path.split(os.path.abspath(directory).rstrip("/"))
+    dfd = _walk(os.path.join(os.path.realpath(parent), base))
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(name, flags, mode, dir_fd=dfd)
+        except FileExistsError:
+            raise HostFileRefused(
+                f"{os.path.join(directory, name)!r} already exists (a planted file or link): "
+                "not written"
+            ) from None
+    finally:
+        os.close(dfd)

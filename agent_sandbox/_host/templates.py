@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from agent_sandbox._errors import WorkerStartError
-from agent_sandbox._host import lifecycle
+from agent_sandbox._host import hostfile, lifecycle
 from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.launch import (
     BOOT_SCRIPT,
@@ -197,7 +197,7 @@ class WorkerTemplate:
         child_fd = child.fileno()
         boot_r, boot_w = os.pipe()
         try:
-            log = open(os.path.join(self.folder, "template.log"), "wb")  # noqa: SIM115
+            log = os.fdopen(hostfile.create_new(self.folder, "template.log"), "wb")
             argv = (spec.python, "-I", "-S", "-B", spec.boot_script, str(boot_r))
             self.proc = subprocess.Popen(
                 argv,
@@ -299,7 +299,7 @@ class WorkerTemplate:
                 from agent_sandbox.providers import _unshare
 
                 argv = _unshare.template_argv(plan.argv)
-            log = open(os.path.join(self.folder, "template.log"), "wb")  # noqa: SIM115
+            log = os.fdopen(hostfile.create_new(self.folder, "template.log"), "wb")
             # In the lasting launch thread: the launcher dies with the thread that forked it
             # (its parent-death signal follows the thread), which must outlive the pool.
             fds = (child.fileno(), boot_r)

@@ -4,23 +4,32 @@ mean "refused" (the proxy answers 400 / a SOCKS5 error / a `net.resolve` denial)
 
 from __future__ import annotations
 
+import h11
+
 from agent_sandbox.providers import _egress
 
 #: What a parser may raise for bad input: the proxy turns each into a refusal.
-REFUSALS = (_egress._BadMessage, ValueError)
+REFUSALS = (_egress._BadMessage, ValueError, h11.LocalProtocolError)
 
 
 def head(data: bytes) -> None:
-    """A request head as the proxy reads it, then its target and host."""
-    end = data.find(b"\r\n\r\n")
-    head_bytes = data if end < 0 else data[:end]
+    """A request head as the proxy reads it (h11 and the proxy's checks), then its target
+    and host, and the request the proxy would send upstream, rebuilt by h11."""
     try:
-        start, headers = _egress._split_head(head_bytes[: _egress.MAX_HEAD_BYTES])
-        method, target, _version = _egress._request_line(start)
-        _egress._framing(headers)
-        host, port, _path = _egress._parse_target(method.upper(), target)
+        request, framing = _egress.read_request(data[: _egress.MAX_HEAD_BYTES + 4])
+        assert framing[0] in ("length", "chunked", "none") and framing[1] >= 0
+        method = request.method.decode("ascii")
+        host, port, path = _egress._parse_target(method.upper(), request.target.decode("ascii"))
         assert 0 <= port <= 65535
         _egress.normalise_host(host)
+        out = h11.Connection(h11.CLIENT)
+        out.send(
+            h11.Request(
+                method=request.method,
+                target=path.encode("ascii"),
+                headers=[("host", "example.test"), *_egress._end_to_end(request.headers)],
+            )
+        )
     except REFUSALS:
         return
 

@@ -97,7 +97,7 @@ def test_the_corpus_replays_into_a_live_proxy(monkeypatch: pytest.MonkeyPatch) -
                 except (ConnectionResetError, BrokenPipeError):
                     pass
             with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-                sock.sendall(f"CONNECT 127.0.0.1:{up_port} HTTP/1.1\r\n\r\n".encode())
+                sock.sendall(f"CONNECT 127.0.0.1:{up_port} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
                 assert sock.recv(4096).startswith(b"HTTP/1.1 200"), path
             route.drain()
             route.end_call()  # as a call's end does: its tunnels end (net.connections)

@@ -13,7 +13,12 @@ import pytest
 
 from agent_sandbox import Denial, Policy, RunResult
 from agent_sandbox._host import guardian, oplog
-from agent_sandbox._host.hostfile import HostFileRefused, open_append, worker_writable
+from agent_sandbox._host.hostfile import (
+    HostFileRefused,
+    create_new,
+    open_append,
+    worker_writable,
+)
 
 
 def _result() -> RunResult:
@@ -86,3 +91,110 @@ def test_a_log_where_a_worker_can_write_is_refused(tmp_path: Path) -> None:
         os.rmdir(control)
     fd = open_append(str(tmp_path / "fine"), writable=worker_writable(policy))
     os.close(fd)
+
+
+def _plant(folder: Path, name: str, plant: str, victim: Path) -> None:
+    target = folder / name
+    if plant == "symlink":
+        target.symlink_to(victim)
+    elif plant == "dangling-symlink":
+        target.symlink_to(folder / "created-by-the-host")
+    elif plant == "hardlink":
+        os.link(victim, target)
+    elif plant == "fifo":
+        os.mkfifo(target)
+    else:
+        target.write_text("planted\n")
+
+
+@pytest.mark.parametrize("plant", ["symlink", "dangling-symlink", "hardlink", "fifo", "file"])
+def test_create_new_never_writes_through_what_is_planted(tmp_path: Path, plant: str) -> None:
+    """It denies redirecting a control file the host creates (`hostfile.create_new`): a
+    symlink, a dangling one, a hard link, a FIFO or a file at the name is refused, the
+    victim unchanged, nothing created through the link, the host not blocked."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    folder = tmp_path / "control"
+    folder.mkdir()
+    _plant(folder, "template.log", plant, victim)
+    with pytest.raises(HostFileRefused, match="already exists"):
+        create_new(str(folder), "template.log")
+    assert victim.read_text() == "precious\n"
+    assert not (folder / "created-by-the-host").exists()
+
+
+def test_create_new_walks_the_directory_without_following_a_link(tmp_path: Path) -> None:
+    """It denies a control directory swapped for a link: the walk refuses it (ELOOP)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "control").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        create_new(str(tmp_path / "control"), "x")
+    fd = create_new(str(tmp_path / "elsewhere"), "x")  # the control case: a plain directory
+    os.close(fd)
+    assert (tmp_path / "elsewhere" / "x").exists()
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_link_planted_at_the_template_log_is_not_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str
+) -> None:
+    """It denies redirecting a worker template's log: with a link (or FIFO) already at
+    `template.log` in its control directory, the template's start fails naming the file
+    and the victim is unchanged (no template process is left)."""
+    from agent_sandbox._host import templates
+    from agent_sandbox.providers import get_provider
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    made: list[str] = []
+
+    def mkdtemp(prefix: str = "") -> str:
+        folder = tmp_path / f"{prefix}planted"
+        folder.mkdir()
+        _plant(folder, "template.log", plant, victim)
+        made.append(str(folder))
+        return str(folder)
+
+    monkeypatch.setattr(templates.tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(HostFileRefused, match=r"template\.log"):
+        templates.WorkerTemplate.start(Policy(name="t"), get_provider("subprocess"), timeout=10)
+    assert made and victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_link_planted_at_a_vms_limit_report_is_not_read_through(
+    tmp_path: Path, plant: str
+) -> None:
+    """It denies steering the host's read of a VM's limit report (`guest-limits.json` in
+    the run directory, which QEMU can write): a symlink to a file of counters is not
+    followed (no hit), and a FIFO neither blocks the host nor counts."""
+    from agent_sandbox.providers._limits import GuestLimits
+
+    victim = tmp_path / "victim.json"
+    victim.write_text('{"pids_max": 3}')
+    report = tmp_path / "guest-limits.json"
+    if plant == "symlink":
+        report.symlink_to(victim)
+    else:
+        os.mkfifo(report)
+    guest = GuestLimits(str(report), launcher_pid=2**22 + 1)  # no such process
+    assert guest.new_hits(Policy(name="t", limits={"processes": 4})) == []
+    report.unlink()
+    report.write_text('{"pids_max": 3}')  # the control case: the relay's own file counts
+    assert [r for r, _ in guest.new_hits(Policy(name="t", limits={"processes": 4}))] == [
+        "limits.processes"
+    ]
+
+
+def test_the_vm_relay_never_writes_its_limit_report_through_a_link(tmp_path: Path) -> None:
+    """It denies redirecting the host relay's write of `guest-limits.json`: a link at its
+    temporary name is refused (ELOOP), the victim unchanged."""
+    from agent_sandbox.providers import _qemu_host
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    report = tmp_path / "guest-limits.json"
+    (tmp_path / "guest-limits.json.tmp").symlink_to(victim)
+    with pytest.raises(OSError):
+        _qemu_host._write_limits(str(report), b'{"pids_max": 1}')
+    assert victim.read_text() == "precious\n" and not report.exists()

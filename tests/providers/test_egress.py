@@ -864,12 +864,31 @@ def test_the_proxy_refuses_an_ambiguous_request_head(
 def test_the_proxy_drops_an_answer_with_ambiguous_framing(
     framing_route: tuple[Any, int, int],
 ) -> None:
-    """An upstream answer with both Content-Length and chunked is not relayed."""
-    _route, proxy_port, port = framing_route
+    """An upstream answer with both Content-Length and chunked is not relayed; the host
+    records the refusal (`net.connect`, a malformed message) with the request's target."""
+    route, proxy_port, port = framing_route
     out = _raw_exchange(
         proxy_port, f"GET http://127.0.0.1:{port}/smuggle HTTP/1.1\r\nhost: a\r\n\r\n".encode()
     )
     assert b"ok" not in out
+    [denial] = route.drain()
+    assert denial.rule == "net.connect" and denial.target.endswith("/smuggle")
+    assert "both Content-Length and Transfer-Encoding" in denial.detail
+
+
+def test_a_malformed_request_body_is_refused_and_recorded(
+    framing_route: tuple[Any, int, int],
+) -> None:
+    """A chunked request body whose chunk size is not hex ends the connection and the host
+    records the refusal; nothing of the bad chunk reaches the server as data."""
+    route, proxy_port, port = framing_route
+    _raw_exchange(
+        proxy_port,
+        f"POST http://127.0.0.1:{port}/echo HTTP/1.1\r\nhost: a\r\n"
+        "transfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n".encode(),
+    )
+    [denial] = route.drain()
+    assert denial.rule == "net.connect" and "malformed message" in denial.detail
 
 
 # -- SOCKS5 from inside a worker ---------------------------------------------------------------

