@@ -450,3 +450,65 @@ def test_uploads_reach_the_code_and_produced_files_come_back_in_the_artifact() -
             t.put_file("x.csv", b"1")  # session="thread" without a thread: no scratch to use
     finally:
         t.close()
+
+
+def test_produced_files_reach_the_agent_loop_as_artifacts() -> None:
+    """Through a real `create_agent` loop (scripted model): an uploaded file is read by the
+    code, and the file the code writes comes back on the `ToolMessage` in the graph's state
+    as the artifact (`files` and, with `return_files`, its bytes in `file_contents`), while
+    the model's content carries only the text."""
+    import base64
+
+    t = SandboxedPythonTool(policy=small_policy(), warm=0, return_files=True)
+    try:
+        t.put_file("sales.csv", b"region,total\nnorth,3\nsouth,4\n", thread_id="t1")
+        code = (
+            "rows = open('sales.csv').read().splitlines()[1:]\n"
+            "open('clean.csv', 'w').write('\\n'.join(r.upper() for r in rows))\n"
+            "len(rows)"
+        )
+        state = run_agent(t, [[tool_call(code, call_id="c1")], "done"], thread_id="t1")
+        (msg,) = tool_messages(state)
+        assert msg.status == "success" and msg.content == "2"
+        assert "file_contents" not in str(msg.content)  # the bytes stay out of the prompt
+        assert [f["name"] for f in msg.artifact["files"]] == ["clean.csv"]
+        (produced,) = msg.artifact["file_contents"]
+        assert produced["name"] == "clean.csv"
+        assert base64.b64decode(produced["base64"]) == b"NORTH,3\nSOUTH,4"
+        assert state["messages"][-1].content == "done"
+    finally:
+        t.close()
+
+
+def test_repeated_calls_keep_nothing_per_call() -> None:
+    """A long run of calls on one session keeps nothing per call on the host: the tool's
+    sessions, the sandbox's threads and the traced memory are the same after 300 calls as
+    after 100 (the memory within a bound far below what keeping one result per call, about
+    2 KB each, would add). Counted, never timed."""
+    import gc
+    import tracemalloc
+
+    t = SandboxedPythonTool(policy=small_policy(), warm=1, stream_output=False, session="tool")
+    try:
+
+        def calls(start: int, stop: int) -> None:
+            for i in range(start, stop):
+                msg = t.invoke(tool_call("1+1", call_id=f"c{i}"))
+                assert msg.content == "2"
+
+        calls(0, 100)
+        tracemalloc.start(1)
+        try:
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            sessions, threads = t.sessions(), threading.active_count()
+            calls(100, 300)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert t.sessions() == sessions == ["tool"]
+        assert threading.active_count() <= threads + 1  # the pool's template thread may start
+        assert grown < 200 * 200, f"{grown} bytes kept over 200 calls"
+    finally:
+        t.close()
