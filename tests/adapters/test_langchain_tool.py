@@ -512,3 +512,67 @@ def test_repeated_calls_keep_nothing_per_call() -> None:
         assert grown < 200 * 200, f"{grown} bytes kept over 200 calls"
     finally:
         t.close()
+
+
+def test_offered_file_is_placed_when_the_model_names_it(tmp_path) -> None:
+    """The operator offers a host file under a name; the model names it in `files` and its
+    code reads it (through a create_agent loop). The description lists what is offered."""
+    src = tmp_path / "sales.csv"
+    src.write_bytes(b"region,total\nnorth,3\nsouth,4\n")
+    t = SandboxedPythonTool(policy=small_policy(), warm=0)
+    try:
+        t.offer_file("sales.csv", src)
+        assert t.offered_files() == ["sales.csv"]
+        assert "sales.csv" in t.description and str(tmp_path) not in t.description
+        assert "files" in t.tool_call_schema.model_json_schema()["properties"]
+        call = tool_call("len(open('sales.csv').read().splitlines())", call_id="c1")
+        call["args"]["files"] = ["sales.csv"]
+        state = run_agent(t, [[call], "done"], thread_id="t1")
+        (msg,) = tool_messages(state)
+        assert msg.status == "success" and msg.content == "3"
+    finally:
+        t.close()
+
+
+def test_model_naming_a_host_path_or_unoffered_file_is_refused(tmp_path) -> None:
+    """It denies a model's `files` entry that is not an offered name (a host path, `..`, a
+    name never offered): a handled tool error naming the offered names, and the code did
+    not run (nothing printed, nothing placed)."""
+    src = tmp_path / "data.csv"
+    src.write_bytes(b"a\n")
+    t = SandboxedPythonTool(policy=small_policy(), warm=0)
+    cfg = {"configurable": {"thread_id": "t1"}}
+    try:
+        t.offer_file("data.csv", src)
+        for bad in (str(src), "/etc/passwd", "../data.csv", "other.csv"):
+            call = tool_call("print('ran')", call_id="c1")
+            call["args"]["files"] = [bad]
+            msg = t.invoke(call, config=cfg)
+            assert msg.status == "error", bad
+            assert "ran" not in msg.content.split("\n")
+            assert "not offered" in msg.content and "data.csv" in msg.content
+        assert [f.name for f in t.list_files(thread_id="t1")] == []
+        with pytest.raises(PermissionError):
+            t.offer_file("../escape.csv", src)  # a name that is not one plain file name
+        with pytest.raises(ValueError, match="regular file"):
+            t.offer_file("dir.csv", tmp_path)
+    finally:
+        t.close()
+
+
+def test_offered_file_over_the_transfer_limit_is_refused_with_its_rule(tmp_path) -> None:
+    """It denies placing an offered file larger than `limits.transfer_mb`: a handled tool
+    error naming the rule; nothing is placed and the code did not run."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (1024 * 1024 + 1))
+    t = SandboxedPythonTool(policy=small_policy(transfer_mb=1), warm=0)
+    cfg = {"configurable": {"thread_id": "t1"}}
+    try:
+        t.offer_file("big.bin", src)
+        call = tool_call("ran = True", call_id="c1")
+        call["args"]["files"] = ["big.bin"]
+        msg = t.invoke(call, config=cfg)
+        assert msg.status == "error" and "[limits.transfer]" in msg.content
+        assert t.list_files(thread_id="t1") == []
+    finally:
+        t.close()
