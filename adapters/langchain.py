@@ -385,7 +385,6 @@ class SandboxedPythonTool(BaseTool):
         return on_event
 
 
-
 # LangChain looks for the `RunnableConfig` parameter of `_run`/`_arun` with
 # `typing.get_type_hints` on every call; under `from __future__ import annotations` that
 # evaluates (compiles) each annotation string again, about 80 us of host CPU per call (measured
@@ -393,6 +392,7 @@ class SandboxedPythonTool(BaseTool):
 for _method in (SandboxedPythonTool._run, SandboxedPythonTool._arun):
     _method.__annotations__ = get_type_hints(_method)
 del _method
+
 
 def _thread_id(config: RunnableConfig | None) -> str | None:
     if not config:
