@@ -162,6 +162,9 @@ class Left:
     named: list[int]
     marked: list[int]
     dirs: list[str]
+    #: How many processes with the agent's owner mark ran when the agent was ended (a
+    #: worker behind its own kernel, gVisor's, forks inside it: only its runsc shows).
+    before: int = 0
 
     def any(self) -> bool:
         return bool(self.named or self.marked or self.dirs)
@@ -193,12 +196,13 @@ def run_agent(
                 break
             time.sleep(0.02)
             forked = bool(named(marker))
+        before = len(marked(tag))
         if moment != "exit":
             agent.send_signal(signal.SIGKILL)  # this one child process only
         agent.wait(60)
         deadline = time.monotonic() + bound
         while True:
-            left = Left(line.strip(), forked, named(marker), marked(tag), control_dirs(tag))
+            left = Left(line.strip(), forked, named(marker), marked(tag), control_dirs(tag), before)
             if not left.any() or time.monotonic() > deadline:
                 return left
             time.sleep(0.05)
