@@ -13,7 +13,10 @@ and, for the tool-callback path, a step that calls one host tool (`lookup('x')`)
 Each run interleaves the rows (`--calls` calls per row, in rounds of 20) so that load spikes
 hit all alike, and prints each row's median per call and its ratio to smolagents' local
 executor; the summary gives, over the runs, the median and the min-max range of each median
-and ratio, and the load average. No target: the figures are for the docs and the issue.
+and ratio, each row's host CPU per call (`time.thread_time` of the calling thread: what the
+caller's own code costs, which wall time on a loaded machine amplifies, since a caller that
+spent more CPU before it wakes its worker is more often descheduled until the reply), and the
+load average. No target: the figures are for the docs and the issue.
 
     .venv/bin/python benchmarks/bench_smolagents.py [--runs 5] [--calls 400]
 """
@@ -67,16 +70,25 @@ def _rows(
     return rows, [sandboxed.cleanup, lc_tool.close], sandboxed.sandbox.boundary.name
 
 
-def _one_run(rows: dict[str, Callable[[], object]], calls: int) -> dict[str, float]:
+def _one_run(
+    rows: dict[str, Callable[[], object]], calls: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each row's median wall time per call, and its median host CPU per call."""
     samples: dict[str, list[float]] = {name: [] for name in rows}
-    clock = time.perf_counter
+    cpu: dict[str, list[float]] = {name: [] for name in rows}
+    clock, cpu_clock = time.perf_counter, time.thread_time
     for _ in range(max(1, calls // ROUND)):
         for name, fn in rows.items():
             for _ in range(ROUND):
+                c0 = cpu_clock()
                 t0 = clock()
                 fn()
                 samples[name].append(clock() - t0)
-    return {name: statistics.median(values) for name, values in samples.items()}
+                cpu[name].append(cpu_clock() - c0)
+    return (
+        {name: statistics.median(values) for name, values in samples.items()},
+        {name: statistics.median(values) for name, values in cpu.items()},
+    )
 
 
 def main() -> None:
@@ -89,11 +101,13 @@ def main() -> None:
     floor = "smolagents local executor (no boundary)"
     tool_floor = "local executor + 1 tool call"
     results: list[dict[str, float]] = []
+    cpus: list[dict[str, float]] = []
     try:
         print(f"boundary: {boundary} (auto); {args.runs} runs x {args.calls} calls per row")
         for run in range(args.runs):
-            medians = _one_run(rows, args.calls)
+            medians, cpu = _one_run(rows, args.calls)
             results.append(medians)
+            cpus.append(cpu)
             parts = []
             for name, value in medians.items():
                 base = tool_floor if "tool call" in name else floor
@@ -108,9 +122,11 @@ def main() -> None:
         values = [r[name] * 1e6 for r in results]
         ratios = [r[name] / r[base] for r in results]
         span = f"[{min(values):.0f}-{max(values):.0f}]"
+        host = [c[name] * 1e6 for c in cpus]
         print(
             f"  {name:42s} {statistics.median(values):8.0f} us {span}"
             f"  {statistics.median(ratios):6.1f}x [{min(ratios):.1f}-{max(ratios):.1f}]"
+            f"  host CPU {statistics.median(host):.0f} us [{min(host):.0f}-{max(host):.0f}]"
         )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

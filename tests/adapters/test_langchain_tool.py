@@ -471,3 +471,138 @@ def test_uploads_reach_the_code_and_produced_files_come_back_in_the_artifact() -
             t.put_file("x.csv", b"1")  # session="thread" without a thread: no scratch to use
     finally:
         t.close()
+
+
+def test_produced_files_reach_the_agent_loop_as_artifacts() -> None:
+    """Through a real `create_agent` loop (scripted model): an uploaded file is read by the
+    code, and the file the code writes comes back on the `ToolMessage` in the graph's state
+    as the artifact (`files` and, with `return_files`, its bytes in `file_contents`), while
+    the model's content carries only the text."""
+    import base64
+
+    t = SandboxedPythonTool(policy=small_policy(), warm=0, return_files=True)
+    try:
+        t.put_file("sales.csv", b"region,total\nnorth,3\nsouth,4\n", thread_id="t1")
+        code = (
+            "rows = open('sales.csv').read().splitlines()[1:]\n"
+            "open('clean.csv', 'w').write('\\n'.join(r.upper() for r in rows))\n"
+            "len(rows)"
+        )
+        state = run_agent(t, [[tool_call(code, call_id="c1")], "done"], thread_id="t1")
+        (msg,) = tool_messages(state)
+        assert msg.status == "success" and msg.content == "2"
+        assert "file_contents" not in str(msg.content)  # the bytes stay out of the prompt
+        assert [f["name"] for f in msg.artifact["files"]] == ["clean.csv"]
+        (produced,) = msg.artifact["file_contents"]
+        assert produced["name"] == "clean.csv"
+        assert base64.b64decode(produced["base64"]) == b"NORTH,3\nSOUTH,4"
+        assert state["messages"][-1].content == "done"
+    finally:
+        t.close()
+
+
+def test_repeated_calls_keep_nothing_per_call() -> None:
+    """A long run of calls on one session keeps nothing per call on the host: the tool's
+    sessions and the sandbox's threads are the same after 400 calls as after 100, and the
+    traced memory grows by less than 200 bytes per call (keeping one result per call, about
+    2 KB each, fails it). The memory is counted over three windows of 100 calls and judged by
+    the middle one: a per-call cost shows in every window, while a one-time allocation of
+    another thread (a pool refill, an earlier test's tool closing) lands in at most one.
+    Counted, never timed."""
+    import gc
+    import tracemalloc
+
+    t = SandboxedPythonTool(policy=small_policy(), warm=1, stream_output=False, session="tool")
+    try:
+
+        def calls(start: int, stop: int) -> None:
+            for i in range(start, stop):
+                msg = t.invoke(tool_call("1+1", call_id=f"c{i}"))
+                assert msg.content == "2"
+
+        calls(0, 100)
+        # The pool starts its worker template once, in the background, after a grace: its
+        # one-time start is not a per-call cost, so it is made to happen before the count.
+        t._runner.sandbox._pool.template()
+        calls(100, 110)
+        sessions, threads = t.sessions(), threading.active_count()
+        growth = []
+        tracemalloc.start(1)
+        try:
+            for window in range(3):
+                gc.collect()
+                before = tracemalloc.get_traced_memory()[0]
+                calls(200 + 100 * window, 300 + 100 * window)
+                gc.collect()
+                growth.append(tracemalloc.get_traced_memory()[0] - before)
+        finally:
+            tracemalloc.stop()
+        assert t.sessions() == sessions == ["tool"]
+        assert threading.active_count() <= threads + 1  # a refill thread may be running
+        assert sorted(growth)[1] < 100 * 200, f"bytes kept per 100 calls: {growth}"
+    finally:
+        t.close()
+
+
+def test_offered_file_is_placed_when_the_model_names_it(tmp_path) -> None:
+    """The operator offers a host file under a name; the model names it in `files` and its
+    code reads it (through a create_agent loop). The description lists what is offered."""
+    src = tmp_path / "sales.csv"
+    src.write_bytes(b"region,total\nnorth,3\nsouth,4\n")
+    t = SandboxedPythonTool(policy=small_policy(), warm=0)
+    try:
+        t.offer_file("sales.csv", src)
+        assert t.offered_files() == ["sales.csv"]
+        assert "sales.csv" in t.description and str(tmp_path) not in t.description
+        assert "files" in t.tool_call_schema.model_json_schema()["properties"]
+        call = tool_call("len(open('sales.csv').read().splitlines())", call_id="c1")
+        call["args"]["files"] = ["sales.csv"]
+        state = run_agent(t, [[call], "done"], thread_id="t1")
+        (msg,) = tool_messages(state)
+        assert msg.status == "success" and msg.content == "3"
+    finally:
+        t.close()
+
+
+def test_model_naming_a_host_path_or_unoffered_file_is_refused(tmp_path) -> None:
+    """It denies a model's `files` entry that is not an offered name (a host path, `..`, a
+    name never offered): a handled tool error naming the offered names, and the code did
+    not run (nothing printed, nothing placed)."""
+    src = tmp_path / "data.csv"
+    src.write_bytes(b"a\n")
+    t = SandboxedPythonTool(policy=small_policy(), warm=0)
+    cfg = {"configurable": {"thread_id": "t1"}}
+    try:
+        t.offer_file("data.csv", src)
+        for bad in (str(src), "/etc/passwd", "../data.csv", "other.csv"):
+            call = tool_call("print('ran')", call_id="c1")
+            call["args"]["files"] = [bad]
+            msg = t.invoke(call, config=cfg)
+            assert msg.status == "error", bad
+            assert "ran" not in msg.content.split("\n")
+            assert "not offered" in msg.content and "data.csv" in msg.content
+        assert [f.name for f in t.list_files(thread_id="t1")] == []
+        with pytest.raises(PermissionError):
+            t.offer_file("../escape.csv", src)  # a name that is not one plain file name
+        with pytest.raises(ValueError, match="regular file"):
+            t.offer_file("dir.csv", tmp_path)
+    finally:
+        t.close()
+
+
+def test_offered_file_over_the_transfer_limit_is_refused_with_its_rule(tmp_path) -> None:
+    """It denies placing an offered file larger than `limits.transfer_mb`: a handled tool
+    error naming the rule; nothing is placed and the code did not run."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (1024 * 1024 + 1))
+    t = SandboxedPythonTool(policy=small_policy(transfer_mb=1), warm=0)
+    cfg = {"configurable": {"thread_id": "t1"}}
+    try:
+        t.offer_file("big.bin", src)
+        call = tool_call("ran = True", call_id="c1")
+        call["args"]["files"] = ["big.bin"]
+        msg = t.invoke(call, config=cfg)
+        assert msg.status == "error" and "[limits.transfer]" in msg.content
+        assert t.list_files(thread_id="t1") == []
+    finally:
+        t.close()
