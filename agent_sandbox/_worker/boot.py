@@ -204,10 +204,14 @@ def _keep(parent: int) -> None:
         import resource
 
         signum = os.WTERMSIG(status)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
-        os.kill(keeper, signum)
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of the keeper
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            os.kill(keeper, signum)
+        except (OSError, ValueError):
+            pass
         os._exit(128 + signum)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70)
 
