@@ -57,16 +57,22 @@ class BuildExtWithInit(build_ext):  # type: ignore[misc]
         super().run()
         folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))
         target = os.path.join(folder, NSINIT_NAME)
+        # Linked under another name and renamed into place: an agent running from this
+        # checkout may be executing the current one (a rename never shows it half written).
+        staged = target + ".new"
         for build in (self._link_without_libc, self._link_with_libc):
             try:
-                build(target)
+                build(staged)
             except Exception as exc:  # optional, like the extensions
                 print(f"note: {NSINIT_SOURCE}: {build.__name__} failed ({exc})")
                 continue
-            if _runs(target):
-                os.chmod(target, 0o755)
+            if _runs(staged):
+                os.chmod(staged, 0o755)
+                os.replace(staged, target)
                 return
             print(f"note: {NSINIT_SOURCE}: the program from {build.__name__} does not run")
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
         with contextlib.suppress(OSError):
             os.unlink(target)
         print(f"warning: {NSINIT_SOURCE} not built; the Python init serves")

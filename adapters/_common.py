@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any, Literal, ParamSpec, cast
 
@@ -45,6 +47,7 @@ __all__ = [
     "internal_failure",
     "learner_for",
     "outcome",
+    "thread_key",
 ]
 
 PolicySpec = Policy | str | os.PathLike[str] | None
@@ -411,6 +414,44 @@ def image_blocks(result: RunResult) -> list[dict[str, Any]]:
 SessionKeyFn = Callable[[dict[str, Any]], "str | None"]
 
 
+#: Thread-id types with a faithful text form (type and value both part of the key).
+_SCALAR_TAGS: dict[type, str] = {bool: "bool", int: "int", float: "float", bytes: "bytes"}
+
+
+def thread_key(thread_id: object) -> str | None:
+    """The session key of a conversation thread id; None (a stateless call) for no id.
+
+    Type and value both count, so no two ids a framework tells apart share an interpreter:
+    a `str` id is `thread:<id>`; any other id is `thread#<type>:<value>` (`thread#int:1`,
+    `thread#bool:True`, `thread#uuid:...`, `thread#tuple:[...]` of its items' keys), a
+    form no `str` id can take. A `None` or empty-string id is no id. Types without a
+    faithful text form are refused (`TypeError` naming the type) rather than guessed.
+    """
+    if thread_id is None or (type(thread_id) is str and thread_id == ""):
+        return None
+    return _typed_key(thread_id, 0)
+
+
+def _typed_key(value: object, depth: int) -> str:
+    if depth > 8:
+        raise TypeError("a thread id nested more than 8 levels deep")
+    kind = type(value)
+    if kind is str:
+        return f"thread:{value}"
+    if kind in _SCALAR_TAGS:
+        text = value.hex() if isinstance(value, bytes) else repr(value)
+        return f"thread#{_SCALAR_TAGS[kind]}:{text}"
+    if isinstance(value, uuid.UUID):
+        return f"thread#uuid:{value}"
+    if kind is tuple or kind is list:
+        items = [_typed_key(item, depth + 1) for item in value]  # type: ignore[attr-defined]
+        return f"thread#{kind.__name__}:{json.dumps(items, ensure_ascii=True)}"
+    raise TypeError(
+        f"a thread id of type {kind.__name__} has no faithful key: use a str, int, UUID, "
+        "bytes, bool, float, or a tuple or list of them"
+    )
+
+
 class ToolRunner:
     """The sandbox side of a tool: one lazily started `Sandbox`, sessions, and no exceptions.
 
@@ -483,13 +524,12 @@ class ToolRunner:
             self.learner.record(self.tool_name, self.policy, result)
         return result
 
-    def session_key(self, thread_id: str | None) -> str | None:
-        """The session a call runs in (None: stateless)."""
+    def session_key(self, thread_id: object) -> str | None:
+        """The session a call runs in (None: stateless); see `thread_key`."""
         if self.session_mode == "none":
             return None
         if self.session_mode == "thread":
-            # No thread id: the caller may be anyone, so nothing is kept between such calls.
-            return f"thread:{thread_id}" if thread_id else None
+            return thread_key(thread_id)
         return "tool"
 
     def _call_options(self, on_event: OnEvent | None) -> dict[str, Any]:
@@ -502,10 +542,10 @@ class ToolRunner:
         }
 
     def run(
-        self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
+        self, code: str, *, thread_id: object = None, on_event: OnEvent | None = None
     ) -> RunResult:
-        key = self.session_key(thread_id)
         try:
+            key = self.session_key(thread_id)
             sandbox = self.sandbox
             kw = self._call_options(on_event)
             if key is None:
@@ -515,10 +555,10 @@ class ToolRunner:
             return internal_failure(exc, self.policy)
 
     async def arun(
-        self, code: str, *, thread_id: str | None = None, on_event: OnEvent | None = None
+        self, code: str, *, thread_id: object = None, on_event: OnEvent | None = None
     ) -> RunResult:
-        key = self.session_key(thread_id)
         try:
+            key = self.session_key(thread_id)
             sandbox = self.sandbox
             kw = self._call_options(on_event)
             if key is None:
@@ -531,7 +571,7 @@ class ToolRunner:
 
     # -- files in a session's scratch (the session files API) ---------------------------
 
-    def _file_session(self, thread_id: str | None) -> Any:
+    def _file_session(self, thread_id: object) -> Any:
         key = self.session_key(thread_id)
         if key is None:
             raise ValueError(
@@ -546,23 +586,21 @@ class ToolRunner:
         data: bytes | None = None,
         *,
         source: str | os.PathLike[str] | None = None,
-        thread_id: str | None = None,
+        thread_id: object = None,
         overwrite: bool = False,
     ) -> FileInfo:
         """Place a file in the scratch of `thread_id`'s session (`Session.put_file`)."""
         session = self._file_session(thread_id)
         return session.put_file(name, data, source=source, overwrite=overwrite)  # type: ignore[no-any-return]
 
-    def get_file(self, name: str, *, thread_id: str | None = None) -> bytes:
+    def get_file(self, name: str, *, thread_id: object = None) -> bytes:
         """A file of the scratch of `thread_id`'s session (`Session.get_file`)."""
         return self._file_session(thread_id).get_file(name)  # type: ignore[no-any-return]
 
-    def list_files(self, *, thread_id: str | None = None) -> list[FileInfo]:
+    def list_files(self, *, thread_id: object = None) -> list[FileInfo]:
         return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
 
-    def produced_files(
-        self, result: RunResult, thread_id: str | None = None
-    ) -> list[dict[str, Any]]:
+    def produced_files(self, result: RunResult, thread_id: object = None) -> list[dict[str, Any]]:
         """The files `result` says its call wrote, with their bytes (base64) where the session
         files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
         from agent_sandbox._errors import FileTransferRefused
@@ -587,7 +625,7 @@ class ToolRunner:
         with self._lock:
             return self._sandbox.sessions() if self._sandbox is not None else []
 
-    def reset(self, thread_id: str | None = None) -> None:
+    def reset(self, thread_id: object = None) -> None:
         """Forget the interpreter of `thread_id`'s session (or the tool's own session)."""
         key = self.session_key(thread_id) or "tool"
         with self._lock:

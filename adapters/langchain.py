@@ -180,7 +180,7 @@ class SandboxedPythonTool(BaseTool):
         """Keys of the live sessions (`thread:<id>`, or `tool`)."""
         return self._runner.sessions()
 
-    def reset(self, thread_id: str | None = None) -> None:
+    def reset(self, thread_id: object = None) -> None:
         """Forget the interpreter of a conversation thread (or of the tool's own session)."""
         self._runner.reset(thread_id)
 
@@ -194,7 +194,7 @@ class SandboxedPythonTool(BaseTool):
         data: bytes | None = None,
         *,
         source: str | os.PathLike[str] | None = None,
-        thread_id: str | None = None,
+        thread_id: object = None,
         overwrite: bool = False,
     ) -> FileInfo:
         """Upload: place `data` (or the host file `source`) in the scratch of `thread_id`'s
@@ -204,11 +204,11 @@ class SandboxedPythonTool(BaseTool):
             name, data, source=source, thread_id=thread_id, overwrite=overwrite
         )
 
-    def get_file(self, name: str, *, thread_id: str | None = None) -> bytes:
+    def get_file(self, name: str, *, thread_id: object = None) -> bytes:
         """Download: a file the code wrote in `thread_id`'s scratch (`Session.get_file`)."""
         return self._runner.get_file(name, thread_id=thread_id)
 
-    def list_files(self, *, thread_id: str | None = None) -> list[FileInfo]:
+    def list_files(self, *, thread_id: object = None) -> list[FileInfo]:
         return self._runner.list_files(thread_id=thread_id)
 
     # -- running -----------------------------------------------------------------------
@@ -244,7 +244,7 @@ class SandboxedPythonTool(BaseTool):
         return content, artifact
 
     def _with_files(
-        self, artifact: dict[str, Any], result: RunResult, thread_id: str | None
+        self, artifact: dict[str, Any], result: RunResult, thread_id: object
     ) -> dict[str, Any]:
         if self.return_files and result.files:
             artifact["file_contents"] = self._runner.produced_files(result, thread_id)
@@ -293,12 +293,12 @@ class SandboxedPythonTool(BaseTool):
         return on_event
 
 
-def _thread_id(config: RunnableConfig | None) -> str | None:
+def _thread_id(config: RunnableConfig | None) -> object:
+    """The config's `thread_id` as given (its type is part of the session key)."""
     if not config:
         return None
     configurable = config.get("configurable") or {}
-    tid = configurable.get("thread_id")
-    return str(tid) if tid is not None else None
+    return configurable.get("thread_id")
 
 
 def _stream_writer() -> Callable[[Any], None] | None:

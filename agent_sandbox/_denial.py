@@ -21,6 +21,8 @@ __all__ = [
     "LEARNED",
     "USER",
     "RULES",
+    "fold_detail",
+    "is_sensitive",
     "rule_doc",
 ]
 
@@ -299,3 +301,60 @@ class Denial(FrozenValue):
         if nested and isinstance(last, dict):
             kwargs["last"] = cls.from_dict(last, nested=False)
         return cls(**kwargs)
+
+
+#: Words in a refused target that make its refusal one the trail always keeps: credentials,
+#: keys, secrets, and the places they live (lower-cased substring match).
+_SENSITIVE_WORDS = (
+    "shadow",
+    "passw",
+    "secret",
+    "token",
+    "credential",
+    "private",
+    "id_rsa",
+    "id_ecdsa",
+    "id_ed25519",
+    ".ssh",
+    ".aws",
+    ".kube",
+    ".gnupg",
+    ".netrc",
+    ".docker",
+    "kubeconfig",
+    "api_key",
+    "apikey",
+    "access_key",
+    "/environ",
+    "sudoers",
+    "authorized_keys",
+    "169.254.169.254",
+    "fd00:ec2::254",
+    "metadata.google",
+    "/var/run/secrets",
+)
+#: Rules whose every refusal is important: the code tried to run a process, leave the
+#: sandbox's network, or was stopped by a limit or the guards' own checks.
+_SENSITIVE_RULES = ("api.", "net.", "limits.", "guard.", "worker.")
+
+
+def is_sensitive(rule: str, target: str) -> bool:
+    """Whether a refusal is one the refusal trail keeps whatever else was refused.
+
+    The recorder (`_worker/audit.py`) and the host's builder both keep a reserve of entries
+    for these beyond the bound on ordinary ones, so a flood of harmless refusals never
+    folds them away.
+    """
+    if rule.startswith(_SENSITIVE_RULES):
+        return True
+    low = target.lower()
+    return any(word in low for word in _SENSITIVE_WORDS)
+
+
+def fold_detail(rule: str, budget: int, sensitive: bool) -> str:
+    """The detail of the entry that counts refusals of `rule` past `budget` distinct ones."""
+    kind = "sensitive targets" if sensitive else "targets"
+    return (
+        f"past the first {budget} distinct {kind} of this rule in one call, further "
+        "refusals are counted here (count: how many; last: the latest, in full)"
+    )

@@ -135,7 +135,23 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("deserialization", "shelve", "open"),
     # introspection (libraries use these all the time: judged for user code only)
     *_entries(
-        "introspection", "sys", "_getframe _current_frames settrace setprofile", user_only=True
+        "introspection",
+        "sys",
+        "_getframe _current_frames settrace setprofile _settraceallthreads _setprofileallthreads",
+        user_only=True,
+    ),
+    # NOTE: a trace or profile function, or a `sys.monitoring` callback, set by user code
+    # runs later in the worker's own threads, after the call, where nothing is armed; the
+    # `_all_threads` forms (3.12+) and `sys.monitoring` (3.12+) are skipped where missing.
+    *_entries(
+        "introspection",
+        "threading",
+        "settrace setprofile settrace_all_threads setprofile_all_threads",
+        user_only=True,
+    ),
+    *(
+        Entry("introspection", "sys", f"monitoring.{attr}", f"sys.monitoring.{attr}", True)
+        for attr in ("use_tool_id", "register_callback", "set_events", "set_local_events")
     ),
     *_entries("introspection", "gc", "get_referrers get_referents get_objects", user_only=True),
     *_entries("introspection", "inspect", "currentframe stack", user_only=True),

@@ -312,7 +312,8 @@ count_hashes(Scan *s, Val *target, Val **keys, size_t n, size_t step)
     return 0;
 }
 
-/* Valid UTF-8, surrogates allowed (what `decode("utf-8", "surrogatepass")` accepts). */
+/* Valid UTF-8 without surrogates (what strict `decode("utf-8")` accepts): a string that
+   is not text is left to the Python scan, which refuses it. */
 static int
 utf8_ok(const unsigned char *p, size_t n)
 {
@@ -332,8 +333,12 @@ utf8_ok(const unsigned char *p, size_t n)
             extra = 2;
             lo = 0xA0;
         }
+        else if (c == 0xED) {
+            extra = 2;
+            hi = 0x9F; /* 0xED 0xA0..0xBF: a surrogate */
+        }
         else if (c >= 0xE1 && c <= 0xEF) {
-            extra = 2; /* 0xED: surrogates pass */
+            extra = 2;
         }
         else if (c == 0xF0) {
             extra = 3;

@@ -14,7 +14,10 @@ What it enforces:
    `files.deny` beats every grant; writes need `files.write` (or the scratch
    directory, always read/write); reads need `files.read` or a write grant. A stat-only
    call is also allowed on the parents of a readable root, so `os.path.exists('/data')`
-   works when `/data/in` is readable.
+   works when `/data/in` is readable. A listing (`os.listdir`, `os.scandir`, and so
+   `glob`, `pathlib`, `os.walk`) is allowed on a readable directory and at or below a
+   pattern's fixed part, and shows only the entries a grant covers or that lead to one,
+   never a hidden or denied name.
 3. Always readable (never writable): the interpreter's import roots and folders (the
    standard library, site-packages, this package, the venv), because importing and
    tracebacks read them; the time-zone database; `/sys/fs/cgroup`, `/proc/cpuinfo`,
@@ -53,9 +56,12 @@ from agent_sandbox.guards._state import refuse, state
 from agent_sandbox.policies._paths import (
     entry_regex,
     expand_entry,
+    glob_components,
+    glob_leads_to,
     is_glob,
     literal,
     name_regex,
+    static_prefix,
     unescape,
 )
 
@@ -71,7 +77,7 @@ _readlink = posix.readlink
 _getcwd = posix.getcwd
 _S_ISLNK = _stat_mod.S_ISLNK
 
-READ, WRITE, META = "read", "write", "meta"
+READ, WRITE, META, LIST = "read", "write", "meta", "list"
 
 #: Read-only roots every policy grants implicitly.
 IMPLICIT_READ: frozenset[str] = frozenset(
@@ -127,6 +133,30 @@ class _Roots:
         """Whether some plain root lies below `path` (so `path` is one of its parents)."""
         base = path.rstrip("/") + "/"
         return any(p.startswith(base) for p in self.prefixes) or path == "/"
+
+    def leads_to(self, path: str) -> bool:
+        """Whether something a grant covers may lie below `path`: a plain root below it, or
+        a glob whose components up to `path`'s depth match it (a `**` matches any depth)."""
+        if self.has_descendant(path):
+            return True
+        parts = [p for p in path.split("/") if p]
+        return any(glob_leads_to(components, parts) for components in self._glob_parts)
+
+    def lists(self, path: str) -> bool:
+        """Whether `path` is at or below a glob's fixed part and may lead to a match."""
+        parts = [p for p in path.split("/") if p]
+        for (entry, _), components in zip(self.globs, self._glob_parts, strict=True):
+            fixed = unescape(static_prefix(entry)).rstrip("/")
+            if (path == fixed or path.startswith(fixed + "/")) and glob_leads_to(components, parts):
+                return True
+        return False
+
+    @property
+    def _glob_parts(self) -> list[list[Any]]:
+        cached = self.__dict__.get("_parts")
+        if cached is None:
+            cached = self.__dict__["_parts"] = [glob_components(e) for e, _ in self.globs]
+        return cached
 
 
 class FileRules:
@@ -220,7 +250,7 @@ class FileRules:
                 hint=f"remove {pattern!r} from [files] hide",
             )
         rule = "files.write" if op == WRITE else "files.read"
-        action = {READ: "read", WRITE: "write", META: "stat"}[op]
+        action = {READ: "read", WRITE: "write", META: "stat", LIST: "list"}[op]
         if self._in_control_dir(path, op):
             return _Always(FileAccessDenied), Denial(
                 rule=rule,
@@ -262,7 +292,11 @@ class FileRules:
             )
         if self.read.match(path) is not None:
             return None
-        if op == META and self.read.has_descendant(path):
+        if op == META and self.read.leads_to(path):
+            return None  # a parent of what is readable: a stat answers
+        if op == LIST and self.read.lists(path):
+            # At or below a glob's fixed part (what the kernel providers grant): a listing
+            # shows only the entries that are readable or lead to something readable.
             return None
         # A stat-only probe looks like a missing path (ENOENT), so `Path.exists()` answers
         # False as it would for a missing file instead of raising.
@@ -274,6 +308,77 @@ class FileRules:
             detail="the path is outside [files] read",
             hint=grant_hint({"files.read": [literal(path)]}),
         )
+
+
+def _visible_filter(rules: FileRules, directory: str) -> Any:
+    """What a listing of the resolved `directory` may show: a predicate on entry names, or
+    None when every entry may be shown. An entry is shown when it is readable or leads to
+    something readable, and is neither hidden nor denied."""
+    if not (rules.hide or rules.deny.entries) and rules.read.match(directory) is not None:
+        return None
+    base = directory.rstrip("/") + "/"
+    whole = rules.read.match(directory) is not None and rules.deny.match(directory) is None
+
+    def visible(name: str) -> bool:
+        path = base + name
+        if rules.hidden_by(path) is not None or rules.deny.match(path) is not None:
+            return False
+        if whole:
+            return True
+        return rules.read.match(path) is not None or rules.read.lists(path)
+
+    return visible
+
+
+class _FilteredScandir:
+    """`os.scandir`'s iterator with the entries a listing may not show left out."""
+
+    def __init__(self, inner: Any, visible: Any) -> None:
+        self._inner = inner
+        self._visible = visible
+
+    def __iter__(self) -> _FilteredScandir:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            entry = next(self._inner)
+            name = entry.name if type(entry.name) is str else os.fsdecode(entry.name)
+            if self._visible(name):
+                return entry
+
+    def __enter__(self) -> _FilteredScandir:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._inner.close()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _listing_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`os.listdir`/`os.scandir`: judged as a listing, and what they return filtered."""
+    if not _active() or _rules is None or _resolver is None:
+        return wrapped(*args, **kwargs)
+    path = args[0] if args else kwargs.get("path", ".")
+    if isinstance(path, int):  # a descriptor: judged when it was opened
+        return wrapped(*args, **kwargs)
+    checked = check(LIST, path)
+    text = checked if type(checked) is str else os.fsdecode(os.fspath(checked))
+    resolved, _ = _resolver.resolve(text, True, None)
+    visible = _visible_filter(_rules, resolved)
+    args = (checked, *args[1:]) if args else args
+    if not args and "path" in kwargs:
+        kwargs = dict(kwargs, path=checked)
+    result = wrapped(*args, **kwargs)
+    if visible is None:
+        return result
+    if isinstance(result, list):
+        return [n for n in result if visible(n if type(n) is str else os.fsdecode(n))]
+    return _FilteredScandir(result, visible)
 
 
 # -- the resolver ------------------------------------------------------------------------------
@@ -371,7 +476,7 @@ _rules: FileRules | None = None
 _resolver: _Resolver | None = None
 #: (op, follow) -> raw absolute str path -> decision, for paths that cannot change under us.
 _fast: dict[tuple[str, bool], dict[str, Any]] = {
-    (op, follow): {} for op in (READ, WRITE, META) for follow in (True, False)
+    (op, follow): {} for op in (READ, WRITE, META, LIST) for follow in (True, False)
 }
 _decisions: dict[tuple[str, str], Any] = {}
 
@@ -666,8 +771,6 @@ ONE_PATH: dict[str, tuple[str, bool]] = {
     "statvfs": (META, True),
     "pathconf": (META, True),
     "readlink": (META, False),
-    "listdir": (READ, True),
-    "scandir": (READ, True),
     "getxattr": (READ, True),
     "listxattr": (READ, True),
     "mkdir": (WRITE, False),
@@ -736,6 +839,9 @@ def install() -> None:
         for name, (op1, op2) in TWO_PATHS.items():
             if hasattr(module, name):
                 _patch.wrap(module, name, _two_paths(op1, op2))
+        for name in _DEFAULT_DOT:
+            if hasattr(module, name):
+                _patch.wrap(module, name, _listing_wrapper)
         _patch.wrap(module, "symlink", _symlink_wrapper)
         _patch.wrap(module, "open", _os_open_wrapper)
         _patch.wrap(module, "chdir", _chdir_wrapper)

@@ -55,9 +55,24 @@ def _c_tampered() -> int:
 def _thread_start_wrapper(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    """Mark a thread started by user code (or by one of its threads) as armed for its life.
+
+    Wraps every primitive that starts a thread: `_thread.start_new_thread` and its alias
+    `start_new`, `threading._start_new_thread` (3.11, 3.12), and 3.13's
+    `_thread.start_joinable_thread` (whose `function` may be passed by keyword) with its
+    copy `threading._start_joinable_thread`, which `Thread.start` calls.
+    """
     if not (state.armed or (state.user_threads and _thread.get_ident() in state.user_threads)):
         return wrapped(*args, **kwargs)
-    function: Any = args[0] if args else kwargs.get("function")
+    if args:
+        function: Any = args[0]
+        rest, named = args[1:], kwargs
+    elif "function" in kwargs:
+        named = dict(kwargs)
+        function = named.pop("function")
+        rest = ()
+    else:
+        return wrapped(*args, **kwargs)  # the primitive's own TypeError
 
     def armed_thread(*a: Any, **k: Any) -> Any:
         ident = _thread.get_ident()
@@ -67,7 +82,19 @@ def _thread_start_wrapper(
         finally:
             state.user_threads.discard(ident)
 
-    return wrapped(armed_thread, *args[1:], **kwargs)
+    return wrapped(armed_thread, *rest, **named)
+
+
+#: Every attribute through which a thread is started: (module, name). A name missing on
+#: this Python (`start_joinable_thread` before 3.13, `threading._start_new_thread` from
+#: 3.13) is skipped; `_thread.start_new` is an alias that user code can call directly.
+THREAD_STARTS: tuple[tuple[ModuleType, str], ...] = (
+    (_thread, "start_new_thread"),
+    (_thread, "start_new"),
+    (_thread, "start_joinable_thread"),
+    (threading, "_start_new_thread"),
+    (threading, "_start_joinable_thread"),
+)
 
 
 class _Arming:
@@ -185,9 +212,9 @@ def _patch_everything() -> ModuleType:
     _net.install()
     _env.install()
     _calls.install()
-    _patch.wrap(_thread, "start_new_thread", _thread_start_wrapper)
-    if getattr(threading, "_start_new_thread", None) is not None:
-        _patch.wrap(threading, "_start_new_thread", _thread_start_wrapper)
+    for owner, name in THREAD_STARTS:
+        if getattr(owner, name, None) is not None:
+            _patch.wrap(owner, name, _thread_start_wrapper)
     _imports.install()
     return _imports.make_user_builtins()
 

@@ -185,6 +185,12 @@ def _home(owner: Any, name: str) -> tuple[str, str] | None:
         # get the patches of `_io`.
         spec = owner.__dict__.get("__spec__")
         module = getattr(spec, "name", None) or owner.__dict__.get("__name__")
+        if spec is None and isinstance(module, str) and "." in module:
+            parent = sys.modules.get(module.rpartition(".")[0])
+            if parent is not None and not hasattr(parent, "__path__"):
+                # A namespace hung on a module that is no package (`sys.monitoring`): the
+                # import system never executes it again, so there is nothing to re-apply.
+                return None
         return (module, name) if isinstance(module, str) else None
     if isinstance(owner, type):
         module, qualname = owner.__module__, owner.__qualname__

@@ -391,7 +391,7 @@ def _resolve_extends(extends: Any, source: str | None) -> Policy:
             expected=expected,
         )
     if os.path.isabs(extends):
-        return load_policy(extends)
+        return _load_extended(extends, extends, source)
     has_file = bool(source) and not str(source).startswith("<")
     folder = os.path.dirname(os.path.abspath(str(source))) if has_file else os.getcwd()
     target = os.path.join(folder, extends)
@@ -406,7 +406,22 @@ def _resolve_extends(extends: Any, source: str | None) -> Policy:
             expected="a path inside that directory, a shipped policy name, or an absolute "
             ".toml path to say the policy reaches outside on purpose",
         )
-    return load_policy(target)
+    return _load_extended(target, extends, source)
+
+
+def _load_extended(path: str, extends: str, source: str | None) -> Policy:
+    """`load_policy(path)`; a missing file is named with the file and line that extend it."""
+    try:
+        return load_policy(path)
+    except PolicyNotFound as exc:
+        if exc.source is None or os.path.abspath(str(exc.source)) != os.path.abspath(path):
+            raise
+        raise PolicyNotFound(
+            f"extends {extends!r}, which names {path}: no such policy file",
+            source=source,
+            key="extends",
+            expected="an existing TOML file (a path is relative to this file's directory)",
+        ) from None
 
 
 def _inside(path: str, folder: str) -> bool:

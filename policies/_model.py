@@ -43,7 +43,7 @@ __all__ = [
 
 #: Provider names a policy may request. `auto` is the only one that chooses.
 PROVIDERS = frozenset(
-    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "qemu", "remote"}
+    {"auto", "subprocess", "landlock", "unshare", "bwrap", "firejail", "gvisor", "qemu", "remote"}
 )
 
 #: Sensitive-call categories (see `agent_sandbox.guards`); a function rule names a
@@ -363,6 +363,10 @@ class LimitsPolicy(_Section):
     #: (and under Landlock when the worker may mount), else a check after every call.
     scratch_mb: int = Field(default=512, ge=1)
     open_files: int = Field(default=256, ge=16)
+    #: What one returned image may decode to (its headers are read on the host, never its
+    #: pixels): pixels of one frame, and frames. Past either, the image is not returned.
+    image_pixels: int = Field(default=16_777_216, ge=1, le=2**40)
+    image_frames: int = Field(default=1, ge=1, le=10_000)
     #: The largest file the session files API puts into scratch or takes out of it.
     transfer_mb: int = Field(default=64, ge=1)
 
@@ -391,7 +395,13 @@ class ToolsPolicy(_Section):
 _REMOTE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 
 #: The `[remote]` keys that only one claim backend reads.
-_K8S_ONLY = ("namespace", "router_url", "router_token_file", "shutdown_after_seconds")
+_K8S_ONLY = (
+    "namespace",
+    "router_url",
+    "router_token_file",
+    "shutdown_after_seconds",
+    "server_name",
+)
 _LOCAL_ONLY = ("server_cert", "server_key", "client_ca", "warm", "max_workers", "state_dir")
 
 
@@ -431,8 +441,13 @@ class RemotePolicy(_Section):
     max_claims: int = Field(default=16, ge=1, le=100_000)
     claim_timeout: float = Field(default=30.0, gt=0, le=3600)
     start_timeout: float = Field(default=15.0, gt=0, le=3600)
-    #: The claim's hard expiry in seconds (k8s `shutdownTime`); 0: none (the pod's idle exit).
-    shutdown_after_seconds: int = Field(default=0, ge=0)
+    #: The claim's hard expiry in seconds (k8s `shutdownTime`, then deleted): by default a
+    #: day, so a claim whose agent crashed is reaped even if its pod never idles out; 0 (in
+    #: so many words): none, the pod's idle exit alone.
+    shutdown_after_seconds: int = Field(default=86_400, ge=0)
+    #: Direct pod-IP mode (no `router_url`): the name the pods' shared certificate carries
+    #: (e.g. `ags-worker.<namespace>.svc`), checked instead of the pod's IP.
+    server_name: str = ""
     #: The local backend's `worker serve` certificate and key (key empty: in the cert's file),
     #: and the CA its clients' certificates must chain to (empty: no mTLS).
     server_cert: str = ""
@@ -500,6 +515,48 @@ _FINGERPRINTS: dict[int, tuple[weakref.ref[Policy], str]] = {}
 
 NO_BOUNDARY_PROVIDERS = frozenset({"subprocess"})
 
+#: The classes of boundary a policy's `min_boundary` names, weakest first, and the class of
+#: each provider (`remote`: the pod's runtime decides, so it meets only the default).
+BOUNDARY_CLASSES = ("none", "host-kernel", "user-space-kernel", "virtual-machine")
+PROVIDER_CLASS = {
+    "subprocess": "none",
+    "landlock": "host-kernel",
+    "unshare": "host-kernel",
+    "bwrap": "host-kernel",
+    "firejail": "host-kernel",
+    "remote": "host-kernel",
+    "gvisor": "user-space-kernel",
+    "qemu": "virtual-machine",
+}
+
+
+def meets_boundary(provider: str, minimum: str) -> bool:
+    """Whether `provider`'s class of boundary is `minimum` or stronger (`auto`: decided per
+    candidate, so always True here; the default `host-kernel`: True, since a provider
+    without a boundary is the opt-out's to allow; an unknown name: False)."""
+    if provider == "auto" or minimum == "host-kernel":
+        return True  # the default: `no_kernel_boundary` alone governs the opt-out
+    have = PROVIDER_CLASS.get(provider)
+    if have is None:
+        return False
+    return BOUNDARY_CLASSES.index(have) >= BOUNDARY_CLASSES.index(minimum)
+
+
+def check_min_boundary(provider: str, minimum: str) -> None:
+    """Refuse a provider named explicitly whose class of boundary is below `min_boundary`."""
+    if not meets_boundary(provider, minimum):
+        have = PROVIDER_CLASS.get(provider, "unknown")
+        stronger = sorted(
+            p
+            for p, c in PROVIDER_CLASS.items()
+            if p != "remote" and BOUNDARY_CLASSES.index(c) >= BOUNDARY_CLASSES.index(minimum)
+        )
+        raise ValueError(
+            f"provider {provider!r} is a {have} boundary, below min_boundary = "
+            f'"{minimum}"; use provider = "auto" (the fastest that meets it) or one of '
+            f"{', '.join(stronger)}"
+        )
+
 
 def check_boundary_opt_out(provider: str, acknowledgement: str) -> None:
     """Refuse a provider without a kernel boundary unless the policy accepts that in words."""
@@ -552,6 +609,12 @@ class Policy(_Section):
     #: The explicit opt-out from a kernel boundary: `provider = "subprocess"` is refused
     #: unless this says `"accepted"` (the Python guards and rlimits are then all that holds).
     no_kernel_boundary: Literal["", "accepted"] = ""
+    #: The weakest class of boundary the workers may run behind (`BOUNDARY_CLASSES`, weakest
+    #: first): `host-kernel` (namespaces, Landlock, seccomp on the host's kernel; any kernel
+    #: provider), `user-space-kernel` (gVisor's Sentry, or stronger), `virtual-machine` (a
+    #: guest kernel under QEMU). `auto` then picks the fastest provider that meets it; a
+    #: provider named explicitly below it is refused.
+    min_boundary: Literal["host-kernel", "user-space-kernel", "virtual-machine"] = "host-kernel"
     result_mode: Literal["data-only", "objects"] = "data-only"
     #: Extra globals the host's restricted unpickler may rebuild in `objects` mode:
     #: `"pkg.models.*"` admits the pydantic models, dataclasses, enums, named tuples and
@@ -614,6 +677,7 @@ class Policy(_Section):
     @model_validator(mode="after")
     def _boundary_opt_out(self) -> Policy:
         check_boundary_opt_out(self.provider, self.no_kernel_boundary)
+        check_min_boundary(self.provider, self.min_boundary)
         return self
 
     @model_validator(mode="after")
@@ -650,7 +714,9 @@ class Policy(_Section):
         worker behind the host's egress proxy, which resolves names itself) no name is
         resolved here and no rule carries addresses.
         """
-        data = self.model_dump(mode="json", by_alias=True, exclude={"remote"})
+        # The default boundary class is left out, so adding the key changed no fingerprint.
+        exclude = {"remote"} | ({"min_boundary"} if self.min_boundary == "host-kernel" else set())
+        data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         pins = self.pinned_addresses() if pin else {}
         for rule in data.get("net", {}).get("rules", []):
             rule["addresses"] = list(pins.get(rule["host"], ()))
@@ -684,7 +750,9 @@ class Policy(_Section):
         cached = _FINGERPRINTS.get(id(self))
         if cached is not None and cached[0]() is self:
             return cached[1]
-        data = self.model_dump(mode="json", by_alias=True, exclude={"remote"})
+        # The default boundary class is left out, so adding the key changed no fingerprint.
+        exclude = {"remote"} | ({"min_boundary"} if self.min_boundary == "host-kernel" else set())
+        data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         value = hashlib.sha256(canonical.encode()).hexdigest()[:16]
         key = id(self)

@@ -32,6 +32,8 @@ __all__ = [
     "check_entry",
     "entry_regex",
     "expand_entry",
+    "glob_components",
+    "glob_leads_to",
     "is_glob",
     "literal",
     "name_regex",
@@ -202,6 +204,35 @@ def entry_regex(entry: str) -> re.Pattern[str]:
 def name_regex(pattern: str) -> re.Pattern[str]:
     """A regex one path component fully matches when the `files.hide` name `pattern` does."""
     return re.compile(_regex_body(pattern, slash=False), re.DOTALL)
+
+
+def glob_components(entry: str) -> list[re.Pattern[str] | None]:
+    """A glob entry as one matcher per path component: None for a component holding an
+    unescaped `**` (it matches at any depth), else the component's regex."""
+    out: list[re.Pattern[str] | None] = []
+    for part in entry.split("/"):  # a backslash never escapes "/" in this language
+        if part:
+            wild = any(c == "*" and not lit for c, lit in _tokens(part))
+            out.append(None if wild and "**" in _unescaped_stars(part) else name_regex(part))
+    return out
+
+
+def _unescaped_stars(part: str) -> str:
+    return "".join(c if not lit else "_" for c, lit in _tokens(part))
+
+
+def glob_leads_to(components: list[re.Pattern[str] | None], parts: list[str]) -> bool:
+    """Whether the path of components `parts` is, or is a parent of, a path that the glob of
+    `components` (`glob_components`) matches: what a listing may show for that glob."""
+    for i, name in enumerate(parts):
+        if i >= len(components):
+            return False
+        matcher = components[i]
+        if matcher is None:
+            return True
+        if not matcher.fullmatch(name):
+            return False
+    return True
 
 
 def risky_name(name: str) -> str:

@@ -9,6 +9,10 @@ falling back to Landlock's port rules. The chosen stack is in the
 plan: `LaunchPlan.stack`, e.g. `("bwrap", "landlock", "seccomp")`, and the provider's name
 in `LaunchPlan.provider` (so results say what really ran).
 
+A policy whose `min_boundary` is above `host-kernel` goes to the fastest provider of that
+class or stronger that works here and can serve it (`STRONGER_CANDIDATES`: `gvisor`, then
+`qemu`), never to a weaker one.
+
 What it does not do: choose `firejail` (a setuid program with a history of escalations;
 only a policy that names it gets it), or fall back to no boundary: when no kernel boundary
 works here (or none can serve the policy) it raises `ProviderUnavailable` naming what each
@@ -29,7 +33,7 @@ from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._unshare import UnshareProvider
 
-__all__ = ["AUTO_CANDIDATES", "AutoProvider", "choose_plan"]
+__all__ = ["AUTO_CANDIDATES", "STRONGER_CANDIDATES", "AutoProvider", "choose_plan"]
 
 _log = logging.getLogger("agent_sandbox.provider")
 _logged: set[tuple[str, tuple[str, ...]]] = set()
@@ -49,6 +53,10 @@ def _log_choice(policy: Any, plan: LaunchPlan, refused: list[str]) -> None:
         f" (not available for it: {'; '.join(refused)})" if refused else "",
     )
 
+
+#: The providers `auto` considers for a policy with `min_boundary` above `host-kernel`,
+#: fastest first (by name: qemu's module is imported only when asked for).
+STRONGER_CANDIDATES: tuple[str, ...] = ("gvisor", "qemu")
 
 #: The providers `auto` considers, strongest first. NOTE: firejail is left out on purpose.
 AUTO_CANDIDATES: tuple[type[Provider], ...] = (
@@ -72,8 +80,33 @@ class AutoProvider(Provider):
     strength: ClassVar[int] = 0
     is_boundary: ClassVar[bool] = False
 
-    def __init__(self, candidates: tuple[Provider, ...] | None = None) -> None:
+    def __init__(
+        self,
+        candidates: tuple[Provider, ...] | None = None,
+        stronger: tuple[Provider, ...] | None = None,
+    ) -> None:
         self.candidates = candidates or tuple(cls() for cls in AUTO_CANDIDATES)
+        self._stronger = stronger
+
+    @property
+    def stronger(self) -> tuple[Provider, ...]:
+        """The providers for a policy whose `min_boundary` is above `host-kernel`, fastest
+        first: gVisor (a user-space kernel), then QEMU (a virtual machine)."""
+        if self._stronger is None:
+            from agent_sandbox.providers._registry import get_provider
+
+            self._stronger = tuple(get_provider(name) for name in STRONGER_CANDIDATES)
+        return self._stronger
+
+    def provider_named(self, name: str) -> Provider:
+        """The candidate (of either list) called `name`."""
+        for provider in self.candidates:
+            if provider.name == name:
+                return provider
+        for provider in self.stronger:  # built only when a plan names one of them
+            if provider.name == name:
+                return provider
+        raise ProviderUnavailable("auto", f"the plan names an unknown provider {name!r}")
 
     def available(self) -> list[Provider]:
         return [p for p in self.candidates if p.probe().available]
@@ -90,7 +123,36 @@ class AutoProvider(Provider):
             details={"candidates": names, "unavailable": why},
         )
 
+    def _build_stronger(self, policy: Any, spec: WorkerSpec, minimum: str) -> LaunchPlan:
+        """The first provider of `stronger` (fastest first) that meets `minimum`, works here
+        and can serve the policy; never one below `minimum`."""
+        from agent_sandbox.policies._model import meets_boundary
+
+        refused: list[str] = []
+        for provider in self.stronger:
+            if not meets_boundary(provider.name, minimum):
+                continue
+            probe = provider.probe()
+            if not probe.available:
+                refused.append(f"{provider.name}: {probe.reason}")
+                continue
+            try:
+                plan = provider.build(policy, spec)
+            except ProviderUnavailable as exc:
+                refused.append(f"{provider.name}: {exc.reason}")
+                continue
+            _log_choice(policy, plan, refused)
+            return plan
+        raise ProviderUnavailable(
+            "auto",
+            f'no provider meeting min_boundary = "{minimum}" can serve this policy here'
+            + (f" ({'; '.join(refused)})" if refused else ""),
+        )
+
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        minimum = str(getattr(policy, "min_boundary", "host-kernel"))
+        if minimum != "host-kernel":
+            return self._build_stronger(policy, spec, minimum)
         plans: list[tuple[Provider, LaunchPlan]] = []
         refused: list[str] = []
         networked = policy.net.allows_any()
@@ -146,10 +208,7 @@ class AutoProvider(Provider):
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
         """Launch with the provider that built the plan (its launcher may be special)."""
-        for provider in self.candidates:
-            if provider.name == plan.provider:
-                return provider.launch(plan, log)
-        raise ProviderUnavailable("auto", f"the plan names an unknown provider {plan.provider!r}")
+        return self.provider_named(plan.provider).launch(plan, log)
 
 
 def _no_boundary(why: dict[str, str]) -> str:

@@ -96,6 +96,19 @@ class LaunchPlan:
     #: translating the whole call path (~0.1-0.2 s under TCG); a pool's worker pays it
     #: while it waits instead.
     warm_up: bool = False
+    #: The host path of the socket the worker binds itself, inside a directory of its
+    #: control directory the sandbox shares (gVisor hands a sandbox no listening socket);
+    #: "" when the worker serves on the inherited `listen_fd`. The parent waits for it and
+    #: connects through a descriptor pinned with O_NOFOLLOW, never through the path again.
+    socket_path: str = ""
+    #: Room in the worker's cgroups for a launcher that joins them itself and keeps running
+    #: beside the worker (gVisor's Sentry and gofer: their own threads count in `pids.max`,
+    #: their memory in the memory limit); the worker's own limits stay the policy's.
+    launcher_tasks: int = 0
+    launcher_mb: int = 0
+    #: A command that delivers the parent's interrupt (SIGINT) to the worker, for a
+    #: launcher that does not forward it (`runsc run` dies of it): () to signal the pid.
+    interrupt_argv: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

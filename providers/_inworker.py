@@ -264,6 +264,70 @@ def open_egress_listener(setup: Mapping[str, Any]) -> int:
     return int(setup["port"])
 
 
+def start_egress_relay(relay: Mapping[str, Any]) -> int:
+    """gVisor: listen on the proxy address on the sandbox's loopback and fork a relay that
+    carries each connection to the host's end of the proxy route (a Unix socket in the
+    shared socket directory); return the port.
+
+    Runs before the restrictions and before any user code, while the worker has one thread.
+    The relay is a process of the sandbox's own (it counts in `limits.processes`); what it
+    relays is judged by the host's proxy, so nothing it does is trusted.
+    """
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((str(relay["host"]), int(relay["port"])))
+    listener.listen(128)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the relay child, inside the sandbox
+        try:
+            _relay_loop(listener, str(relay["socket"]))
+        finally:
+            os._exit(0)
+    listener.close()
+    return int(relay["port"])
+
+
+def _relay_loop(listener: Any, path: str) -> None:  # pragma: no cover - inside the sandbox
+    import socket
+    import threading
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
+                try:
+                    sock.shutdown(how)
+                except OSError:
+                    pass
+
+    def carry(client: socket.socket, upstream: socket.socket) -> None:
+        back = threading.Thread(target=pump, args=(upstream, client), daemon=True)
+        back.start()
+        pump(client, upstream)
+        back.join()
+        client.close()
+        upstream.close()
+
+    while True:
+        client, _addr = listener.accept()
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.connect(path)
+        except OSError:
+            client.close()
+            upstream.close()
+            continue
+        threading.Thread(target=carry, args=(client, upstream), daemon=True).start()
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 

@@ -392,9 +392,19 @@ def _libpython() -> str:
 # -- the probe and the provider -----------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
 def probe_landlock() -> ProbeResult:
-    """Whether Landlock (ABI >= 4, for the TCP rules) works here; the ABI as the version."""
+    """Whether Landlock (ABI >= 4, for the TCP rules) works here; the ABI as the version.
+    (The kernel's answer is asked once per process; the test suite's switch, every time.)"""
+    from agent_sandbox.providers._test_switch import disabled
+
+    off = disabled("landlock")
+    if off:
+        return ProbeResult("landlock", False, reason=f"Landlock {off}")
+    return _probe_landlock_kernel()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_landlock_kernel() -> ProbeResult:
     try:
         abi = landlock_abi()
     except OSError as exc:

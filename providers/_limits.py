@@ -206,10 +206,11 @@ class WorkerCgroups:
 
     @classmethod
     def create(
-        cls, worker_id: str, limits: Any, *, extra_processes: int = 0
+        cls, worker_id: str, limits: Any, *, extra_processes: int = 0, extra_mb: int = 0
     ) -> WorkerCgroups | None:
-        """Make the groups for one worker with `limits` (a `LimitsPolicy` or its dict)."""
-        memory_mb = int(_limit(limits, "memory_mb", 2048))
+        """Make the groups for one worker with `limits` (a `LimitsPolicy` or its dict);
+        `extra_*` is room for a launcher inside the groups (its own tasks and memory)."""
+        memory_mb = int(_limit(limits, "memory_mb", 2048)) + extra_mb
         processes = int(_limit(limits, "processes", 64)) + extra_processes
         quota = max(1000, int(float(_limit(limits, "cpu_cores", 1.0)) * _CPU_PERIOD))
         from agent_sandbox._host import lifecycle
@@ -554,7 +555,14 @@ _SETTINGS = {
 }
 
 
-def start_cgroups(worker_id: str, policy: Any, worker_depth: int | None) -> WorkerCgroups | None:
+def start_cgroups(
+    worker_id: str,
+    policy: Any,
+    worker_depth: int | None,
+    *,
+    launcher_tasks: int = 0,
+    launcher_mb: int = 0,
+) -> WorkerCgroups | None:
     """Create the worker's groups before launch (None when the machine offers none).
 
     A launcher that joins the groups itself (`worker_depth` None: firejail) gets two
@@ -563,9 +571,11 @@ def start_cgroups(worker_id: str, policy: Any, worker_depth: int | None) -> Work
     """
     from agent_sandbox._errors import WorkerStartError
 
-    extra = 2 if worker_depth is None else 0
+    extra = (2 if worker_depth is None else 0) + launcher_tasks
     try:
-        return WorkerCgroups.create(worker_id, policy.limits, extra_processes=extra)
+        return WorkerCgroups.create(
+            worker_id, policy.limits, extra_processes=extra, extra_mb=launcher_mb
+        )
     except OSError as exc:
         raise WorkerStartError(f"could not create the worker's cgroups ({exc})") from None
 

@@ -5,6 +5,8 @@ of native code, not only of the Python guards:
 
 * names matching `files.hide` (`.env`, `*.pem`, ... at any depth);
 * paths matching a `files.deny` entry (a plain path or a glob);
+* what the fixed part of a glob grant holds beyond the glob (`/data/*.csv` grants `/data`
+  to the kernel; `/data/notes.txt` and `/data/sub/` are masked);
 * the files the running policy was loaded from, and every file it `extends`: a tool that
   could rewrite its policy would widen its own next start.
 
@@ -36,6 +38,8 @@ from agent_sandbox._errors import PolicyError
 from agent_sandbox.policies._paths import (
     entry_regex,
     expand_entry,
+    glob_components,
+    glob_leads_to,
     is_glob,
     name_regex,
     static_prefix,
@@ -127,7 +131,36 @@ def find_masks(policy: Any, spec: Any, *, limit: int = MAX_ENTRIES) -> Masks:
             found[path] = kind
             reasons[path] = reason
 
+    # A glob grant (`/data/*.csv`) is granted by its fixed part (`/data`): what that part
+    # holds beyond the glob (and beyond every other grant) is masked too, so a grant means
+    # the same to native code as to the Python guard.
+    plain_grants: list[str] = []
+    glob_grants: list[tuple[str, re.Pattern[str], list[Any]]] = []
+    for entry in (*files.read, *files.write):
+        expanded = _expand(entry, scratch)
+        if is_glob(expanded):
+            fixed = os.path.realpath(os.path.normpath(static_prefix(expanded)))
+            glob_grants.append((fixed, entry_regex(expanded), glob_components(expanded)))
+        else:
+            plain_grants.append(os.path.realpath(unescape(expanded)))
+    plain_grants.append(scratch)
+
+    def outside_globs(path: str) -> str:
+        """Why `path` (below a glob grant's fixed part) is masked: "" when a grant covers
+        it or it leads to something a grant covers."""
+        owners = [g for g in glob_grants if _under(path, g[0]) and path != g[0]]
+        if not owners or any(_under(path, p) or _under(p, path) for p in plain_grants):
+            return ""
+        parts = [p for p in path.split("/") if p]
+        for _, regex, components in glob_grants:
+            if regex.fullmatch(path) or glob_leads_to(components, parts):
+                return ""
+        return f"files.read {owners[0][0]!r} is granted only through a pattern"
+
     def verdict(path: str, name: str) -> str:
+        why = outside_globs(path) if glob_grants else ""
+        if why:
+            return why
         for pattern, regex in hide_names:
             if regex.fullmatch(name):
                 return f"files.hide {pattern!r}"

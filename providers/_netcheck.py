@@ -16,6 +16,9 @@ refuse too). What each one enforces, by the kind of rule:
 | deny, one host, on a port an allow opens    | no (1)   | yes (proxy)            | n/a       |
 | deny, any host                              | yes      | yes                    | yes       |
 
+`gvisor` has the column of bwrap (the Sentry's own loopback, the host's egress proxy through
+a relay).
+
 (1) Landlock filters TCP by port only: the rule would open its port to every address,
     including the agent's own loopback services and the cloud metadata address, which the
     same rule under the proxy never reaches. (2) firejail runs the worker with `--net=none`:
@@ -252,6 +255,7 @@ _CHECKS = {
     "bwrap": _namespace,
     "unshare": _namespace,
     "qemu": _namespace,
+    "gvisor": _namespace,
     "subprocess": _none,
 }
 

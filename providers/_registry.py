@@ -12,6 +12,7 @@ from agent_sandbox.providers._auto import AutoProvider
 from agent_sandbox.providers._base import ProbeResult, Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._firejail import FirejailProvider
+from agent_sandbox.providers._gvisor import GvisorProvider
 from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._subprocess import SubprocessProvider
 from agent_sandbox.providers._unshare import UnshareProvider
@@ -24,6 +25,7 @@ _REGISTRY: dict[str, type[Provider]] = {
     BwrapProvider.name: BwrapProvider,
     UnshareProvider.name: UnshareProvider,
     FirejailProvider.name: FirejailProvider,
+    GvisorProvider.name: GvisorProvider,
 }
 #: Providers whose module is imported when first asked for (the qemu one brings its image
 #: builder): name -> (module, class).

@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import select
 import shutil
@@ -52,6 +53,7 @@ __all__ = [
     "Claim",
     "ClaimBackend",
     "ClaimCapacityError",
+    "ClaimError",
     "LocalClaimBackend",
     "RemoteBoundary",
     "RemoteProvider",
@@ -74,6 +76,17 @@ class ClaimCapacityError(CapacityError):
             "workers to the pool (SandboxWarmPool replicas), raise claim_timeout, or close "
             "sessions that are done",
         )
+
+
+class ClaimError(SandboxError):
+    """A claim the cluster refused or gave up on (not capacity): `reason` names the case
+    (Forbidden, Invalid, Terminating, ClaimFailed, WarmPoolNotFound, ...), `status` the API
+    server's HTTP status when there was one; the SDK's or the API's error is the cause."""
+
+    def __init__(self, message: str, *, reason: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
 
 
 class RemoteBoundary(Provider):
@@ -104,6 +117,20 @@ class RemoteBoundary(Provider):
         raise SandboxError("the remote provider starts no local worker (it claims remote ones)")
 
 
+#: What a router's timeout must leave beyond the policy's wall time: the pod's own grace
+#: (`remote_serve._WALL_GRACE`, 2 s) and its keep-alive period (15 s: a silent cell's
+#: response head comes that late), with margin.
+ROUTER_MARGIN = 30.0
+
+
+def router_timeout(policy: Policy) -> float:
+    """`X-Sandbox-Timeout` for a call under `policy`: its wall time plus `ROUTER_MARGIN`.
+    The Python router reads it per read (capped at its `PROXY_TIMEOUT_SECONDS`, 180 s by
+    default), so the pod's keep-alives keep longer calls open; the Go router ignores it and
+    bounds a whole call by its `--proxy-timeout` (docs/scale-out.md)."""
+    return float(math.ceil(policy.limits.wall_seconds + ROUTER_MARGIN))
+
+
 def claim_name(tenant: str, thread: str, fingerprint: str) -> str:
     """`ags-` + 20 base32 characters of SHA-256(tenant, thread, policy fingerprint): a valid
     DNS-1123 label, the same in every process, different for every (tenant, thread, policy)."""
@@ -120,6 +147,8 @@ class Claim:
     url: str
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     created: bool = True
+    #: The claim's UID where the backend has one (k8s): its delete is made on it.
+    uid: str | None = None
 
 
 class ClaimBackend(Protocol):
@@ -492,6 +521,10 @@ class RemoteSession:
         p = self.provider
         claim = p.backend.claim(self.name, p.claim_timeout)
         self.claim = claim
+        headers = dict(claim.headers)
+        if "X-Sandbox-ID" in headers:
+            # Through a router: its per-request timeout, from the policy's wall time.
+            headers["X-Sandbox-Timeout"] = f"{router_timeout(self.policy):g}"
         try:
             worker = RemoteWorker.connect(
                 self.policy,
@@ -499,7 +532,7 @@ class RemoteSession:
                 token=session_token(p.session_key, self.name),
                 bind_secret=p.bind_secret,
                 tls=p.tls,
-                headers=claim.headers,
+                headers=headers,
                 start_timeout=p.start_timeout,
             )
         except SessionConflict:

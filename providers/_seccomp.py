@@ -325,9 +325,19 @@ def describe(rules: Iterable[SeccompRule]) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
 def probe_seccomp() -> tuple[bool, str]:
-    """(whether a filter can be built here, the libseccomp version or the reason not)."""
+    """(whether a filter can be built here, the libseccomp version or the reason not).
+    (The library's answer is found once per process; the test suite's switch, every time.)"""
+    from agent_sandbox.providers._test_switch import disabled
+
+    off = disabled("seccomp")
+    if off:
+        return False, f"seccomp {off}"
+    return _probe_seccomp_library()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_seccomp_library() -> tuple[bool, str]:
     try:
         sc = _pyseccomp()
         build_bpf({})

@@ -151,9 +151,24 @@ def main() -> int:
         as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     # The unprivileged user cannot reach an interpreter under root's 0700 home (pyenv's):
     # then the venv is made on Debian's own Python 3.11, as a newcomer's would be.
+    # The wheel is built by this interpreter (its C extensions carry its version's tag), so
+    # Debian's stands in only when it is the same version; otherwise (CI's 3.12 leg) the
+    # newcomer is root on this interpreter.
     base = getattr(sys, "_base_executable", sys.executable)
-    if as_user and base.startswith("/root/") and os.path.exists("/usr/bin/python3"):
-        base = "/usr/bin/python3"
+    if as_user and base.startswith("/root/"):
+        debian = (
+            subprocess.run(
+                ["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            if os.path.exists("/usr/bin/python3")
+            else ""
+        )
+        if debian == str(sys.version_info[:2]):
+            base = "/usr/bin/python3"
+        else:
+            as_user = []
     with tempfile.TemporaryDirectory(prefix="agent-sandbox-newcomer-") as tmp:
         root = Path(tmp)
         print(f"newcomer: workspace {root}")

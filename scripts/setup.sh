@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything agent_sandbox's demo and tests need on a fresh Debian 12 machine:
-# the OS sandboxes (bubblewrap, firejail, libseccomp) when running as root, and a
+# the OS sandboxes (bubblewrap, firejail, libseccomp, gVisor's runsc) when running as root, and a
 # virtualenv at .venv with the package and its extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
   [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
   command -v strip >/dev/null || need+=(binutils)
+  # The gvisor provider: runsc (gVisor's user-space kernel), run rootless.
+  command -v runsc >/dev/null || need+=(runsc)
   kernels=/var/cache/agent-sandbox/qemu
   if [ ${#need[@]} -gt 0 ] || ! ls "$kernels"/linux-image-*-amd64_*.deb >/dev/null 2>&1; then
     apt-get update -qq
@@ -53,12 +55,18 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
    || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
+  # The first install takes a minute or two (the extras pull in LangChain and CrewAI): say
+  # so, and say each step, instead of staying silent.
+  start=$SECONDS
+  echo "setup: installing agent_sandbox and its extras into .venv (a minute or two the first time; log: $log)" >&2
   quiet .venv/bin/python -m pip install -q --upgrade pip
   # This project was once installed as `agent-sandbox`, a name that belongs to an unrelated
   # project on the package index; an old install of either would shadow ours.
   if .venv/bin/python -m pip show -q agent-sandbox >/dev/null 2>&1; then
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
+  echo "setup: pip is up to date; installing the package and its extras..." >&2
   quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
   echo "$files" >"$stamp"
+  echo "setup: installed in $((SECONDS - start)) s" >&2
 fi

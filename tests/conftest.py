@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,6 +13,113 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Policy, Sandbox
+
+# -- What CI requires ---------------------------------------------------------------------
+# .ci/run names the providers and dependencies it requires in AGENT_SANDBOX_REQUIRE
+# (comma-separated). A test that would be skipped because one of them is missing fails
+# instead, so a CI host without user namespaces, bwrap or a dev dependency cannot turn the
+# containment matrix into skips and stay green. Unset (a developer's machine) nothing changes.
+
+#: Every name AGENT_SANDBOX_REQUIRE may hold.
+REQUIREMENTS = frozenset(
+    {
+        "bwrap",
+        "unshare",
+        "landlock",
+        "seccomp",
+        "firejail",
+        "gvisor",
+        "qemu",
+        "cgroups",
+        "tls",
+        "deps",
+    }
+)
+_KERNEL = ("bwrap", "unshare", "landlock", "firejail", "gvisor")
+#: A skip's reason (searched, case-insensitive) -> what it says is missing.
+MISSING_PATTERNS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), things)
+    for pattern, things in (
+        (r"\bbwrap\b.*\bunavailable|provider 'bwrap' unavailable|lacks bwrap", ("bwrap",)),
+        (r"\bunshare\b.*(unavailable|not installed)|provider 'unshare' unavailable", ("unshare",)),
+        (
+            r"\blandlock\b.*unavailable|provider 'landlock' unavailable|lacks.*landlock",
+            ("landlock",),
+        ),
+        (r"\bfirejail\b.*unavailable|provider 'firejail' unavailable", ("firejail",)),
+        (
+            r"\bgvisor\b.*unavailable|provider 'gvisor' unavailable|\brunsc\b.*(missing|not installed|not found)",
+            ("gvisor",),
+        ),
+        (r"\bseccomp\b.*(unavailable|not installed|lacks)|pyseccomp|lacks.*seccomp", ("seccomp",)),
+        (r"^qemu provider:|provider 'qemu' unavailable", ("qemu",)),
+        (r"no kernel provider works here|no namespace provider is available", _KERNEL),
+        (r"no (pids|memory|cpu) cgroup|no cgroup v2|cgroup controller", ("cgroups",)),
+        (r"trustme|\bhttpx\b|\btls\b", ("tls",)),
+        (r"could not import|cannot be imported|extension is not built", ("deps",)),
+    )
+)
+
+
+def required() -> frozenset[str]:
+    """What this run requires (AGENT_SANDBOX_REQUIRE); an unknown name is an error."""
+    names = frozenset(n.strip() for n in os.environ.get("AGENT_SANDBOX_REQUIRE", "").split(","))
+    names -= {""}
+    unknown = names - REQUIREMENTS
+    if unknown:
+        raise pytest.UsageError(
+            f"AGENT_SANDBOX_REQUIRE names {sorted(unknown)}; known: {sorted(REQUIREMENTS)}"
+        )
+    return names
+
+
+def missing_required(reason: str, wanted: frozenset[str]) -> list[str]:
+    """The required things a skip with `reason` says are missing (empty: a fair skip)."""
+    found: list[str] = []
+    for pattern, things in MISSING_PATTERNS:
+        if pattern.search(reason):
+            found.extend(t for t in things if t in wanted and t not in found)
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """The same for a whole module skipped at import (`pytest.importorskip` at its top)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    wanted = required()
+    if not (wanted and report.skipped and isinstance(report.longrepr, tuple)):
+        return
+    reason = str(report.longrepr[2])
+    missing = missing_required(reason, wanted)
+    if missing:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{collector.nodeid} skipped for want of {', '.join(missing)}, which this run "
+            f"requires (AGENT_SANDBOX_REQUIRE={os.environ['AGENT_SANDBOX_REQUIRE']}): {reason}"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A skip for want of something AGENT_SANDBOX_REQUIRE names becomes a failure."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    wanted = required()
+    if not (wanted and report.skipped and not hasattr(report, "wasxfail")):
+        return
+    excinfo = call.excinfo
+    if excinfo is None or not excinfo.errisinstance(pytest.skip.Exception):
+        return
+    reason = str(excinfo.value.msg if hasattr(excinfo.value, "msg") else excinfo.value)
+    missing = missing_required(reason, wanted)
+    if missing:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped for want of {', '.join(missing)}, which this run requires "
+            f"(AGENT_SANDBOX_REQUIRE={os.environ['AGENT_SANDBOX_REQUIRE']}): {reason}"
+        )
+
 
 # Secrets planted in the test process's environment: a worker must never see them.
 os.environ.setdefault("AGENT_SANDBOX_TEST_CANARY", "canary-7f3a9c1e")

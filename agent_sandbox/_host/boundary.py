@@ -26,7 +26,7 @@ from agent_sandbox._host.launch import (
     worker_python,
 )
 from agent_sandbox.policies import Policy
-from agent_sandbox.policies._model import check_boundary_opt_out
+from agent_sandbox.policies._model import check_boundary_opt_out, check_min_boundary
 from agent_sandbox.providers import AutoProvider, Provider, WorkerSpec, get_provider
 
 __all__ = ["NO_BOUNDARY", "Boundary", "boundary_name", "resolve_boundary"]
@@ -90,6 +90,7 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
     name = provider or policy.provider
     try:
         check_boundary_opt_out(name, policy.no_kernel_boundary)
+        check_min_boundary(name, policy.min_boundary)
     except ValueError as exc:
         raise PolicyError(str(exc), source=policy.source, key="provider") from None
     if name == "remote":
@@ -98,7 +99,7 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
     chosen.require()
     plan = chosen.build(policy, _dry_spec(policy))
     if isinstance(chosen, AutoProvider):
-        chosen = next(p for p in chosen.candidates if p.name == plan.provider)
+        chosen = chosen.provider_named(plan.provider)
     return Boundary(chosen, tuple(plan.stack))
 
 

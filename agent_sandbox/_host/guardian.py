@@ -29,7 +29,8 @@ end however the agent ends, SIGKILL included. At its start the guardian also swe
 agents that are gone left behind (their guardian killed too, or a power cut).
 
 Standard library only: the guardian runs as `python -I -S -B` with this file's folder on
-its path, like the unshare launcher.
+its path, like the unshare launcher. It is longer than 600 lines for that reason: run as one
+file, it carries what it needs (the owner lock, the sweep, the bounded tree removal) itself.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,8 @@ class WorkerProcess:
         #: events of the current call it holds back until the call's end is verified.
         self.guard_watch: guard_block.GuardWatch | None = None
         self._held: list[tuple[str, Any]] = []
+        #: The O_PATH descriptor of a socket the worker bound itself (`_pin_socket`).
+        self._socket_pin: int | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -250,7 +253,13 @@ class WorkerProcess:
             # A namespace template's worker has its init and relay inside its groups (they
             # count in pids.max, like a launcher that joins the groups itself).
             inside = template is not None and template.kind == "namespace"
-            self.cgroups = start_cgroups(self.id, policy, None if inside else depth)
+            self.cgroups = start_cgroups(
+                self.id,
+                policy,
+                None if inside else depth,
+                launcher_tasks=self.plan.launcher_tasks,
+                launcher_mb=self.plan.launcher_mb,
+            )
             log = bounded_log()
             self._log = log
             if template is not None:
@@ -317,6 +326,9 @@ class WorkerProcess:
 
             self.decoder = Decoder.from_policy(policy)
             self.bounds = HostBounds.from_policy(policy)
+            if self.plan.socket_path:
+                # The worker binds its own socket (gVisor): wait for it, then pin it.
+                sock_path = self._pin_socket(self.plan.socket_path, t0 + start_timeout)
             self.client = WorkerClient(
                 sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
             )
@@ -376,6 +388,46 @@ class WorkerProcess:
             (self.started_at - t0) * 1000,
         )
         return self
+
+    def _pin_socket(self, path: str, deadline: float) -> str:
+        """Wait until the worker's own socket exists at `path` (in the directory the sandbox
+        shares with the host), then open it with O_PATH | O_NOFOLLOW and return the
+        `/proc/self/fd` name the client connects through: a link the worker planted there
+        is refused, and a later swap of the name does not redirect the host."""
+        assert self.proc is not None
+        delay = 0.001
+        fd = -1
+        while True:
+            if fd < 0:
+                try:
+                    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    raise self._start_failed(
+                        f"the worker's socket cannot be opened ({exc})"
+                    ) from None
+            if fd >= 0:
+                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise self._start_failed("the worker's socket path is not a socket")
+                if _accepts(f"/proc/self/fd/{fd}"):  # bound, and listening (not only bound)
+                    break
+            status = self.proc.poll()
+            if status is not None:
+                tail = self.log_tail()
+                self.kill()
+                raise WorkerStartError(
+                    f"it exited early ({describe_exit(status)})", log_tail=tail
+                ) from None
+            if time.monotonic() >= deadline:
+                if fd >= 0:
+                    os.close(fd)
+                raise self._start_failed("no socket from the worker within its start timeout")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        self._socket_pin = fd
+        return f"/proc/self/fd/{fd}"
 
     def _start_failed(self, reason: str) -> WorkerStartError:
         """A start that cannot be kept: take the worker's log tail, kill it, and return the
@@ -448,7 +500,10 @@ class WorkerProcess:
         global _unwatched_warned
         assert self.proc is not None
         self.guard_watch = guard_block.GuardWatch.open(self.proc.pid, self.hello)
-        if self.guard_watch is None and not _unwatched_warned:
+        # A worker behind its own kernel (a VM, gVisor's Sentry) has no host process whose
+        # memory the host could read: expected there, not worth a warning.
+        expected = self.plan is not None and self.plan.interrupt_launcher
+        if self.guard_watch is None and not expected and not _unwatched_warned:
             _unwatched_warned = True
             _logger.warning(
                 "agent_sandbox: the host cannot read the worker's guard counter (the "
@@ -516,6 +571,13 @@ class WorkerProcess:
             live(accepted)
 
         return forward
+
+    def socket_address(self) -> str:
+        """Where the worker's server listens, as the host connects to it: the socket in the
+        control directory, or the pinned descriptor of one the worker bound itself."""
+        if self.client is not None:
+            return self.client.path
+        return os.path.join(self.control_dir, "ctl.sock")
 
     def plan_hides_prefix(self) -> bool:
         return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
@@ -874,9 +936,18 @@ class WorkerProcess:
             return False
         attached = self._in_call
         seq = self.calls
+        argv = self.plan.interrupt_argv if self.plan is not None else ()
         try:
-            os.kill(pid, signal.SIGINT)
-        except OSError:
+            if argv:
+                # The launcher's own command delivers it (gVisor: `runsc kill <id> INT`).
+                sent = subprocess.run(
+                    list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=5
+                )
+                if sent.returncode != 0:
+                    return False
+            else:
+                os.kill(pid, signal.SIGINT)
+        except (OSError, subprocess.TimeoutExpired):
             return False
 
         def expire() -> None:
@@ -1074,6 +1145,13 @@ class WorkerProcess:
             )
             return
         how, raw = self._status_now()
+        if how == "running" and self.plan is not None and self.plan.interrupt_launcher:
+            # A worker behind its own kernel (gVisor, a VM) has no host process: its
+            # connection closes when it dies, and its launcher exits a moment later.
+            assert self.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(_LAUNCHER_EXIT_GRACE)
+            how, raw = self._status_now()
         status = self._worker_status(raw)
         vm = self._vm_end()  # read before the kill removes the control directory
         self.dead = True
@@ -1302,6 +1380,10 @@ class WorkerProcess:
 
     def _cleanup_dirs(self) -> None:
         self._close_stat_fds()
+        if self._socket_pin is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._socket_pin)
+            self._socket_pin = None
         self._release_scratch()
         if self._egress_channel is not None:
             self._egress_channel.close()
@@ -1329,6 +1411,13 @@ class WorkerProcess:
             fd = self._log.fileno()
             end = os.lseek(fd, 0, os.SEEK_CUR)  # the offset the worker shares with us
             data = os.pread(fd, min(end, 8192), max(0, end - 8192))
+            if self.plan is not None and self.plan.socket_path:
+                # gVisor's Sentry writes the worker's output at an offset of its own from
+                # the log's start (the launcher's own lines at the shared one): the written
+                # part is what precedes the zeros the log was created with.
+                head = os.pread(fd, 65536, 0).rstrip(b"\0")
+                if len(head) > end:
+                    data = head[-8192:]
         except OSError:
             return ""
         return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
@@ -1342,6 +1431,11 @@ class WorkerProcess:
             fd = self._log.fileno()
             if os.lseek(fd, 0, os.SEEK_CUR) > LOG_BYTES // 2:
                 os.lseek(fd, 0, os.SEEK_SET)
+
+
+#: How long the host waits for the launcher of a worker without a host process to exit
+#: once the worker's connection closed during a call (runsc took a few ms here).
+_LAUNCHER_EXIT_GRACE = 2.0
 
 
 def _live_children(pid: int) -> list[int]:
@@ -1365,10 +1459,10 @@ def _proc_state(pid: int) -> tuple[str, int]:
     """A process's state letter and flags from /proc (("", 0) when it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
+            raw = fh.read()
     except OSError:
         return "", 0
-    return _parse_stat(stat)
+    return _parse_stat(raw)
 
 
 def _parse_stat(stat: bytes) -> tuple[str, int]:
@@ -1387,6 +1481,18 @@ def _signal_group(pid: int, sig: int) -> None:
     except PermissionError:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
+
+
+def _accepts(path: str) -> bool:
+    """Whether the Unix socket at `path` takes a connection (closed at once)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def _write_all(fd: int, data: bytes) -> None:

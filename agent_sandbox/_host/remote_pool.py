@@ -292,6 +292,7 @@ def build_provider(remote: RemotePolicy, source: str | None = None) -> RemotePro
         client_key=remote.client_key or None,
         proxy=remote.proxy or None,
         plaintext=remote.plaintext,
+        server_name=remote.server_name or None,
     )
     backend: ClaimBackend
     if remote.backend == "local":

@@ -20,6 +20,12 @@ time (plus a grace) has its worker killed here too, whatever the host does. When
 dies, the session is over and the server exits; it also exits after `idle_exit` seconds
 without a request once bound (the pod ends, and the claim's TTL reaps it), and with
 `exit_with_parent` when the process that started it is gone (the local claim backend).
+
+This module is longer than 600 lines because `WorkerServer` is one state machine: its bounds
+before authentication, the bind and the relay of `/run` read and change the same
+per-connection and per-session state under one lock; its pure parts are apart already
+(`serve_relay`: the `/run` framing, `serve_guard`: the guard check, `serve_limits`: the
+checks before it listens).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 import h11
 
 from agent_sandbox._host.placement import check_runtime, serve_provider, serve_runtime
+from agent_sandbox._host.serve_limits import check_cert_dates, default_pending
 from agent_sandbox._host.serve_relay import (
     END,
     SSE_HEAD,
@@ -58,7 +65,27 @@ _log = logging.getLogger("agent_sandbox.serve")
 
 _MAX_BIND_BODY = 1024 * 1024
 _MAX_RUN_BODY = 16 * 1024 * 1024
+#: The body of every other authenticated route (`/hello`, `/interrupt`, `/shutdown`).
+_MAX_SMALL_BODY = 65536
+#: The most body an unauthenticated `GET /healthz` may carry (a router's empty chunked body).
+_MAX_PROBE_BODY = 1024
+#: The most a request's head may take (h11 refuses a longer one: 400).
+_MAX_HEAD = 65536
 _READ_TIMEOUT = 30.0
+#: Connections past their authentication at once (the session's host uses two or three).
+_MAX_AUTHED = 16
+#: The default bound on connections not yet authenticated, when the pod has no memory
+#: limit; with one, a sixteenth of it at `_CONN_BUDGET` bytes each, in [8, 256].
+_DEFAULT_PENDING = 128
+_CONN_BUDGET = 256 * 1024
+_ROUTES = {
+    b"/healthz": b"GET",
+    b"/v1/bind": b"POST",
+    b"/hello": b"GET",
+    b"/run": b"POST",
+    b"/interrupt": b"POST",
+    b"/shutdown": b"POST",
+}
 _WALL_GRACE = 2.0
 #: The most the relay holds back to send what the worker wrote in one write.
 _COALESCE_MAX = 65536
@@ -66,6 +93,42 @@ _COALESCE_MAX = 65536
 #: call then costs the host one wake-up; a long one gets its response head this late).
 _FIRST_WRITE_HOLD = 0.05
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+def _has_body(request: h11.Request) -> bool:
+    for name, value in request.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return True
+    return False
+
+
+def _bind_request(body: bytes) -> dict[str, Any]:
+    """The bind body's fields, checked; ValueError with one line naming what is wrong."""
+    if not body:
+        raise ValueError(
+            "empty body; expected a JSON object with token_sha256, policy, fingerprint"
+        )
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the body is not JSON") from None
+    if not isinstance(request, dict):
+        raise ValueError("the body is not a JSON object")
+    missing = [k for k in ("token_sha256", "policy", "fingerprint") if k not in request]
+    if missing:
+        raise ValueError("missing " + ", ".join(missing))
+    token = request["token_sha256"]
+    if not isinstance(token, str) or len(token) != 64:
+        raise ValueError("token_sha256 must be 64 hex digits")
+    try:
+        bytes.fromhex(token)
+    except ValueError:
+        raise ValueError("token_sha256 must be 64 hex digits") from None
+    if not isinstance(request["policy"], dict):
+        raise ValueError("policy must be a JSON object")
+    if not isinstance(request["fingerprint"], str):
+        raise ValueError("fingerprint must be a string")
+    return request
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -95,6 +158,11 @@ class ServeConfig:
     keepalive: float = 15.0
     exit_with_parent: bool = False
     start_timeout: float = 15.0
+    #: Connections not yet authenticated, at once (0: from the pod's memory limit).
+    max_pending: int = 0
+    #: The most seconds a connection may take, from accept, to authenticate (TLS handshake
+    #: and request head included); past it the connection is cut.
+    head_timeout: float = 10.0
 
     def check(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -115,6 +183,10 @@ class ServeConfig:
             )
         if self.keepalive <= 0 or self.idle_exit <= 0:
             raise ValueError("--keepalive and --idle-exit must be positive")
+        if self.max_pending < 0 or self.head_timeout <= 0:
+            raise ValueError("--max-connections must be >= 0 and --head-timeout positive")
+        if self.tls_cert is not None:
+            check_cert_dates(self.tls_cert)
         check_runtime(self.runtime_boundary)  # a declared gVisor the kernel contradicts
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -161,6 +233,13 @@ class WorkerServer:
         self.exit_reason = ""
         self._last_activity = time.monotonic()
         self._parent = os.getppid()
+        self.max_pending = config.max_pending or default_pending(_CONN_BUDGET, _DEFAULT_PENDING)
+        self._pending_slots = threading.BoundedSemaphore(self.max_pending)
+        self._authed_slots = threading.BoundedSemaphore(_MAX_AUTHED)
+        #: Accepted connections not yet authenticated, and when each must have.
+        self._pending: dict[socket.socket, float] = {}
+        #: Connections closed at accept because `max_pending` were waiting already.
+        self.refused = 0
         self.runtime, self.runtime_source = serve_runtime(config.runtime_boundary)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -183,6 +262,15 @@ class WorkerServer:
                     if self._stop.is_set():
                         break
                     raise
+                if not self._pending_slots.acquire(blocking=False):
+                    # Full of connections that have not authenticated: this one is closed
+                    # at once (no thread, nothing read); an authenticated one is unaffected.
+                    self.refused += 1
+                    with contextlib.suppress(OSError):
+                        conn.close()
+                    continue
+                with self._lock:
+                    self._pending[conn] = time.monotonic() + self.config.head_timeout
                 threading.Thread(
                     target=self._connection, args=(conn,), name="serve-conn", daemon=True
                 ).start()
@@ -197,6 +285,7 @@ class WorkerServer:
         while not self._stop.wait(0.2):
             if self.config.exit_with_parent and os.getppid() != self._parent:
                 self.stop("the process that started it is gone")
+            self._cut_late()
             worker = self.worker
             if self._bound and not self._call.locked():
                 if worker is not None and not worker.alive():
@@ -204,20 +293,42 @@ class WorkerServer:
                 elif time.monotonic() - self._last_activity > self.config.idle_exit:
                     self.stop(f"idle for {self.config.idle_exit:g} s")
 
+    def _cut_late(self) -> None:
+        """Cut the connections that did not authenticate within `head_timeout` of their
+        accept (a slow TLS handshake or head, a body never sent): their threads end."""
+        now = time.monotonic()
+        with self._lock:
+            late = [conn for conn, deadline in self._pending.items() if now > deadline]
+        for conn in late:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
     # -- connections -----------------------------------------------------------------------
 
+    def _promote(self, raw: socket.socket) -> bool:
+        """The connection authenticated: from the pending bound to the authenticated one.
+        False when that one is full (the caller answers 503 and closes)."""
+        with self._lock:
+            if raw not in self._pending:
+                return True  # promoted already
+            if not self._authed_slots.acquire(blocking=False):
+                return False
+            del self._pending[raw]
+        self._pending_slots.release()
+        return True
+
     def _connection(self, raw: socket.socket) -> None:
-        raw.settimeout(_READ_TIMEOUT)
         # Small SSE chunks must not wait for Nagle + the peer's delayed ACK (40 ms a call).
         with contextlib.suppress(OSError):
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock: socket.socket = raw
         try:
+            raw.settimeout(self.config.head_timeout)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(raw, server_side=True)
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=65536)
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
             while not self._stop.is_set():
-                if not self._handle(sock, conn):
+                if not self._handle(raw, sock, conn):
                     break
                 if conn.our_state is h11.SEND_RESPONSE and conn.their_state is h11.DONE:
                     # `/run` was answered outside h11 (`serve_relay`): a fresh parser for
@@ -237,11 +348,45 @@ class WorkerServer:
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
+            with self._lock:
+                pending = self._pending.pop(raw, None) is not None
+            (self._pending_slots if pending else self._authed_slots).release()
 
-    def _read(
-        self, sock: socket.socket, conn: h11.Connection, cap: int
-    ) -> tuple[h11.Request | None, bytes]:
-        request = None
+    def _head(
+        self, raw: socket.socket, sock: socket.socket, conn: h11.Connection
+    ) -> h11.Request | None:
+        """The next request's head (nothing of its body is read here); None when the peer
+        closed or timed out. A malformed head is answered 400 and closed (`_Stop`). An
+        authenticated connection waits `_READ_TIMEOUT` for it; one that is not, what is left
+        of its `head_timeout` (the watchdog cuts it then in any case)."""
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    with self._lock:
+                        deadline = self._pending.get(raw)
+                    wait = _READ_TIMEOUT if deadline is None else deadline - time.monotonic()
+                    sock.settimeout(max(0.001, wait))
+                    conn.receive_data(sock.recv(65536))
+                    continue
+                if isinstance(event, h11.Request):
+                    return event
+                return None  # ConnectionClosed, or an unexpected event
+        except h11.RemoteProtocolError as exc:
+            reason = str(exc).splitlines()[0][:200] if str(exc) else "bad request"
+            self._reply(sock, conn, 400, {"error": f"malformed request: {reason}"}, close=True)
+            raise _Stop from None
+        except OSError:
+            return None
+
+    def _body(
+        self, sock: socket.socket, conn: h11.Connection, request: h11.Request, cap: int
+    ) -> bytes | None:
+        """The body of an authenticated request, at most `cap` bytes (else 413 and None)."""
+        for name, value in request.headers:
+            if name == b"content-length" and value.isdigit() and int(value) > cap:
+                self._reply(sock, conn, 413, {"error": "request too large"}, close=True)
+                return None
         body = bytearray()
         try:
             while True:
@@ -250,19 +395,21 @@ class WorkerServer:
                     sock.settimeout(_READ_TIMEOUT)
                     conn.receive_data(sock.recv(65536))
                     continue
-                if isinstance(event, h11.Request):
-                    request = event
-                elif isinstance(event, h11.Data):
+                if isinstance(event, h11.Data):
                     body += event.data
                     if len(body) > cap:
                         self._reply(sock, conn, 413, {"error": "request too large"}, close=True)
-                        return None, b""
+                        return None
                 elif isinstance(event, h11.EndOfMessage):
-                    return request, bytes(body)
+                    return bytes(body)
                 else:
-                    return None, b""
-        except (h11.RemoteProtocolError, OSError):
-            return None, b""
+                    return None
+        except h11.RemoteProtocolError as exc:
+            reason = str(exc).splitlines()[0][:200] if str(exc) else "bad request"
+            self._reply(sock, conn, 400, {"error": f"malformed request: {reason}"}, close=True)
+            return None
+        except OSError:
+            return None
 
     def _reply(
         self,
@@ -281,6 +428,11 @@ class WorkerServer:
             sock.sendall(conn.send(h11.Data(data=body)) or b"")
             sock.sendall(conn.send(h11.EndOfMessage()) or b"")
 
+    def _refuse(self, sock: socket.socket, conn: h11.Connection, status: int, error: str) -> bool:
+        """Answer before the body, which is never read: the connection closes."""
+        self._reply(sock, conn, status, {"error": error}, close=True)
+        return False
+
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         expected = self._token_hash
         if expected is None:
@@ -293,33 +445,58 @@ class WorkerServer:
         given = headers.get(b"x-agent-sandbox-token", b"")
         return bool(pending) and hmac.compare_digest(hashlib.sha256(given).digest(), pending)
 
-    def _handle(self, sock: socket.socket, conn: h11.Connection) -> bool:
-        # The largest body any route takes; bind is checked against its own cap below.
-        request, body = self._read(sock, conn, _MAX_RUN_BODY)
+    def _handle(self, raw: socket.socket, sock: socket.socket, conn: h11.Connection) -> bool:
+        """One request: its head, then its route and credentials, and only then its body
+        (no byte of a body is read before the token or bind secret is checked)."""
+        request = self._head(raw, sock, conn)
         if request is None:
             return False
-        self._last_activity = time.monotonic()
-        method, target = request.method, request.target
+        method, target = request.method, request.target.split(b"?", 1)[0]
         headers = dict(request.headers)
-        if method == b"GET" and target == b"/healthz":
+        wanted = _ROUTES.get(target)
+        if wanted is None:
+            return self._refuse(sock, conn, 404, "no such route")
+        if method != wanted:
+            return self._refuse(sock, conn, 405, f"{target.decode()} takes {wanted.decode()}")
+        if target == b"/healthz":
+            # Not activity: probes every few seconds must not keep an idle session alive.
             ready = not self._stop.is_set() and (not self._bound or self._worker_alive())
+            # A router may frame even an empty GET body as chunked (the upstream Python
+            # router streams every request's body): at most `_MAX_PROBE_BODY` is read.
+            probe_body = conn.their_state is h11.SEND_BODY and _has_body(request)
+            if probe_body and self._body(sock, conn, request, _MAX_PROBE_BODY) is None:
+                return False
             self._reply(sock, conn, 200 if ready else 503, {"ready": ready})
             return True
-        if method == b"POST" and target == b"/v1/bind":
-            return self._bind(sock, conn, headers, body)
+        if target == b"/v1/bind":
+            secret = headers.get(b"x-agent-sandbox-bind", b"")
+            if not hmac.compare_digest(secret, self._bind_secret):
+                return self._refuse(sock, conn, 403, "missing or wrong bind secret")
+            if not self._promote(raw):
+                return self._refuse(sock, conn, 503, "too many connections; retry")
+            body = self._body(sock, conn, request, _MAX_BIND_BODY)
+            if body is None:
+                return False
+            return self._bind(sock, conn, body)
         if not self._authorized(headers):
             if self._binding and self._is_pending(headers):
                 # The same session's other process, while its bind starts the worker.
-                self._reply(sock, conn, 503, {"error": "the session is being bound; retry"})
-                return True
-            self._reply(sock, conn, 403, {"error": "missing or wrong session token"}, close=True)
+                return self._refuse(sock, conn, 503, "the session is being bound; retry")
+            return self._refuse(sock, conn, 403, "missing or wrong session token")
+        if not self._promote(raw):
+            return self._refuse(sock, conn, 503, "too many connections; retry")
+        body = self._body(
+            sock, conn, request, _MAX_RUN_BODY if target == b"/run" else _MAX_SMALL_BODY
+        )
+        if body is None:
             return False
-        if method == b"GET" and target == b"/hello":
+        self._last_activity = time.monotonic()
+        if target == b"/hello":
             self._reply(sock, conn, 200, {**self.worker.hello, "remote": self.remote_info})
             return True
-        if method == b"POST" and target == b"/run":
+        if target == b"/run":
             return self._run(sock, conn, body)
-        if method == b"POST" and target == b"/interrupt":
+        if target == b"/interrupt":
             try:
                 grace = float(json.loads(body or b"{}").get("grace", 2.0))
             except (ValueError, TypeError, AttributeError):
@@ -327,11 +504,8 @@ class WorkerServer:
             sent = bool(self._call.locked() and self.worker.interrupt(min(max(grace, 0.1), 60)))
             self._reply(sock, conn, 200, {"sent": sent})
             return True
-        if method == b"POST" and target == b"/shutdown":
-            self._reply(sock, conn, 200, {"ok": True}, close=True)
-            self.stop("the host ended the session")
-            return False
-        self._reply(sock, conn, 404, {"error": "no such route"}, close=True)
+        self._reply(sock, conn, 200, {"ok": True}, close=True)  # /shutdown
+        self.stop("the host ended the session")
         return False
 
     def _worker_gone(self) -> bool:
@@ -347,30 +521,23 @@ class WorkerServer:
 
     # -- bind ------------------------------------------------------------------------------
 
-    def _bind(
-        self, sock: socket.socket, conn: h11.Connection, headers: dict[bytes, bytes], body: bytes
-    ) -> bool:
-        secret = headers.get(b"x-agent-sandbox-bind", b"")
-        if not hmac.compare_digest(secret, self._bind_secret):
-            self._reply(sock, conn, 403, {"error": "missing or wrong bind secret"}, close=True)
-            return False
+    def _bind(self, sock: socket.socket, conn: h11.Connection, body: bytes) -> bool:
+        """The bind secret was checked from the head (`_handle`); the body is the session."""
         try:
-            pending = bytes.fromhex(str(json.loads(body)["token_sha256"]))
-        except (ValueError, KeyError, TypeError):
-            pending = b""
+            request = _bind_request(body)
+        except ValueError as exc:
+            self._reply(sock, conn, 400, {"error": f"bad bind request: {exc}"})
+            return True
         with self._lock:
             if self._bound or self._binding:
                 # Refused whoever asks: a replayed bind never changes the session.
                 self._reply(sock, conn, 409, {"error": "this worker is already bound"})
                 return True
             self._binding = True
-            self._pending_hash = pending
+            self._pending_hash = bytes.fromhex(request["token_sha256"])
         ok = False
         try:
-            if len(body) > _MAX_BIND_BODY:
-                self._reply(sock, conn, 413, {"error": "bind request too large"}, close=True)
-                return False
-            status, payload = self._start_session(body)
+            status, payload = self._start_session(request)
             ok = status == 200
             self._reply(sock, conn, status, payload)
             return True
@@ -379,24 +546,23 @@ class WorkerServer:
                 self._binding = False
                 self._pending_hash = b""
                 self._bound = self._bound or ok
-            if not ok and self.worker is None:
-                pass  # still warm and unbound: a bad bind does not use the worker up
+            if ok:
+                self._last_activity = time.monotonic()
+            # A bad bind leaves the server warm and unbound: it does not use the worker up.
 
-    def _start_session(self, body: bytes) -> tuple[int, dict[str, Any]]:
+    def _start_session(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         from agent_sandbox._errors import SandboxError
         from agent_sandbox._host.boundary import resolve_boundary
         from agent_sandbox._host.process import WorkerProcess
         from agent_sandbox.policies import policy_from_dict
 
+        token_hash = bytes.fromhex(request["token_sha256"])
+        wanted = request["fingerprint"]
         try:
-            request = json.loads(body)
-            token_hash = bytes.fromhex(str(request["token_sha256"]))
-            if len(token_hash) != 32:
-                raise ValueError("token_sha256 must be 64 hex digits")
-            wanted = str(request["fingerprint"])
             policy = policy_from_dict(dict(request["policy"]), source="<bind>")
-        except (ValueError, KeyError, TypeError) as exc:
-            return 400, {"error": f"bad bind request: {exc}"}
+        except (ValueError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return 400, {"error": f"bad bind request: the policy: {first[:300]}"}
         if policy.fingerprint() != wanted:
             return 400, {
                 "error": f"the policy's fingerprint here is {policy.fingerprint()}, the host "
@@ -468,7 +634,7 @@ class WorkerServer:
         deadline = time.monotonic() + wall + _WALL_GRACE
         inner, self._upstream = self._upstream, None
         if inner is None:
-            inner = connect_unix(os.path.join(worker.control_dir, "ctl.sock"))
+            inner = connect_unix(worker.socket_address())
             if inner is None:
                 worker.discard()
                 return None

@@ -2,14 +2,15 @@
 
 Commands:
 
-* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--in FILE]...`:
-  run code in a sandboxed worker (each `--in` file is placed in its scratch first, under its
-  base name, through the session files API); output streams live; denials print in a block.
-  Exit statuses (also in the README): 0 the code completed and nothing was refused; 1 the
-  code raised (or learning could not make, write or apply a proposal); 2 a policy refusal or
-  a limit; 64 a usage error; 66 an input file that cannot be read; 69 a provider that cannot
-  run here; 70 the worker failed; 78 a policy that does not load; 130 interrupted. Under
-  `--json` every error is a JSON object on stdout too.
+* `run (-c CODE | FILE) [--policy P] [--provider X] [--json] [--timeout S] [--in FILE]...
+  [--out DIR] [--force] [--no-out]`: run code in a sandboxed worker (each `--in` file is
+  placed in its scratch first, under its base name, through the session files API); output
+  streams live; denials print in a block; the images and files the run produced are written
+  to `--out` (`cli_out.py`). Exit statuses (also in the README): 0 the code completed and
+  nothing was refused; 1 the code raised (or learning could not make, write or apply a
+  proposal); 2 a policy refusal or a limit; 64 a usage error; 66 an input file that cannot
+  be read; 69 a provider that cannot run here; 70 the worker failed; 78 a policy that does
+  not load; 130 interrupted. Under `--json` every error is a JSON object on stdout too.
 * `policy check FILE` / `policy explain FILE`: validate a policy / summarise it.
 * further commands register themselves through `_COMMAND_MODULES` (each module exposes
   `add_parser(subparsers)` and sets `func` on its parser).
@@ -130,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the result as one JSON object")
     run.add_argument(
+        "--out",
+        default=".",
+        metavar="DIR",
+        help="write the images and files the run produced here (default: the working "
+        "directory); never over an existing file without --force",
+    )
+    run.add_argument(
+        "--force", action="store_true", help="let --out replace existing files (never links)"
+    )
+    run.add_argument(
+        "--no-out", action="store_true", help="write nothing; list what the run produced"
+    )
+    run.add_argument(
         "--in",
         dest="inputs",
         action="append",
@@ -163,6 +177,13 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Every string from a worker is valid text by the time the host sees it (a lone
+    # surrogate becomes U+FFFD in the intake); a terminal whose encoding cannot show a
+    # character still gets an escape, never a crash.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -212,7 +233,7 @@ def _exit_status(exc: SandboxError) -> int:
         return EXIT_ERROR
     if isinstance(exc, FileTransferRefused):
         return EXIT_DENIED
-    if isinstance(exc, _InputError):
+    if isinstance(exc, InputFileError):
         return EXIT_NOINPUT
     if isinstance(exc, ProviderUnavailable):
         return EXIT_UNAVAILABLE
@@ -221,7 +242,7 @@ def _exit_status(exc: SandboxError) -> int:
     return EXIT_SOFTWARE
 
 
-class _InputError(SandboxError):
+class InputFileError(SandboxError):
     """The file named on the command line cannot be read."""
 
 
@@ -237,7 +258,7 @@ def _read_source(args: argparse.Namespace) -> str:
         with open(args.file, encoding="utf-8") as fh:
             return fh.read()
     except OSError as exc:
-        raise _InputError(f"cannot read {args.file}: {exc.strerror}") from None
+        raise InputFileError(f"cannot read {args.file}: {exc.strerror}") from None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -257,26 +278,62 @@ def _cmd_run(args: argparse.Namespace) -> int:
             err.flush()
 
     filename = None if args.code is not None or args.file == "-" else str(args.file)
+    from agent_sandbox._tools.cli_out import collect, write_outputs
+
     inputs = _input_files(args.inputs)
     with Sandbox(args.policy, provider=args.provider, warm=0, tool="cli") as sandbox:
-        runner: Any = sandbox
-        if inputs:
-            # The files and the code need one interpreter: a session of this run alone.
-            runner = sandbox.session("cli")
-            for name, path in inputs:
-                runner.put_file(name, source=path)
-        result = runner.run(
+        # One session of this run alone: the files, the code and the read-back of what it
+        # wrote need one interpreter.
+        session = sandbox.session("cli")
+        for name, path in inputs:
+            session.put_file(name, source=path)
+        result = session.run(
             code,
             timeout=args.timeout,
             on_event=live,
             timeout_source="the --timeout option",
             filename=filename,
         )
+        outputs = (
+            collect(
+                session,
+                result,
+                int(sandbox.policy.limits.result_bytes),
+                skip={name for name, _ in inputs},
+            )
+            if (result.images or result.files)
+            else []
+        )
+    if not args.no_out:
+        write_outputs(outputs, args.out, force=args.force)
     if args.json:
-        print(result.to_json())
+        data = json.loads(result.to_json())
+        data["outputs"] = [
+            {"name": o.name, "kind": o.kind, "path": o.path or None, "not_returned": o.reason}
+            for o in outputs
+        ]
+        print(json.dumps(data, ensure_ascii=False))
     else:
         print_result_tail(result, sys.stderr)
+        print_outputs(outputs, sys.stderr, written=not args.no_out)
     return exit_code(result)
+
+
+def print_outputs(outputs: Any, stream: TextIO, *, written: bool) -> None:
+    """List what the run produced: where each was written, or why it was not (names quoted)."""
+    from agent_sandbox._render import clean, quote
+
+    style = Style(stream)
+    for o in outputs:
+        if o.path:
+            print(
+                style.green("wrote ") + f"{quote(o.path)} ({o.kind} {quote(o.name)})", file=stream
+            )
+        elif o.data is not None and not written:
+            print(f"produced {o.kind} {quote(o.name)} ({len(o.data)} bytes)", file=stream)
+        else:
+            why = clean(o.reason or "not written", 300)
+            print(style.yellow(f"not returned: {o.kind} {quote(o.name)}: {why}"), file=stream)
 
 
 def _input_files(paths: Sequence[str]) -> list[tuple[str, str]]:
@@ -287,9 +344,9 @@ def _input_files(paths: Sequence[str]) -> list[tuple[str, str]]:
     for path in paths:
         name = os.path.basename(os.path.normpath(path))
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise _InputError(f"--in {path}: not a readable file")
+            raise InputFileError(f"--in {path}: not a readable file")
         if name in seen:
-            raise _InputError(
+            raise InputFileError(
                 f"--in {path}: {seen[name]} has the same base name {name!r}; rename one"
             )
         seen[name] = path

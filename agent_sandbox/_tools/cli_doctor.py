@@ -98,6 +98,7 @@ def collect(*, live: bool = False) -> dict[str, Any]:
         "denial_log": probe_denial_logging(abi),
         "cgroups": cgroup_support(),
         "user_namespaces": _read("/proc/sys/user/max_user_namespaces") or "unknown",
+        "gvisor": _gvisor(providers),
     }
     from agent_sandbox._host.placement import detect_place, inpod_report
 
@@ -115,6 +116,28 @@ def collect(*, live: bool = False) -> dict[str, Any]:
     if live:
         report["live"] = [_live(str(p["name"])) for p in providers if p["available"]]
     return report
+
+
+def _gvisor(providers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gvisor provider's facts: runsc's version and release, the Sentry's platform, and
+    the install command when it is missing or too old."""
+    from agent_sandbox.providers._gvisor import INSTALL_HINT, MIN_RELEASE, PLATFORM
+
+    probe = next((p for p in providers if p["name"] == "gvisor"), None)
+    if probe is None:
+        return {"available": False, "reason": "not registered", "install": INSTALL_HINT}
+    out: dict[str, Any] = {
+        "available": probe["available"],
+        "version": probe["version"],
+        "release": probe["details"].get("release"),
+        "min_release": MIN_RELEASE,
+        "platform": probe["details"].get("platform", PLATFORM),
+        "rootless": True,
+    }
+    if not probe["available"]:
+        out["reason"] = probe["reason"]
+        out["install"] = INSTALL_HINT
+    return out
 
 
 def _json_safe(value: Any) -> bool:
@@ -193,6 +216,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if not (cg["memory"] and cg["processes"]):
         print(style.dim("    without them only rlimits and the wall-clock timeout bound a worker"))
     print(f"  user namespaces: max {report['user_namespaces']}")
+    gv = report["gvisor"]
+    if gv["available"]:
+        print(
+            f"  gvisor: runsc release {gv['release']}, platform {gv['platform']}, rootless "
+            '(a user-space kernel: `min_boundary = "user-space-kernel"`)'
+        )
+    else:
+        hint = "" if gv["install"] in gv["reason"] else f"; install: {gv['install']}"
+        print(f"  gvisor: {style.red('unavailable')} ({gv['reason']}){hint}")
     for p in report["providers"]:
         if p["name"] == "qemu" and p["details"].get("accel"):
             # The accelerator: KVM only after a probe boot (`providers/_qemu_kvm.py`).

@@ -55,7 +55,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     apply = psub.add_parser("apply", help="add what a reviewed proposal grants to a policy file")
     apply.add_argument("proposed", help="the proposed policy file (<name>.proposed.toml)")
     apply.add_argument(
-        "--to", default=None, help="the policy file to replace (default: <name>.toml)"
+        "--to",
+        default=None,
+        help="the policy file the grants are added to, as [[grant]] elements appended at "
+        "its end; nothing in it is replaced or removed (default: <name>.toml)",
     )
     apply.add_argument("--yes", "-y", action="store_true", help="apply without asking")
     apply.set_defaults(func=_cmd_policy_apply)

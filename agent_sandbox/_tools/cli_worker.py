@@ -50,6 +50,20 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument(
         "--exit-with-parent", action="store_true", help="exit when the starting process is gone"
     )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="connections not yet authenticated held at once (default: from the pod's memory "
+        "limit, a sixteenth of it at 256 KiB each, 8-256; 128 without a limit); more are "
+        "closed at accept",
+    )
+    serve.add_argument(
+        "--head-timeout",
+        type=float,
+        default=10.0,
+        help="seconds from accept for the TLS handshake and an authenticated request head",
+    )
     serve.set_defaults(func=_cmd_serve)
     check = wsub.add_parser("check", help="say which layer is the kernel boundary here")
     _common(check)
@@ -59,10 +73,38 @@ def add_parser(subparsers: Any) -> None:
     man = ksub.add_parser("manifests", help="print the SandboxTemplate and SandboxWarmPool")
     man.add_argument("policy", help="a policy file or the name of a shipped policy")
     man.add_argument("--image", required=True, help="the worker image (see docs/scale-out.md)")
-    man.add_argument("--namespace", default="default")
-    man.add_argument("--runtime", choices=("runc", "gvisor", "kata"), default="gvisor")
-    man.add_argument("--replicas", type=int, default=2)
-    man.add_argument("--mtls", action="store_true", help="require client certificates")
+    man.add_argument("--namespace", default="default", help="a DNS label (default: default)")
+    man.add_argument(
+        "--runtime",
+        default=None,
+        help="required: gvisor or kata (the runtime is the boundary), or runc (Landlock in "
+        "the pod); it must exist as a RuntimeClass on the cluster",
+    )
+    man.add_argument("--replicas", default="2", help="warm pods, 0-1000 (default 2)")
+    man.add_argument(
+        "--hop",
+        default="router",
+        help="router (default: plain HTTP from the agent-sandbox router, which agents reach "
+        "over TLS) or direct (TLS to the pod's IP from inside the cluster)",
+    )
+    man.add_argument("--mtls", action="store_true", help="require client certificates (direct)")
+    man.add_argument(
+        "--router-namespace",
+        default="agent-sandbox-system",
+        help="the namespace of the pods allowed to dial the workers (the router's)",
+    )
+    man.add_argument(
+        "--router-labels",
+        default="app=sandbox-router",
+        help="their labels, KEY=VALUE[,KEY=VALUE] (default app=sandbox-router)",
+    )
+    man.add_argument("--idle-exit", default="900", help="seconds idle once bound (default 900)")
+    man.add_argument(
+        "--pool",
+        default="",
+        help="the name of the template and warm pool, the policy's [remote] pool (default: "
+        "ags-<policy name>-<fingerprint[:8]>); printed on stderr either way",
+    )
     man.add_argument("--format", choices=("yaml", "json"), default="yaml")
     man.set_defaults(func=_cmd_manifests)
 
@@ -124,6 +166,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             idle_exit=args.idle_exit,
             keepalive=args.keepalive,
             exit_with_parent=args.exit_with_parent,
+            max_pending=args.max_connections,
+            head_timeout=args.head_timeout,
         )
         config.check()
         prewarm(config.provider)  # before the port opens: a ready pod binds fast
@@ -146,21 +190,33 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
 
     from agent_sandbox._errors import PolicyError
     from agent_sandbox.policies import resolve_policy
-    from agent_sandbox.providers._k8s_manifests import ManifestError, manifests
+    from agent_sandbox.providers._k8s_manifests import ManifestError, check_inputs, manifests
 
     try:
-        policy = resolve_policy(args.policy)
-        docs = manifests(
-            policy,
+        options = check_inputs(
             image=args.image,
             namespace=args.namespace,
             runtime=args.runtime,
             replicas=args.replicas,
+            hop=args.hop,
             mtls=args.mtls,
+            router_namespace=args.router_namespace,
+            router_labels=args.router_labels,
+            idle_exit=args.idle_exit,
+            pool=args.pool,
         )
+        policy = resolve_policy(args.policy)
+        docs = manifests(policy, **options)
     except (PolicyError, ManifestError) as exc:
         print(f"agent-sandbox k8s manifests: error: {exc}", file=sys.stderr)
         return 78 if isinstance(exc, PolicyError) else 64
+    meta = docs[1]["metadata"]
+    print(
+        f"agent-sandbox k8s manifests: SandboxWarmPool {meta['namespace']}/{meta['name']}: "
+        f'the agents\' policy names it: [remote] pool = "{meta["name"]}", '
+        f'namespace = "{meta["namespace"]}"',
+        file=sys.stderr,
+    )
     if args.format == "json":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}, indent=2))
         return 0

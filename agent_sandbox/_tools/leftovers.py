@@ -171,6 +171,9 @@ class Left:
     named: list[int]
     marked: list[int]
     dirs: list[str]
+    #: How many processes with the agent's owner mark ran when the agent was ended (a
+    #: worker behind its own kernel, gVisor's, forks inside it: only its runsc shows).
+    before: int = 0
     tag: str = ""  # the agent's owner token ("" when it never made anything)
 
     def any(self) -> bool:
@@ -207,12 +210,15 @@ def run_agent(
                 break
             time.sleep(0.02)
             forked = bool(named(marker))
+        before = len(marked(tag))
         if moment != "exit":
             agent.send_signal(signal.SIGKILL)  # this one child process only
         agent.wait(60)
         deadline = time.monotonic() + bound
         while True:
-            left = Left(line.strip(), forked, named(marker), marked(tag), control_dirs(tag), tag)
+            left = Left(
+                line.strip(), forked, named(marker), marked(tag), control_dirs(tag), before, tag
+            )
             if not left.any() or time.monotonic() > deadline:
                 return left
             time.sleep(0.05)

@@ -14,10 +14,13 @@ the exception. Three things happen to each refusal:
    calls without refusals). A refusal raised with no user frame on its stack (a library's own
    thread), or whose watch never resolved by the end of the call, is the user's: in doubt,
    the user's. A refusal raised straight into user code is the user's at once.
-2. **Counting** into a bounded tally: every distinct (rule, action, target, classification,
-   origin) keeps its first and last occurrence in full and a count; past `MAX_KEYS` distinct
-   ones, further refusals are counted per rule under one "other targets" entry, so a flood of
-   harmless refusals can neither exhaust memory nor push a later one out.
+2. **Counting** into a bounded tally (`Tally`): every distinct (rule, action, target,
+   classification, origin) keeps its first and last occurrence in full and a count; past
+   `PER_RULE` distinct targets of a rule or `MAX_KEYS` in all, further refusals are folded
+   per rule into one "(other targets)" entry whose count says how many; sensitive targets
+   (credentials, keys, metadata addresses; process, network and limit rules) have a reserve
+   of their own and a fold of their own, so a flood of harmless refusals can neither
+   exhaust memory nor push an important one out.
 3. **Attribution**: refusals recorded by a thread of the code between two calls are kept and
    handed to the next call, marked `between-calls`.
 
@@ -35,7 +38,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-from agent_sandbox._denial import BETWEEN_CALLS, DURING_CALL, Denial
+from agent_sandbox._denial import BETWEEN_CALLS, DURING_CALL, Denial, fold_detail, is_sensitive
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_KEYS",
+    "MAX_SENSITIVE",
+    "PER_RULE",
     "Tally",
     "begin_call",
     "end_call",
@@ -55,10 +60,17 @@ __all__ = [
     "take",
 ]
 
-#: Distinct refusals kept in full per call (beyond: counted per rule).
+#: Distinct ordinary refusals kept in full per call and classification (beyond: folded per
+#: rule), at most `PER_RULE` of one rule; sensitive ones have a reserve of `MAX_SENSITIVE`.
 MAX_KEYS = 200
+PER_RULE = 50
+MAX_SENSITIVE = 64
 _MAX_STACK = 400
 _OTHER_TARGETS = "(other targets)"
+_OTHER_SENSITIVE = "(other sensitive targets)"
+_FOLDS = frozenset({_OTHER_TARGETS, _OTHER_SENSITIVE})
+#: Modules whose functions hand the code a listing, leaving out what they could not list.
+_LISTING_MODULES = frozenset({"glob", "os", "pathlib", "posixpath", "genericpath", "shutil"})
 
 _lock = threading.RLock()
 _sink: Callable[[Denial], None] | None = None
@@ -68,40 +80,70 @@ _is_user: Callable[[str], bool] = lambda filename: filename.startswith("<cell-")
 
 
 class Tally:
-    """Distinct refusals with counts; first and last occurrence in full; bounded.
+    """Distinct refusals with counts; first and last occurrence in full; bounded so that the
+    important ones survive any flood.
 
-    Each classification (user, internal, learned) has its own `max_keys` distinct entries,
-    so library-internal noise never crowds out the user's refusals; past that, refusals are
-    counted per rule in one "(other targets)" entry whose `last` is the latest in full.
+    Each classification (user, internal, learned) has budgets of its own, so library noise
+    never crowds out the user's refusals. Within one:
+
+    - ordinary refusals: at most `per_rule` distinct targets per rule and `max_keys` in
+      all; past either, the rule's further ordinary refusals fold into one
+      "(other targets)" entry (its count says how many were folded; `last`, the latest);
+    - sensitive refusals (`_denial.is_sensitive`: credentials, keys, metadata addresses,
+      process, network and limit rules) have a reserve of `max_sensitive` distinct entries
+      beyond that, and fold into a rule's own "(other sensitive targets)" entry, so a
+      flood of ordinary refusals can never fold an `/etc/shadow` away.
     """
 
-    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+    def __init__(
+        self, max_keys: int = MAX_KEYS, per_rule: int = PER_RULE, max_sensitive: int = MAX_SENSITIVE
+    ) -> None:
         self.max_keys = max_keys
+        self.per_rule = per_rule
+        self.max_sensitive = max_sensitive
         self.entries: dict[tuple[str, ...], list[Any]] = {}  # key -> [first, last, count]
-        self._used: dict[str, int] = {}
+        self._used: dict[tuple[str, ...], int] = {}  # budget name -> entries used
+
+    def _full(self, denial: Denial, sensitive: bool) -> int:
+        """0 when `denial` may have an entry of its own, else the budget it is past."""
+        cls = denial.classification
+        if sensitive:
+            used = self._used.get((cls, "sensitive"), 0)
+            return 0 if used < self.max_sensitive else self.max_sensitive
+        if self._used.get((cls, "rule", denial.rule), 0) >= self.per_rule:
+            return self.per_rule
+        return 0 if self._used.get((cls, "all"), 0) < self.max_keys else self.max_keys
 
     def add(self, denial: Denial, count: int = 1) -> tuple[Denial, bool]:
         """Count `denial`; returns (the entry's first occurrence, whether it is new)."""
         key = denial.key()
         entry = self.entries.get(key)
         first = denial
-        if entry is None and self._used.get(denial.classification, 0) >= self.max_keys:
-            first = Denial(
-                rule=denial.rule,
-                action="*",
-                target=_OTHER_TARGETS,
-                policy=denial.policy,
-                detail=f"more than {self.max_keys} distinct refusals in one call; the rest "
-                "are counted per rule",
-                learned=denial.learned,
-                internal=denial.internal,
-                origin=denial.origin,
-            )
-            key = first.key()
-            entry = self.entries.get(key)
+        if entry is None and denial.target not in _FOLDS:
+            sensitive = is_sensitive(denial.rule, denial.target)
+            budget = self._full(denial, sensitive)
+            if budget:
+                first = Denial(
+                    rule=denial.rule,
+                    action="*",
+                    target=_OTHER_SENSITIVE if sensitive else _OTHER_TARGETS,
+                    policy=denial.policy,
+                    detail=fold_detail(denial.rule, budget, sensitive),
+                    learned=denial.learned,
+                    internal=denial.internal,
+                    origin=denial.origin,
+                )
+                key = first.key()
+                entry = self.entries.get(key)
+            elif entry is None:
+                cls = denial.classification
+                if sensitive:
+                    names: tuple[tuple[str, ...], ...] = ((cls, "sensitive"),)
+                else:
+                    names = ((cls, "all"), (cls, "rule", denial.rule))
+                for name in names:
+                    self._used[name] = self._used.get(name, 0) + 1
         if entry is None:
-            if first is denial:
-                self._used[denial.classification] = self._used.get(denial.classification, 0) + 1
             self.entries[key] = [first, denial, count]
             return first, True
         entry[1] = denial
@@ -206,6 +248,7 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
     frame: FrameType | None = sys._getframe(1)
     direct = True
     user: FrameType | None = None
+    callee = ""  # the module of the function the user frame called
     depth = 0
     while frame is not None and depth < _MAX_STACK:
         name = frame.f_globals.get("__name__", "")
@@ -214,6 +257,7 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
                 user = frame
                 break
             direct = False
+            callee = name if isinstance(name, str) else ""
         frame = frame.f_back
         depth += 1
     if user is None and not direct and denial.rule in _ABSENT_WHEN_REFUSED:
@@ -224,6 +268,11 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
         return denial
     if user is None or direct:
         _classified(denial)  # straight into user code, or no user code to watch: the user's
+        return denial
+    if denial.action == "list" and callee in _LISTING_MODULES:
+        # `glob.glob`, `Path.glob`, `os.walk` swallow the refusal and return less: what the
+        # code got changed, so it is the user's, though the call returned normally.
+        _classified(denial)
         return denial
     try:
         watching = _watch(user, denial, exc)

@@ -36,6 +36,7 @@ import copyreg  # noqa: F401 - loaded now so pickling never imports it while arm
 import enum
 import io
 import os
+import re
 import sys
 
 from agent_sandbox._denial import Denial
@@ -125,10 +126,34 @@ def encode_value(value: Any, cap: int) -> dict[str, Any]:
             "defined in the call itself cannot cross: define them in a module and name it in "
             "the policy's `result_types`"
         ) from None
+    if b"\xed" in raw and _SURROGATE_BYTES.search(raw):
+        # A lone surrogate has no UTF-8 form; the host refuses a pickled string holding one.
+        # The rule for text (U+FFFD, as in data-only mode) is applied to plain containers;
+        # a surrogate inside another object still reaches the host's refusal.
+        raw = _dumps(_valid_text(value, 0), protocol=_PROTOCOL)
     encoded_size = (len(raw) + 2) // 3 * 4
     if encoded_size > cap:
         raise TooLarge(encoded_size, cap)
     return {"encoding": "pickle-b64", "pickle": _b64(raw, newline=False).decode("ascii")}
+
+
+#: A surrogate as `surrogatepass` writes it in a pickle's UTF-8 (0xED 0xA0-0xBF ...).
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_text(value: Any, depth: int) -> Any:
+    """`value` with lone surrogates in its strings replaced by U+FFFD (plain containers)."""
+    kind = type(value)
+    if kind is str:
+        return _SURROGATE.sub("\ufffd", value)
+    if depth > 50:
+        return value
+    if kind is list or kind is tuple or kind is set or kind is frozenset:
+        return kind(_valid_text(v, depth + 1) for v in value)
+    if kind is dict:
+        return {_valid_text(k, depth + 1): _valid_text(v, depth + 1) for k, v in value.items()}
+    return value
 
 
 def result_too_large(size: int, cap: int, policy: str) -> Denial:

@@ -285,7 +285,11 @@ class Runner:
                 # back marked, as a dict): within every cap and budget, nothing to measure.
                 return "result", {"value": plain}
             data = {"value": plain}
-            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+            # Measured as the wire sends it: a lone surrogate as its JSON escape (the host
+            # makes it U+FFFD), not an error.
+            text = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(
+                "utf-8", "backslashreplace"
+            )
             if len(text) > cap:
                 raise objects.TooLarge(len(text), cap)
             budget = value_budget(cap)

@@ -404,17 +404,27 @@ def _caller_left(sock: socket.socket) -> bool:
         return True
 
 
+def _bind_listener(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    return listener
+
+
 def serve(boot: dict[str, Any]) -> None:
     """Set up the worker from its boot configuration, then serve until shutdown."""
     from agent_sandbox._worker.setup import prepare
 
+    path = (boot.get("worker_setup") or {}).get("listen_path")
+    # A sandbox that hands the worker no listening socket (gVisor): the worker binds its own
+    # (the parent waits for the name, and for it to accept connections).
+    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(boot["listen_fd"]))
     runner, checks, hooks = prepare(boot)
     # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).
     _signal.signal(_signal.SIGINT, on_interrupt)
     server = _Server(boot, runner, checks)
     server.tamper_check = hooks.get("tamper_check")
     _first_call_ahead(runner)
-    listener = socket.socket(fileno=int(boot["listen_fd"]))
     listener.setblocking(True)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, None)

@@ -91,6 +91,12 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
         from agent_sandbox.providers._inworker import open_egress_listener
 
         checks["egress"] = open_egress_listener(setup["egress"])
+    if setup.get("egress_relay"):
+        # 3b. gVisor: the proxy address on the sandbox's loopback, relayed by a child forked
+        #     now (single-threaded, before any restriction) to the host's end of the route.
+        from agent_sandbox.providers._inworker import start_egress_relay
+
+        checks["egress"] = start_egress_relay(setup["egress_relay"])
     if setup:
         from agent_sandbox.providers._inworker import apply_worker_setup
 

@@ -424,6 +424,27 @@ class TestStandardIntegration(ToolsIntegrationTests):
         return {"code": "print(1 + 1)"}
 
 
+def test_thread_ids_of_different_types_never_share_an_interpreter(tool):
+    """It denies thread ids that print alike (`1`, `"1"`, `True`, `1.0`, a tuple, a UUID and
+    its string) one shared set of variables: type and value both make the session key."""
+    import uuid
+
+    u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    ids: list[Any] = [1, "1", True, 1.0, (1, "a"), ("1", "a"), [1, "a"], u, str(u), b"1"]
+
+    def call(code: str, thread: Any) -> Any:
+        return tool.invoke(
+            tool_call(code, call_id="c"), config={"configurable": {"thread_id": thread}}
+        )
+
+    for n, tid in enumerate(ids):
+        call(f"x = {n}", tid)
+    for n, tid in enumerate(ids):
+        assert call("x", tid).content == str(n), tid
+    assert len(tool.sessions()) == len(ids)
+    assert "thread:1" in tool.sessions() and "thread#int:1" in tool.sessions()
+
+
 def test_uploads_reach_the_code_and_produced_files_come_back_in_the_artifact() -> None:
     """A file put for a thread is read by that thread's code; a file the code writes is in
     the artifact (`files`, and with `return_files` its bytes in `file_contents`)."""

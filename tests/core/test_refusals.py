@@ -145,9 +145,13 @@ def test_a_flood_of_refusals_cannot_hide_a_later_one(session: Session) -> None:
         "open('/etc/passwd')"
     )
     assert result.error is not None and result.error.rule == "files.read"
-    # Past the bound, refusals are counted per rule, and the last one is kept in full.
+    # Past the rule's bound, ordinary refusals are folded per rule (the count says how
+    # many, the last is kept in full); a sensitive target keeps an entry of its own.
     (other,) = [d for d in result.denials if d.target == "(other targets)"]
-    assert other.last is not None and other.last.target == "/etc/passwd"
+    assert other.last is not None and other.last.target == "/nonexistent-2999"
+    assert other.count == 3000 - 49 and "past the first 50 distinct targets" in other.detail
+    (passwd,) = [d for d in result.denials if d.target == "/etc/passwd"]
+    assert passwd.count == 1 and passwd.rule == "files.read"
     hostname = [d for d in result.denials if d.target == "/etc/hostname"]
     assert len(hostname) == 1 and hostname[0].count == 2000
     assert hostname[0].last is not None and hostname[0].last.target == "/etc/hostname"

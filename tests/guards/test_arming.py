@@ -123,3 +123,153 @@ def test_thread_start_is_not_marked_when_disarmed(armed: Callable[..., Any]) -> 
     thread.start()
     thread.join()
     assert seen == [False]
+
+
+#: Every route to a new thread, as user code can call it on this Python. Each target
+#: reads the canary once `go` is set (after the call); `seen` gets what it read or the
+#: exception's name.
+THREAD_ROUTES = {
+    "threading.Thread": "threading.Thread(target=later).start()",
+    "_thread.start_new_thread": "_thread.start_new_thread(later, ())",
+    "_thread.start_new": "_thread.start_new(later, ())",
+    "_thread.start_joinable_thread": "_thread.start_joinable_thread(function=later)",
+}
+
+
+@pytest.mark.parametrize("route", sorted(THREAD_ROUTES))
+def test_blocks_a_thread_that_reads_after_the_call(
+    armed: Callable[..., Any], canary: Path, route: str
+) -> None:
+    """It denies a read from a thread user code started by any route once the call ended.
+
+    Python 3.13's `Thread.start` goes through `_thread.start_joinable_thread`, and
+    `_thread.start_new` is an alias of `start_new_thread` that user code can call itself.
+    """
+    import _thread
+
+    if not hasattr(_thread, route.partition(".")[2]) and route != "threading.Thread":
+        pytest.skip(f"{route} does not exist on this Python")
+    guard = armed(imports={"allow": ["threading", "_thread"]})
+    guard.namespace["CANARY_PATH"] = str(canary)
+    guard.run(
+        "import threading, _thread\n"
+        "go, done = threading.Event(), threading.Event()\n"
+        "seen = []\n"
+        "def later():\n"
+        "    go.wait(30)\n"
+        "    try:\n"
+        "        seen.append(open(CANARY_PATH).read())\n"
+        "    except OSError as exc:\n"
+        "        seen.append(type(exc).__name__)\n"
+        "    done.set()\n" + THREAD_ROUTES[route] + "\n"
+    )
+    assert not state.armed  # the call is over
+    guard.namespace["go"].set()
+    assert guard.namespace["done"].wait(30), "the thread never ran"
+    # The attack ran (the thread read after the call) and the file guard stopped it.
+    assert guard.namespace["seen"] == ["FileAccessDenied"]
+    assert [d.rule for d in guard.denials()] == ["files.read"]
+
+
+def test_the_thread_start_wrappers_cover_every_start_primitive() -> None:
+    """It wraps every thread-starting attribute this Python has (a new one fails here)."""
+    import _thread
+
+    from agent_sandbox.guards._install import THREAD_STARTS
+
+    covered = {(owner.__name__, name) for owner, name in THREAD_STARTS}
+    present = {("_thread", n) for n in dir(_thread) if n.startswith("start")}
+    present |= {("threading", n) for n in dir(threading) if n.startswith("_start")}
+    assert present <= covered
+
+
+#: User code that leaves a function to be run later, in the worker's own (unarmed)
+#: threads: a trace or profile function for every thread, or a `sys.monitoring` callback.
+#: Each entry: (the attack, how the test undoes it). Monitoring tool 4 is free by convention
+#: (0, 1, 2 and 5 are the debugger's, coverage's, the profiler's and the optimizer's).
+LATER_HOOKS = {
+    "threading.settrace": ("threading.settrace(hook)", "threading.settrace(None)"),
+    "threading.setprofile": ("threading.setprofile(hook)", "threading.setprofile(None)"),
+    "threading.settrace_all_threads": (
+        "threading.settrace_all_threads(hook)",
+        "threading.settrace_all_threads(None)",
+    ),
+    "threading.setprofile_all_threads": (
+        "threading.setprofile_all_threads(hook)",
+        "threading.setprofile_all_threads(None)",
+    ),
+    "sys._settraceallthreads": ("sys._settraceallthreads(hook)", "sys._settraceallthreads(None)"),
+    "sys._setprofileallthreads": (
+        "sys._setprofileallthreads(hook)",
+        "sys._setprofileallthreads(None)",
+    ),
+    "sys.monitoring.use_tool_id": ("sys.monitoring.use_tool_id(4, 'x')", ""),
+    "sys.monitoring.register_callback": (
+        "sys.monitoring.register_callback(4, sys.monitoring.events.PY_START, hook)",
+        "",
+    ),
+    "sys.monitoring.set_events": (
+        "sys.monitoring.set_events(4, sys.monitoring.events.PY_START)",
+        "",
+    ),
+    "sys.monitoring.set_local_events": (
+        "sys.monitoring.set_local_events(4, hook.__code__, sys.monitoring.events.PY_START)",
+        "",
+    ),
+}
+#: Tool 4 taken for the attacks that need a tool, and everything of it cleared after.
+MONITORING_BEFORE = "sys.monitoring.use_tool_id(4, 'test')"
+MONITORING_UNDO = (
+    "sys.monitoring.set_local_events(4, hook.__code__, 0)\n"
+    "sys.monitoring.set_events(4, 0)\n"
+    "sys.monitoring.register_callback(4, sys.monitoring.events.PY_START, None)\n"
+    "sys.monitoring.free_tool_id(4)"
+)
+
+
+def _exists(dotted: str) -> bool:
+    import sys
+
+    owner: Any = {"sys": sys, "threading": threading}[dotted.split(".")[0]]
+    for part in dotted.split(".")[1:]:
+        owner = getattr(owner, part, None)
+    return owner is not None
+
+
+@pytest.mark.parametrize("target", sorted(LATER_HOOKS))
+def test_blocks_leaving_a_hook_that_runs_after_the_call(
+    armed: Callable[..., Any], target: str
+) -> None:
+    """It denies user code a trace, profile or monitoring hook that would run unarmed later.
+
+    The positive control: with the function granted the same line runs (the attack is real
+    and reaches the interpreter); without, it is refused with `api.introspection`.
+    """
+    if not _exists(target):
+        pytest.skip(f"{target} does not exist on this Python")
+    attack, undo = LATER_HOOKS[target]
+    monitoring = target.startswith("sys.monitoring.")
+    before = MONITORING_BEFORE if monitoring and target != "sys.monitoring.use_tool_id" else ""
+    undo = MONITORING_UNDO if monitoring else undo
+    body = "import sys, threading\ndef hook(*a):\n    return None\n"
+    scope: dict[str, Any] = {}
+    exec(body + before, scope)  # unarmed: what the attack needs first
+    try:
+        refused = armed(imports={"allow": ["sys", "threading"]})
+        refused.namespace["hook"] = scope["hook"]
+        refused.run(
+            "import sys, threading\n"
+            f"try:\n    {attack}\n    result = 'ran'\n"
+            "except PermissionError as exc:\n    result = type(exc).__name__\n"
+        )
+        assert refused.namespace["result"] == "CallDenied"
+        assert [(d.rule, d.target) for d in refused.denials()] == [("api.introspection", target)]
+        refused.guards.uninstall()
+        granted = armed(imports={"allow": ["sys", "threading"]}, api={"allow": [target]})
+        granted.namespace["hook"] = scope["hook"]
+        granted.run(f"import sys, threading\n{attack}\nresult = 'ran'\n")
+        assert granted.namespace["result"] == "ran"
+        assert granted.denials() == []
+    finally:
+        if undo:
+            exec(undo, scope)  # unarmed: put the interpreter back

@@ -78,6 +78,19 @@ def leaked(result: Any) -> bool:
     return CANARY in repr(result.value) + result.stdout + result.stderr
 
 
+def by_the_authorizer(result: Any) -> bool:
+    """Whether SQLite's authorizer (the file guard's) refused the statement: SQLite says
+    `not authorized` (`authorization denied` for VACUUM INTO); a file the kernel kept from
+    SQLite says `unable to open database`, so a kernel denial is never credited to the
+    Python layer."""
+    error = result.error
+    return (
+        error is not None
+        and error.type == "sqlite3.DatabaseError"
+        and error.message in ("not authorized", "authorization denied")
+    )
+
+
 def refused_imports(result: Any) -> list[str]:
     return [d.target for d in result.denials if d.rule == "imports" and not d.internal]
 
@@ -341,6 +354,7 @@ def test_blocks_sqlite_attach_read(
     refused = [d for d in result.denials if d.rule.startswith("files.")]
     assert [d.target for d in refused] == [str(secret / "canary.db")]
     assert not refused[0].internal and not result.ok
+    assert by_the_authorizer(result), result.error
 
 
 def test_blocks_sqlite_vacuum_into_write(
@@ -359,6 +373,7 @@ def test_blocks_sqlite_vacuum_into_write(
     )
     assert not target.exists()
     assert [d.rule for d in result.denials] == ["files.write"] and not result.ok
+    assert by_the_authorizer(result), result.error
 
 
 def test_blocks_sqlite_attach_after_the_authorizer_is_replaced(
@@ -378,6 +393,7 @@ def test_blocks_sqlite_attach_after_the_authorizer_is_replaced(
     )
     assert not leaked(result)
     assert [d.rule for d in result.denials] == ["files.write"]
+    assert by_the_authorizer(result), result.error
 
 
 def test_blocks_sqlite_uri_read(

@@ -440,11 +440,20 @@ def test_top_level_await(sandbox: Sandbox) -> None:
 
 
 def test_png_written_to_scratch_comes_back_as_an_image(sandbox: Sandbox) -> None:
-    """It returns PNG files the code wrote to its scratch directory."""
-    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+    """It returns PNG files the code wrote to its scratch directory; one whose headers do
+    not measure as a PNG is listed as a file but not returned as an image, with a notice."""
+    png = (
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x00\x00"
+        b"\x00\x00:~\x9bU\x00\x00\x00\nIDATx\x9cc\xb8\x0e\x00\x00\x82\x00\x81\x1c\x0c\x1b\x0e"
+        b"\x00\x00\x00\x00IEND\xaeB`\x82"
+    )
     result = sandbox.run(f"open('plot.png', 'wb').write({png!r})\n1")
     assert [i.name for i in result.images] == ["plot.png"]
     assert any(f["name"] == "plot.png" for f in result.files)
+    fake = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+    result = sandbox.run(f"open('fake.png', 'wb').write({fake!r})\n1")
+    assert result.images == () and any(f["name"] == "fake.png" for f in result.files)
+    assert any("'fake.png' was not returned" in n for n in result.notices)
 
 
 def test_a_worker_that_never_stops_sending_still_times_out(policy: Policy) -> None:

@@ -148,6 +148,7 @@ def test_sandboxes_do_not_share_a_template_unless_asked() -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
     "after the imports hashed with it); documented in _worker/template.py and docs/performance.md",
 )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,13 @@ from agent_sandbox import Policy, Sandbox
 from agent_sandbox.providers import get_provider
 
 #: Kernel providers the containment matrix runs against (strongest last).
-KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail")
+KERNEL_PROVIDERS: tuple[str, ...] = ("landlock", "unshare", "bwrap", "firejail", "gvisor")
+#: What tests that open connections use where the product refuses the cloud metadata
+#: address (169.254.169.254): a documentation address no rule names, refused the same way
+#: (a literal no rule names; a name that resolves to a non-global address), so a test
+#: whose containment regressed sends nothing to a real metadata service. The metadata
+#: address's own classification is pinned by the pure rule tests (test_egress.py).
+METADATA_STAND_IN = "192.0.2.254"
 
 #: Native helpers for hostile code: libc through ctypes, no Python-level API involved.
 NATIVE = r"""
@@ -87,6 +95,20 @@ def nsend_udp(port, data=b"leak", host=b"\x7f\x00\x00\x01"):
     _libc.close(s)
     return ("sendto", rc if rc >= 0 else e)
 """
+
+
+def require_landlock_and_seccomp() -> None:
+    """Skip (a failure where CI requires them) unless Landlock and seccomp both work here:
+    a test of the default stack then asserts both are in it, never `if` they are."""
+    from agent_sandbox.providers._landlock import probe_landlock
+    from agent_sandbox.providers._seccomp import probe_seccomp
+
+    landlock = probe_landlock()
+    if not landlock.available:
+        pytest.skip(f"landlock unavailable here: {landlock.reason}")
+    seccomp, why = probe_seccomp()
+    if not seccomp:
+        pytest.skip(f"seccomp unavailable here: {why}")
 
 
 def skip_unless_available(name: str) -> None:
@@ -204,6 +226,28 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
         # The warning that native-code opens the Python layer is the point of this policy.
         warnings.simplefilter("ignore", UserWarning)
         return Policy(**data)
+
+
+@pytest.fixture
+def environ_canary() -> Iterator[tuple[int, str]]:
+    """A host process with a secret in its environment (as the agent's own process has),
+    and the secret. The canary is really there: this fixture reads it back first."""
+    value = "environ-canary-" + os.urandom(8).hex()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "AGENT_SANDBOX_TEST_CANARY": value},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"  # it runs
+        assert value.encode() in Path(f"/proc/{proc.pid}/environ").read_bytes()
+        yield proc.pid, value
+    finally:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        proc.wait(30)
+        proc.stdout.close()
 
 
 @pytest.fixture

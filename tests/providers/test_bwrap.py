@@ -19,6 +19,7 @@ from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._bwrap import SECCOMP_FD_SLOT, BwrapPlan, BwrapProvider, bwrap_argv
 from agent_sandbox.providers._view import HostLayout
+from tests.providers.conftest import require_landlock_and_seccomp
 
 HOST = HostLayout(
     symlinks={"/bin": "usr/bin", "/lib": "usr/lib", "/lib64": "usr/lib64", "/sbin": "usr/sbin"},
@@ -223,18 +224,17 @@ def _danger_policy(**files: Any) -> Policy:
 
 
 def test_default_stack_adds_landlock_and_seccomp(tmp_path: Path) -> None:
-    """It stacks Landlock and the seccomp program (by descriptor) when both work here."""
+    """It stacks Landlock and the seccomp program (by descriptor) where both work here."""
     _require()
+    require_landlock_and_seccomp()
     w = WorkerProcess.start(Policy(name="t"), BwrapProvider())
     try:
         assert isinstance(w.plan, BwrapPlan)
         checks = w.hello.get("checks", {})
-        assert w.plan.stack[0] == "bwrap"
-        if "seccomp" in w.plan.stack:
-            assert checks["seccomp"] == 2
-            assert SECCOMP_FD_SLOT in w.plan.argv
-        if "landlock" in w.plan.stack:
-            assert checks["landlock"]["enforced"] is True
+        assert w.plan.stack == ("bwrap", "landlock", "seccomp")
+        assert checks["seccomp"] == 2
+        assert SECCOMP_FD_SLOT in w.plan.argv
+        assert checks["landlock"]["enforced"] is True
         result = w.run("2 + 3")
         assert result.value == 5
     finally:

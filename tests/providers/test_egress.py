@@ -25,9 +25,9 @@ from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import _egress, get_provider
 from agent_sandbox.providers._egress import EgressError, EgressRules, egress_proxy
 
-from .conftest import NATIVE, received_connection, skip_unless_available
+from .conftest import METADATA_STAND_IN, NATIVE, received_connection, skip_unless_available
 
-NAMESPACE_PROVIDERS = ("unshare", "bwrap")
+NAMESPACE_PROVIDERS = ("unshare", "bwrap", "gvisor")
 
 
 # -- servers and names ----------------------------------------------------------------------
@@ -350,10 +350,10 @@ def test_requests_reaches_an_allowed_https_server_through_connect(
 def test_refusals_are_recorded_by_the_host_with_their_rule(
     ns_provider: str, names: dict[str, list[str]], http_server: _Server
 ) -> None:
-    """A name outside the policy, a loopback port no rule names, the metadata address, and
-    an allowed name that resolves to it: each is refused, and the result carries the rule."""
+    """A name outside the policy, a loopback port no rule names, the metadata address (its
+    documentation stand-in), and an allowed name that resolves to it: each is refused, and the result carries the rule."""
     names["allowed.test"] = ["127.0.0.1"]
-    names["rebind.test"] = ["169.254.169.254"]
+    names["rebind.test"] = [METADATA_STAND_IN]
     port = http_server.port
     policy = _policy(
         [
@@ -365,7 +365,10 @@ def test_refusals_are_recorded_by_the_host_with_their_rule(
     cases = {
         f"http://other.test:{port}/": ("net.resolve", "other.test"),
         f"http://127.0.0.1:{port + 1}/": ("net.connect", f"127.0.0.1:{port + 1}"),
-        "http://169.254.169.254/latest/meta-data/": ("net.connect", "169.254.169.254:80"),
+        f"http://{METADATA_STAND_IN}/latest/meta-data/": (
+            "net.connect",
+            f"{METADATA_STAND_IN}:80",
+        ),
         "http://rebind.test/": ("net.connect", "rebind.test:80"),
         f"https://other.test:{port}/": ("net.resolve", "other.test"),
     }
@@ -415,14 +418,29 @@ def test_a_refusal_reaches_the_result_without_the_workers_help(
 
 
 def test_without_the_guards_no_address_is_reachable_and_udp_fails(
-    ns_provider: str, http_server: _Server, tcp_listener: Any, tmp_path: Path
+    request: pytest.FixtureRequest,
+    ns_provider: str,
+    http_server: _Server,
+    tcp_listener: Any,
+    tmp_path: Path,
 ) -> None:
     """With network rules, native code reaches directly only what they allow: an allowed
     loopback service (forwarded by the host, `loopback_forwards`); the host's loopback
-    listener on a port no rule names gets no connection, a public address has no route,
-    UDP sockets are refused."""
+    listener on a port no rule names gets no connection, an address off the machine has no
+    route (a documentation address: were containment gone, nothing would be sent off the
+    machine), UDP sockets are refused."""
     from .conftest import hostile_policy
 
+    if ns_provider == "gvisor":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="the direct forwards of allowed loopback services are not wired into "
+                "gVisor: a client that does not use the proxy meets the Sentry's own "
+                "loopback (ECONNREFUSED); through the proxy the service is served",
+            )
+        )
     sock, port = tcp_listener
     arena = {"ro": tmp_path, "rw": tmp_path}
     policy = hostile_policy(
@@ -435,8 +453,8 @@ def test_without_the_guards_no_address_is_reachable_and_udp_fails(
         },
     )
     code = NATIVE + (
-        f"(nconnect_tcp({port}), nconnect_tcp(80, bytes([93, 184, 216, 34])), "
-        f"nsend_udp({port}), nsend_udp(53, host=bytes([8, 8, 8, 8])), "
+        f"(nconnect_tcp({port}), nconnect_tcp(80, bytes([203, 0, 113, 34])), "
+        f"nsend_udp({port}), nsend_udp(53, host=bytes([198, 51, 100, 53])), "
         f"nconnect_tcp({http_server.port}))"
     )
     with Sandbox(policy, provider=ns_provider, warm=0) as sb:
@@ -445,7 +463,9 @@ def test_without_the_guards_no_address_is_reachable_and_udp_fails(
     local, remote, udp_local, udp_remote, allowed = result.value
     assert tuple(allowed) == ("connect", 0)  # the allowed service, forwarded by the host
     assert local[0] == "connect" and local[1] != 0  # ECONNREFUSED: the namespace's own lo
-    assert remote == ["connect", -101] or remote == ("connect", -101)  # ENETUNREACH
+    # ENETUNREACH; gVisor's netstack says EHOSTUNREACH for the same missing route.
+    unreachable = -113 if ns_provider == "gvisor" else -101
+    assert remote == ["connect", unreachable] or remote == ("connect", unreachable)
     assert udp_local[0] == "socket" and udp_local[1] == -1  # EPERM from seccomp
     assert udp_remote[0] == "socket" and udp_remote[1] == -1
     assert not received_connection(sock)
@@ -510,7 +530,7 @@ def test_the_refusal_reaches_the_langsmith_metadata(
     client = RecordingClient()
     tracer = LangChainTracer(client=client, project_name="offline")
     try:
-        code = "import requests\nrequests.get('http://169.254.169.254/').status_code"
+        code = f"import requests\nrequests.get('http://{METADATA_STAND_IN}/').status_code"
         tool.invoke(tool_call(code, call_id="c1"), config={"callbacks": [tracer]})
         tracer.wait_for_futures()
     finally:
@@ -522,7 +542,7 @@ def test_the_refusal_reaches_the_langsmith_metadata(
     assert "sandbox.rule:net.connect" in tags
     assert "net.connect" in metadata["sandbox.rules"]
     assert any(
-        d["rule"] == "net.connect" and d["target"] == "169.254.169.254:80"
+        d["rule"] == "net.connect" and d["target"] == f"{METADATA_STAND_IN}:80"
         for d in metadata["sandbox.denials"]
     )
 
@@ -934,7 +954,7 @@ out = {{
     "proxy": os.environ.get("HTTP_PROXY"),
     "allowed": fetch("http://allowed.test:{port}/vm"),
     "other": fetch("http://other.test:{port}/"),
-    "metadata": fetch("http://169.254.169.254/latest/meta-data/"),
+    "metadata": fetch("http://{metadata}/latest/meta-data/"),
     "raw": raw({raw_port}),
 }}
 json.dumps(out)
@@ -979,7 +999,9 @@ def test_qemu_reaches_an_allowed_server_by_name_and_the_host_records_refusals(
     )
     try:
         with Sandbox(policy, warm=0) as sb:
-            result = sb.run(NATIVE + _QEMU_NET.format(port=port, raw_port=raw_port))
+            result = sb.run(
+                NATIVE + _QEMU_NET.format(port=port, raw_port=raw_port, metadata=METADATA_STAND_IN)
+            )
     finally:
         got_raw = received_connection(probe)
         probe.close()
@@ -992,7 +1014,7 @@ def test_qemu_reaches_an_allowed_server_by_name_and_the_host_records_refusals(
     assert out["raw"] != 0 and not got_raw, out  # ECONNREFUSED on the guest's own loopback
     assert result.stack[0] == "qemu" and result.stack[-1] == "egress-proxy"
     denials = {(d.rule, d.target) for d in _net_denials(result)}
-    assert denials == {("net.resolve", "other.test"), ("net.connect", "169.254.169.254:80")}
+    assert denials == {("net.resolve", "other.test"), ("net.connect", f"{METADATA_STAND_IN}:80")}
     assert all("egress proxy" in d.detail for d in _net_denials(result))
 
 

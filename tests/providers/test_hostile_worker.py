@@ -23,7 +23,7 @@ from agent_sandbox.adapters._common import outcome
 from agent_sandbox.providers import get_provider
 
 #: The kernel providers of the containment matrix (`conftest.KERNEL_PROVIDERS`).
-KERNEL_PROVIDERS = ("landlock", "unshare", "bwrap", "firejail")
+KERNEL_PROVIDERS = ("landlock", "unshare", "bwrap", "firejail", "gvisor")
 
 #: The emitter of the running call: `Runner.run(code, emit)` is a caller of the cell.
 EMITTER = """

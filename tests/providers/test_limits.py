@@ -399,16 +399,28 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     _limits._LIVE.discard(groups)  # not a real group: nothing to remove at exit
 
 
-ALL_PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
+ALL_PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail", "gvisor")
 
 
 @pytest.mark.parametrize("ignore_sigxcpu", [False, True], ids=["plain", "sigxcpu-ignored"])
 @pytest.mark.parametrize("provider", ALL_PROVIDERS)
-def test_cpu_limit_is_named_under_every_provider(provider: str, ignore_sigxcpu: bool) -> None:
+def test_cpu_limit_is_named_under_every_provider(
+    request: pytest.FixtureRequest, provider: str, ignore_sigxcpu: bool
+) -> None:
     """It reports limits.cpu (never a crash or an exit status) when a busy loop uses up
     limits.cpu_seconds, under each provider and the subprocess opt-out, whether the code
     lets SIGXCPU end it or ignores it (then the hard limit's SIGKILL does)."""
     skip_unless_available(provider)
+    if provider == "gvisor" and ignore_sigxcpu:
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason="gVisor's kernel sends the hard RLIMIT_CPU's SIGKILL by its own CPU "
+                "accounting; the host sees the sandbox end with SIGKILL and cannot tell it "
+                "from another kill (the CPU limit still holds: the loop ends)",
+            )
+        )
     if ignore_sigxcpu and not SUPPORT["kill"]:
         pytest.skip("no cgroup v2 group for CPU accounting here")
     policy = Policy(

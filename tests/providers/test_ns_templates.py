@@ -184,6 +184,7 @@ _HASH = "hash('x'), hash(b'agent')"
 @pytest.mark.parametrize("provider", ["bwrap", "unshare", "auto"])
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="a forked worker keeps its template's string hash secret (it cannot be renewed "
     "after the imports hashed with it); documented in _worker/template.py and docs/performance.md",
 )

@@ -355,9 +355,8 @@ def test_a_runaway_call_times_out_and_the_vm_is_gone(vm_cache: str) -> None:
             status = dict(line.split(":", 1) for line in fh if ":" in line)
         assert status["Seccomp"].strip() == "2"  # QEMU's own -sandbox filter
         assert status["NoNewPrivs"].strip() == "1"  # set for Landlock (where it works)
-        t0 = time.monotonic()
+        # The call's own outcome is the event: the wall limit (2 s) ended it, named as such.
         result = worker.run("while True:\n    pass")
-        assert time.monotonic() - t0 < 10
         assert result.error is not None and result.error.rule == "limits.timeout", result.error
     finally:
         worker.kill()
@@ -415,10 +414,9 @@ def test_an_interrupt_reaches_the_cell_in_the_vm_and_keeps_the_variables(vm_cach
         while not worker._in_call:
             time.sleep(0.01)
         time.sleep(0.5)
-        t0 = time.monotonic()
         assert worker.interrupt()
-        t.join(15)
-        assert time.monotonic() - t0 < 5
+        t.join(15)  # the call returns on the interrupt, long before its 30 s sleep
+        assert not t.is_alive()
         result = out["r"]
         assert result.error is not None and result.error.type == "KeyboardInterrupt", result.error
         assert worker.run("kept + 1").value == 42
@@ -463,6 +461,7 @@ def test_clones_of_one_template_get_their_own_randomness(vm_cache: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="clones restored from one template keep its string hash secret (it cannot be "
     "renewed after the imports hashed with it, and a re-exec would cost the whole start "
     "under TCG); each template boot draws its own. Documented in docs/providers.md (qemu)",

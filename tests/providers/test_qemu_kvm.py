@@ -153,18 +153,15 @@ def test_a_hung_probe_is_killed_within_its_timeout_and_leaves_nothing(
     fake: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_QEMU_MODE", "hang")
-    t0 = time.monotonic()
-    v = verdict(fake, timeout=1.0)
-    took = time.monotonic() - t0
+    v = verdict(fake, timeout=1.0)  # the fake hangs for ever: only the timeout returns
     assert v.accel == "tcg" and "no ready guest within 1 s" in v.detail
-    assert took < 3.0, f"the probe took {took:.1f} s with a 1 s timeout"
     words = fake["log"].read_text().split()
     qemu_pid, child_pid = int(words[words.index("boot") + 1]), int(words[words.index("child") + 1])
     assert gone(qemu_pid), "the hung probe QEMU is still running"
     assert gone(child_pid), "a process the probe QEMU started is still running"
     # the hang is remembered too: the next session does not wait for it again
-    t0 = time.monotonic()
-    assert not verdict(fake, timeout=1.0).probed and time.monotonic() - t0 < 0.5
+    booted = boots(fake)
+    assert not verdict(fake, timeout=1.0).probed and boots(fake) == booted
 
 
 def test_no_usable_dev_kvm_is_tcg_without_a_boot(fake: dict[str, Path]) -> None:
@@ -201,14 +198,12 @@ def test_the_probe_boot_here_gives_the_verdict_doctor_reports(
         assert v.accel == "tcg" and "not read-writable by this user" in v.reason, v
         assert not v.probed
         return
-    t0 = time.monotonic()
     v = accel_for(qemu, image, afresh=True)
-    took = time.monotonic() - t0
     vendor = [name for name in kvm_modules() if name != "kvm"]
     if "kvm_pvm" not in vendor:
         pytest.skip(f"this host loads {vendor or 'no vendor module'}, not kvm_pvm: {v.describe()}")
     assert v.describe() == "TCG (KVM present but cannot boot stock kernels: kvm_pvm)"
-    assert v.probed and took < 20
+    assert v.probed
     # Only the probe boots this image under KVM (templates here are TCG): none of those left.
     probes = f"accel kvm .*-kernel {re.escape(image.vmlinux)}"
     assert not subprocess.run(["pgrep", "-f", probes], capture_output=True).stdout

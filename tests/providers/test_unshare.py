@@ -31,6 +31,7 @@ from agent_sandbox.providers._unshare import (
     unshare_argv,
 )
 from agent_sandbox.providers._view import HostLayout
+from tests.providers.conftest import require_landlock_and_seccomp
 
 HOST = HostLayout(
     symlinks={"/bin": "usr/bin", "/lib": "usr/lib", "/lib64": "usr/lib64", "/sbin": "usr/sbin"},
@@ -184,17 +185,16 @@ def _danger_policy(**files: Any) -> Policy:
 
 
 def test_default_stack_adds_landlock_and_seccomp(tmp_path: Path) -> None:
-    """It stacks Landlock and seccomp (applied by the worker) when both work here."""
+    """It stacks Landlock and seccomp (applied by the worker) where both work here."""
     _require()
+    require_landlock_and_seccomp()
     w = WorkerProcess.start(Policy(name="t"), UnshareProvider())
     try:
         checks = w.hello.get("checks", {})
-        assert w.plan is not None and w.plan.stack[0] == "unshare"
+        assert w.plan is not None and w.plan.stack == ("unshare", "landlock", "seccomp")
         assert checks["cap_eff"] == "0" * 16 and checks["no_new_privs"] == 1
-        if "seccomp" in w.plan.stack:
-            assert checks["seccomp"] == 2
-        if "landlock" in w.plan.stack:
-            assert checks["landlock"]["enforced"] is True
+        assert checks["seccomp"] == 2
+        assert checks["landlock"]["enforced"] is True
         assert w.run("2 + 3").value == 5
     finally:
         w.close()

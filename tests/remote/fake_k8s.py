@@ -37,16 +37,28 @@ SANDBOXES = "/apis/agents.x-k8s.io/v1beta1/namespaces/{ns}/sandboxes"
 
 
 class FakeKube:
-    def __init__(self, pods: list[tuple[str, str, int]], namespace: str = "default") -> None:
-        """`pods`: the warm pool, as (sandbox name, pod IP, port)."""
+    def __init__(
+        self,
+        pods: list[tuple[str, str, int]],
+        namespace: str = "default",
+        factory: Any = None,
+    ) -> None:
+        """`pods`: the warm pool, as (sandbox name, pod IP, port); `factory()`: a new pod
+        when none is idle (the warm pool's replenishment, a cold start)."""
         self.ns = namespace
         self.idle = list(pods)
+        self.factory = factory
         self.claims: dict[str, dict[str, Any]] = {}
         self.sandboxes: dict[str, dict[str, Any]] = {}
         self.bound: dict[str, tuple[str, str, int]] = {}
         self.created_bodies: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.mode = "ready"  # "ready" | "never" | a terminal reason such as "PodFailed"
+        #: Answers the API server gives instead, per call: (status, message).
+        self.create_errors: list[tuple[int, str]] = []
+        self.delete_errors: list[tuple[int, str]] = []
+        #: The UID preconditions the deletes carried.
+        self.delete_preconditions: list[str | None] = []
         self.rv = 100
         self.lock = threading.Lock()
         fake = self
@@ -80,9 +92,9 @@ class FakeKube:
 
             def do_DELETE(self) -> None:
                 length = int(self.headers.get("content-length", 0) or 0)
-                if length:
-                    self.rfile.read(length)
-                status, out = fake.delete(urlparse(self.path).path)
+                body = json.loads(self.rfile.read(length)) if length else {}
+                uid = ((body or {}).get("preconditions") or {}).get("uid")
+                status, out = fake.delete(urlparse(self.path).path, uid)
                 self._send(status, out)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -117,6 +129,9 @@ class FakeKube:
         name = body["metadata"]["name"]
         with self.lock:
             self.created_bodies.append(body)
+            if self.create_errors:
+                status, message = self.create_errors.pop(0)
+                return status, {"kind": "Status", "code": status, "message": message}
             if name in self.claims:
                 return 409, {"kind": "Status", "code": 409, "reason": "AlreadyExists"}
             claim = json.loads(json.dumps(body))
@@ -139,6 +154,8 @@ class FakeKube:
                 ]
             }
             return
+        if not self.idle and self.factory is not None:
+            self.idle.append(self.factory())
         if not self.idle:
             return
         sandbox, ip, port = self.idle.pop(0)
@@ -153,6 +170,22 @@ class FakeKube:
             "conditions": [{"type": "Ready", "status": "True", "reason": "Ready"}],
         }
 
+    def finish(self, sandbox: str, reason: str = "PodSucceeded") -> None:
+        """The controller seeing the sandbox's pod end (`restartPolicy: Never`): the Sandbox
+        and its claim are no longer Ready and are Finished (upstream's reasons)."""
+        with self.lock:
+            ended = [
+                {"type": "Ready", "status": "False", "reason": reason},
+                {"type": "Finished", "status": "True", "reason": reason},
+            ]
+            if sandbox in self.sandboxes:
+                self.sandboxes[sandbox]["status"]["conditions"] = ended
+            for name, bound in self.bound.items():
+                if bound[0] == sandbox:
+                    claim = self.claims[name]
+                    claim["status"]["conditions"] = ended
+                    claim["metadata"]["resourceVersion"] = self._next_rv()
+
     def get(self, path: str) -> tuple[int, Any]:
         base, _, name = path.rpartition("/")
         with self.lock:
@@ -162,11 +195,18 @@ class FakeKube:
                 return 200, self.sandboxes[name]
         return 404, {"kind": "Status", "code": 404}
 
-    def delete(self, path: str) -> tuple[int, Any]:
+    def delete(self, path: str, uid: str | None = None) -> tuple[int, Any]:
         base, _, name = path.rpartition("/")
         with self.lock:
+            self.delete_preconditions.append(uid)
+            if self.delete_errors:
+                status, message = self.delete_errors.pop(0)
+                return status, {"kind": "Status", "code": status, "message": message}
             if base != CLAIMS.format(ns=self.ns) or name not in self.claims:
                 return 404, {"kind": "Status", "code": 404}
+            if uid is not None and self.claims[name]["metadata"]["uid"] != uid:
+                message = f"Precondition failed: UID in precondition: {uid}"
+                return 409, {"kind": "Status", "code": 409, "message": message}
             self.claims.pop(name)
             self.deleted.append(name)
             pod = self.bound.pop(name, None)

@@ -230,7 +230,6 @@ def test_the_pod_enforces_the_wall_time_itself(certs: Certs) -> None:
     with serving(_config(certs, keepalive=0.2)) as srv:
         token = secrets.token_hex(16)
         _connect(srv, certs, token)
-        t0 = time.monotonic()
         with (
             _raw(certs) as http,
             http.stream(
@@ -241,9 +240,9 @@ def test_the_pod_enforces_the_wall_time_itself(certs: Certs) -> None:
                 timeout=30,
             ) as r,
         ):
+            # The event: the server ends the stream itself (its 60 s sleep never finishes).
             with pytest.raises(httpx.RemoteProtocolError):
                 b"".join(r.iter_raw())
-        assert time.monotonic() - t0 < 10
         for _ in range(50):
             if srv._stop.is_set():
                 break
@@ -336,12 +335,12 @@ def test_a_comment_cannot_hide_an_event(certs: Certs) -> None:
 
 def test_an_endless_trickle_still_ends_at_the_deadline(certs: Certs) -> None:
     start = encode_event("start", {"call": 1})
-    chunks = [start] + [b": keep-alive\n\n"] * 400
+    # A trickle far longer than the test's own timeout (20 000 comments, 10 ms apart): the
+    # call can only return because its 1 s deadline ended it.
+    chunks = [start] + [b": keep-alive\n\n"] * 20_000
     with _hostile(certs, chunks, end=False, delay=0.01) as pod:
-        t0 = time.monotonic()
         result, _ = _call(pod, certs, timeout=1.0)
     assert result.error is not None and result.error.rule == "limits.timeout"
-    assert time.monotonic() - t0 < 4.5
 
 
 def test_a_stream_cut_before_done_is_a_crash(certs: Certs) -> None:

@@ -78,7 +78,7 @@ def test_an_exhausted_pool_is_a_capacity_error_and_never_a_local_worker(certs: C
             t0 = time.monotonic()
             with pytest.raises(ClaimCapacityError, match="'tiny'"):
                 b.run("2")
-            assert 0.9 < time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 > 0.9  # it waited for the claim (a lower bound only)
             b.close()
         assert backend.started == 1  # one server for `a`; none for `b`, local or remote
 

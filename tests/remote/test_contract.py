@@ -17,11 +17,22 @@ from agent_sandbox import Sandbox
 from agent_sandbox._host.intake import remote_transport
 from agent_sandbox.providers._remote import RemoteProvider
 
-from .conftest import remote_policy
+from .conftest import Certs, remote_policy
 
 #: `tls`: calls over the client's own TLS socket (h11); `tls-httpx`: through httpx, the
-#: path a proxy takes.
-TRANSPORTS = ["uds", "tls", "tls-httpx"]
+#: path a proxy takes; `router`: through the upstream router's stand-in
+#: (`upstream_router.py`, commit 2fd412d) to pods started from the generated template
+#: (plain HTTP behind it, Landlock inside), claimed with the `k8s-agent-sandbox` SDK.
+TRANSPORTS = ["uds", "tls", "tls-httpx", "router"]
+
+
+@pytest.fixture(scope="module")
+def routed(certs: Certs) -> Iterator[Any]:
+    pytest.importorskip("k8s_agent_sandbox")
+    from .routed_cluster import routed_cluster
+
+    with routed_cluster(certs) as cluster:
+        yield cluster
 
 
 class _Local:
@@ -44,15 +55,18 @@ class _Local:
 
 
 @pytest.fixture(params=TRANSPORTS)
-def make(
-    request: pytest.FixtureRequest, remote: RemoteProvider, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Any]:
+def make(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     opened: list[Any] = []
     if request.param == "tls-httpx":
         monkeypatch.setattr(remote_transport, "DIRECT_RUNS", False)
+    remote: RemoteProvider | None = None
+    if request.param == "router":
+        remote = request.getfixturevalue("routed").provider()
+    elif request.param != "uds":
+        remote = request.getfixturevalue("remote")
 
     def factory(**policy_changes: Any) -> Any:
-        if request.param == "uds":
+        if remote is None:
             channel: Any = _Local(**policy_changes)
         else:
             channel = remote.session(
@@ -144,6 +158,11 @@ async def test_async_call(make: Any) -> None:
 def test_the_result_names_its_boundary(make: Any, request: pytest.FixtureRequest) -> None:
     s = make()
     result = s.run("1")
+    if "router" in request.node.name:
+        # The template's pod: Landlock inside (runc), as the pod reported it at bind.
+        assert result.provider == "remote" and "landlock" in result.stack
+        assert result.boundary != "none"
+        return
     assert result.boundary == "none"  # the Python layer only, in both places (opted out)
     assert result.provider == ("remote" if "tls" in request.node.name else "subprocess")
 

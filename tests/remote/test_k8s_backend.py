@@ -153,14 +153,12 @@ def test_a_claim_never_ready_is_a_capacity_error_naming_the_pool(cluster: Cluste
 
 
 def test_a_terminal_claim_reason_is_reported_at_once(cluster: Cluster) -> None:
-    import time
 
     cluster.kube.mode = "PodFailed"
-    session = cluster.provider(claim_timeout=20).session(remote_policy(), thread="t")
-    t0 = time.monotonic()
+    # A claim timeout far past the test's own: the error can only come from the reason.
+    session = cluster.provider(claim_timeout=3600).session(remote_policy(), thread="t")
     with pytest.raises(SandboxError, match="PodFailed"):
         session.run("1")
-    assert time.monotonic() - t0 < 10
     session.close()
 
 

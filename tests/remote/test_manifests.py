@@ -50,7 +50,16 @@ def test_the_template_and_pool_are_exactly_these() -> None:
             "networkPolicy": {
                 "ingress": [
                     {
-                        "from": [{"podSelector": {"matchLabels": {"app": "sandbox-router"}}}],
+                        "from": [
+                            {
+                                "namespaceSelector": {
+                                    "matchLabels": {
+                                        "kubernetes.io/metadata.name": "agent-sandbox-system"
+                                    }
+                                },
+                                "podSelector": {"matchLabels": {"app": "sandbox-router"}},
+                            }
+                        ],
                         "ports": [{"protocol": "TCP", "port": 8888}],
                     }
                 ],
@@ -74,6 +83,7 @@ def test_the_template_and_pool_are_exactly_these() -> None:
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    "restartPolicy": "Never",
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": 10001,
@@ -89,10 +99,8 @@ def test_the_template_and_pool_are_exactly_these() -> None:
                                 "serve",
                                 "--listen",
                                 "tcp://0.0.0.0:8888",
-                                "--tls-cert",
-                                "/tls/tls.crt",
-                                "--tls-key",
-                                "/tls/tls.key",
+                                "--plaintext",
+                                "accepted",
                                 "--bind-secret-file",
                                 "/bind/secret",
                                 "--provider",
@@ -101,10 +109,7 @@ def test_the_template_and_pool_are_exactly_these() -> None:
                                 "900",
                             ],
                             "ports": [{"containerPort": 8888, "name": "worker", "protocol": "TCP"}],
-                            "readinessProbe": {
-                                "httpGet": {"path": "/healthz", "port": 8888, "scheme": "HTTPS"},
-                                "periodSeconds": 2,
-                            },
+                            "readinessProbe": {"tcpSocket": {"port": 8888}, "periodSeconds": 2},
                             "resources": {
                                 "requests": {"cpu": "500m", "memory": "768Mi"},
                                 "limits": {"cpu": "500m", "memory": "768Mi"},
@@ -115,14 +120,12 @@ def test_the_template_and_pool_are_exactly_these() -> None:
                                 "capabilities": {"drop": ["ALL"]},
                             },
                             "volumeMounts": [
-                                {"name": "tls", "mountPath": "/tls", "readOnly": True},
                                 {"name": "bind", "mountPath": "/bind", "readOnly": True},
                                 {"name": "scratch", "mountPath": "/tmp"},
                             ],
                         }
                     ],
                     "volumes": [
-                        {"name": "tls", "secret": {"secretName": "ags-worker-tls"}},
                         {"name": "bind", "secret": {"secretName": "ags-bind-secret"}},
                         {"name": "scratch", "emptyDir": {"sizeLimit": "64Mi"}},
                     ],
@@ -145,7 +148,7 @@ def test_the_template_and_pool_are_exactly_these() -> None:
 def test_gvisor_runs_the_strongest_provider_inside_and_declares_the_runtime() -> None:
     """Under gVisor the in-pod provider is `auto` (a probe at the pod's start picks what
     works there, `subprocess` only where nothing does), never a fixed `subprocess`."""
-    template, _ = manifests(_policy(), image="i", runtime="gvisor", mtls=True)
+    template, _ = manifests(_policy(), image="i", runtime="gvisor", hop="direct", mtls=True)
     spec = template["spec"]["podTemplate"]["spec"]
     assert spec["runtimeClassName"] == "gvisor"
     args = spec["containers"][0]["args"]
@@ -232,13 +235,32 @@ def test_the_worker_image_runs_what_the_template_expects() -> None:
     assert "bubblewrap" in text  # `auto`'s first candidate, under gVisor and Kata
 
 
+def test_the_worker_image_builds_its_wheel_inside() -> None:
+    """deploy/worker.Dockerfile is multi-stage: the wheel (with its C extensions, checked)
+    is built in the image for the image's platform and Python, and the runtime stage takes
+    it from there; nothing built outside (a `dist/` of the builder's platform) is copied."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "deploy" / "worker.Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", text, re.M)
+    assert stages == [("python:3.11-slim-bookworm", "build"), ("python:3.11-slim-bookworm", "")]
+    build, runtime = text.split("\nFROM python:3.11-slim-bookworm\n")
+    assert "pip wheel" in build and "the wheel lacks its C extensions" in build
+    assert "COPY --from=build /dist/" in runtime and "COPY dist/" not in text
+    assert "gcc" not in runtime  # no compiler in the image that runs
+    ignored = (root / ".dockerignore").read_text().split()
+    assert {".venv", "build", "dist", "**/*.so"} <= set(ignored)
+
+
 @pytest.mark.parametrize("runtime", ["runc", "gvisor", "kata"])
 def test_the_pod_and_network_rules_validate_against_the_kubernetes_schema(runtime: str) -> None:
     """The template's pod spec as a v1 Pod and its network rules as a NetworkPolicy spec,
     against the Kubernetes OpenAPI schema (`kubernetes-validate`, strict: unknown fields
     fail). The CRDs themselves (SandboxTemplate, SandboxWarmPool) are not in that schema."""
     kv = pytest.importorskip("kubernetes_validate")
-    template, _ = manifests(_policy(), image="i", runtime=runtime, mtls=True)
+    template, _ = manifests(_policy(), image="i", runtime=runtime, hop="direct", mtls=True)
     version = kv.latest_version()
     pod = {
         "apiVersion": "v1",
@@ -261,3 +283,64 @@ def test_the_pod_and_network_rules_validate_against_the_kubernetes_schema(runtim
     typo = {**pod, "spec": {**pod["spec"], "automountServiceAccountTokn": False}}
     with pytest.raises(kv.ValidationError):  # the check can fail
         kv.validate(typo, version, strict=True)
+
+
+def test_the_direct_hop_serves_tls_and_mtls_with_the_same_probe() -> None:
+    """`hop="direct"`: TLS files and (with `mtls`) the client CA; the readiness probe is the
+    same TCP probe (the kubelet presents no client certificate, so an HTTPS probe would never
+    pass under mTLS); the router hop refuses `mtls` (the routers present none either)."""
+    template, _ = manifests(_policy(), image="i", runtime="runc", hop="direct", mtls=True)
+    spec = template["spec"]["podTemplate"]["spec"]
+    container = spec["containers"][0]
+    args = container["args"]
+    assert args[args.index("--tls-cert") + 1] == "/tls/tls.crt"
+    assert args[args.index("--client-ca") + 1] == "/tls/ca.crt"
+    assert "--plaintext" not in args
+    assert container["readinessProbe"] == {"tcpSocket": {"port": 8888}, "periodSeconds": 2}
+    assert {"name": "tls", "secret": {"secretName": "ags-worker-tls"}} in spec["volumes"]
+    assert spec["restartPolicy"] == "Never"
+    with pytest.raises(ManifestError, match="--mtls needs --hop direct"):
+        manifests(_policy(), image="i", runtime="runc", mtls=True)
+
+
+def test_the_router_peer_is_selectable() -> None:
+    template, _ = manifests(
+        _policy(), image="i", router_namespace="edge", router_labels={"role": "gw"}
+    )
+    (rule,) = template["spec"]["networkPolicy"]["ingress"]
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "edge"}},
+            "podSelector": {"matchLabels": {"role": "gw"}},
+        }
+    ]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "agent_sandbox", "k8s", "manifests", "data-analysis"]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--image", "reg/ags:1", "--runtime", "runc", "--replicas", "-1"], "--replicas -1"),
+        (["--image", "reg/ags:1", "--runtime", "runc", "--replicas", "x"], "whole number"),
+        (["--image", "", "--runtime", "runc"], "--image ''"),
+        (["--image", "Reg/A B", "--runtime", "runc"], "image reference"),
+        (["--image", "reg/ags:1", "--runtime", "runc", "--namespace", "Team_A"], "DNS label"),
+        (["--image", "reg/ags:1", "--runtime", "runc", "--namespace", "a" * 64], "DNS label"),
+        (["--image", "reg/ags:1"], "--runtime is required"),
+        (["--image", "reg/ags:1", "--runtime", "docker"], "gvisor, kata or runc"),
+        (["--image", "reg/ags:1", "--runtime", "runc", "--router-labels", "a b"], "KEY=VALUE"),
+        (["--image", "reg/ags:1", "--runtime", "runc", "--idle-exit", "0"], "--idle-exit"),
+        (["--image", "reg/ags:1", "--runtime", "runc", "--hop", "tunnel"], "router or direct"),
+    ],
+)
+def test_inputs_the_api_server_would_reject_exit_64_with_the_reason(
+    args: list[str], reason: str
+) -> None:
+    done = _cli(*args, "--format", "json")
+    assert done.returncode == 64, done.stderr
+    assert reason in done.stderr and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -247,6 +247,20 @@ def test_a_k8s_table_builds_the_k8s_backend(monkeypatch: pytest.MonkeyPatch) -> 
     assert (provider.tenant, provider.max_claims, provider.bind_secret) == ("acme", 3, "bind")
 
 
+def test_a_k8s_claim_expires_after_a_day_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A claim whose agent crashed is reaped by its expiry even if its pod never idles out;
+    none at all only in so many words (0)."""
+    monkeypatch.setenv(remote_pool.SESSION_KEY_ENV, "k" * 32)
+    monkeypatch.setenv(remote_pool.BIND_SECRET_ENV, "bind")
+    for table, expected in (({}, 86_400), ({"shutdown_after_seconds": 0}, None)):
+        policy = Policy(provider="remote", remote={"pool": "ags-a", **table})
+        assert policy.remote is not None
+        backend = remote_pool.build_provider(policy.remote).backend
+        assert backend.shutdown_after_seconds == expected  # type: ignore[attr-defined]
+
+
 def test_closing_the_last_sandbox_ends_the_local_servers(policy: Policy) -> None:
     """It ends a closed sandbox's claimed servers at once, and the shared provider's warm
     servers when its last sandbox closes."""

@@ -66,6 +66,24 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 66 and "cannot read" in out.stderr
     out = run_cli("run", "--policy", str(tmp_path / "none.toml"), "-c", "1")
     assert out.returncode == 78 and "none.toml" in out.stderr
+    out = run_cli("run", "--json", str(tmp_path / "none.py"))
+    error = json.loads(out.stdout)["error"]
+    assert error["type"] == "InputFileError" and error["exit_status"] == 66
+
+
+def test_a_missing_extends_file_is_named_with_the_file_and_line_that_extend_it(
+    tmp_path: Path,
+) -> None:
+    """It names the policy file and the line of its `extends` when the file it extends is
+    missing, not only the missing path."""
+    policy = tmp_path / "tool.toml"
+    policy.write_text('name = "tool"\nextends = "base.toml"\n')
+    out = run_cli("policy", "check", str(policy))
+    assert out.returncode == 78
+    assert (
+        f"{policy}:2: [extends] extends 'base.toml', which names {tmp_path / 'base.toml'}"
+        in out.stderr
+    )
 
 
 def test_policy_check_and_explain(tmp_path: Path) -> None:
@@ -133,6 +151,63 @@ def test_a_library_internal_refusal_is_not_a_failure_of_the_cli() -> None:
     out = run_cli("run", "--policy", "data-analysis", "-c", code)
     assert out.returncode == 0, out.stderr
     assert "to allow it" not in out.stderr and "denied" not in out.stderr
+
+
+def test_text_that_is_not_unicode_cannot_crash_the_cli() -> None:
+    """It denies a lone surrogate (`print('\\ud800')`, a returned one, a dict key) the power
+    to crash the CLI or make its JSON invalid: each arrives as U+FFFD, in plain and JSON output."""
+    code = "print('a\\ud800b')\n{'\\udfff': ['\\ud800']}"
+    plain = subprocess.run([*CLI, "run", "-c", code], capture_output=True, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.decode("utf-8") == "a\ufffdb\n"
+    assert "\ufffd" in plain.stderr.decode("utf-8")  # the value line
+    as_json = subprocess.run([*CLI, "run", "--json", "-c", code], capture_output=True, timeout=60)
+    data = json.loads(as_json.stdout.decode("utf-8"))  # strict UTF-8, valid JSON
+    assert data["stdout"] == "a\ufffdb\n" and data["value"] == {"\ufffd": ["\ufffd"]}
+
+
+WRITES = (
+    "import matplotlib.pyplot as plt\n"
+    "plt.plot([1, 2]); plt.savefig('sales.png'); print('saved')\n"
+    "open('report.csv', 'w').write('a,b\\n1,2\\n')\n"
+    "open('we\\nird.txt', 'w').write('x')\n"
+    "open('..evil', 'w').write('x')\n"
+)
+
+
+def test_run_writes_what_the_code_produced_to_the_output_directory(tmp_path: Path) -> None:
+    """It writes the run's images and files to --out under safe names, lists them, names
+    what it did not return and why, and never writes outside the directory."""
+    out = tmp_path / "out"
+    out.mkdir()
+    done = run_cli("run", "-p", "data-analysis", "--out", str(out), "-c", WRITES)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["evil", "report.csv", "sales.png"]
+    assert (out / "sales.png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "report.csv").read_text() == "a,b\n1,2\n"
+    assert f'wrote "{out}/sales.png" (image "sales.png")' in done.stderr
+    assert 'not returned: file "we\\x0aird.txt": its name holds control characters' in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing beside it
+
+
+def test_run_never_overwrites_without_force_and_never_through_a_link(tmp_path: Path) -> None:
+    """It denies a run's output the power to replace an existing file (without --force) or
+    to write through a link planted in the output directory (even with --force)."""
+    (tmp_path / "report.csv").write_text("mine")
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / "link.txt").symlink_to(victim)
+    code = "open('report.csv', 'w').write('new')\nopen('link.txt', 'w').write('new')"
+    done = run_cli("run", "-p", "data-analysis", "--out", str(tmp_path), "-c", code)
+    assert (tmp_path / "report.csv").read_text() == "mine"
+    assert "report.csv exists (use --force to replace it)" in done.stderr
+    forced = run_cli(
+        "run", "--json", "-p", "data-analysis", "--out", str(tmp_path), "--force", "-c", code
+    )
+    outputs = {o["name"]: o for o in json.loads(forced.stdout)["outputs"]}
+    assert (tmp_path / "report.csv").read_text() == "new"
+    assert victim.read_text() == "keep" and outputs["link.txt"]["path"] is None
+    assert "symbolic links" in outputs["link.txt"]["not_returned"]
 
 
 def test_run_in_places_files_in_scratch_before_the_run(tmp_path: Path) -> None:

@@ -7,11 +7,13 @@ judged, and its exception rebuilt, by `agent_sandbox._host.intake.errors`.
 
 from __future__ import annotations
 
+import binascii
 import dataclasses
 import re
+import struct
 from typing import TYPE_CHECKING, Any
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import Denial, fold_detail, is_sensitive
 from agent_sandbox._host.intake.errors import check_error
 from agent_sandbox._host.intake.events import (
     MAX_COUNT,
@@ -22,8 +24,10 @@ from agent_sandbox._host.intake.events import (
     clean_text,
     denial_chars,
     over,
+    quote,
     render_notice,
 )
+from agent_sandbox._host.intake.images import ImageRejected, image_info
 from agent_sandbox._host.result import Image, RunError, RunResult
 
 if TYPE_CHECKING:
@@ -35,7 +39,10 @@ __all__ = ["Mark", "ResultBuilder"]
 #: Distinct refusals the host keeps from one call, whatever a worker sends (past it, the
 #: rest are counted per rule under `_OTHER_TARGETS`).
 MAX_DENIALS = 256
+MAX_SENSITIVE = 192
 _OTHER_TARGETS = "(other targets)"
+_OTHER_SENSITIVE = "(other sensitive targets)"
+_FOLDS = frozenset({_OTHER_TARGETS, _OTHER_SENSITIVE})
 #: Rules whose refusals are never library-internal, whatever a worker says: the code layer
 #: and the limits act on the user's code itself; the rest are the host's or the guards' own.
 _NEVER_INTERNAL = ("code.", "limits.", "guard.", "worker.", "result.")
@@ -121,6 +128,7 @@ class ResultBuilder:
         self.done = False
         self.discard = False
         self._positions: dict[tuple[str, ...], int] = {}
+        self._kept = {False: 0, True: 0}  # distinct refusals kept: ordinary, sensitive
         self._wire: list[int] = []  # the worker's n-th denial event -> index in `denials`
         self._error_refusals: list[Denial] = []
         self._wire_policy: dict[str, Any] | None = None
@@ -198,21 +206,30 @@ class ResultBuilder:
         return denial
 
     def add_denial(self, denial: Denial) -> int:
-        """Keep one refusal (merged with the same one, bounded); returns its index."""
+        """Keep one refusal (merged with the same one, bounded); returns its index.
+
+        The host's own bound, whatever the worker folded: `MAX_DENIALS` distinct ordinary
+        refusals and a reserve of `MAX_SENSITIVE` sensitive ones (`_denial.is_sensitive`);
+        past them, refusals are folded per rule, the sensitive ones apart.
+        """
         key = denial.key()
         pos = self._positions.get(key)
-        if pos is None and len(self.denials) >= MAX_DENIALS:
-            actual = denial.last or denial
-            denial = denial.replace(
-                action="*",
-                target=_OTHER_TARGETS,
-                detail=f"more than {MAX_DENIALS} distinct refusals in one call; the rest are "
-                "counted per rule",
-                hint="",
-                last=actual.replace(count=1, last=None),
-            )
-            key = denial.key()
-            pos = self._positions.get(key)
+        if pos is None and denial.target not in _FOLDS:
+            sensitive = is_sensitive(denial.rule, denial.target)
+            budget = MAX_SENSITIVE if sensitive else MAX_DENIALS
+            if self._kept[sensitive] >= budget:
+                actual = denial.last or denial
+                denial = denial.replace(
+                    action="*",
+                    target=_OTHER_SENSITIVE if sensitive else _OTHER_TARGETS,
+                    detail=fold_detail(denial.rule, budget, sensitive),
+                    hint="",
+                    last=actual.replace(count=1, last=None),
+                )
+                key = denial.key()
+                pos = self._positions.get(key)
+            elif pos is None:
+                self._kept[sensitive] += 1
         if pos is None:
             self._positions[key] = len(self.denials)
             self.denials.append(denial)
@@ -344,9 +361,40 @@ class ResultBuilder:
                 self.bounds.image_chars,
                 "limits.result_bytes",
             )
-        image = Image(clean_text(data["name"], 255), "image/png", data["data"])
+        name = clean_text(data["name"], 255)
+        refused = self._image_refusal(data["data"])
+        if refused:
+            # The code's own image, not the worker's breach: dropped, and the result says so.
+            text = f"image {quote(name, 100)} was not returned: {refused}"
+            if len(self.notices) >= self.bounds.notices:
+                raise over(
+                    "the worker's notices (a count)", len(self.notices) + 1, self.bounds.notices
+                )
+            self.notices.append(text)
+            return "notice", text
+        image = Image(name, "image/png", data["data"])
         self.images.append(image)
         return "image", image.to_dict()
+
+    def _image_refusal(self, text: str) -> str:
+        """Why an image may not be returned ("" when it may): what its headers declare."""
+        try:
+            info = image_info(binascii.a2b_base64(text))
+        except (ImageRejected, binascii.Error, struct.error) as exc:
+            return f"it is not an image the host can measure ({exc})"
+        if info.format != "png":
+            return f"it is {info.format.upper()} data, not the PNG it is named as"
+        if info.pixels > self.bounds.image_pixels:
+            return (
+                f"it declares {info.width} x {info.height} pixels, more than "
+                f"limits.image_pixels ({self.bounds.image_pixels})"
+            )
+        if info.frames > self.bounds.image_frames:
+            return (
+                f"it declares {info.frames} frames, more than "
+                f"limits.image_frames ({self.bounds.image_frames})"
+            )
+        return ""
 
     def _on_files(self, data: Any) -> tuple[str, Any]:
         if not isinstance(data, list) or len(data) > self.bounds.files:

@@ -95,11 +95,18 @@ class HostBounds:
     denial_chars: int = MAX_DENIAL_CHARS
     notices: int = MAX_NOTICES
     files: int = MAX_FILES
+    image_pixels: int = 16_777_216
+    image_frames: int = 1
 
     @classmethod
     def from_policy(cls, policy: Any) -> HostBounds:
         limits = policy.limits
-        return cls(output_chars=int(limits.output_bytes), result_bytes=int(limits.result_bytes))
+        return cls(
+            output_chars=int(limits.output_bytes),
+            result_bytes=int(limits.result_bytes),
+            image_pixels=int(limits.image_pixels),
+            image_frames=int(limits.image_frames),
+        )
 
     @property
     def image_chars(self) -> int:
@@ -290,6 +297,9 @@ _DETAIL_PATTERNS = (
     r"the path is outside \[files\] write \(only the scratch directory is writable unless "
     r"the policy says more\)",
     r"the path is outside \[files\] read",
+    # the refusal trail's folds (`_denial.fold_detail`)
+    r"past the first N distinct (?:sensitive )?targets of this rule in one call, further "
+    r"refusals are counted here \(count: how many; last: the latest, in full\)",
     # imports, calls, environment
     r"Q is listed in \[imports\] deny, which beats \[imports\] allow",
     r"the module is not in \[imports\] allow",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import MessageTooLarge, TransportError
 from agent_sandbox._wire import EVENT_KINDS, json_values
@@ -20,7 +20,7 @@ from agent_sandbox._wire import EVENT_KINDS, json_values
 if TYPE_CHECKING:
     from agent_sandbox._wire import Event
 
-__all__ = ["KindCaps", "SSEParser"]
+__all__ = ["KindCaps", "SSEParser", "valid_text"]
 #: The kinds whose data may be a large structure (the others are small and fixed-shape).
 _STRUCTURED = frozenset({"result", "error"})
 
@@ -179,6 +179,45 @@ class SSEParser:
             # import the codec the worker's bytes chose (found by fuzzing).
             with memoryview(buf) as view:
                 text = str(view[first:end], "utf-8")
-            return kind, _DECODE(text)
+            data = _DECODE(text)
         except (ValueError, RecursionError) as exc:
             raise TransportError(f"an event from the worker is not valid JSON: {exc}") from None
+        # Strict UTF-8 leaves one way to a string that is not text: a JSON escape of a lone
+        # surrogate (`"\\ud800"`, what `print('\\ud800')` sends). Only then is the value walked.
+        if buf.find(b"\\ud", first, end) >= 0 or buf.find(b"\\uD", first, end) >= 0:
+            data = valid_text(data)
+        return kind, data
+
+
+#: A surrogate code point: in a decoded JSON string always a lone one (json joins pairs).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(data: Any) -> Any:
+    """`data` with every lone surrogate in its strings (keys too) replaced by U+FFFD.
+
+    The one rule for text from a worker: what is not a Unicode scalar value becomes the
+    replacement character, as an invalid byte does in `bytes.decode("utf-8", "replace")`.
+    Every string the host keeps can then be encoded as UTF-8 (printed, written as JSON,
+    given to a model). Iterative, so a deep value costs no recursion.
+    """
+    if isinstance(data, str):
+        return _SURROGATE.sub("\ufffd", data)
+    if not isinstance(data, (list, dict)):
+        return data
+    root: list[Any] = [data]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, slot = stack.pop()
+        value = parent[slot]
+        if isinstance(value, str):
+            parent[slot] = _SURROGATE.sub("\ufffd", value)
+        elif isinstance(value, list):
+            stack.extend((value, i) for i in range(len(value)))
+        elif isinstance(value, dict):
+            if any(isinstance(k, str) and _SURROGATE.search(k) for k in value):
+                fixed = {_SURROGATE.sub("\ufffd", k): v for k, v in value.items()}
+                value.clear()
+                value.update(fixed)
+            stack.extend((value, k) for k in value)
+    return root[0]

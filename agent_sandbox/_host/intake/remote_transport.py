@@ -14,6 +14,11 @@ The session token travels in `X-Agent-Sandbox-Token`, not `Authorization`: the
 agent-sandbox router strips `Authorization` (it may carry the router's own scoped token).
 Plain `http://` is refused unless the caller accepts it in so many words
 (`plaintext="accepted"`, for a hop a TLS-terminating router already protects).
+
+This module is longer than 600 lines because the blocking and the asyncio calls are twins
+over one protocol object with one set of checks (deadline, caps, framing), and the retries
+of the bind and handshake sit with the requests they repeat; split, the checks would be kept
+in step in two places.
 """
 
 from __future__ import annotations
@@ -52,6 +57,24 @@ BIND_HEADER = "x-agent-sandbox-bind"
 
 OnEvent = Callable[[Event], None]
 
+#: The waits between attempts of a bind or a handshake that met a passing failure (as the
+#: agent-sandbox SDK's urllib3 `Retry(backoff_factor=0.5)`: 0.5, 1, 2, 4 s).
+RETRY_DELAYS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+#: The answers that are passing failures (a router's 502/504, a pod not ready yet).
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+
+
+def _tls_refused(exc: BaseException) -> bool:
+    """A certificate or handshake refused somewhere in `exc`'s chain."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
 
 class RemoteNotReady(TransportError):
     """The worker is being bound by another process of the same session (HTTP 503)."""
@@ -88,6 +111,10 @@ class RemoteTLS:
     proxy: str | None = None
     connect_timeout: float = 5.0
     plaintext: Literal["", "accepted"] = ""
+    #: The name the worker's certificate must carry, instead of the URL's host: direct
+    #: pod-IP mode, where one certificate (e.g. `ags-worker.<namespace>.svc`) serves every
+    #: pod of a template and cannot name each pod's IP. Also sent as SNI.
+    server_name: str | None = None
 
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=self.ca_file)
@@ -152,10 +179,12 @@ class RemoteWorkerClient:
         result_cap = kind_caps.get("result") if kind_caps is not None else None
         self.max_values = value_budget(result_cap[0]) if result_cap is not None else None
         self.headers = dict(headers or {})
+        self.retries = 0  # the last bind's or handshake's retries
         self._client: httpx.Client | None = None
         parts = urllib.parse.urlsplit(self.url)
         self._https = parts.scheme == "https"
         self._host = parts.hostname or ""
+        self._tls_name = self.tls.server_name or self._host
         self._port = parts.port or (443 if self._https else 80)
         self._prefix = parts.path.rstrip("/")
         self._netloc = parts.netloc.rpartition("@")[2]
@@ -211,6 +240,7 @@ class RemoteWorkerClient:
                 content=body,
                 headers={**self._headers(headers), "content-type": "application/json"},
                 timeout=self._timeout(deadline),
+                extensions={"sni_hostname": self._tls_name} if self.tls.server_name else None,
             ) as response:
                 data = bytearray()
                 for chunk in response.iter_raw():
@@ -225,6 +255,11 @@ class RemoteWorkerClient:
             raise TimeoutError("the remote worker did not answer in time") from None
         except httpx.TransportError as exc:
             self.close()
+            if _tls_refused(exc):
+                # Not a passing failure (never retried): the peer's certificate is wrong.
+                raise TransportError(
+                    f"the TLS handshake with the remote worker failed: {exc}"
+                ) from None
             raise ConnectionLost(f"the connection to the remote worker failed: {exc}") from None
         try:
             return status, json.loads(data) if data else None
@@ -241,10 +276,40 @@ class RemoteWorkerClient:
             return False
         return status == 200
 
+    def _retrying(
+        self,
+        method: str,
+        route: str,
+        payload: Any,
+        deadline: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """`_request_json`, retried with backoff (`RETRY_DELAYS`, within `deadline`) on what
+        a router or a pod in its start answers for a moment: 500, 502, 503 (but not the
+        session's own "being bound"), 504, and a connection refused or reset. The last
+        answer, or error, is the caller's."""
+        self.retries = 0
+        for delay in (*RETRY_DELAYS, None):
+            try:
+                status, data = self._request_json(method, route, payload, deadline, headers)
+            except ConnectionLost:
+                if delay is None or time.monotonic() + delay >= deadline:
+                    raise
+            else:
+                pending = status == 503 and route == "/hello"
+                if status not in RETRY_STATUSES or pending or delay is None:
+                    return status, data
+                if time.monotonic() + delay >= deadline:
+                    return status, data
+            self.retries += 1
+            time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def bind(self, bind_secret: str, payload: dict[str, Any], timeout: float) -> int:
         """`POST /v1/bind`: hand the worker its session; returns the HTTP status (200 bound,
-        409 already bound). The bootstrap secret goes in its own header, never in the body."""
-        status, _body = self._request_json(
+        409 already bound). The bootstrap secret goes in its own header, never in the body.
+        Retried on a router's or a starting pod's passing failures (`_retrying`)."""
+        status, _body = self._retrying(
             "POST",
             "/v1/bind",
             payload,
@@ -254,7 +319,7 @@ class RemoteWorkerClient:
         return status
 
     def hello(self, timeout: float) -> dict[str, Any]:
-        status, data = self._request_json("GET", "/hello", None, time.monotonic() + timeout)
+        status, data = self._retrying("GET", "/hello", None, time.monotonic() + timeout)
         if status == 503:
             raise RemoteNotReady("the remote worker is being bound by this session's other process")
         if status != 200:
@@ -309,7 +374,7 @@ class RemoteWorkerClient:
             if self._https:
                 if self._ssl is None:
                     self._ssl = self.tls.ssl_context()
-                sock = self._ssl.wrap_socket(raw, server_hostname=self._host)
+                sock = self._ssl.wrap_socket(raw, server_hostname=self._tls_name)
         except TimeoutError:
             raw.close()
             raise TimeoutError("the remote worker's TLS handshake did not end in time") from None
@@ -409,7 +474,7 @@ class RemoteWorkerClient:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(
-                    self._host, self._port, ssl=ctx, server_hostname=self._host if ctx else None
+                    self._host, self._port, ssl=ctx, server_hostname=self._tls_name if ctx else None
                 ),
                 timeout,
             )

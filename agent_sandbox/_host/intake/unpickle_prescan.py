@@ -6,6 +6,10 @@ size; it tracks what each stack slot holds (`_Val`) so that a global is used onl
 allowlist entry grants (`agent_sandbox._host.intake.unpickle_classes`), BUILD only targets
 an instance built in the stream, and dict and set insertions are checked for hash flooding.
 The flow is in `agent_sandbox._host.intake.unpickle`.
+
+It is longer than 600 lines on purpose: it is the whole judgement of an objects-mode
+stream (the opcode families, the frame rule, the budgets, the slot tracking), and a reviewer
+checks each opcode's handling against the others in one place.
 """
 
 from __future__ import annotations
@@ -301,9 +305,11 @@ class _Scan:
                 if end > n:
                     raise self.refuse("a length past the end of the stream", at)
                 try:
-                    text = data[pos + 1 : end].decode("utf-8", "surrogatepass")
+                    text = data[pos + 1 : end].decode("utf-8")
                 except UnicodeDecodeError:
-                    raise self.refuse("a string that is not UTF-8", at) from None
+                    raise self.refuse(
+                        "a string that is not text (invalid UTF-8 or a lone surrogate)", at
+                    ) from None
                 pos = end
                 self.stack.append(_Val("str", text))
                 continue
@@ -343,9 +349,11 @@ class _Scan:
                 raw = data[pos : pos + size]
                 pos += size
                 try:
-                    text = raw.decode("utf-8", "surrogatepass")
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise self.refuse("a string that is not UTF-8", at) from None
+                    raise self.refuse(
+                        "a string that is not text (invalid UTF-8 or a lone surrogate)", at
+                    ) from None
                 stack_push(_Val("str", text), at)
                 continue
             if op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET

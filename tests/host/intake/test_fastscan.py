@@ -254,10 +254,20 @@ def test_crafted_hostile_streams_are_not_accepted_by_c(name: str) -> None:
             prescan(data)
 
 
-def test_surrogates_pass_as_in_python() -> None:
-    data = _stream(b"\x8c\x03\xed\xa0\x80")  # a lone surrogate, as surrogatepass encodes it
-    assert python_accepts(data, Budgets())
-    assert _fastscan.prescan_data(data, *_args(Budgets()))
+def test_lone_surrogates_are_refused_as_in_python() -> None:
+    """It denies a string that is not text (a lone surrogate, as surrogatepass encodes it):
+    the C scan leaves it to the Python scan, which refuses it, so no host code ever holds a
+    string that cannot be encoded."""
+    data = _stream(b"\x8c\x03\xed\xa0\x80")
+    assert not python_accepts(data, Budgets())
+    assert not _fastscan.prescan_data(data, *_args(Budgets()))
+    with pytest.raises(UnpickleRefused, match="lone surrogate"):
+        prescan(data)
+    # The code points around the surrogates stay text (U+D7FF, U+E000).
+    for ok in ("\ud7ff", "\ue000"):
+        data = _stream(b"\x8c\x03" + ok.encode())
+        assert python_accepts(data, Budgets())
+        assert _fastscan.prescan_data(data, *_args(Budgets()))
 
 
 def test_int_hashes_match_python() -> None:

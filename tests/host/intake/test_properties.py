@@ -9,6 +9,7 @@ import base64
 import datetime
 import decimal
 import pickle
+import re
 import sys
 from typing import Any
 
@@ -332,7 +333,10 @@ def test_hostile_exception_payloads_fail_closed(payload: dict[str, Any]) -> None
 @SETTINGS
 @given(st.text(alphabet=st.characters(exclude_categories=()), max_size=30))
 def test_any_text_crosses_the_wire_including_lone_surrogates(text: str) -> None:
-    """Text the code prints (lone surrogates included) round-trips through one event,
-    instead of failing its encoding in the worker and vanishing (found by this test)."""
+    """Text the code prints (lone surrogates included) crosses in one event, instead of
+    failing its encoding in the worker and vanishing (found by this test); the host keeps
+    it as text: each lone surrogate becomes U+FFFD, everything else is unchanged."""
     event = encode_event("stdout", {text: text})
-    assert SSEParser(100_000).feed(event) == [("stdout", {text: text})]
+    shown = re.sub("[\ud800-\udfff]", "\ufffd", text)
+    assert SSEParser(100_000).feed(event) == [("stdout", {shown: shown})]
+    shown.encode("utf-8")
