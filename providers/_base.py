@@ -82,6 +82,11 @@ class LaunchPlan:
     #: The launched process forwards SIGINT to the worker (the worker has no host pid: it
     #: runs in a VM), so the parent's interrupt signals the launcher itself.
     interrupt_launcher: bool = False
+    #: The launched process is the worker's keeper (`_worker/boot.py`): a subreaper that
+    #: forks the worker below it (`worker_depth` 1) and ends the worker and everything it
+    #: started, detached or not, when the host's launch thread dies (the agent and its
+    #: guardian killed together). For providers with no pid namespace to die with.
+    keeper: bool = False
     #: A host file where the launcher keeps the limit counters the sandbox side reported
     #: (a VM's guest agent: `_qemu_host.py`); the parent turns new counts into denials
     #: marked as the worker side's word (`_limits.GuestLimits`). "" when there is none.

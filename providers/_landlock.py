@@ -557,4 +557,6 @@ class LandlockProvider(Provider):
             cwd=spec.scratch,
             worker_setup=setup,
             stack=(self.name, "seccomp") if "seccomp" in setup else (self.name,),
+            worker_depth=1,  # its keeper, then the worker
+            keeper=True,
         )

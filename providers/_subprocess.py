@@ -45,4 +45,6 @@ class SubprocessProvider(Provider):
             cwd=spec.scratch,
             worker_setup={},
             stack=(self.name,),
+            worker_depth=1,  # its keeper, then the worker
+            keeper=True,
         )

@@ -296,6 +296,8 @@ class WorkerProcess:
                 "host_env_names": sorted(os.environ),
                 # Started from scratch in the launch thread: it dies with that thread.
                 "die_with_parent": template is None,
+                # No pid namespace to die with: a keeper ends what the worker detached.
+                "keeper": template is None and self.plan.keeper,
             }
             try:
                 _write_all(boot_w, json.dumps(boot).encode())

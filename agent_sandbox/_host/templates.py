@@ -417,7 +417,9 @@ class WorkerTemplate:
         set-up what bubblewrap gives a fresh worker (see the module docstring).
         """
         if self.kind != "namespace":
-            return plan
+            # A plain template's worker is its own forked child: no keeper above it (the
+            # template is the subreaper of what it detaches and ends it when the host is gone).
+            return dataclasses.replace(plan, worker_depth=0, keeper=False)
         from agent_sandbox.providers._bwrap import BwrapPlan
 
         if plan.provider != self._provider or _view_key(plan, plan.cwd) != self._view:

@@ -39,7 +39,7 @@ __all__ = [
     "run_agent",
 ]
 
-#: argv: provider, marker, moment (idle, running, starting, closing, exit), extra (a delay
+#: argv: provider, marker, moment (idle, forked, running, starting, closing, exit), extra (a delay
 #: in 20 ms steps for "starting"). It prints READY when the moment has come.
 ORPHAN_AGENT = r"""
 import sys, threading, time, warnings
@@ -76,6 +76,15 @@ def say(text):
     sys.stdout.flush()
 if moment == "idle":
     assert sb.session("a").run(FORK).ok
+    say("READY")
+elif moment == "forked":
+    # As "idle", in a worker forked by the pool's template (not started from scratch).
+    assert sb.session("first").run("1").ok  # the pool's first worker starts from scratch
+    assert sb._pool.template() is not None, "no template"
+    session = sb.session("a")
+    assert session.run("1").ok
+    assert getattr(session.worker.proc, "_template", None) is not None, "not forked"
+    assert session.run(FORK).ok
     say("READY")
 elif moment == "running":
     def on_event(kind, data):
@@ -165,6 +174,7 @@ class Left:
     #: How many processes with the agent's owner mark ran when the agent was ended (a
     #: worker behind its own kernel, gVisor's, forks inside it: only its runsc shows).
     before: int = 0
+    tag: str = ""  # the agent's owner token ("" when it never made anything)
 
     def any(self) -> bool:
         return bool(self.named or self.marked or self.dirs)
@@ -191,7 +201,11 @@ def run_agent(
         forked = bool(named(marker))
         # The grandchild names itself after its parent exits, so READY may come first.
         settle = time.monotonic() + 5
-        while not forked and line.strip() == "READY" and moment in ("idle", "running", "starting"):
+        while (
+            not forked
+            and line.strip() == "READY"
+            and moment in ("idle", "forked", "running", "starting")
+        ):
             if time.monotonic() > settle:
                 break
             time.sleep(0.02)
@@ -202,7 +216,9 @@ def run_agent(
         agent.wait(60)
         deadline = time.monotonic() + bound
         while True:
-            left = Left(line.strip(), forked, named(marker), marked(tag), control_dirs(tag), before)
+            left = Left(
+                line.strip(), forked, named(marker), marked(tag), control_dirs(tag), before, tag
+            )
             if not left.any() or time.monotonic() > deadline:
                 return left
             time.sleep(0.05)

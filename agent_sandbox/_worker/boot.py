@@ -93,10 +93,135 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+#: The keeper's parent-death signal (a real-time signal nothing else sends it; the keeper
+#: acts on it only once its parent has changed).
+_DEATH = 40
+#: Signals the keeper relays to the worker (the host's SIGTERM to the keeper's group).
+_RELAYED = (15, 1, 2, 3)  # SIGTERM, SIGHUP, SIGINT, SIGQUIT
+
+
+def _children() -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as fh:
+                out += [int(w) for w in fh.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _end_children(bound: float) -> None:
+    """SIGKILL every child until none is left (bounded). The keeper is a subreaper: what a
+    dying descendant leaves is reparented here and ended in the next round. Each pid
+    signalled is an unreaped child of this process, so it cannot have been reused."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        children = _children()
+        while True:  # reap what ended (zombies are listed as children too)
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                break
+            if pid in children:
+                children.remove(pid)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.001)
+
+
+def _keep(parent: int) -> None:
+    """Become the worker's keeper; return only in the worker, forked below it.
+
+    For providers with no pid namespace (`subprocess`, `landlock`): nothing else ends what
+    the worker detaches (a setsid double fork) when the agent and its guardian die
+    together. The keeper is a subreaper (set before the fork, so every descendant's
+    orphan comes here, never to init) with a parent-death signal of its own; the worker
+    dies with it (SIGKILL). The keeper runs no user code, is outside the worker's
+    Landlock domain and seccomp filter, and only waits: when its parent (the host's launch
+    thread) is gone, or when the worker exits, it SIGKILLs every child until none is left,
+    then exits with the worker's status (a signal as the same signal), so the host sees the
+    worker's end as from a direct child. The worker starts its own session, as before."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None)
+    caught = {signal.SIGCHLD, _DEATH, *_RELAYED}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, caught)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, _DEATH, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+    keeper = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != keeper:
+            os._exit(1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        os.setsid()
+        return
+    # The keeper holds nothing of the worker's (its socket, its pipes): only the log.
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    status = -1
+    while status < 0:
+        info = signal.sigwaitinfo(caught)
+        if info.si_signo == signal.SIGCHLD:
+            while True:
+                try:
+                    pid, wstatus = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    pid, wstatus = worker, 0
+                if pid == 0:
+                    break
+                if pid == worker:
+                    status = wstatus
+                    break
+        elif info.si_signo == _DEATH:
+            if os.getppid() != parent:
+                status = signal.SIGKILL  # (a wait status: killed by SIGKILL) ended below
+        else:
+            try:
+                os.kill(worker, info.si_signo)  # an unreaped child: never a reused pid
+            except OSError:
+                pass
+    _end_children(5.0)
+    if os.WIFSIGNALED(status):
+        import resource
+
+        signum = os.WTERMSIG(status)
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of the keeper
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            os.kill(keeper, signum)
+        except (OSError, ValueError):
+            pass
+        os._exit(128 + signum)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70)
+
+
 def main() -> None:
     parent = os.getppid()
     boot = load(int(sys.argv[1]))
-    if boot.get("die_with_parent"):
+    if boot.get("keeper"):
+        _keep(parent)  # returns in the worker only
+    elif boot.get("die_with_parent"):
         # A worker started from scratch: nothing else ends it when the agent and its
         # guardian both die (a template's workers die with their template instead).
         _die_with_parent(parent)

@@ -66,35 +66,16 @@ def test_a_normal_exit_right_after_a_call_cleans_up_by_itself(provider: str) -> 
     _run_agent(provider, "exit", guardian=False, bound=1.0)
 
 
-@pytest.mark.parametrize(
-    "provider",
-    [
-        *(
-            pytest.param(
-                name,
-                marks=pytest.mark.xfail(
-                    strict=True,
-                    raises=AssertionError,
-                    reason=(
-                        "no pid namespace under this provider: the worker dies with the agent "
-                        "(parent-death signal), but the code's setsid double fork outlives "
-                        "the agent and its guardian until the next agent's sweep"
-                    ),
-                ),
-            )
-            for name in ("subprocess", "landlock")
-        ),
-        "unshare",
-        "bwrap",
-        "firejail",
-    ],
-)
+@pytest.mark.parametrize("provider", ["subprocess", "landlock", "unshare", "bwrap", "firejail"])
 @pytest.mark.parametrize("moment", ["idle", "running"])
 def test_nothing_outlives_an_agent_killed_with_its_guardian(provider: str, moment: str) -> None:
     """It ends the worker and everything it started when the agent dies with no guardian
     (a container or unit killed as a whole: here the guardian is switched off and the
-    agent SIGKILLed): parent-death signals on every launch path and the sandbox's pid
-    namespace; the next agent's sweep then removes the control directories."""
+    agent SIGKILLed): parent-death signals on every launch path, and what the code
+    detached ends with the sandbox's pid namespace (unshare, bwrap, firejail), with the
+    worker's keeper (subprocess, landlock: a subreaper that ends its descendants when the
+    agent's launch thread dies) or with the pool's template (the same, for a forked
+    worker); the next agent's sweep then removes the control directories."""
     import tempfile
 
     from agent_sandbox._host import guardian
@@ -110,7 +91,20 @@ def test_nothing_outlives_an_agent_killed_with_its_guardian(provider: str, momen
     if set(left.marked) - set(left.named):
         raise RuntimeError(f"the worker or its launcher outlived the agent: {left}")
     assert (left.named, left.marked) == ([], []), f"survivors: {left}"
-    assert left.dirs, "nothing to sweep: the agent's directories went with no one to remove them"
-    tag = left.dirs[0][len(guardian.DIR_PREFIX) :].split("-", 1)[0]
+    # Its directories stay for the next agent's sweep: this one, unless another agent on
+    # the machine swept first (any agent's guardian sweeps what owners proven dead left).
+    assert left.tag, "the agent made nothing"
     guardian.sweep(hierarchy_bases(), tempfile.gettempdir())
-    assert control_dirs(tag) == []
+    assert control_dirs(left.tag) == []
+
+
+@pytest.mark.parametrize("provider", ["subprocess", "landlock"])
+def test_a_forked_workers_detached_processes_end_with_the_template(provider: str) -> None:
+    """It ends, when the agent dies with no guardian, what a worker forked by a plain
+    template detached (a setsid double fork): the template is the subreaper of its
+    workers' orphans and ends them all when the agent's end of its socket closes."""
+    skip_unless_available(provider)
+    left = run_agent(provider, "forked", guardian=False, bound=10)
+    assert left.ready == "READY", left.ready
+    assert left.forked, "the double fork did not run"
+    assert (left.named, left.marked) == ([], []), f"survivors: {left}"
