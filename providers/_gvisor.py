@@ -272,8 +272,10 @@ def runsc_argv(
 ) -> tuple[str, ...]:
     """The runsc command line for one worker (pure).
 
-    `--rootless`: runsc sets up its sandbox without root and without host cgroups (the
-    parent's own groups hold it); `--network=none`: no device but the Sentry's loopback;
+    `--rootless`: runsc sets up its sandbox without root; `--ignore-cgroups`: it makes no
+    cgroup of its own (as root it would make one named after the container in every
+    hierarchy and leave it when the sandbox ends), so the worker's own groups, which runsc
+    is started in, hold it; `--network=none`: no device but the Sentry's loopback;
     `--host-uds=create`: the worker may bind its server's socket in the shared socket
     directory, and connects to no host socket; with egress, `--host-uds=all`: its relay
     also connects to the host's end of the proxy route there (and, as under bwrap, the
@@ -282,6 +284,7 @@ def runsc_argv(
     return (
         runsc,
         "--rootless",
+        "--ignore-cgroups",
         "--network=none",
         "--host-uds=all" if egress else "--host-uds=create",
         f"--platform={platform}",

@@ -155,6 +155,7 @@ def test_runsc_argv_is_exact() -> None:
     assert runsc_argv("/usr/bin/runsc", "/c/state", "/c/bundle", "as-1") == (
         "/usr/bin/runsc",
         "--rootless",
+        "--ignore-cgroups",
         "--network=none",
         "--host-uds=create",
         "--platform=ptrace",
@@ -519,21 +520,28 @@ def _runsc_processes(marker: str) -> list[int]:
 
 
 def test_nothing_of_runsc_outlives_the_sandbox(tmp_path: Path, gvisor: GvisorProvider) -> None:
-    """After the sandbox closes: no runsc, gofer or Sentry process of its workers, and no
-    control directory (bundle, state, socket directory)."""
+    """After the sandbox closes: no runsc, gofer or Sentry process of its workers, no
+    control directory (bundle, state, socket directory), and no cgroup (runsc made one
+    named after the container in every hierarchy, and left it, until `--ignore-cgroups`)."""
+    from agent_sandbox._host import lifecycle
+    from agent_sandbox._tools.leftovers import agent_cgroups
+
+    tag = lifecycle.owner_tag()
+    groups_before = set(agent_cgroups(tag))
     policy = _policy(tmp_path)
     with Sandbox(policy) as sandbox:
         result = sandbox.run("1 + 1")
         assert result.value == 2 and result.provider == "gvisor"
-        workers = list(sandbox._pool._idle) if hasattr(sandbox._pool, "_idle") else []
-        dirs = [w.control_dir for w in workers if getattr(w, "control_dir", None)]
-    for d in dirs:
-        assert not os.path.exists(d)
-        assert _runsc_processes(os.path.basename(d)) == []
+        session = sandbox.session("s")
+        assert session.run("2 + 2").value == 4
+        dirs = _own_dirs()
+        assert dirs, "the sandbox's workers have control directories while it is open"
+    for name in dirs:
+        assert not os.path.exists(os.path.join(tempfile.gettempdir(), name))
+        assert _runsc_processes(name) == []
     assert _own_dirs() == []
-    from agent_sandbox._host import lifecycle
-
     assert _runsc_processes(os.path.basename(lifecycle.control_dir_prefix())) == []
+    assert set(agent_cgroups(tag)) - groups_before == set()
 
 
 def test_the_socket_pin_refuses_a_planted_link(tmp_path: Path) -> None:
