@@ -388,16 +388,6 @@ def test_a_burst_of_fifty_sessions_completes_without_errors_or_leftovers(
     """It serves 50 threads, each with its own session and 5 calls, with the default
     max_sessions: every call succeeds, worker starts stay within the start gate, and after
     close() no worker process, control directory or cgroup of this agent is left."""
-    if policy.provider == "gvisor":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="gVisor workers' control directories are still there when a sandbox "
-                "that evicted sessions in a burst closes (seen after merging the clean-up "
-                "rework of issue 29; the cause is not found yet): the results are right",
-            )
-        )
     from agent_sandbox._host.lifecycle import START_GATE, owner_tag
     from agent_sandbox._tools.leftovers import agent_cgroups, marked
 

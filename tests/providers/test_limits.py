@@ -411,16 +411,6 @@ def test_cpu_limit_is_named_under_every_provider(
     limits.cpu_seconds, under each provider and the subprocess opt-out, whether the code
     lets SIGXCPU end it or ignores it (then the hard limit's SIGKILL does)."""
     skip_unless_available(provider)
-    if provider == "gvisor" and ignore_sigxcpu:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="gVisor's kernel sends the hard RLIMIT_CPU's SIGKILL by its own CPU "
-                "accounting; the host sees the sandbox end with SIGKILL and cannot tell it "
-                "from another kill (the CPU limit still holds: the loop ends)",
-            )
-        )
     if ignore_sigxcpu and not SUPPORT["kill"]:
         pytest.skip("no cgroup v2 group for CPU accounting here")
     policy = Policy(
