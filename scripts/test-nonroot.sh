@@ -46,9 +46,10 @@ trap 'rm -rf "$home"' EXIT
 chown 65534:65534 "$home"
 # A normal user's descriptor limit (root's is higher here): what the library and the suite
 # must live within (issue 29). Set for the user's run only, in a subshell.
-# Root's requirements less what uid 65534 cannot have here: KVM (/dev/kvm is root's) and
-# cgroups (no delegated subtree).
-required=${AGENT_SANDBOX_REQUIRE_NONROOT-${AGENT_SANDBOX_REQUIRE:+bwrap,unshare,landlock,seccomp,firejail,gvisor,tls,deps}}
+# Root's requirements less what uid 65534 cannot have here: KVM (/dev/kvm is root's),
+# cgroups (no delegated subtree) and firejail (a normal user needs an entry in
+# /etc/firejail/firejail.users, a machine's setting this script does not change).
+required=${AGENT_SANDBOX_REQUIRE_NONROOT-${AGENT_SANDBOX_REQUIRE:+bwrap,unshare,landlock,seccomp,gvisor,tls,deps}}
 (
   ulimit -n 1024
   "${as_user[@]}" env HOME="$home" PATH="$env_dir/bin:/usr/bin:/bin" \
