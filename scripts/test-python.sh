@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   : >"$log"
   { "$env_dir/bin/python" -m pip install -q --upgrade pip \
       && "$env_dir/bin/python" -m pip install -q "${pip_flags[@]}" \
-        -e ".[dev,langchain,crewai,seccomp,remote,k8s]"
+        -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
   } >>"$log" 2>&1 || { cat "$log" >&2; echo "test-python: install on $version failed" >&2; exit 1; }
   echo "$files" >"$stamp"
 fi
