@@ -36,6 +36,7 @@ __all__ = [
     "glob_escape",
     "grant_hint",
     "host_hint",
+    "memory_hint",
     "parse_grant",
 ]
 
@@ -209,6 +210,63 @@ def limit_hint(rule: str, policy: Mapping[str, Any], *, timeout: float | None = 
         return grant_hint({"limits.wall_seconds": int(value) if value == int(value) else value})
     factor = 4 if key == "output_bytes" else 2
     return grant_hint({f"limits.{key}": int(limits.get(key, 1)) * factor})
+
+
+_MIB = 1 << 20
+#: The step a measured memory hint is rounded up to, and the headroom it adds (a quarter).
+MEMORY_STEP_MB = 64
+
+
+def memory_hint(
+    limit_mb: int,
+    *,
+    measured_peak: int | None = None,
+    worker_peak: int | None = None,
+    asked: int | None = None,
+) -> tuple[str, str]:
+    """(hint, why) for a call stopped at `limits.memory_mb = limit_mb`.
+
+    `measured_peak` is the worker's peak the host read itself (its memory cgroup's
+    `memory.peak` or `memory.max_usage_in_bytes`), `worker_peak` the peak resident size the
+    worker reported (`ru_maxrss`, its word) and `asked` the size of the allocation that
+    failed when the worker could name it (numpy says it); all in bytes, None when unknown.
+
+    With `asked` known the need is measured: what the worker held plus what it asked for,
+    a quarter more for headroom, rounded up to 64 MiB. Without it the need cannot be known
+    (a call is stopped at its first allocation past the limit, so its peak is at most the
+    limit, whatever it would have used): the hint doubles the limit and `why` says it is a
+    guess, with the peak that was measured and by whom.
+    """
+    said = []
+    if measured_peak is not None:
+        said.append(
+            f"its memory cgroup peaked at {-(-measured_peak // _MIB)} MiB (measured by the "
+            "host; pages shared with the worker's template are not counted there)"
+        )
+    if worker_peak is not None:
+        said.append(
+            f"its resident peak was {-(-worker_peak // _MIB)} MiB (the worker's ru_maxrss, "
+            "unverified)"
+        )
+    held = "; ".join(said)
+    peak = max((p for p in (measured_peak, worker_peak) if p is not None), default=None)
+    if asked is not None and asked > 0:
+        need = (peak or 0) + asked
+        step = MEMORY_STEP_MB * _MIB
+        value = max(-(-(need + need // 4) // step) * MEMORY_STEP_MB, limit_mb + MEMORY_STEP_MB)
+        why = (
+            f"the allocation that failed asked for {-(-asked // _MIB)} MiB (numpy's report, "
+            f"the worker's word)" + (f"; {held}" if held else "") + f"; the hint proposes "
+            f"{'it and the larger peak' if held else 'that'} with a quarter more for headroom, rounded up "
+            f"to {MEMORY_STEP_MB} MiB"
+        )
+        return grant_hint({"limits.memory_mb": value}), why
+    why = (
+        (held + "; " if held else "the worker's peak could not be measured; ")
+        + "how much the call needed cannot be known (it was stopped at its first "
+        f"allocation past the limit), so the hint doubles `memory_mb = {limit_mb}`: a guess"
+    )
+    return grant_hint({"limits.memory_mb": max(limit_mb * 2, 1)}), why
 
 
 def _worker_rule_field(worker: Mapping[str, Any] | None, field: str) -> Any:
