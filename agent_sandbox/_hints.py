@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DENY_BEATS_GRANT",
     "HIDDEN",
+    "METADATA_REFUSED",
     "NO_SYNTAX_RULE",
     "glob_escape",
     "grant_hint",
@@ -51,6 +52,14 @@ HIDDEN = (
 NO_SYNTAX_RULE = (
     "no line added to a policy can allow this: the code checker has no rule for this syntax "
     "(a construct newer than the checker); write it with other syntax"
+)
+METADATA_REFUSED = (
+    "no line added to a policy can allow this under the landlock provider: its seccomp "
+    "filter refuses every change of a file's mode, owner, times or extended attributes, "
+    "in scratch and the write grants too (a system call's path is not visible to seccomp, "
+    "and Landlock has no right for metadata); copy contents only (shutil.copyfile instead "
+    "of shutil.copy or copy2), or set provider = \"bwrap\" or \"unshare\", whose write "
+    "grants allow it"
 )
 _GLOB = re.compile(r"([*?\[])")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -141,6 +150,8 @@ def host_hint(
         return HIDDEN if rule == "files.hidden" else DENY_BEATS_GRANT
     if rule == "files.hidden":
         return HIDDEN
+    if rule == "files.metadata":
+        return METADATA_REFUSED
     worker = parse_grant(worker_hint)
     if rule == "imports":
         top = target.split(".", 1)[0]

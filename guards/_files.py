@@ -49,7 +49,7 @@ from collections.abc import Iterable
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
-from agent_sandbox._hints import grant_hint
+from agent_sandbox._hints import METADATA_REFUSED, grant_hint
 from agent_sandbox._worker import audit
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import refuse, state
@@ -624,8 +624,7 @@ def _metadata_wrapper(name: str, follow_default: bool, then: Any) -> Any:
                     detail="the landlock provider refuses every change of a file's mode, "
                     "owner, times or extended attributes (Landlock cannot judge them), "
                     "inside the grants too",
-                    hint="copy contents only (shutil.copyfile instead of shutil.copy or "
-                    "copy2), or run under the bwrap or unshare provider",
+                    hint=METADATA_REFUSED,
                 ),
                 always=True,
             )

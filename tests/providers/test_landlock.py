@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
+from agent_sandbox._hints import METADATA_REFUSED
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import ProbeResult, WorkerSpec, select_provider
 from agent_sandbox.providers._inworker import verify_checks
@@ -467,9 +468,10 @@ def test_metadata_changes_in_scratch_are_refused_with_a_readable_rule(
     landlock: ProbeResult,
 ) -> None:
     """It refuses chmod, utime, shutil.copy and copy2 in scratch under the landlock provider
-    (its seccomp filter refuses every metadata change) and names `files.metadata` with a
-    hint; copying contents (shutil.copyfile) and extracting a tar archive (whose mode and
-    times tarfile only warns about) still work, and the refusal is in the trace."""
+    (its seccomp filter refuses every metadata change) and names `files.metadata` with the
+    host's hint; copying contents (shutil.copyfile) and extracting a tar archive (whose mode
+    and times tarfile only warns about) still work, and the refusals are in the trace as the
+    user's, tarfile's too."""
     from agent_sandbox import Sandbox
 
     policy = Policy(
@@ -490,5 +492,12 @@ def test_metadata_changes_in_scratch_are_refused_with_a_readable_rule(
     }
     meta = [d for d in result.denials if d.rule == "files.metadata"]
     assert {d.action for d in meta} >= {"chmod", "utime"}
-    # The worker's hint arrives quoted in the detail (the host does not vouch for it).
-    assert all("shutil.copyfile" in d.detail for d in meta), meta
+    # The host words the detail and the hint itself (its own sentence: no policy line allows
+    # it under landlock), not the worker's quoted words.
+    assert all(d.hint == METADATA_REFUSED for d in meta), meta
+    assert all("unverified" not in d.detail and "Landlock" in d.detail for d in meta), meta
+    # tarfile swallowed its refused chmod and utime and extracted without the archive's
+    # mode and times: what the code got changed, so they are the user's, not internal.
+    tar = [d for d in meta if d.target.startswith("x/") or "/x/" in d.target]
+    assert tar and not any(d.internal for d in tar), meta
+    assert result.denied and not result.internal_denials(), result.denials
