@@ -13,7 +13,7 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 
-__all__ = ["Image", "RunError", "RunResult"]
+__all__ = ["Image", "OutputFile", "RunError", "RunResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,31 @@ class Image:
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputFile:
+    """A file the call wrote or changed in scratch, with its bytes, or why they are not here.
+
+    `data` is None when the file was not returned, and `reason` says why (over what
+    `limits.result_bytes` leaves for the call's files, returned as an image, the worker
+    ended, a refusal of the read); `Session.get_file(name)` can still fetch a file the bound
+    left out while the session's interpreter lives."""
+
+    name: str
+    size: int
+    data: bytes | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        import base64
+
+        return {
+            "name": self.name,
+            "size": self.size,
+            "data": base64.b64encode(self.data).decode("ascii") if self.data is not None else None,
+            "not_returned": self.reason or None,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class RunResult:
     """The outcome of one call: output, value, error, denials, timings and worker identity.
 
@@ -86,6 +111,9 @@ class RunResult:
     notices: tuple[str, ...] = ()
     images: tuple[Image, ...] = ()
     files: tuple[dict[str, Any], ...] = ()
+    #: The files of `files` with their bytes (or why not), in the same order; see
+    #: `OutputFile`. Empty for a call that wrote no file.
+    output_files: tuple[OutputFile, ...] = ()
 
     @property
     def boundary(self) -> str:
@@ -161,6 +189,9 @@ class RunResult:
             if images
             else [i.name for i in self.images],
             "files": list(self.files),
+            "output_files": [f.to_dict() for f in self.output_files]
+            if images
+            else [f.name for f in self.output_files if f.data is not None],
         }
 
     def to_json(self) -> str:
