@@ -505,10 +505,19 @@ class WorkerProcess:
         expected = self.plan is not None and self.plan.interrupt_launcher
         if self.guard_watch is None and not expected and not _unwatched_warned:
             _unwatched_warned = True
+            checks = self.hello.get("checks")
+            guards = checks.get("guards") if isinstance(checks, dict) else None
+            reported = isinstance(guards, dict) and isinstance(guards.get("block"), dict)
+            why = (
+                "this process may not read the worker's memory"
+                if reported
+                else "the worker reported none: the guards' C extension `_fastimport` is "
+                "not built for its interpreter"
+            )
             _logger.warning(
-                "agent_sandbox: the host cannot read the worker's guard counter (the "
-                "_fastimport extension is not built, or this process may not read the "
-                "worker's memory); only the worker's own tamper check remains"
+                "agent_sandbox: the host cannot read the worker's guard counter (%s); only "
+                "the worker's own tamper check remains",
+                why,
             )
 
     def _watch_kernel_log(self) -> None:
