@@ -58,7 +58,7 @@ METADATA_REFUSED = (
     "filter refuses every change of a file's mode, owner, times or extended attributes, "
     "in scratch and the write grants too (a system call's path is not visible to seccomp, "
     "and Landlock has no right for metadata); copy contents only (shutil.copyfile instead "
-    "of shutil.copy or copy2), or set provider = \"bwrap\" or \"unshare\", whose write "
+    'of shutil.copy or copy2), or set provider = "bwrap" or "unshare", whose write '
     "grants allow it"
 )
 _GLOB = re.compile(r"([*?\[])")
@@ -268,8 +268,8 @@ def memory_hint(
         why = (
             f"the allocation that failed asked for {-(-asked // _MIB)} MiB (numpy's report, "
             f"the worker's word)" + (f"; {held}" if held else "") + f"; the hint proposes "
-            f"{'it and the larger peak' if held else 'that'} with a quarter more for headroom, rounded up "
-            f"to {MEMORY_STEP_MB} MiB"
+            f"{'it and the larger peak' if held else 'that'} with a quarter more for "
+            f"headroom, rounded up to {MEMORY_STEP_MB} MiB"
         )
         return grant_hint({"limits.memory_mb": value}), why
     why = (

@@ -190,9 +190,7 @@ class Session:
             if result.files:
                 import asyncio
 
-                result = await asyncio.to_thread(
-                    _with_files, worker, self.sandbox.policy, result
-                )
+                result = await asyncio.to_thread(_with_files, worker, self.sandbox.policy, result)
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             if ownership.release():

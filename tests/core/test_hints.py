@@ -252,7 +252,9 @@ _MIB = 1 << 20
 def test_the_memory_hint_proposes_what_numpy_said_the_failed_allocation_needed() -> None:
     """It proposes the peak plus the allocation that failed, a quarter more, rounded up to
     64 MiB (not twice the limit), and says where each figure came from."""
-    hint, why = memory_hint(200, measured_peak=150 * _MIB, worker_peak=180 * _MIB, asked=1000 * _MIB)
+    hint, why = memory_hint(
+        200, measured_peak=150 * _MIB, worker_peak=180 * _MIB, asked=1000 * _MIB
+    )
     # (180 + 1000) * 1.25 = 1475 -> 1536, the next multiple of 64.
     assert hint == "[[grant]]\nlimits.memory_mb = 1536"
     assert "asked for 1000 MiB (numpy's report" in why

@@ -481,10 +481,16 @@ def test_the_result_carries_the_files_the_code_wrote_as_data_with_their_names() 
     assert [f["name"] for f in result.files] == ["a.csv", "big.bin", "plot.png"]
     by_name = {f.name: f for f in result.output_files}
     assert by_name["a.csv"] == OutputFile("a.csv", 8, b"x,y\n1,2\n")
-    assert by_name["big.bin"].data is None and "limits.result_bytes = 5000" in by_name["big.bin"].reason
+    assert (
+        by_name["big.bin"].data is None
+        and "limits.result_bytes = 5000" in by_name["big.bin"].reason
+    )
     assert by_name["plot.png"].data is None and "result.images" in by_name["plot.png"].reason
     assert result.to_dict()["output_files"][0] == {
-        "name": "a.csv", "size": 8, "data": "eCx5CjEsMgo=", "not_returned": None
+        "name": "a.csv",
+        "size": 8,
+        "data": "eCx5CjEsMgo=",
+        "not_returned": None,
     }
     assert copied.output_files == (OutputFile("out.txt", 10, b"hellohello"),)
 
