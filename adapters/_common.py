@@ -601,16 +601,22 @@ class ToolRunner:
         return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
 
     def produced_files(self, result: RunResult, thread_id: object = None) -> list[dict[str, Any]]:
-        """The files `result` says its call wrote, with their bytes (base64) where the session
-        files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
+        """The files `result` says its call wrote, with their bytes (base64): the ones the
+        result carries (`RunResult.output_files`), else read through the session files API;
+        one it refuses (too large, a link, changed) carries the refusal."""
         from agent_sandbox._errors import FileTransferRefused
 
         if not result.files or self.session_key(thread_id) is None:
             return []
+        carried = {f.name: f for f in result.output_files if f.data is not None}
         out: list[dict[str, Any]] = []
         for entry in result.files:
             name = str(entry.get("name", ""))
             item: dict[str, Any] = {"name": name, "size": entry.get("size")}
+            if name in carried:
+                item["base64"] = base64.b64encode(carried[name].data or b"").decode()
+                out.append(item)
+                continue
             try:
                 item["base64"] = base64.b64encode(self.get_file(name, thread_id=thread_id)).decode()
             except FileTransferRefused as exc:

@@ -72,13 +72,18 @@ class OutputFile:
     data: bytes | None = None
     reason: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, data: bool = True) -> dict[str, Any]:
+        """JSON-safe: `data` as base64 (None when not returned, or when `data=False`),
+        `returned` whether the bytes are in the result, `not_returned` the reason."""
         import base64
 
         return {
             "name": self.name,
             "size": self.size,
-            "data": base64.b64encode(self.data).decode("ascii") if self.data is not None else None,
+            "returned": self.data is not None,
+            "data": base64.b64encode(self.data).decode("ascii")
+            if data and self.data is not None
+            else None,
             "not_returned": self.reason or None,
         }
 
@@ -165,8 +170,10 @@ class RunResult:
                 seen.setdefault(d.rule, None)
         return list(seen)
 
-    def to_dict(self, *, images: bool = True) -> dict[str, Any]:
-        """A JSON-safe dict (the `--json` output and the adapters' artifact)."""
+    def to_dict(self, *, images: bool = True, file_data: bool = False) -> dict[str, Any]:
+        """A JSON-safe dict (the `--json` output and the adapters' artifact). The files of
+        `output_files` are listed by name, size and whether they were returned; their bytes
+        (base64) only with `file_data` (the adapters add them when asked: `return_files`)."""
         return {
             "ok": self.ok,
             "stdout": self.stdout,
@@ -189,9 +196,7 @@ class RunResult:
             if images
             else [i.name for i in self.images],
             "files": list(self.files),
-            "output_files": [f.to_dict() for f in self.output_files]
-            if images
-            else [f.name for f in self.output_files if f.data is not None],
+            "output_files": [f.to_dict(data=file_data) for f in self.output_files],
         }
 
     def to_json(self) -> str:

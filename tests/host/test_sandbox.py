@@ -486,12 +486,9 @@ def test_the_result_carries_the_files_the_code_wrote_as_data_with_their_names() 
         and "limits.result_bytes = 5000" in by_name["big.bin"].reason
     )
     assert by_name["plot.png"].data is None and "result.images" in by_name["plot.png"].reason
-    assert result.to_dict()["output_files"][0] == {
-        "name": "a.csv",
-        "size": 8,
-        "data": "eCx5CjEsMgo=",
-        "not_returned": None,
-    }
+    first = {"name": "a.csv", "size": 8, "returned": True, "data": None, "not_returned": None}
+    assert result.to_dict()["output_files"][0] == first
+    assert result.to_dict(file_data=True)["output_files"][0] == {**first, "data": "eCx5CjEsMgo="}
     assert copied.output_files == (OutputFile("out.txt", 10, b"hellohello"),)
 
 
