@@ -55,11 +55,12 @@ NO_SYNTAX_RULE = (
 )
 METADATA_REFUSED = (
     "no line added to a policy can allow this under the landlock provider: its seccomp "
-    "filter refuses every change of a file's mode, owner, times or extended attributes, "
-    "in scratch and the write grants too (a system call's path is not visible to seccomp, "
-    "and Landlock has no right for metadata); copy contents only (shutil.copyfile instead "
-    'of shutil.copy or copy2), or set provider = "bwrap" or "unshare", whose write '
-    "grants allow it"
+    "filter refuses every change of a file's mode, owner, times or extended attributes (a "
+    "system call's path is not visible to seccomp, and Landlock has no right for metadata); "
+    "in scratch the host makes os.chmod (permission bits), os.utime and a same-owner "
+    "os.chown of a path for the code, nothing else; change the file in scratch, copy "
+    'contents only (shutil.copyfile), or set provider = "bwrap" or "unshare", whose '
+    "write grants allow it"
 )
 _GLOB = re.compile(r"([*?\[])")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -779,7 +779,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         forward = self._forwarder(builder, on_event)
         self._in_call = True
-        self.client.host_call = host_call
+        self.client.host_call = self._with_scratch_metadata(host_call)
         try:
             try:
                 self.client.run(code, t0 + wall, forward, filename)
@@ -799,6 +799,28 @@ class WorkerProcess:
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
+
+    def _with_scratch_metadata(self, host_call: HostCall | None) -> HostCall | None:
+        """`host_call`, serving the worker's chmod and utime requests in scratch too where
+        the plan's seccomp filter refuses metadata changes and scratch is this host's
+        directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
+        plan = self.plan
+        if plan is None or not self.scratch or "scratch_inside" in plan.worker_setup:
+            return host_call
+        seccomp = plan.worker_setup.get("seccomp")
+        if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
+            return host_call
+        from agent_sandbox._host.scratchmeta import metadata_handler
+
+        scratch = self.scratch
+        if plan.worker_setup.get("scratch_tmpfs"):
+            # The worker's scratch is a tmpfs in its own mount namespace, over this path:
+            # reached through the worker's root, as the host reads its memory.
+            pid = self.worker_pid()
+            if pid is None:
+                return host_call
+            scratch = f"/proc/{pid}/root{self.scratch}"
+        return metadata_handler(scratch, host_call)  # type: ignore[no-any-return]
 
     def _on_call_failure(
         self,
@@ -839,7 +861,7 @@ class WorkerProcess:
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
-        client.host_call = host_call
+        client.host_call = self._with_scratch_metadata(host_call)
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:

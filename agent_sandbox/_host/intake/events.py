@@ -299,7 +299,8 @@ _DETAIL_PATTERNS = (
     r"the policy says more\)",
     r"the path is outside \[files\] read",
     r"the landlock provider refuses every change of a file's mode, owner, times or extended "
-    r"attributes \(Landlock cannot judge them\), inside the grants too",
+    r"attributes \(Landlock cannot judge them\), inside the grants too; in scratch the "
+    r"host makes os\.chmod, os\.utime and a same-owner os\.chown of a path",
     # the refusal trail's folds (`_denial.fold_detail`)
     r"past the first N distinct (?:sensitive )?targets of this rule in one call, further "
     r"refusals are counted here \(count: how many; last: the latest, in full\)",
