@@ -812,15 +812,15 @@ class WorkerProcess:
             return host_call
         from agent_sandbox._host.scratchmeta import metadata_handler
 
-        scratch = self.scratch
+        root = "/"
         if plan.worker_setup.get("scratch_tmpfs"):
             # The worker's scratch is a tmpfs in its own mount namespace, over this path:
             # reached through the worker's root, as the host reads its memory.
             pid = self.worker_pid()
             if pid is None:
                 return host_call
-            scratch = f"/proc/{pid}/root{self.scratch}"
-        return metadata_handler(scratch, host_call)  # type: ignore[no-any-return]
+            root = f"/proc/{pid}/root"
+        return metadata_handler(self.scratch, host_call, root=root)  # type: ignore[no-any-return]
 
     def _on_call_failure(
         self,

@@ -38,6 +38,7 @@ _RESOLVE_NO_XDEV = 0x01
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
+_RESOLVE_IN_ROOT = 0x10
 _O_PATH = getattr(os, "O_PATH", 0o10000000)
 _MAX_PATH = 4096
 _libc: Any = None
@@ -47,18 +48,17 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def open_beneath(dir_fd: int, path: str) -> int:
+def open_beneath(dir_fd: int, path: str, *, in_root: bool = False) -> int:
     """An O_PATH descriptor of `path` beneath `dir_fd`, through no link and no other mount
-    (raises OSError with the kernel's errno)."""
+    (raises OSError with the kernel's errno). `in_root`: `dir_fd` is a root (`path` may
+    cross mounts below it, as scratch's tmpfs is one), still through no link."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.syscall.restype = ctypes.c_long
-    how = _OpenHow(
-        _O_PATH | os.O_CLOEXEC,
-        0,
-        _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_XDEV,
-    )
+    resolve = _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+    resolve |= _RESOLVE_IN_ROOT if in_root else _RESOLVE_BENEATH | _RESOLVE_NO_XDEV
+    how = _OpenHow(_O_PATH | os.O_CLOEXEC, 0, resolve)
     fd = _libc.syscall(
         ctypes.c_long(_SYS_OPENAT2),
         ctypes.c_int(dir_fd),
@@ -118,10 +118,11 @@ def _valid(request: dict[str, Any]) -> str:
     return ""
 
 
-def metadata_handler(scratch: str, then: Any = None) -> Any:
+def metadata_handler(scratch: str, then: Any = None, *, root: str = "/") -> Any:
     """A `host_call` handler that serves the worker's scratch metadata requests (see the
     module docstring) and passes every other request to `then` (the host tools' handler,
-    or None: refused as no tools served)."""
+    or None: refused as no tools served). `scratch` is an absolute path seen from `root`
+    (`/proc/<worker>/root` for a scratch in the worker's mount namespace)."""
 
     def handle(data: Any, remaining: float) -> dict[str, Any]:
         request = _request(data)
@@ -137,14 +138,14 @@ def metadata_handler(scratch: str, then: Any = None) -> Any:
         problem = _valid(request)
         if problem:
             return {"ok": False, "error": problem}
-        return serve(scratch, request)
+        return serve(scratch, request, root=root)
 
     return handle
 
 
-def serve(scratch: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Do one well-formed request beneath `scratch`: `{"ok": True}`, or the errno the
-    kernel (or the bounds above) gave, with a reason."""
+def serve(scratch: str, request: dict[str, Any], *, root: str = "/") -> dict[str, Any]:
+    """Do one well-formed request beneath `scratch` (seen from `root`): `{"ok": True}`, or
+    the errno the kernel (or the bounds above) gave, with a reason."""
     op, path = request["op"], request["path"]
     if op == "chmod" and request["mode"] & ~0o777:
         return {
@@ -154,11 +155,19 @@ def serve(scratch: str, request: dict[str, Any]) -> dict[str, Any]:
             "and the sticky bit cannot",
         }
     try:
-        # (`scratch` may run through `/proc/<pid>/root`, the worker's mount namespace: a
-        # magic link the host follows itself; nothing beneath the descriptor is followed.)
-        dir_fd = os.open(scratch, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # `root` may be `/proc/<pid>/root`, the worker's mount namespace: a magic link the
+        # host follows itself. From there no link is followed, not even on the way to
+        # scratch (a folder above it the code can write could be swapped for one).
+        root_fd = os.open(root, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dir_fd = open_beneath(root_fd, scratch.lstrip("/") or ".", in_root=True)
+        finally:
+            os.close(root_fd)
+        if not stat.S_ISDIR(os.fstat(dir_fd).st_mode):
+            os.close(dir_fd)
+            raise OSError(errno.ENOTDIR, "not a directory")
     except OSError as exc:
-        return {"ok": False, "errno": exc.errno or errno.EIO, "reason": "scratch is gone"}
+        return {"ok": False, "errno": errno.EPERM, "reason": f"scratch cannot be opened ({exc})"}
     try:
         try:
             fd = open_beneath(dir_fd, path)
@@ -196,7 +205,10 @@ def serve(scratch: str, request: dict[str, Any]) -> dict[str, Any]:
                     os.chmod(target, request["mode"])
                 else:
                     ns = request["ns"]
-                    os.utime(target, ns=tuple(ns) if ns is not None else None)
+                    if ns is None:
+                        os.utime(target)  # now
+                    else:
+                        os.utime(target, ns=(ns[0], ns[1]))
             except OSError as exc:
                 return {"ok": False, "errno": exc.errno or errno.EIO, "reason": exc.strerror}
             return {"ok": True}

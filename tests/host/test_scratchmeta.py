@@ -44,6 +44,9 @@ def test_a_chmod_and_a_utime_in_scratch_are_made(scratch: Path) -> None:
     request = {"op": "utime", "path": "sub/../a.txt", "ns": [1_000_000_000, 2_000_000_000]}
     assert serve(str(scratch), request) == {"ok": True}
     assert os.stat(scratch / "a.txt").st_mtime_ns == 2_000_000_000
+    now = {"op": "utime", "path": "a.txt", "ns": None}
+    assert serve(str(scratch), now) == {"ok": True}
+    assert os.stat(scratch / "a.txt").st_mtime_ns > 2_000_000_000
     assert serve(str(scratch), {"op": "chmod", "path": "sub", "mode": 0o700}) == {"ok": True}
     assert _mode(scratch / "sub") == 0o700
 
@@ -117,3 +120,14 @@ def test_other_requests_go_to_the_host_tools(scratch: Path) -> None:
         tool, 5.0
     )
     assert seen == [tool]
+
+
+def test_a_folder_above_scratch_swapped_for_a_link_is_not_followed(scratch: Path) -> None:
+    """It opens scratch itself through no link: a folder above it that the code could
+    rename and replace by a link (under a write grant of /tmp) leads nowhere."""
+    swapped = scratch.parent / "swapped"
+    os.symlink(scratch.parent, swapped)
+    reply = serve(str(swapped / "scratch"), {"op": "chmod", "path": "a.txt", "mode": 0o600})
+    assert reply["ok"] is False and reply["errno"] == errno.EPERM, reply
+    assert "cannot be opened" in reply["reason"]
+    assert _mode(scratch / "a.txt") != 0o600
