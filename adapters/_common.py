@@ -49,6 +49,7 @@ __all__ = [
     "internal_failure",
     "learner_for",
     "outcome",
+    "produced_files",
     "thread_key",
 ]
 
@@ -502,6 +503,26 @@ class FileOffers:
                 ) from None
 
 
+def produced_files(result: RunResult, get_file: Callable[[str], bytes]) -> list[dict[str, Any]]:
+    """The files `result` says its call wrote, with their bytes (base64) where `get_file` (a
+    session's, bounded and refused as `Session.get_file`) gives them; one it refuses (too
+    large, a link, changed while read) carries the refusal."""
+    from agent_sandbox._errors import FileTransferRefused
+
+    out: list[dict[str, Any]] = []
+    for entry in result.files:
+        name = str(entry.get("name", ""))
+        item: dict[str, Any] = {"name": name, "size": entry.get("size")}
+        try:
+            item["base64"] = base64.b64encode(get_file(name)).decode()
+        except FileTransferRefused as exc:
+            item["refused"] = exc.denial.to_dict()
+        except Exception as exc:  # the file went with its interpreter, or the sandbox closed
+            item["error"] = str(exc)
+        out.append(item)
+    return out
+
+
 def image_blocks(result: RunResult) -> list[dict[str, Any]]:
     """LangChain-style image content blocks, one per image the code produced."""
     return [
@@ -700,24 +721,10 @@ class ToolRunner:
         return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
 
     def produced_files(self, result: RunResult, thread_id: object = None) -> list[dict[str, Any]]:
-        """The files `result` says its call wrote, with their bytes (base64) where the session
-        files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
-        from agent_sandbox._errors import FileTransferRefused
-
+        """The files `result` says its call wrote, with their bytes (`produced_files`)."""
         if not result.files or self.session_key(thread_id) is None:
             return []
-        out: list[dict[str, Any]] = []
-        for entry in result.files:
-            name = str(entry.get("name", ""))
-            item: dict[str, Any] = {"name": name, "size": entry.get("size")}
-            try:
-                item["base64"] = base64.b64encode(self.get_file(name, thread_id=thread_id)).decode()
-            except FileTransferRefused as exc:
-                item["refused"] = exc.denial.to_dict()
-            except Exception as exc:  # the file went with its interpreter, or the sandbox closed
-                item["error"] = str(exc)
-            out.append(item)
-        return out
+        return produced_files(result, lambda name: self.get_file(name, thread_id=thread_id))
 
     def sessions(self) -> list[str]:
         """Keys of the live sessions (`thread:<id>` or `tool`)."""
