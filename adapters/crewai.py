@@ -13,6 +13,10 @@
 * Sessions: `session="tool"` (default) keeps one interpreter per tool instance; `"none"` starts
   a fresh one per call. (CrewAI has no conversation thread id; `"thread"` means `"tool"` here.)
 
+* Files: `put_file` (the operator's), `offer_file(name, path)` (the agent names offered files in
+  the args schema's `files`; a name not offered or a placement refused is a returned
+  `ToolFailure` with its rule, and the code does not run); `last_files` lists what a call wrote.
+
 CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain string.
 """
 
