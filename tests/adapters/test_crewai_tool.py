@@ -414,3 +414,21 @@ async def test_offered_file_is_placed_on_the_async_path(crew, tmp_path):
         assert isinstance(refused, crew.ToolFailure) and refused.code == "files.offer"
     finally:
         t.close()
+
+
+def test_offered_file_gone_from_the_host_is_a_failure_naming_it(crew, tmp_path):
+    """An offered host file removed before the agent asks for it: a ToolFailure with code
+    `files.host` naming the offered name (never the host path); the code did not run."""
+    src = tmp_path / "gone.csv"
+    src.write_bytes(b"1\n")
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
+    try:
+        t.offer_file("report.csv", src)
+        src.unlink()
+        calls = counting(crew, t)
+        failure = t.run(code="print('ran')", files=["report.csv"])
+        assert isinstance(failure, crew.ToolFailure) and failure.code == "files.host"
+        assert "report.csv" in failure.message and str(tmp_path) not in failure.message
+        assert calls == []
+    finally:
+        t.close()

@@ -368,3 +368,25 @@ def test_an_upload_under_a_hidden_name_is_refused(tmp_path) -> None:
         assert excinfo.value.denial.rule == "files.hidden"
     finally:
         ex.cleanup()
+
+
+def test_a_refused_upload_stops_the_run_before_any_step(tmp_path) -> None:
+    """Through `CodeAgent.run`: an upload over `limits.transfer_mb` raises
+    `FileTransferRefused` (rule `limits.transfer`) out of the run; the model was never asked."""
+    from agent_sandbox import FileTransferRefused
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (1024 * 1024 + 1))
+    model = scripted_smolagents_model(["final_answer('read it')"])
+    ex = SandboxedExecutor(
+        Policy(name="smol-small", limits={"transfer_mb": 1, "wall_seconds": 20}), warm=0
+    )
+    try:
+        agent = CodeAgent(tools=[], model=model, executor=ex, verbosity_level=LogLevel.OFF)
+        with pytest.raises(FileTransferRefused) as excinfo:
+            agent.run("Read it.", additional_args={"data": SandboxFile(src)})
+        assert excinfo.value.denial.rule == "limits.transfer"
+        assert model.seen == [] and ex.list_files() == []
+    finally:
+        ex.cleanup()
