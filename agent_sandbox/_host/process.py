@@ -71,9 +71,9 @@ from agent_sandbox._host.launch import (
     worker_python,
 )
 from agent_sandbox._host.result import RunError, RunResult
+from agent_sandbox._host.setup_checks import verify_checks
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
-from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._limits import (
     GuestLimits,
     WorkerCgroups,

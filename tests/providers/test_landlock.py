@@ -16,8 +16,8 @@ import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
 from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.setup_checks import verify_checks
 from agent_sandbox.providers import ProbeResult, WorkerSpec, select_provider
-from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._landlock import (
     LandlockProvider,
     _elf_interpreter,
@@ -215,6 +215,16 @@ def test_verify_checks_refuses_a_worker_whose_report_lacks_a_restriction() -> No
         "Landlock is not enforced",
         "seccomp mode is 0, not a filter",
     ]
+
+
+def test_the_parent_and_the_worker_name_the_same_kernel_steps() -> None:
+    """It keeps the host's copy of the `worker_setup` keys that ask for a kernel step equal
+    to the worker's (the host imports nothing of the worker side, so it holds its own)."""
+    from agent_sandbox._host import setup_checks
+    from agent_sandbox.providers import _inworker
+
+    assert setup_checks._KERNEL_KEYS == _inworker._KERNEL_KEYS
+    assert setup_checks._SECCOMP_MODE_FILTER == _inworker._SECCOMP_MODE_FILTER
 
 
 def test_explicit_landlock_that_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
