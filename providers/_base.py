@@ -88,7 +88,7 @@ class LaunchPlan:
     #: guardian killed together). For providers with no pid namespace to die with.
     keeper: bool = False
     #: A host file where the launcher keeps the limit counters the sandbox side reported
-    #: (a VM's guest agent: `_qemu_host.py`); the parent turns new counts into denials
+    #: (a VM's guest agent: `qemu/relay.py`); the parent turns new counts into denials
     #: marked as the worker side's word (`_limits.GuestLimits`). "" when there is none.
     limit_reports: str = ""
     #: Run one constant call (`None`, file name `<warm-up>`) before the worker is handed

@@ -227,7 +227,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"  gvisor: {style.red('unavailable')} ({gv['reason']}){hint}")
     for p in report["providers"]:
         if p["name"] == "qemu" and p["details"].get("accel"):
-            # The accelerator: KVM only after a probe boot (`providers/_qemu_kvm.py`).
+            # The accelerator: KVM only after a probe boot (`providers/qemu/accel.py`).
             print(f"  qemu: {p['details']['accel']}")
     for item in report.get("live", []):
         if item["ok"]:

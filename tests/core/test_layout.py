@@ -44,7 +44,7 @@ WORKER_PROVIDERS = frozenset(
         "agent_sandbox.providers._inworker",  # the in-worker steps (Landlock, seccomp, ...)
         "agent_sandbox.providers._landlock_sys",  # the Landlock system calls they make
         "agent_sandbox.providers._ns_launch",  # the unshare launcher, inside the namespaces
-        "agent_sandbox.providers._qemu_guest",  # the guest agent, inside the VM
+        "agent_sandbox.providers.qemu.guest",  # the guest agent, inside the VM
     }
 )
 #: Outside agent_sandbox/'s own layout, but stdlib-only and read on both sides.

@@ -33,7 +33,7 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
    with the counters (`{"pids_max": n, "oom_kill": n, "max": n}`) before relaying anything
    the worker sent after it; they are read again before a worker connection's close is
    relayed (a killed worker's sockets close after the kernel counted the kill). The host
-   takes them as the worker side's word (see `_qemu_host.py`).
+   takes them as the worker side's word (see `qemu/relay.py`).
 
 Frames: kind (1 byte), channel (4 bytes), length (4 bytes, at most `MAX_FRAME`), payload.
 Only the standard library and the worker's own modules are used.

@@ -1,6 +1,6 @@
 """The host side of one `qemu` worker: starts QEMU, restores the guest, relays the channel.
 
-Run as `python -I -S -B _qemu_host.py CONFIG-JSON` by `QemuProvider.launch`, in the worker's
+Run as `python -I -S -B qemu/relay.py CONFIG-JSON` by `QemuProvider.launch`, in the worker's
 process group: this process is what the parent sees as "the worker" (its exit status is
 the guest worker's), and QEMU is its only child. Standard library only.
 
