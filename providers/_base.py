@@ -54,7 +54,7 @@ class WorkerSpec:
     prefix: str
     base_prefix: str
     #: The worker's end of the channel that carries its egress-proxy listener to the host
-    #: (`providers/_egress.py`); -1 when there is none.
+    #: (`_host/egress/proxy.py`); -1 when there is none.
     egress_fd: int = -1
 
 

@@ -234,7 +234,7 @@ def open_egress_listener(setup: Mapping[str, Any]) -> int:
     listening socket to the host over the inherited channel, keep no copy; return the port.
 
     Runs before the restrictions (Landlock would refuse the bind) and before any user code;
-    from then on only the host accepts on it (`providers/_egress.py`).
+    from then on only the host accepts on it (`_host/egress/proxy.py`).
     """
     import socket
 

@@ -26,8 +26,8 @@ What it does NOT enforce (see `docs/providers.md` for what covers each):
   `socket(AF_UNIX)` for that reason), and `stat()`/`access()` of any path: names, sizes
   and existence of files leak.
 * Host names: the TCP rules name ports, not hosts (the Python guards name hosts; under a
-  namespace provider the host's egress proxy enforces them, `_egress.py`).
-* Memory, CPU and processes (see `_limits.py`).
+  namespace provider the host's egress proxy enforces them, `_host/egress/proxy.py`).
+* Memory, CPU and processes (see `_host/limits.py`).
 
 Hidden and denied names (`files.hide`, `files.deny`) and the policy's own files inside a
 granted directory are kept out of reach by narrowing the grants around them (`_narrow`).

@@ -301,7 +301,7 @@ def init(cfg: dict[str, Any], report: int) -> None:
     # kernel's network lock, which the teardown of an earlier worker's namespace may hold
     # for tens of milliseconds (benchmarks/bench_egress.py, the start with the proxy). It
     # is forked after the worker, so the host's first look at this depth (`attach_at_depth`
-    # in providers/_limits.py) finds the worker, not this helper.
+    # in _host/limits.py) finds the worker, not this helper.
     lo = loopback_up_aside() if cfg["net"] in ("loopback", "proxy") else None
     build_view(cfg)
     name = cfg["hostname"].encode()

@@ -10,7 +10,7 @@ What it enforces, for native code too (the steps are in `_ns_launch.py`):
   (writable), a minimal `/dev`, a fresh `/proc`, a size-capped `/tmp`; nothing else of the
   host exists inside (see `_view.py`);
 * no network of the host: `lo` stays down without `[net]` rules; with them it is up and
-  carries the host's egress proxy (`_egress.py`), the only way out;
+  carries the host's egress proxy (`_host/egress/proxy.py`), the only way out;
 * no capabilities, for good: the bounding and ambient sets are emptied, securebits lock
   out root's privileges on exec, no-new-privileges is set; nested user namespaces are
   refused (`user.max_user_namespaces = 0`), so read-only binds cannot be remounted;

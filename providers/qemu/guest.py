@@ -25,7 +25,7 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
    agent listens on the proxy address there (`127.0.0.1:3128`, which the worker's proxy
    variables name) before the worker is released; each connection accepted becomes a
    channel over the second port (`net`), which the host relay joins to the host's egress
-   proxy (`providers/_egress.py`): `O` opens one (channel numbers chosen here, at most
+   proxy (`_host/egress/proxy.py`): `O` opens one (channel numbers chosen here, at most
    `MAX_NET_CHANNELS` open), `D` carries bytes, `C` closes. The agent judges nothing: every
    rule is applied, and every refusal recorded, on the host;
 6. the limit counters: the worker's cgroup has `pids.max` and `memory.max`; when the

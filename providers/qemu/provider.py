@@ -9,7 +9,7 @@ other provider) runs inside a QEMU `microvm` guest booted from an image built on
 * the policy's read paths as 9p shares, read-only in QEMU (`readonly=on`: the guest's root
   cannot remount them writable), mounted at their host paths after the restore;
 * with `[net]` allow rules, a second virtio-serial port (`net`) to a Unix socket whose
-  listening end the host relay hands the parent's egress proxy (`_egress.py`); the guest
+  listening end the host relay hands the parent's egress proxy (`_host/egress/proxy.py`); the guest
   agent forwards the proxy address on the guest's loopback over it (`qemu/guest.py`);
 * nothing else: no network device at all (`-nodefaults`, no `-nic`), no other share, no
   disk; the scratch directory and `/tmp` are size-capped tmpfs inside the guest, gone with

@@ -434,7 +434,7 @@ def test_blocks_opening_device_nodes_beyond_null_zero_and_random(
 def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
     """It reports whether Landlock's denial records are readable (audit on, ABI 7) and why
     not, asking the kernel only: a second probe sees the same audit state."""
-    from agent_sandbox.providers._denial_log import probe_denial_logging
+    from agent_sandbox._host.denial_log import probe_denial_logging
 
     first = probe_denial_logging(landlock_abi())
     assert first["works"] is bool(first["audit_enabled"]) and first["reason"]

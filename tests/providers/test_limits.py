@@ -15,14 +15,14 @@ import pytest
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import RULES
 from agent_sandbox._host.intake.builder import ResultBuilder
-from agent_sandbox._host.result import RunError
-from agent_sandbox.providers._limits import (
+from agent_sandbox._host.limits import (
     REPLACING_RULES,
     WorkerCgroups,
     _hierarchies,
     cgroup_support,
     record_limit_hits,
 )
+from agent_sandbox._host.result import RunError
 
 from .conftest import skip_unless_available
 
@@ -136,7 +136,7 @@ def test_kill_looks_again_within_a_millisecond_and_gives_up_as_late_as_before(
     """It reads the groups again 0.5 ms after a kill (killed members leave within a
     millisecond or two; a fixed 5 ms pause was paid by every stateless call's end), and
     still tries for about a quarter of a second before it gives up."""
-    from agent_sandbox.providers import _limits
+    from agent_sandbox._host import limits as _limits
 
     sleeps: list[float] = []
     monkeypatch.setattr(_limits.time, "sleep", sleeps.append)
@@ -358,7 +358,7 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     """It puts memory.max, swap 0 and pids.max in one v2 group on a pure v2 host, reads its
     events, and ends it with cgroup.kill. (A fake cgroupfs: this host is hybrid, so the
     kernel side of this path is not exercised here.)"""
-    from agent_sandbox.providers import _limits
+    from agent_sandbox._host import limits as _limits
 
     base = tmp_path / "v2" / "user.slice" / "app"
     base.mkdir(parents=True)
