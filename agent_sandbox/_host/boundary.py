@@ -104,9 +104,9 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
 
 
 def _remote_boundary(policy: Policy) -> Boundary:
-    """Workers claimed elsewhere (`providers/_remote.py`): the policy must say where, and the
+    """Workers claimed elsewhere (`agent_sandbox/_host/remote/provider.py`): the policy must say where, and the
     transport must be installed; which layer holds them is the pod's, said per result."""
-    from agent_sandbox.providers._remote import RemoteBoundary
+    from agent_sandbox._host.remote.provider import RemoteBoundary
 
     if policy.remote is None:
         raise PolicyError(

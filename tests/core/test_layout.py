@@ -64,9 +64,9 @@ DECODER_EXCEPTIONS = {
     # NOTE: allowed because the pod's process serves the agent's requests with h11 and relays
     # its worker's stream as bytes, judging nothing; the agent's host judges that stream in
     # `_host/intake/remote_transport.py` like any other.
-    "agent_sandbox._host.remote_serve": {"h11"},
+    "agent_sandbox._host.remote.serve": {"h11"},
     # The same process's framing helpers (a fresh h11 parser for the agent's next request).
-    "agent_sandbox._host.serve_relay": {"h11"},
+    "agent_sandbox._host.remote.serve_relay": {"h11"},
     # NOTE: allowed because the egress proxy parses the sandbox's outbound HTTP with h11 only
     # to judge its target against the policy, rebuilding each message from what was parsed;
     # nothing it reads reaches the agent as data (its findings are denials it makes itself).

@@ -6,7 +6,7 @@ intake is the local one. Two backends:
 
 * `LocalClaimBackend`: `agent-sandbox worker serve` processes on this machine, on loopback
   with TLS (tests, benchmarks, a single host).
-* `K8sClaimBackend` (`providers/_remote_k8s.py`): SandboxClaims of kubernetes-sigs/
+* `K8sClaimBackend` (`agent_sandbox/_host/remote/k8s.py`): SandboxClaims of kubernetes-sigs/
   agent-sandbox through its Python SDK (the `k8s` extra).
 
 A thread maps to one claim with a deterministic name, `claim_name(tenant, thread, policy
@@ -45,7 +45,7 @@ from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider
 
 if TYPE_CHECKING:
     from agent_sandbox._host.intake.remote_transport import RemoteTLS
-    from agent_sandbox._host.remote_worker import RemoteWorker
+    from agent_sandbox._host.remote.worker import RemoteWorker
     from agent_sandbox._host.result import RunResult
     from agent_sandbox.policies import Policy
 
@@ -516,7 +516,7 @@ class RemoteSession:
 
     def _connect(self) -> RemoteWorker:
         from agent_sandbox._errors import WorkerStartError
-        from agent_sandbox._host.remote_worker import RemoteWorker, SessionConflict, session_token
+        from agent_sandbox._host.remote.worker import RemoteWorker, SessionConflict, session_token
 
         p = self.provider
         claim = p.backend.claim(self.name, p.claim_timeout)
