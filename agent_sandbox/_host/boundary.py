@@ -104,7 +104,7 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
 
 
 def _remote_boundary(policy: Policy) -> Boundary:
-    """Workers claimed elsewhere (`agent_sandbox/_host/remote/provider.py`): the policy must say where, and the
+    """Workers claimed elsewhere (`_host/remote/provider.py`): the policy must say where, and the
     transport must be installed; which layer holds them is the pod's, said per result."""
     from agent_sandbox._host.remote.provider import RemoteBoundary
 

@@ -10,7 +10,7 @@ declares (`--runtime-boundary gvisor`) or that is detected (gVisor's kernel), th
 provider a bind would start the worker under (`auto`: the strongest that works here), and
 whether the pod's secret files are in the worker's reach.
 `k8s manifests` prints the SandboxTemplate and SandboxWarmPool for a policy
-(`agent_sandbox/_host/remote/k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
+(`_host/remote/k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
 """
 
 from __future__ import annotations
