@@ -187,3 +187,12 @@ def base_env(spec: WorkerSpec, extra: Mapping[str, str] | None = None) -> dict[s
     if extra:
         env.update(extra)
     return env
+
+
+def package_folder() -> str:
+    """The folder of `agent_sandbox/` on disk, after links (a strict editable install reaches
+    it through a tree of per-file links): the worker side's modules a launcher or a probe runs
+    standalone live under it (`_worker/_ns_launch.py`, `_worker/_inworker.py`)."""
+    import agent_sandbox
+
+    return os.path.dirname(os.path.realpath(agent_sandbox.__file__))

@@ -4,7 +4,7 @@ Code here may believe the policy, the provider's launch plan, the kernel and its
 Nothing a worker sends is believed before `agent_sandbox._host.intake` has judged it, and
 what is shown in the sandbox's voice is host text. The host never arms a guard and imports
 nothing of the worker side (`agent_sandbox._worker`); both sides import the shared modules
-at the top of the package (`_wire`, `_denial`, `_errors`, `_render`, `_hints`).
+at the top of the package (`_wire`, `_denial`, `_errors`, `_render`, `_hints`, `_landlock_sys`).
 
 * `sandbox`: `Sandbox` and `Session`, the public entry points; `calllock`: a session's
   call lock.

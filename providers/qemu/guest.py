@@ -90,13 +90,13 @@ def _preload() -> None:
     import fcntl  # noqa: F401
     import random  # noqa: F401
 
+    import agent_sandbox._worker._inworker
     import agent_sandbox._worker.server
     import agent_sandbox._worker.setup
     import agent_sandbox._worker.template
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._install
-    import agent_sandbox.guards._state
-    import agent_sandbox.providers._inworker  # noqa: F401
+    import agent_sandbox.guards._state  # noqa: F401
     from agent_sandbox.guards import _patch
 
     _patch._function_wrapper_type()

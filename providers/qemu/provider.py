@@ -68,7 +68,14 @@ from collections.abc import Sequence
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
-from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec, base_env
+from agent_sandbox.providers._base import (
+    LaunchPlan,
+    ProbeResult,
+    Provider,
+    WorkerSpec,
+    base_env,
+    package_folder,
+)
 from agent_sandbox.providers._view import egress_plan, policy_paths
 from agent_sandbox.providers.qemu.accel import MACHINE_DEVICES, Verdict
 from agent_sandbox.providers.qemu.image import (
@@ -809,8 +816,6 @@ class QemuProvider(Provider):
         }
         if _landlock_works():
             host["landlock"] = qemu_landlock_rules(run_dir, template, dirs)
-            host["landlock_module"] = os.path.join(
-                os.path.dirname(os.path.realpath(__file__)), "_landlock_sys.py"
-            )
+            host["landlock_module"] = os.path.join(package_folder(), "_landlock_sys.py")
         real = dataclasses.replace(plan, argv=(*plan.argv[:-1], json.dumps(host)))
         return super().launch(real, log)

@@ -34,16 +34,16 @@ SHARED = frozenset(
         "agent_sandbox._errors",
         "agent_sandbox._render",
         "agent_sandbox._hints",
+        # The Landlock system calls: the worker restricts itself with them, the host's
+        # probes and the QEMU relay ask the kernel's ABI and restrict a child.
+        "agent_sandbox._landlock_sys",
     }
 )
 #: The public entry points at the top of the package.
 API = frozenset({"agent_sandbox", "agent_sandbox.__main__", "agent_sandbox.testing"})
-#: The providers' modules that run in the worker, its launcher or its VM: the worker side.
+#: The providers' modules that run in the worker's VM: the worker side.
 WORKER_PROVIDERS = frozenset(
     {
-        "agent_sandbox.providers._inworker",  # the in-worker steps (Landlock, seccomp, ...)
-        "agent_sandbox.providers._landlock_sys",  # the Landlock system calls they make
-        "agent_sandbox.providers._ns_launch",  # the unshare launcher, inside the namespaces
         "agent_sandbox.providers.qemu.guest",  # the guest agent, inside the VM
     }
 )

@@ -221,7 +221,7 @@ def test_the_parent_and_the_worker_name_the_same_kernel_steps() -> None:
     """It keeps the host's copy of the `worker_setup` keys that ask for a kernel step equal
     to the worker's (the host imports nothing of the worker side, so it holds its own)."""
     from agent_sandbox._host import setup_checks
-    from agent_sandbox.providers import _inworker
+    from agent_sandbox._worker import _inworker
 
     assert setup_checks._KERNEL_KEYS == _inworker._KERNEL_KEYS
     assert setup_checks._SECCOMP_MODE_FILTER == _inworker._SECCOMP_MODE_FILTER
@@ -259,7 +259,7 @@ def test_setup_refuses_a_process_that_already_has_a_thread(tmp_path: Path) -> No
     code = (
         "import threading\n"
         "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
-        "from agent_sandbox.providers._inworker import apply_worker_setup\n"
+        "from agent_sandbox._worker._inworker import apply_worker_setup\n"
         "apply_worker_setup({'no_new_privs': True})\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -384,7 +384,7 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     # 4. Landlock.
     landlock = setup.get("landlock")
     if landlock:
-        from agent_sandbox.providers._landlock_sys import restrict_self
+        from agent_sandbox._landlock_sys import restrict_self
 
         checks["landlock"] = restrict_self(landlock)
     # 5. Effective/permitted/inheritable capabilities.

@@ -55,6 +55,8 @@ TYPE_CHECKING = False  # (not `typing`'s: importing typing costs the launcher ~7
 if TYPE_CHECKING:
     from typing import Any
 
+__all__ = ["TEMPLATE_KEEP", "main"]
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
