@@ -278,7 +278,7 @@ def worker_cost(name: str, n: int = 10) -> tuple[float, float, float, float, flo
     the other, each after one call): the worker's CPU (ms) and minor faults, its init's
     (a namespace template's PID 1, whose count includes its life before the exec;
     0 for a plain template), and the template's own CPU per worker (its helpers' are not
-    counted: they are reaped by it; with guards/_nsfork.c the template forks no helper)."""
+    counted: they are reaped by it; with _worker/_nsfork.c the template forks no helper)."""
     from agent_sandbox._host.limits import _descendants
 
     with Sandbox(_policy_for(name), warm=0, max_sessions=n + 2) as sb:

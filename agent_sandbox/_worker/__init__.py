@@ -14,6 +14,7 @@ import graph), only its own modules, the shared ones at the top of the package a
 * `_inworker`: those restrictions, in the order the kernel needs them (Landlock through
   the shared `agent_sandbox._landlock_sys`, seccomp, capabilities, the scratch tmpfs);
   standard library only, imported standalone by a probe too.
+* `_nsfork.c`, `_nsinit.c`: a namespace template's fork of a worker in C, and its init.
 * `server`: HTTP/1.1 with h11 on the inherited socket; one call's events as a stream.
 * `run`: one call of user code: its output, its value or exception, as events.
 * `objects`: values and exceptions as objects mode sends them.

@@ -62,7 +62,7 @@ from agent_sandbox._host.intake.unpickle_prescan import Budgets, python_prescan 
 from agent_sandbox._host.remote.serve_relay import ResponseReader, UpstreamError  # noqa: E402
 
 try:
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:  # the C extension is optional: `fastscan` then checks nothing
     _fastscan = None  # type: ignore[assignment]
     if os.environ.get("FUZZ_REQUIRE_FASTSCAN"):  # scripts/fuzz-long.sh: never silently
