@@ -14,11 +14,11 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import RULES
+from agent_sandbox._host.cgroups import hierarchies
 from agent_sandbox._host.intake.builder import ResultBuilder
 from agent_sandbox._host.limits import (
     REPLACING_RULES,
     WorkerCgroups,
-    _hierarchies,
     cgroup_support,
     record_limit_hits,
 )
@@ -322,18 +322,18 @@ def test_hierarchies_are_found_on_hybrid_and_pure_v2_hosts(tmp_path: Path) -> No
     host."""
     for sub in ("memory/job/a", "pids", "unified", "cpu", "v2/user.slice/app"):
         (tmp_path / sub).mkdir(parents=True)
-    hybrid = _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+    hybrid = hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
     assert {k: h.base for k, h in hybrid.items()} == {
         "memory-v1": f"{tmp_path}/memory/job/a",
         "pids-v1": f"{tmp_path}/pids/",
         "cpu-v1": f"{tmp_path}/cpu/",
         "unified": f"{tmp_path}/unified/",
     }
-    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    pure = hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
     assert {k: h.base for k, h in pure.items()} == {"unified": f"{tmp_path}/v2/user.slice/app"}
     (tmp_path / "pids").chmod(0o555)
     if os.getuid() != 0:  # root may write anyway; the filter is os.access
-        assert "pids-v1" not in _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+        assert "pids-v1" not in hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
 
 
 def test_output_limit_is_a_denial_and_the_worker_is_replaced() -> None:
@@ -363,8 +363,8 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     base = tmp_path / "v2" / "user.slice" / "app"
     base.mkdir(parents=True)
     (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
-    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
-    monkeypatch.setattr(_limits, "_hierarchies", lambda: pure)
+    pure = hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    monkeypatch.setattr(_limits, "hierarchies", lambda: pure)
     written: list[tuple[str, str]] = []
 
     def write(path: str, value: str) -> None:  # a cgroupfs makes its files on mkdir
