@@ -145,7 +145,7 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
         if "egress-proxy" in (boundary or "").split("+"):
             # What works behind the host's egress proxy, and what does not (issue 31).
-            from agent_sandbox.providers._egress import loopback_forwards
+            from agent_sandbox._host.egress.proxy import loopback_forwards
 
             direct = [f"{h}:{p}" for h, p in loopback_forwards(policy)]
             text = (

@@ -41,9 +41,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.agent-sandbox-installed
-# The editable install also compiles the import guard's C fast path into guards/ (next to
-# its source, where the worker imports it from); it does not recompile by itself when
-# guards/_fastimport.c changes, so a newer source reinstalls too.
+# The editable install also compiles the C extensions next to their sources (guards/,
+# agent_sandbox/_host/intake/, agent_sandbox/_worker/: where they are imported from); it does
+# not recompile by itself when a .c file changes, so a newer source reinstalls too.
 # pip's and setuptools' chatter goes to .venv/setup.log; it is printed only when a step fails.
 log=.venv/setup.log
 quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; return 1; }; }
@@ -52,7 +52,7 @@ quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; 
 files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
+   || [ -n "$(find guards agent_sandbox -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
   # The first install takes a minute or two (the extras pull in LangChain and CrewAI): say

@@ -13,7 +13,19 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 
-__all__ = ["Image", "OutputFile", "RunError", "RunResult"]
+__all__ = ["NO_BOUNDARY", "Image", "OutputFile", "RunError", "RunResult", "boundary_name"]
+
+#: What `boundary_name` says when no kernel mechanism held the worker.
+NO_BOUNDARY = "none"
+
+
+def boundary_name(stack: tuple[str, ...] | list[str], is_boundary: bool | None = None) -> str:
+    """`"bwrap+landlock+seccomp"`; `"none"` for the `subprocess` provider; `""` if unknown."""
+    if not stack:
+        return ""
+    if is_boundary is False or stack[0] == "subprocess":
+        return NO_BOUNDARY
+    return "+".join(stack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +136,6 @@ class RunResult:
     def boundary(self) -> str:
         """The kernel boundary that held the worker, e.g. `"bwrap+landlock+seccomp"`;
         `"none"` under the `subprocess` opt-out; `""` when no worker ran."""
-        from agent_sandbox._host.boundary import boundary_name
-
         return boundary_name(self.stack)
 
     @property

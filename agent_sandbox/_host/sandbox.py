@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import asyncio  # imported where used: a program that never awaits does not load it
 
     from agent_sandbox._host.files import FileInfo
-    from agent_sandbox._host.remote_pool import RemotePool
+    from agent_sandbox._host.remote.pool import RemotePool
 
 __all__ = ["Sandbox", "Session"]
 
@@ -450,9 +450,9 @@ class Sandbox:
         self.session_ttl = session_ttl
         self._pool: WorkerPool | RemotePool
         if self.provider.name == "remote":
-            # Workers claimed elsewhere, one per session key (`_host/remote_pool.py`); the
+            # Workers claimed elsewhere, one per session key (`_host/remote/pool.py`); the
             # [remote] table sets the warm pool, the claim bound and the timeouts.
-            from agent_sandbox._host.remote_pool import provider_for
+            from agent_sandbox._host.remote.pool import provider_for
 
             self._pool = provider_for(resolved)
         else:

@@ -337,7 +337,7 @@ def test_scratch_files_that_fill_memory_are_named_as_files(provider: str) -> Non
     """It names the scratch files when they, not the code's objects, filled `memory_mb`
     (scratch is a tmpfs under these providers: its files are memory), and does not when
     the code's own objects did."""
-    from agent_sandbox.providers._limits import cgroup_support
+    from agent_sandbox._host.limits import cgroup_support
 
     if not get_provider(provider).probe().available:
         pytest.skip(f"{provider} is not available here")

@@ -17,8 +17,8 @@ import pytest
 from agent_sandbox import Policy, ProviderUnavailable
 from agent_sandbox._hints import METADATA_REFUSED
 from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.setup_checks import verify_checks
 from agent_sandbox.providers import ProbeResult, WorkerSpec, select_provider
-from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._landlock import (
     LandlockProvider,
     _elf_interpreter,
@@ -218,6 +218,16 @@ def test_verify_checks_refuses_a_worker_whose_report_lacks_a_restriction() -> No
     ]
 
 
+def test_the_parent_and_the_worker_name_the_same_kernel_steps() -> None:
+    """It keeps the host's copy of the `worker_setup` keys that ask for a kernel step equal
+    to the worker's (the host imports nothing of the worker side, so it holds its own)."""
+    from agent_sandbox._host import setup_checks
+    from agent_sandbox._worker import _inworker
+
+    assert setup_checks._KERNEL_KEYS == _inworker._KERNEL_KEYS
+    assert setup_checks._SECCOMP_MODE_FILTER == _inworker._SECCOMP_MODE_FILTER
+
+
 def test_explicit_landlock_that_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """It raises ProviderUnavailable naming the reason, never a silent downgrade."""
     monkeypatch.setattr(
@@ -250,7 +260,7 @@ def test_setup_refuses_a_process_that_already_has_a_thread(tmp_path: Path) -> No
     code = (
         "import threading\n"
         "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
-        "from agent_sandbox.providers._inworker import apply_worker_setup\n"
+        "from agent_sandbox._worker._inworker import apply_worker_setup\n"
         "apply_worker_setup({'no_new_privs': True})\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -425,7 +435,7 @@ def test_blocks_opening_device_nodes_beyond_null_zero_and_random(
 def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
     """It reports whether Landlock's denial records are readable (audit on, ABI 7) and why
     not, asking the kernel only: a second probe sees the same audit state."""
-    from agent_sandbox.providers._denial_log import probe_denial_logging
+    from agent_sandbox._host.denial_log import probe_denial_logging
 
     first = probe_denial_logging(landlock_abi())
     assert first["works"] is bool(first["audit_enabled"]) and first["reason"]

@@ -14,15 +14,15 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import RULES
+from agent_sandbox._host.cgroups import hierarchies
 from agent_sandbox._host.intake.builder import ResultBuilder
-from agent_sandbox._host.result import RunError
-from agent_sandbox.providers._limits import (
+from agent_sandbox._host.limits import (
     REPLACING_RULES,
     WorkerCgroups,
-    _hierarchies,
     cgroup_support,
     record_limit_hits,
 )
+from agent_sandbox._host.result import RunError
 
 from .conftest import skip_unless_available
 
@@ -195,7 +195,7 @@ def test_kill_looks_again_within_a_millisecond_and_gives_up_as_late_as_before(
     """It reads the groups again 0.5 ms after a kill (killed members leave within a
     millisecond or two; a fixed 5 ms pause was paid by every stateless call's end), and
     still tries for about a quarter of a second before it gives up."""
-    from agent_sandbox.providers import _limits
+    from agent_sandbox._host import limits as _limits
 
     sleeps: list[float] = []
     monkeypatch.setattr(_limits.time, "sleep", sleeps.append)
@@ -381,18 +381,18 @@ def test_hierarchies_are_found_on_hybrid_and_pure_v2_hosts(tmp_path: Path) -> No
     host."""
     for sub in ("memory/job/a", "pids", "unified", "cpu", "v2/user.slice/app"):
         (tmp_path / sub).mkdir(parents=True)
-    hybrid = _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+    hybrid = hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
     assert {k: h.base for k, h in hybrid.items()} == {
         "memory-v1": f"{tmp_path}/memory/job/a",
         "pids-v1": f"{tmp_path}/pids/",
         "cpu-v1": f"{tmp_path}/cpu/",
         "unified": f"{tmp_path}/unified/",
     }
-    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    pure = hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
     assert {k: h.base for k, h in pure.items()} == {"unified": f"{tmp_path}/v2/user.slice/app"}
     (tmp_path / "pids").chmod(0o555)
     if os.getuid() != 0:  # root may write anyway; the filter is os.access
-        assert "pids-v1" not in _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+        assert "pids-v1" not in hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
 
 
 def test_output_limit_is_a_denial_and_the_worker_is_replaced() -> None:
@@ -417,13 +417,13 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     """It puts memory.max, swap 0 and pids.max in one v2 group on a pure v2 host, reads its
     events, and ends it with cgroup.kill. (A fake cgroupfs: this host is hybrid, so the
     kernel side of this path is not exercised here.)"""
-    from agent_sandbox.providers import _limits
+    from agent_sandbox._host import limits as _limits
 
     base = tmp_path / "v2" / "user.slice" / "app"
     base.mkdir(parents=True)
     (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
-    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
-    monkeypatch.setattr(_limits, "_hierarchies", lambda: pure)
+    pure = hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    monkeypatch.setattr(_limits, "hierarchies", lambda: pure)
     written: list[tuple[str, str]] = []
 
     def write(path: str, value: str) -> None:  # a cgroupfs makes its files on mkdir

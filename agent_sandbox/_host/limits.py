@@ -25,13 +25,15 @@ What it does NOT enforce: anything on a host where the parent cannot write the c
 `doctor` says so. A worker that can write the cgroupfs can leave its groups: the kernel
 providers never expose it (Landlock grants no `/sys`; bwrap does not mount it), the
 `subprocess` provider does not hide it.
+
+This module is longer than 600 lines because it came whole from `providers/_limits.py`
+(files move apart from behaviour changes); the limits report is to be cut from the groups.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -42,6 +44,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+from agent_sandbox._host.cgroups import hierarchies, hierarchy_bases, unified_controllers
 
 __all__ = [
     "REPLACING_RULES",
@@ -60,84 +64,11 @@ _PREFIX = "agent-sandbox-"
 _CPU_PERIOD = 100_000
 
 
-@dataclasses.dataclass(frozen=True)
-class _Hierarchy:
-    kind: str  # "memory-v1", "pids-v1", "unified"
-    mount: str  # where the hierarchy is mounted
-    path: str  # this process's cgroup inside it ("/..." )
-
-    @property
-    def base(self) -> str:
-        return os.path.join(self.mount, self.path.lstrip("/"))
-
-
-def _mounts(text: str) -> list[tuple[str, str, set[str]]]:
-    """(mount point, fstype, super options) of every cgroup mount in a mountinfo text."""
-    out = []
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        rfields = right.split()
-        if len(fields) < 5 or len(rfields) < 3:
-            continue
-        if rfields[0] in ("cgroup", "cgroup2"):
-            out.append((fields[4], rfields[0], set(rfields[2].split(","))))
-    return out
-
-
-def _own_cgroups(text: str) -> dict[str, str]:
-    """controller (or "" for v2) -> this process's cgroup path, from a /proc/self/cgroup text."""
-    out = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        for c in controllers.split(",") if controllers else [""]:
-            out[c] = path
-    return out
-
-
-def _hierarchies(mountinfo: str | None = None, cgroup: str | None = None) -> dict[str, _Hierarchy]:
-    """The hierarchies this process could make worker groups in (writable ones only).
-
-    A hybrid host (v1 controllers, plus a v2 tree without them) gives `memory-v1`, `pids-v1`
-    and `unified`; a pure v2 host gives `unified` only, whose delegated controllers then
-    carry the memory and process limits.
-    """
-    own = _own_cgroups(_read("/proc/self/cgroup") if cgroup is None else cgroup)
-    mounts = _mounts(_read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
-    found: dict[str, _Hierarchy] = {}
-    for mount, fstype, opts in mounts:
-        if fstype == "cgroup" and "memory" in opts and "memory" in own:
-            found.setdefault("memory-v1", _Hierarchy("memory-v1", mount, own["memory"]))
-        elif fstype == "cgroup" and "pids" in opts and "pids" in own:
-            found.setdefault("pids-v1", _Hierarchy("pids-v1", mount, own["pids"]))
-        elif fstype == "cgroup" and "cpu" in opts and "cpu" in own:
-            found.setdefault("cpu-v1", _Hierarchy("cpu-v1", mount, own["cpu"]))
-        elif fstype == "cgroup2" and "" in own:
-            found.setdefault("unified", _Hierarchy("unified", mount, own[""]))
-    return {k: h for k, h in found.items() if os.access(h.base, os.W_OK)}
-
-
-def _unified_controllers(h: _Hierarchy) -> set[str]:
-    try:
-        with open(os.path.join(h.base, "cgroup.subtree_control")) as fh:
-            return set(fh.read().split())
-    except OSError:
-        return set()
-
-
-def hierarchy_bases() -> list[str]:
-    """The folders this process makes worker groups in (one per writable hierarchy)."""
-    return sorted({h.base for h in _hierarchies().values()})
-
-
 def cgroup_support() -> dict[str, Any]:
     """What this machine offers for per-worker limits (for `doctor` and the tests)."""
-    hs = _hierarchies()
+    hs = hierarchies()
     unified = hs.get("unified")
-    delegated = _unified_controllers(unified) if unified else set()
+    delegated = unified_controllers(unified) if unified else set()
     return {
         "memory": "memory-v1" in hs or "memory" in delegated,
         "processes": "pids-v1" in hs or "pids" in delegated,
@@ -220,14 +151,14 @@ class WorkerCgroups:
         # only once it has proven the owner dead by taking the owner's lock.
         name = f"{_PREFIX}{lifecycle.owner_tag()}-{worker_id}"
         dirs: dict[str, str] = {}
-        hs = _hierarchies()
+        hs = hierarchies()
         try:
             unified = hs.get("unified")
             if unified is not None:
                 path = os.path.join(unified.base, name)
                 os.mkdir(path, 0o755)
                 dirs["unified"] = path
-                delegated = _unified_controllers(unified)
+                delegated = unified_controllers(unified)
                 if "memory" in delegated:
                     _write(os.path.join(path, "memory.max"), str(memory_mb * _MB))
                     with contextlib.suppress(OSError):
