@@ -39,7 +39,7 @@ from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.hostcall import host_tool_caller
-from agent_sandbox._worker.run import Runner, on_interrupt
+from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
@@ -307,7 +307,7 @@ class _Server:
         def emit(kind: str, data: Any) -> None:
             """What the cell's run emits with: a forked child never writes on its parent's
             connection."""
-            if os.getpid() == owner:
+            if current_pid() == owner:
                 put(kind, data)
 
         def put(kind: str, data: Any) -> None:
