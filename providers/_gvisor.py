@@ -97,12 +97,18 @@ PLATFORM = "ptrace"
 SOCKET_NAME = "ctl.sock"
 #: The host's end of the egress proxy route, in the same directory.
 EGRESS_SOCKET = "egress.sock"
+#: The worker's limit report, in the same directory (`LaunchPlan.limit_reports`).
+LIMIT_REPORT = "limits.json"
 #: Room in the host's cgroups for runsc, its gofer and the Sentry beside the worker: about
-#: 40 host threads at rest (more under load: Go starts threads for blocked calls) and 70 MiB
-#: resident here; the worker's own processes and memory are held
-#: inside by its rlimits (RLIMIT_NPROC, RLIMIT_AS), which gVisor enforces.
+#: 40 host threads at rest (more under load: Go starts threads for blocked calls); the
+#: worker's own processes are held inside by RLIMIT_NPROC, which gVisor enforces. Memory:
+#: the sandbox's memory (the worker's and its children's pages) lives in the Sentry's memory
+#: file, charged to the host's memory cgroup like the Sentry's own heap, so the group's
+#: limit is `memory_mb` plus the Sentry's, runsc's and the gofer's own charge: 16-23 MiB
+#: here (an idle worker, and one that imported pandas; `memory.stat` rss), with room for
+#: more under load. A hit is the host kernel's OOM kill, reported as `limits.memory`.
 LAUNCHER_TASKS = 512
-LAUNCHER_MB = 192
+LAUNCHER_MB = 64
 _MASK_BYTES = 4096
 _MB = 1024 * 1024
 
@@ -439,6 +445,14 @@ class GvisorProvider(Provider):
             "no_new_privs": True,
             "drop_caps": True,
             "listen_path": os.path.join(uds, SOCKET_NAME),
+            # gVisor's kernel refuses a fork past RLIMIT_NPROC and keeps no count of it the
+            # host could read: the worker counts the sandbox's processes where a call ends
+            # and reports the calls that ended at the limit (`GuestLimits`, the worker
+            # side's word).
+            "limit_report": {
+                "path": os.path.join(uds, LIMIT_REPORT),
+                "processes": int(policy.limits.processes),
+            },
         }
         layers: tuple[str, ...] = ()
         if _seccomp.probe_seccomp()[0]:
@@ -475,6 +489,7 @@ class GvisorProvider(Provider):
             # it waits, not the first result (benchmarks/bench_gvisor.py).
             warm_up=True,
             socket_path=os.path.join(uds, SOCKET_NAME),
+            limit_reports=os.path.join(uds, LIMIT_REPORT),
             interrupt_argv=(exe, "--rootless", "--root", state, "kill", container_id(spec), "INT"),
             launcher_tasks=LAUNCHER_TASKS,
             launcher_mb=LAUNCHER_MB,

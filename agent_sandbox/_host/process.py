@@ -377,7 +377,9 @@ class WorkerProcess:
             self.kill()
             raise
         if self.plan.limit_reports:
-            self.guest_limits = GuestLimits(self.plan.limit_reports, self.proc.pid)
+            self.guest_limits = GuestLimits(
+                self.plan.limit_reports, self.proc.pid, source=self.plan.provider
+            )
         if self.plan.warm_up:
             self._warm_up(start_timeout - (time.monotonic() - t0))
         self.started_at = time.monotonic()
