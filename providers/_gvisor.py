@@ -99,6 +99,8 @@ SOCKET_NAME = "ctl.sock"
 EGRESS_SOCKET = "egress.sock"
 #: The worker's limit report, in the same directory (`LaunchPlan.limit_reports`).
 LIMIT_REPORT = "limits.json"
+#: The host's sockets of the allowed loopback services there: `fwd-<address>-<port>.sock`.
+FORWARD_PREFIX = "fwd-"
 #: Room in the host's cgroups for runsc, its gofer and the Sentry beside the worker: about
 #: 40 host threads at rest (more under load: Go starts threads for blocked calls); the
 #: worker's own processes are held inside by RLIMIT_NPROC, which gVisor enforces. Memory:
@@ -427,6 +429,7 @@ class GvisorProvider(Provider):
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
         from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
+        from agent_sandbox.providers._egress import loopback_forwards
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
         refuse_unenforceable(self.name, policy)  # egress_plan refuses again, same rules
@@ -469,6 +472,12 @@ class GvisorProvider(Provider):
                 "host": egress["egress"]["host"],
                 "port": egress["egress"]["port"],
                 "socket": os.path.join(uds, EGRESS_SOCKET),
+                # Allowed loopback services, each through a socket of its own there (named
+                # after its address, which the host matches against its own list).
+                "forwards": [
+                    [host, port, os.path.join(uds, forward_socket_name(host, port))]
+                    for host, port in loopback_forwards(policy)
+                ],
             }
             layers += ("egress-proxy",)
         exe = str(self.probe().details.get("path", self.runsc))
@@ -546,24 +555,36 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
             )
 
 
+def forward_socket_name(host: str, port: int) -> str:
+    """The name of the host's socket for the forwarded loopback service host:port (the
+    parent matches it against its own list: `_egress.receive_listeners`)."""
+    return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
+
+
 def send_egress_listener(plan: GvisorPlan) -> None:
-    """Bind the host's end of the proxy route in the socket directory and send it over the
-    egress channel, where the parent takes it onto its egress proxy (as it takes a worker's
-    listener under bwrap, or the QEMU relay's)."""
+    """Bind the host's end of the proxy route in the socket directory, and one socket for
+    each allowed loopback service, and send them over the egress channel, where the parent
+    takes them onto its egress proxy (as it takes a worker's listeners under bwrap, or the
+    QEMU relay's)."""
     import socket
 
     relay = plan.worker_setup.get("egress_relay") or {}
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths = [str(relay["socket"]), *(str(path) for _h, _p, path in relay.get("forwards", ()))]
+    listeners: list[socket.socket] = []
     try:
-        listener.bind(str(relay["socket"]))
-        listener.listen(128)
+        for path in paths:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listeners.append(listener)
+            listener.bind(path)
+            listener.listen(128)
         channel = socket.socket(fileno=os.dup(plan.egress_fd))
         try:
-            socket.send_fds(channel, [b"egress"], [listener.fileno()])
+            socket.send_fds(channel, [b"egress"], [sock.fileno() for sock in listeners])
         finally:
             channel.close()
     finally:
-        listener.close()
+        for sock in listeners:
+            sock.close()
 
 
 def _runsc_env() -> dict[str, str]:
