@@ -536,8 +536,8 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
     """Each granted path, walked again without following links, must still be the object
     the build pinned; raises WorkerStartError naming the path otherwise.
 
-    NOTE: runsc's gofer opens each bind source by path a few tens of milliseconds later; a
-    swap inside that window is not caught (docs/providers.md, gvisor).
+    runsc's gofer opens each bind source by path a few tens of milliseconds later; a swap
+    inside that window is caught after the start by `check_pins_in_gofer`.
     """
     from agent_sandbox._errors import PolicyError, WorkerStartError
     from agent_sandbox.providers._grants import _walk
@@ -559,6 +559,92 @@ def forward_socket_name(host: str, port: int) -> str:
     """The name of the host's socket for the forwarded loopback service host:port (the
     parent matches it against its own list: `_egress.receive_listeners`)."""
     return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
+
+
+def check_pins_in_gofer(plan: GvisorPlan, runsc_pid: int) -> None:
+    """After the start, before any call: each granted path as runsc's gofer mounted it (in
+    the gofer's own root, `/proc/<gofer>/root`, walked without following a link) must be
+    the object the build pinned; raises WorkerStartError naming the path otherwise.
+
+    This closes the window `check_pins_on_host` leaves: the gofer opens each bind source by
+    path some tens of milliseconds after that check, and a swap inside that window mounts
+    what the swapped-in link points to, which this walk sees (another device or inode).
+    """
+    from agent_sandbox._errors import WorkerStartError
+
+    gofer = _gofer_pid(runsc_pid)
+    if gofer is None:
+        raise WorkerStartError("runsc's gofer was not found, so the granted paths it mounted "
+                               "could not be checked; start the worker again")
+    masked = {
+        m["destination"]
+        for m in plan.config.get("mounts", ())
+        if m.get("type") == "tmpfs" or m.get("source") == os.path.join(plan.bundle_dir, "empty")
+    }
+    try:
+        root = os.open(f"/proc/{gofer}/root", os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WorkerStartError(
+            f"cannot read the root of runsc's gofer ({exc}), so the granted paths it mounted "
+            "could not be checked"
+        ) from None
+    try:
+        for path, pin in plan.pins.items():
+            if pin is None or path in masked or path.startswith(("/proc/", "/dev/")):
+                continue
+            if _walk_in(root, path) != list(pin):
+                raise WorkerStartError(
+                    f"the granted path {path} as the sandbox mounted it is not the object the "
+                    "policy check pinned (a link planted or a directory swapped between the "
+                    "check and the mount); start the worker again, and see which tool can "
+                    "write there"
+                )
+    finally:
+        os.close(root)
+
+
+def _gofer_pid(runsc_pid: int) -> int | None:
+    """The pid of runsc's gofer: a child of the runsc process (of any of its threads) whose
+    command line starts with `runsc-gofer`."""
+    try:
+        tasks = os.listdir(f"/proc/{runsc_pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{runsc_pid}/task/{tid}/children") as fh:
+                children = [int(p) for p in fh.read().split()]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as fh:
+                    if fh.read().split(b"\0", 1)[0] == b"runsc-gofer":
+                        return child
+            except OSError:
+                continue
+    return None
+
+
+def _walk_in(root: int, path: str) -> list[int] | None:
+    """[st_dev, st_ino] of `path` below the directory `root`, every component opened without
+    following a link; None where a component is missing or a link."""
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.dup(root)
+    try:
+        for part in (p for p in path.split("/") if p):
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError:
+                return None
+            os.close(fd)
+            fd = child
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                return None
+        info = os.fstat(fd)
+        return [info.st_dev, info.st_ino]
+    finally:
+        os.close(fd)
 
 
 def send_egress_listener(plan: GvisorPlan) -> None:
