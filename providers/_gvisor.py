@@ -94,6 +94,13 @@ INSTALL_HINT = (
 )
 #: The Sentry platform: ptrace works without KVM on every x86-64 and arm64 host.
 PLATFORM = "ptrace"
+#: Why the provider does not pick gVisor's `kvm` platform by itself (`doctor` prints it).
+PLATFORM_NOTE = (
+    "the kvm platform (no ptrace stop per system call) is not picked by itself: where "
+    "/dev/kvm is nested (kvm_pvm, as on the development host) `runsc --platform=kvm` hangs "
+    "at its start, so choosing it would take a trial that may not end; "
+    "GvisorProvider(platform='kvm') asks for it"
+)
 #: Where the worker binds its server's socket, inside `<control>/uds`.
 SOCKET_NAME = "ctl.sock"
 #: The host's end of the egress proxy route, in the same directory.
