@@ -457,8 +457,8 @@ class GvisorProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
         from agent_sandbox.providers import _seccomp
-        from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._egress import loopback_forwards
+        from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
         refuse_unenforceable(self.name, policy)  # egress_plan refuses again, same rules
@@ -609,8 +609,10 @@ def check_pins_in_gofer(plan: GvisorPlan, runsc_pid: int) -> None:
 
     gofer = _gofer_pid(runsc_pid)
     if gofer is None:
-        raise WorkerStartError("runsc's gofer was not found, so the granted paths it mounted "
-                               "could not be checked; start the worker again")
+        raise WorkerStartError(
+            "runsc's gofer was not found, so the granted paths it mounted "
+            "could not be checked; start the worker again"
+        )
     masked = {
         m["destination"]
         for m in plan.config.get("mounts", ())

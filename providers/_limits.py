@@ -643,14 +643,15 @@ def _read_report(path: str) -> Any:
 
 class GuestLimits:
     """The limit counters a VM's guest agent reported (`LaunchPlan.limit_reports`, written
-    by the host relay), or a gVisor worker (`source="gvisor"`: the calls that ended with the
-    sandbox at `limits.processes`): refused forks of the guest's pids cgroup, memory-limit and OOM-kill
-    counts of its memory cgroup. They come from inside the VM, the worker's side of the
-    boundary, so the host cannot take them as facts: each hit says it was reported by the
-    guest and is unverified. For memory the host adds what it measures itself: how much of
-    the guest's RAM QEMU holds as private (written) pages since the restore, which a real
-    hit of `limits.memory_mb` cannot be below (the worker's charge at the template's save
-    aside); a report the measurement contradicts says so."""
+    by the host relay): refused forks of the guest's pids cgroup, memory-limit and OOM-kill
+    counts of its memory cgroup; or a gVisor worker's (`source="gvisor"`): the calls that
+    ended with the sandbox at `limits.processes`. They come from inside the VM or the
+    sandbox, the worker's side of the boundary, so the host cannot take them as facts: each
+    hit says it was reported by that side and is unverified. For a VM's memory the host adds
+    what it measures itself: how much of the guest's RAM QEMU holds as private (written)
+    pages since the restore, which a real hit of `limits.memory_mb` cannot be below (the
+    worker's charge at the template's save aside); a report the measurement contradicts
+    says so."""
 
     #: The worker's memory already in the template when it was saved (not private pages).
     TEMPLATE_SLACK_MB = 64

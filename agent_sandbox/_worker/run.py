@@ -172,6 +172,7 @@ def current_pid() -> int:
     """This process's pid as of its last fork hook (see `_PID`)."""
     return _PID[0]
 
+
 #: The compiled cells kept for reuse (`Runner._compile`): how many, and how long each.
 _REUSE_CELLS = 64
 _REUSE_CHARS = 16 * 1024

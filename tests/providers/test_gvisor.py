@@ -170,6 +170,18 @@ def test_runsc_argv_is_exact() -> None:
     )
 
 
+def test_the_pool_does_not_rely_on_checkpoint_and_restore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool's gVisor worker is a sandbox started ahead (`runsc run`), never a restored
+    image: `runsc checkpoint` of this runsc fails on the worker's host-connected Unix socket
+    (gVisor cannot save a host-backed endpoint) and the worker dies of it."""
+    monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
+    plan = GvisorProvider().build(Policy(name="t"), SPEC)
+    words = {*plan.argv, *plan.interrupt_argv}
+    assert "run" in plan.argv and not words & {"checkpoint", "restore", "--image-path"}
+
+
 def test_the_dentry_cache_fits_the_hosts_descriptor_limit() -> None:
     """The Sentry's dentry cache is sized to the host's descriptor limit: at a normal user's
     `ulimit -n 1024` the gofer stays below it while pandas is imported (without the bound it
