@@ -641,25 +641,18 @@ def check_pins_in_gofer(plan: GvisorPlan, runsc_pid: int) -> None:
 
 
 def _gofer_pid(runsc_pid: int) -> int | None:
-    """The pid of runsc's gofer: a child of the runsc process (of any of its threads) whose
-    command line starts with `runsc-gofer`."""
-    try:
-        tasks = os.listdir(f"/proc/{runsc_pid}/task")
-    except OSError:
-        return None
-    for tid in tasks:
+    """The pid of runsc's gofer: a descendant of the runsc process (a child as root; as a
+    normal user runsc first runs itself again in a user namespace) whose command line starts
+    with `runsc-gofer`."""
+    from agent_sandbox.providers._limits import _descendants
+
+    for pid, _level in _descendants(runsc_pid):
         try:
-            with open(f"/proc/{runsc_pid}/task/{tid}/children") as fh:
-                children = [int(p) for p in fh.read().split()]
-        except (OSError, ValueError):
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if fh.read().split(b"\0", 1)[0] == b"runsc-gofer":
+                    return pid
+        except OSError:
             continue
-        for child in children:
-            try:
-                with open(f"/proc/{child}/cmdline", "rb") as fh:
-                    if fh.read().split(b"\0", 1)[0] == b"runsc-gofer":
-                        return child
-            except OSError:
-                continue
     return None
 
 
