@@ -12,6 +12,7 @@ import dataclasses
 import re
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import Denial, fold_detail, is_sensitive
@@ -254,10 +255,13 @@ class ResultBuilder:
         if self.events > self._max_events:
             raise over("the worker's events in one call", self.events, self._max_events)
         self.order.step(kind)
-        handler = getattr(self, "_on_" + kind, None)
+        # A table, not getattr(self, "_on_" + kind): Python 3.11's method cache keeps a
+        # reference to the name of every lookup, placed by the name's address, so a name
+        # built per event filled it with up to 4,096 dead strings (about 240 KB).
+        handler = _HANDLERS.get(kind)
         if handler is None:  # pragma: no cover - the parser knows every kind
             raise WorkerMisbehaved(f"the worker sent an unknown event kind {kind!r}")
-        result: tuple[str, Any] | None = handler(data)
+        result: tuple[str, Any] | None = handler(self, data)
         # Each kind has its own bound; their sum is the call's total (checked all the same).
         kept = self.output_chars + self.denial_chars + self.image_chars + 1024 * len(self.notices)
         if kept > self._max_total:
@@ -537,3 +541,11 @@ class ResultBuilder:
 
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+#: The handler of each event kind (`ResultBuilder.add`).
+_HANDLERS: dict[str, Callable[[ResultBuilder, Any], tuple[str, Any] | None]] = {
+    name[len("_on_") :]: handler
+    for name, handler in vars(ResultBuilder).items()
+    if name.startswith("_on_")
+}
