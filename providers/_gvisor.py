@@ -28,17 +28,25 @@ How a worker starts (`build` is pure, `launch` writes what it says):
   and lowered again by the worker; the seccomp filter of `providers._seccomp` inside the
   Sentry (the exec program when the policy grants no process).
 
-Limits outside the sandbox: the host's cgroups around runsc (memory and CPU; `pids.max`
-counts the Sentry's and gofer's own threads too, so it gets their slack), the host's wall
-clock, the output bounds. Every plan's stack starts with `gvisor`. The parent's interrupt goes
+Limits outside the sandbox: the host's cgroups around runsc (memory: the sandbox's pages
+live in the Sentry's memory file, charged there, so a hit is the host's OOM kill; CPU;
+`pids.max` counts the Sentry's and gofer's own threads too, so it gets their slack), the
+host's wall clock, the output bounds. A fork past `limits.processes` is refused inside
+(RLIMIT_NPROC) and reported from the worker's count (`limit_report`, the worker side's
+word). The Sentry's dentry cache is sized to the host's descriptor limit (`--dcache`). Every plan's stack starts with `gvisor`. The parent's interrupt goes
 through `runsc kill <id> INT` (`LaunchPlan.interrupt_argv`): `runsc run` does not forward
 SIGINT, it dies of it.
 
 Network: with `[net]` allow rules, the host's egress proxy as under `bwrap` (the same rules,
 the same refusals in `_netcheck.py`): `launch` binds the host's end of the worker's proxy
-route in the socket directory and the parent attaches it to its proxy; inside, a relay
-process the worker forks before its restrictions listens on the proxy address on the
-Sentry's loopback and carries each connection to that socket (`--host-uds=all`).
+route in the socket directory (and one socket per allowed loopback service) and the parent
+attaches them to its proxy; inside, a relay process the worker forks before its
+restrictions listens on the proxy address (and each service's) on the Sentry's loopback and
+carries each connection to its socket (`--host-uds=all`).
+
+Grants: walked and pinned at build, walked again on the host just before runsc starts
+(`check_pins_on_host`), and once more after the start in the gofer's own root
+(`check_pins_in_gofer`), which is what the sandbox was given.
 
 Refused at construction, naming the cause: a grant of a device, a socket or a FIFO (gVisor
 serves regular files and directories through its gofer), a `[net]` rule the proxy cannot
