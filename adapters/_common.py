@@ -145,7 +145,7 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
         if "egress-proxy" in (boundary or "").split("+"):
             # What works behind the host's egress proxy, and what does not (issue 31).
-            from agent_sandbox.providers._egress import loopback_forwards
+            from agent_sandbox._host.egress.proxy import loopback_forwards
 
             direct = [f"{h}:{p}" for h, p in loopback_forwards(policy)]
             text = (
@@ -504,15 +504,22 @@ class FileOffers:
 
 
 def produced_files(result: RunResult, get_file: Callable[[str], bytes]) -> list[dict[str, Any]]:
-    """The files `result` says its call wrote, with their bytes (base64) where `get_file` (a
-    session's, bounded and refused as `Session.get_file`) gives them; one it refuses (too
-    large, a link, changed while read) carries the refusal."""
+    """The files `result` says its call wrote, with their bytes (base64): the ones the
+    result carries (`RunResult.output_files`), else where `get_file` (a session's, bounded
+    and refused as `Session.get_file`) gives them; one it refuses (too large, a link,
+    changed while read) carries the refusal."""
     from agent_sandbox._errors import FileTransferRefused
 
+    carried = {f.name: f.data for f in result.output_files if f.data is not None}
     out: list[dict[str, Any]] = []
     for entry in result.files:
         name = str(entry.get("name", ""))
         item: dict[str, Any] = {"name": name, "size": entry.get("size")}
+        data = carried.get(name)
+        if data is not None:
+            item["base64"] = base64.b64encode(data).decode()
+            out.append(item)
+            continue
         try:
             item["base64"] = base64.b64encode(get_file(name)).decode()
         except FileTransferRefused as exc:

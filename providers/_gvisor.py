@@ -465,7 +465,7 @@ class GvisorProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
         from agent_sandbox.providers import _seccomp
-        from agent_sandbox.providers._egress import loopback_forwards
+        from agent_sandbox._host.egress.proxy import loopback_forwards
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
@@ -652,7 +652,7 @@ def _gofer_pid(runsc_pid: int) -> int | None:
     """The pid of runsc's gofer: a descendant of the runsc process (a child as root; as a
     normal user runsc first runs itself again in a user namespace) whose command line starts
     with `runsc-gofer`."""
-    from agent_sandbox.providers._limits import _descendants
+    from agent_sandbox._host.limits import _descendants
 
     for pid, _level in _descendants(runsc_pid):
         try:

@@ -40,6 +40,7 @@ from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
+from agent_sandbox.guards._files import set_scratch_metadata
 
 #: The worker's own listing of the sandbox's /proc (`_ProcessCount`), bound before the
 #: guards wrap `os.listdir` (it is not user code).
@@ -351,13 +352,18 @@ class _Server:
                 return  # the caller left (a cancelled call): nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         # Always present (a policy without tools refuses every call on the host, by rule).
-        self.runner.namespace["_host_tool"] = host_tool_caller(
+        host_tool = host_tool_caller(
             sock, put, owner, self.runner.policy_name, self.boot.get("policy", {})
         )
+        self.runner.namespace["_host_tool"] = host_tool
+        # The landlock provider's chmod and utime in scratch, made by the host (its
+        # seccomp filter refuses them here): only during the call, on its connection.
+        set_scratch_metadata(host_tool.scratch_metadata)
         started = time.perf_counter()
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
+            set_scratch_metadata(None)
             if os.getpid() != owner:
                 os._exit(1)  # a child the cell forked never goes on with the server's work
             counted = audit.end_call()
@@ -406,7 +412,7 @@ class _ProcessCount:
     (the sandbox's pid 1: every orphan becomes its child) asks whether it has any child
     (one `waitid` that reaps nothing), and only then counts the sandbox's processes in its
     `/proc`; a call that ends at the limit, after one that did not, adds one to the report
-    the host reads (`providers._limits.GuestLimits`, which names it the worker side's word).
+    the host reads (`agent_sandbox._host.limits.GuestLimits`, which names it the worker side's word).
     """
 
     def __init__(self, report: dict[str, Any]) -> None:

@@ -140,6 +140,8 @@ class ResultBuilder:
         self._kept = {False: 0, True: 0}  # distinct refusals kept: ordinary, sensitive
         self._wire: list[int] = []  # the worker's n-th denial event -> index in `denials`
         self._error_refusals: list[Denial] = []
+        #: A MemoryError's `peak` and `asked` bytes as the worker reported them (its word).
+        self.memory_report: dict[str, int] = {}
         self._wire_policy: dict[str, Any] | None = None
 
     @property
@@ -181,6 +183,8 @@ class ResultBuilder:
         self.value = mark.value
         self.error = mark.error
         self._error_refusals = list(mark.error_refusals)
+        if mark.error is None:
+            self.memory_report = {}
 
     def withhold(self) -> None:
         """Drop the call's output, images, files and value (the worker was tampered with)."""
@@ -450,6 +454,8 @@ class ResultBuilder:
         )
         # The refusals the error carries (its exception chain's): the user's (`verdict()`).
         self._error_refusals = [self._check(r, nested=False) for r in data.get("refusals", ())]
+        # A MemoryError's figures (checked above): the worker's word, for the hint's number.
+        self.memory_report = dict(data.get("memory") or {})
         return "error", data
 
     def _on_done(self, data: Any) -> tuple[str, Any]:
