@@ -33,7 +33,8 @@ live in the Sentry's memory file, charged there, so a hit is the host's OOM kill
 `pids.max` counts the Sentry's and gofer's own threads too, so it gets their slack), the
 host's wall clock, the output bounds. A fork past `limits.processes` is refused inside
 (RLIMIT_NPROC) and reported from the worker's count (`limit_report`, the worker side's
-word). The Sentry's dentry cache is sized to the host's descriptor limit (`--dcache`). Every plan's stack starts with `gvisor`. The parent's interrupt goes
+word). The Sentry's dentry cache is sized to the host's descriptor limit (`--dcache`).
+Every plan's stack starts with `gvisor`. The parent's interrupt goes
 through `runsc kill <id> INT` (`LaunchPlan.interrupt_argv`): `runsc run` does not forward
 SIGINT, it dies of it.
 
@@ -464,8 +465,8 @@ class GvisorProvider(Provider):
         return _probe(self.runsc)
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
-        from agent_sandbox.providers import _seccomp
         from agent_sandbox._host.egress.proxy import loopback_forwards
+        from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
