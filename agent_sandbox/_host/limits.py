@@ -593,19 +593,24 @@ def _read_report(path: str) -> Any:
 class GuestLimits:
     """The limit counters a VM's guest agent reported (`LaunchPlan.limit_reports`, written
     by the host relay): refused forks of the guest's pids cgroup, memory-limit and OOM-kill
-    counts of its memory cgroup. They come from inside the VM, the worker's side of the
-    boundary, so the host cannot take them as facts: each hit says it was reported by the
-    guest and is unverified. For memory the host adds what it measures itself: how much of
-    the guest's RAM QEMU holds as private (written) pages since the restore, which a real
-    hit of `limits.memory_mb` cannot be below (the worker's charge at the template's save
-    aside); a report the measurement contradicts says so."""
+    counts of its memory cgroup; or a gVisor worker's (`source="gvisor"`): the calls that
+    ended with the sandbox at `limits.processes`. They come from inside the VM or the
+    sandbox, the worker's side of the boundary, so the host cannot take them as facts: each
+    hit says it was reported by that side and is unverified. For a VM's memory the host adds
+    what it measures itself: how much of the guest's RAM QEMU holds as private (written)
+    pages since the restore, which a real hit of `limits.memory_mb` cannot be below (the
+    worker's charge at the template's save aside); a report the measurement contradicts
+    says so."""
 
     #: The worker's memory already in the template when it was saved (not private pages).
     TEMPLATE_SLACK_MB = 64
 
-    def __init__(self, path: str, launcher_pid: int) -> None:
+    def __init__(self, path: str, launcher_pid: int, source: str = "qemu") -> None:
         self.path = path
         self.launcher_pid = launcher_pid
+        #: Who writes the report: "qemu" (the guest agent, through the host relay) or
+        #: "gvisor" (the worker itself, in its socket directory: `_worker/server.py`).
+        self.source = source
         self._seen: dict[str, int] = {}
         self._stamp = 0
 
@@ -628,6 +633,19 @@ class GuestLimits:
         }
         self._seen.update({k: int(v) for k, v in now.items() if isinstance(v, int)})
         hits: list[tuple[str, str]] = []
+        if self.source == "gvisor":
+            if grown.get("pids_at_limit"):
+                hits.append(
+                    (
+                        "limits.processes",
+                        "the worker counted as many processes in the gVisor sandbox as "
+                        f"`processes = {policy.limits.processes}` at the end of the call "
+                        "(gVisor's kernel refuses a fork past it, RLIMIT_NPROC, with EAGAIN); "
+                        "the host cannot see the sandbox's processes, so this is the worker "
+                        "side's word (unverified)",
+                    )
+                )
+            return hits
         if grown.get("pids_max"):
             hits.append(
                 (
