@@ -5,6 +5,10 @@ is an error, and a loaded policy cannot be mutated. Anything not allowed is deni
 DENY beats an ALLOW wherever a section has both.
 
 The worker never imports pydantic: it receives `Policy.to_wire()`, a plain JSON dict.
+
+This module is longer than 600 lines because the policy is one deny-by-default
+declaration: every section, its defaults and the checks across sections are read in one
+place (docs/policy.md follows it section by section).
 """
 
 from __future__ import annotations

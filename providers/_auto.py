@@ -93,9 +93,13 @@ class AutoProvider(Provider):
         """The providers for a policy whose `min_boundary` is above `host-kernel`, fastest
         first: gVisor (a user-space kernel), then QEMU (a virtual machine)."""
         if self._stronger is None:
-            from agent_sandbox.providers._registry import get_provider
+            # Their own modules, not the registry's lookup: the registry imports this module
+            # (qemu's brings its image builder, so it is imported only here, when asked for).
+            from agent_sandbox.providers._gvisor import GvisorProvider
+            from agent_sandbox.providers.qemu.provider import QemuProvider
 
-            self._stronger = tuple(get_provider(name) for name in STRONGER_CANDIDATES)
+            classes: dict[str, type[Provider]] = {"gvisor": GvisorProvider, "qemu": QemuProvider}
+            self._stronger = tuple(classes[name]() for name in STRONGER_CANDIDATES)
         return self._stronger
 
     def provider_named(self, name: str) -> Provider:

@@ -43,6 +43,10 @@ Acceleration: `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`,
 runs PVM-enabled guests), so KVM is used only after a probe boot of the image reached the
 guest agent within a timeout, remembered per host kernel, kvm modules, QEMU and image
 (`qemu/accel.py`); templates are per accelerator. `probe()` says which one and why.
+
+This module is longer than 600 lines because the plan, the template (boot, snapshot,
+restore) and the probe of one VM share QEMU's command line and the template's state; the
+image, the host relay, the guest and the accelerator are modules of their own beside it.
 """
 
 from __future__ import annotations
