@@ -19,6 +19,7 @@ import json
 import os
 import re
 import socket
+import typing
 import warnings
 import weakref
 from typing import Annotated, Any, Literal
@@ -40,6 +41,7 @@ __all__ = [
     "NetRule",
     "PROVIDERS",
     "Policy",
+    "SECTIONS",
     "RemotePolicy",
     "ToolsPolicy",
     "SENSITIVE_CATEGORIES",
@@ -789,3 +791,16 @@ class Policy(_Section):
         from agent_sandbox.policies._explain import explain_policy
 
         return explain_policy(self)
+
+
+#: The sections of a policy (its fields that are tables of their own), in declaration order:
+#: what every provider answers (`Provider.answers`; tests/providers/test_enforceable.py is
+#: generated from this tuple).
+SECTIONS: tuple[str, ...] = tuple(
+    name
+    for name, field in Policy.model_fields.items()
+    if any(
+        isinstance(kind, type) and issubclass(kind, _Section)
+        for kind in (field.annotation, *typing.get_args(field.annotation))
+    )
+)

@@ -68,11 +68,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
@@ -80,6 +81,7 @@ from agent_sandbox.providers._base import (
     base_env,
     package_folder,
 )
+from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._view import egress_plan, policy_paths
 from agent_sandbox.providers.qemu.accel import MACHINE_DEVICES, Verdict
 from agent_sandbox.providers.qemu.image import (
@@ -672,6 +674,9 @@ def _share_plan(policy: Any, spec: WorkerSpec) -> list[str]:
 class QemuProvider(Provider):
     """Run the worker in a micro-VM restored from a snapshot template."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(namespace_net)
+
     name: ClassVar[str] = "qemu"
     #: Stronger than every namespace sandbox (its own kernel), but `auto` never picks it
     #: (`_auto.py` chooses among the others): guest Python under TCG is ~20x slower.
@@ -688,7 +693,7 @@ class QemuProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         # [net]: no NIC; the host's egress proxy behind the guest's loopback (see above).
-        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
+        egress, proxy_vars, egress_fds = egress_plan(self, policy, spec)
         shares = _share_plan(policy, spec)
         from agent_sandbox.providers import _seccomp
 
