@@ -66,7 +66,24 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
   echo "setup: pip is up to date; installing the package and its extras..." >&2
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
+  # pip's own lines go to the log (not -q), and a line every 15 s says how long it has run
+  # and the step pip is at ("Collecting crewai", "Installing collected packages"), so the
+  # minute is never silent. The ticker ends with the install, failed or not.
+  ( trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+    while :; do
+      sleep 15 & nap=$!
+      wait "$nap"
+      at=$(grep -E '^(Collecting|Downloading|Building|Installing|Successfully)' "$log" \
+        | tail -n1 | cut -c1-70 || true)
+      echo "setup: still installing ($((SECONDS - start)) s)${at:+: $at}" >&2
+    done ) &
+  ticker=$!
+  rc=0
+  quiet .venv/bin/python -m pip install --progress-bar off \
+    -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]" || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  [ "$rc" = 0 ] || exit "$rc"
   echo "$files" >"$stamp"
   echo "setup: installed in $((SECONDS - start)) s" >&2
 fi

@@ -286,6 +286,9 @@ class WorkerCgroups:
         if "memory-v2" in self.dirs:
             text = _read(os.path.join(self.dirs["memory-v2"], "memory.events"))
             out["memory"] = _counter(text, "oom_kill")
+        peak = self._memory_peak()
+        if peak is not None:
+            out["memory_peak"] = peak
         for key in ("pids-v1", "pids-v2"):
             if key in self.dirs:
                 out["processes"] = _counter(
@@ -297,6 +300,24 @@ class WorkerCgroups:
                     _read(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
                 )
         return out
+
+    def _memory_peak(self) -> int | None:
+        """The most memory the group has held (bytes): v2 `memory.peak` (Linux 5.19 and
+        later), v1 `memory.max_usage_in_bytes`; None where neither can be read."""
+        for key, file in (("memory-v2", "memory.peak"), ("memory-v1", "memory.max_usage_in_bytes")):
+            if key in self.dirs:
+                text = _read(os.path.join(self.dirs[key], file)).strip()
+                if text.isdigit():
+                    return int(text)
+        return None
+
+    def memory_peak(self) -> int | None:
+        """The worker's peak memory in bytes as its memory cgroup counted it (the worker's
+        whole life, launcher included); None without a memory group that reports it. After
+        `kill()`, the figure read just before the groups were emptied."""
+        if self._final is not None:
+            return self._final.get("memory_peak")
+        return self._memory_peak()
 
     def new_events(self) -> list[str]:
         """The limit names hit since the last call of this method (`memory`, `processes`).
@@ -680,6 +701,21 @@ def guest_ram_written_mb(launcher_pid: int) -> int | None:
     return None
 
 
+def _memory_hint(builder: Any, cgroups: WorkerCgroups | None, limit_mb: int) -> tuple[str, str]:
+    """(hint, what was measured) for a `limits.memory` hit: the host's own cgroup peak,
+    else the peak the worker reported with its MemoryError, and the allocation it says
+    failed (`agent_sandbox._hints.memory_hint`)."""
+    from agent_sandbox._hints import memory_hint
+
+    report = getattr(builder, "memory_report", None) or {}
+    return memory_hint(
+        limit_mb,
+        measured_peak=cgroups.memory_peak() if cgroups is not None else None,
+        worker_peak=report.get("peak"),
+        asked=report.get("asked"),
+    )
+
+
 def record_limit_hits(
     builder: Any,
     cgroups: WorkerCgroups | None,
@@ -741,6 +777,11 @@ def record_limit_hits(
             continue
         setting = _SETTINGS[rule]
         value = getattr(limits, setting)
+        hint = grant_hint({f"limits.{setting}": value * 2})
+        over = f"the call went over `{setting} = {value}`"
+        if rule == "limits.memory":
+            hint, measured = _memory_hint(builder, cgroups, memory)
+            over = f"{over}; {measured}"
         denial = Denial(
             rule=rule,
             action="use",
@@ -749,10 +790,9 @@ def record_limit_hits(
             detail=(
                 f"{why[rule]}; the worker is replaced and its variables are lost"
                 if rule in why
-                else f"the call went over `{setting} = {value}`; the worker is replaced and "
-                "its variables are lost"
+                else f"{over}; the worker is replaced and its variables are lost"
             ),
-            hint=grant_hint({f"limits.{setting}": value * 2}),
+            hint=hint,
         )
         builder.add_denial(denial)
         # A call that completed keeps its value; the denial says what was hit.

@@ -505,10 +505,19 @@ class WorkerProcess:
         expected = self.plan is not None and self.plan.interrupt_launcher
         if self.guard_watch is None and not expected and not _unwatched_warned:
             _unwatched_warned = True
+            checks = self.hello.get("checks")
+            guards = checks.get("guards") if isinstance(checks, dict) else None
+            reported = isinstance(guards, dict) and isinstance(guards.get("block"), dict)
+            why = (
+                "this process may not read the worker's memory"
+                if reported
+                else "the worker reported none: the guards' C extension `_fastimport` is "
+                "not built for its interpreter"
+            )
             _logger.warning(
-                "agent_sandbox: the host cannot read the worker's guard counter (the "
-                "_fastimport extension is not built, or this process may not read the "
-                "worker's memory); only the worker's own tamper check remains"
+                "agent_sandbox: the host cannot read the worker's guard counter (%s); only "
+                "the worker's own tamper check remains",
+                why,
             )
 
     def _watch_kernel_log(self) -> None:
@@ -770,7 +779,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         forward = self._forwarder(builder, on_event)
         self._in_call = True
-        self.client.host_call = host_call
+        self.client.host_call = self._with_scratch_metadata(host_call)
         try:
             try:
                 self.client.run(code, t0 + wall, forward, filename)
@@ -790,6 +799,28 @@ class WorkerProcess:
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
+
+    def _with_scratch_metadata(self, host_call: HostCall | None) -> HostCall | None:
+        """`host_call`, serving the worker's chmod and utime requests in scratch too where
+        the plan's seccomp filter refuses metadata changes and scratch is this host's
+        directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
+        plan = self.plan
+        if plan is None or not self.scratch or "scratch_inside" in plan.worker_setup:
+            return host_call
+        seccomp = plan.worker_setup.get("seccomp")
+        if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
+            return host_call
+        from agent_sandbox._host.scratchmeta import metadata_handler
+
+        root = "/"
+        if plan.worker_setup.get("scratch_tmpfs"):
+            # The worker's scratch is a tmpfs in its own mount namespace, over this path:
+            # reached through the worker's root, as the host reads its memory.
+            pid = self.worker_pid()
+            if pid is None:
+                return host_call
+            root = f"/proc/{pid}/root"
+        return metadata_handler(self.scratch, host_call, root=root)  # type: ignore[no-any-return]
 
     def _on_call_failure(
         self,
@@ -830,7 +861,7 @@ class WorkerProcess:
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
-        client.host_call = host_call
+        client.host_call = self._with_scratch_metadata(host_call)
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:

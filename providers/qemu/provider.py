@@ -478,9 +478,14 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str, accel: str =
 
 
 class FirstUseProgress:
-    """A one-line progress bar on stderr for the first use's build (the image, ~15-30 s,
-    then the template boot, ~5-30 s under TCG); `maybe()` gives a silent one unless stderr
-    is a terminal or `AGENT_SANDBOX_PROGRESS=1` (`=0` silences it everywhere)."""
+    """The first use's progress on stderr (the image, ~15-30 s, then the template boot,
+    ~5-30 s under TCG): a one-line bar redrawn in place on a terminal, else plain lines, one
+    per step and one every `_PLAIN_EVERY` seconds of the boot (a log or a pipe gets no
+    carriage returns). `maybe()` shows it unless `AGENT_SANDBOX_PROGRESS=0`; `=1` asks for
+    the bar even where stderr is not a terminal."""
+
+    #: Seconds between the plain lines while the template boots (no step to report).
+    _PLAIN_EVERY = 5.0
 
     #: (what a step's message starts with, the share of the whole done when it starts)
     _STEPS = (
@@ -498,8 +503,9 @@ class FirstUseProgress:
     #: The template boot's expected length: the bar creeps toward 98 % over it.
     _BOOT_SECONDS = 20.0
 
-    def __init__(self, out: IO[str] | None) -> None:
+    def __init__(self, out: IO[str] | None, *, plain: bool = False) -> None:
         self.out = out
+        self.plain = plain
         self.t0 = time.monotonic()
         self.done = 0.0
         self.what = ""
@@ -510,8 +516,13 @@ class FirstUseProgress:
     @classmethod
     def maybe(cls) -> FirstUseProgress:
         wanted = os.environ.get("AGENT_SANDBOX_PROGRESS", "")
-        show = wanted == "1" or (wanted != "0" and sys.stderr.isatty())
-        return cls(sys.stderr if show else None)
+        if wanted == "0":
+            return cls(None)
+        try:
+            terminal = sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        return cls(sys.stderr, plain=wanted != "1" and not terminal)
 
     def step(self, message: str) -> None:
         for prefix, share in self._STEPS:
@@ -527,7 +538,7 @@ class FirstUseProgress:
         self._draw()
 
     def _tick(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(self._PLAIN_EVERY if self.plain else 0.5):
             self._draw()
 
     def _draw(self) -> None:
@@ -545,14 +556,17 @@ class FirstUseProgress:
             f"{self.what[:48]} ({time.monotonic() - self.t0:.0f} s)"
         )
         with contextlib.suppress(OSError, ValueError):
-            self.out.write("\r" + line.ljust(110))
+            if self.plain:
+                self.out.write(line.replace(f"[{bar}] ", "") + "\n")
+            else:
+                self.out.write("\r" + line.ljust(110))
             self.out.flush()
 
     def close(self) -> None:
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
-        if self.out is not None and self.what:
+        if self.out is not None and self.what and not self.plain:
             with contextlib.suppress(OSError, ValueError):
                 self.out.write("\n")
                 self.out.flush()

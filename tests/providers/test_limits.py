@@ -62,6 +62,9 @@ class _FakeGroups:
         out, self.events = self.events, []
         return out
 
+    def memory_peak(self) -> int | None:
+        return None
+
 
 def test_every_limit_rule_is_in_the_catalogue() -> None:
     """It only emits rule names documented in RULES."""
@@ -89,6 +92,62 @@ def test_an_oom_kill_is_reported_as_memory_not_as_a_crash() -> None:
     assert record_limit_hits(builder, _FakeGroups(["memory"]), Policy(name="p")) is True  # type: ignore[arg-type]
     assert builder.error is not None and builder.error.rule == "limits.memory"
     assert [d.rule for d in builder.denials] == ["limits.memory"]
+
+
+class _PeakGroups(_FakeGroups):
+    def __init__(self, events: list[str], peak: int | None) -> None:
+        super().__init__(events)
+        self.peak = peak
+
+    def memory_peak(self) -> int | None:
+        return self.peak
+
+
+def test_a_memory_hit_hint_comes_from_what_was_measured() -> None:
+    """It builds the memory hint from the cgroup's peak and the allocation the worker said
+    failed, not from doubling, and says where the figures came from."""
+    builder = ResultBuilder()
+    builder.error = RunError(kind="limit", type="MemoryError", message="", rule="limits.memory")
+    builder.memory_report = {"peak": 100 << 20, "asked": 2000 << 20}
+    policy = Policy(name="p", limits={"memory_mb": 200})
+    assert record_limit_hits(builder, _PeakGroups([], 90 << 20), policy) is True  # type: ignore[arg-type]
+    [denial] = builder.denials
+    # (100 + 2000) MiB and a quarter: 2625 -> 2688, the next multiple of 64.
+    assert denial.hint == "[[grant]]\nlimits.memory_mb = 2688"
+    assert "peaked at 90 MiB (measured by the host" in denial.detail
+    assert "asked for 2000 MiB" in denial.detail
+
+
+def test_an_oom_kill_hint_says_the_need_cannot_be_known() -> None:
+    """It says, for a worker killed at the limit, the peak it measured and that the doubled
+    limit it proposes is a guess."""
+    builder = ResultBuilder()
+    builder.error = RunError(kind="crashed", type="WorkerCrashed", message="SIGKILL")
+    groups = _PeakGroups(["memory"], 2048 << 20)
+    assert record_limit_hits(builder, groups, Policy(name="p")) is True  # type: ignore[arg-type]
+    [denial] = builder.denials
+    assert denial.hint == "[[grant]]\nlimits.memory_mb = 4096"
+    assert "peaked at 2048 MiB" in denial.detail and "a guess" in denial.detail
+
+
+@needs_cgroups
+def test_a_memory_cgroup_reports_its_peak(groups: WorkerCgroups) -> None:
+    """It reads the group's peak (`memory.peak` or `memory.max_usage_in_bytes`), and keeps
+    it once the group is killed."""
+    if not SUPPORT["memory"]:
+        pytest.skip("no memory cgroup here")
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        groups.attach(proc.pid)
+        peak = groups.memory_peak()
+        assert peak is not None and peak >= 0
+        groups.kill()
+        proc.wait(5)
+        after = groups.memory_peak()
+        assert after is not None and after >= peak
+    finally:
+        proc.kill()
+        proc.wait(5)
 
 
 def test_a_completed_call_keeps_its_value_and_gets_the_denial() -> None:

@@ -258,11 +258,12 @@ def test_a_missing_image_is_one_error_naming_the_build_command(
     assert "agent-sandbox qemu build" in result.reason or "apt-get install" in result.reason
 
 
-def test_the_first_use_progress_bar_goes_to_stderr_only_when_asked(
+def test_the_first_use_progress_goes_to_stderr_as_a_bar_or_plain_lines(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """It draws one line of progress (steps, percentage, seconds) on stderr when asked
-    (`AGENT_SANDBOX_PROGRESS=1`) and nothing when told not to."""
+    (`AGENT_SANDBOX_PROGRESS=1`), plain lines (one per step, no carriage return) where
+    stderr is not a terminal and nothing was asked, and nothing when told not to."""
     from agent_sandbox.providers.qemu.provider import FirstUseProgress
 
     monkeypatch.setenv("AGENT_SANDBOX_PROGRESS", "0")
@@ -277,6 +278,15 @@ def test_the_first_use_progress_bar_goes_to_stderr_only_when_asked(
     bar.close()
     err = capsys.readouterr().err
     assert "first use: [" in err and "30%" in err and "100%" in err and err.endswith("\n")
+    monkeypatch.delenv("AGENT_SANDBOX_PROGRESS")
+    plain = FirstUseProgress.maybe()  # (pytest's captured stderr is not a terminal)
+    plain.step("bytecode")
+    plain.step("ready")
+    plain.close()
+    lines = capsys.readouterr().err.splitlines(keepends=True)
+    assert len(lines) == 2 and all(line.endswith("\n") and "\r" not in line for line in lines)
+    assert lines[0].startswith("agent-sandbox qemu first use:  30% bytecode (")
+    assert lines[1].startswith("agent-sandbox qemu first use: 100% ready (")
 
 
 # -- real VMs ---------------------------------------------------------------------------
@@ -669,3 +679,28 @@ def test_extra_packages_are_found_or_named(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ImageError, match="no_such_package_xyz"):
         build_image(packages=["no_such_package_xyz"])
     assert configured_packages() == []
+
+
+def test_a_worker_behind_its_own_kernel_gets_no_guard_counter_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It says nothing about the guard counter for a worker in a VM (no host process to
+    read: expected), and names the one reason that applies for a local worker."""
+    import logging
+    import types
+
+    from agent_sandbox._host import process
+
+    monkeypatch.setattr(process, "_unwatched_warned", False)
+    worker = object.__new__(WorkerProcess)
+    worker.proc = types.SimpleNamespace(pid=os.getpid())  # type: ignore[assignment]
+    worker.hello = {"checks": {"guards": {}}}
+    worker.plan = types.SimpleNamespace(interrupt_launcher=True)  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
+        worker._watch_guards()
+        assert worker.guard_watch is None and caplog.records == []
+        worker.plan = types.SimpleNamespace(interrupt_launcher=False)  # type: ignore[assignment]
+        worker._watch_guards()
+    [record] = caplog.records
+    assert "`_fastimport` is not built" in record.getMessage()
+    assert "may not read the worker's memory" not in record.getMessage()
