@@ -131,8 +131,8 @@ def rule_location(policy: Any, index: int) -> str:
     return f"{source} {where}"
 
 
-def _landlock(policy: Any) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+def _landlock(policy: Any) -> list[tuple[int | None, str, str]]:
+    out: list[tuple[int | None, str, str]] = []
     rules = list(policy.net.rules)
     for i, rule in enumerate(rules):
         if rule.action == "allow":
@@ -178,8 +178,8 @@ def _landlock(policy: Any) -> list[tuple[int, str, str]]:
     return out
 
 
-def _firejail(policy: Any) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+def _firejail(policy: Any) -> list[tuple[int | None, str, str]]:
+    out: list[tuple[int | None, str, str]] = []
     rules = list(policy.net.rules)
     for i, rule in enumerate(rules):
         if rule.action != "allow":
@@ -216,8 +216,8 @@ def _firejail(policy: Any) -> list[tuple[int, str, str]]:
     return out
 
 
-def _namespace(policy: Any) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+def _namespace(policy: Any) -> list[tuple[int | None, str, str]]:
+    out: list[tuple[int | None, str, str]] = []
     for i, rule in enumerate(policy.net.rules):
         if rule.action != "allow" or _is_loopback(rule.host):
             continue
