@@ -45,7 +45,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from agent_sandbox._host.cgroups import hierarchies, hierarchy_bases, unified_controllers
+from agent_sandbox._host.cgroups import (
+    hierarchies,
+    hierarchy_bases,
+    read_or_empty,
+    unified_controllers,
+)
 
 __all__ = [
     "REPLACING_RULES",
@@ -84,14 +89,6 @@ def _write(path: str, value: str) -> None:
         os.write(fd, value.encode())
     finally:
         os.close(fd)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return ""
 
 
 def _counter_bytes(text: bytes, key: str) -> int:
@@ -246,7 +243,7 @@ class WorkerCgroups:
         moves it made.
         """
         members = {
-            path: set(_read(os.path.join(path, "cgroup.procs")).split())
+            path: set(read_or_empty(os.path.join(path, "cgroup.procs")).split())
             for path in self.dirs.values()
         }
         tree = [(root, 0), *_descendants(root)]
@@ -263,7 +260,7 @@ class WorkerCgroups:
     def pids(self) -> list[int]:
         out: set[int] = set()
         for path in set(self.dirs.values()):
-            for word in _read(os.path.join(path, "cgroup.procs")).split():
+            for word in read_or_empty(os.path.join(path, "cgroup.procs")).split():
                 out.add(int(word))
         return sorted(out)
 
@@ -278,13 +275,13 @@ class WorkerCgroups:
             return dict(self._final)
         out = {"memory": 0, "processes": 0, "cpu_usec": 0}
         if "unified" in self.dirs:
-            text = _read(os.path.join(self.dirs["unified"], "cpu.stat"))
+            text = read_or_empty(os.path.join(self.dirs["unified"], "cpu.stat"))
             out["cpu_usec"] = _counter(text, "usage_usec")
         if "memory-v1" in self.dirs:
-            text = _read(os.path.join(self.dirs["memory-v1"], "memory.oom_control"))
+            text = read_or_empty(os.path.join(self.dirs["memory-v1"], "memory.oom_control"))
             out["memory"] = _counter(text, "oom_kill")
         if "memory-v2" in self.dirs:
-            text = _read(os.path.join(self.dirs["memory-v2"], "memory.events"))
+            text = read_or_empty(os.path.join(self.dirs["memory-v2"], "memory.events"))
             out["memory"] = _counter(text, "oom_kill")
         peak = self._memory_peak()
         if peak is not None:
@@ -292,12 +289,12 @@ class WorkerCgroups:
         for key in ("pids-v1", "pids-v2"):
             if key in self.dirs:
                 out["processes"] = _counter(
-                    _read(os.path.join(self.dirs[key], "pids.events")), "max"
+                    read_or_empty(os.path.join(self.dirs[key], "pids.events")), "max"
                 )
         for key in ("cpu-v1", "cpu-v2"):
             if key in self.dirs:
                 out["cpu_throttled"] = _counter(
-                    _read(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
+                    read_or_empty(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
                 )
         return out
 
@@ -306,7 +303,7 @@ class WorkerCgroups:
         later), v1 `memory.max_usage_in_bytes`; None where neither can be read."""
         for key, file in (("memory-v2", "memory.peak"), ("memory-v1", "memory.max_usage_in_bytes")):
             if key in self.dirs:
-                text = _read(os.path.join(self.dirs[key], file)).strip()
+                text = read_or_empty(os.path.join(self.dirs[key], file)).strip()
                 if text.isdigit():
                     return int(text)
         return None
@@ -454,7 +451,7 @@ def _descendants(pid: int) -> Iterator[tuple[int, int]]:
         except OSError:
             continue
         for tid in tasks:
-            for word in _read(f"/proc/{current}/task/{tid}/children").split():
+            for word in read_or_empty(f"/proc/{current}/task/{tid}/children").split():
                 child = (int(word), level + 1)
                 yield child
                 stack.append(child)
