@@ -71,7 +71,15 @@ from collections.abc import Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
-from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec, base_env
+from agent_sandbox.providers._base import (
+    Answer,
+    LaunchPlan,
+    ProbeResult,
+    Provider,
+    WorkerSpec,
+    base_env,
+)
+from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
@@ -452,6 +460,9 @@ def _trial(path: str) -> ProbeResult:
 class GvisorProvider(Provider):
     """Start the worker inside gVisor (`runsc run`, rootless) from a generated OCI bundle."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(namespace_net)
+
     name: ClassVar[str] = "gvisor"
     strength: ClassVar[int] = 50
     deepest_stack: ClassVar[int | None] = 2  # gVisor, seccomp inside it
@@ -470,7 +481,7 @@ class GvisorProvider(Provider):
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
-        refuse_unenforceable(self.name, policy)  # egress_plan refuses again, same rules
+        refuse_unenforceable(self, policy)  # egress_plan refuses again, same rules
         # Refuses a grant that runs through a link. The pins are checked again by `launch`,
         # on the host: the Sentry's device and inode numbers are its own, not the host's.
         pins = grant_pins(policy, spec)
@@ -499,7 +510,7 @@ class GvisorProvider(Provider):
         if _seccomp.probe_seccomp()[0]:
             setup.update(_seccomp.seccomp_setup(policy))
             layers = ("seccomp",)
-        egress, proxy_vars, _fds = egress_plan(self.name, policy, spec)
+        egress, proxy_vars, _fds = egress_plan(self, policy, spec)
         if egress:
             # The parent's proxy route ends in the socket directory (`launch` binds it and
             # sends it over the egress channel); a relay inside carries the proxy address

@@ -23,7 +23,7 @@ import pytest
 from agent_sandbox import Policy, ProviderUnavailable, Sandbox
 from agent_sandbox._errors import WorkerStartError
 from agent_sandbox._host.process import WorkerProcess
-from agent_sandbox.providers import _gvisor
+from agent_sandbox.providers import Provider, _gvisor, get_provider
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._gvisor import (
     INSTALL_HINT,
@@ -282,11 +282,16 @@ def test_net_rules_under_gvisor_are_those_of_bwrap_and_unknown_providers_refuse_
     udp = Policy(
         name="t", net={"rules": [{"host": "198.51.100.7", "ports": 53, "protocol": "udp"}]}
     )
-    assert unenforceable("gvisor", tcp) == []
-    assert [i for i, _why, _alt in unenforceable("gvisor", udp)] == [0]
-    assert unenforceable("gvisor", udp) == unenforceable("bwrap", udp)
-    assert [i for i, _why, _alt in unenforceable("no-such-provider", tcp)] == [0]
-    assert unenforceable("subprocess", tcp) == []
+    gvisor, bwrap = get_provider("gvisor"), get_provider("bwrap")
+    assert unenforceable(gvisor, tcp) == []
+    assert [i for i, _why, _alt in unenforceable(gvisor, udp)] == [0]
+    assert unenforceable(gvisor, udp) == unenforceable(bwrap, udp)
+
+    class Unanswered(Provider):
+        name = "no-such-provider"
+
+    assert [i for i, _why, _alt in unenforceable(Unanswered(), tcp)] == [0]
+    assert unenforceable(get_provider("subprocess"), tcp) == []
 
 
 def test_a_networked_plan_relays_to_the_hosts_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
