@@ -42,6 +42,7 @@ from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     worker_argv,
@@ -239,7 +240,7 @@ class FirejailProvider(Provider):
             env=base_env(spec),
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers),
             worker_depth=None,  # firejail forks short-lived helpers of its own
         )

@@ -76,6 +76,7 @@ from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
 )
@@ -544,7 +545,7 @@ class GvisorProvider(Provider):
             env=_runsc_env(),
             pass_fds=(),
             cwd=spec.control_dir,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers),
             worker_depth=None,
             interrupt_launcher=True,

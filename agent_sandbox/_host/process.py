@@ -79,6 +79,7 @@ from agent_sandbox._host.limits import (
 )
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox._host.setup_checks import verify_checks
+from agent_sandbox._wire import BootConfig
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
@@ -284,23 +285,23 @@ class WorkerProcess:
             with contextlib.suppress(OSError):
                 os.close(boot_r)
         try:
-            boot = {
-                "token": self.token,
-                "worker_id": self.id,
-                "listen_fd": spec.listen_fd,
-                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
-                "sys_path": list(spec.sys_path),
-                "package_dirs": dict(spec.package_dirs),
-                "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
-                "worker_setup": dict(self.plan.worker_setup),
-                "host_env_names": sorted(os.environ),
+            boot = BootConfig(
+                token=self.token,
+                worker_id=self.id,
+                listen_fd=spec.listen_fd,
+                policy=policy.to_wire(pin="egress" not in self.plan.worker_setup),
+                sys_path=list(spec.sys_path),
+                package_dirs=dict(spec.package_dirs),
+                scratch=self.scratch,
+                worker_setup=self.plan.worker_setup,
+                host_env_names=sorted(os.environ),
                 # Started from scratch in the launch thread: it dies with that thread.
-                "die_with_parent": template is None,
+                die_with_parent=template is None,
                 # No pid namespace to die with: a keeper ends what the worker detached.
-                "keeper": template is None and self.plan.keeper,
-            }
+                keeper=template is None and self.plan.keeper,
+            )
             try:
-                _write_all(boot_w, json.dumps(boot).encode())
+                _write_all(boot_w, json.dumps(boot.to_dict()).encode())
             except OSError as exc:
                 raise self._start_failed(f"could not send the boot configuration ({exc})") from None
             finally:
@@ -495,7 +496,7 @@ class WorkerProcess:
             )
 
         problems = verify_checks(
-            self.plan.worker_setup if self.plan else {}, self.hello.get("checks") or {}
+            self.plan.worker_setup.to_dict() if self.plan else {}, self.hello.get("checks") or {}
         )
         if problems:
             raise self._start_failed(
@@ -596,7 +597,7 @@ class WorkerProcess:
         return os.path.join(self.control_dir, "ctl.sock")
 
     def plan_hides_prefix(self) -> bool:
-        return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
+        return False  # (no provider's plan runs the worker under another prefix)
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -653,7 +654,7 @@ class WorkerProcess:
         if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
             return
         assert self.plan is not None
-        inside = str(self.plan.worker_setup.get("scratch_inside", self.scratch))
+        inside = self.scratch
         pid = self.worker_pid()
         if pid is None:
             return
@@ -812,7 +813,7 @@ class WorkerProcess:
         the plan's seccomp filter refuses metadata changes and scratch is this host's
         directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
         plan = self.plan
-        if plan is None or not self.scratch or "scratch_inside" in plan.worker_setup:
+        if plan is None or not self.scratch:
             return host_call
         seccomp = plan.worker_setup.get("seccomp")
         if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):

@@ -36,7 +36,7 @@ import time
 from _operator import _compare_digest as compare_digest
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._wire import encode_event
+from agent_sandbox._wire import BootConfig, encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
@@ -119,7 +119,7 @@ class _Server:
         self.pid = os.getpid()
         #: Under gVisor: where to report the calls that ended with the sandbox at
         #: `limits.processes` (`_ProcessCount`); None elsewhere.
-        report = (boot.get("worker_setup") or {}).get("limit_report")
+        report = BootConfig.from_dict(boot).worker_setup.limit_report
         self.process_count = _ProcessCount(report) if isinstance(report, dict) else None
         self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
@@ -481,10 +481,13 @@ def serve(boot: dict[str, Any]) -> None:
     """Set up the worker from its boot configuration, then serve until shutdown."""
     from agent_sandbox._worker.setup import prepare
 
-    path = (boot.get("worker_setup") or {}).get("listen_path")
+    # The host's boot configuration, read into its record: a key this worker does not know,
+    # or one missing, ends the start with an error naming it (the host reports the log).
+    config = BootConfig.from_dict(boot)
+    path = config.worker_setup.listen_path
     # A sandbox that hands the worker no listening socket (gVisor): the worker binds its own
     # (the parent waits for the name, and for it to accept connections).
-    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(boot["listen_fd"]))
+    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(config.listen_fd))
     runner, checks, hooks = prepare(boot)
     # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).
     _signal.signal(_signal.SIGINT, on_interrupt)
