@@ -481,8 +481,7 @@ def serve(boot: dict[str, Any]) -> None:
     """Set up the worker from its boot configuration, then serve until shutdown."""
     from agent_sandbox._worker.setup import prepare
 
-    # The host's boot configuration, read into its record: a key this worker does not know,
-    # or one missing, ends the start with an error naming it (the host reports the log).
+    # Read into its record: an unknown or a missing key ends the start, named in the log.
     config = BootConfig.from_dict(boot)
     path = config.worker_setup.listen_path
     # A sandbox that hands the worker no listening socket (gVisor): the worker binds its own
