@@ -148,7 +148,7 @@ class BootError(ValueError):
 class _Record:
     """A frozen record over `__slots__`: equality by value, no attribute set after init."""
 
-    __slots__ = ()
+    __slots__: tuple[str, ...] = ()
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable (use .replace(...))")
