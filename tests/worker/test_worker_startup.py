@@ -202,3 +202,51 @@ def test_a_worker_on_a_life_line_ends_when_the_agents_end_closes() -> None:
     proc = _on_a_life_line(read_end)
     out, _ = proc.communicate(timeout=60)
     assert (proc.returncode, out) == (1, b"")
+
+
+_NEVER_YIELDS = (
+    "import signal\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
+    "print('looping', flush=True)\n"
+    "while True:\n"
+    "    pass\n"
+)
+
+
+def test_a_call_no_host_ends_is_ended_by_the_workers_backstop() -> None:
+    """It SIGKILLs the worker from inside (a kernel timer armed for the call) once a call
+    outlives the time its request names (`backstop`: the wall limit left plus a grace),
+    with nothing from the host: the host's client waits on, as a host that is gone or stuck
+    would; the code never yields and blocks every signal."""
+    import signal
+    import threading
+    import time
+
+    from agent_sandbox import Policy, TransportError
+    from agent_sandbox._host.process import WorkerProcess
+    from agent_sandbox.providers._subprocess import SubprocessProvider
+
+    w = WorkerProcess.start(Policy(name="t", imports={"allow": ["signal"]}), SubprocessProvider())
+    try:
+        assert w.client is not None and w.proc is not None
+        looping = threading.Event()
+        failures: list[BaseException] = []
+
+        def call() -> None:
+            body = {"code": _NEVER_YIELDS, "backstop": 0.5}
+            deadline = time.monotonic() + 120  # (a hang guard only)
+            try:
+                w.client._exchange(  # type: ignore[union-attr]
+                    "POST", "/run", body, deadline, lambda *e: looping.set()
+                )
+            except (TransportError, OSError) as exc:
+                failures.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        assert looping.wait(60), "the call did not start"
+        assert w.proc.wait(timeout=120) == -signal.SIGKILL
+        caller.join(60)
+        assert failures, "the call ended as if answered"
+    finally:
+        w.kill()
