@@ -38,6 +38,7 @@ from _operator import _compare_digest as compare_digest
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
+from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, on_interrupt
 from agent_sandbox.guards._files import set_scratch_metadata
@@ -353,7 +354,7 @@ class _Server:
         set_scratch_metadata(host_tool.scratch_metadata)
         started = time.perf_counter()
         after = request.get("backstop")
-        backstop = _BACKSTOP if isinstance(after, (int, float)) and after > 0 else None
+        backstop = BACKSTOP if isinstance(after, (int, float)) and after > 0 else None
         if backstop is not None:
             backstop.arm(float(after))
         try:
@@ -398,66 +399,6 @@ class _Server:
             flush(_STREAM_END)
         if tampered:
             raise _Stop
-
-
-class _WallBackstop:
-    """A call's wall limit enforced in the worker by the kernel, for when the host cannot
-    (the agent and its guardian died together, and no parent-death signal or life line
-    reached the worker): a POSIX timer whose expiry is SIGKILL to this process, so nothing
-    in it runs for it (a call that never yields, or blocks every signal, ends too). Armed at
-    a call's start for the time the host's request names (`backstop`: what is left of the
-    call's wall limit plus a grace, `transport.BACKSTOP_GRACE`), disarmed at its end; the
-    host ends a call at its limit first. Timers are not inherited by a fork, so a child
-    the cell forks does not carry it (its sandbox's pid namespace, keeper or template end
-    it with the worker). Where the timer cannot be made (a filter refusing it), the worker
-    runs without it."""
-
-    def __init__(self) -> None:
-        self._libc: Any = None
-        self._timer: Any = None
-        self._pid = 0  # the process the timer belongs to (a fork has none of its own)
-        self._failed = False
-
-    def prepare(self) -> None:
-        """Make the timer now (the first call's one-time work, done ahead)."""
-        if self._pid != os.getpid():
-            self._timer, self._failed, self._pid = None, False, os.getpid()
-        if self._timer is None and not self._failed:
-            self._failed = not self._make()
-
-    def _make(self) -> bool:
-        import ctypes
-
-        class _Sigevent(ctypes.Structure):  # struct sigevent (64 bytes)
-            _fields_ = [
-                ("value", ctypes.c_void_p),
-                ("signo", ctypes.c_int),
-                ("notify", ctypes.c_int),
-                ("rest", ctypes.c_int * 12),
-            ]
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        event = _Sigevent(signo=_signal.SIGKILL, notify=0)  # SIGEV_SIGNAL
-        timer = ctypes.c_void_p()
-        if libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) != 0:  # MONOTONIC
-            return False
-        self._libc, self._timer = libc, timer
-        return True
-
-    def arm(self, seconds: float) -> None:
-        """Expire `seconds` from now (0: disarm)."""
-        self.prepare()
-        if self._failed:
-            return
-        import ctypes
-
-        whole = int(seconds)
-        spec = (ctypes.c_long * 4)(0, 0, whole, int((seconds - whole) * 1e9))  # itimerspec
-        if self._libc.timer_settime(self._timer, 0, spec, None) != 0:
-            self._failed = True
-
-
-_BACKSTOP = _WallBackstop()
 
 
 def _chunk(data: bytes) -> bytes:
@@ -550,7 +491,7 @@ def _first_call_ahead(runner: Runner) -> None:
     compile, the value's encoding, the events) then runs for the first time here, not in the
     caller's first call, whose time it took (issue 19: about 0.7 ms in the worker: pages
     written for the first time, and, in a worker forked from a template, copied)."""
-    _BACKSTOP.prepare()
+    BACKSTOP.prepare()
     try:
         _parse_head(_WARM_HEAD)
         check = runner.code_check
