@@ -27,10 +27,15 @@ class WallBackstop:
     host ends a call at its limit first. Timers are not inherited by a fork, so a child
     the cell forks does not carry it (its sandbox's pid namespace, keeper or template end
     it with the worker). Where the timer cannot be made (a filter refusing it), the worker
-    runs without it."""
+    runs without it.
+
+    Everything `arm` uses is taken when the timer is made, before any user code: the code
+    may replace `ctypes` in `sys.modules` (importing it again, `_ctypes` with it), and the
+    disarming after the call must not meet its objects or fail on them."""
 
     def __init__(self) -> None:
-        self._libc: Any = None
+        self._settime: Any = None
+        self._spec: Any = None  # struct itimerspec, as four longs
         self._timer: Any = None
         self._pid = 0  # the process the timer belongs to (a fork has none of its own)
         self._failed = False
@@ -40,7 +45,10 @@ class WallBackstop:
         if self._pid != os.getpid():
             self._timer, self._failed, self._pid = None, False, os.getpid()
         if self._timer is None and not self._failed:
-            self._failed = not self._make()
+            try:
+                self._failed = not self._make()
+            except Exception:
+                self._failed = True
 
     def _make(self) -> bool:
         import ctypes
@@ -58,19 +66,21 @@ class WallBackstop:
         timer = ctypes.c_void_p()
         if libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) != 0:  # MONOTONIC
             return False
-        self._libc, self._timer = libc, timer
+        self._settime, self._spec, self._timer = libc.timer_settime, ctypes.c_long * 4, timer
         return True
 
     def arm(self, seconds: float) -> None:
-        """Expire `seconds` from now (0: disarm)."""
-        self.prepare()
-        if self._failed:
-            return
-        import ctypes
-
-        whole = int(seconds)
-        spec = (ctypes.c_long * 4)(0, 0, whole, int((seconds - whole) * 1e9))  # itimerspec
-        if self._libc.timer_settime(self._timer, 0, spec, None) != 0:
+        """Expire `seconds` from now (0: disarm). Never raises: a backstop that fails is
+        off for this worker's life (the host's own limit stays)."""
+        try:
+            self.prepare()
+            if self._failed:
+                return
+            whole = int(seconds)
+            spec = self._spec(0, 0, whole, int((seconds - whole) * 1e9))
+            if self._settime(self._timer, 0, spec, None) != 0:
+                self._failed = True
+        except Exception:
             self._failed = True
 
 
