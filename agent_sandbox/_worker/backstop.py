@@ -35,7 +35,7 @@ class WallBackstop:
 
     def __init__(self) -> None:
         self._settime: Any = None
-        self._spec: Any = None  # struct itimerspec, as four longs
+        self._spec: Any = None  # one struct itimerspec (four longs), filled for each arm
         self._timer: Any = None
         self._pid = 0  # the process the timer belongs to (a fork has none of its own)
         self._failed = False
@@ -66,7 +66,7 @@ class WallBackstop:
         timer = ctypes.c_void_p()
         if libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) != 0:  # MONOTONIC
             return False
-        self._settime, self._spec, self._timer = libc.timer_settime, ctypes.c_long * 4, timer
+        self._settime, self._spec, self._timer = libc.timer_settime, (ctypes.c_long * 4)(), timer
         return True
 
     def arm(self, seconds: float) -> None:
@@ -77,7 +77,8 @@ class WallBackstop:
             if self._failed:
                 return
             whole = int(seconds)
-            spec = self._spec(0, 0, whole, int((seconds - whole) * 1e9))
+            spec = self._spec  # no interval; the first expiry
+            spec[2], spec[3] = whole, int((seconds - whole) * 1e9)
             if self._settime(self._timer, 0, spec, None) != 0:
                 self._failed = True
         except Exception:
