@@ -20,12 +20,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
 
-__all__ = ["LaunchPlan", "ProbeResult", "Provider", "WorkerSpec"]
+__all__ = ["Answer", "LaunchPlan", "ProbeResult", "Provider", "Unenforced", "WorkerSpec"]
+
+#: What a provider cannot hold of one section of a policy, rule by rule: (the rule's index in
+#: the section, or None for the whole section; why; which provider can).
+Answer = Callable[[Any], list[tuple[int | None, str, str]]]
+#: One such thing, with its section: (section, index or None, why, which provider can).
+Unenforced = tuple[str, int | None, str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +144,36 @@ class Provider:
     #: The most entries a plan's `stack` can list for a policy without network rules (None:
     #: unknown). `auto` builds no plan of a candidate that could not beat one it has.
     deepest_stack: ClassVar[int | None] = None
+    #: What it enforces, declared on the class: for each section of the policy
+    #: (`policies._model.SECTIONS`), a function listing what of that section it cannot hold
+    #: below Python (`providers/_netcheck.py` has them). A section it does not answer is
+    #: unenforceable: every policy is refused under it (`unenforceable`), and a test
+    #: generated from the policy model names the provider and the section.
+    answers: ClassVar[Mapping[str, Answer]] = {}
+
+    def unenforceable(self, policy: Any) -> list[Unenforced]:
+        """What of `policy` this provider cannot hold below Python, section by section; an
+        unanswered section is unenforceable as a whole (each of its rules, when it has
+        rules), so a provider that answers nothing refuses every policy."""
+        from agent_sandbox.policies._model import SECTIONS
+
+        out: list[Unenforced] = []
+        for section in SECTIONS:
+            answer = type(self).answers.get(section)
+            if answer is not None:
+                out.extend((section, *problem) for problem in answer(policy))
+                continue
+            why = (
+                f"no statement of what {self.name or type(self).__name__!r} enforces of "
+                f"[{section}] below Python (its class's `answers`)"
+            )
+            rules = getattr(getattr(policy, section, None), "rules", None) or ()
+            if rules:
+                fix = "a provider that answers it"
+                out.extend((section, i, why, fix) for i in range(len(rules)))
+            else:
+                out.append((section, None, why, "a provider that answers it"))
+        return out
 
     def probe(self) -> ProbeResult:
         """Say whether this provider works on this machine, and why not."""

@@ -36,9 +36,11 @@ from __future__ import annotations
 import functools
 import shutil
 import subprocess
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
@@ -47,7 +49,7 @@ from agent_sandbox.providers._base import (
     worker_argv,
 )
 from agent_sandbox.providers._grants import grant_pins
-from agent_sandbox.providers._netcheck import refuse_unenforceable
+from agent_sandbox.providers._netcheck import firejail_net, refuse_unenforceable, standard_answers
 from agent_sandbox.providers._view import (
     HostLayout,
     bound_paths,
@@ -207,6 +209,9 @@ def _probe(firejail: str) -> ProbeResult:
 class FirejailProvider(Provider):
     """Start the worker under firejail with the hardened argv (only when named)."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(firejail_net)
+
     name: ClassVar[str] = "firejail"
     strength: ClassVar[int] = 25
     is_boundary: ClassVar[bool] = True
@@ -219,7 +224,7 @@ class FirejailProvider(Provider):
         return _probe(self.firejail)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        refuse_unenforceable(self.name, policy)  # --net=none: its own loopback only
+        refuse_unenforceable(self, policy)  # --net=none: its own loopback only
         details = self.probe().details
         exe = str(details.get("path", self.firejail))
         setpriv = str(details.get("setpriv", "setpriv"))

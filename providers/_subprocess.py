@@ -12,9 +12,11 @@ provider (`landlock`, `unshare`, `bwrap`, `firejail`) or `auto` for untrusted co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
@@ -22,12 +24,16 @@ from agent_sandbox.providers._base import (
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._netcheck import opted_out, standard_answers
 
 __all__ = ["SubprocessProvider"]
 
 
 class SubprocessProvider(Provider):
     """Start the worker as an ordinary child process (guards and rlimits only)."""
+
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(opted_out, opted_out)
 
     name: ClassVar[str] = "subprocess"
     strength: ClassVar[int] = 0

@@ -238,3 +238,34 @@ def _probe_cache_switch_restored() -> Iterator[None]:
     before = _probe_cache._afresh
     yield
     _probe_cache._afresh = before
+
+
+class GrowOnRead:
+    """A writer that appends to a host file right after the host's first read of it (through
+    `agent_sandbox._host.files`, which places uploads): a file that changes while it is read.
+    `arm(path)` installs it; `grew` says whether the writer ran (the test's own oracle)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._monkeypatch = monkeypatch
+        self.grew = False
+
+    def arm(self, path: Path) -> None:
+        from agent_sandbox._host import files as host_files
+
+        real_read = os.read
+
+        def read_then_grow(fd: int, n: int) -> bytes:
+            data = real_read(fd, n)
+            if not self.grew:
+                self.grew = True
+                with open(path, "ab") as fh:
+                    fh.write(b"more rows\n")
+            return data
+
+        self._monkeypatch.setattr(host_files.os, "read", read_then_grow)
+
+
+@pytest.fixture
+def grow_on_read(monkeypatch: pytest.MonkeyPatch) -> GrowOnRead:
+    """See `GrowOnRead`; undone with the test's `monkeypatch`."""
+    return GrowOnRead(monkeypatch)

@@ -378,6 +378,11 @@ class WorkerProcess:
                 )
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
+            if self.plan.provider == "gvisor" and getattr(self.plan, "pins", None):
+                # The granted paths as runsc's gofer mounted them, before any call.
+                from agent_sandbox.providers._gvisor import check_pins_in_gofer
+
+                check_pins_in_gofer(self.plan, proc.pid)  # type: ignore[arg-type]
             self._hold_scratch()
             self._watch_guards()
             self._watch_kernel_log()
@@ -397,7 +402,9 @@ class WorkerProcess:
             self.kill()
             raise
         if self.plan.limit_reports:
-            self.guest_limits = GuestLimits(self.plan.limit_reports, self.proc.pid)
+            self.guest_limits = GuestLimits(
+                self.plan.limit_reports, self.proc.pid, source=self.plan.provider
+            )
         if self.plan.warm_up:
             self._warm_up(start_timeout - (time.monotonic() - t0))
         self.started_at = time.monotonic()

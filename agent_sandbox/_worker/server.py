@@ -40,8 +40,12 @@ from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
-from agent_sandbox._worker.run import Runner, on_interrupt
+from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
 from agent_sandbox.guards._files import set_scratch_metadata
+
+#: The worker's own listing of the sandbox's /proc (`_ProcessCount`), bound before the
+#: guards wrap `os.listdir` (it is not user code).
+_listdir = os.listdir
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
@@ -114,6 +118,10 @@ class _Server:
         self.tamper_check: Any = None
         #: This worker's pid (the server is made in the worker's own process).
         self.pid = os.getpid()
+        #: Under gVisor: where to report the calls that ended with the sandbox at
+        #: `limits.processes` (`_ProcessCount`); None elsewhere.
+        report = (boot.get("worker_setup") or {}).get("limit_report")
+        self.process_count = _ProcessCount(report) if isinstance(report, dict) else None
         self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
     # -- connection handling -------------------------------------------------------------
@@ -309,7 +317,7 @@ class _Server:
         def emit(kind: str, data: Any) -> None:
             """What the cell's run emits with: a forked child never writes on its parent's
             connection."""
-            if os.getpid() == owner:
+            if current_pid() == owner:
                 put(kind, data)
 
         def put(kind: str, data: Any) -> None:
@@ -368,6 +376,8 @@ class _Server:
             counted = audit.end_call()
             with lock:
                 final = True
+        if self.process_count is not None:
+            self.process_count.check()
         # From here on in the worker itself (checked above): `put`, without a check per event.
         # First occurrences streamed as they were classified; counts and last ones now.
         counts = [
@@ -399,6 +409,56 @@ class _Server:
             flush(_STREAM_END)
         if tampered:
             raise _Stop
+
+
+class _ProcessCount:
+    """Under gVisor, the calls that ended with the sandbox at `limits.processes`.
+
+    gVisor's kernel refuses a fork past RLIMIT_NPROC (EAGAIN) and keeps no count of the
+    refusals; the host sees only the Sentry's threads. So where a call ends the worker
+    (the sandbox's pid 1: every orphan becomes its child) asks whether it has any child
+    (one `waitid` that reaps nothing), and only then counts the sandbox's processes in its
+    `/proc`; a call that ends at the limit, after one that did not, adds one to the report
+    the host reads (`agent_sandbox._host.limits.GuestLimits`, which names it the worker
+    side's word).
+    """
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.path = str(report["path"])
+        self.limit = int(report["processes"])
+        self.hits = 0
+        self.at_limit = False
+
+    def check(self) -> None:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            self.at_limit = False  # no child: nothing of the code's runs
+            return
+        except OSError:
+            return
+        try:
+            count = sum(1 for name in _listdir("/proc") if name.isdigit())
+        except OSError:
+            return
+        at_limit = count >= self.limit
+        if at_limit and not self.at_limit:
+            self.hits += 1
+            self._write({"pids_at_limit": self.hits})
+        self.at_limit = at_limit
+
+    def _write(self, report: dict[str, int]) -> None:
+        # Written beside and renamed over: the host never reads half a report.
+        part = self.path + ".part"
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, json.dumps(report).encode())
+            finally:
+                os.close(fd)
+            os.rename(part, self.path)
+        except OSError:
+            pass
 
 
 def _chunk(data: bytes) -> bytes:

@@ -310,7 +310,6 @@ def test_blocks_posixsubprocess_fork_exec(
 
 
 def test_bounded_fork_bomb_ends_within_the_limit(
-    request: pytest.FixtureRequest,
     kernel_provider: str,
     arena: dict[str, Path],
     hostile: Any,
@@ -319,16 +318,11 @@ def test_bounded_fork_bomb_ends_within_the_limit(
     """It ends a fork bomb at `limits.processes`, reports it, and leaves no process behind.
 
     Under qemu the guest's pids cgroup ends it; the guest agent's count is the denial's
-    source, which says it is the worker side's word (unverified)."""
+    source, which says it is the worker side's word (unverified). Under gvisor gVisor's
+    kernel ends it at RLIMIT_NPROC; the worker's count of the sandbox's processes where the
+    call ends is the denial's source, also the worker side's word."""
     if kernel_provider != "qemu" and not cgroup_support()["processes"]:
         pytest.skip("no pids cgroup here: RLIMIT_NPROC does not bound uid 0")
-    _under_gvisor(
-        request,
-        kernel_provider,
-        "gVisor's kernel ends the bomb at RLIMIT_NPROC (EAGAIN, test_gvisor.py), but the host "
-        "has no counter of that refusal to report as limits.processes",
-        gap=True,
-    )
     code = """
 import time
 pids = []
@@ -377,7 +371,6 @@ def _not_zombie(pid: int) -> bool:
 
 
 def test_memory_balloon_ends_within_the_limit(
-    request: pytest.FixtureRequest,
     kernel_provider: str,
     arena: dict[str, Path],
     hostile: Any,
@@ -388,17 +381,11 @@ def test_memory_balloon_ends_within_the_limit(
     Under qemu two bounds hold: the host's memory cgroup around QEMU (the guest's RAM as
     QEMU holds it, plus QEMU itself: a hit there ends the VM and is the host's own fact) and
     the guest's memory cgroup (a hit there is the guest agent's report, which the denial
-    marks as the worker side's word, with what the host measured of the guest's RAM)."""
+    marks as the worker side's word, with what the host measured of the guest's RAM).
+    Under gvisor the host's memory cgroup holds the sandbox's memory (the Sentry's memory
+    file) and the Sentry's own at `memory_mb + LAUNCHER_MB`; a hit is the host's OOM kill."""
     if kernel_provider != "qemu" and not cgroup_support()["memory"]:
         pytest.skip("no memory cgroup here: only RLIMIT_AS bounds each process alone")
-    _under_gvisor(
-        request,
-        kernel_provider,
-        "the host's memory cgroup holds the whole gVisor sandbox (Sentry and gofer too) at "
-        "memory_mb + LAUNCHER_MB; inside, RLIMIT_AS bounds each process alone, so children "
-        "together pass memory_mb and no hit is reported as limits.memory",
-        gap=True,
-    )
     code = """
 kids = []
 for _ in range(3):
