@@ -297,13 +297,15 @@ class BootConfig(_Record):
     the import roots and package folders; `scratch` is the working directory as the worker
     sees it; `worker_setup` is the plan's `WorkerSetup`; `host_env_names` are the host's
     variable names (the environment guard's reference); `die_with_parent` asks the worker to
-    end with the host's launch thread, `keeper` to run under a keeper (`_worker/boot.py`).
+    end with the host's launch thread, `keeper` to run under a keeper (`_worker/boot.py`);
+    `life_fd` is the worker's end of the agent's life line (`WorkerSpec.life_fd`), or None.
     """
 
     __slots__ = (
         "die_with_parent",
         "host_env_names",
         "keeper",
+        "life_fd",
         "listen_fd",
         "package_dirs",
         "policy",
@@ -325,6 +327,7 @@ class BootConfig(_Record):
     host_env_names: list[str]
     die_with_parent: bool
     keeper: bool
+    life_fd: int | None
 
     def __init__(
         self,
@@ -340,6 +343,7 @@ class BootConfig(_Record):
         host_env_names: list[str],
         die_with_parent: bool,
         keeper: bool,
+        life_fd: int | None = None,
     ) -> None:
         values = locals()
         for name in self.__slots__:

@@ -71,6 +71,11 @@ class WorkerSpec:
     #: The worker's end of the channel that carries its egress-proxy listener to the host
     #: (`_host/egress/proxy.py`); -1 when there is none.
     egress_fd: int = -1
+    #: The read end of the worker's life line: a pipe whose only write end the agent holds.
+    #: A provider whose worker no parent-death signal reaches passes it on (in `pass_fds`);
+    #: the worker asks the kernel for SIGKILL when the pipe's last writer closes, that is
+    #: when the agent is gone however it died (`_worker/boot.py`). -1 when there is none.
+    life_fd: int = -1
 
 
 @dataclasses.dataclass(frozen=True)

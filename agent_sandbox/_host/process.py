@@ -174,6 +174,9 @@ class WorkerProcess:
         self._held: list[tuple[str, Any]] = []
         #: The O_PATH descriptor of a socket the worker bound itself (`_pin_socket`).
         self._socket_pin: int | None = None
+        #: The write end of the worker's life line (`WorkerSpec.life_fd`), closed once the
+        #: worker is reaped; None when its provider does not use one.
+        self._life: int | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -217,6 +220,10 @@ class WorkerProcess:
         sock_path = os.path.join(self.control_dir, "ctl.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
+        # The worker's life line (`WorkerSpec.life_fd`): the write end stays here, close-on-
+        # exec and passed to nothing, until the worker is reaped; a worker forked from a
+        # template dies with the template instead.
+        life_r, life_w = os.pipe() if template is None else (-1, -1)
         # The channel that brings the worker's egress-proxy listener to the host (used only
         # when the plan has an egress proxy; see _host/egress/proxy.py).
         egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -226,6 +233,8 @@ class WorkerProcess:
             listener.listen(8)
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
+            if life_r >= 0:
+                os.set_inheritable(life_r, True)
             egress_worker.set_inheritable(True)
             spec = WorkerSpec(
                 python=worker_python(),
@@ -240,6 +249,7 @@ class WorkerProcess:
                 prefix=sys.prefix,
                 base_prefix=sys.base_prefix,
                 egress_fd=egress_worker.fileno(),
+                life_fd=life_r,
             )
             self.plan = provider.build(policy, spec)
             if template is not None:
@@ -277,6 +287,8 @@ class WorkerProcess:
             os.close(boot_r)
             os.close(boot_w)
             egress_worker.close()
+            if life_w >= 0:
+                os.close(life_w)
             self._cleanup_dirs()
             raise
         finally:
@@ -284,6 +296,12 @@ class WorkerProcess:
             egress_worker.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
+            if life_r >= 0:
+                os.close(life_r)
+        if life_w >= 0 and life_r in self.plan.pass_fds:
+            self._life = life_w
+        elif life_w >= 0:
+            os.close(life_w)  # the provider has no use for it (a parent-death signal reaches)
         try:
             boot = BootConfig(
                 token=self.token,
@@ -299,6 +317,8 @@ class WorkerProcess:
                 die_with_parent=template is None,
                 # No pid namespace to die with: a keeper ends what the worker detached.
                 keeper=template is None and self.plan.keeper,
+                # The worker's end of the life line: the same number in it (pass_fds).
+                life_fd=life_r if self._life is not None else None,
             )
             try:
                 _write_all(boot_w, json.dumps(boot.to_dict()).encode())
@@ -1419,6 +1439,10 @@ class WorkerProcess:
 
     def _cleanup_dirs(self) -> None:
         self._close_stat_fds()
+        if self._life is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._life)  # (the worker, if any of it is left, is SIGKILLed)
+            self._life = None
         if self._socket_pin is not None:
             with contextlib.suppress(OSError):
                 os.close(self._socket_pin)

@@ -38,6 +38,7 @@ from _operator import _compare_digest as compare_digest
 from agent_sandbox._denial import Denial
 from agent_sandbox._wire import BootConfig, encode_event
 from agent_sandbox._worker import audit
+from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
 from agent_sandbox.guards._files import set_scratch_metadata
@@ -360,12 +361,18 @@ class _Server:
         # seccomp filter refuses them here): only during the call, on its connection.
         set_scratch_metadata(host_tool.scratch_metadata)
         started = time.perf_counter()
+        after = request.get("backstop")
+        backstop = BACKSTOP if isinstance(after, (int, float)) and after > 0 else None
+        if backstop is not None:
+            backstop.arm(float(after))
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
             set_scratch_metadata(None)
             if os.getpid() != owner:
                 os._exit(1)  # a child the cell forked never goes on with the server's work
+            if backstop is not None:
+                backstop.arm(0.0)
             counted = audit.end_call()
             with lock:
                 final = True
@@ -546,6 +553,7 @@ def _first_call_ahead(runner: Runner) -> None:
     compile, the value's encoding, the events) then runs for the first time here, not in the
     caller's first call, whose time it took (issue 19: about 0.7 ms in the worker: pages
     written for the first time, and, in a worker forked from a template, copied)."""
+    BACKSTOP.prepare()
     try:
         _parse_head(_WARM_HEAD)
         check = runner.code_check
