@@ -53,6 +53,9 @@ Refused at construction, naming the cause: a grant of a device, a socket or a FI
 serves regular files and directories through its gofer), a `[net]` rule the proxy cannot
 serve (UDP, a listener for outside peers), a missing runsc, a runsc older than
 `MIN_RELEASE`.
+
+It is longer than 600 lines for now: the bundle, the pins and the launch are one provider's
+plan, and its cut into a `providers/gvisor/` package (as `providers/qemu/`) is still to do.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ after the answer). Anything else closes the connection unanswered. It is parsed 
 hand, not with h11: each request's parse is a few splits, which matters where the worker's
 Python runs ~20x slower (a `qemu` guest under TCG); the host still parses every byte the
 worker sends with h11.
+
+It is longer than 600 lines because the parser, the routes and the run loop share one
+selector loop and its state; each module the worker imports adds to every start (the start
+budget in tests/worker/test_worker_startup.py), so the server stays one module.
 """
 
 from __future__ import annotations
