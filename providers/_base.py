@@ -24,8 +24,17 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox._wire import WorkerSetup
 
-__all__ = ["Answer", "LaunchPlan", "ProbeResult", "Provider", "Unenforced", "WorkerSpec"]
+__all__ = [
+    "Answer",
+    "LaunchPlan",
+    "ProbeResult",
+    "Provider",
+    "Unenforced",
+    "WorkerSetup",
+    "WorkerSpec",
+]
 
 #: What a provider cannot hold of one section of a policy, rule by rule: (the rule's index in
 #: the section, or None for the whole section; why; which provider can).
@@ -62,15 +71,20 @@ class WorkerSpec:
     #: The worker's end of the channel that carries its egress-proxy listener to the host
     #: (`_host/egress/proxy.py`); -1 when there is none.
     egress_fd: int = -1
+    #: The read end of the worker's life line: a pipe whose only write end the agent holds.
+    #: A provider whose worker no parent-death signal reaches passes it on (in `pass_fds`);
+    #: the worker asks the kernel for SIGKILL when the pipe's last writer closes, that is
+    #: when the agent is gone however it died (`_worker/boot.py`). -1 when there is none.
+    life_fd: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """How to start one worker: the result of a provider's pure `build()`.
 
-    `worker_setup` is JSON-safe data the worker applies to itself before it serves (for
-    example `{"landlock": {...}}`); `cleanup_paths` are host paths the parent removes when
-    the worker is gone.
+    `worker_setup` is what the worker applies to itself before it serves (a `WorkerSetup`
+    record of the shared wire module, for example its `landlock` ruleset); `cleanup_paths`
+    are host paths the parent removes when the worker is gone.
     """
 
     provider: str
@@ -78,7 +92,7 @@ class LaunchPlan:
     env: Mapping[str, str]
     pass_fds: tuple[int, ...]
     cwd: str
-    worker_setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    worker_setup: WorkerSetup = dataclasses.field(default_factory=WorkerSetup)
     stack: tuple[str, ...] = ()
     cleanup_paths: tuple[str, ...] = ()
     #: How many launcher processes stand above the worker (0: the launched process is the

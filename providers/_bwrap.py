@@ -40,6 +40,7 @@ from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     worker_argv,
@@ -288,7 +289,7 @@ class BwrapProvider(Provider):
             env=base_env(spec, proxy_vars),
             pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # bwrap, then its init (PID 1 inside), then the worker
             seccomp_bpf=bpf,

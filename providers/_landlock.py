@@ -59,6 +59,7 @@ from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     package_folder,
@@ -561,7 +562,7 @@ class LandlockProvider(Provider):
             env=base_env(spec),
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, "seccomp") if "seccomp" in setup else (self.name,),
             worker_depth=1,  # its keeper, then the worker
             keeper=True,

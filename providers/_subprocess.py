@@ -20,6 +20,7 @@ from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     worker_argv,
@@ -49,7 +50,7 @@ class SubprocessProvider(Provider):
             env=base_env(spec),
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,
-            worker_setup={},
+            worker_setup=WorkerSetup(),
             stack=(self.name,),
             worker_depth=1,  # its keeper, then the worker
             keeper=True,

@@ -41,6 +41,7 @@ from agent_sandbox.providers._base import (
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     package_folder,
@@ -215,7 +216,7 @@ class UnshareProvider(Provider):
             env=base_env(spec, proxy_vars),
             pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # the launcher L, then B (PID 1 inside), then the worker C
         )

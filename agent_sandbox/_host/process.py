@@ -74,6 +74,7 @@ from agent_sandbox._host.limit_report import GuestLimits, record_limit_hits
 from agent_sandbox._host.limits import WorkerCgroups, _descendants, start_cgroups
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox._host.setup_checks import verify_checks
+from agent_sandbox._wire import BootConfig
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
@@ -168,6 +169,9 @@ class WorkerProcess:
         self._held: list[tuple[str, Any]] = []
         #: The O_PATH descriptor of a socket the worker bound itself (`_pin_socket`).
         self._socket_pin: int | None = None
+        #: The write end of the worker's life line (`WorkerSpec.life_fd`), closed once the
+        #: worker is reaped; None when its provider does not use one.
+        self._life: int | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -211,6 +215,10 @@ class WorkerProcess:
         sock_path = os.path.join(self.control_dir, "ctl.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
+        # The worker's life line (`WorkerSpec.life_fd`): the write end stays here, close-on-
+        # exec and passed to nothing, until the worker is reaped; a worker forked from a
+        # template dies with the template instead.
+        life_r, life_w = os.pipe() if template is None else (-1, -1)
         # The channel that brings the worker's egress-proxy listener to the host (used only
         # when the plan has an egress proxy; see _host/egress/proxy.py).
         egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -220,6 +228,8 @@ class WorkerProcess:
             listener.listen(8)
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
+            if life_r >= 0:
+                os.set_inheritable(life_r, True)
             egress_worker.set_inheritable(True)
             spec = WorkerSpec(
                 python=worker_python(),
@@ -234,6 +244,7 @@ class WorkerProcess:
                 prefix=sys.prefix,
                 base_prefix=sys.base_prefix,
                 egress_fd=egress_worker.fileno(),
+                life_fd=life_r,
             )
             self.plan = provider.build(policy, spec)
             if template is not None:
@@ -271,6 +282,8 @@ class WorkerProcess:
             os.close(boot_r)
             os.close(boot_w)
             egress_worker.close()
+            if life_w >= 0:
+                os.close(life_w)
             self._cleanup_dirs()
             raise
         finally:
@@ -278,24 +291,32 @@ class WorkerProcess:
             egress_worker.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
+            if life_r >= 0:
+                os.close(life_r)
+        if life_w >= 0 and life_r in self.plan.pass_fds:
+            self._life = life_w
+        elif life_w >= 0:
+            os.close(life_w)  # the provider has no use for it (a parent-death signal reaches)
         try:
-            boot = {
-                "token": self.token,
-                "worker_id": self.id,
-                "listen_fd": spec.listen_fd,
-                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
-                "sys_path": list(spec.sys_path),
-                "package_dirs": dict(spec.package_dirs),
-                "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
-                "worker_setup": dict(self.plan.worker_setup),
-                "host_env_names": sorted(os.environ),
+            boot = BootConfig(
+                token=self.token,
+                worker_id=self.id,
+                listen_fd=spec.listen_fd,
+                policy=policy.to_wire(pin="egress" not in self.plan.worker_setup),
+                sys_path=list(spec.sys_path),
+                package_dirs=dict(spec.package_dirs),
+                scratch=self.scratch,
+                worker_setup=self.plan.worker_setup,
+                host_env_names=sorted(os.environ),
                 # Started from scratch in the launch thread: it dies with that thread.
-                "die_with_parent": template is None,
+                die_with_parent=template is None,
                 # No pid namespace to die with: a keeper ends what the worker detached.
-                "keeper": template is None and self.plan.keeper,
-            }
+                keeper=template is None and self.plan.keeper,
+                # The worker's end of the life line: the same number in it (pass_fds).
+                life_fd=life_r if self._life is not None else None,
+            )
             try:
-                _write_all(boot_w, json.dumps(boot).encode())
+                _write_all(boot_w, json.dumps(boot.to_dict()).encode())
             except OSError as exc:
                 raise self._start_failed(f"could not send the boot configuration ({exc})") from None
             finally:
@@ -490,7 +511,7 @@ class WorkerProcess:
             )
 
         problems = verify_checks(
-            self.plan.worker_setup if self.plan else {}, self.hello.get("checks") or {}
+            self.plan.worker_setup.to_dict() if self.plan else {}, self.hello.get("checks") or {}
         )
         if problems:
             raise self._start_failed(
@@ -591,7 +612,7 @@ class WorkerProcess:
         return os.path.join(self.control_dir, "ctl.sock")
 
     def plan_hides_prefix(self) -> bool:
-        return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
+        return False  # (no provider's plan runs the worker under another prefix)
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -648,7 +669,7 @@ class WorkerProcess:
         if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
             return
         assert self.plan is not None
-        inside = str(self.plan.worker_setup.get("scratch_inside", self.scratch))
+        inside = self.scratch
         pid = self.worker_pid()
         if pid is None:
             return
@@ -807,7 +828,7 @@ class WorkerProcess:
         the plan's seccomp filter refuses metadata changes and scratch is this host's
         directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
         plan = self.plan
-        if plan is None or not self.scratch or "scratch_inside" in plan.worker_setup:
+        if plan is None or not self.scratch:
             return host_call
         seccomp = plan.worker_setup.get("seccomp")
         if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
@@ -1413,6 +1434,10 @@ class WorkerProcess:
 
     def _cleanup_dirs(self) -> None:
         self._close_stat_fds()
+        if self._life is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._life)  # (the worker, if any of it is left, is SIGKILLed)
+            self._life = None
         if self._socket_pin is not None:
             with contextlib.suppress(OSError):
                 os.close(self._socket_pin)

@@ -36,8 +36,9 @@ import time
 from _operator import _compare_digest as compare_digest
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._wire import encode_event
+from agent_sandbox._wire import BootConfig, encode_event
 from agent_sandbox._worker import audit
+from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
 from agent_sandbox.guards._files import set_scratch_metadata
@@ -119,7 +120,7 @@ class _Server:
         self.pid = os.getpid()
         #: Under gVisor: where to report the calls that ended with the sandbox at
         #: `limits.processes` (`_ProcessCount`); None elsewhere.
-        report = (boot.get("worker_setup") or {}).get("limit_report")
+        report = BootConfig.from_dict(boot).worker_setup.limit_report
         self.process_count = _ProcessCount(report) if isinstance(report, dict) else None
         self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
@@ -360,12 +361,18 @@ class _Server:
         # seccomp filter refuses them here): only during the call, on its connection.
         set_scratch_metadata(host_tool.scratch_metadata)
         started = time.perf_counter()
+        after = request.get("backstop")
+        backstop = BACKSTOP if isinstance(after, (int, float)) and after > 0 else None
+        if backstop is not None:
+            backstop.arm(float(after))
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
             set_scratch_metadata(None)
             if os.getpid() != owner:
                 os._exit(1)  # a child the cell forked never goes on with the server's work
+            if backstop is not None:
+                backstop.arm(0.0)
             counted = audit.end_call()
             with lock:
                 final = True
@@ -481,10 +488,12 @@ def serve(boot: dict[str, Any]) -> None:
     """Set up the worker from its boot configuration, then serve until shutdown."""
     from agent_sandbox._worker.setup import prepare
 
-    path = (boot.get("worker_setup") or {}).get("listen_path")
+    # Read into its record: an unknown or a missing key ends the start, named in the log.
+    config = BootConfig.from_dict(boot)
+    path = config.worker_setup.listen_path
     # A sandbox that hands the worker no listening socket (gVisor): the worker binds its own
     # (the parent waits for the name, and for it to accept connections).
-    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(boot["listen_fd"]))
+    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(config.listen_fd))
     runner, checks, hooks = prepare(boot)
     # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).
     _signal.signal(_signal.SIGINT, on_interrupt)
@@ -544,6 +553,7 @@ def _first_call_ahead(runner: Runner) -> None:
     compile, the value's encoding, the events) then runs for the first time here, not in the
     caller's first call, whose time it took (issue 19: about 0.7 ms in the worker: pages
     written for the first time, and, in a worker forked from a template, copied)."""
+    BACKSTOP.prepare()
     try:
         _parse_head(_WARM_HEAD)
         check = runner.code_check

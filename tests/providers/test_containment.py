@@ -98,6 +98,16 @@ def _refused(result: Any) -> int:
     return -outcome
 
 
+def _reported(result: Any, count: int) -> list[str]:
+    """The `count` lines an attack printed after each of its steps: the code ran to its end
+    (`result.error` is None), so an attack that never ran (a refused import, a changed
+    signature, a typo) fails here instead of passing as "blocked"."""
+    assert result.error is None, _output(result)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == count, _output(result)
+    return lines
+
+
 def test_blocks_native_read_of_a_tmp_canary_outside_scratch(
     kernel_provider: str, arena: dict[str, Path], canary: str, hostile: Any, make_policy: Any
 ) -> None:
@@ -245,6 +255,11 @@ print(_libc.system(b'echo ran > {markers[1]}'))
 """
     result = hostile(kernel_provider, make_policy(arena), code)
     assert [m.exists() for m in markers] == [False, False], _output(result)
+    # Both calls were made, and each failed: a refusal, or a nonzero status (the shell
+    # could not run).
+    posix_line, libc_line = _reported(result, 2)
+    assert posix_line.startswith("refused ") or int(posix_line) != 0, _output(result)
+    assert int(libc_line) != 0, _output(result)
 
 
 def test_blocks_ctypes_execve(
@@ -288,6 +303,10 @@ def test_blocks_posixsubprocess_fork_exec(
     marker = arena["rw"] / "fork-exec-ran"
     result = hostile(kernel_provider, make_policy(arena), _FORK_EXEC.format(marker=marker))
     assert not marker.exists(), _output(result)
+    # The call was made: refused with an errno, or its child failed to run the shell.
+    (line,) = _reported(result, 1)
+    assert line.startswith(("refused ", "child ")), _output(result)
+    assert not line.startswith("child 0 "), _output(result)
 
 
 def test_bounded_fork_bomb_ends_within_the_limit(
@@ -453,10 +472,13 @@ def test_blocks_connecting_to_a_host_pathname_unix_socket(
     listener.listen(4)
     listener.setblocking(False)
     try:
-        hostile(kernel_provider, make_policy(arena), f"print(nconnect_unix({path!r}))")
+        result = hostile(kernel_provider, make_policy(arena), f"print(nconnect_unix({path!r}))")
         assert not is_received(listener)
     finally:
         listener.close()
+    # EPERM/EACCES (seccomp, Landlock), ENOENT (not in the view), ECONNREFUSED (another
+    # kernel's socket of that name: gVisor, the VM).
+    assert _refused(result) in (1, 13, 2, 111), _output(result)
 
 
 def test_hides_the_existence_of_files_outside_the_policy(
@@ -472,7 +494,7 @@ def test_hides_the_existence_of_files_outside_the_policy(
     target = str(arena["outside"]).encode()
     code = f"print('EXISTS' if _libc.access({target!r}, 0) == 0 else 'absent')"
     result = hostile(kernel_provider, make_policy(arena), code)
-    assert "EXISTS" not in result.stdout
+    assert _reported(result, 1) == ["absent"], _output(result)
 
 
 def test_udp_reaches_only_what_a_udp_rule_names(
