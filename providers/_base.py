@@ -109,7 +109,8 @@ class LaunchPlan:
     keeper: bool = False
     #: A host file where the launcher keeps the limit counters the sandbox side reported
     #: (a VM's guest agent: `qemu/relay.py`); the parent turns new counts into denials
-    #: marked as the worker side's word (`_limits.GuestLimits`). "" when there is none.
+    #: marked as the worker side's word (`_host/limit_report.GuestLimits`). "" when there is
+    #: none.
     limit_reports: str = ""
     #: Run one constant call (`None`, file name `<warm-up>`) before the worker is handed
     #: out: a restored VM's translation cache starts cold, so the first call would pay for

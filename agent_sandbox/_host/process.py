@@ -70,13 +70,8 @@ from agent_sandbox._host.launch import (
     worker_env,
     worker_python,
 )
-from agent_sandbox._host.limits import (
-    GuestLimits,
-    WorkerCgroups,
-    _descendants,
-    record_limit_hits,
-    start_cgroups,
-)
+from agent_sandbox._host.limit_report import GuestLimits, record_limit_hits
+from agent_sandbox._host.limits import WorkerCgroups, _descendants, start_cgroups
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox._host.setup_checks import verify_checks
 from agent_sandbox._wire import BootConfig

@@ -423,7 +423,7 @@ class _ProcessCount:
     (the sandbox's pid 1: every orphan becomes its child) asks whether it has any child
     (one `waitid` that reaps nothing), and only then counts the sandbox's processes in its
     `/proc`; a call that ends at the limit, after one that did not, adds one to the report
-    the host reads (`agent_sandbox._host.limits.GuestLimits`, which names it the worker
+    the host reads (`agent_sandbox._host.limit_report.GuestLimits`, which names it the worker
     side's word).
     """
 

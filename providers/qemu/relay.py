@@ -29,8 +29,8 @@ the guest worker's), and QEMU is its only child. Standard library only.
 7. The guest's limit counters (`L` frames: refused forks, memory-limit and OOM-kill counts
    of the worker's cgroup in the guest) are checked for shape and written, as they are,
    to `guest-limits.json` in the run directory before anything the guest sends after them
-   is relayed; the parent reads them after each call (`_limits.GuestLimits`). They are the
-   worker side's word: the parent says so in each denial it makes of them.
+   is relayed; the parent reads them after each call (`_host/limit_report.GuestLimits`).
+   They are the worker side's word: the parent says so in each denial it makes of them.
 """
 
 import json

@@ -168,7 +168,7 @@ def test_a_link_planted_at_a_vms_limit_report_is_not_read_through(
     """It denies steering the host's read of a VM's limit report (`guest-limits.json` in
     the run directory, which QEMU can write): a symlink to a file of counters is not
     followed (no hit), and a FIFO neither blocks the host nor counts."""
-    from agent_sandbox._host.limits import GuestLimits
+    from agent_sandbox._host.limit_report import GuestLimits
 
     victim = tmp_path / "victim.json"
     victim.write_text('{"pids_max": 3}')

@@ -16,12 +16,8 @@ from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import RULES
 from agent_sandbox._host.cgroups import hierarchies
 from agent_sandbox._host.intake.builder import ResultBuilder
-from agent_sandbox._host.limits import (
-    REPLACING_RULES,
-    WorkerCgroups,
-    cgroup_support,
-    record_limit_hits,
-)
+from agent_sandbox._host.limit_report import REPLACING_RULES, record_limit_hits
+from agent_sandbox._host.limits import WorkerCgroups, cgroup_support
 from agent_sandbox._host.result import RunError
 
 from .conftest import skip_unless_available

@@ -164,7 +164,7 @@ def test_guest_limit_reports_are_denials_marked_as_the_worker_sides_word(
     """The guest agent's counters (written by the host relay) become `limits.processes` and
     `limits.memory` hits once per increase, each saying it is the guest's report; with no
     QEMU to measure, the memory hit says the host could not confirm it."""
-    from agent_sandbox._host.limits import GuestLimits
+    from agent_sandbox._host.limit_report import GuestLimits
 
     policy = Policy(name="t", limits={"processes": 4, "memory_mb": 256})
     path = tmp_path / "guest-limits.json"

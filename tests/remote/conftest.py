@@ -19,11 +19,8 @@ import pytest
 
 from agent_sandbox import Policy
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
-from agent_sandbox._host.remote.provider import (
-    LocalClaimBackend,
-    RemoteProvider,
-    ServerFiles,
-)
+from agent_sandbox._host.remote.local_claims import LocalClaimBackend, ServerFiles
+from agent_sandbox._host.remote.provider import RemoteProvider
 from agent_sandbox._host.remote.serve import ServeConfig
 
 #: Without the test certificates' maker or the remote extra, this folder is not collected

@@ -71,8 +71,8 @@ class RoutedCluster:
         return name, ip, PORT
 
     def backend(self, **kw: Any) -> Any:
+        from agent_sandbox._host.remote.claims import Claim
         from agent_sandbox._host.remote.k8s import K8sClaimBackend
-        from agent_sandbox._host.remote.provider import Claim
 
         cluster = self
 

@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox._errors import CapacityError
-from agent_sandbox._host.remote.provider import (
-    ClaimCapacityError,
-    LocalClaimBackend,
-    RemoteProvider,
-    claim_name,
-)
+from agent_sandbox._host.remote.claims import ClaimCapacityError, claim_name
+from agent_sandbox._host.remote.local_claims import LocalClaimBackend
+from agent_sandbox._host.remote.provider import RemoteProvider
 
 from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy
 
@@ -116,7 +113,8 @@ _RACER = textwrap.dedent(
     """
     import json, os, sys, time
     from agent_sandbox._host.intake.remote_transport import RemoteTLS
-    from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider, ServerFiles
+    from agent_sandbox._host.remote.local_claims import LocalClaimBackend, ServerFiles
+    from agent_sandbox._host.remote.provider import RemoteProvider
     from agent_sandbox import Policy
     state, server, ca, client, secret, key, go, done = sys.argv[1:9]
     policy = Policy(name="race", provider="subprocess", no_kernel_boundary="accepted",

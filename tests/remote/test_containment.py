@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider
+from agent_sandbox._host.remote.local_claims import LocalClaimBackend
+from agent_sandbox._host.remote.provider import RemoteProvider
 from agent_sandbox.providers import get_provider
 
 from ..providers.conftest import NATIVE, hostile_policy

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider
+from agent_sandbox._host.remote.local_claims import LocalClaimBackend
+from agent_sandbox._host.remote.provider import RemoteProvider
 
 from ..providers.conftest import (
     KERNEL_PROVIDERS,

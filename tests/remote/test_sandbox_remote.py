@@ -14,7 +14,8 @@ import pytest
 from agent_sandbox import Sandbox
 from agent_sandbox._errors import CapacityError, PolicyError
 from agent_sandbox._host.remote import pool as remote_pool
-from agent_sandbox._host.remote.provider import ClaimCapacityError, LocalClaimBackend, claim_name
+from agent_sandbox._host.remote.claims import ClaimCapacityError, claim_name
+from agent_sandbox._host.remote.local_claims import LocalClaimBackend
 from agent_sandbox.policies import Policy, policy_from_toml
 
 from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy

@@ -1,8 +1,10 @@
 """Remote placement: a conversation thread's worker runs elsewhere, reached over TLS.
 
-* `provider`: the `remote` provider and its `LocalClaimBackend` (no launch plan: it claims a
-  worker and binds it to the session); `k8s`: `K8sClaimBackend`, claims of
-  kubernetes-sigs/agent-sandbox; `k8s_manifests`: `agent-sandbox k8s manifests`.
+* `provider`: the `remote` provider and its sessions (no launch plan: it claims a worker and
+  binds it to the session); `claims`: a claim's name and record, the backend protocol, the
+  claim errors; `local_claims`: `LocalClaimBackend` (local `worker serve` processes); `k8s`:
+  `K8sClaimBackend`, claims of kubernetes-sigs/agent-sandbox; `k8s_manifests`:
+  `agent-sandbox k8s manifests`.
 * `worker`: a worker in a pod, bound over TLS and judged like a local one (its stream is
   read by `_host/intake/remote_transport.py`); `pool`: the worker pool of a `Sandbox` whose
   policy places its workers remotely.

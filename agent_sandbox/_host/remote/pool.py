@@ -33,15 +33,9 @@ from typing import Any
 
 from agent_sandbox._errors import PolicyError, SandboxError
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
-from agent_sandbox._host.remote.provider import (
-    Claim,
-    ClaimBackend,
-    ClaimCapacityError,
-    LocalClaimBackend,
-    RemoteProvider,
-    ServerFiles,
-    claim_name,
-)
+from agent_sandbox._host.remote.claims import Claim, ClaimBackend, ClaimCapacityError, claim_name
+from agent_sandbox._host.remote.local_claims import LocalClaimBackend, ServerFiles
+from agent_sandbox._host.remote.provider import RemoteProvider
 from agent_sandbox._host.remote.worker import RemoteWorker, SessionConflict, session_token
 from agent_sandbox.policies import Policy, RemotePolicy
 
