@@ -234,5 +234,8 @@ TARGETS = {
     "egress_socks": socks,
     "egress_host": host,
     "egress_exchange": exchange,
-    "egress_all": everything,
 }
+
+#: The one-process driver for long runs (`egress_fuzz.py egress_all`); its inputs are
+#: split back into the four corpora by their first byte (`_ALL`'s order).
+COMBINED = {"egress_all": everything}
