@@ -144,7 +144,11 @@ def describe_policy(
             # What works behind the host's egress proxy, and what does not (issue 31).
             from agent_sandbox.providers._egress import loopback_forwards
 
-            direct = [f"{h}:{p}" for h, p in loopback_forwards(policy)]
+            # The direct forwards are wired by bwrap and unshare only (gVisor's Sentry and
+            # QEMU's guest have their own loopback, where the forward is not listened for).
+            forwarded = (boundary or "").split("+")[0] in ("bwrap", "unshare")
+            pairs = loopback_forwards(policy) if forwarded else []
+            direct = [f"{h}:{p}" for h, p in pairs]
             text = (
                 "  Through the proxy in HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (HTTP, HTTPS "
                 "via CONNECT, SOCKS5): requests, urllib, httpx, aiohttp with trust_env=True "
