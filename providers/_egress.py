@@ -1262,9 +1262,7 @@ def client_response(event: Any, method: bytes) -> Any:
     if names >= _FRAMING_HEADERS:
         raise _BadMessage("both Content-Length and Transfer-Encoding in an answer")
     headers = _end_to_end(event.headers)
-    if not names & _FRAMING_HEADERS and not (
-        method == b"HEAD" or event.status_code in (204, 304)
-    ):
+    if not names & _FRAMING_HEADERS and not (method == b"HEAD" or event.status_code in (204, 304)):
         # Its body (if any) ends with the upstream's connection: so does the client's.
         headers.append((b"connection", b"close"))
     try:

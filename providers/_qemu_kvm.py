@@ -134,9 +134,7 @@ def _remembered(path: str, key: str) -> Verdict | None:
 
 
 def _remember(path: str, key: str, verdict: Verdict) -> None:
-    from agent_sandbox.providers._probe_cache import _load
-
-    from agent_sandbox.providers._probe_cache import _trusted
+    from agent_sandbox.providers._probe_cache import _load, _trusted
 
     directory = os.path.dirname(path)
     with contextlib.suppress(OSError, TypeError, ValueError):

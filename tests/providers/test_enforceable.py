@@ -217,7 +217,7 @@ def test_an_allowed_lan_service_that_direct_sockets_cannot_reach_is_refused_at_c
     naming the loopback forward that every client reaches instead."""
     skip_unless_available(ns_provider)
     policy = _policy([{"host": "192.168.7.7", "ports": "5432"}], provider=ns_provider)
-    with pytest.raises(ProviderUnavailable, match="192.168.7.7 is a LAN address") as info:
+    with pytest.raises(ProviderUnavailable, match=r"192\.168\.7\.7 is a LAN address") as info:
         Sandbox(policy, warm=0)
     assert 'allow host = "127.0.0.1" with that port' in str(info.value)
 

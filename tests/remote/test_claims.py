@@ -209,7 +209,10 @@ def test_a_link_planted_at_a_claim_file_is_never_followed(certs: Certs, tmp_path
     name = claim_name("acme", "thread-1", "0123456789abcdef")
     (state / f"{name}.json").symlink_to(bait)
     with LocalClaimBackend(
-        certs.files(), bind_secret=BIND_SECRET, warm=0, provider="subprocess",
+        certs.files(),
+        bind_secret=BIND_SECRET,
+        warm=0,
+        provider="subprocess",
         state_dir=str(state),
     ) as backend:
         with pytest.raises(ClaimError, match="not followed") as info:
@@ -234,7 +237,10 @@ def test_a_link_planted_at_a_claims_temporary_name_is_not_written_through(
     old_tmp = state / f"{name}.json.tmp-{os.getpid()}-{threading.get_ident()}"
     old_tmp.symlink_to(victim)
     with LocalClaimBackend(
-        certs.files(), bind_secret=BIND_SECRET, warm=0, provider="subprocess",
+        certs.files(),
+        bind_secret=BIND_SECRET,
+        warm=0,
+        provider="subprocess",
         state_dir=str(state),
     ) as backend:
         claim = backend.claim(name, timeout=15.0)
@@ -252,8 +258,11 @@ def test_a_claim_folder_others_can_write_is_refused(certs: Certs, tmp_path: Path
     state = tmp_path / "shared"
     state.mkdir()
     state.chmod(0o777)
-    with pytest.raises(ValueError, match="not this user's alone.*mode 700"):
+    with pytest.raises(ValueError, match=r"not this user's alone.*mode 700"):
         LocalClaimBackend(
-            certs.files(), bind_secret=BIND_SECRET, warm=0, provider="subprocess",
+            certs.files(),
+            bind_secret=BIND_SECRET,
+            warm=0,
+            provider="subprocess",
             state_dir=str(state),
         )

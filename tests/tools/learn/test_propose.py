@@ -549,9 +549,7 @@ def test_a_host_that_is_not_one_host_is_flagged(policy, learned, home, host) -> 
     assert [f.status for f in proposal.findings if f.field == "net.rules"] == ["flagged"]
 
 
-def test_a_lan_service_is_flagged_with_the_loopback_forward_not_proposed(
-    learned, home
-) -> None:
+def test_a_lan_service_is_flagged_with_the_loopback_forward_not_proposed(learned, home) -> None:
     """It never proposes a rule the namespace providers refuse: a connection to a LAN
     address is flagged with the loopback forward that every client reaches."""
     proposal = propose(
