@@ -364,7 +364,8 @@ def _failure_text(result: RunResult, error: RunError) -> str:
             lines.append(clean(error.message, 1000))
         if error.type and not error.type.startswith("agent_sandbox."):
             # A library turned the refusal into its own error: say what the code got.
-            lines.append(f"Your code got {clean(error.type, 120)}: {clean(error.message, 240)}")
+            got = clean(error.code_message, 240)
+            lines.append(f"Your code got {clean(error.type, 120)}: {got}")
         lines.append(_RETRY_NOTE)
         return "\n".join(lines)
     if error.kind == "limit":

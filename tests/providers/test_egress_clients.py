@@ -121,11 +121,14 @@ def test_every_client_sees_the_refusal_with_its_rule(
     head = error.message.split("\n(the code's error")[0]
     assert error.message.startswith(f"[{rule}] "), row
     assert where in head and "To allow it" in head, (row, error.message)
+    assert f"[{rule}]" in error.code_message  # what the code got names it too
     assert any((d.rule, d.target) == (rule, where) for d in net), (row, net)
     assert not other, (row, other)  # no probe by a library is shown as the user's refusal
     told = outcome(result)  # what LangChain's and CrewAI's tools report
     assert (told.is_error, told.kind, told.rule) == (True, "denied", rule), (row, told)
     assert "hide" not in told.text and "files.hidden" not in told.text
+    if not error.type.startswith("agent_sandbox."):  # the library's own words, once
+        assert f"Your code got {error.type}: {error.code_message[:40]}" in told.text, told.text
 
 
 @pytest.mark.parametrize("mode", ["enforce", "learn"])

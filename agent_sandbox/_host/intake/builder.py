@@ -491,7 +491,7 @@ class ResultBuilder:
             if not message.startswith(f"[{first.rule}]"):
                 # The refusal first, with its hint, as the host recorded it; then what the
                 # client library made of it (`('Connection aborted.', BadStatusLine(...`).
-                message = f"{first.message()}\n(the code's error, {error.type}: {message})"
+                message = RunError.refusal_first(first.message(), error.type, message)
             self.error = dataclasses.replace(
                 error, kind="limit" if limit else "denied", rule=first.rule, message=message
             )
