@@ -1,5 +1,5 @@
-"""The C extensions (guards/_fastimport.c, _fastscan.c, _nsfork.c) and the editable mode; the rest
-is in pyproject.toml.
+"""The C extensions (guards/_fastimport.c, _host/intake/_fastscan.c, _worker/_nsfork.c) and the
+editable mode; the rest is in pyproject.toml.
 
 `optional`: without a compiler the install still succeeds and the guard falls back to its
 Python `__import__` (slower; tests/guards/test_fast_import.py::test_the_c_fast_path_is_built
@@ -33,11 +33,12 @@ class StrictEditableWheel(editable_wheel):  # type: ignore[misc]
         super().finalize_options()
 
 
-#: The init of a worker forked from a namespace template (guards/_nsinit.c): a program, not a
-#: module, built next to the extensions (static where the C library allows it, so that it
-#: needs no loader in the sandbox's view). Optional like them: without it the template's
-#: Python loop serves as that init (tests/providers/test_ns_templates.py checks it is built).
-NSINIT_SOURCE = "guards/_nsinit.c"
+#: The init of a worker forked from a namespace template (_worker/_nsinit.c): a program, not a
+#: module, built next to the fork's extension (_worker/_nsfork.c; static where the C library
+#: allows it, so that it needs no loader in the sandbox's view). Optional like the extensions:
+#: without it the template's Python loop serves as that init
+#: (tests/providers/test_ns_templates.py checks it is built).
+NSINIT_SOURCE = "agent_sandbox/_worker/_nsinit.c"
 NSINIT_NAME = "_nsinit"
 
 
@@ -51,11 +52,11 @@ def _runs(program: str) -> bool:
 
 
 class BuildExtWithInit(build_ext):  # type: ignore[misc]
-    """`build_ext` that also links guards/_nsinit.c into an executable beside the modules."""
+    """`build_ext` that also links _worker/_nsinit.c into an executable beside `_nsfork`."""
 
     def run(self) -> None:
         super().run()
-        folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))
+        folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox._worker._nsfork"))
         target = os.path.join(folder, NSINIT_NAME)
         # Linked under another name and renamed into place: an agent running from this
         # checkout may be executing the current one (a rename never shows it half written).
@@ -101,7 +102,7 @@ class BuildExtWithInit(build_ext):  # type: ignore[misc]
             self.compiler.link_executable(objects, target)
 
     def get_outputs(self) -> list[str]:
-        folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox.guards._fastscan"))
+        folder = os.path.dirname(self.get_ext_fullpath("agent_sandbox._worker._nsfork"))
         return [*super().get_outputs(), os.path.join(folder, NSINIT_NAME)]
 
 
@@ -115,9 +116,17 @@ setup(
         ),
         # The host's pickle prescan for plain data and strict base64
         # (agent_sandbox/_host/intake/unpickle.py falls back to its Python path without it).
-        Extension("agent_sandbox.guards._fastscan", sources=["guards/_fastscan.c"], optional=True),
+        Extension(
+            "agent_sandbox._host.intake._fastscan",
+            sources=["agent_sandbox/_host/intake/_fastscan.c"],
+            optional=True,
+        ),
         # A namespace template's fork of a worker (agent_sandbox/_worker/nstemplate.py falls
         # back to a helper process and Python without it).
-        Extension("agent_sandbox.guards._nsfork", sources=["guards/_nsfork.c"], optional=True),
+        Extension(
+            "agent_sandbox._worker._nsfork",
+            sources=["agent_sandbox/_worker/_nsfork.c"],
+            optional=True,
+        ),
     ],
 )

@@ -37,6 +37,8 @@ from agent_sandbox.policies import Policy, resolve_policy
 __all__ = [
     "CodeErrorsAs",
     "FAILURE_KINDS",
+    "FileOffers",
+    "OfferRefused",
     "Outcome",
     "PolicySpec",
     "SessionMode",
@@ -47,6 +49,7 @@ __all__ = [
     "internal_failure",
     "learner_for",
     "outcome",
+    "produced_files",
     "thread_key",
 ]
 
@@ -142,7 +145,7 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
         if "egress-proxy" in (boundary or "").split("+"):
             # What works behind the host's egress proxy, and what does not (issue 31).
-            from agent_sandbox.providers._egress import loopback_forwards
+            from agent_sandbox._host.egress.proxy import loopback_forwards
 
             # The direct forwards are wired by bwrap and unshare only (gVisor's Sentry and
             # QEMU's guest have their own loopback, where the forward is not listened for).
@@ -408,6 +411,130 @@ def internal_failure(exc: BaseException, policy: Policy | None = None) -> RunRes
     )
 
 
+class OfferRefused(Exception):
+    """Offered files could not be placed before a call (the code did not run): `text` is what
+    the model reads, `rule` the rule that refused it (`files.offer` for a name never offered,
+    `files.host` for a host file that could not be read), `denial` the policy's refusal."""
+
+    def __init__(self, text: str, rule: str, denial: Denial | None = None) -> None:
+        super().__init__(text)
+        self.text = text
+        self.rule = rule
+        self.denial = denial
+
+
+class FileOffers:
+    """Host files the operator offered a tool under names; the model asks for them by name.
+
+    The model never names a host path: `place()` accepts only names given to `offer()`, and
+    copies each one's host file (read then, bounded and refused as `Session.put_file`) into
+    the scratch of the call's session. Shared by the LangChain and CrewAI tools.
+    """
+
+    def __init__(self) -> None:
+        self._paths: dict[str, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._paths)
+
+    def names(self) -> list[str]:
+        return sorted(self._paths)
+
+    def offer(self, runner: ToolRunner, name: str, source: str | os.PathLike[str]) -> str:
+        """Check `name` (a plain scratch name the policy does not hide: `PermissionError`
+        otherwise), `source` (a regular file now) and that the tool keeps a session."""
+        from agent_sandbox._host import files
+
+        checked = files.check_name(runner.policy, name, "offer")
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ValueError(f"offer_file: {path!r} is not a regular file on this host")
+        if runner.session_mode == "none":
+            raise ValueError(
+                "offer_file needs a session (session='none' runs each call in a fresh "
+                "interpreter with nothing placed before it)"
+            )
+        self._paths[checked] = path
+        return checked
+
+    def describe(self, base: str) -> str:
+        """`base` (the tool description) with the offered names appended."""
+        return (
+            base
+            + "\n- Files you may place with `files` (copied into the working directory "
+            + "before the code runs): "
+            + ", ".join(self.names())
+            + "."
+        )
+
+    def place(self, runner: ToolRunner, names: list[str], thread_id: object = None) -> None:
+        """Copy the offered files `names` into the call's scratch (a fresh copy replaces one
+        there); `OfferRefused` for a name not offered or a placement refused."""
+        from agent_sandbox._errors import FileTransferRefused
+
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise OfferRefused(
+                "REFUSED: `files` must be a list of offered names. The code did not run.",
+                "files.offer",
+            )
+        unknown = [n for n in names if n not in self._paths]
+        if unknown:
+            offered = ", ".join(self.names()) or "none"
+            raise OfferRefused(
+                f"REFUSED: not offered files: {', '.join(quote(n, 80) for n in unknown[:10])}. "
+                f"`files` takes only these names: {offered}. The code did not run.",
+                "files.offer",
+            )
+        if runner.session_key(thread_id) is None:
+            raise OfferRefused(
+                "Files cannot be placed: this call has no session to keep them (no "
+                "conversation thread). The code did not run.",
+                "files.offer",
+            )
+        for name in dict.fromkeys(names):
+            try:
+                runner.put_file(name, source=self._paths[name], thread_id=thread_id, overwrite=True)
+            except FileTransferRefused as exc:
+                raise OfferRefused(
+                    f"REFUSED by the sandbox policy: {exc.denial.message()} The code did not run.",
+                    exc.denial.rule,
+                    exc.denial,
+                ) from None
+            except OSError as exc:
+                raise OfferRefused(
+                    f"The offered file {quote(name, 80)} could not be read on the host "
+                    f"({type(exc).__name__}). The code did not run.",
+                    "files.host",
+                ) from None
+
+
+def produced_files(result: RunResult, get_file: Callable[[str], bytes]) -> list[dict[str, Any]]:
+    """The files `result` says its call wrote, with their bytes (base64): the ones the
+    result carries (`RunResult.output_files`), else where `get_file` (a session's, bounded
+    and refused as `Session.get_file`) gives them; one it refuses (too large, a link,
+    changed while read) carries the refusal."""
+    from agent_sandbox._errors import FileTransferRefused
+
+    carried = {f.name: f.data for f in result.output_files if f.data is not None}
+    out: list[dict[str, Any]] = []
+    for entry in result.files:
+        name = str(entry.get("name", ""))
+        item: dict[str, Any] = {"name": name, "size": entry.get("size")}
+        data = carried.get(name)
+        if data is not None:
+            item["base64"] = base64.b64encode(data).decode()
+            out.append(item)
+            continue
+        try:
+            item["base64"] = base64.b64encode(get_file(name)).decode()
+        except FileTransferRefused as exc:
+            item["refused"] = exc.denial.to_dict()
+        except Exception as exc:  # the file went with its interpreter, or the sandbox closed
+            item["error"] = str(exc)
+        out.append(item)
+    return out
+
+
 def image_blocks(result: RunResult) -> list[dict[str, Any]]:
     """LangChain-style image content blocks, one per image the code produced."""
     return [
@@ -606,24 +733,10 @@ class ToolRunner:
         return self._file_session(thread_id).list_files()  # type: ignore[no-any-return]
 
     def produced_files(self, result: RunResult, thread_id: object = None) -> list[dict[str, Any]]:
-        """The files `result` says its call wrote, with their bytes (base64) where the session
-        files API gives them; one it refuses (too large, a link, changed) carries the refusal."""
-        from agent_sandbox._errors import FileTransferRefused
-
+        """The files `result` says its call wrote, with their bytes (`produced_files`)."""
         if not result.files or self.session_key(thread_id) is None:
             return []
-        out: list[dict[str, Any]] = []
-        for entry in result.files:
-            name = str(entry.get("name", ""))
-            item: dict[str, Any] = {"name": name, "size": entry.get("size")}
-            try:
-                item["base64"] = base64.b64encode(self.get_file(name, thread_id=thread_id)).decode()
-            except FileTransferRefused as exc:
-                item["refused"] = exc.denial.to_dict()
-            except Exception as exc:  # the file went with its interpreter, or the sandbox closed
-                item["error"] = str(exc)
-            out.append(item)
-        return out
+        return produced_files(result, lambda name: self.get_file(name, thread_id=thread_id))
 
     def sessions(self) -> list[str]:
         """Keys of the live sessions (`thread:<id>` or `tool`)."""

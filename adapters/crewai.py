@@ -13,6 +13,10 @@
 * Sessions: `session="tool"` (default) keeps one interpreter per tool instance; `"none"` starts
   a fresh one per call. (CrewAI has no conversation thread id; `"thread"` means `"tool"` here.)
 
+* Files: `put_file` (the operator's), `offer_file(name, path)` (the agent names offered files in
+  the args schema's `files`; a name not offered or a placement refused is a returned
+  `ToolFailure` with its rule, and the code does not run); `last_files` lists what a call wrote.
+
 CrewAI versions without `crewai.tools.tool_failure` get the same text as a plain string.
 """
 
@@ -39,6 +43,8 @@ from agent_sandbox._host.result import RunResult
 from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
+    FileOffers,
+    OfferRefused,
     Outcome,
     SessionMode,
     ToolRunner,
@@ -59,7 +65,7 @@ except ImportError:  # pragma: no cover - CrewAI before ToolFailure existed
     _ToolFailure = None
 ToolFailure = _ToolFailure
 
-__all__ = ["RunPythonInput", "SandboxedPythonTool", "never_cache"]
+__all__ = ["RunPythonInput", "RunPythonWithFilesInput", "SandboxedPythonTool", "never_cache"]
 
 
 class RunPythonInput(BaseModel):
@@ -70,6 +76,18 @@ class RunPythonInput(BaseModel):
             "Python 3 source to run. Use print() for what you want to see; the value of the "
             "last expression is returned too."
         )
+    )
+
+
+class RunPythonWithFilesInput(RunPythonInput):
+    """The tool's arguments once the operator offered files (`SandboxedPythonTool.offer_file`)."""
+
+    files: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Names of offered files (listed in the tool description) to copy into the working "
+            "directory before the code runs; a fresh copy replaces one already there."
+        ),
     )
 
 
@@ -105,6 +123,8 @@ class SandboxedPythonTool(BaseTool):
     learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()
+    _offers: FileOffers = PrivateAttr(default_factory=FileOffers)
+    _base_description: str | None = PrivateAttr(default=None)
 
     if TYPE_CHECKING:
 
@@ -150,6 +170,7 @@ class SandboxedPythonTool(BaseTool):
                 boundary=self._runner.boundary.name,
                 timeout=self.timeout,
             )
+            self._base_description = self.description
         return self
 
     @property
@@ -185,6 +206,27 @@ class SandboxedPythonTool(BaseTool):
         scratch, where the agent's code reads it as `name` (`Session.put_file`)."""
         return self._runner.put_file(name, data, source=source, overwrite=overwrite)
 
+    def offer_file(self, name: str, source: str | os.PathLike[str]) -> None:
+        """Let the agent ask for the host file `source` to be placed in its scratch as `name`.
+
+        The agent never names a host path: it names an offered `name` in the tool's `files`
+        argument, and the call first copies `source` (read then, bounded and refused as
+        `Session.put_file`) into the tool's interpreter's scratch. A name not offered, or a
+        placement refused, is a returned `ToolFailure` (code = the rule: `files.offer`,
+        `limits.transfer`, `files.transfer`, ...) and the code does not run. Offer files
+        before the agent is built (the argument and the description's list of offered names
+        are what the agent reads). `name` is checked now; `source` must be a regular file now
+        and when it is placed.
+        """
+        self._offers.offer(self._runner, name, source)
+        self.args_schema = RunPythonWithFilesInput
+        if self._base_description is not None:
+            self.description = self._offers.describe(self._base_description)
+
+    def offered_files(self) -> list[str]:
+        """The names the agent may ask to place (`offer_file`)."""
+        return self._offers.names()
+
     def get_file(self, name: str) -> bytes:
         """Download: a file the code wrote in the tool's scratch (`Session.get_file`)."""
         return self._runner.get_file(name)
@@ -198,12 +240,22 @@ class SandboxedPythonTool(BaseTool):
         their bytes as `base64`, or the refusal that kept them)."""
         return list(self._last_files)
 
-    def _run(self, code: str) -> Any:
+    def _run(self, code: str, files: list[str] | None = None) -> Any:
+        if files:
+            refused = self._place(files)
+            if refused is not None:
+                return refused
         result = self._runner.run(code)
         self._collect(result)
         return self._present(result)
 
-    async def _arun(self, code: str) -> Any:
+    async def _arun(self, code: str, files: list[str] | None = None) -> Any:
+        if files:
+            import asyncio
+
+            refused = await asyncio.to_thread(self._place, files)
+            if refused is not None:
+                return refused
         result = await self._runner.arun(code)
         if self.return_files and result.files:
             import asyncio
@@ -212,6 +264,30 @@ class SandboxedPythonTool(BaseTool):
         else:
             self._collect(result)
         return self._present(result)
+
+    def _place(self, names: list[str]) -> Any:
+        """Place the offered files `names`; None, or the failure to return (nothing ran)."""
+        try:
+            self._offers.place(self._runner, names)
+        except OfferRefused as exc:
+            self._last, self._last_files = None, []
+            if ToolFailure is None:  # pragma: no cover
+                return exc.text
+            return ToolFailure(
+                message=exc.text,
+                code=exc.rule,
+                retryable=False,
+                details={
+                    "kind": "denied",
+                    "rules": [exc.rule],
+                    "denials": [exc.denial.to_dict()] if exc.denial is not None else [],
+                    "policy": self.policy.name,
+                    "fingerprint": self.policy.fingerprint(),
+                    "files": list(names),
+                    "offered": self._offers.names(),
+                },
+            )
+        return None
 
     def _collect(self, result: RunResult) -> None:
         if self.return_files:

@@ -47,10 +47,11 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 
 from agent_sandbox._host.files import FileInfo
 from agent_sandbox._host.result import RunResult
-from agent_sandbox._render import quote
 from agent_sandbox._tools.learn.observe import Learner
 from agent_sandbox.adapters._common import (
     CodeErrorsAs,
+    FileOffers,
+    OfferRefused,
     Outcome,
     SessionMode,
     ToolRunner,
@@ -145,7 +146,7 @@ class SandboxedPythonTool(BaseTool):
     learner: Any = None
 
     _runner: ToolRunner = PrivateAttr()
-    _offers: dict[str, str] = PrivateAttr(default_factory=dict)
+    _offers: FileOffers = PrivateAttr(default_factory=FileOffers)
     _base_description: str | None = PrivateAttr(default=None)
 
     if TYPE_CHECKING:
@@ -230,31 +231,14 @@ class SandboxedPythonTool(BaseTool):
         names are part of the schema the model reads). `name` is checked now; `source` must
         be a regular file now and when it is placed.
         """
-        from agent_sandbox._host import files
-
-        checked = files.check_name(self.policy, name, "offer")
-        path = os.fspath(source)
-        if not os.path.isfile(path):
-            raise ValueError(f"offer_file: {path!r} is not a regular file on this host")
-        if self._runner.session_mode == "none":
-            raise ValueError(
-                "offer_file needs a session (session='none' runs each call in a fresh "
-                "interpreter with nothing placed before it)"
-            )
-        self._offers[checked] = path
+        self._offers.offer(self._runner, name, source)
         self.args_schema = RunPythonWithFilesInput
         if self._base_description is not None:
-            self.description = (
-                self._base_description
-                + "\n- Files you may place with `files` (copied into the working directory "
-                + "before the code runs): "
-                + ", ".join(sorted(self._offers))
-                + "."
-            )
+            self.description = self._offers.describe(self._base_description)
 
     def offered_files(self) -> list[str]:
         """The names the model may ask to place (`offer_file`)."""
-        return sorted(self._offers)
+        return self._offers.names()
 
     def get_file(self, name: str, *, thread_id: object = None) -> bytes:
         """Download: a file the code wrote in `thread_id`'s scratch (`Session.get_file`)."""
@@ -306,34 +290,10 @@ class SandboxedPythonTool(BaseTool):
     def _place(self, names: list[str], thread_id: object) -> None:
         """Copy the offered files `names` into the call's scratch; a name not offered, or a
         placement refused, is a handled tool error (the code does not run)."""
-        from agent_sandbox._errors import FileTransferRefused
-
-        unknown = [n for n in names if n not in self._offers]
-        if unknown:
-            offered = ", ".join(sorted(self._offers)) or "none"
-            raise ToolException(
-                f"REFUSED: not offered files: {', '.join(quote(n, 80) for n in unknown[:10])}. "
-                f"`files` takes only these names: {offered}. The code did not run."
-            )
-        if self._runner.session_key(thread_id) is None:
-            raise ToolException(
-                "Files cannot be placed: this call has no session to keep them (no "
-                "conversation thread). The code did not run."
-            )
-        for name in dict.fromkeys(names):
-            try:
-                self._runner.put_file(
-                    name, source=self._offers[name], thread_id=thread_id, overwrite=True
-                )
-            except FileTransferRefused as exc:
-                raise ToolException(
-                    f"REFUSED by the sandbox policy: {exc.denial.message()} The code did not run."
-                ) from None
-            except OSError as exc:
-                raise ToolException(
-                    f"The offered file {quote(name, 80)} could not be read on the host "
-                    f"({type(exc).__name__}). The code did not run."
-                ) from None
+        try:
+            self._offers.place(self._runner, names, thread_id)
+        except OfferRefused as exc:
+            raise ToolException(exc.text) from None
 
     def _with_files(
         self, artifact: dict[str, Any], result: RunResult, thread_id: object

@@ -14,6 +14,14 @@ is_final_answer)`; a failure raises `AgentError`, which the agent turns into the
   `PermissionError` naming the rule (`tools`, `tools.timeout`), recorded in the call's result.
 * `final_answer(...)` is answered in the sandbox (no host call): the stub raises
   `FinalAnswerException`, and the executor reads the answer back as data.
+* Files in: `agent.run(task, additional_args={"sales": SandboxFile("/data/sales.csv")})`. smolagents
+  hands a run's `additional_args` to `send_variables`, which places each `SandboxFile` in the
+  session's scratch (`Session.put_file`: the name checked, the size bounded by
+  `limits.transfer_mb`, a host file that changes while read refused) and binds the variable to
+  its name there; the task text the model reads shows that name, never the host path. A
+  refused upload raises `FileTransferRefused` (naming its rule) before any step runs.
+* Files out: `last_files` lists the files each step wrote (their bytes too with
+  `return_files=True`); `get_file(name)` reads one from scratch.
 * Every refusal, limit or crash is raised as `AgentError` with the same text the LangChain and
   CrewAI tools give (the rule, the target, what would allow it): smolagents logs it and keeps it
   in the step's memory (`ActionStep.error`), so the model reads it at the next step. A refusal
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,12 +52,14 @@ except ModuleNotFoundError as _missing:  # pragma: no cover - depends on the ins
 from smolagents.local_python_executor import CodeOutput, PythonExecutor
 from smolagents.utils import AgentError
 
+from agent_sandbox._host.files import FileInfo
 from agent_sandbox._host.result import RunResult
 from agent_sandbox._host.sandbox import Sandbox, Session
-from agent_sandbox.adapters._common import outcome
+from agent_sandbox._wire import name_problem
+from agent_sandbox.adapters._common import outcome, produced_files
 from agent_sandbox.policies import Policy, resolve_policy
 
-__all__ = ["FINAL_ANSWER_EXCEPTION", "SandboxedExecutor"]
+__all__ = ["FINAL_ANSWER_EXCEPTION", "SandboxFile", "SandboxedExecutor"]
 
 #: The name of the exception the sandboxed `final_answer` raises (as smolagents' remote
 #: executors name theirs).
@@ -69,6 +80,30 @@ _STUB = """
 def {name}(*args, **kwargs):
     return _host_tool({name!r}, list(args), kwargs)
 """
+
+
+class SandboxFile:
+    """A host file to upload into the executor's session, given as a run's variable.
+
+    `agent.run(task, additional_args={"sales": SandboxFile("/data/sales.csv")})` places the
+    file in scratch as `name` (default: the source's base name) before the first step, and the
+    sandboxed code's `sales` is that name (`open(sales)`). Its `repr` is the name, so the task
+    text smolagents writes from `additional_args` shows the model the name, not the host path.
+    A name that is not one plain file name (`/`, `..`, NUL, ...) is refused here.
+    """
+
+    __slots__ = ("name", "source")
+
+    def __init__(self, source: str | os.PathLike[str], name: str | None = None) -> None:
+        self.source = os.fspath(source)
+        chosen = os.path.basename(self.source) if name is None else name
+        problem = name_problem(chosen)
+        if problem:
+            raise ValueError(f"SandboxFile: {chosen!r} cannot be a file name in scratch: {problem}")
+        self.name: str = chosen
+
+    def __repr__(self) -> str:
+        return repr(self.name)
 
 
 class _Logger:
@@ -103,6 +138,7 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
         sandbox: Sandbox | None = None,
         session: str | None = None,
         warm: int = 1,
+        return_files: bool = False,
     ) -> None:
         self.policy = resolve_policy(policy) if sandbox is None else sandbox.policy
         self._own_sandbox = sandbox is None
@@ -114,6 +150,9 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
         self.tools: dict[str, Callable[..., Any]] = {}
         #: The `RunResult` of the most recent step (for inspection and tests).
         self.last_result: RunResult | None = None
+        #: Fetch the bytes of the files each step writes into `last_files` (base64).
+        self.return_files = return_files
+        self._last_files: list[dict[str, Any]] = []
         self._setup_done = False
         self._setup_code = ""
 
@@ -140,10 +179,22 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
         self._setup_done = True
 
     def send_variables(self, variables: Mapping[str, Any]) -> None:
-        """Set each JSON-representable variable in the session (others are skipped, logged)."""
+        """Set each JSON-representable variable in the session (others are skipped, logged).
+
+        A `SandboxFile` value is uploaded into scratch (replacing a file of its name) and the
+        variable is its name there; a refused upload raises `FileTransferRefused` naming the
+        rule, with no variable set.
+        """
         lines = []
         skipped = []
+        uploads: list[tuple[str, SandboxFile]] = []
         for name, value in variables.items():
+            if isinstance(value, SandboxFile):
+                if not str(name).isidentifier():
+                    skipped.append(name)
+                else:
+                    uploads.append((name, value))
+                continue
             try:
                 data = json.loads(json.dumps(value))
             except (TypeError, ValueError):
@@ -158,8 +209,37 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
                 "[sandbox] variables not sent (not JSON data, or not a Python name): "
                 + ", ".join(map(str, skipped))
             )
+        for name, upload in uploads:
+            self.session.put_file(upload.name, source=upload.source, overwrite=True)
+            lines.append(f"{name} = {upload.name!r}\n")
         if lines:
             self._run_setup("".join(lines))
+
+    # -- the session files API, for the operator ----------------------------------------
+
+    def put_file(
+        self,
+        name: str,
+        data: bytes | None = None,
+        *,
+        source: str | os.PathLike[str] | None = None,
+        overwrite: bool = False,
+    ) -> FileInfo:
+        """Upload into the session's scratch (`Session.put_file`)."""
+        return self.session.put_file(name, data, source=source, overwrite=overwrite)
+
+    def get_file(self, name: str) -> bytes:
+        """Download a file the code wrote in scratch (`Session.get_file`)."""
+        return self.session.get_file(name)
+
+    def list_files(self) -> list[FileInfo]:
+        return self.session.list_files()
+
+    @property
+    def last_files(self) -> list[dict[str, Any]]:
+        """The files the most recent step wrote (`name`, `size`, and with `return_files`
+        their bytes as `base64`, or the refusal that kept them)."""
+        return list(self._last_files)
 
     def __call__(self, code_action: str) -> CodeOutput:
         if not self._setup_done:
@@ -173,6 +253,7 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
             notes = self._run_setup(self._setup_code)
         result = self.session.run(code_action, host_tools=self.tools)
         self.last_result = result
+        self._collect(result)
         logs = "".join(f"[notice] {n}\n" for n in notes) + result.stdout + result.stderr
         error = result.error
         if (
@@ -201,6 +282,12 @@ class SandboxedExecutor(PythonExecutor):  # type: ignore[misc]  # (smolagents is
             self.session.close()
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _collect(self, result: RunResult) -> None:
+        if self.return_files and result.files:
+            self._last_files = produced_files(result, self.session.get_file)
+        else:
+            self._last_files = [dict(f) for f in result.files]
 
     def _run_setup(self, code: str) -> list[str]:
         """Run set-up code; returns the notices its call carried (a replaced interpreter)."""

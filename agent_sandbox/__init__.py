@@ -74,6 +74,7 @@ if _typing.TYPE_CHECKING:
     from agent_sandbox._host.files import FileInfo as FileInfo
     from agent_sandbox._host.oplog import log_refusals as log_refusals
     from agent_sandbox._host.result import Image as Image
+    from agent_sandbox._host.result import OutputFile as OutputFile
     from agent_sandbox._host.result import RunError as RunError
     from agent_sandbox._host.result import RunResult as RunResult
     from agent_sandbox._host.sandbox import Sandbox as Sandbox
@@ -91,6 +92,7 @@ _LAZY = {
     "log_refusals": "agent_sandbox._host.oplog",
     "FileInfo": "agent_sandbox._host.files",
     "Image": "agent_sandbox._host.result",
+    "OutputFile": "agent_sandbox._host.result",
     "RunError": "agent_sandbox._host.result",
     "RunResult": "agent_sandbox._host.result",
     "Sandbox": "agent_sandbox._host.sandbox",
@@ -140,6 +142,7 @@ __all__ = [
     "LimitExceeded",
     "MessageTooLarge",
     "NetworkDenied",
+    "OutputFile",
     "Policy",
     "PolicyError",
     "PolicyNotFound",

@@ -44,7 +44,8 @@ RULES: dict[str, str] = {
     "env": "a host environment variable the policy does not pass",
     "files.hidden": "a hidden name (`files.hide`); it looks absent",
     "files.metadata": "changing a file's mode, owner, times or extended attributes under "
-    "the landlock provider, which refuses them all (Landlock cannot judge them)",
+    "the landlock provider, which refuses them (Landlock cannot judge them) but for the "
+    "host's os.chmod, os.utime and same-owner os.chown of a path in scratch",
     "files.read": "reading, listing or stat-ing a path outside `files.read`",
     "files.transfer": "a session file put, get or remove refused: a name that is not one "
     "plain component of scratch (`..`, `/`, NUL), a link, not a regular file, an existing "

@@ -32,10 +32,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DENY_BEATS_GRANT",
     "HIDDEN",
+    "METADATA_REFUSED",
     "NO_SYNTAX_RULE",
     "glob_escape",
     "grant_hint",
     "host_hint",
+    "memory_hint",
     "parse_grant",
 ]
 
@@ -50,6 +52,15 @@ HIDDEN = (
 NO_SYNTAX_RULE = (
     "no line added to a policy can allow this: the code checker has no rule for this syntax "
     "(a construct newer than the checker); write it with other syntax"
+)
+METADATA_REFUSED = (
+    "no line added to a policy can allow this under the landlock provider: its seccomp "
+    "filter refuses every change of a file's mode, owner, times or extended attributes (a "
+    "system call's path is not visible to seccomp, and Landlock has no right for metadata); "
+    "in scratch the host makes os.chmod (permission bits), os.utime and a same-owner "
+    "os.chown of a path for the code, nothing else; change the file in scratch, copy "
+    'contents only (shutil.copyfile), or set provider = "bwrap" or "unshare", whose '
+    "write grants allow it"
 )
 _GLOB = re.compile(r"([*?\[])")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -140,6 +151,8 @@ def host_hint(
         return HIDDEN if rule == "files.hidden" else DENY_BEATS_GRANT
     if rule == "files.hidden":
         return HIDDEN
+    if rule == "files.metadata":
+        return METADATA_REFUSED
     worker = parse_grant(worker_hint)
     if rule == "imports":
         top = target.split(".", 1)[0]
@@ -209,6 +222,63 @@ def limit_hint(rule: str, policy: Mapping[str, Any], *, timeout: float | None = 
         return grant_hint({"limits.wall_seconds": int(value) if value == int(value) else value})
     factor = 4 if key == "output_bytes" else 2
     return grant_hint({f"limits.{key}": int(limits.get(key, 1)) * factor})
+
+
+_MIB = 1 << 20
+#: The step a measured memory hint is rounded up to, and the headroom it adds (a quarter).
+MEMORY_STEP_MB = 64
+
+
+def memory_hint(
+    limit_mb: int,
+    *,
+    measured_peak: int | None = None,
+    worker_peak: int | None = None,
+    asked: int | None = None,
+) -> tuple[str, str]:
+    """(hint, why) for a call stopped at `limits.memory_mb = limit_mb`.
+
+    `measured_peak` is the worker's peak the host read itself (its memory cgroup's
+    `memory.peak` or `memory.max_usage_in_bytes`), `worker_peak` the peak resident size the
+    worker reported (`ru_maxrss`, its word) and `asked` the size of the allocation that
+    failed when the worker could name it (numpy says it); all in bytes, None when unknown.
+
+    With `asked` known the need is measured: what the worker held plus what it asked for,
+    a quarter more for headroom, rounded up to 64 MiB. Without it the need cannot be known
+    (a call is stopped at its first allocation past the limit, so its peak is at most the
+    limit, whatever it would have used): the hint doubles the limit and `why` says it is a
+    guess, with the peak that was measured and by whom.
+    """
+    said = []
+    if measured_peak is not None:
+        said.append(
+            f"its memory cgroup peaked at {-(-measured_peak // _MIB)} MiB (measured by the "
+            "host; pages shared with the worker's template are not counted there)"
+        )
+    if worker_peak is not None:
+        said.append(
+            f"its resident peak was {-(-worker_peak // _MIB)} MiB (the worker's ru_maxrss, "
+            "unverified)"
+        )
+    held = "; ".join(said)
+    peak = max((p for p in (measured_peak, worker_peak) if p is not None), default=None)
+    if asked is not None and asked > 0:
+        need = (peak or 0) + asked
+        step = MEMORY_STEP_MB * _MIB
+        value = max(-(-(need + need // 4) // step) * MEMORY_STEP_MB, limit_mb + MEMORY_STEP_MB)
+        why = (
+            f"the allocation that failed asked for {-(-asked // _MIB)} MiB (numpy's report, "
+            f"the worker's word)" + (f"; {held}" if held else "") + f"; the hint proposes "
+            f"{'it and the larger peak' if held else 'that'} with a quarter more for "
+            f"headroom, rounded up to {MEMORY_STEP_MB} MiB"
+        )
+        return grant_hint({"limits.memory_mb": value}), why
+    why = (
+        (held + "; " if held else "the worker's peak could not be measured; ")
+        + "how much the call needed cannot be known (it was stopped at its first "
+        f"allocation past the limit), so the hint doubles `memory_mb = {limit_mb}`: a guess"
+    )
+    return grant_hint({"limits.memory_mb": max(limit_mb * 2, 1)}), why
 
 
 def _worker_rule_field(worker: Mapping[str, Any] | None, field: str) -> Any:

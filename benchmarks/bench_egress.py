@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable
 
 from agent_sandbox import Policy, Sandbox
+from agent_sandbox._host.egress.proxy import egress_proxy
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
-from agent_sandbox.providers._egress import egress_proxy
 
 REQUEST_TARGET_MS = 1.0
 START_TARGET_MS = 5.0

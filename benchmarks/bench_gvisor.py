@@ -29,8 +29,8 @@ import sys
 import time
 
 from agent_sandbox import Policy, Sandbox
+from agent_sandbox._host.limits import _descendants
 from agent_sandbox.providers import get_provider
-from agent_sandbox.providers._limits import _descendants
 
 PROVIDERS = ("bwrap", "gvisor", "qemu")
 FIRST_TARGET_MS = 100.0

@@ -224,7 +224,7 @@ def idle_pss(name: str, n: int = 4) -> tuple[float, float, float, float]:
     namespace worker's init), averaged over n idle sessions of one sandbox; the template's
     own PSS (0 without one); the part of the first that is the processes above the
     worker (launchers, init); and the part of the first that is file-backed."""
-    from agent_sandbox.providers._limits import _descendants
+    from agent_sandbox._host.limits import _descendants
 
     with Sandbox(_policy_for(name), warm=0, max_sessions=n + 1) as sb:
         _start_template(sb)
@@ -278,8 +278,8 @@ def worker_cost(name: str, n: int = 10) -> tuple[float, float, float, float, flo
     the other, each after one call): the worker's CPU (ms) and minor faults, its init's
     (a namespace template's PID 1, whose count includes its life before the exec;
     0 for a plain template), and the template's own CPU per worker (its helpers' are not
-    counted: they are reaped by it; with guards/_nsfork.c the template forks no helper)."""
-    from agent_sandbox.providers._limits import _descendants
+    counted: they are reaped by it; with _worker/_nsfork.c the template forks no helper)."""
+    from agent_sandbox._host.limits import _descendants
 
     with Sandbox(_policy_for(name), warm=0, max_sessions=n + 2) as sb:
         _start_template(sb)
@@ -517,7 +517,7 @@ def start_up_parts(runs: int) -> None:
     import tempfile
 
     from agent_sandbox._host.launch import package_dirs, refresh_bytecode
-    from agent_sandbox.providers._limits import WorkerCgroups, cgroup_support
+    from agent_sandbox._host.limits import WorkerCgroups, cgroup_support
 
     dirs = package_dirs()
     fresh = tempfile.mkdtemp(prefix="bench-providers-src-")

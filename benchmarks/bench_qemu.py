@@ -34,8 +34,8 @@ from agent_sandbox import Policy, Sandbox
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import Provider
-from agent_sandbox.providers._qemu import QemuProvider, ensure_template, guest_ram_mb
-from agent_sandbox.providers._qemu_image import find_image
+from agent_sandbox.providers.qemu.image import find_image
+from agent_sandbox.providers.qemu.provider import QemuProvider, ensure_template, guest_ram_mb
 
 MEMORY_MB = 512
 

@@ -34,9 +34,9 @@ import time
 from agent_sandbox import Policy
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
 from agent_sandbox._host.process import WorkerProcess
-from agent_sandbox._host.remote_worker import RemoteWorker
+from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider, ServerFiles
+from agent_sandbox._host.remote.worker import RemoteWorker
 from agent_sandbox.providers import get_provider
-from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
 
 POLICY = Policy(name="bench-remote", provider="subprocess", no_kernel_boundary="accepted")
 
@@ -136,7 +136,7 @@ import json, secrets, sys, threading, time
 from agent_sandbox import Policy
 from agent_sandbox._errors import CapacityError
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
-from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
+from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider, ServerFiles
 ca, server, client = sys.argv[1:4]
 threads, calls = int(sys.argv[4]), int(sys.argv[5])
 policy = Policy(name="bench-remote", provider="subprocess", no_kernel_boundary="accepted")

@@ -15,8 +15,8 @@ import tempfile
 import time
 
 from agent_sandbox._host.guardian import sweep, tag_of_pid
+from agent_sandbox._host.limits import hierarchy_bases
 from agent_sandbox._tools.leftovers import NO_GUARDIAN, ORPHAN_AGENT, marked, named
-from agent_sandbox.providers._limits import hierarchy_bases
 
 provider, moment, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 times = []

@@ -40,6 +40,7 @@ change the links there.
 
 from __future__ import annotations
 
+import errno
 import os
 import posix
 import stat as _stat_mod
@@ -49,7 +50,7 @@ from collections.abc import Iterable
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._errors import FileAccessDenied, HiddenPathDenied
-from agent_sandbox._hints import grant_hint
+from agent_sandbox._hints import METADATA_REFUSED, grant_hint
 from agent_sandbox._worker import audit
 from agent_sandbox.guards import _patch
 from agent_sandbox.guards._state import refuse, state
@@ -596,10 +597,70 @@ def _one_path(op: str, follow_default: bool = True, default: Any = None) -> Any:
     return wrapper
 
 
+#: During a call, the worker's way to ask the host for a chmod or utime in scratch
+#: (`agent_sandbox._host.scratchmeta`); None between calls. Set by the worker's server.
+_scratch_metadata: list[Any] = [None]
+
+
+def set_scratch_metadata(ask: Any) -> None:
+    """Install (or, with None, remove) the call's scratch metadata request to the host."""
+    _scratch_metadata[0] = ask
+
+
+def _scratch_relative(rules: FileRules, target: Any, dir_fd: Any, follow: bool) -> str:
+    """`target` relative to scratch when it is a path there (no descriptor, no `dir_fd`,
+    links followed); "" otherwise."""
+    if not rules.scratch or dir_fd is not None or not follow or isinstance(target, int):
+        return ""
+    if not isinstance(target, str | bytes):
+        return ""
+    real = os.path.realpath(os.fsdecode(target))
+    if real == rules.scratch or not real.startswith(rules.scratch + os.sep):
+        return ""
+    return real[len(rules.scratch) + 1 :]
+
+
+def _by_host(name: str, relative: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The request for `name` (chmod, chown or utime) of `relative` in scratch, or None when the
+    call's arguments are not ones the host serves (then it is refused as before)."""
+    if name == "chmod":
+        mode = args[1] if len(args) > 1 else kwargs.get("mode")
+        return {"op": "chmod", "path": relative, "mode": mode} if type(mode) is int else None
+    if name == "chown":
+        uid = args[1] if len(args) > 1 else kwargs.get("uid")
+        gid = args[2] if len(args) > 2 else kwargs.get("gid")
+        if type(uid) is not int or type(gid) is not int:
+            return None
+        return {"op": "chown", "path": relative, "uid": uid, "gid": gid}
+    if name != "utime":
+        return None
+    times = args[1] if len(args) > 1 else kwargs.get("times")
+    ns = kwargs.get("ns")
+    if times is not None and ns is not None:
+        return None
+    if times is not None:
+        try:
+            ns = [
+                int(t * 1_000_000_000) if isinstance(t, float) else int(t) * 1_000_000_000
+                for t in times
+            ]
+        except (TypeError, ValueError):
+            return None
+    elif ns is not None:
+        if not (isinstance(ns, tuple | list) and all(type(v) is int for v in ns)):
+            return None
+        ns = list(ns)
+    if ns is not None and len(ns) != 2:
+        return None
+    return {"op": "utime", "path": relative, "ns": ns}
+
+
 def _metadata_wrapper(name: str, follow_default: bool, then: Any) -> Any:
     """Wraps a metadata call (`then`: its path wrapper, or None): when the kernel layer
     refuses every metadata change, the call is refused here with that rule, after the path
-    was judged as a write (a path outside the grants keeps its own rule)."""
+    was judged as a write (a path outside the grants keeps its own rule). A chmod or utime
+    of a path in scratch during a call is asked of the host instead, which makes it beneath
+    its own descriptor of scratch (`agent_sandbox._host.scratchmeta`)."""
 
     def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rules = _rules
@@ -607,6 +668,22 @@ def _metadata_wrapper(name: str, follow_default: bool, then: Any) -> Any:
             target = args[0] if args else kwargs.get("path", kwargs.get("fd"))
             follow = kwargs.get("follow_symlinks", follow_default)
             target = check(WRITE, target, kwargs.get("dir_fd"), follow)
+            ask = _scratch_metadata[0]
+            relative = (
+                _scratch_relative(rules, target, kwargs.get("dir_fd"), follow)
+                if ask is not None
+                else ""
+            )
+            request = _by_host(name, relative, args, kwargs) if relative else None
+            host_said = ""
+            if request is not None:
+                reply = ask(request)
+                if reply.get("ok") is True:
+                    return None
+                code = reply.get("errno")
+                host_said = str(reply.get("reason", ""))[:300]
+                if type(code) is int and code not in _REFUSED_BY_HOST:
+                    raise OSError(code, os.strerror(code), os.fsdecode(target))
             shown = (
                 f"<fd {target}>"
                 if isinstance(target, int)
@@ -621,11 +698,15 @@ def _metadata_wrapper(name: str, follow_default: bool, then: Any) -> Any:
                     action=name,
                     target=shown,
                     policy=rules.policy_name,
-                    detail="the landlock provider refuses every change of a file's mode, "
-                    "owner, times or extended attributes (Landlock cannot judge them), "
-                    "inside the grants too",
-                    hint="copy contents only (shutil.copyfile instead of shutil.copy or "
-                    "copy2), or run under the bwrap or unshare provider",
+                    detail=(
+                        f"the host refused it in scratch: {host_said}"
+                        if host_said
+                        else "the landlock provider refuses every change of a file's mode, "
+                        "owner, times or extended attributes (Landlock cannot judge them), "
+                        "inside the grants too; in scratch the host makes os.chmod, "
+                        "os.utime and a same-owner os.chown of a path"
+                    ),
+                    hint=METADATA_REFUSED,
                 ),
                 always=True,
             )
@@ -844,6 +925,8 @@ ONE_PATH: dict[str, tuple[str, bool]] = {
     "removexattr": (WRITE, True),
     "chroot": (WRITE, True),
 }
+#: The host's answers to a scratch metadata request that are refusals, not the file's errors.
+_REFUSED_BY_HOST = frozenset({errno.EPERM, errno.EACCES, errno.EXDEV, errno.ELOOP, errno.ENOSYS})
 #: Functions that change a file's metadata (path or descriptor): refused as `files.metadata`
 #: when the kernel layer refuses them all (`FileRules.metadata_refused`).
 METADATA: dict[str, bool] = {

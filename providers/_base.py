@@ -54,7 +54,7 @@ class WorkerSpec:
     prefix: str
     base_prefix: str
     #: The worker's end of the channel that carries its egress-proxy listener to the host
-    #: (`providers/_egress.py`); -1 when there is none.
+    #: (`_host/egress/proxy.py`); -1 when there is none.
     egress_fd: int = -1
 
 
@@ -88,7 +88,7 @@ class LaunchPlan:
     #: guardian killed together). For providers with no pid namespace to die with.
     keeper: bool = False
     #: A host file where the launcher keeps the limit counters the sandbox side reported
-    #: (a VM's guest agent: `_qemu_host.py`); the parent turns new counts into denials
+    #: (a VM's guest agent: `qemu/relay.py`); the parent turns new counts into denials
     #: marked as the worker side's word (`_limits.GuestLimits`). "" when there is none.
     limit_reports: str = ""
     #: Run one constant call (`None`, file name `<warm-up>`) before the worker is handed
@@ -187,3 +187,12 @@ def base_env(spec: WorkerSpec, extra: Mapping[str, str] | None = None) -> dict[s
     if extra:
         env.update(extra)
     return env
+
+
+def package_folder() -> str:
+    """The folder of `agent_sandbox/` on disk, after links (a strict editable install reaches
+    it through a tree of per-file links): the worker side's modules a launcher or a probe runs
+    standalone live under it (`_worker/_ns_launch.py`, `_worker/_inworker.py`)."""
+    import agent_sandbox
+
+    return os.path.dirname(os.path.realpath(agent_sandbox.__file__))

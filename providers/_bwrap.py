@@ -12,7 +12,7 @@ What it enforces, for native code too:
   `/proc`, a size-capped private `/tmp` (see `_view.py`); the rest of the host is absent;
 * no network of the host: only the namespace's own loopback exists (bwrap brings `lo` up),
   so host ports and host abstract Unix sockets are unreachable; a policy with `[net]` rules
-  gets the host's egress proxy on that loopback (`_egress.py`), the only way out;
+  gets the host's egress proxy on that loopback (`_host/egress/proxy.py`), the only way out;
 * a new session (`--new-session`, the TIOCSTI class of escape) and death with the parent
   (`--die-with-parent`); bwrap is PID 1 of the namespace and reaps orphans;
 * the seccomp filter of `providers._seccomp` (`--seccomp FD`) and Landlock inside the

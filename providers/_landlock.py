@@ -1,7 +1,7 @@
 """The `landlock` provider: the worker restricts itself with Landlock before it serves.
 
 What it enforces (kernel, against hostile native code too), applied by the worker to itself
-while it still has a single thread (see `_inworker.py` for the order):
+while it still has a single thread (see `_worker/_inworker.py` for the order):
 
 * Files: read-only access to what the interpreter needs (its executable, the standard
   library, the site-packages in use, the `agent_sandbox` package folders, libpython,
@@ -26,8 +26,8 @@ What it does NOT enforce (see `docs/providers.md` for what covers each):
   `socket(AF_UNIX)` for that reason), and `stat()`/`access()` of any path: names, sizes
   and existence of files leak.
 * Host names: the TCP rules name ports, not hosts (the Python guards name hosts; under a
-  namespace provider the host's egress proxy enforces them, `_egress.py`).
-* Memory, CPU and processes (see `_limits.py`).
+  namespace provider the host's egress proxy enforces them, `_host/egress/proxy.py`).
+* Memory, CPU and processes (see `_host/limits.py`).
 
 Hidden and denied names (`files.hide`, `files.deny`) and the policy's own files inside a
 granted directory are kept out of reach by narrowing the grants around them (`_narrow`).
@@ -47,6 +47,12 @@ import sysconfig
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
+from agent_sandbox._landlock_sys import (
+    ACCESS_SETS,
+    MIN_ABI,
+    landlock_abi,
+    restrict_self,
+)
 from agent_sandbox.policies._paths import expand_entry, static_prefix
 from agent_sandbox.providers._base import (
     LaunchPlan,
@@ -54,13 +60,8 @@ from agent_sandbox.providers._base import (
     Provider,
     WorkerSpec,
     base_env,
+    package_folder,
     worker_argv,
-)
-from agent_sandbox.providers._landlock_sys import (
-    ACCESS_SETS,
-    MIN_ABI,
-    landlock_abi,
-    restrict_self,
 )
 from agent_sandbox.providers._masks import Masks, find_masks
 
@@ -468,7 +469,7 @@ def _user_tmpfs_trial(python: str) -> ProbeResult:
         out = subprocess.run(
             [
                 *(python, "-I", "-S", "-B", "-c", _USER_TMPFS_TRIAL),
-                *(os.path.dirname(os.path.realpath(__file__)), where),
+                *(os.path.join(package_folder(), "_worker"), where),
             ],
             capture_output=True,
             text=True,

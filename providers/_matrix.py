@@ -92,9 +92,17 @@ GAPS: dict[tuple[str, str, str], str] = {
 NARROWED: dict[tuple[str, str, str], str] = {
     **{
         ("landlock", kind, op): (
-            "The landlock provider's seccomp filter refuses every metadata change, inside the "
-            "grants too (Landlock has no right for them; the Python guard names "
-            "`files.metadata`)"
+            "The landlock provider's seccomp filter refuses every metadata change, in the "
+            "write grants and scratch too: Landlock has no right for metadata, and seccomp "
+            "sees a call's arguments, not the file a path or descriptor names, so the "
+            "worker's kernel layer cannot tell scratch from a read grant (letting descriptor "
+            "calls through would let the code chmod a read-granted file its user owns). What "
+            "this cell measures, native code's own call, stays refused; Python's os.chmod "
+            "(permission bits), os.utime and a same-owner os.chown of a path in scratch are "
+            "made by the host, beneath its own descriptor of scratch with openat2 "
+            "(RESOLVE_BENEATH, no links), so shutil.copy, copy2 and tarfile work there. "
+            "Elsewhere the Python guard names `files.metadata` and the hint says to copy "
+            "contents only or use `bwrap` or `unshare`"
         )
         for kind in ("write", "scratch")
         for op in ("chmod", "chown", "utime", "setxattr", "removexattr")

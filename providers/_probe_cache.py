@@ -51,7 +51,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from agent_sandbox.providers._base import ProbeResult
+from agent_sandbox.providers._base import ProbeResult, package_folder
 
 __all__ = ["cache_dir", "cached_probe", "enabled", "entry_name", "file_key", "probe_afresh"]
 
@@ -68,17 +68,18 @@ _SYSCTLS = (
     "/proc/sys/kernel/apparmor_restrict_unprivileged_userns",
     "/proc/sys/kernel/random/boot_id",
 )
-#: The modules whose code decides a trial's answer (beside this folder).
+#: The modules whose code decides a trial's answer (`providers/` is the folder of this one,
+#: the others are under `agent_sandbox/`).
 _SOURCES = (
-    "_probe_cache.py",
-    "_base.py",
-    "_bwrap.py",
-    "_unshare.py",
-    "_ns_launch.py",
-    "_landlock.py",
+    "providers/_probe_cache.py",
+    "providers/_base.py",
+    "providers/_bwrap.py",
+    "providers/_unshare.py",
+    "_worker/_ns_launch.py",
+    "providers/_landlock.py",
     "_landlock_sys.py",
-    "_inworker.py",
-    "_view.py",
+    "_worker/_inworker.py",
+    "providers/_view.py",
 )
 _afresh = False
 
@@ -121,7 +122,6 @@ def _read(path: str) -> str | None:
 
 def _common_key() -> dict[str, Any]:
     uname = os.uname()
-    here = os.path.dirname(os.path.realpath(__file__))
     try:
         userns = os.readlink("/proc/self/ns/user")
     except OSError:
@@ -135,9 +135,16 @@ def _common_key() -> dict[str, Any]:
         # The package's `__init__.py` holds its version; the modules hold the trials.
         "package": [
             file_key(getattr(sys.modules.get("agent_sandbox"), "__file__", None) or "?"),
-            *(file_key(os.path.join(here, name)) for name in _SOURCES),
+            *(file_key(_source(name)) for name in _SOURCES),
         ],
     }
+
+
+def _source(name: str) -> str:
+    """Where a module of `_SOURCES` is on disk (the providers' folder is mapped apart)."""
+    if name.startswith("providers/"):
+        return os.path.join(os.path.dirname(os.path.realpath(__file__)), name[len("providers/") :])
+    return os.path.join(package_folder(), name)
 
 
 def _trusted(st: os.stat_result, kind: int) -> bool:

@@ -30,7 +30,7 @@ _REGISTRY: dict[str, type[Provider]] = {
 #: Providers whose module is imported when first asked for (the qemu one brings its image
 #: builder): name -> (module, class).
 _DEFERRED: dict[str, tuple[str, str]] = {
-    "qemu": ("agent_sandbox.providers._qemu", "QemuProvider"),
+    "qemu": ("agent_sandbox.providers.qemu.provider", "QemuProvider"),
 }
 
 

@@ -35,7 +35,7 @@ kernel maps without an exec check on the file. With the grant, exec stays open a
 decides which files may be executed (see `docs/providers.md` for how precisely that holds).
 
 The filter is built in the PARENT with pyseccomp and exported as raw BPF bytes. The worker
-loads those bytes itself with one `prctl` (see `_inworker.py`), so it never imports
+loads those bytes itself with one `prctl` (see `_worker/_inworker.py`), so it never imports
 pyseccomp (which cannot find libseccomp under Landlock). `bwrap --seccomp FD` takes the
 same bytes.
 """

@@ -1,6 +1,6 @@
 """The `unshare` provider: the worker in new namespaces built by a small Python launcher.
 
-What it enforces, for native code too (the steps are in `_ns_launch.py`):
+What it enforces, for native code too (the steps are in `_worker/_ns_launch.py`):
 
 * new user, PID, mount, network, IPC, UTS and cgroup namespaces; the worker is not PID 1
   (a tiny init reaps orphans) and dies with its parent;
@@ -10,7 +10,7 @@ What it enforces, for native code too (the steps are in `_ns_launch.py`):
   (writable), a minimal `/dev`, a fresh `/proc`, a size-capped `/tmp`; nothing else of the
   host exists inside (see `_view.py`);
 * no network of the host: `lo` stays down without `[net]` rules; with them it is up and
-  carries the host's egress proxy (`_egress.py`), the only way out;
+  carries the host's egress proxy (`_host/egress/proxy.py`), the only way out;
 * no capabilities, for good: the bounding and ambient sets are emptied, securebits lock
   out root's privileges on exec, no-new-privileges is set; nested user namespaces are
   refused (`user.max_user_namespaces = 0`), so read-only binds cannot be remounted;
@@ -42,6 +42,7 @@ from agent_sandbox.providers._base import (
     Provider,
     WorkerSpec,
     base_env,
+    package_folder,
 )
 from agent_sandbox.providers._grants import grant_pins
 from agent_sandbox.providers._probe_cache import cached_probe, file_key
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 #: The launcher module (standard library only; run with `-I -S -B`).
-LAUNCHER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_ns_launch.py")
+LAUNCHER = os.path.join(package_folder(), "_worker", "_ns_launch.py")
 # Imported rather than run as a script, so its bytecode cache serves (a script is always
 # compiled from source); the providers folder leaves `sys.path` before `main()` runs.
 _LAUNCH_CODE = (
@@ -82,7 +83,7 @@ def launcher_argv(python: str, config: dict[str, Any]) -> tuple[str, ...]:
     """The launcher's command line: the interpreter, isolated, and the configuration.
 
     The configuration travels as `marshal` bytes in hex: the launcher runs the same
-    interpreter (so the format matches) and avoids importing `json` (see `_ns_launch.py`).
+    interpreter (so the format matches) and avoids importing `json` (see `_worker/_ns_launch.py`).
     """
     return (python, "-I", "-S", "-B", "-c", _LAUNCH_CODE, marshal.dumps(config).hex())
 

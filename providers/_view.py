@@ -261,7 +261,7 @@ def path_view(mounts: Iterable[Mount]) -> dict[str, str]:
 
 def network_mode(policy: Any) -> Literal["none", "proxy"]:
     """`proxy` when the policy allows any network (`lo` up, the host's egress proxy on it,
-    `providers/_egress.py`), else `none` (no interface up)."""
+    `_host/egress/proxy.py`), else `none` (no interface up)."""
     return "proxy" if any(r.action == "allow" for r in policy.net.rules) else "none"
 
 
@@ -275,7 +275,7 @@ def egress_plan(
     if network_mode(policy) != "proxy":
         return {}, {}, ()
     # Only now: the proxy's module brings asyncio, which a policy without network never needs.
-    from agent_sandbox.providers._egress import (
+    from agent_sandbox._host.egress.proxy import (
         PROXY_HOST,
         PROXY_PORT,
         loopback_forwards,

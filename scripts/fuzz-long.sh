@@ -6,7 +6,7 @@
 #
 # Phase 1, per harness: atheris (coverage-guided libFuzzer) on the ordinary build for
 # SECONDS_PER_HARNESS, growing a working copy of tests/fuzz/corpus/NAME.
-# Phase 2, per harness: guards/_fastscan.c built with -fsanitize=address,undefined (gcc or
+# Phase 2, per harness: agent_sandbox/_host/intake/_fastscan.c built with -fsanitize=address,undefined (gcc or
 # clang) and loaded in its place, libasan preloaded; the grown corpus is replayed, then
 # mutated at random (seeded) for the same CPU time. Phase 2 does not use libFuzzer: with
 # libasan preloaded, the sanitizer's coverage symbols shadow libFuzzer's and the Python
@@ -28,27 +28,27 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/agent-sandbox-fuzz.XXXXXX")
 CC=${CC:-$(command -v clang || command -v gcc)}
 INC=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 SUFFIX=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-mkdir -p "$WORK/lib/agent_sandbox/guards"
+mkdir -p "$WORK/lib/agent_sandbox/_host/intake"
 "$CC" -shared -fPIC -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
-  -fno-sanitize-recover=undefined -I"$INC" guards/_fastscan.c \
-  -o "$WORK/lib/agent_sandbox/guards/_fastscan$SUFFIX"
+  -fno-sanitize-recover=undefined -I"$INC" agent_sandbox/_host/intake/_fastscan.c \
+  -o "$WORK/lib/agent_sandbox/_host/intake/_fastscan$SUFFIX"
 ASAN_LIB=$("$CC" -print-file-name=libasan.so)
 # The sanitized module must win over the installed one: a finder placed first loads it.
 cat >"$WORK/lib/sitecustomize.py" <<PYEOF
 import importlib.util, sys
 _spec = importlib.util.spec_from_file_location(
-    "agent_sandbox.guards._fastscan", "$WORK/lib/agent_sandbox/guards/_fastscan$SUFFIX")
+    "agent_sandbox._host.intake._fastscan", "$WORK/lib/agent_sandbox/_host/intake/_fastscan$SUFFIX")
 class _Finder:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        return _spec if name == "agent_sandbox.guards._fastscan" else None
+        return _spec if name == "agent_sandbox._host.intake._fastscan" else None
 sys.meta_path.insert(0, _Finder)
 PYEOF
 SANITIZED=(env LD_PRELOAD="$ASAN_LIB" PYTHONPATH="$WORK/lib" FUZZ_REQUIRE_FASTSCAN=1
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1)
 # The sanitized build must be the one the harnesses import.
 "${SANITIZED[@]}" "$PY" -c \
-  "from agent_sandbox.guards import _fastscan; assert _fastscan.__file__.startswith('$WORK'), _fastscan.__file__"
+  "from agent_sandbox._host.intake import _fastscan; assert _fastscan.__file__.startswith('$WORK'), _fastscan.__file__"
 report() {  # name phase folder rc
   local execs user sys rss found
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$3/log" | tail -n1)

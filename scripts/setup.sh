@@ -41,9 +41,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.agent-sandbox-installed
-# The editable install also compiles the import guard's C fast path into guards/ (next to
-# its source, where the worker imports it from); it does not recompile by itself when
-# guards/_fastimport.c changes, so a newer source reinstalls too.
+# The editable install also compiles the C extensions next to their sources (guards/,
+# agent_sandbox/_host/intake/, agent_sandbox/_worker/: where they are imported from); it does
+# not recompile by itself when a .c file changes, so a newer source reinstalls too.
 # pip's and setuptools' chatter goes to .venv/setup.log; it is printed only when a step fails.
 log=.venv/setup.log
 quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; return 1; }; }
@@ -52,7 +52,7 @@ quiet() { "$@" >>"$log" 2>&1 || { cat "$log" >&2; echo "setup: failed: $*" >&2; 
 files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
+   || [ -n "$(find guards agent_sandbox -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
   # The first install takes a minute or two (the extras pull in LangChain and CrewAI): say
@@ -66,7 +66,24 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     quiet .venv/bin/python -m pip uninstall -y -q agent-sandbox
   fi
   echo "setup: pip is up to date; installing the package and its extras..." >&2
-  quiet .venv/bin/python -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]"
+  # pip's own lines go to the log (not -q), and a line every 15 s says how long it has run
+  # and the step pip is at ("Collecting crewai", "Installing collected packages"), so the
+  # minute is never silent. The ticker ends with the install, failed or not.
+  ( trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+    while :; do
+      sleep 15 & nap=$!
+      wait "$nap"
+      at=$(grep -E '^(Collecting|Downloading|Building|Installing|Successfully)' "$log" \
+        | tail -n1 | cut -c1-70 || true)
+      echo "setup: still installing ($((SECONDS - start)) s)${at:+: $at}" >&2
+    done ) &
+  ticker=$!
+  rc=0
+  quiet .venv/bin/python -m pip install --progress-bar off \
+    -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]" || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  [ "$rc" = 0 ] || exit "$rc"
   echo "$files" >"$stamp"
   echo "setup: installed in $((SECONDS - start)) s" >&2
 fi

@@ -24,13 +24,14 @@ if [ ! -x "$env_dir/bin/python" ]; then
   }
 fi
 # pip's output goes to the log, shown only when the install fails. The editable install also
-# builds guards/_fastimport*.so and _fastscan*.so with Debian's headers (the same 3.11 ABI as .venv's).
+# builds the C extensions (guards/_fastimport, _host/intake/_fastscan, _worker/_nsfork) with
+# Debian's headers (the same 3.11 ABI as .venv's).
 # The editable install is a tree of links to the files (setup.py): a module added or removed
 # needs it made again, so the list of files is part of the stamp.
 files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-   || [ setup.py -nt "$stamp" ] || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
+   || [ setup.py -nt "$stamp" ] || [ -n "$(find guards agent_sandbox -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]
 then
   "$env_dir/bin/python" -m pip install -q -e ".[dev,langchain,crewai,smolagents,seccomp,remote,k8s]" >"$log" 2>&1 \

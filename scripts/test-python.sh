@@ -31,7 +31,7 @@ stamp=$env_dir/.agent-sandbox-installed
 files=$(find agent_sandbox adapters guards providers policies \( -name '*.py' -o -name '*.toml' \
   -o -name '*.c' -o -name py.typed \) -not -path '*/__pycache__/*' | LC_ALL=C sort | cksum)
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-   || [ -n "$(find guards -name '*.c' -newer "$stamp")" ] \
+   || [ -n "$(find guards agent_sandbox -name '*.c' -newer "$stamp")" ] \
    || [ "$(cat "$stamp")" != "$files" ]; then
   : >"$log"
   { "$env_dir/bin/python" -m pip install -q --upgrade pip \

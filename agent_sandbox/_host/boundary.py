@@ -25,14 +25,12 @@ from agent_sandbox._host.launch import (
     worker_env,
     worker_python,
 )
+from agent_sandbox._host.result import NO_BOUNDARY, boundary_name
 from agent_sandbox.policies import Policy
 from agent_sandbox.policies._model import check_boundary_opt_out, check_min_boundary
 from agent_sandbox.providers import AutoProvider, Provider, WorkerSpec, get_provider
 
 __all__ = ["NO_BOUNDARY", "Boundary", "boundary_name", "resolve_boundary"]
-
-#: What `boundary_name` says when no kernel mechanism held the worker.
-NO_BOUNDARY = "none"
 
 # Placeholder paths for the dry build: never created, never used to start anything.
 _DRY_DIR = "/nonexistent/agent-sandbox-dry-build"
@@ -52,15 +50,6 @@ class Boundary:
     @property
     def is_kernel(self) -> bool:
         return self.provider.is_boundary
-
-
-def boundary_name(stack: tuple[str, ...] | list[str], is_boundary: bool | None = None) -> str:
-    """`"bwrap+landlock+seccomp"`; `"none"` for the `subprocess` provider; `""` if unknown."""
-    if not stack:
-        return ""
-    if is_boundary is False or stack[0] == "subprocess":
-        return NO_BOUNDARY
-    return "+".join(stack)
 
 
 def _dry_spec(policy: Policy) -> WorkerSpec:
@@ -104,9 +93,9 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
 
 
 def _remote_boundary(policy: Policy) -> Boundary:
-    """Workers claimed elsewhere (`providers/_remote.py`): the policy must say where, and the
+    """Workers claimed elsewhere (`_host/remote/provider.py`): the policy must say where, and the
     transport must be installed; which layer holds them is the pod's, said per result."""
-    from agent_sandbox.providers._remote import RemoteBoundary
+    from agent_sandbox._host.remote.provider import RemoteBoundary
 
     if policy.remote is None:
         raise PolicyError(

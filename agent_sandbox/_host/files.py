@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from agent_sandbox._host.process import WorkerProcess
     from agent_sandbox.policies import Policy
 
-__all__ = ["FileInfo", "get", "listing", "put", "remove"]
+__all__ = ["FileInfo", "get", "listing", "put", "remove", "with_output_files"]
 
 #: Bytes per request (their base64 text stays well inside the worker's request bound).
 CHUNK = 4 * 1024 * 1024
@@ -298,3 +298,63 @@ def deadline(timeout: float) -> float:
 
 def unresponsive(what: str) -> WorkerError:
     return WorkerError(f"the worker did not answer the files request ({what}); it was discarded")
+
+
+def with_output_files(worker: Any, policy: Policy, result: Any) -> Any:
+    """`result` with `output_files`: the bytes of each file the call wrote or changed in
+    scratch (`result.files`), read back over the files channel (`get`), together within
+    `limits.result_bytes` (the bound a call's value and images have); each file left out
+    says why. A call that wrote no file is returned as it is, with no request."""
+    if not result.files:
+        return result
+    import dataclasses
+
+    from agent_sandbox._host.result import OutputFile
+    from agent_sandbox._render import quote
+
+    budget = int(policy.limits.result_bytes)
+    images = {image.name for image in result.images}
+    timeout = float(policy.limits.wall_seconds)
+    out: list[OutputFile] = []
+    cap = budget
+
+    def over(size: int, room: int, name: str) -> str:
+        return (
+            f"{size} bytes, more than the {room} bytes left for the call's files of "
+            f"limits.result_bytes = {cap} (in a session, Session.get_file({quote(name)}) "
+            "fetches it while the interpreter lives)"
+        )
+
+    for entry in result.files:
+        name, size = entry["name"], entry["size"]
+
+        def left(why: str, name: str = name, size: int = size) -> None:
+            out.append(OutputFile(name, size, reason=why))
+
+        if name in images:
+            left("returned as an image (result.images)")
+        elif getattr(worker, "dead", True) or not hasattr(worker, "file_request"):
+            left(
+                "the worker ended with the call, and its scratch with it"
+                if getattr(worker, "dead", True)
+                else "a remote worker's scratch is on another machine"
+            )
+        elif name_problem(name):
+            left("its name cannot be asked for again (control characters, or not one name)")
+        elif size > budget:
+            left(over(size, budget, name))
+        else:
+            try:
+                data = get(worker, policy, check_name(policy, name, "get"), timeout=timeout)
+            except FileTransferRefused as exc:
+                left(f"reading it back was refused: {exc.denial.detail}")
+                continue
+            except (WorkerError, TransportError) as exc:
+                left(f"reading it back failed: {exc}")
+                continue
+            if len(data) > budget:
+                left(over(len(data), budget, name))
+                continue
+            budget -= len(data)
+            out.append(OutputFile(name, len(data), data))
+    return dataclasses.replace(result, output_files=tuple(out))

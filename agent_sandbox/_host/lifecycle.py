@@ -119,7 +119,7 @@ def _wait_for_starts(timeout: float) -> bool:
 
 
 def _bases() -> list[str]:
-    from agent_sandbox.providers._limits import hierarchy_bases
+    from agent_sandbox._host.cgroups import hierarchy_bases
 
     return hierarchy_bases()
 

@@ -233,7 +233,8 @@ def inpod_report(requested: str = "auto", declared: str = "", place: Place | Non
     the same decision (`choose_inpod`) and the same resolution (`resolve_boundary`) a bind
     makes, for a default policy."""
     from agent_sandbox._errors import SandboxError
-    from agent_sandbox._host.boundary import NO_BOUNDARY, boundary_name, resolve_boundary
+    from agent_sandbox._host.boundary import resolve_boundary
+    from agent_sandbox._host.result import NO_BOUNDARY, boundary_name
     from agent_sandbox.policies import Policy
 
     place = detect_place() if place is None else place

@@ -70,23 +70,23 @@ from agent_sandbox._host.launch import (
     worker_env,
     worker_python,
 )
-from agent_sandbox._host.result import RunError, RunResult
-from agent_sandbox.policies import Policy
-from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
-from agent_sandbox.providers._inworker import verify_checks
-from agent_sandbox.providers._limits import (
+from agent_sandbox._host.limits import (
     GuestLimits,
     WorkerCgroups,
     _descendants,
     record_limit_hits,
     start_cgroups,
 )
+from agent_sandbox._host.result import RunError, RunResult
+from agent_sandbox._host.setup_checks import verify_checks
+from agent_sandbox.policies import Policy
+from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
 if TYPE_CHECKING:
+    from agent_sandbox._host.denial_log import Watch
+    from agent_sandbox._host.egress.proxy import Route
     from agent_sandbox._host.intake.unpickle import Decoder
     from agent_sandbox._host.templates import WorkerTemplate
-    from agent_sandbox.providers._denial_log import Watch
-    from agent_sandbox.providers._egress import Route
 
 __all__ = ["WorkerProcess"]
 
@@ -162,7 +162,7 @@ class WorkerProcess:
         self.guest_limits: GuestLimits | None = None
         self._egress_channel: socket.socket | None = None
         #: The host's reader of the worker's Landlock denials in the kernel's audit log,
-        #: where the kernel writes them (`providers/_denial_log.py`).
+        #: where the kernel writes them (`_host/denial_log.py`).
         self.kernel_log: Watch | None = None
         #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`), and
         #: the
@@ -217,7 +217,7 @@ class WorkerProcess:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
         # The channel that brings the worker's egress-proxy listener to the host (used only
-        # when the plan has an egress proxy; see providers/_egress.py).
+        # when the plan has an egress proxy; see _host/egress/proxy.py).
         egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
         try:
@@ -245,8 +245,8 @@ class WorkerProcess:
                 self.plan = template.adapt(self.plan)  # a namespace template's worker
             if "landlock" in self.plan.worker_setup:
                 # Subscribed to the kernel's Landlock records before the worker can meet its
-                # first denial, where the audit is on and readable (providers/_denial_log.py).
-                from agent_sandbox.providers._denial_log import subscribe
+                # first denial, where the audit is on and readable (_host/denial_log.py).
+                from agent_sandbox._host.denial_log import subscribe
 
                 subscribe()
             depth = self.plan.worker_depth
@@ -338,7 +338,7 @@ class WorkerProcess:
                 # the worker's own boot hides here (before the launch it added them to every
                 # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
                 # an egress proxy only (it brings asyncio).
-                from agent_sandbox.providers._egress import EgressError, egress_proxy
+                from agent_sandbox._host.egress.proxy import EgressError, egress_proxy
 
                 try:
                     egress_proxy().start()
@@ -446,7 +446,7 @@ class WorkerProcess:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
         egress proxy; a worker whose proxy cannot serve is never kept."""
         assert self.policy is not None
-        from agent_sandbox.providers._egress import (
+        from agent_sandbox._host.egress.proxy import (
             EgressError,
             egress_proxy,
             loopback_forwards,
@@ -505,15 +505,24 @@ class WorkerProcess:
         expected = self.plan is not None and self.plan.interrupt_launcher
         if self.guard_watch is None and not expected and not _unwatched_warned:
             _unwatched_warned = True
+            checks = self.hello.get("checks")
+            guards = checks.get("guards") if isinstance(checks, dict) else None
+            reported = isinstance(guards, dict) and isinstance(guards.get("block"), dict)
+            why = (
+                "this process may not read the worker's memory"
+                if reported
+                else "the worker reported none: the guards' C extension `_fastimport` is "
+                "not built for its interpreter"
+            )
             _logger.warning(
-                "agent_sandbox: the host cannot read the worker's guard counter (the "
-                "_fastimport extension is not built, or this process may not read the "
-                "worker's memory); only the worker's own tamper check remains"
+                "agent_sandbox: the host cannot read the worker's guard counter (%s); only "
+                "the worker's own tamper check remains",
+                why,
             )
 
     def _watch_kernel_log(self) -> None:
         """Read the worker's Landlock denials from the kernel's audit log where it is on
-        and readable (nothing is switched on here: see `providers/_denial_log.py`)."""
+        and readable (nothing is switched on here: see `_host/denial_log.py`)."""
         assert self.policy is not None
         landlock = (self.hello.get("checks") or {}).get("landlock")
         if self.plan is None or "landlock" not in self.plan.worker_setup:
@@ -523,7 +532,7 @@ class WorkerProcess:
         abi = landlock.get("abi")
         if not isinstance(abi, int) or abi < 7:
             return
-        from agent_sandbox.providers._denial_log import watch_worker
+        from agent_sandbox._host.denial_log import watch_worker
 
         self.kernel_log = watch_worker(self.worker_pid(), self.policy.name, abi)
 
@@ -770,7 +779,7 @@ class WorkerProcess:
         t0 = time.monotonic()
         forward = self._forwarder(builder, on_event)
         self._in_call = True
-        self.client.host_call = host_call
+        self.client.host_call = self._with_scratch_metadata(host_call)
         try:
             try:
                 self.client.run(code, t0 + wall, forward, filename)
@@ -790,6 +799,28 @@ class WorkerProcess:
             return self._finish(builder, t0, session)
         finally:
             self._call_ended()
+
+    def _with_scratch_metadata(self, host_call: HostCall | None) -> HostCall | None:
+        """`host_call`, serving the worker's chmod and utime requests in scratch too where
+        the plan's seccomp filter refuses metadata changes and scratch is this host's
+        directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
+        plan = self.plan
+        if plan is None or not self.scratch or "scratch_inside" in plan.worker_setup:
+            return host_call
+        seccomp = plan.worker_setup.get("seccomp")
+        if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
+            return host_call
+        from agent_sandbox._host.scratchmeta import metadata_handler
+
+        root = "/"
+        if plan.worker_setup.get("scratch_tmpfs"):
+            # The worker's scratch is a tmpfs in its own mount namespace, over this path:
+            # reached through the worker's root, as the host reads its memory.
+            pid = self.worker_pid()
+            if pid is None:
+                return host_call
+            root = f"/proc/{pid}/root"
+        return metadata_handler(self.scratch, host_call, root=root)  # type: ignore[no-any-return]
 
     def _on_call_failure(
         self,
@@ -830,7 +861,7 @@ class WorkerProcess:
         client = AsyncWorkerClient(
             self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
         )
-        client.host_call = host_call
+        client.host_call = self._with_scratch_metadata(host_call)
         forward = self._forwarder(builder, on_event)
         self._in_call = True
         try:
@@ -986,7 +1017,7 @@ class WorkerProcess:
         if self.kernel_log is not None:
             # Landlock's refusals as the kernel logged them, recorded by the host; the
             # ones the Python guards already reported for the same target are not repeated.
-            from agent_sandbox.providers._denial_log import merge_into
+            from agent_sandbox._host.denial_log import merge_into
 
             merge_into(builder.add_denial, builder.denials, self.kernel_log.drain())
         if self.egress is not None and self.egress.failure is not None and not self.dead:

@@ -13,7 +13,19 @@ from typing import Any
 
 from agent_sandbox._denial import Denial
 
-__all__ = ["Image", "RunError", "RunResult"]
+__all__ = ["NO_BOUNDARY", "Image", "OutputFile", "RunError", "RunResult", "boundary_name"]
+
+#: What `boundary_name` says when no kernel mechanism held the worker.
+NO_BOUNDARY = "none"
+
+
+def boundary_name(stack: tuple[str, ...] | list[str], is_boundary: bool | None = None) -> str:
+    """`"bwrap+landlock+seccomp"`; `"none"` for the `subprocess` provider; `""` if unknown."""
+    if not stack:
+        return ""
+    if is_boundary is False or stack[0] == "subprocess":
+        return NO_BOUNDARY
+    return "+".join(stack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +84,36 @@ class Image:
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputFile:
+    """A file the call wrote or changed in scratch, with its bytes, or why they are not here.
+
+    `data` is None when the file was not returned, and `reason` says why (over what
+    `limits.result_bytes` leaves for the call's files, returned as an image, the worker
+    ended, a refusal of the read); `Session.get_file(name)` can still fetch a file the bound
+    left out while the session's interpreter lives."""
+
+    name: str
+    size: int
+    data: bytes | None = None
+    reason: str = ""
+
+    def to_dict(self, *, data: bool = True) -> dict[str, Any]:
+        """JSON-safe: `data` as base64 (None when not returned, or when `data=False`),
+        `returned` whether the bytes are in the result, `not_returned` the reason."""
+        import base64
+
+        return {
+            "name": self.name,
+            "size": self.size,
+            "returned": self.data is not None,
+            "data": base64.b64encode(self.data).decode("ascii")
+            if data and self.data is not None
+            else None,
+            "not_returned": self.reason or None,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
 class RunResult:
     """The outcome of one call: output, value, error, denials, timings and worker identity.
 
@@ -99,13 +141,14 @@ class RunResult:
     notices: tuple[str, ...] = ()
     images: tuple[Image, ...] = ()
     files: tuple[dict[str, Any], ...] = ()
+    #: The files of `files` with their bytes (or why not), in the same order; see
+    #: `OutputFile`. Empty for a call that wrote no file.
+    output_files: tuple[OutputFile, ...] = ()
 
     @property
     def boundary(self) -> str:
         """The kernel boundary that held the worker, e.g. `"bwrap+landlock+seccomp"`;
         `"none"` under the `subprocess` opt-out; `""` when no worker ran."""
-        from agent_sandbox._host.boundary import boundary_name
-
         return boundary_name(self.stack)
 
     @property
@@ -150,8 +193,10 @@ class RunResult:
                 seen.setdefault(d.rule, None)
         return list(seen)
 
-    def to_dict(self, *, images: bool = True) -> dict[str, Any]:
-        """A JSON-safe dict (the `--json` output and the adapters' artifact)."""
+    def to_dict(self, *, images: bool = True, file_data: bool = False) -> dict[str, Any]:
+        """A JSON-safe dict (the `--json` output and the adapters' artifact). The files of
+        `output_files` are listed by name, size and whether they were returned; their bytes
+        (base64) only with `file_data` (the adapters add them when asked: `return_files`)."""
         return {
             "ok": self.ok,
             "stdout": self.stdout,
@@ -174,6 +219,7 @@ class RunResult:
             if images
             else [i.name for i in self.images],
             "files": list(self.files),
+            "output_files": [f.to_dict(data=file_data) for f in self.output_files],
         }
 
     def to_json(self) -> str:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import asyncio  # imported where used: a program that never awaits does not load it
 
     from agent_sandbox._host.files import FileInfo
-    from agent_sandbox._host.remote_pool import RemotePool
+    from agent_sandbox._host.remote.pool import RemotePool
 
 __all__ = ["Sandbox", "Session"]
 
@@ -154,6 +154,7 @@ class Session:
                 filename=filename,
                 **self._host_call(host_tools),
             )
+            result = _with_files(worker, self.sandbox.policy, result)
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             self._lock.release()
@@ -186,6 +187,10 @@ class Session:
                 filename=filename,
                 **self._host_call(host_tools),
             )
+            if result.files:
+                import asyncio
+
+                result = await asyncio.to_thread(_with_files, worker, self.sandbox.policy, result)
             return self.sandbox._logged(self._after(worker, result, notices, lost))
         finally:
             if ownership.release():
@@ -445,9 +450,9 @@ class Sandbox:
         self.session_ttl = session_ttl
         self._pool: WorkerPool | RemotePool
         if self.provider.name == "remote":
-            # Workers claimed elsewhere, one per session key (`_host/remote_pool.py`); the
+            # Workers claimed elsewhere, one per session key (`_host/remote/pool.py`); the
             # [remote] table sets the warm pool, the claim bound and the timeouts.
-            from agent_sandbox._host.remote_pool import provider_for
+            from agent_sandbox._host.remote.pool import provider_for
 
             self._pool = provider_for(resolved)
         else:
@@ -505,6 +510,7 @@ class Sandbox:
                 timeout_source=timeout_source,
                 filename=filename,
             )
+            result = _with_files(worker, self.policy, result)
         return self._stateless_end(result)
 
     async def arun(
@@ -526,6 +532,10 @@ class Sandbox:
                 timeout_source=timeout_source,
                 filename=filename,
             )
+            if result.files:
+                import asyncio
+
+                result = await asyncio.to_thread(_with_files, worker, self.policy, result)
         return self._stateless_end(result)
 
     def _session_worker(self, key: str) -> WorkerProcess:
@@ -778,6 +788,15 @@ def _closed_error(result: RunResult) -> RunResult:
             message="the sandbox was closed while the call was running",
         ),
     )
+
+
+def _with_files(worker: Any, policy: Policy, result: RunResult) -> RunResult:
+    """`result` with the bytes of the files the call wrote (`_host/files.py`)."""
+    if not result.files:
+        return result
+    from agent_sandbox._host.files import with_output_files
+
+    return with_output_files(worker, policy, result)  # type: ignore[no-any-return]
 
 
 def _replace(result: RunResult, **changes: Any) -> RunResult:

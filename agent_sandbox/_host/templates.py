@@ -519,7 +519,7 @@ class WorkerTemplate:
             # workers) die with the launcher, but after it: wait until each is gone.
             tree: list[int] = []
             if self.kind == "namespace":
-                from agent_sandbox.providers._limits import _descendants
+                from agent_sandbox._host.limits import _descendants
 
                 tree = [pid for pid, _level in _descendants(self.proc.pid)]
             with contextlib.suppress(OSError):

@@ -295,12 +295,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             filename=filename,
         )
         outputs = (
-            collect(
-                session,
-                result,
-                int(sandbox.policy.limits.result_bytes),
-                skip={name for name, _ in inputs},
-            )
+            collect(result, skip={name for name, _ in inputs})
             if (result.images or result.files)
             else []
         )

@@ -56,9 +56,9 @@ def _read(path: str) -> str:
 
 def collect(*, live: bool = False) -> dict[str, Any]:
     """Everything `doctor` reports, as JSON-safe data."""
+    from agent_sandbox._host.limits import cgroup_support
     from agent_sandbox.providers import probe_all
     from agent_sandbox.providers._landlock import probe_landlock
-    from agent_sandbox.providers._limits import cgroup_support
     from agent_sandbox.providers._probe_cache import probe_afresh
     from agent_sandbox.providers._seccomp import probe_seccomp
 
@@ -74,7 +74,7 @@ def collect(*, live: bool = False) -> dict[str, Any]:
                 "details": {k: v for k, v in result.details.items() if _json_safe(v)},
             }
         )
-    from agent_sandbox.providers._denial_log import probe_denial_logging
+    from agent_sandbox._host.denial_log import probe_denial_logging
 
     landlock = probe_landlock()
     abi = int(landlock.details.get("abi", 0) or 0)
@@ -227,7 +227,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"  gvisor: {style.red('unavailable')} ({gv['reason']}){hint}")
     for p in report["providers"]:
         if p["name"] == "qemu" and p["details"].get("accel"):
-            # The accelerator: KVM only after a probe boot (`providers/_qemu_kvm.py`).
+            # The accelerator: KVM only after a probe boot (`providers/qemu/accel.py`).
             print(f"  qemu: {p['details']['accel']}")
     for item in report.get("live", []):
         if item["ok"]:

@@ -9,9 +9,9 @@ Rules, for names a worker chose:
    intake escaped them, so the original cannot be asked for again) is not returned.
 2. A file is created inside the directory through its descriptor, never following a link,
    and never over an existing file unless `--force` (even then never through a link).
-3. A scratch file's content is read back by one more call in the same session, bounded by
-   `limits.result_bytes`; a file the policy, the bound or the read refused is listed as not
-   returned, with the reason.
+3. A scratch file's content is what the library's result carries (`RunResult.output_files`:
+   read back over the files channel after the call, together within `limits.result_bytes`);
+   a file the bound or the read left out is listed as not returned, with the reason.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ __all__ = ["Output", "collect", "safe_name", "write_outputs"]
 
 _SAFE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 _ESCAPED = re.compile(r"\\(x[0-9a-f]{2}|u[0-9a-f]{4})")
-_FETCH = "import base64\nbase64.b64encode(open({name!r}, 'rb').read()).decode('ascii')"
 
 
 @dataclasses.dataclass
@@ -51,12 +50,10 @@ def safe_name(name: str) -> str:
     return base[:200]
 
 
-def collect(
-    session: Any, result: Any, result_bytes: int, skip: set[str] | None = None
-) -> list[Output]:
-    """The images of `result` (with their data) and its other scratch files, read back
-    through `session` (or why each was not); names in `skip` (the run's `--in` files) are
-    not outputs."""
+def collect(result: Any, skip: set[str] | None = None) -> list[Output]:
+    """The images of `result` (with their data) and its other scratch files (their bytes
+    from `result.output_files`, or why each was not); names in `skip` (the run's `--in`
+    files) are not outputs."""
     out: list[Output] = []
     seen = set(skip or ())
     for image in result.images:
@@ -72,7 +69,7 @@ def collect(
             name_part, _, why = notice.partition(" was not returned: ")
             out.append(Output(name_part[6:].strip("'\""), "image", reason=why))
             seen.add(name_part[6:].strip("'\""))
-    cap = result_bytes * 3 // 4 - 64
+    returned = {f.name: f for f in getattr(result, "output_files", ())}
     for entry in result.files:
         name, size = entry["name"], entry["size"]
         if name in seen:
@@ -80,17 +77,12 @@ def collect(
         if _ESCAPED.search(name):
             out.append(Output(name, "file", reason="its name holds control characters"))
             continue
-        if size > cap:
-            out.append(
-                Output(name, "file", reason=f"{size} bytes, more than limits.result_bytes allows")
-            )
-            continue
-        fetched = session.run(_FETCH.format(name=name))
-        if fetched.error is not None or not isinstance(fetched.value, str):
-            why = fetched.error.message if fetched.error is not None else "no data came back"
-            out.append(Output(name, "file", reason=f"reading it back failed: {why}"))
-            continue
-        out.append(Output(name, "file", base64.b64decode(fetched.value)))
+        got = returned.get(name)
+        if got is not None and got.data is not None:
+            out.append(Output(name, "file", got.data))
+        else:
+            why = got.reason if got is not None else f"{size} bytes, not read back"
+            out.append(Output(name, "file", reason=why))
     return out
 
 

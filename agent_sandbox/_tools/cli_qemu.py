@@ -1,7 +1,7 @@
 """`agent-sandbox qemu build|status|clean`: the `qemu` provider's guest image and templates.
 
 * `build [--kernel-deb PATH] [--memory MB ...] [--force] [--no-template]`: build the kernel
-  and initramfs for this interpreter and this `agent_sandbox` (`providers/_qemu_image.py`),
+  and initramfs for this interpreter and this `agent_sandbox` (`providers/qemu/image.py`),
   then boot and save the snapshot template for each memory size (default: the default
   policy's). Progress goes to stderr, one line per step with the elapsed time. A missing tool
   or kernel package is one line naming the command that fixes it (exit 69).
@@ -63,8 +63,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from agent_sandbox.policies import Policy
-    from agent_sandbox.providers._qemu import TemplateError, ensure_template, guest_ram_mb
-    from agent_sandbox.providers._qemu_image import ImageError, build_image
+    from agent_sandbox.providers.qemu.image import ImageError, build_image
+    from agent_sandbox.providers.qemu.provider import TemplateError, ensure_template, guest_ram_mb
 
     t0 = time.monotonic()
 
@@ -94,8 +94,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from agent_sandbox.providers._qemu import QemuProvider, kvm_state
-    from agent_sandbox.providers._qemu_image import cache_root, find_image
+    from agent_sandbox.providers.qemu.image import cache_root, find_image
+    from agent_sandbox.providers.qemu.provider import QemuProvider, kvm_state
 
     probe = QemuProvider().probe()
     image = find_image()
@@ -135,7 +135,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_clean(_args: argparse.Namespace) -> int:
-    from agent_sandbox.providers._qemu_image import cache_root
+    from agent_sandbox.providers.qemu.image import cache_root
 
     for sub in ("images", "templates"):
         shutil.rmtree(os.path.join(cache_root(), "qemu", sub), ignore_errors=True)

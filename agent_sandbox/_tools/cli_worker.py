@@ -3,14 +3,14 @@
 `worker serve|check`: the remote worker's entry point and its self-report.
 
 `serve --listen tcp://0.0.0.0:8888` is a pod's command (see docs/scale-out.md and
-`_host/remote_serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
+`_host/remote/serve.py`); the first line it prints is `listening on tcp://HOST:PORT` (the real
 port when `:0` was asked). `check` says which layer is the kernel boundary in this place
 (`_host/placement.py`, shared with `doctor` and `worker serve`): the runtime the operator
 declares (`--runtime-boundary gvisor`) or that is detected (gVisor's kernel), the in-pod
 provider a bind would start the worker under (`auto`: the strongest that works here), and
 whether the pod's secret files are in the worker's reach.
 `k8s manifests` prints the SandboxTemplate and SandboxWarmPool for a policy
-(`providers/_k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
+(`_host/remote/k8s_manifests.py`), as YAML (when PyYAML is installed) or a JSON `List`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def prewarm(provider: str) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer, parse_listen
+    from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer, parse_listen
 
     try:
         host, port = parse_listen(args.listen)
@@ -189,8 +189,8 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
     import json
 
     from agent_sandbox._errors import PolicyError
+    from agent_sandbox._host.remote.k8s_manifests import ManifestError, check_inputs, manifests
     from agent_sandbox.policies import resolve_policy
-    from agent_sandbox.providers._k8s_manifests import ManifestError, check_inputs, manifests
 
     try:
         options = check_inputs(

@@ -152,7 +152,7 @@ def control_dirs(tag: str) -> list[str]:
 
 
 def agent_cgroups(tag: str) -> list[str]:
-    from agent_sandbox.providers._limits import hierarchy_bases
+    from agent_sandbox._host.limits import hierarchy_bases
 
     return [
         name

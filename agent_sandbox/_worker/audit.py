@@ -71,6 +71,9 @@ _OTHER_SENSITIVE = "(other sensitive targets)"
 _FOLDS = frozenset({_OTHER_TARGETS, _OTHER_SENSITIVE})
 #: Modules whose functions hand the code a listing, leaving out what they could not list.
 _LISTING_MODULES = frozenset({"glob", "os", "pathlib", "posixpath", "genericpath", "shutil"})
+#: Libraries that turn a refused metadata change into a warning at most and go on
+#: (tarfile's `chown`, `chmod` and `utime` at the default `errorlevel`).
+_METADATA_SWALLOWERS = frozenset({"tarfile"})
 
 _lock = threading.RLock()
 _sink: Callable[[Denial], None] | None = None
@@ -269,9 +272,13 @@ def record_raised(denial: Denial, exc: BaseException | None = None) -> Denial:
     if user is None or direct:
         _classified(denial)  # straight into user code, or no user code to watch: the user's
         return denial
-    if denial.action == "list" and callee in _LISTING_MODULES:
-        # `glob.glob`, `Path.glob`, `os.walk` swallow the refusal and return less: what the
-        # code got changed, so it is the user's, though the call returned normally.
+    if (denial.action == "list" and callee in _LISTING_MODULES) or (
+        denial.rule == "files.metadata" and callee in _METADATA_SWALLOWERS
+    ):
+        # `glob.glob`, `Path.glob`, `os.walk` swallow the refusal and return less; tarfile
+        # swallows a refused chmod, chown or utime and extracts files without the archive's
+        # mode or times: what the code got changed, so it is the user's, though the call
+        # returned normally.
         _classified(denial)
         return denial
     try:

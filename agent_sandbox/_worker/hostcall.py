@@ -12,6 +12,7 @@ Standard library only (with the shared modules); runs in the worker, during a ca
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -71,6 +72,25 @@ def host_tool_caller(
             raise refusal
         raise RuntimeError(f"host tool {name!r} failed: {str(reply.get('error'))[:2000]}")
 
+    def scratch_metadata(request: dict[str, Any]) -> dict[str, Any]:
+        """Ask the host for a chmod or utime in scratch (`guards/_files.py`); the host's
+        reply (`{"ok": true}` or an errno and a reason), or a refusal from here."""
+        if os.getpid() != owner:
+            return {"ok": False, "errno": errno.EPERM, "reason": "not from a forked process"}
+        payload = json.dumps({"scratch_metadata": request})
+        with tool_lock:
+            calls[0] += 1
+            put("host_call", {"id": calls[0], "request": payload})
+            try:
+                reply = _read_frame(sock, 30.0)
+            except RuntimeError as exc:
+                return {"ok": False, "errno": errno.EPERM, "reason": str(exc)[:200]}
+        if reply.get("ok") is not True and "errno" not in reply:
+            reason = str(reply.get("error") or reply.get("detail") or "")[:200]
+            return {"ok": False, "errno": errno.EPERM, "reason": reason}
+        return reply
+
+    host_tool.scratch_metadata = scratch_metadata  # type: ignore[attr-defined]
     return host_tool
 
 

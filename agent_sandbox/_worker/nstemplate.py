@@ -19,7 +19,7 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    a fresh `/proc` (only the worker's own processes), with `/proc/sys`,
    `/proc/sysrq-trigger`, `/proc/irq` and `/proc/bus` covered read-only. P meanwhile drops
    every capability, sets no-new-privileges, closes every descriptor but 0-2 and execs the
-   small C init (`guards/_nsinit.c`, see `_exec_init`), which reaps until W exits, then
+   small C init (`_worker/_nsinit.c`, see `_exec_init`), which reaps until W exits, then
    exits as W did (a signal N as status 128 + N): P keeps no copy of this interpreter (about
    3 MB PSS per worker otherwise). Where that program is missing, P's own Python loop does
    the same. It dies with the template (its parent-death signal, kept across the exec), and
@@ -29,7 +29,7 @@ stands for bubblewrap's `--disable-userns`). For each request, in the forked chi
    process outside it), the seccomp filter and the capability drop, which a fresh `bwrap`
    worker gets from bubblewrap and the host adds to the plan of a forked one.
 
-Step 1 is done in C where guards/_nsfork.c is built (`_nsfork.fork_worker`): one clone3(2)
+Step 1 is done in C where _worker/_nsfork.c is built (`_nsfork.fork_worker`): one clone3(2)
 (clone(2) on a kernel without it) makes P the template's own child in a new PID namespace,
 and P's part runs as system calls (and the interpreter's before-fork hooks, as `os.fork`
 runs them), so P writes about 30 pages before its exec instead of about 440 (issue 19: 20
@@ -300,35 +300,32 @@ def build_view(ns: dict[str, Any], libc: Any) -> None:
 
 
 _PR_SET_NO_NEW_PRIVS = 38
-#: The C init (guards/_nsinit.c) inside the view, found by `prepare` ("" without it).
+#: The C init (_worker/_nsinit.c) inside the view, found by `prepare` ("" without it).
 _init_program = ""
 
 
-#: The C fork of a worker (guards/_nsfork.c), found by `prepare` (None without it).
+#: The C fork of a worker (_worker/_nsfork.c), found by `prepare` (None without it).
 _nsfork: Any = None
-#: The version of guards/_nsfork.c this module expects (an older build is not used).
+#: The version of _worker/_nsfork.c this module expects (an older build is not used).
 _NSFORK_VERSION = 4
 
 
 def _load_nsfork() -> Any:
     try:
-        from agent_sandbox.guards import _nsfork as module
+        from agent_sandbox._worker import _nsfork as module
     except ImportError:
         return None
     return module if getattr(module, "VERSION", 0) == _NSFORK_VERSION else None
 
 
 def _find_init_program() -> str:
-    import sys
-
-    guards = sys.modules.get("agent_sandbox.guards")  # (a bare package: `boot._map_packages`)
-    folders = list(getattr(guards, "__path__", None) or ())
-    path = os.path.join(folders[0], "_nsinit") if folders else ""
-    return path if path and os.access(path, os.X_OK) else ""
+    # Beside this module (`_worker/`, under the package folder the worker was given).
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_nsinit")
+    return path if os.access(path, os.X_OK) else ""
 
 
 def _exec_init(libc: Any, init_fd: int, worker: int) -> None:
-    """P, once W is forked and P holds no capability: become the C init (guards/_nsinit.c),
+    """P, once W is forked and P holds no capability: become the C init (_worker/_nsinit.c),
     which reaps, relays W's status and handles signals as the loop after this call does,
     without a copy of the template's interpreter. No-new-privileges first, so the exec
     cannot give P back any capability (P is root in its user namespace for `root`); every
@@ -440,7 +437,7 @@ def _fork_in_pid_namespace(libc: Any) -> int:
 def prepare(libc: Any) -> None:
     """At the start of a template inside a namespace sandbox: find the C init and the C
     fork, lock the sandbox (`lock_template`) and become the subreaper of the helpers'
-    children (without guards/_nsfork.c a worker's init is forked by a short-lived helper,
+    children (without _worker/_nsfork.c a worker's init is forked by a short-lived helper,
     `_fork_in_pid_namespace`, and then becomes this process's child)."""
     global _init_program, _nsfork
     _init_program = _find_init_program()

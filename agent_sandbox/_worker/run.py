@@ -542,6 +542,7 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
     elif isinstance(exc, MemoryError):
         info["kind"] = "limit"
         info["rule"] = "limits.memory"
+        info["memory"] = _memory_report(exc)
     elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
         info["kind"] = "limit"
         info["rule"] = "limits.file-size"
@@ -557,6 +558,28 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
     if isinstance(exc, SyntaxError) and not isinstance(exc, SandboxDenied):
         info.update({"line": exc.lineno, "column": exc.offset})
     return info
+
+
+def _memory_report(exc: BaseException) -> dict[str, int]:
+    """What this worker knows of a MemoryError: its peak resident size (`peak`, bytes) and,
+    when the failed allocation says it (numpy's `_ArrayMemoryError`), the size it asked for
+    (`asked`). The host takes both as the worker's word, for a hint's number only."""
+    out: dict[str, int] = {}
+    try:
+        import resource
+
+        out["peak"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError, ValueError):
+        pass
+    asked = None
+    if str(getattr(type(exc), "__module__", "")).startswith("numpy."):
+        try:
+            asked = getattr(exc, "_total_size", None)  # numpy's: shape x itemsize
+        except Exception:
+            pass
+    if type(asked) is int and asked > 0:
+        out["asked"] = asked
+    return out
 
 
 _MAX_CHAIN = 30

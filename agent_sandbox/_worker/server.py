@@ -40,6 +40,7 @@ from agent_sandbox._wire import encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.hostcall import host_tool_caller
 from agent_sandbox._worker.run import Runner, on_interrupt
+from agent_sandbox.guards._files import set_scratch_metadata
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
@@ -343,13 +344,18 @@ class _Server:
                 return  # the caller left (a cancelled call): nobody waits for this code's result
         audit.begin_call(lambda d: emit("denial", d.to_dict()))
         # Always present (a policy without tools refuses every call on the host, by rule).
-        self.runner.namespace["_host_tool"] = host_tool_caller(
+        host_tool = host_tool_caller(
             sock, put, owner, self.runner.policy_name, self.boot.get("policy", {})
         )
+        self.runner.namespace["_host_tool"] = host_tool
+        # The landlock provider's chmod and utime in scratch, made by the host (its
+        # seccomp filter refuses them here): only during the call, on its connection.
+        set_scratch_metadata(host_tool.scratch_metadata)
         started = time.perf_counter()
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
+            set_scratch_metadata(None)
             if os.getpid() != owner:
                 os._exit(1)  # a child the cell forked never goes on with the server's work
             counted = audit.end_call()

@@ -70,9 +70,9 @@ def import_ahead(boot: dict[str, Any]) -> None:
     """Import the modules `prepare(boot)` will use, without applying anything."""
     setup = boot.get("worker_setup") or {}
     if setup:
-        import agent_sandbox.providers._inworker
+        import agent_sandbox._worker._inworker
     if setup.get("landlock"):
-        import agent_sandbox.providers._landlock_sys
+        import agent_sandbox._landlock_sys
     if (boot["policy"].get("code") or {}).get("enabled", True):
         import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._install
@@ -88,17 +88,17 @@ def prepare(boot: dict[str, Any]) -> tuple[Runner, dict[str, Any], dict[str, Any
     if setup.get("egress") and int(setup["egress"].get("fd", -1)) >= 0:
         # 3a. The egress proxy's listener goes to the host before any restriction applies
         #     (a VM's worker has none: its guest agent forwards the proxy address).
-        from agent_sandbox.providers._inworker import open_egress_listener
+        from agent_sandbox._worker._inworker import open_egress_listener
 
         checks["egress"] = open_egress_listener(setup["egress"])
     if setup.get("egress_relay"):
         # 3b. gVisor: the proxy address on the sandbox's loopback, relayed by a child forked
         #     now (single-threaded, before any restriction) to the host's end of the route.
-        from agent_sandbox.providers._inworker import start_egress_relay
+        from agent_sandbox._worker._inworker import start_egress_relay
 
         checks["egress"] = start_egress_relay(setup["egress_relay"])
     if setup:
-        from agent_sandbox.providers._inworker import apply_worker_setup
+        from agent_sandbox._worker._inworker import apply_worker_setup
 
         checks.update(apply_worker_setup(setup))
     runner = Runner(policy, boot["scratch"])

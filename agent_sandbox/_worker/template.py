@@ -63,18 +63,18 @@ def _warm_up() -> Any:
     import fcntl  # noqa: F401  (a forked worker's `lo`, in a namespace template)
     import struct  # noqa: F401
 
+    import agent_sandbox._landlock_sys
+    import agent_sandbox._worker._inworker
     import agent_sandbox._worker.objects
     import agent_sandbox._worker.server
     import agent_sandbox._worker.setup
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._code_check
     import agent_sandbox.guards._install
-    import agent_sandbox.providers._inworker
-    import agent_sandbox.providers._landlock_sys
 
     # Made once here rather than in each worker's memory (issue 19: memory per session).
-    agent_sandbox.providers._landlock_sys.warm_up()
-    agent_sandbox.providers._inworker.warm_up()
+    agent_sandbox._landlock_sys.warm_up()
+    agent_sandbox._worker._inworker.warm_up()
     agent_sandbox._worker.server.exercise()
     # Last: the guards' patches (disarmed until a worker configures and arms them).
     agent_sandbox.guards._install.preinstall()

@@ -268,3 +268,167 @@ def test_uploads_reach_the_code_and_produced_files_are_kept(crew):
         assert t.get_file("n.txt") == b"3"
     finally:
         t.close()
+
+
+# -- offered files: uploads as a tool input ------------------------------------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-tools", "react-text"])
+def test_offered_file_is_placed_when_the_agent_names_it(crew, tmp_path, native):
+    """The operator offers a host file under a name; the agent names it in `files` (a field
+    of the tool's args schema) and its code reads it, through a crew loop. The description
+    lists the offered name and never the host path; a file the code writes is in
+    `last_files`."""
+    import base64
+
+    src = tmp_path / "sales.csv"
+    src.write_bytes(b"region,total\nnorth,3\nsouth,4\n")
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0, return_files=True)
+    try:
+        t.offer_file("sales.csv", src)
+        assert t.offered_files() == ["sales.csv"]
+        assert "sales.csv" in t.description and str(tmp_path) not in t.description
+        assert "files" in t.args_schema.model_json_schema()["properties"]
+        code = (
+            "rows = open('sales.csv').read().splitlines()[1:]\n"
+            "open('n.txt', 'w').write(str(len(rows)))\n"
+            "print(len(rows))"
+        )
+        steps = [
+            {"tool": "run_python", "args": {"code": code, "files": ["sales.csv"]}},
+            {"final": "2"},
+        ]
+        out, llm = kickoff(crew, t, steps, native=native)
+        assert out.raw == "2" and llm.seen[0].strip() == "2"
+        (produced,) = t.last_files
+        assert produced["name"] == "n.txt" and base64.b64decode(produced["base64"]) == b"2"
+        assert [f.name for f in t.list_files()] == ["n.txt", "sales.csv"]
+    finally:
+        t.close()
+
+
+def test_agent_naming_a_host_path_or_unoffered_file_is_refused(crew, tmp_path):
+    """It denies a `files` entry that is not an offered name (a host path, `..`, a NUL, a
+    name never offered): a returned ToolFailure with code `files.offer` naming the offered
+    names; the code did not run and nothing was placed. Offering a name with `..` or a NUL
+    is refused when offered."""
+    src = tmp_path / "data.csv"
+    src.write_bytes(b"a\n")
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
+    try:
+        t.offer_file("data.csv", src)
+        calls = counting(crew, t)
+        for bad in (str(src), "/etc/passwd", "../data.csv", "data.csv\x00", "other.csv"):
+            failure = t.run(code="print('ran')", files=[bad])
+            assert isinstance(failure, crew.ToolFailure), bad
+            assert failure.code == "files.offer" and "not offered" in failure.message
+            assert "data.csv" in failure.message and "did not run" in failure.message
+        assert calls == [] and t.list_files() == []
+        for bad_name in ("../escape.csv", "a\x00b", "sub/x.csv", ".."):
+            with pytest.raises(PermissionError):
+                t.offer_file(bad_name, src)
+        with pytest.raises(ValueError, match="regular file"):
+            t.offer_file("dir.csv", tmp_path)
+    finally:
+        t.close()
+
+
+def test_offered_file_over_the_transfer_limit_is_refused_with_its_rule(crew, tmp_path):
+    """It denies placing an offered file larger than `limits.transfer_mb`: a ToolFailure
+    with code `limits.transfer` (the agent reads the rule), nothing placed, the code did not
+    run; through a crew loop it is a recorded tool failure."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (1024 * 1024 + 1))
+    t = crew.adapter.SandboxedPythonTool(policy=policy(transfer_mb=1), warm=0)
+    try:
+        t.offer_file("big.bin", src)
+        calls = counting(crew, t)
+        steps = [
+            {"tool": "run_python", "args": {"code": "print('ran')", "files": ["big.bin"]}},
+            {"final": "too big"},
+        ]
+        out, llm = kickoff(crew, t, steps)
+        assert out.raw == "too big"
+        assert "[limits.transfer]" in llm.seen[0] and "(code: limits.transfer)" in llm.seen[0]
+        failures = out.tasks_output[0].tool_failures
+        assert [f.failure.code for f in failures] == ["limits.transfer"]
+        assert failures[0].failure.details["denials"][0]["rule"] == "limits.transfer"
+        assert calls == [] and t.list_files() == []
+    finally:
+        t.close()
+
+
+def test_offered_file_that_changes_while_read_is_refused(crew, tmp_path, monkeypatch):
+    """It denies an offered host file that grows while it is placed (a writer between two
+    reads): code `files.transfer`, nothing placed, the code did not run."""
+    from agent_sandbox._host import files as host_files
+
+    src = tmp_path / "growing.csv"
+    src.write_bytes(b"x" * 1000)
+    real_read = os.read
+    grown: list[bool] = []
+
+    def read_then_grow(fd: int, n: int) -> bytes:
+        data = real_read(fd, n)
+        if not grown:
+            grown.append(True)
+            with open(src, "ab") as fh:  # the writer
+                fh.write(b"more rows\n")
+        return data
+
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
+    try:
+        t.offer_file("growing.csv", src)
+        calls = counting(crew, t)
+        monkeypatch.setattr(host_files.os, "read", read_then_grow)
+        failure = t.run(code="print('ran')", files=["growing.csv"])
+        monkeypatch.undo()
+        assert grown, "the writer never ran"
+        assert isinstance(failure, crew.ToolFailure) and failure.code == "files.transfer"
+        assert "changed while it was read" in failure.message
+        assert calls == [] and t.list_files() == []
+    finally:
+        t.close()
+
+
+def test_offered_files_need_a_session(crew, tmp_path):
+    src = tmp_path / "a.csv"
+    src.write_bytes(b"1\n")
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0, session="none")
+    try:
+        with pytest.raises(ValueError, match="session"):
+            t.offer_file("a.csv", src)
+    finally:
+        t.close()
+
+
+async def test_offered_file_is_placed_on_the_async_path(crew, tmp_path):
+    src = tmp_path / "a.csv"
+    src.write_bytes(b"1\n2\n")
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
+    try:
+        t.offer_file("a.csv", src)
+        out = await t.arun(code="len(open('a.csv').read().split())", files=["a.csv"])
+        assert out == "2"
+        refused = await t.arun(code="1", files=["b.csv"])
+        assert isinstance(refused, crew.ToolFailure) and refused.code == "files.offer"
+    finally:
+        t.close()
+
+
+def test_offered_file_gone_from_the_host_is_a_failure_naming_it(crew, tmp_path):
+    """An offered host file removed before the agent asks for it: a ToolFailure with code
+    `files.host` naming the offered name (never the host path); the code did not run."""
+    src = tmp_path / "gone.csv"
+    src.write_bytes(b"1\n")
+    t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
+    try:
+        t.offer_file("report.csv", src)
+        src.unlink()
+        calls = counting(crew, t)
+        failure = t.run(code="print('ran')", files=["report.csv"])
+        assert isinstance(failure, crew.ToolFailure) and failure.code == "files.host"
+        assert "report.csv" in failure.message and str(tmp_path) not in failure.message
+        assert calls == []
+    finally:
+        t.close()

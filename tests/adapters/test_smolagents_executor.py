@@ -245,3 +245,148 @@ def test_a_tool_that_outlasts_the_call_ends_it_as_a_timeout() -> None:
     finally:
         release.set()
         ex.cleanup()
+
+
+# -- files in and out ---------------------------------------------------------------------
+
+
+def test_a_run_argument_file_is_uploaded_and_produced_files_are_kept(tmp_path) -> None:
+    """A `SandboxFile` given in a run's `additional_args` is placed in scratch before the
+    first step and its variable is the name there; the task the model reads shows the name,
+    never the host path. A file a step writes is in `last_files` (bytes with
+    `return_files`) and `get_file`."""
+    import base64
+
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / "sales-2026.csv"
+    src.write_bytes(b"region,total\nnorth,3\nsouth,4\n")
+    code = (
+        "rows = open(sales).read().splitlines()[1:]\n"
+        "open('total.txt', 'w').write(str(sum(int(r.split(',')[1]) for r in rows)))\n"
+        "final_answer(len(rows))"
+    )
+    model = scripted_smolagents_model([code])
+    executor = SandboxedExecutor(_policy(), warm=0, return_files=True)
+    try:
+        agent = CodeAgent(tools=[], model=model, executor=executor, verbosity_level=LogLevel.OFF)
+        answer = agent.run(
+            "How many rows?", additional_args={"sales": SandboxFile(src, name="sales.csv")}
+        )
+        assert answer == 2
+        task = agent.memory.steps[0].task
+        assert "'sales.csv'" in task and str(tmp_path) not in task
+        (produced,) = executor.last_files
+        assert produced["name"] == "total.txt" and base64.b64decode(produced["base64"]) == b"7"
+        assert executor.get_file("total.txt") == b"7"
+        assert [f.name for f in executor.list_files()] == ["sales.csv", "total.txt"]
+    finally:
+        executor.cleanup()
+
+
+def test_an_upload_over_the_transfer_limit_is_refused_with_its_rule(tmp_path) -> None:
+    """It denies a `SandboxFile` larger than `limits.transfer_mb`: `FileTransferRefused`
+    naming `limits.transfer` before any step, nothing placed, no variable set."""
+    from agent_sandbox import FileTransferRefused
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (1024 * 1024 + 1))
+    ex = SandboxedExecutor(
+        Policy(name="smol-small", limits={"transfer_mb": 1, "wall_seconds": 20}), warm=0
+    )
+    try:
+        with pytest.raises(FileTransferRefused) as excinfo:
+            ex.send_variables({"big": SandboxFile(src), "n": 1})
+        assert excinfo.value.denial.rule == "limits.transfer"
+        assert "transfer_mb" in str(excinfo.value)
+        assert ex.list_files() == []
+        assert ex("'big' in dir(), 'n' in dir()").output == [False, False]
+    finally:
+        ex.cleanup()
+
+
+@pytest.mark.parametrize("name", ["../escape.csv", "a\x00b.csv", "..", "sub/x.csv", ""])
+def test_an_upload_name_outside_scratch_is_refused(tmp_path, name: str) -> None:
+    """It refuses a `SandboxFile` name that is not one plain file name (`..`, NUL, `/`):
+    a ValueError naming the problem, when the file is described."""
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / "a.csv"
+    src.write_bytes(b"1\n")
+    with pytest.raises(ValueError, match="cannot be a file name in scratch"):
+        SandboxFile(src, name=name)
+    with pytest.raises(ValueError, match="cannot be a file name in scratch"):
+        SandboxFile(str(tmp_path) + "/..")  # its base name is '..'
+
+
+def test_an_upload_that_changes_while_read_is_refused(
+    executor: SandboxedExecutor, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It denies a host file that grows while it is uploaded (a writer between two reads):
+    `files.transfer`, nothing placed."""
+    import os
+
+    from agent_sandbox import FileTransferRefused
+    from agent_sandbox._host import files as host_files
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / "growing.csv"
+    src.write_bytes(b"x" * 1000)
+    real_read = os.read
+    grown: list[bool] = []
+
+    def read_then_grow(fd: int, n: int) -> bytes:
+        data = real_read(fd, n)
+        if not grown:
+            grown.append(True)
+            with open(src, "ab") as fh:  # the writer
+                fh.write(b"more rows\n")
+        return data
+
+    monkeypatch.setattr(host_files.os, "read", read_then_grow)
+    with pytest.raises(FileTransferRefused) as excinfo:
+        executor.send_variables({"data": SandboxFile(src)})
+    monkeypatch.undo()
+    assert grown, "the writer never ran"
+    assert excinfo.value.denial.rule == "files.transfer"
+    assert "changed while it was read" in str(excinfo.value)
+    assert executor.list_files() == []
+
+
+def test_an_upload_under_a_hidden_name_is_refused(tmp_path) -> None:
+    """It denies an upload whose name matches `files.hide` (the code could not see it)."""
+    from agent_sandbox import FileTransferRefused
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / ".env"
+    src.write_bytes(b"KEY=1\n")
+    ex = SandboxedExecutor(Policy(name="smol-hide", files={"hide": [".env"]}), warm=0)
+    try:
+        with pytest.raises(FileTransferRefused) as excinfo:
+            ex.send_variables({"env": SandboxFile(src)})
+        assert excinfo.value.denial.rule == "files.hidden"
+    finally:
+        ex.cleanup()
+
+
+def test_a_refused_upload_stops_the_run_before_any_step(tmp_path) -> None:
+    """Through `CodeAgent.run`: an upload over `limits.transfer_mb` raises
+    `FileTransferRefused` (rule `limits.transfer`) out of the run; the model was never asked."""
+    from agent_sandbox import FileTransferRefused
+    from agent_sandbox.adapters.smolagents import SandboxFile
+
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (1024 * 1024 + 1))
+    model = scripted_smolagents_model(["final_answer('read it')"])
+    ex = SandboxedExecutor(
+        Policy(name="smol-small", limits={"transfer_mb": 1, "wall_seconds": 20}), warm=0
+    )
+    try:
+        agent = CodeAgent(tools=[], model=model, executor=ex, verbosity_level=LogLevel.OFF)
+        with pytest.raises(FileTransferRefused) as excinfo:
+            agent.run("Read it.", additional_args={"data": SandboxFile(src)})
+        assert excinfo.value.denial.rule == "limits.transfer"
+        assert model.seen == [] and ex.list_files() == []
+    finally:
+        ex.cleanup()

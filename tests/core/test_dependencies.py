@@ -36,7 +36,7 @@ EXTRAS_OF = {
     "agent_sandbox._tools.demo": {"langchain", "crewai", "smolagents"},
     "agent_sandbox.providers._seccomp": {"seccomp"},
     "agent_sandbox._host.intake.remote_transport": {"remote"},
-    "agent_sandbox.providers._remote_k8s": {"k8s"},
+    "agent_sandbox._host.remote.k8s": {"k8s"},
     # `agent-sandbox k8s manifests` writes YAML.
     "agent_sandbox._tools.cli_worker": {"k8s"},
 }

@@ -337,7 +337,7 @@ def test_scratch_files_that_fill_memory_are_named_as_files(provider: str) -> Non
     """It names the scratch files when they, not the code's objects, filled `memory_mb`
     (scratch is a tmpfs under these providers: its files are memory), and does not when
     the code's own objects did."""
-    from agent_sandbox.providers._limits import cgroup_support
+    from agent_sandbox._host.limits import cgroup_support
 
     if not get_provider(provider).probe().available:
         pytest.skip(f"{provider} is not available here")
@@ -357,3 +357,27 @@ def test_scratch_files_that_fill_memory_are_named_as_files(provider: str) -> Non
     assert "held in memory (not on disk)" in files.error.message
     assert objects.error is not None and objects.error.rule == "limits.memory", objects
     assert "scratch" not in objects.error.message
+
+
+def test_a_memory_hint_proposes_what_the_failed_allocation_needed() -> None:
+    """It proposes, for an array numpy could not allocate, the size numpy named plus the
+    peak, not twice the limit; and for a balloon stopped at the limit, twice the limit
+    with the measured peak and the word that it is a guess."""
+    pytest.importorskip("numpy")
+    policy = Policy(
+        name="test-ends",
+        imports={"allow": ["numpy"]},
+        code={"enabled": False},
+        limits={"wall_seconds": 20, "memory_mb": 300},
+    )
+    with Sandbox(policy, warm=0) as sb:
+        big = sb.run("import numpy\nx = numpy.zeros((1 << 17, 1 << 14))")  # 16 GiB
+        balloon = sb.run("hold = []\nwhile True:\n    hold.append(bytearray(16 << 20))")
+    assert big.error is not None and big.error.rule == "limits.memory", big
+    [denial] = big.denials
+    assert "asked for 16384 MiB (numpy's report" in denial.detail, denial.detail
+    value = int(denial.hint.rsplit("=", 1)[1])
+    assert 16384 * 1.25 < value < 16384 * 1.5, denial.hint
+    [denial] = balloon.denials
+    assert denial.hint == "[[grant]]\nlimits.memory_mb = 600"
+    assert "peak" in denial.detail and "a guess" in denial.detail, denial.detail

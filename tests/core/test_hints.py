@@ -18,6 +18,7 @@ from agent_sandbox._hints import (
     HIDDEN,
     NO_SYNTAX_RULE,
     host_hint,
+    memory_hint,
     parse_grant,
 )
 from agent_sandbox._host.intake.builder import ResultBuilder
@@ -243,3 +244,32 @@ def test_a_control_character_is_escaped_once() -> None:
     assert quote("/tmp/x\x1by") == '"/tmp/x\\x1by"'
     assert quote("C:\\new\\x") == '"C:\\\\new\\\\x"'
     assert quote('say "hi"') == '"say \\"hi\\""'
+
+
+_MIB = 1 << 20
+
+
+def test_the_memory_hint_proposes_what_numpy_said_the_failed_allocation_needed() -> None:
+    """It proposes the peak plus the allocation that failed, a quarter more, rounded up to
+    64 MiB (not twice the limit), and says where each figure came from."""
+    hint, why = memory_hint(
+        200, measured_peak=150 * _MIB, worker_peak=180 * _MIB, asked=1000 * _MIB
+    )
+    # (180 + 1000) * 1.25 = 1475 -> 1536, the next multiple of 64.
+    assert hint == "[[grant]]\nlimits.memory_mb = 1536"
+    assert "asked for 1000 MiB (numpy's report" in why
+    assert "peaked at 150 MiB (measured by the host" in why
+    assert "resident peak was 180 MiB (the worker's ru_maxrss, unverified)" in why
+    # A small allocation still raises the limit past what applied.
+    assert memory_hint(200, asked=_MIB)[0] == "[[grant]]\nlimits.memory_mb = 264"
+
+
+def test_the_memory_hint_says_when_it_cannot_know_what_the_call_needed() -> None:
+    """It doubles the limit only when nothing says what the call needed, and says that the
+    number is a guess and what the peak was (or that nothing measured it)."""
+    hint, why = memory_hint(200, measured_peak=199 * _MIB)
+    assert hint == "[[grant]]\nlimits.memory_mb = 400"
+    assert "peaked at 199 MiB" in why and "cannot be known" in why and "a guess" in why
+    hint, why = memory_hint(300)
+    assert hint == "[[grant]]\nlimits.memory_mb = 600"
+    assert why.startswith("the worker's peak could not be measured")

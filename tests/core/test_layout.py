@@ -34,17 +34,17 @@ SHARED = frozenset(
         "agent_sandbox._errors",
         "agent_sandbox._render",
         "agent_sandbox._hints",
+        # The Landlock system calls: the worker restricts itself with them, the host's
+        # probes and the QEMU relay ask the kernel's ABI and restrict a child.
+        "agent_sandbox._landlock_sys",
     }
 )
 #: The public entry points at the top of the package.
 API = frozenset({"agent_sandbox", "agent_sandbox.__main__", "agent_sandbox.testing"})
-#: The providers' modules that run in the worker, its launcher or its VM: the worker side.
+#: The providers' modules that run in the worker's VM: the worker side.
 WORKER_PROVIDERS = frozenset(
     {
-        "agent_sandbox.providers._inworker",  # the in-worker steps (Landlock, seccomp, ...)
-        "agent_sandbox.providers._landlock_sys",  # the Landlock system calls they make
-        "agent_sandbox.providers._ns_launch",  # the unshare launcher, inside the namespaces
-        "agent_sandbox.providers._qemu_guest",  # the guest agent, inside the VM
+        "agent_sandbox.providers.qemu.guest",  # the guest agent, inside the VM
     }
 )
 #: Outside agent_sandbox/'s own layout, but stdlib-only and read on both sides.
@@ -64,9 +64,13 @@ DECODER_EXCEPTIONS = {
     # NOTE: allowed because the pod's process serves the agent's requests with h11 and relays
     # its worker's stream as bytes, judging nothing; the agent's host judges that stream in
     # `_host/intake/remote_transport.py` like any other.
-    "agent_sandbox._host.remote_serve": {"h11"},
+    "agent_sandbox._host.remote.serve": {"h11"},
     # The same process's framing helpers (a fresh h11 parser for the agent's next request).
-    "agent_sandbox._host.serve_relay": {"h11"},
+    "agent_sandbox._host.remote.serve_relay": {"h11"},
+    # NOTE: allowed because the egress proxy parses the sandbox's outbound HTTP with h11 only
+    # to judge its target against the policy, rebuilding each message from what was parsed;
+    # nothing it reads reaches the agent as data (its findings are denials it makes itself).
+    "agent_sandbox._host.egress.proxy": {"h11"},
 }
 #: The longest a module may be without a reason at its top.
 MAX_LINES = 600

@@ -52,8 +52,8 @@ def test_a_sandbox_that_never_awaits_loads_no_asyncio_nor_the_qemu_provider() ->
         "    assert sb.run('1+1').value == 2"
     )
     assert not {"asyncio", "concurrent.futures", "ssl"} & loaded
-    assert "agent_sandbox.providers._qemu" not in loaded
-    assert "agent_sandbox.providers._egress" not in loaded
+    assert "agent_sandbox.providers.qemu.provider" not in loaded
+    assert "agent_sandbox._host.egress.proxy" not in loaded
 
 
 def test_the_denial_shapes_compile_on_first_use() -> None:

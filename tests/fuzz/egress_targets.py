@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import h11
 
-from agent_sandbox.providers import _egress
+from agent_sandbox._host.egress import proxy as _egress
 
 #: What a parser may raise for bad input: the proxy turns each into a refusal.
 REFUSALS = (_egress._BadMessage, ValueError, h11.LocalProtocolError)

@@ -59,10 +59,10 @@ from agent_sandbox._host.intake.transport import _Protocol  # noqa: E402
 from agent_sandbox._host.intake.unpickle import Decoder, load_restricted  # noqa: E402
 from agent_sandbox._host.intake.unpickle_classes import Allowlist  # noqa: E402
 from agent_sandbox._host.intake.unpickle_prescan import Budgets, python_prescan  # noqa: E402
-from agent_sandbox._host.serve_relay import ResponseReader, UpstreamError  # noqa: E402
+from agent_sandbox._host.remote.serve_relay import ResponseReader, UpstreamError  # noqa: E402
 
 try:
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:  # the C extension is optional: `fastscan` then checks nothing
     _fastscan = None  # type: ignore[assignment]
     if os.environ.get("FUZZ_REQUIRE_FASTSCAN"):  # scripts/fuzz-long.sh: never silently

@@ -30,7 +30,7 @@ from agent_sandbox._host.intake.unpickle import load_restricted
 from agent_sandbox._host.intake.unpickle_prescan import Budgets, python_prescan
 
 try:
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:
     _fastscan = None  # type: ignore[assignment]
 

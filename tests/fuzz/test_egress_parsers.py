@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox.providers import _egress
-from agent_sandbox.providers._egress import egress_proxy, socks5_greeting, socks5_request
+from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.proxy import egress_proxy, socks5_greeting, socks5_request
 
 sys.path.insert(0, os.path.dirname(__file__))
 import egress_targets

@@ -168,7 +168,7 @@ def test_a_link_planted_at_a_vms_limit_report_is_not_read_through(
     """It denies steering the host's read of a VM's limit report (`guest-limits.json` in
     the run directory, which QEMU can write): a symlink to a file of counters is not
     followed (no hit), and a FIFO neither blocks the host nor counts."""
-    from agent_sandbox.providers._limits import GuestLimits
+    from agent_sandbox._host.limits import GuestLimits
 
     victim = tmp_path / "victim.json"
     victim.write_text('{"pids_max": 3}')
@@ -189,7 +189,7 @@ def test_a_link_planted_at_a_vms_limit_report_is_not_read_through(
 def test_the_vm_relay_never_writes_its_limit_report_through_a_link(tmp_path: Path) -> None:
     """It denies redirecting the host relay's write of `guest-limits.json`: a link at its
     temporary name is refused (ELOOP), the victim unchanged."""
-    from agent_sandbox.providers import _qemu_host
+    from agent_sandbox.providers.qemu import relay as _qemu_host
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")

@@ -20,8 +20,8 @@ import pytest
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._host import guardian
 from agent_sandbox._host.lifecycle import owner_tag
+from agent_sandbox._host.limits import hierarchy_bases
 from agent_sandbox._tools.leftovers import agent_cgroups
-from agent_sandbox.providers._limits import hierarchy_bases
 
 ROOT = str(Path(__file__).resolve().parents[2])
 

@@ -456,6 +456,42 @@ def test_png_written_to_scratch_comes_back_as_an_image(sandbox: Sandbox) -> None
     assert any("'fake.png' was not returned" in n for n in result.notices)
 
 
+def test_the_result_carries_the_files_the_code_wrote_as_data_with_their_names() -> None:
+    """It gives each file a call wrote as `OutputFile(name, size, data)`, together within
+    `limits.result_bytes`; one past the bound, a PNG returned as an image, and a session's
+    input file are named with why they are not here (or not listed); `files` stays."""
+    from agent_sandbox import OutputFile
+
+    png = (
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x00\x00"
+        b"\x00\x00:~\x9bU\x00\x00\x00\nIDATx\x9cc\xb8\x0e\x00\x00\x82\x00\x81\x1c\x0c\x1b\x0e"
+        b"\x00\x00\x00\x00IEND\xaeB`\x82"
+    )
+    code = (
+        "open('a.csv', 'w').write('x,y\\n1,2\\n')\n"
+        "open('big.bin', 'wb').write(b'0' * 6000)\n"
+        f"open('plot.png', 'wb').write({png!r})\n"
+    )
+    with Sandbox(Policy(name="p", limits={"result_bytes": 5000}), warm=0) as sb:
+        result = sb.run(code)
+        session = sb.session("s")
+        session.put_file("in.txt", b"hello")
+        copied = asyncio.run(session.arun("open('out.txt', 'w').write(open('in.txt').read() * 2)"))
+    assert result.error is None, result.error
+    assert [f["name"] for f in result.files] == ["a.csv", "big.bin", "plot.png"]
+    by_name = {f.name: f for f in result.output_files}
+    assert by_name["a.csv"] == OutputFile("a.csv", 8, b"x,y\n1,2\n")
+    assert (
+        by_name["big.bin"].data is None
+        and "limits.result_bytes = 5000" in by_name["big.bin"].reason
+    )
+    assert by_name["plot.png"].data is None and "result.images" in by_name["plot.png"].reason
+    first = {"name": "a.csv", "size": 8, "returned": True, "data": None, "not_returned": None}
+    assert result.to_dict()["output_files"][0] == first
+    assert result.to_dict(file_data=True)["output_files"][0] == {**first, "data": "eCx5CjEsMgo="}
+    assert copied.output_files == (OutputFile("out.txt", 10, b"hellohello"),)
+
+
 def test_a_worker_that_never_stops_sending_still_times_out(policy: Policy) -> None:
     """It enforces the deadline even while events keep arriving."""
     flood = Policy(

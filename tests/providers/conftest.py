@@ -139,14 +139,14 @@ def qemu_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A cache directory holding the qemu guest image and one template of `QEMU_MEMORY_MB`,
     built once per test session (skip with the reason where QEMU, busybox-static or the
     Debian kernel package is missing). Tests point `XDG_CACHE_HOME` at it."""
-    from agent_sandbox.providers._qemu import TemplateError, ensure_template, guest_ram_mb
-    from agent_sandbox.providers._qemu_image import (
+    from agent_sandbox.providers.qemu.image import (
         ImageError,
         build_image,
         install_hint,
         locate_kernel_deb,
         missing_tools,
     )
+    from agent_sandbox.providers.qemu.provider import TemplateError, ensure_template, guest_ram_mb
 
     missing = missing_tools()
     if missing:

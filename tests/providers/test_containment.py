@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox.providers._limits import cgroup_support
+from agent_sandbox._host.limits import cgroup_support
 from tests.providers.conftest import (
     KERNEL_PROVIDERS,
     QEMU_MEMORY_MB,

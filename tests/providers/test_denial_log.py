@@ -1,4 +1,4 @@
-"""Landlock's denials from the kernel's audit log into a result (`providers/_denial_log.py`).
+"""Landlock's denials from the kernel's audit log into a result (`_host/denial_log.py`).
 
 The end-to-end test switches the kernel's audit on for its own call only (root, a netlink
 audit socket: skipped with the reason otherwise) and restores the previous state in a
@@ -20,8 +20,8 @@ import pytest
 
 from agent_sandbox import Sandbox
 from agent_sandbox._denial import Denial
-from agent_sandbox.providers import _denial_log
-from agent_sandbox.providers._denial_log import (
+from agent_sandbox._host import denial_log as _denial_log
+from agent_sandbox._host.denial_log import (
     merge_into,
     parse_record,
     probe_denial_logging,

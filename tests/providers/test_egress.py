@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox, WorkerStartError
+from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.proxy import EgressError, EgressRules, egress_proxy
 from agent_sandbox._host.process import WorkerProcess
-from agent_sandbox.providers import _egress, get_provider
-from agent_sandbox.providers._egress import EgressError, EgressRules, egress_proxy
+from agent_sandbox.providers import get_provider
 
 from .conftest import METADATA_STAND_IN, NATIVE, received_connection, skip_unless_available
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox
+from agent_sandbox._host.egress import proxy as _egress
 from agent_sandbox.adapters._common import outcome
-from agent_sandbox.providers import _egress
 
 from .conftest import skip_unless_available
 

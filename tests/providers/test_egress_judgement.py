@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox.providers import _egress
-from agent_sandbox.providers._egress import EgressRules, egress_proxy, normalise_host
+from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.proxy import EgressRules, egress_proxy, normalise_host
 
 # -- a fake DNS server ------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox.providers import _egress
-from agent_sandbox.providers._egress import egress_proxy, read_request
+from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.proxy import egress_proxy, read_request
 
 #: (form, request head and body, the refusal's reason, who refuses it).
 REFUSED = [

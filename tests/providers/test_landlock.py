@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
+from agent_sandbox._hints import METADATA_REFUSED
 from agent_sandbox._host.process import WorkerProcess
+from agent_sandbox._host.setup_checks import verify_checks
 from agent_sandbox.providers import ProbeResult, WorkerSpec, select_provider
-from agent_sandbox.providers._inworker import verify_checks
 from agent_sandbox.providers._landlock import (
     LandlockProvider,
     _elf_interpreter,
@@ -217,6 +218,16 @@ def test_verify_checks_refuses_a_worker_whose_report_lacks_a_restriction() -> No
     ]
 
 
+def test_the_parent_and_the_worker_name_the_same_kernel_steps() -> None:
+    """It keeps the host's copy of the `worker_setup` keys that ask for a kernel step equal
+    to the worker's (the host imports nothing of the worker side, so it holds its own)."""
+    from agent_sandbox._host import setup_checks
+    from agent_sandbox._worker import _inworker
+
+    assert setup_checks._KERNEL_KEYS == _inworker._KERNEL_KEYS
+    assert setup_checks._SECCOMP_MODE_FILTER == _inworker._SECCOMP_MODE_FILTER
+
+
 def test_explicit_landlock_that_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """It raises ProviderUnavailable naming the reason, never a silent downgrade."""
     monkeypatch.setattr(
@@ -249,7 +260,7 @@ def test_setup_refuses_a_process_that_already_has_a_thread(tmp_path: Path) -> No
     code = (
         "import threading\n"
         "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
-        "from agent_sandbox.providers._inworker import apply_worker_setup\n"
+        "from agent_sandbox._worker._inworker import apply_worker_setup\n"
         "apply_worker_setup({'no_new_privs': True})\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -424,7 +435,7 @@ def test_blocks_opening_device_nodes_beyond_null_zero_and_random(
 def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
     """It reports whether Landlock's denial records are readable (audit on, ABI 7) and why
     not, asking the kernel only: a second probe sees the same audit state."""
-    from agent_sandbox.providers._denial_log import probe_denial_logging
+    from agent_sandbox._host.denial_log import probe_denial_logging
 
     first = probe_denial_logging(landlock_abi())
     assert first["works"] is bool(first["audit_enabled"]) and first["reason"]
@@ -433,7 +444,7 @@ def test_doctor_says_whether_landlock_denials_reach_results_here() -> None:
 
 
 _METADATA_CODE = r"""
-import json, os, shutil, tarfile, io
+import json, os, shutil, stat, sys, tarfile, io
 out = {}
 with open("a.txt", "w") as fh:
     fh.write("x")
@@ -447,48 +458,85 @@ t("copyfile", lambda: shutil.copyfile("a.txt", "b.txt"))
 t("copy", lambda: shutil.copy("a.txt", "c.txt"))
 t("copy2", lambda: shutil.copy2("a.txt", "d.txt"))
 t("chmod", lambda: os.chmod("a.txt", 0o600))
-t("utime", lambda: os.utime("a.txt"))
-def tar():
+t("utime", lambda: os.utime("a.txt", ns=(1_000_000_000, 2_000_000_000)))
+out["mode"] = oct(stat.S_IMODE(os.stat("a.txt").st_mode))
+out["mtime"] = os.stat("a.txt").st_mtime_ns
+# Refused still: a setuid bit, a link out of scratch to a read-granted file, a descriptor.
+t("setuid", lambda: os.chmod("a.txt", 0o4755))
+os.symlink(sys.executable, "link")
+t("link-out", lambda: os.chmod("link", 0o777))
+fd = os.open("a.txt", os.O_RDONLY)
+t("fchmod", lambda: os.fchmod(fd, 0o644))
+def tar(mode, extra):
     buf = io.BytesIO()
+    info = tarfile.TarInfo("a.txt")
+    info.size, info.mode, info.mtime = 1, mode, 12345
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        tf.add("a.txt")
+        tf.addfile(info, io.BytesIO(b"x"))
     buf.seek(0)
+    folder = "x%o" % mode
     with tarfile.open(fileobj=buf) as tf:
-        # (`filter` exists from 3.11.4; Debian's 3.11.2 extracts without it)
-        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tf.extractall("x", **extra)
-    assert open("x/a.txt").read() == "x"
-t("tar", tar)
+        tf.extractall(folder, **extra)
+    st = os.stat(folder + "/a.txt")
+    return oct(stat.S_IMODE(st.st_mode)), int(st.st_mtime)
+# (`filter` exists from 3.11.4; Debian's 3.11.2 extracts without it)
+data = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+trusted = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
+out["tar"] = tar(0o640, data)
+out["tar-setuid"] = tar(0o4755, trusted)
 print(json.dumps(out))
 """
 
 
-def test_metadata_changes_in_scratch_are_refused_with_a_readable_rule(
+def test_metadata_changes_in_scratch_are_made_by_the_host_and_refused_elsewhere(
     landlock: ProbeResult,
 ) -> None:
-    """It refuses chmod, utime, shutil.copy and copy2 in scratch under the landlock provider
-    (its seccomp filter refuses every metadata change) and names `files.metadata` with a
-    hint; copying contents (shutil.copyfile) and extracting a tar archive (whose mode and
-    times tarfile only warns about) still work, and the refusal is in the trace."""
+    """It lets chmod, utime, shutil.copy and copy2 and tarfile's extraction set modes and
+    times in scratch under the landlock provider (the host makes them beneath its own
+    descriptor of scratch: the worker's seccomp filter refuses them), and refuses, as
+    `files.metadata` with the host's hint, a setuid bit, a link out of scratch to a
+    read-granted file and a descriptor's fchmod; a setuid mode tarfile swallowed is the
+    user's refusal (its file lacks the archive's mode)."""
     from agent_sandbox import Sandbox
 
     policy = Policy(
         name="p",
         provider="landlock",
-        imports={"allow": ["json", "os", "shutil", "tarfile", "io"]},
+        imports={"allow": ["json", "os", "shutil", "stat", "sys", "tarfile", "io"]},
     )
     with Sandbox(policy, warm=0) as sandbox:
         result = sandbox.run(_METADATA_CODE)
     assert result.error is None, result.error
-    assert json.loads(result.stdout) == {
+    out = json.loads(result.stdout)
+    assert out == {
         "copyfile": "ok",
-        "copy": "PermissionError",
-        "copy2": "PermissionError",
-        "chmod": "PermissionError",
-        "utime": "PermissionError",
-        "tar": "ok",
+        "copy": "ok",
+        "copy2": "ok",
+        "chmod": "ok",
+        "utime": "ok",
+        "mode": "0o600",
+        "mtime": 2_000_000_000,
+        "setuid": "PermissionError",
+        "link-out": "PermissionError",
+        "fchmod": "PermissionError",
+        "tar": ["0o640", 12345],
+        "tar-setuid": out["tar-setuid"],
     }
+    # (tarfile goes on past the refused chmod without setting the times either)
+    assert out["tar-setuid"][0] != "0o4755"
     meta = [d for d in result.denials if d.rule == "files.metadata"]
-    assert {d.action for d in meta} >= {"chmod", "utime"}
-    # The worker's hint arrives quoted in the detail (the host does not vouch for it).
-    assert all("shutil.copyfile" in d.detail for d in meta), meta
+    assert {d.action for d in meta} >= {"chmod", "fchmod"}
+    assert all(d.hint == METADATA_REFUSED for d in meta), meta
+    [setuid] = [d for d in meta if d.target == "a.txt"]
+    assert "setuid" in setuid.detail, setuid
+    [fchmod] = [d for d in meta if d.action == "fchmod"]
+    assert "Landlock" in fchmod.detail and "unverified" not in fchmod.detail, fchmod
+    # The link leads to a file outside the write grants: refused as a write, before any
+    # question of metadata.
+    [link] = [d for d in result.denials if d.rule == "files.write"]
+    assert "requested as 'link'" in link.detail, link
+    # tarfile swallowed its refused chmod and extracted without the archive's mode: what the
+    # code got changed, so it is the user's, not internal.
+    tar = [d for d in meta if "x4755" in d.target]
+    assert tar and not any(d.internal for d in tar), meta
+    assert not [d for d in result.internal_denials() if d.rule == "files.metadata"]

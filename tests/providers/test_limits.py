@@ -14,15 +14,15 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox._denial import RULES
+from agent_sandbox._host.cgroups import hierarchies
 from agent_sandbox._host.intake.builder import ResultBuilder
-from agent_sandbox._host.result import RunError
-from agent_sandbox.providers._limits import (
+from agent_sandbox._host.limits import (
     REPLACING_RULES,
     WorkerCgroups,
-    _hierarchies,
     cgroup_support,
     record_limit_hits,
 )
+from agent_sandbox._host.result import RunError
 
 from .conftest import skip_unless_available
 
@@ -62,6 +62,9 @@ class _FakeGroups:
         out, self.events = self.events, []
         return out
 
+    def memory_peak(self) -> int | None:
+        return None
+
 
 def test_every_limit_rule_is_in_the_catalogue() -> None:
     """It only emits rule names documented in RULES."""
@@ -89,6 +92,62 @@ def test_an_oom_kill_is_reported_as_memory_not_as_a_crash() -> None:
     assert record_limit_hits(builder, _FakeGroups(["memory"]), Policy(name="p")) is True  # type: ignore[arg-type]
     assert builder.error is not None and builder.error.rule == "limits.memory"
     assert [d.rule for d in builder.denials] == ["limits.memory"]
+
+
+class _PeakGroups(_FakeGroups):
+    def __init__(self, events: list[str], peak: int | None) -> None:
+        super().__init__(events)
+        self.peak = peak
+
+    def memory_peak(self) -> int | None:
+        return self.peak
+
+
+def test_a_memory_hit_hint_comes_from_what_was_measured() -> None:
+    """It builds the memory hint from the cgroup's peak and the allocation the worker said
+    failed, not from doubling, and says where the figures came from."""
+    builder = ResultBuilder()
+    builder.error = RunError(kind="limit", type="MemoryError", message="", rule="limits.memory")
+    builder.memory_report = {"peak": 100 << 20, "asked": 2000 << 20}
+    policy = Policy(name="p", limits={"memory_mb": 200})
+    assert record_limit_hits(builder, _PeakGroups([], 90 << 20), policy) is True  # type: ignore[arg-type]
+    [denial] = builder.denials
+    # (100 + 2000) MiB and a quarter: 2625 -> 2688, the next multiple of 64.
+    assert denial.hint == "[[grant]]\nlimits.memory_mb = 2688"
+    assert "peaked at 90 MiB (measured by the host" in denial.detail
+    assert "asked for 2000 MiB" in denial.detail
+
+
+def test_an_oom_kill_hint_says_the_need_cannot_be_known() -> None:
+    """It says, for a worker killed at the limit, the peak it measured and that the doubled
+    limit it proposes is a guess."""
+    builder = ResultBuilder()
+    builder.error = RunError(kind="crashed", type="WorkerCrashed", message="SIGKILL")
+    groups = _PeakGroups(["memory"], 2048 << 20)
+    assert record_limit_hits(builder, groups, Policy(name="p")) is True  # type: ignore[arg-type]
+    [denial] = builder.denials
+    assert denial.hint == "[[grant]]\nlimits.memory_mb = 4096"
+    assert "peaked at 2048 MiB" in denial.detail and "a guess" in denial.detail
+
+
+@needs_cgroups
+def test_a_memory_cgroup_reports_its_peak(groups: WorkerCgroups) -> None:
+    """It reads the group's peak (`memory.peak` or `memory.max_usage_in_bytes`), and keeps
+    it once the group is killed."""
+    if not SUPPORT["memory"]:
+        pytest.skip("no memory cgroup here")
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        groups.attach(proc.pid)
+        peak = groups.memory_peak()
+        assert peak is not None and peak >= 0
+        groups.kill()
+        proc.wait(5)
+        after = groups.memory_peak()
+        assert after is not None and after >= peak
+    finally:
+        proc.kill()
+        proc.wait(5)
 
 
 def test_a_completed_call_keeps_its_value_and_gets_the_denial() -> None:
@@ -136,7 +195,7 @@ def test_kill_looks_again_within_a_millisecond_and_gives_up_as_late_as_before(
     """It reads the groups again 0.5 ms after a kill (killed members leave within a
     millisecond or two; a fixed 5 ms pause was paid by every stateless call's end), and
     still tries for about a quarter of a second before it gives up."""
-    from agent_sandbox.providers import _limits
+    from agent_sandbox._host import limits as _limits
 
     sleeps: list[float] = []
     monkeypatch.setattr(_limits.time, "sleep", sleeps.append)
@@ -322,18 +381,18 @@ def test_hierarchies_are_found_on_hybrid_and_pure_v2_hosts(tmp_path: Path) -> No
     host."""
     for sub in ("memory/job/a", "pids", "unified", "cpu", "v2/user.slice/app"):
         (tmp_path / sub).mkdir(parents=True)
-    hybrid = _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+    hybrid = hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
     assert {k: h.base for k, h in hybrid.items()} == {
         "memory-v1": f"{tmp_path}/memory/job/a",
         "pids-v1": f"{tmp_path}/pids/",
         "cpu-v1": f"{tmp_path}/cpu/",
         "unified": f"{tmp_path}/unified/",
     }
-    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    pure = hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
     assert {k: h.base for k, h in pure.items()} == {"unified": f"{tmp_path}/v2/user.slice/app"}
     (tmp_path / "pids").chmod(0o555)
     if os.getuid() != 0:  # root may write anyway; the filter is os.access
-        assert "pids-v1" not in _hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
+        assert "pids-v1" not in hierarchies(_HYBRID_MOUNTS.format(root=tmp_path), _HYBRID_OWN)
 
 
 def test_output_limit_is_a_denial_and_the_worker_is_replaced() -> None:
@@ -358,13 +417,13 @@ def test_pure_v2_groups_carry_memory_processes_and_cpu(
     """It puts memory.max, swap 0 and pids.max in one v2 group on a pure v2 host, reads its
     events, and ends it with cgroup.kill. (A fake cgroupfs: this host is hybrid, so the
     kernel side of this path is not exercised here.)"""
-    from agent_sandbox.providers import _limits
+    from agent_sandbox._host import limits as _limits
 
     base = tmp_path / "v2" / "user.slice" / "app"
     base.mkdir(parents=True)
     (base / "cgroup.subtree_control").write_text("cpu memory pids\n")
-    pure = _hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
-    monkeypatch.setattr(_limits, "_hierarchies", lambda: pure)
+    pure = hierarchies(_V2_MOUNTS.format(root=tmp_path), _V2_OWN)
+    monkeypatch.setattr(_limits, "hierarchies", lambda: pure)
     written: list[tuple[str, str]] = []
 
     def write(path: str, value: str) -> None:  # a cgroupfs makes its files on mkdir

@@ -99,8 +99,8 @@ def test_nothing_outlives_an_agent_killed_with_its_guardian(provider: str, momen
     import tempfile
 
     from agent_sandbox._host import guardian
+    from agent_sandbox._host.limits import hierarchy_bases
     from agent_sandbox._tools.leftovers import control_dirs
-    from agent_sandbox.providers._limits import hierarchy_bases
 
     skip_unless_available(provider)
     left = run_agent(provider, moment, guardian=False, bound=10)

@@ -385,8 +385,8 @@ def test_a_namespace_pools_first_worker_starts_from_scratch_the_next_from_its_te
 
 # -- the worker's init: a small C program, not a forked interpreter (issue 19) ---------------
 
-#: The C init (guards/_nsinit.c) that setup.py builds beside the extensions.
-NSINIT = Path(__file__).resolve().parents[2] / "guards" / "_nsinit"
+#: The C init (agent_sandbox/_worker/_nsinit.c) that setup.py builds beside the extensions.
+NSINIT = Path(__file__).resolve().parents[2] / "agent_sandbox" / "_worker" / "_nsinit"
 #: Where setup.py builds the init without the C library (its own system calls).
 NOLIBC_ARCH = platform.machine() in ("x86_64", "aarch64")
 #: What a forked worker's init may cost (PSS, kB): the init built without the C library maps
@@ -609,13 +609,13 @@ def test_the_raw_fork_falls_back_to_os_fork_beside_another_thread() -> None:
     assert out.stdout.split() == ["1", "1"], out.stdout
 
 
-# -- P's life in C: guards/_nsfork.c (issue 19: the burst) ----------------------------------
+# -- P's life in C: agent_sandbox/_worker/_nsfork.c (issue 19: the burst) ----------------------------------
 
 #: Runs in a user namespace of its own (root in it, so that the harness may make PID, mount,
 #: network and IPC namespaces as root and as a normal user). It plays the template: a log
 #: pipe, a credential socket, then the fork by `mode`: `c`, the C fork; `c-noclone3-<errno>`,
 #: the same under a seccomp filter that refuses clone3(2) with that error; `python`, as
-#: without guards/_nsfork.c (the helper's fork and P's part in Python; W then builds its
+#: without agent_sandbox/_worker/_nsfork.c (the helper's fork and P's part in Python; W then builds its
 #: view, a fresh `/tmp` among it, inside its own mount namespace; `python-hidden`, the same
 #: with P made to wait until that `/tmp` hides the init's path); `enosys`, a C fork that
 #: can make no clone; `threaded`, a template with a second thread. W reports what it sees
@@ -642,7 +642,7 @@ if mode == "threaded":
     other.start()
 calls = []
 if mode.startswith("c"):
-    from agent_sandbox.guards import _nsfork
+    from agent_sandbox._worker import _nsfork
     if mode.startswith("c-noclone3-"):
         import pyseccomp
         refused = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
@@ -660,7 +660,7 @@ else:
             calls.append(args)
             if mode == "enosys":
                 raise OSError(errno.ENOSYS, "Function not implemented")
-            from agent_sandbox.guards import _nsfork
+            from agent_sandbox._worker import _nsfork
             return _nsfork.fork_worker(*args)
 
     nstemplate._nsfork = None if mode.startswith("python") else Spy()
@@ -758,7 +758,7 @@ def _fork_harness(
     if shutil.which("unshare") is None:
         pytest.skip("util-linux `unshare` is not installed")
     if not mode.startswith("python"):
-        pytest.importorskip("agent_sandbox.guards._nsfork")
+        pytest.importorskip("agent_sandbox._worker._nsfork")
     if mode.startswith("c-noclone3-"):
         pytest.importorskip("pyseccomp")
     argv = [sys.executable, "-c", _FORK_HARNESS, init, cred_kind, mode, action]
@@ -791,10 +791,9 @@ def _a_worker_and_its_init(report: dict[str, Any], lines: list[Any]) -> dict[str
 
 
 def test_the_c_fork_of_a_worker_is_built() -> None:
-    """setup.py builds guards/_nsfork.c; without it each namespace worker's init costs about
+    """setup.py builds agent_sandbox/_worker/_nsfork.c; without it each namespace worker's init costs about
     1.3 ms of CPU and 400 page faults more (the Python path), so its absence fails here."""
-    from agent_sandbox._worker import nstemplate
-    from agent_sandbox.guards import _nsfork
+    from agent_sandbox._worker import _nsfork, nstemplate
 
     assert _nsfork.VERSION == nstemplate._NSFORK_VERSION
     assert nstemplate._load_nsfork() is _nsfork
@@ -816,7 +815,7 @@ def test_the_c_fork_makes_p_pid_1_of_new_namespaces_and_w_its_child(mode: str) -
 
 @pytest.mark.parametrize("mode", ["python", "enosys", "threaded"])
 def test_without_the_c_fork_the_helper_and_python_take_the_same_steps(mode: str) -> None:
-    """Without guards/_nsfork.c (`python`), where it can make no clone (`enosys`: it is then
+    """Without agent_sandbox/_worker/_nsfork.c (`python`), where it can make no clone (`enosys`: it is then
     dropped for good), or in a template with another thread (`threaded`: the clone's child
     would wait forever for a lock that thread held, so the C fork is not even asked): a
     helper forks P into a new PID namespace and P's part runs in Python
@@ -881,7 +880,7 @@ def test_the_c_fork_refuses_descriptors_that_are_not_its_own(fds: tuple[int, int
     """The log and credential descriptors must be two distinct descriptors above 2 (P makes
     the log its stdout and stderr and closes both): anything else is a ValueError, and
     nothing is forked."""
-    nsfork = pytest.importorskip("agent_sandbox.guards._nsfork")
+    nsfork = pytest.importorskip("agent_sandbox._worker._nsfork")
     with pytest.raises(ValueError, match="two descriptors above 2"):
         nsfork.fork_worker(fds[0], fds[1], "")
 

@@ -27,7 +27,7 @@ from agent_sandbox import Policy, ProviderUnavailable, Sandbox
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 from agent_sandbox.providers._base import WorkerSpec
-from agent_sandbox.providers._qemu import SHARE_SLOTS, QemuProvider, qemu_argv
+from agent_sandbox.providers.qemu.provider import SHARE_SLOTS, QemuProvider, qemu_argv
 from tests.providers.conftest import (
     NATIVE,
     QEMU_MEMORY_MB,
@@ -56,10 +56,10 @@ MEMORY_MB = QEMU_MEMORY_MB
 
 
 def test_the_plan_runs_the_host_relay_with_no_network_and_the_guest_seccomp() -> None:
-    """It plans the host relay (`_qemu_host.py`) with the worker's listening socket and
+    """It plans the host relay (`qemu/relay.py`) with the worker's listening socket and
     boot pipe, the guest RAM from memory_mb, and seccomp inside the guest."""
     plan = QemuProvider().build(Policy(name="t", limits={"memory_mb": 300}), SPEC)
-    assert plan.argv[4].endswith("_qemu_host.py")
+    assert plan.argv[4].endswith("qemu/relay.py")
     config = json.loads(plan.argv[-1])
     assert config["mem_mb"] == 300 + 128  # the policy's limit plus the guest's headroom
     assert (config["listen_fd"], config["boot_fd"]) == (3, 4)
@@ -164,7 +164,7 @@ def test_guest_limit_reports_are_denials_marked_as_the_worker_sides_word(
     """The guest agent's counters (written by the host relay) become `limits.processes` and
     `limits.memory` hits once per increase, each saying it is the guest's report; with no
     QEMU to measure, the memory hit says the host could not confirm it."""
-    from agent_sandbox.providers._limits import GuestLimits
+    from agent_sandbox._host.limits import GuestLimits
 
     policy = Policy(name="t", limits={"processes": 4, "memory_mb": 256})
     path = tmp_path / "guest-limits.json"
@@ -196,7 +196,7 @@ def test_the_host_relay_refuses_a_malformed_limit_report(tmp_path: Path, payload
     """An `L` frame that is not small named counters ends the session (nothing is written)."""
     import importlib.util
 
-    from agent_sandbox.providers import _qemu
+    from agent_sandbox.providers.qemu import provider as _qemu
 
     spec = importlib.util.spec_from_file_location("_sb_qemu_host", _qemu._HOST_SCRIPT)
     assert spec is not None and spec.loader is not None
@@ -216,8 +216,8 @@ def test_a_roomier_template_serves_a_smaller_memory_limit(
     """The smallest saved template with enough guest RAM (same image, QEMU, device set) is
     used for a smaller `memory_mb` (the guest's memory cgroup holds the limit); a template
     of another image or device set, or far too large, is not."""
-    from agent_sandbox.providers import _qemu
-    from agent_sandbox.providers._qemu_image import Image
+    from agent_sandbox.providers.qemu import provider as _qemu
+    from agent_sandbox.providers.qemu.image import Image
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(_qemu, "qemu_version", lambda _q: "7.2.22")
@@ -251,19 +251,20 @@ def test_a_missing_image_is_one_error_naming_the_build_command(
     cache holds no image and no kernel package is there to build one (or names the install
     command when a tool is missing)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr("agent_sandbox.providers._qemu_image.SYSTEM_DEB_STORE", str(tmp_path))
+    monkeypatch.setattr("agent_sandbox.providers.qemu.image.SYSTEM_DEB_STORE", str(tmp_path))
     monkeypatch.delenv("AGENT_SANDBOX_QEMU_KERNEL_DEB", raising=False)
     result = QemuProvider().probe()
     assert not result.available
     assert "agent-sandbox qemu build" in result.reason or "apt-get install" in result.reason
 
 
-def test_the_first_use_progress_bar_goes_to_stderr_only_when_asked(
+def test_the_first_use_progress_goes_to_stderr_as_a_bar_or_plain_lines(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """It draws one line of progress (steps, percentage, seconds) on stderr when asked
-    (`AGENT_SANDBOX_PROGRESS=1`) and nothing when told not to."""
-    from agent_sandbox.providers._qemu import FirstUseProgress
+    (`AGENT_SANDBOX_PROGRESS=1`), plain lines (one per step, no carriage return) where
+    stderr is not a terminal and nothing was asked, and nothing when told not to."""
+    from agent_sandbox.providers.qemu.provider import FirstUseProgress
 
     monkeypatch.setenv("AGENT_SANDBOX_PROGRESS", "0")
     quiet = FirstUseProgress.maybe()
@@ -277,6 +278,15 @@ def test_the_first_use_progress_bar_goes_to_stderr_only_when_asked(
     bar.close()
     err = capsys.readouterr().err
     assert "first use: [" in err and "30%" in err and "100%" in err and err.endswith("\n")
+    monkeypatch.delenv("AGENT_SANDBOX_PROGRESS")
+    plain = FirstUseProgress.maybe()  # (pytest's captured stderr is not a terminal)
+    plain.step("bytecode")
+    plain.step("ready")
+    plain.close()
+    lines = capsys.readouterr().err.splitlines(keepends=True)
+    assert len(lines) == 2 and all(line.endswith("\n") and "\r" not in line for line in lines)
+    assert lines[0].startswith("agent-sandbox qemu first use:  30% bytecode (")
+    assert lines[1].startswith("agent-sandbox qemu first use: 100% ready (")
 
 
 # -- real VMs ---------------------------------------------------------------------------
@@ -615,7 +625,7 @@ sys.path[:0] = {paths!r}
 os.environ["XDG_CACHE_HOME"] = {cache!r}
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.policies import Policy
-from agent_sandbox.providers._qemu import QemuProvider
+from agent_sandbox.providers.qemu.provider import QemuProvider
 policy = Policy(name="vm", provider="qemu", limits={{"memory_mb": {mem}}})
 w = WorkerProcess.start(policy, QemuProvider(), start_timeout=60)
 print(json.dumps({{"pid": w.pid, "dir": w.control_dir}}), flush=True)
@@ -656,7 +666,7 @@ def test_nothing_outlives_an_agent_killed_with_sigkill(vm_cache: str) -> None:
 def test_extra_packages_are_found_or_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """It bakes an installed package (with its wheel's `.libs` folder) and refuses an
     unknown one by name, before anything is recorded or built."""
-    from agent_sandbox.providers._qemu_image import (
+    from agent_sandbox.providers.qemu.image import (
         ImageError,
         _package_trees,
         build_image,
@@ -669,3 +679,28 @@ def test_extra_packages_are_found_or_named(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ImageError, match="no_such_package_xyz"):
         build_image(packages=["no_such_package_xyz"])
     assert configured_packages() == []
+
+
+def test_a_worker_behind_its_own_kernel_gets_no_guard_counter_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It says nothing about the guard counter for a worker in a VM (no host process to
+    read: expected), and names the one reason that applies for a local worker."""
+    import logging
+    import types
+
+    from agent_sandbox._host import process
+
+    monkeypatch.setattr(process, "_unwatched_warned", False)
+    worker = object.__new__(WorkerProcess)
+    worker.proc = types.SimpleNamespace(pid=os.getpid())  # type: ignore[assignment]
+    worker.hello = {"checks": {"guards": {}}}
+    worker.plan = types.SimpleNamespace(interrupt_launcher=True)  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
+        worker._watch_guards()
+        assert worker.guard_watch is None and caplog.records == []
+        worker.plan = types.SimpleNamespace(interrupt_launcher=False)  # type: ignore[assignment]
+        worker._watch_guards()
+    [record] = caplog.records
+    assert "`_fastimport` is not built" in record.getMessage()
+    assert "may not read the worker's memory" not in record.getMessage()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox.providers._qemu_kvm import Verdict, accel_verdict, kvm_modules
+from agent_sandbox.providers.qemu.accel import Verdict, accel_verdict, kvm_modules
 
 FAKE_QEMU = """#!/bin/sh
 # A stand-in for qemu-system-x86_64's probe boot: $FAKE_QEMU_MODE says how it goes.
@@ -184,8 +184,8 @@ def test_an_untrusted_verdict_file_is_ignored(fake: dict[str, Path]) -> None:
 def test_the_probe_boot_here_gives_the_verdict_doctor_reports(
     qemu_cache: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agent_sandbox.providers._qemu import accel_for
-    from agent_sandbox.providers._qemu_image import find_image
+    from agent_sandbox.providers.qemu.image import find_image
+    from agent_sandbox.providers.qemu.provider import accel_for
 
     if not os.path.exists("/dev/kvm"):
         pytest.skip("no /dev/kvm here: TCG without a probe boot")

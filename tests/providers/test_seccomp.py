@@ -101,7 +101,7 @@ def test_bpf_program_is_deterministic_raw_bpf() -> None:
 
 _PROBE = r"""
 import base64, ctypes, json, os, sys, threading
-from agent_sandbox.providers import _inworker
+from agent_sandbox._worker import _inworker
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 def call(nr, *args):
@@ -224,7 +224,7 @@ def test_only_the_landlock_provider_asks_for_the_metadata_rules(tmp_path: Path) 
 
 _META_PROBE = r"""
 import base64, ctypes, json, os, sys
-from agent_sandbox.providers import _inworker
+from agent_sandbox._worker import _inworker
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 def call(nr, *args):

@@ -19,12 +19,12 @@ import pytest
 
 from agent_sandbox import Policy
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
-from agent_sandbox._host.remote_serve import ServeConfig
-from agent_sandbox.providers._remote import (
+from agent_sandbox._host.remote.provider import (
     LocalClaimBackend,
     RemoteProvider,
     ServerFiles,
 )
+from agent_sandbox._host.remote.serve import ServeConfig
 
 #: Without the test certificates' maker or the remote extra, this folder is not collected
 #: (a skip raised in a conftest would stop the whole run instead).

@@ -17,7 +17,7 @@ from typing import Any
 
 import h11
 
-from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
+from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from agent_sandbox.providers._k8s_manifests import sandbox_template
-from agent_sandbox.providers._remote import RemoteProvider
+from agent_sandbox._host.remote.k8s_manifests import sandbox_template
+from agent_sandbox._host.remote.provider import RemoteProvider
 
 from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy
 from .fake_k8s import FakeKube
@@ -71,8 +71,8 @@ class RoutedCluster:
         return name, ip, PORT
 
     def backend(self, **kw: Any) -> Any:
-        from agent_sandbox.providers._remote import Claim
-        from agent_sandbox.providers._remote_k8s import K8sClaimBackend
+        from agent_sandbox._host.remote.k8s import K8sClaimBackend
+        from agent_sandbox._host.remote.provider import Claim
 
         cluster = self
 

@@ -20,8 +20,8 @@ import pytest
 
 from agent_sandbox._errors import WorkerStartError
 from agent_sandbox._host.intake.remote_transport import BIND_HEADER, TOKEN_HEADER, RemoteTLS
-from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
-from agent_sandbox._host.remote_worker import RemoteWorker
+from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer
+from agent_sandbox._host.remote.worker import RemoteWorker
 from agent_sandbox._wire import encode_event
 
 from .conftest import BIND_SECRET, Certs, remote_policy, serve_config

@@ -15,9 +15,9 @@ import pytest
 pytest.importorskip("k8s_agent_sandbox")
 
 from agent_sandbox._host.intake import remote_transport
-from agent_sandbox.providers import _remote_k8s
-from agent_sandbox.providers._remote import ClaimCapacityError, ClaimError
-from agent_sandbox.providers._remote_k8s import K8sClaimBackend
+from agent_sandbox._host.remote import k8s as _remote_k8s
+from agent_sandbox._host.remote.k8s import K8sClaimBackend
+from agent_sandbox._host.remote.provider import ClaimCapacityError, ClaimError
 
 from .fake_k8s import FakeKube
 

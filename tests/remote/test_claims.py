@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox._errors import CapacityError
-from agent_sandbox.providers._remote import (
+from agent_sandbox._host.remote.provider import (
     ClaimCapacityError,
     ClaimError,
     LocalClaimBackend,
@@ -119,7 +119,7 @@ _RACER = textwrap.dedent(
     """
     import json, os, sys, time
     from agent_sandbox._host.intake.remote_transport import RemoteTLS
-    from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider, ServerFiles
+    from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider, ServerFiles
     from agent_sandbox import Policy
     state, server, ca, client, secret, key, go, done = sys.argv[1:9]
     policy = Policy(name="race", provider="subprocess", no_kernel_boundary="accepted",

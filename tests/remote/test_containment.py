@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider
 from agent_sandbox.providers import get_provider
-from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider
 
 from ..providers.conftest import NATIVE, hostile_policy
 from .conftest import BIND_SECRET, SESSION_KEY, Certs

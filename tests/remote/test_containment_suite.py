@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox.providers._remote import LocalClaimBackend, RemoteProvider
+from agent_sandbox._host.remote.provider import LocalClaimBackend, RemoteProvider
 
 from ..providers.conftest import (
     KERNEL_PROVIDERS,

@@ -15,7 +15,7 @@ import pytest
 
 from agent_sandbox import Sandbox
 from agent_sandbox._host.intake import remote_transport
-from agent_sandbox.providers._remote import RemoteProvider
+from agent_sandbox._host.remote.provider import RemoteProvider
 
 from .conftest import Certs, remote_policy
 

@@ -14,8 +14,8 @@ import pytest
 from agent_sandbox._errors import WorkerStartError
 from agent_sandbox._host.intake import remote_transport
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
-from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
-from agent_sandbox._host.remote_worker import RemoteWorker
+from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer
+from agent_sandbox._host.remote.worker import RemoteWorker
 
 from .conftest import BIND_SECRET, remote_policy
 from .fakes import serving

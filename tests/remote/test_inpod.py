@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox._host import placement
-from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
-from agent_sandbox._host.remote_worker import RemoteWorker
+from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer
+from agent_sandbox._host.remote.worker import RemoteWorker
 from agent_sandbox.providers import AutoProvider, ProbeResult
 
 from ..providers.conftest import NATIVE, hostile_policy

@@ -22,13 +22,13 @@ import pytest
 pytest.importorskip("k8s_agent_sandbox")
 
 from agent_sandbox._errors import SandboxError
-from agent_sandbox._host.remote_serve import ServeConfig
-from agent_sandbox.providers._remote import (
+from agent_sandbox._host.remote.k8s import K8sClaimBackend, import_sdk
+from agent_sandbox._host.remote.provider import (
     ClaimCapacityError,
     RemoteProvider,
     claim_name,
 )
-from agent_sandbox.providers._remote_k8s import K8sClaimBackend, import_sdk
+from agent_sandbox._host.remote.serve import ServeConfig
 
 from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy
 from .fake_k8s import FakeKube, FakeRouter

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox.providers._k8s_manifests import ManifestError, manifests, template_name
+from agent_sandbox._host.remote.k8s_manifests import ManifestError, manifests, template_name
 
 
 def _policy(**changes: object) -> Policy:

@@ -1,4 +1,4 @@
-"""The relay's own framing on `/run` (`_host/serve_relay.py`): what it writes parses as h11
+"""The relay's own framing on `/run` (`_host/remote/serve_relay.py`): what it writes parses as h11
 parses it, and what it reads from the worker is read strictly (the worker's user code can
 write to that socket)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import h11
 import pytest
 
-from agent_sandbox._host.serve_relay import (
+from agent_sandbox._host.remote.serve_relay import (
     END,
     HEAD_MAX,
     SSE_HEAD,

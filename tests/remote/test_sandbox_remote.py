@@ -13,9 +13,9 @@ import pytest
 
 from agent_sandbox import Sandbox
 from agent_sandbox._errors import CapacityError, PolicyError
-from agent_sandbox._host import remote_pool
+from agent_sandbox._host.remote import pool as remote_pool
+from agent_sandbox._host.remote.provider import ClaimCapacityError, LocalClaimBackend, claim_name
 from agent_sandbox.policies import Policy, policy_from_toml
-from agent_sandbox.providers._remote import ClaimCapacityError, LocalClaimBackend, claim_name
 
 from .conftest import BIND_SECRET, SESSION_KEY, Certs, remote_policy
 

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 import pytest
 
 from agent_sandbox._host.intake.remote_transport import BIND_HEADER, RemoteTLS
-from agent_sandbox._host.remote_serve import ServeConfig, WorkerServer
-from agent_sandbox._host.remote_worker import RemoteWorker
-from agent_sandbox._host.serve_limits import cert_dates, check_cert_dates, default_pending
+from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer
+from agent_sandbox._host.remote.serve_limits import cert_dates, check_cert_dates, default_pending
+from agent_sandbox._host.remote.worker import RemoteWorker
 
 from .conftest import BIND_SECRET, Certs, remote_policy
 from .fakes import serving
@@ -309,7 +309,7 @@ def test_an_unauthenticated_flood_leaves_the_server_bounded_and_serving(given: i
     stay within `--max-connections` (given, or its default here) plus its own, its memory
     within 48 MiB of its size once bound, and the bound session's calls go on through the
     flood."""
-    from agent_sandbox._host import remote_serve
+    from agent_sandbox._host.remote import serve as remote_serve
 
     flags = ["--max-connections", str(given)] if given else []
     max_pending = given or default_pending(remote_serve._CONN_BUDGET, remote_serve._DEFAULT_PENDING)

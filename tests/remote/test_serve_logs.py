@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from agent_sandbox._host.intake.remote_transport import BIND_HEADER, TOKEN_HEADER, RemoteTLS
-from agent_sandbox._host.remote_worker import RemoteWorker
+from agent_sandbox._host.remote.worker import RemoteWorker
 
 from .conftest import Certs, remote_policy
 

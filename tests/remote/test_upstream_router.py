@@ -19,7 +19,7 @@ pytest.importorskip("k8s_agent_sandbox")
 
 from agent_sandbox._host.intake import remote_transport
 from agent_sandbox._host.intake.remote_transport import TOKEN_HEADER, RemoteTLS
-from agent_sandbox.providers._remote import claim_name, router_timeout
+from agent_sandbox._host.remote.provider import claim_name, router_timeout
 
 from .conftest import Certs, remote_policy
 from .routed_cluster import ROUTER_TOKEN, RoutedCluster, routed_cluster

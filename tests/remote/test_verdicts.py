@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_sandbox.providers._remote import RemoteProvider, RemoteSession
+from agent_sandbox._host.remote.provider import RemoteProvider, RemoteSession
 
 from .conftest import remote_policy
 

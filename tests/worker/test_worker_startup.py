@@ -27,7 +27,7 @@ WORKER_MODULES = [
     "agent_sandbox._worker.setup",
     "agent_sandbox.guards._install",
     "agent_sandbox.guards._code_budget",
-    "agent_sandbox.providers._inworker",
+    "agent_sandbox._worker._inworker",
 ]
 
 _CHILD = """

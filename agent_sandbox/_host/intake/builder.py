@@ -12,6 +12,7 @@ import dataclasses
 import re
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._denial import Denial, fold_detail, is_sensitive
@@ -139,6 +140,8 @@ class ResultBuilder:
         self._kept = {False: 0, True: 0}  # distinct refusals kept: ordinary, sensitive
         self._wire: list[int] = []  # the worker's n-th denial event -> index in `denials`
         self._error_refusals: list[Denial] = []
+        #: A MemoryError's `peak` and `asked` bytes as the worker reported them (its word).
+        self.memory_report: dict[str, int] = {}
         self._wire_policy: dict[str, Any] | None = None
 
     @property
@@ -180,6 +183,8 @@ class ResultBuilder:
         self.value = mark.value
         self.error = mark.error
         self._error_refusals = list(mark.error_refusals)
+        if mark.error is None:
+            self.memory_report = {}
 
     def withhold(self) -> None:
         """Drop the call's output, images, files and value (the worker was tampered with)."""
@@ -254,10 +259,13 @@ class ResultBuilder:
         if self.events > self._max_events:
             raise over("the worker's events in one call", self.events, self._max_events)
         self.order.step(kind)
-        handler = getattr(self, "_on_" + kind, None)
+        # A table, not getattr(self, "_on_" + kind): Python 3.11's method cache keeps a
+        # reference to the name of every lookup, placed by the name's address, so a name
+        # built per event filled it with up to 4,096 dead strings (about 240 KB).
+        handler = _HANDLERS.get(kind)
         if handler is None:  # pragma: no cover - the parser knows every kind
             raise WorkerMisbehaved(f"the worker sent an unknown event kind {kind!r}")
-        result: tuple[str, Any] | None = handler(data)
+        result: tuple[str, Any] | None = handler(self, data)
         # Each kind has its own bound; their sum is the call's total (checked all the same).
         kept = self.output_chars + self.denial_chars + self.image_chars + 1024 * len(self.notices)
         if kept > self._max_total:
@@ -446,6 +454,8 @@ class ResultBuilder:
         )
         # The refusals the error carries (its exception chain's): the user's (`verdict()`).
         self._error_refusals = [self._check(r, nested=False) for r in data.get("refusals", ())]
+        # A MemoryError's figures (checked above): the worker's word, for the hint's number.
+        self.memory_report = dict(data.get("memory") or {})
         return "error", data
 
     def _on_done(self, data: Any) -> tuple[str, Any]:
@@ -542,3 +552,11 @@ class ResultBuilder:
 
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+#: The handler of each event kind (`ResultBuilder.add`).
+_HANDLERS: dict[str, Callable[[ResultBuilder, Any], tuple[str, Any] | None]] = {
+    name[len("_on_") :]: handler
+    for name, handler in vars(ResultBuilder).items()
+    if name.startswith("_on_")
+}

@@ -40,8 +40,11 @@ _ERROR_KEYS = frozenset(
         "denial",
         "exception",
         "refusals",
+        "memory",
     }
 )
+#: The most a worker's memory report may name (bytes): beyond it the number is not used.
+MAX_MEMORY_REPORT = 1 << 50
 _TYPE_NAME = re.compile(r"[\w.<>\[\]]{1,200}")  # a dotted class path (`f.<locals>.E`)
 
 
@@ -82,6 +85,14 @@ def check_error(
         raise WorkerMisbehaved("the worker's error carries a malformed list of refusals")
     for refusal in refusals:
         check_denial(refusal, policy, nested=False)
+    memory = data.get("memory")
+    if memory is not None and (
+        rule != "limits.memory"
+        or not isinstance(memory, dict)
+        or not set(memory) <= {"peak", "asked"}
+        or any(type(v) is not int or not 0 <= v <= MAX_MEMORY_REPORT for v in memory.values())
+    ):
+        raise WorkerMisbehaved("the worker's error carries a malformed memory report")
     if kind in ("denied", "limit") and rule is None:
         raise WorkerMisbehaved(f"the worker reported a {kind!r} error without its rule")
     message = str(data.get("message", ""))

@@ -35,6 +35,7 @@ from typing import Any
 
 from agent_sandbox._denial import BETWEEN_CALLS, DURING_CALL, RULES, Denial
 from agent_sandbox._errors import MessageTooLarge, TransportError
+from agent_sandbox._hints import METADATA_REFUSED
 
 __all__ = [
     "shapes",
@@ -297,6 +298,9 @@ _DETAIL_PATTERNS = (
     r"the path is outside \[files\] write \(only the scratch directory is writable unless "
     r"the policy says more\)",
     r"the path is outside \[files\] read",
+    r"the landlock provider refuses every change of a file's mode, owner, times or extended "
+    r"attributes \(Landlock cannot judge them\), inside the grants too; in scratch the "
+    r"host makes os\.chmod, os\.utime and a same-owner os\.chown of a path",
     # the refusal trail's folds (`_denial.fold_detail`)
     r"past the first N distinct (?:sensitive )?targets of this rule in one call, further "
     r"refusals are counted here \(count: how many; last: the latest, in full\)",
@@ -419,6 +423,8 @@ def _hint_is_well_formed(hint: str) -> bool:
         return True
     if len(hint) > MAX_FIELD_CHARS:
         return False
+    if hint == METADATA_REFUSED:
+        return True
     if shapes().hint.fullmatch(hint):
         return True
     from agent_sandbox._hints import parse_grant
@@ -496,7 +502,8 @@ def check_denial(
     well_formed = (
         _hint_is_well_formed(shown_hint)
         if hint is not None
-        else len(shown_hint) <= MAX_FIELD_CHARS and bool(shapes().hint.fullmatch(shown_hint))
+        else len(shown_hint) <= MAX_FIELD_CHARS
+        and (shown_hint == METADATA_REFUSED or bool(shapes().hint.fullmatch(shown_hint)))
     )
     if not well_formed:
         shown_hint = clean_text(shown_hint)

@@ -64,7 +64,7 @@ from agent_sandbox._host.intake.unpickle_classes import _MAX_NAME, _NAME_RE, All
 from agent_sandbox._host.intake.unpickle_prescan import Budgets, check_deadline, prescan
 
 try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:  # pragma: no cover - built by `pip install -e .`
     _fastscan = None  # type: ignore[assignment]
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from agent_sandbox._host.intake.unpickle_classes import _Entry
 
 try:  # the C prescan of plain-data streams and strict base64 (optional: setup.py)
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:  # pragma: no cover - built by `pip install -e .`
     _fastscan = None  # type: ignore[assignment]
 
@@ -639,7 +639,7 @@ def prescan(
     """Check a stream before anything is built; return the globals it names.
 
     Raises `UnpickleRefused` naming the opcode, the global or the budget at fault. A stream
-    of plain data (no globals) is first offered to the C prescan (`guards/_fastscan.c`),
+    of plain data (no globals) is first offered to the C prescan (`_host/intake/_fastscan.c`),
     which accepts only what this Python scan accepts and answers "not sure" for everything
     else; then this scan runs and decides. Past `deadline` (a `time.monotonic` instant, the
     call's) the scan stops with `DeadlinePassed`: the C prescan is linear and fast (about

@@ -67,7 +67,7 @@ with atheris.instrument_imports(include=["agent_sandbox"]):
 import tblib  # noqa: E402,F401 - imported now: the decoder imports it lazily
 
 try:
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:  # not built: the `decode` target has nothing to check
     _fastscan = None
 

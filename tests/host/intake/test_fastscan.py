@@ -1,4 +1,4 @@
-"""The C prescan of plain-data pickles and the C base64 decoder (`guards/_fastscan.c`) against
+"""The C prescan of plain-data pickles and the C base64 decoder (`agent_sandbox/_host/intake/_fastscan.c`) against
 their Python references: the C side may only say "accepted" (or return bytes) where the
 Python side accepts (and returns the same bytes); on everything else it says "not sure".
 
@@ -27,7 +27,7 @@ from agent_sandbox._host.intake.unpickle_classes import Allowlist
 from agent_sandbox._host.intake.unpickle_prescan import Budgets, prescan, python_prescan
 
 _fastscan = pytest.importorskip(
-    "agent_sandbox.guards._fastscan", reason="the C extension is not built (pip install -e .)"
+    "agent_sandbox._host.intake._fastscan", reason="the C extension is not built (pip install -e .)"
 )
 
 SETTINGS = settings(

@@ -393,3 +393,29 @@ def test_a_worker_answering_in_pieces_is_read_to_the_end(fake: Any) -> None:
     worker.close()
     assert result.error is None, result.error
     assert result.stdout == "01234" and result.value == 7
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        {"peak": "lots"},
+        {"peak": True},
+        {"asked": -1},
+        {"asked": 1 << 60},
+        {"peak": 1, "note": "raise the limit to 1 TB"},
+        [1, 2],
+    ],
+    ids=["text", "bool", "negative", "beyond-bound", "unknown-field", "not-an-object"],
+)
+def test_a_malformed_memory_report_is_a_broken_protocol(memory: Any) -> None:
+    """It refuses a MemoryError's figures that are not bounded byte counts, and keeps well
+    formed ones for the hint only."""
+    from agent_sandbox._host.intake.errors import check_error
+
+    error = {"kind": "limit", "type": "MemoryError", "rule": "limits.memory"}
+    with pytest.raises(WorkerMisbehaved):
+        check_error({**error, "memory": memory}, None, [], "p")
+    builder = ResultBuilder()
+    builder._on_error({**error, "memory": {"peak": 5, "asked": 7}})
+    assert builder.memory_report == {"peak": 5, "asked": 7}
+    assert builder.error is not None and builder.error.rule == "limits.memory"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fuzz"))
 import hostile
 
 try:
-    from agent_sandbox.guards import _fastscan
+    from agent_sandbox._host.intake import _fastscan
 except ImportError:  # pragma: no cover - the C extension is optional
     _fastscan = None  # type: ignore[assignment]
 

@@ -4,7 +4,7 @@ On a local host the agent's host reads the worker's arming counter from the work
 before it passes each event on (`_host/intake/guard_block.py`, `WorkerProcess._forwarder`).
 An agent's host cannot read a remote worker's memory, so the pod's own process, the worker's
 parent and outside its sandbox, does the same reading for every event it relays
-(`_host/remote_serve.py`), and tells the agent's host by a `guard.tampered` denial on a cut
+(`_host/remote/serve.py`), and tells the agent's host by a `guard.tampered` denial on a cut
 stream (`RemoteWorker._on_lost` withholds the call's output).
 """
 

@@ -17,7 +17,7 @@ known, so they are written and read directly:
 * to the host: the response's head (`SSE_HEAD`) and chunks framed here (`chunk`, `END`).
   The host parses every byte with h11 all the same (and judges every event).
 
-Requests from the host still go through h11 (`remote_serve.py`), as do all other routes.
+Requests from the host still go through h11 (`remote/serve.py`), as do all other routes.
 """
 
 from __future__ import annotations

@@ -25,13 +25,15 @@ What it does NOT enforce: anything on a host where the parent cannot write the c
 `doctor` says so. A worker that can write the cgroupfs can leave its groups: the kernel
 providers never expose it (Landlock grants no `/sys`; bwrap does not mount it), the
 `subprocess` provider does not hide it.
+
+This module is longer than 600 lines because it came whole from `providers/_limits.py`
+(files move apart from behaviour changes); the limits report is to be cut from the groups.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -42,6 +44,8 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+from agent_sandbox._host.cgroups import hierarchies, hierarchy_bases, unified_controllers
 
 __all__ = [
     "REPLACING_RULES",
@@ -60,84 +64,11 @@ _PREFIX = "agent-sandbox-"
 _CPU_PERIOD = 100_000
 
 
-@dataclasses.dataclass(frozen=True)
-class _Hierarchy:
-    kind: str  # "memory-v1", "pids-v1", "unified"
-    mount: str  # where the hierarchy is mounted
-    path: str  # this process's cgroup inside it ("/..." )
-
-    @property
-    def base(self) -> str:
-        return os.path.join(self.mount, self.path.lstrip("/"))
-
-
-def _mounts(text: str) -> list[tuple[str, str, set[str]]]:
-    """(mount point, fstype, super options) of every cgroup mount in a mountinfo text."""
-    out = []
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        rfields = right.split()
-        if len(fields) < 5 or len(rfields) < 3:
-            continue
-        if rfields[0] in ("cgroup", "cgroup2"):
-            out.append((fields[4], rfields[0], set(rfields[2].split(","))))
-    return out
-
-
-def _own_cgroups(text: str) -> dict[str, str]:
-    """controller (or "" for v2) -> this process's cgroup path, from a /proc/self/cgroup text."""
-    out = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        for c in controllers.split(",") if controllers else [""]:
-            out[c] = path
-    return out
-
-
-def _hierarchies(mountinfo: str | None = None, cgroup: str | None = None) -> dict[str, _Hierarchy]:
-    """The hierarchies this process could make worker groups in (writable ones only).
-
-    A hybrid host (v1 controllers, plus a v2 tree without them) gives `memory-v1`, `pids-v1`
-    and `unified`; a pure v2 host gives `unified` only, whose delegated controllers then
-    carry the memory and process limits.
-    """
-    own = _own_cgroups(_read("/proc/self/cgroup") if cgroup is None else cgroup)
-    mounts = _mounts(_read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
-    found: dict[str, _Hierarchy] = {}
-    for mount, fstype, opts in mounts:
-        if fstype == "cgroup" and "memory" in opts and "memory" in own:
-            found.setdefault("memory-v1", _Hierarchy("memory-v1", mount, own["memory"]))
-        elif fstype == "cgroup" and "pids" in opts and "pids" in own:
-            found.setdefault("pids-v1", _Hierarchy("pids-v1", mount, own["pids"]))
-        elif fstype == "cgroup" and "cpu" in opts and "cpu" in own:
-            found.setdefault("cpu-v1", _Hierarchy("cpu-v1", mount, own["cpu"]))
-        elif fstype == "cgroup2" and "" in own:
-            found.setdefault("unified", _Hierarchy("unified", mount, own[""]))
-    return {k: h for k, h in found.items() if os.access(h.base, os.W_OK)}
-
-
-def _unified_controllers(h: _Hierarchy) -> set[str]:
-    try:
-        with open(os.path.join(h.base, "cgroup.subtree_control")) as fh:
-            return set(fh.read().split())
-    except OSError:
-        return set()
-
-
-def hierarchy_bases() -> list[str]:
-    """The folders this process makes worker groups in (one per writable hierarchy)."""
-    return sorted({h.base for h in _hierarchies().values()})
-
-
 def cgroup_support() -> dict[str, Any]:
     """What this machine offers for per-worker limits (for `doctor` and the tests)."""
-    hs = _hierarchies()
+    hs = hierarchies()
     unified = hs.get("unified")
-    delegated = _unified_controllers(unified) if unified else set()
+    delegated = unified_controllers(unified) if unified else set()
     return {
         "memory": "memory-v1" in hs or "memory" in delegated,
         "processes": "pids-v1" in hs or "pids" in delegated,
@@ -220,14 +151,14 @@ class WorkerCgroups:
         # only once it has proven the owner dead by taking the owner's lock.
         name = f"{_PREFIX}{lifecycle.owner_tag()}-{worker_id}"
         dirs: dict[str, str] = {}
-        hs = _hierarchies()
+        hs = hierarchies()
         try:
             unified = hs.get("unified")
             if unified is not None:
                 path = os.path.join(unified.base, name)
                 os.mkdir(path, 0o755)
                 dirs["unified"] = path
-                delegated = _unified_controllers(unified)
+                delegated = unified_controllers(unified)
                 if "memory" in delegated:
                     _write(os.path.join(path, "memory.max"), str(memory_mb * _MB))
                     with contextlib.suppress(OSError):
@@ -355,6 +286,9 @@ class WorkerCgroups:
         if "memory-v2" in self.dirs:
             text = _read(os.path.join(self.dirs["memory-v2"], "memory.events"))
             out["memory"] = _counter(text, "oom_kill")
+        peak = self._memory_peak()
+        if peak is not None:
+            out["memory_peak"] = peak
         for key in ("pids-v1", "pids-v2"):
             if key in self.dirs:
                 out["processes"] = _counter(
@@ -366,6 +300,24 @@ class WorkerCgroups:
                     _read(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
                 )
         return out
+
+    def _memory_peak(self) -> int | None:
+        """The most memory the group has held (bytes): v2 `memory.peak` (Linux 5.19 and
+        later), v1 `memory.max_usage_in_bytes`; None where neither can be read."""
+        for key, file in (("memory-v2", "memory.peak"), ("memory-v1", "memory.max_usage_in_bytes")):
+            if key in self.dirs:
+                text = _read(os.path.join(self.dirs[key], file)).strip()
+                if text.isdigit():
+                    return int(text)
+        return None
+
+    def memory_peak(self) -> int | None:
+        """The worker's peak memory in bytes as its memory cgroup counted it (the worker's
+        whole life, launcher included); None without a memory group that reports it. After
+        `kill()`, the figure read just before the groups were emptied."""
+        if self._final is not None:
+            return self._final.get("memory_peak")
+        return self._memory_peak()
 
     def new_events(self) -> list[str]:
         """The limit names hit since the last call of this method (`memory`, `processes`).
@@ -749,6 +701,21 @@ def guest_ram_written_mb(launcher_pid: int) -> int | None:
     return None
 
 
+def _memory_hint(builder: Any, cgroups: WorkerCgroups | None, limit_mb: int) -> tuple[str, str]:
+    """(hint, what was measured) for a `limits.memory` hit: the host's own cgroup peak,
+    else the peak the worker reported with its MemoryError, and the allocation it says
+    failed (`agent_sandbox._hints.memory_hint`)."""
+    from agent_sandbox._hints import memory_hint
+
+    report = getattr(builder, "memory_report", None) or {}
+    return memory_hint(
+        limit_mb,
+        measured_peak=cgroups.memory_peak() if cgroups is not None else None,
+        worker_peak=report.get("peak"),
+        asked=report.get("asked"),
+    )
+
+
 def record_limit_hits(
     builder: Any,
     cgroups: WorkerCgroups | None,
@@ -810,6 +777,11 @@ def record_limit_hits(
             continue
         setting = _SETTINGS[rule]
         value = getattr(limits, setting)
+        hint = grant_hint({f"limits.{setting}": value * 2})
+        over = f"the call went over `{setting} = {value}`"
+        if rule == "limits.memory":
+            hint, measured = _memory_hint(builder, cgroups, memory)
+            over = f"{over}; {measured}"
         denial = Denial(
             rule=rule,
             action="use",
@@ -818,10 +790,9 @@ def record_limit_hits(
             detail=(
                 f"{why[rule]}; the worker is replaced and its variables are lost"
                 if rule in why
-                else f"the call went over `{setting} = {value}`; the worker is replaced and "
-                "its variables are lost"
+                else f"{over}; the worker is replaced and its variables are lost"
             ),
-            hint=grant_hint({f"limits.{setting}": value * 2}),
+            hint=hint,
         )
         builder.add_denial(denial)
         # A call that completed keeps its value; the denial says what was hit.

@@ -47,8 +47,8 @@ from typing import Any
 import h11
 
 from agent_sandbox._host.placement import check_runtime, serve_provider, serve_runtime
-from agent_sandbox._host.serve_limits import check_cert_dates, default_pending
-from agent_sandbox._host.serve_relay import (
+from agent_sandbox._host.remote.serve_limits import check_cert_dates, default_pending
+from agent_sandbox._host.remote.serve_relay import (
     END,
     SSE_HEAD,
     ResponseReader,
@@ -678,7 +678,7 @@ class WorkerServer:
         guard = None
         if getattr(worker, "guard_watch", None) is not None:
             from agent_sandbox._host.intake.events import HostBounds
-            from agent_sandbox._host.serve_guard import CallGuard
+            from agent_sandbox._host.remote.serve_guard import CallGuard
 
             cap = HostBounds.from_policy(worker.policy).max_event_bytes() + 1024
             guard = CallGuard(worker.guard_watch, cap)

@@ -33,7 +33,7 @@ TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typ
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["apply_worker_setup", "kernel_status", "open_egress_listener", "verify_checks"]
+__all__ = ["apply_worker_setup", "kernel_status", "open_egress_listener"]
 
 _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
@@ -46,6 +46,8 @@ _SECCOMP_MODE_FILTER = 2
 _CAP_VERSION_3 = 0x20080522
 
 
+#: The `worker_setup` keys that ask for a kernel step (`_host/setup_checks.py` holds the same
+#: tuple for the parent's comparison; tests/providers/test_landlock.py keeps the two equal).
 _KERNEL_KEYS = (
     "no_new_privs",
     "drop_caps",
@@ -232,7 +234,7 @@ def open_egress_listener(setup: Mapping[str, Any]) -> int:
     listening socket to the host over the inherited channel, keep no copy; return the port.
 
     Runs before the restrictions (Landlock would refuse the bind) and before any user code;
-    from then on only the host accepts on it (`providers/_egress.py`).
+    from then on only the host accepts on it (`_host/egress/proxy.py`).
     """
     import socket
 
@@ -382,7 +384,7 @@ def apply_worker_setup(setup: Mapping[str, Any]) -> dict[str, Any]:
     # 4. Landlock.
     landlock = setup.get("landlock")
     if landlock:
-        from agent_sandbox.providers._landlock_sys import restrict_self
+        from agent_sandbox._landlock_sys import restrict_self
 
         checks["landlock"] = restrict_self(landlock)
     # 5. Effective/permitted/inheritable capabilities.
@@ -428,33 +430,3 @@ def check_pins(pins: Mapping[str, Any]) -> None:
                 "planted or a directory swapped between the check and the start); start the "
                 "worker again, and see which tool can write there"
             )
-
-
-def verify_checks(setup: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]:
-    """What the worker's handshake `checks` lack compared with its plan's `setup` (parent side).
-
-    An empty list means the worker reported every restriction its plan asked for.
-    """
-    problems = []
-    wants_kernel = any(k in setup for k in _KERNEL_KEYS)
-    if wants_kernel and checks.get("no_new_privs") != 1:
-        problems.append("NO_NEW_PRIVS is not set")
-    if wants_kernel and checks.get("threads") != 1:
-        problems.append("it was not single-threaded when it restricted itself")
-    if setup.get("drop_caps") and checks.get("cap_eff") != "0" * 16:
-        problems.append(f"it kept capabilities (CapEff {checks.get('cap_eff')})")
-    if setup.get("landlock"):
-        landlock = checks.get("landlock")
-        if not isinstance(landlock, Mapping) or landlock.get("enforced") is not True:
-            problems.append("Landlock is not enforced")
-    if setup.get("seccomp") and checks.get("seccomp") != _SECCOMP_MODE_FILTER:
-        problems.append(f"seccomp mode is {checks.get('seccomp')!r}, not a filter")
-    if setup.get("scratch_tmpfs") and checks.get("scratch_tmpfs") != setup["scratch_tmpfs"].get(
-        "bytes"
-    ):
-        problems.append("its scratch directory is not the bounded tmpfs")
-    if setup.get("seccomp_exec") and checks.get("exec_denied") is not True:
-        problems.append("the exec filter (no process grant) is not loaded")
-    if setup.get("pins") and checks.get("pins") != len(setup["pins"]):
-        problems.append("it did not check the grants the parent pinned")
-    return problems

@@ -10,7 +10,7 @@ What goes in (nothing is downloaded but the kernel package, and only when asked)
   stripped; its standard library as bytecode only (`unchecked-hash`, no sources, no tests,
   no OpenSSL/sqlite/curses/dbm), at the same absolute paths as on the host, so the worker's
   handshake (version, prefix) holds; the worker's packages (`agent_sandbox`'s folders and
-  `h11`), with their bytecode; and the guest agent (`_qemu_guest.py`).
+  `h11`), with their bytecode; and the guest agent (`qemu/guest.py`).
 
 Everything is cached under `<cache>/qemu/images/<hash>/`, where `<cache>` is
 `$XDG_CACHE_HOME/agent-sandbox` (default `~/.cache/agent-sandbox`) and `<hash>` covers every
@@ -436,7 +436,7 @@ def _stdlib_files(stdlib: str) -> Iterator[str]:
 
 #: The qemu provider's host-side modules: never imported in the guest, so neither baked in
 #: nor part of the image's hash (the guest agent is baked as /sb/agent.py).
-_HOST_ONLY = frozenset({"_qemu.py", "_qemu_host.py", "_qemu_image.py", "cli_qemu.py"})
+_HOST_ONLY = frozenset({"provider.py", "relay.py", "image.py", "cli_qemu.py"})
 
 
 def _tree_files(root: str) -> Iterator[str]:
@@ -534,7 +534,7 @@ def _stat_key(path: str) -> str:
 
 
 def _guest_agent_source() -> str:
-    return os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_guest.py")
+    return os.path.join(os.path.dirname(os.path.realpath(__file__)), "guest.py")
 
 
 def _copy(src: str, root: str, dst: str | None = None) -> None:

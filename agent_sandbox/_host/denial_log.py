@@ -15,7 +15,7 @@ the kernel logs a domain's pid only with its first denial, which may come during
 starts one reader thread per process, lazily, and `watch_worker()` (after the handshake)
 registers the worker's pid. The reader joins the read-log group once, keeps the
 domain -> pid map of the 1424 records, and files each 1423 record of a domain created by a
-watched worker's pid (the worker applies Landlock itself, `_inworker.py`) under that worker.
+watched worker's pid (the worker applies Landlock itself, `_worker/_inworker.py`) under that worker.
 After each call the parent drains the worker's watch (`Watch.drain`, after `settle()`: the
 kernel hands records over from its own thread) and adds them to the result as denials
 recorded by the host, unless the Python guards already reported the same target.
@@ -487,7 +487,7 @@ def subscribe() -> bool:
     audit is readable, so the worker's first denial (the only one the kernel logs with
     its domain's pid, even one during its boot) is not missed."""
     try:
-        from agent_sandbox.providers._landlock_sys import landlock_abi
+        from agent_sandbox._landlock_sys import landlock_abi
 
         abi = landlock_abi()
     except OSError:

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_sandbox._errors import TransportError, WorkerStartError
-from agent_sandbox._host.boundary import NO_BOUNDARY, boundary_name
 from agent_sandbox._host.intake.builder import ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
 from agent_sandbox._host.intake.remote_transport import (
@@ -37,7 +36,7 @@ from agent_sandbox._host.intake.remote_transport import (
 )
 from agent_sandbox._host.intake.unpickle import Decoder
 from agent_sandbox._host.process import OnEvent, WorkerProcess
-from agent_sandbox._host.result import RunError, RunResult
+from agent_sandbox._host.result import NO_BOUNDARY, RunError, RunResult, boundary_name
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan
 

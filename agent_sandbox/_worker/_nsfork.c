@@ -4,7 +4,7 @@
  * namespace template does for each worker: P, PID 1 of a new PID namespace, sends one byte
  * on the request's credential socket, enters new mount, network and IPC namespaces and
  * forks the worker W; P then drops every capability, sets no-new-privileges, closes every
- * descriptor but 0-2 and execs the small init (guards/_nsinit.c). Done in Python, P's life
+ * descriptor but 0-2 and execs the small init (agent_sandbox/_worker/_nsinit.c). Done in Python, P's life
  * cost about 2.3 ms of CPU and 440 copy-on-write faults per worker (the interpreter writes
  * its objects' reference counts as it runs), the largest part of what a namespace worker
  * costs more than a plain template's (issue 19: 20 sessions at once).

@@ -29,7 +29,7 @@ from typing import Any
 
 from agent_sandbox._errors import DIST_NAME, SandboxError, install_hint
 from agent_sandbox._host.intake.remote_transport import RETRY_DELAYS
-from agent_sandbox.providers._remote import Claim, ClaimCapacityError, ClaimError
+from agent_sandbox._host.remote.provider import Claim, ClaimCapacityError, ClaimError
 
 __all__ = ["K8sClaimBackend", "import_sdk"]
 

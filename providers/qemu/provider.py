@@ -2,15 +2,15 @@
 
 The boundary is a guest kernel: the worker (the same code and wire protocol as under every
 other provider) runs inside a QEMU `microvm` guest booted from an image built on this machine
-(`_qemu_image.py`, `agent-sandbox qemu build`). What the guest can reach of the host:
+(`qemu/image.py`, `agent-sandbox qemu build`). What the guest can reach of the host:
 
 * one virtio-serial port, bound to a Unix socket in the worker's private control directory,
-  which carries the parent's connections to the worker (`_qemu_host.py` relays them);
+  which carries the parent's connections to the worker (`qemu/relay.py` relays them);
 * the policy's read paths as 9p shares, read-only in QEMU (`readonly=on`: the guest's root
   cannot remount them writable), mounted at their host paths after the restore;
 * with `[net]` allow rules, a second virtio-serial port (`net`) to a Unix socket whose
-  listening end the host relay hands the parent's egress proxy (`_egress.py`); the guest
-  agent forwards the proxy address on the guest's loopback over it (`_qemu_guest.py`);
+  listening end the host relay hands the parent's egress proxy (`_host/egress/proxy.py`); the guest
+  agent forwards the proxy address on the guest's loopback over it (`qemu/guest.py`);
 * nothing else: no network device at all (`-nodefaults`, no `-nic`), no other share, no
   disk; the scratch directory and `/tmp` are size-capped tmpfs inside the guest, gone with
   the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
@@ -22,7 +22,7 @@ cgroup has `pids.max` and `memory.max` from the policy, whose hits the guest age
 (`LaunchPlan.limit_reports`, taken as the worker side's word); the wall limit, the output
 bounds and the kill by pid stay on the host as for every provider; the rlimits apply inside
 the guest too. What the policy hides or denies
-inside a shared directory is covered by the host relay before QEMU starts (`_qemu_host.py`).
+inside a shared directory is covered by the host relay before QEMU starts (`qemu/relay.py`).
 
 Start-up: one template per (image, QEMU version, RAM size, device set) is booted once and
 saved with file-backed RAM and the `x-ignore-shared` migration capability
@@ -42,7 +42,7 @@ builds the image and the template before the start's timeout begins (`FirstUsePr
 Acceleration: `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`, which only
 runs PVM-enabled guests), so KVM is used only after a probe boot of the image reached the
 guest agent within a timeout, remembered per host kernel, kvm modules, QEMU and image
-(`_qemu_kvm.py`); templates are per accelerator. `probe()` says which one and why.
+(`qemu/accel.py`); templates are per accelerator. `probe()` says which one and why.
 """
 
 from __future__ import annotations
@@ -68,8 +68,17 @@ from collections.abc import Sequence
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
-from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec, base_env
-from agent_sandbox.providers._qemu_image import (
+from agent_sandbox.providers._base import (
+    LaunchPlan,
+    ProbeResult,
+    Provider,
+    WorkerSpec,
+    base_env,
+    package_folder,
+)
+from agent_sandbox.providers._view import egress_plan, policy_paths
+from agent_sandbox.providers.qemu.accel import MACHINE_DEVICES, Verdict
+from agent_sandbox.providers.qemu.image import (
     Image,
     ImageError,
     build_image,
@@ -80,8 +89,6 @@ from agent_sandbox.providers._qemu_image import (
     missing_tools,
     no_space,
 )
-from agent_sandbox.providers._qemu_kvm import MACHINE_DEVICES, Verdict
-from agent_sandbox.providers._view import egress_plan, policy_paths
 
 __all__ = [
     "SHARE_SLOTS",
@@ -101,7 +108,7 @@ __all__ = [
 SHARE_SLOTS = 4
 #: Bumped when the device set or the guest protocol changes (a new template).
 DEVICE_SET = "3"
-_HOST_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "_qemu_host.py")
+_HOST_SCRIPT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "relay.py")
 _TEMPLATE_BOOT_TIMEOUT = 120.0
 _QEMU = "qemu-system-x86_64"
 _KERNEL_ARGS = (
@@ -158,7 +165,7 @@ def qemu_version(qemu: str) -> str:
 def kvm_state() -> str:
     """Why KVM is not used here, before any probe boot (one phrase): no /dev/kvm, no access
     to it, or not probed yet (`accel_for` decides, with an image to boot)."""
-    from agent_sandbox.providers._qemu_kvm import kvm_modules, unprobed_verdict
+    from agent_sandbox.providers.qemu.accel import kvm_modules, unprobed_verdict
 
     quick = unprobed_verdict()
     if quick is not None:
@@ -170,9 +177,9 @@ def kvm_state() -> str:
 def accel_for(qemu: str, image: Image, *, afresh: bool = False) -> Verdict:
     """The accelerator for `image` under `qemu` here: KVM only after a probe boot reached
     the guest agent; remembered per host kernel, kvm modules, QEMU and image
-    (`_qemu_kvm.py`)."""
+    (`qemu/accel.py`)."""
     from agent_sandbox.providers import _probe_cache
-    from agent_sandbox.providers._qemu_kvm import accel_verdict
+    from agent_sandbox.providers.qemu.accel import accel_verdict
 
     cached = _probe_cache.enabled()
     return accel_verdict(
@@ -411,7 +418,7 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str, accel: str =
                 continue
             output = (output + chunk)[-65536:]
         booted = time.monotonic() - t0
-        from agent_sandbox.providers._qemu_host import QMP
+        from agent_sandbox.providers.qemu.relay import QMP
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(os.path.join(run_dir, "qmp.sock"))
@@ -465,9 +472,14 @@ def _save_template(image: Image, qemu: str, mem_mb: int, work: str, accel: str =
 
 
 class FirstUseProgress:
-    """A one-line progress bar on stderr for the first use's build (the image, ~15-30 s,
-    then the template boot, ~5-30 s under TCG); `maybe()` gives a silent one unless stderr
-    is a terminal or `AGENT_SANDBOX_PROGRESS=1` (`=0` silences it everywhere)."""
+    """The first use's progress on stderr (the image, ~15-30 s, then the template boot,
+    ~5-30 s under TCG): a one-line bar redrawn in place on a terminal, else plain lines, one
+    per step and one every `_PLAIN_EVERY` seconds of the boot (a log or a pipe gets no
+    carriage returns). `maybe()` shows it unless `AGENT_SANDBOX_PROGRESS=0`; `=1` asks for
+    the bar even where stderr is not a terminal."""
+
+    #: Seconds between the plain lines while the template boots (no step to report).
+    _PLAIN_EVERY = 5.0
 
     #: (what a step's message starts with, the share of the whole done when it starts)
     _STEPS = (
@@ -485,8 +497,9 @@ class FirstUseProgress:
     #: The template boot's expected length: the bar creeps toward 98 % over it.
     _BOOT_SECONDS = 20.0
 
-    def __init__(self, out: IO[str] | None) -> None:
+    def __init__(self, out: IO[str] | None, *, plain: bool = False) -> None:
         self.out = out
+        self.plain = plain
         self.t0 = time.monotonic()
         self.done = 0.0
         self.what = ""
@@ -497,8 +510,13 @@ class FirstUseProgress:
     @classmethod
     def maybe(cls) -> FirstUseProgress:
         wanted = os.environ.get("AGENT_SANDBOX_PROGRESS", "")
-        show = wanted == "1" or (wanted != "0" and sys.stderr.isatty())
-        return cls(sys.stderr if show else None)
+        if wanted == "0":
+            return cls(None)
+        try:
+            terminal = sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        return cls(sys.stderr, plain=wanted != "1" and not terminal)
 
     def step(self, message: str) -> None:
         for prefix, share in self._STEPS:
@@ -514,7 +532,7 @@ class FirstUseProgress:
         self._draw()
 
     def _tick(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(self._PLAIN_EVERY if self.plain else 0.5):
             self._draw()
 
     def _draw(self) -> None:
@@ -532,14 +550,17 @@ class FirstUseProgress:
             f"{self.what[:48]} ({time.monotonic() - self.t0:.0f} s)"
         )
         with contextlib.suppress(OSError, ValueError):
-            self.out.write("\r" + line.ljust(110))
+            if self.plain:
+                self.out.write(line.replace(f"[{bar}] ", "") + "\n")
+            else:
+                self.out.write("\r" + line.ljust(110))
             self.out.flush()
 
     def close(self) -> None:
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
-        if self.out is not None and self.what:
+        if self.out is not None and self.what and not self.plain:
             with contextlib.suppress(OSError, ValueError):
                 self.out.write("\n")
                 self.out.flush()
@@ -754,7 +775,7 @@ class QemuProvider(Provider):
 
     def launch(self, plan: LaunchPlan, log: IO[bytes]) -> subprocess.Popen[bytes]:
         """Find the image and template (saving the template on first use), then start the
-        host side (`_qemu_host.py`) with the full QEMU command line."""
+        host side (`qemu/relay.py`) with the full QEMU command line."""
         probe = self.require()
         qemu = str(probe.details.get("path", self.qemu))
         image = find_image()
@@ -809,8 +830,6 @@ class QemuProvider(Provider):
         }
         if _landlock_works():
             host["landlock"] = qemu_landlock_rules(run_dir, template, dirs)
-            host["landlock_module"] = os.path.join(
-                os.path.dirname(os.path.realpath(__file__)), "_landlock_sys.py"
-            )
+            host["landlock_module"] = os.path.join(package_folder(), "_landlock_sys.py")
         real = dataclasses.replace(plan, argv=(*plan.argv[:-1], json.dumps(host)))
         return super().launch(real, log)

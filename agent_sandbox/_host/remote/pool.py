@@ -33,9 +33,7 @@ from typing import Any
 
 from agent_sandbox._errors import PolicyError, SandboxError
 from agent_sandbox._host.intake.remote_transport import RemoteTLS
-from agent_sandbox._host.remote_worker import RemoteWorker, SessionConflict, session_token
-from agent_sandbox.policies import Policy, RemotePolicy
-from agent_sandbox.providers._remote import (
+from agent_sandbox._host.remote.provider import (
     Claim,
     ClaimBackend,
     ClaimCapacityError,
@@ -44,6 +42,8 @@ from agent_sandbox.providers._remote import (
     ServerFiles,
     claim_name,
 )
+from agent_sandbox._host.remote.worker import RemoteWorker, SessionConflict, session_token
+from agent_sandbox.policies import Policy, RemotePolicy
 
 __all__ = ["RemotePool", "claim_worker", "provider_for"]
 
@@ -324,7 +324,7 @@ def build_provider(remote: RemotePolicy, source: str | None = None) -> RemotePro
 
 
 def _k8s_backend(remote: RemotePolicy, source: str | None) -> Any:
-    from agent_sandbox.providers._remote_k8s import K8sClaimBackend
+    from agent_sandbox._host.remote.k8s import K8sClaimBackend
 
     token: str | None = None
     if remote.router_token_file or os.environ.get(ROUTER_TOKEN_ENV):

@@ -1,6 +1,6 @@
 """The host side of one `qemu` worker: starts QEMU, restores the guest, relays the channel.
 
-Run as `python -I -S -B _qemu_host.py CONFIG-JSON` by `QemuProvider.launch`, in the worker's
+Run as `python -I -S -B qemu/relay.py CONFIG-JSON` by `QemuProvider.launch`, in the worker's
 process group: this process is what the parent sees as "the worker" (its exit status is
 the guest worker's), and QEMU is its only child. Standard library only.
 
@@ -22,7 +22,7 @@ the guest worker's), and QEMU is its only child. Standard library only.
 6. With `net` in the configuration (a policy with `[net]` allow rules), before anything else
    it listens on a Unix socket in the run directory and hands that listening socket to the
    parent over the inherited egress channel (as a namespace worker hands over its loopback
-   listener): the parent's egress proxy (`providers/_egress.py`) accepts on it and applies
+   listener): the parent's egress proxy (`_host/egress/proxy.py`) accepts on it and applies
    the policy. Each channel the guest opens on the second port (`net`, at most
    `MAX_NET_CHANNELS` at once) becomes one connection to that socket; nothing the guest
    sends there is interpreted here beyond the frames.

@@ -55,6 +55,8 @@ TYPE_CHECKING = False  # (not `typing`'s: importing typing costs the launcher ~7
 if TYPE_CHECKING:
     from typing import Any
 
+__all__ = ["TEMPLATE_KEEP", "main"]
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
@@ -301,7 +303,7 @@ def init(cfg: dict[str, Any], report: int) -> None:
     # kernel's network lock, which the teardown of an earlier worker's namespace may hold
     # for tens of milliseconds (benchmarks/bench_egress.py, the start with the proxy). It
     # is forked after the worker, so the host's first look at this depth (`attach_at_depth`
-    # in providers/_limits.py) finds the worker, not this helper.
+    # in _host/limits.py) finds the worker, not this helper.
     lo = loopback_up_aside() if cfg["net"] in ("loopback", "proxy") else None
     build_view(cfg)
     name = cfg["hostname"].encode()

@@ -52,7 +52,7 @@ SCOPE_ABSTRACT_UNIX = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1  # ABI 6
 #: landlock_restrict_self flags (ABI 7): log the denials of programs the worker runs too
 #: (the default logs the calling process's own until it runs another program). The
-#: kernel writes them only while its audit is on (`_denial_log.py`).
+#: kernel writes them only while its audit is on (`_host/denial_log.py`).
 RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1
 
 #: The filesystem rights each ABI knows; a right the kernel does not know is not handled.

@@ -25,7 +25,7 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
    agent listens on the proxy address there (`127.0.0.1:3128`, which the worker's proxy
    variables name) before the worker is released; each connection accepted becomes a
    channel over the second port (`net`), which the host relay joins to the host's egress
-   proxy (`providers/_egress.py`): `O` opens one (channel numbers chosen here, at most
+   proxy (`_host/egress/proxy.py`): `O` opens one (channel numbers chosen here, at most
    `MAX_NET_CHANNELS` open), `D` carries bytes, `C` closes. The agent judges nothing: every
    rule is applied, and every refusal recorded, on the host;
 6. the limit counters: the worker's cgroup has `pids.max` and `memory.max`; when the
@@ -33,7 +33,7 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
    with the counters (`{"pids_max": n, "oom_kill": n, "max": n}`) before relaying anything
    the worker sent after it; they are read again before a worker connection's close is
    relayed (a killed worker's sockets close after the kernel counted the kill). The host
-   takes them as the worker side's word (see `_qemu_host.py`).
+   takes them as the worker side's word (see `qemu/relay.py`).
 
 Frames: kind (1 byte), channel (4 bytes), length (4 bytes, at most `MAX_FRAME`), payload.
 Only the standard library and the worker's own modules are used.
@@ -90,13 +90,13 @@ def _preload() -> None:
     import fcntl  # noqa: F401
     import random  # noqa: F401
 
+    import agent_sandbox._worker._inworker
     import agent_sandbox._worker.server
     import agent_sandbox._worker.setup
     import agent_sandbox._worker.template
     import agent_sandbox.guards._code_budget
     import agent_sandbox.guards._install
-    import agent_sandbox.guards._state
-    import agent_sandbox.providers._inworker  # noqa: F401
+    import agent_sandbox.guards._state  # noqa: F401
     from agent_sandbox.guards import _patch
 
     _patch._function_wrapper_type()

@@ -1217,7 +1217,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef fastscan_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "agent_sandbox.guards._fastscan",
+    .m_name = "agent_sandbox._host.intake._fastscan",
     .m_doc = PyDoc_STR("The host's native decoding helpers (see agent_sandbox._host.intake)."),
     .m_size = -1,
     .m_methods = module_methods,
