@@ -248,7 +248,7 @@ def lan_network(host: str) -> Any:
         net = None
     if net is None or net.num_addresses == 1:
         # Only now: the proxy's module (asyncio) reads the spellings it accepts.
-        from agent_sandbox.providers._egress import normalise_host
+        from agent_sandbox._host.egress.proxy import normalise_host
 
         try:
             spelled = normalise_host(text if net is None else str(net.network_address))
