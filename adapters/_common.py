@@ -12,6 +12,11 @@
 * `image_blocks()` turns `RunResult.images` into LangChain-style image content blocks.
 
 Nothing here imports a framework.
+
+This module is longer than 600 lines because it is the one framework-free piece every
+adapter shares: the description a model reads (`describe_policy`) and the runner that turns
+every failure into a result (`ToolRunner`, `outcome`) must say the same thing of one policy,
+and each adapter stays a thin wrapper over both.
 """
 
 from __future__ import annotations

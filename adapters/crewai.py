@@ -53,6 +53,7 @@ from agent_sandbox.adapters._common import (
     learner_for,
     outcome,
 )
+from agent_sandbox.adapters._inputs import RunPythonInput, RunPythonWithFilesInput
 from agent_sandbox.policies import Policy, resolve_policy
 
 if TYPE_CHECKING:
@@ -66,29 +67,6 @@ except ImportError:  # pragma: no cover - CrewAI before ToolFailure existed
 ToolFailure = _ToolFailure
 
 __all__ = ["RunPythonInput", "RunPythonWithFilesInput", "SandboxedPythonTool", "never_cache"]
-
-
-class RunPythonInput(BaseModel):
-    """The tool's only argument."""
-
-    code: str = Field(
-        description=(
-            "Python 3 source to run. Use print() for what you want to see; the value of the "
-            "last expression is returned too."
-        )
-    )
-
-
-class RunPythonWithFilesInput(RunPythonInput):
-    """The tool's arguments once the operator offered files (`SandboxedPythonTool.offer_file`)."""
-
-    files: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Names of offered files (listed in the tool description) to copy into the working "
-            "directory before the code runs; a fresh copy replaces one already there."
-        ),
-    )
 
 
 def never_cache(_args: Any = None, _result: Any = None) -> bool:

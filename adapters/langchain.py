@@ -61,6 +61,7 @@ from agent_sandbox.adapters._common import (
     learner_for,
     outcome,
 )
+from agent_sandbox.adapters._inputs import RunPythonInput, RunPythonWithFilesInput
 from agent_sandbox.policies import Policy, resolve_policy
 
 if TYPE_CHECKING:
@@ -70,29 +71,6 @@ __all__ = ["RunPythonInput", "RunPythonWithFilesInput", "SandboxToolError", "San
 
 #: The name of the custom event dispatched for every refusal, limit or failure.
 REFUSAL_EVENT = "sandbox_refusal"
-
-
-class RunPythonInput(BaseModel):
-    """The tool's only argument."""
-
-    code: str = Field(
-        description=(
-            "Python 3 source to run. Use print() for what you want to see; the value of the "
-            "last expression is returned too."
-        )
-    )
-
-
-class RunPythonWithFilesInput(RunPythonInput):
-    """The tool's arguments once the operator offered files (`SandboxedPythonTool.offer_file`)."""
-
-    files: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Names of offered files (listed in the tool description) to copy into the working "
-            "directory before the code runs; a fresh copy replaces one already there."
-        ),
-    )
 
 
 class SandboxToolError(ToolException):

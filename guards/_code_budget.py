@@ -29,6 +29,10 @@ originals (`str.__dict__["format"]`); the presets do not grant them.
 
 The helpers live in `builtins` under reserved `__sbx_*__` names, which the checker refuses in
 user code, so user code can neither call nor shadow them.
+
+This module is longer than 600 lines because it is one rewrite (`_Rewriter`) and the
+run-time helpers the rewritten code calls: each inserted check and the helper it calls must
+be read together (one changed without the other is a hole in the budget).
 """
 
 from __future__ import annotations

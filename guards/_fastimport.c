@@ -679,6 +679,16 @@ PyInit__fastimport(void)
     if (PyType_Ready(&ModuleView_Type) < 0 || PyType_Ready(&ArmState_Type) < 0) {
         return NULL;
     }
+    /* No instance namespace for the generic attribute code: `view_setattro` sends every
+     * write to the module, but `object.__setattr__(view, ...)` skips it on Python 3.13
+     * (which checks that call against the type's own `__setattr__` only when the target is
+     * a type) and would write the view's own namespace. Without a dict offset the generic
+     * code finds no namespace, so that write is refused (AttributeError) and
+     * `object.__getattribute__(view, ...)` finds nothing. The module type's own code reads
+     * its namespace through its own field, not this offset. PyType_Ready copies the
+     * module type's offset, hence after it. */
+    ModuleView_Type.tp_dictoffset = 0;
+    PyType_Modified(&ModuleView_Type);
     PyObject *module = PyModule_Create(&fastimport_module);
     if (module == NULL) {
         return NULL;

@@ -5,6 +5,10 @@ is an error, and a loaded policy cannot be mutated. Anything not allowed is deni
 DENY beats an ALLOW wherever a section has both.
 
 The worker never imports pydantic: it receives `Policy.to_wire()`, a plain JSON dict.
+
+This module is longer than 600 lines because the policy is one deny-by-default
+declaration: every section, its defaults and the checks across sections are read in one
+place (docs/policy.md follows it section by section).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import re
 import socket
+import typing
 import warnings
 import weakref
 from typing import Annotated, Any, Literal
@@ -36,6 +41,7 @@ __all__ = [
     "NetRule",
     "PROVIDERS",
     "Policy",
+    "SECTIONS",
     "RemotePolicy",
     "ToolsPolicy",
     "SENSITIVE_CATEGORIES",
@@ -785,3 +791,16 @@ class Policy(_Section):
         from agent_sandbox.policies._explain import explain_policy
 
         return explain_policy(self)
+
+
+#: The sections of a policy (its fields that are tables of their own), in declaration order:
+#: what every provider answers (`Provider.answers`; tests/providers/test_enforceable.py is
+#: generated from this tuple).
+SECTIONS: tuple[str, ...] = tuple(
+    name
+    for name, field in Policy.model_fields.items()
+    if any(
+        isinstance(kind, type) and issubclass(kind, _Section)
+        for kind in (field.annotation, *typing.get_args(field.annotation))
+    )
+)

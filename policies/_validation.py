@@ -140,6 +140,12 @@ def _unknown_key(root: type[BaseModel], loc: list[str]) -> tuple[str, str]:
     fields = getattr(model, "model_fields", {})
     known = sorted({f.alias or name for name, f in fields.items()} | _loader_keys(root, model))
     given = loc[-1] if loc else ""
+    if given in _loader_keys(root, model):
+        # `extends` reached the model itself: `Policy(extends=...)`, not a file or a dict.
+        return (
+            f"`{given}` is read by the policy loader, not by `Policy(...)`",
+            f"`policy_from_dict({{'{given}': ..., ...}})` or a TOML file with `{given} = ...`",
+        )
     import difflib
 
     close = (

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import logging
 import subprocess
+from collections.abc import Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
-from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec
+from agent_sandbox.providers._base import Answer, LaunchPlan, ProbeResult, Provider, WorkerSpec
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._landlock import LandlockProvider
+from agent_sandbox.providers._netcheck import by_the_chosen_candidate, standard_answers
 from agent_sandbox.providers._unshare import UnshareProvider
 
 __all__ = ["AUTO_CANDIDATES", "STRONGER_CANDIDATES", "AutoProvider", "choose_plan"]
@@ -76,6 +78,11 @@ def choose_plan(plans: list[tuple[Provider, LaunchPlan]]) -> tuple[Provider, Lau
 class AutoProvider(Provider):
     """Choose, per policy, the deepest provider stack that works on this machine."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(
+        by_the_chosen_candidate, by_the_chosen_candidate
+    )
+
     name: ClassVar[str] = "auto"
     strength: ClassVar[int] = 0
     is_boundary: ClassVar[bool] = False
@@ -93,9 +100,13 @@ class AutoProvider(Provider):
         """The providers for a policy whose `min_boundary` is above `host-kernel`, fastest
         first: gVisor (a user-space kernel), then QEMU (a virtual machine)."""
         if self._stronger is None:
-            from agent_sandbox.providers._registry import get_provider
+            # Their own modules, not the registry's lookup: the registry imports this module
+            # (qemu's brings its image builder, so it is imported only here, when asked for).
+            from agent_sandbox.providers._gvisor import GvisorProvider
+            from agent_sandbox.providers.qemu.provider import QemuProvider
 
-            self._stronger = tuple(get_provider(name) for name in STRONGER_CANDIDATES)
+            classes: dict[str, type[Provider]] = {"gvisor": GvisorProvider, "qemu": QemuProvider}
+            self._stronger = tuple(classes[name]() for name in STRONGER_CANDIDATES)
         return self._stronger
 
     def provider_named(self, name: str) -> Provider:
@@ -181,7 +192,7 @@ class AutoProvider(Provider):
             held = []
             for p, plan in plans:
                 try:
-                    refuse_unenforceable(p.name, policy)
+                    refuse_unenforceable(p, policy)
                 except ProviderUnavailable as exc:
                     refused.append(f"{p.name}: {exc.reason}")
                     continue

@@ -20,12 +20,27 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox._wire import WorkerSetup
 
-__all__ = ["LaunchPlan", "ProbeResult", "Provider", "WorkerSpec"]
+__all__ = [
+    "Answer",
+    "LaunchPlan",
+    "ProbeResult",
+    "Provider",
+    "Unenforced",
+    "WorkerSetup",
+    "WorkerSpec",
+]
+
+#: What a provider cannot hold of one section of a policy, rule by rule: (the rule's index in
+#: the section, or None for the whole section; why; which provider can).
+Answer = Callable[[Any], list[tuple[int | None, str, str]]]
+#: One such thing, with its section: (section, index or None, why, which provider can).
+Unenforced = tuple[str, int | None, str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +71,20 @@ class WorkerSpec:
     #: The worker's end of the channel that carries its egress-proxy listener to the host
     #: (`_host/egress/proxy.py`); -1 when there is none.
     egress_fd: int = -1
+    #: The read end of the worker's life line: a pipe whose only write end the agent holds.
+    #: A provider whose worker no parent-death signal reaches passes it on (in `pass_fds`);
+    #: the worker asks the kernel for SIGKILL when the pipe's last writer closes, that is
+    #: when the agent is gone however it died (`_worker/boot.py`). -1 when there is none.
+    life_fd: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """How to start one worker: the result of a provider's pure `build()`.
 
-    `worker_setup` is JSON-safe data the worker applies to itself before it serves (for
-    example `{"landlock": {...}}`); `cleanup_paths` are host paths the parent removes when
-    the worker is gone.
+    `worker_setup` is what the worker applies to itself before it serves (a `WorkerSetup`
+    record of the shared wire module, for example its `landlock` ruleset); `cleanup_paths`
+    are host paths the parent removes when the worker is gone.
     """
 
     provider: str
@@ -72,7 +92,7 @@ class LaunchPlan:
     env: Mapping[str, str]
     pass_fds: tuple[int, ...]
     cwd: str
-    worker_setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    worker_setup: WorkerSetup = dataclasses.field(default_factory=WorkerSetup)
     stack: tuple[str, ...] = ()
     cleanup_paths: tuple[str, ...] = ()
     #: How many launcher processes stand above the worker (0: the launched process is the
@@ -133,6 +153,36 @@ class Provider:
     #: The most entries a plan's `stack` can list for a policy without network rules (None:
     #: unknown). `auto` builds no plan of a candidate that could not beat one it has.
     deepest_stack: ClassVar[int | None] = None
+    #: What it enforces, declared on the class: for each section of the policy
+    #: (`policies._model.SECTIONS`), a function listing what of that section it cannot hold
+    #: below Python (`providers/_netcheck.py` has them). A section it does not answer is
+    #: unenforceable: every policy is refused under it (`unenforceable`), and a test
+    #: generated from the policy model names the provider and the section.
+    answers: ClassVar[Mapping[str, Answer]] = {}
+
+    def unenforceable(self, policy: Any) -> list[Unenforced]:
+        """What of `policy` this provider cannot hold below Python, section by section; an
+        unanswered section is unenforceable as a whole (each of its rules, when it has
+        rules), so a provider that answers nothing refuses every policy."""
+        from agent_sandbox.policies._model import SECTIONS
+
+        out: list[Unenforced] = []
+        for section in SECTIONS:
+            answer = type(self).answers.get(section)
+            if answer is not None:
+                out.extend((section, *problem) for problem in answer(policy))
+                continue
+            why = (
+                f"no statement of what {self.name or type(self).__name__!r} enforces of "
+                f"[{section}] below Python (its class's `answers`)"
+            )
+            rules = getattr(getattr(policy, section, None), "rules", None) or ()
+            if rules:
+                fix = "a provider that answers it"
+                out.extend((section, i, why, fix) for i in range(len(rules)))
+            else:
+                out.append((section, None, why, "a provider that answers it"))
+        return out
 
     def probe(self) -> ProbeResult:
         """Say whether this provider works on this machine, and why not."""

@@ -36,14 +36,17 @@ from collections.abc import Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     worker_argv,
 )
 from agent_sandbox.providers._grants import grant_pins
+from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
@@ -248,6 +251,9 @@ def stacked_layers(
 class BwrapProvider(Provider):
     """Start the worker under bubblewrap, optionally with Landlock and seccomp stacked inside."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(namespace_net)
+
     name: ClassVar[str] = "bwrap"
     strength: ClassVar[int] = 40
     deepest_stack: ClassVar[int | None] = 3  # the namespaces, Landlock, seccomp
@@ -262,7 +268,7 @@ class BwrapProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> BwrapPlan:
         pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
-        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
+        egress, proxy_vars, egress_fds = egress_plan(self, policy, spec)
         probe = self.probe()
         exe = str(probe.details.get("path", self.bwrap))
         host = host_layout_for(policy, spec)
@@ -283,7 +289,7 @@ class BwrapProvider(Provider):
             env=base_env(spec, proxy_vars),
             pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # bwrap, then its init (PID 1 inside), then the worker
             seccomp_bpf=bpf,

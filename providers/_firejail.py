@@ -9,7 +9,9 @@ What it enforces, for native code too:
 
 * new PID, mount and network namespaces (`--net=none`: only a loopback interface), and
   death with the parent (`setpriv --pdeathsig KILL` in front of firejail, which has no such
-  option: without it the sandbox outlives a killed parent);
+  option: without it the sandbox outlives a killed parent), and with the agent however it
+  died (the worker's life line: the kernel SIGKILLs the worker when the agent's end of a
+  pipe closes, and `--deterministic-shutdown` ends the rest of the sandbox);
 * no capabilities (`--caps.drop=all`), no-new-privileges, firejail's default seccomp
   filter (`--seccomp`);
 * the whole file system read-only (`--read-only=/`), a private `/dev`, `/tmp` and `/etc`
@@ -34,18 +36,21 @@ from __future__ import annotations
 import functools
 import shutil
 import subprocess
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     worker_argv,
 )
 from agent_sandbox.providers._grants import grant_pins
-from agent_sandbox.providers._netcheck import refuse_unenforceable
+from agent_sandbox.providers._netcheck import firejail_net, refuse_unenforceable, standard_answers
 from agent_sandbox.providers._view import (
     HostLayout,
     bound_paths,
@@ -95,8 +100,11 @@ def firejail_argv(
 
     0. `setpriv --pdeathsig KILL`: firejail has no die-with-parent of its own, and its
        sandbox outlives a killed parent; killing firejail takes the sandbox down with it.
-       Run by a normal user, the exec of the set-user-ID firejail clears that signal: the
-       guardian and the sweep find firejail by its command line instead (`_host/guardian.py`);
+       Run by a normal user, the exec of the set-user-ID firejail clears that signal, and
+       it was not seen to end the sandbox reliably as root either: the worker's life line
+       (`WorkerSpec.life_fd`, kept with the transport's descriptors) ends the worker when
+       the agent is gone, and `--deterministic-shutdown` the rest of the sandbox; the
+       guardian and the sweep also find firejail by its command line (`_host/guardian.py`);
     1. no profile, then every protection spelled out (caps, nonewprivs, seccomp, network);
     2. private `/dev`, `/tmp`, `/etc`; everything read-only;
     3. top-level entries the worker does not need, and /run's entries: blacklisted;
@@ -135,8 +143,9 @@ def firejail_argv(
     for path in writable:
         argv += [f"--whitelist={path}", f"--read-write={path}"]
     argv += [f"--blacklist={p}" for p in dict.fromkeys([*deny, *sorted(host.masked)])]
+    kept = [spec.listen_fd, spec.boot_fd, *([spec.life_fd] if spec.life_fd >= 0 else [])]
     argv += [
-        f"--keep-fd={spec.listen_fd},{spec.boot_fd}",
+        f"--keep-fd={','.join(map(str, kept))}",
         "--deterministic-exit-code",
         # The worker's end ends everything it started in the sandbox (a setsid double
         # fork included), not only the worker.
@@ -201,6 +210,9 @@ def _probe(firejail: str) -> ProbeResult:
 class FirejailProvider(Provider):
     """Start the worker under firejail with the hardened argv (only when named)."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(firejail_net)
+
     name: ClassVar[str] = "firejail"
     strength: ClassVar[int] = 25
     is_boundary: ClassVar[bool] = True
@@ -213,7 +225,7 @@ class FirejailProvider(Provider):
         return _probe(self.firejail)
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
-        refuse_unenforceable(self.name, policy)  # --net=none: its own loopback only
+        refuse_unenforceable(self, policy)  # --net=none: its own loopback only
         details = self.probe().details
         exe = str(details.get("path", self.firejail))
         setpriv = str(details.get("setpriv", "setpriv"))
@@ -232,9 +244,13 @@ class FirejailProvider(Provider):
             provider=self.name,
             argv=firejail_argv(policy, spec, host, firejail=exe, setpriv=setpriv),
             env=base_env(spec),
-            pass_fds=(spec.listen_fd, spec.boot_fd),
+            pass_fds=(
+                spec.listen_fd,
+                spec.boot_fd,
+                *([spec.life_fd] if spec.life_fd >= 0 else []),
+            ),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers),
             worker_depth=None,  # firejail forks short-lived helpers of its own
         )

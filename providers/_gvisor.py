@@ -28,22 +28,34 @@ How a worker starts (`build` is pure, `launch` writes what it says):
   and lowered again by the worker; the seccomp filter of `providers._seccomp` inside the
   Sentry (the exec program when the policy grants no process).
 
-Limits outside the sandbox: the host's cgroups around runsc (memory and CPU; `pids.max`
-counts the Sentry's and gofer's own threads too, so it gets their slack), the host's wall
-clock, the output bounds. Every plan's stack starts with `gvisor`. The parent's interrupt goes
+Limits outside the sandbox: the host's cgroups around runsc (memory: the sandbox's pages
+live in the Sentry's memory file, charged there, so a hit is the host's OOM kill; CPU;
+`pids.max` counts the Sentry's and gofer's own threads too, so it gets their slack), the
+host's wall clock, the output bounds. A fork past `limits.processes` is refused inside
+(RLIMIT_NPROC) and reported from the worker's count (`limit_report`, the worker side's
+word). The Sentry's dentry cache is sized to the host's descriptor limit (`--dcache`).
+Every plan's stack starts with `gvisor`. The parent's interrupt goes
 through `runsc kill <id> INT` (`LaunchPlan.interrupt_argv`): `runsc run` does not forward
 SIGINT, it dies of it.
 
 Network: with `[net]` allow rules, the host's egress proxy as under `bwrap` (the same rules,
 the same refusals in `_netcheck.py`): `launch` binds the host's end of the worker's proxy
-route in the socket directory and the parent attaches it to its proxy; inside, a relay
-process the worker forks before its restrictions listens on the proxy address on the
-Sentry's loopback and carries each connection to that socket (`--host-uds=all`).
+route in the socket directory (and one socket per allowed loopback service) and the parent
+attaches them to its proxy; inside, a relay process the worker forks before its
+restrictions listens on the proxy address (and each service's) on the Sentry's loopback and
+carries each connection to its socket (`--host-uds=all`).
+
+Grants: walked and pinned at build, walked again on the host just before runsc starts
+(`check_pins_on_host`), and once more after the start in the gofer's own root
+(`check_pins_in_gofer`), which is what the sandbox was given.
 
 Refused at construction, naming the cause: a grant of a device, a socket or a FIFO (gVisor
 serves regular files and directories through its gofer), a `[net]` rule the proxy cannot
 serve (UDP, a listener for outside peers), a missing runsc, a runsc older than
 `MIN_RELEASE`.
+
+It is longer than 600 lines for now: the bundle, the pins and the launch are one provider's
+plan, and its cut into a `providers/gvisor/` package (as `providers/qemu/`) is still to do.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ import functools
 import json
 import os
 import re
+import resource
 import shutil
 import stat
 import subprocess
@@ -61,7 +74,16 @@ from collections.abc import Mapping
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
-from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider, WorkerSpec, base_env
+from agent_sandbox.providers._base import (
+    Answer,
+    LaunchPlan,
+    ProbeResult,
+    Provider,
+    WorkerSetup,
+    WorkerSpec,
+    base_env,
+)
+from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
@@ -93,16 +115,37 @@ INSTALL_HINT = (
 )
 #: The Sentry platform: ptrace works without KVM on every x86-64 and arm64 host.
 PLATFORM = "ptrace"
+#: Why the provider does not pick gVisor's `kvm` platform by itself (`doctor` prints it).
+PLATFORM_NOTE = (
+    "the kvm platform (no ptrace stop per system call) is not picked by itself: where "
+    "/dev/kvm is nested (kvm_pvm, as on the development host) `runsc --platform=kvm` hangs "
+    "at its start, so choosing it would take a trial that may not end; "
+    "GvisorProvider(platform='kvm') asks for it"
+)
 #: Where the worker binds its server's socket, inside `<control>/uds`.
 SOCKET_NAME = "ctl.sock"
 #: The host's end of the egress proxy route, in the same directory.
 EGRESS_SOCKET = "egress.sock"
+#: The worker's limit report, in the same directory (`LaunchPlan.limit_reports`).
+LIMIT_REPORT = "limits.json"
+#: The host's sockets of the allowed loopback services there: `fwd-<address>-<port>.sock`.
+FORWARD_PREFIX = "fwd-"
 #: Room in the host's cgroups for runsc, its gofer and the Sentry beside the worker: about
-#: 40 host threads at rest (more under load: Go starts threads for blocked calls) and 70 MiB
-#: resident here; the worker's own processes and memory are held
-#: inside by its rlimits (RLIMIT_NPROC, RLIMIT_AS), which gVisor enforces.
+#: 40 host threads at rest (more under load: Go starts threads for blocked calls); the
+#: worker's own processes are held inside by RLIMIT_NPROC, which gVisor enforces. Memory:
+#: the sandbox's memory (the worker's and its children's pages) lives in the Sentry's memory
+#: file, charged to the host's memory cgroup like the Sentry's own heap, so the group's
+#: limit is `memory_mb` plus the Sentry's, runsc's and the gofer's own charge: 16-23 MiB
+#: here (an idle worker, and one that imported pandas; `memory.stat` rss), with room for
+#: more under load. A hit is the host kernel's OOM kill, reported as `limits.memory`.
 LAUNCHER_TASKS = 512
-LAUNCHER_MB = 192
+LAUNCHER_MB = 64
+#: The Sentry's dentry cache (`--dcache`): each cached file holds host descriptors open in
+#: the Sentry and the gofer, and without it every mount (the view has dozens) caches up to
+#: 1000, so importing pandas ran the gofer past a normal user's `ulimit -n 1024` and the
+#: sandbox answered EMFILE (`limits.open_files`, seen in the non-root run). One cache for
+#: all mounts, sized to the host's descriptor limit (`dentry_cache_size`), this at most.
+DCACHE = 1000
 _MASK_BYTES = 4096
 _MB = 1024 * 1024
 
@@ -254,6 +297,18 @@ def bundle_config(
     }
 
 
+def dentry_cache_size(nofile: int) -> int:
+    """The Sentry's dentry cache for a host descriptor limit of `nofile` (the hard limit
+    runsc inherits: Go raises its soft limit to it): a sixteenth of it, between 64 and
+    DCACHE. The gofer holds several descriptors per cached file and more for the mounts
+    (measured here: about 330 at rest and 740 after importing pandas with a cache of 64,
+    1000 with 256, 2000 with runsc's own per-mount caches), and the code's open files
+    (`limits.open_files`) come on top."""
+    if nofile == resource.RLIM_INFINITY or nofile < 0:
+        return DCACHE
+    return max(64, min(DCACHE, nofile // 16))
+
+
 def container_id(spec: WorkerSpec) -> str:
     """The container's name: its control directory's, unique on the host (runsc names the
     sandbox's control socket after it in the host's abstract socket namespace)."""
@@ -269,6 +324,7 @@ def runsc_argv(
     platform: str = PLATFORM,
     *,
     egress: bool = False,
+    dcache: int = DCACHE,
 ) -> tuple[str, ...]:
     """The runsc command line for one worker (pure).
 
@@ -279,7 +335,8 @@ def runsc_argv(
     `--host-uds=create`: the worker may bind its server's socket in the shared socket
     directory, and connects to no host socket; with egress, `--host-uds=all`: its relay
     also connects to the host's end of the proxy route there (and, as under bwrap, the
-    code may connect to a host socket inside what the view binds).
+    code may connect to a host socket inside what the view binds); `--dcache`: the Sentry's
+    dentry cache, one cache for all mounts (`dentry_cache_size`).
     """
     return (
         runsc,
@@ -288,6 +345,7 @@ def runsc_argv(
         "--network=none",
         "--host-uds=all" if egress else "--host-uds=create",
         f"--platform={platform}",
+        f"--dcache={dcache}",
         "--root",
         state_dir,
         "run",
@@ -406,6 +464,9 @@ def _trial(path: str) -> ProbeResult:
 class GvisorProvider(Provider):
     """Start the worker inside gVisor (`runsc run`, rootless) from a generated OCI bundle."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(namespace_net)
+
     name: ClassVar[str] = "gvisor"
     strength: ClassVar[int] = 50
     deepest_stack: ClassVar[int | None] = 2  # gVisor, seccomp inside it
@@ -419,11 +480,12 @@ class GvisorProvider(Provider):
         return _probe(self.runsc)
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
+        from agent_sandbox._host.egress.proxy import loopback_forwards
         from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
 
-        refuse_unenforceable(self.name, policy)  # egress_plan refuses again, same rules
+        refuse_unenforceable(self, policy)  # egress_plan refuses again, same rules
         # Refuses a grant that runs through a link. The pins are checked again by `launch`,
         # on the host: the Sentry's device and inode numbers are its own, not the host's.
         pins = grant_pins(policy, spec)
@@ -439,12 +501,20 @@ class GvisorProvider(Provider):
             "no_new_privs": True,
             "drop_caps": True,
             "listen_path": os.path.join(uds, SOCKET_NAME),
+            # gVisor's kernel refuses a fork past RLIMIT_NPROC and keeps no count of it the
+            # host could read: the worker counts the sandbox's processes where a call ends
+            # and reports the calls that ended at the limit (`GuestLimits`, the worker
+            # side's word).
+            "limit_report": {
+                "path": os.path.join(uds, LIMIT_REPORT),
+                "processes": int(policy.limits.processes),
+            },
         }
         layers: tuple[str, ...] = ()
         if _seccomp.probe_seccomp()[0]:
             setup.update(_seccomp.seccomp_setup(policy))
             layers = ("seccomp",)
-        egress, proxy_vars, _fds = egress_plan(self.name, policy, spec)
+        egress, proxy_vars, _fds = egress_plan(self, policy, spec)
         if egress:
             # The parent's proxy route ends in the socket directory (`launch` binds it and
             # sends it over the egress channel); a relay inside carries the proxy address
@@ -455,18 +525,30 @@ class GvisorProvider(Provider):
                 "host": egress["egress"]["host"],
                 "port": egress["egress"]["port"],
                 "socket": os.path.join(uds, EGRESS_SOCKET),
+                # Allowed loopback services, each through a socket of its own there (named
+                # after its address, which the host matches against its own list).
+                "forwards": [
+                    [host, port, os.path.join(uds, forward_socket_name(host, port))]
+                    for host, port in loopback_forwards(policy)
+                ],
             }
             layers += ("egress-proxy",)
         exe = str(self.probe().details.get("path", self.runsc))
         return GvisorPlan(
             provider=self.name,
             argv=runsc_argv(
-                exe, state, bundle, container_id(spec), self.platform, egress=bool(egress)
+                exe,
+                state,
+                bundle,
+                container_id(spec),
+                self.platform,
+                egress=bool(egress),
+                dcache=dentry_cache_size(resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
             ),
             env=_runsc_env(),
             pass_fds=(),
             cwd=spec.control_dir,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers),
             worker_depth=None,
             interrupt_launcher=True,
@@ -475,6 +557,7 @@ class GvisorProvider(Provider):
             # it waits, not the first result (benchmarks/bench_gvisor.py).
             warm_up=True,
             socket_path=os.path.join(uds, SOCKET_NAME),
+            limit_reports=os.path.join(uds, LIMIT_REPORT),
             interrupt_argv=(exe, "--rootless", "--root", state, "kill", container_id(spec), "INT"),
             launcher_tasks=LAUNCHER_TASKS,
             launcher_mb=LAUNCHER_MB,
@@ -505,15 +588,36 @@ class GvisorProvider(Provider):
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=_death_signal(),
         )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _death_signal() -> Any:
+    """What the child runs before it execs runsc: SIGKILL when the thread that started it
+    (the host's lasting launch thread) ends, the agent gone however it died. runsc has no
+    such option, and without one `runsc run` and its sandbox outlived an agent killed with
+    its guardian (3 of 8 runs here). Its sandbox and gofer end with `runsc run`.
+    `prctl` is looked up here, in the parent: the child only calls it."""
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    return die_with_parent
 
 
 def check_pins_on_host(pins: Mapping[str, Any]) -> None:
     """Each granted path, walked again without following links, must still be the object
     the build pinned; raises WorkerStartError naming the path otherwise.
 
-    NOTE: runsc's gofer opens each bind source by path a few tens of milliseconds later; a
-    swap inside that window is not caught (docs/providers.md, gvisor).
+    runsc's gofer opens each bind source by path a few tens of milliseconds later; a swap
+    inside that window is caught after the start by `check_pins_in_gofer`.
     """
     from agent_sandbox._errors import PolicyError, WorkerStartError
     from agent_sandbox.providers._grants import _walk
@@ -531,24 +635,117 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
             )
 
 
+def forward_socket_name(host: str, port: int) -> str:
+    """The name of the host's socket for the forwarded loopback service host:port (the
+    parent matches it against its own list: `_egress.receive_listeners`)."""
+    return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
+
+
+def check_pins_in_gofer(plan: GvisorPlan, runsc_pid: int) -> None:
+    """After the start, before any call: each granted path as runsc's gofer mounted it (in
+    the gofer's own root, `/proc/<gofer>/root`, walked without following a link) must be
+    the object the build pinned; raises WorkerStartError naming the path otherwise.
+
+    This closes the window `check_pins_on_host` leaves: the gofer opens each bind source by
+    path some tens of milliseconds after that check, and a swap inside that window mounts
+    what the swapped-in link points to, which this walk sees (another device or inode).
+    """
+    from agent_sandbox._errors import WorkerStartError
+
+    gofer = _gofer_pid(runsc_pid)
+    if gofer is None:
+        raise WorkerStartError(
+            "runsc's gofer was not found, so the granted paths it mounted "
+            "could not be checked; start the worker again"
+        )
+    masked = {
+        m["destination"]
+        for m in plan.config.get("mounts", ())
+        if m.get("type") == "tmpfs" or m.get("source") == os.path.join(plan.bundle_dir, "empty")
+    }
+    try:
+        root = os.open(f"/proc/{gofer}/root", os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise WorkerStartError(
+            f"cannot read the root of runsc's gofer ({exc}), so the granted paths it mounted "
+            "could not be checked"
+        ) from None
+    try:
+        for path, pin in plan.pins.items():
+            if pin is None or path in masked or path.startswith(("/proc/", "/dev/")):
+                continue
+            if _walk_in(root, path) != list(pin):
+                raise WorkerStartError(
+                    f"the granted path {path} as the sandbox mounted it is not the object the "
+                    "policy check pinned (a link planted or a directory swapped between the "
+                    "check and the mount); start the worker again, and see which tool can "
+                    "write there"
+                )
+    finally:
+        os.close(root)
+
+
+def _gofer_pid(runsc_pid: int) -> int | None:
+    """The pid of runsc's gofer: a descendant of the runsc process (a child as root; as a
+    normal user runsc first runs itself again in a user namespace) whose command line starts
+    with `runsc-gofer`."""
+    from agent_sandbox._host.limits import _descendants
+
+    for pid, _level in _descendants(runsc_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if fh.read().split(b"\0", 1)[0] == b"runsc-gofer":
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+def _walk_in(root: int, path: str) -> list[int] | None:
+    """[st_dev, st_ino] of `path` below the directory `root`, every component opened without
+    following a link; None where a component is missing or a link."""
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.dup(root)
+    try:
+        for part in (p for p in path.split("/") if p):
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError:
+                return None
+            os.close(fd)
+            fd = child
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                return None
+        info = os.fstat(fd)
+        return [info.st_dev, info.st_ino]
+    finally:
+        os.close(fd)
+
+
 def send_egress_listener(plan: GvisorPlan) -> None:
-    """Bind the host's end of the proxy route in the socket directory and send it over the
-    egress channel, where the parent takes it onto its egress proxy (as it takes a worker's
-    listener under bwrap, or the QEMU relay's)."""
+    """Bind the host's end of the proxy route in the socket directory, and one socket for
+    each allowed loopback service, and send them over the egress channel, where the parent
+    takes them onto its egress proxy (as it takes a worker's listeners under bwrap, or the
+    QEMU relay's)."""
     import socket
 
     relay = plan.worker_setup.get("egress_relay") or {}
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    paths = [str(relay["socket"]), *(str(path) for _h, _p, path in relay.get("forwards", ()))]
+    listeners: list[socket.socket] = []
     try:
-        listener.bind(str(relay["socket"]))
-        listener.listen(128)
+        for path in paths:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listeners.append(listener)
+            listener.bind(path)
+            listener.listen(128)
         channel = socket.socket(fileno=os.dup(plan.egress_fd))
         try:
-            socket.send_fds(channel, [b"egress"], [listener.fileno()])
+            socket.send_fds(channel, [b"egress"], [sock.fileno() for sock in listeners])
         finally:
             channel.close()
     finally:
-        listener.close()
+        for sock in listeners:
+            sock.close()
 
 
 def _runsc_env() -> dict[str, str]:

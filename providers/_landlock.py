@@ -55,15 +55,18 @@ from agent_sandbox._landlock_sys import (
 )
 from agent_sandbox.policies._paths import expand_entry, static_prefix
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     package_folder,
     worker_argv,
 )
 from agent_sandbox.providers._masks import Masks, find_masks
+from agent_sandbox.providers._netcheck import landlock_net, standard_answers
 
 __all__ = [
     "ACCESS_SETS",
@@ -491,6 +494,9 @@ def _user_tmpfs_trial(python: str) -> ProbeResult:
 class LandlockProvider(Provider):
     """A plain child process that applies Landlock and seccomp to itself before serving."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(landlock_net)
+
     name: ClassVar[str] = "landlock"
     strength: ClassVar[int] = 20
     deepest_stack: ClassVar[int | None] = 2  # Landlock, seccomp
@@ -531,7 +537,7 @@ class LandlockProvider(Provider):
         from agent_sandbox.providers._netcheck import refuse_unenforceable
         from agent_sandbox.providers._seccomp import seccomp_setup
 
-        refuse_unenforceable(self.name, policy)  # Landlock alone filters ports only
+        refuse_unenforceable(self, policy)  # Landlock alone filters ports only
         pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         setup: dict[str, Any] = {
             "no_new_privs": True,
@@ -556,7 +562,7 @@ class LandlockProvider(Provider):
             env=base_env(spec),
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, "seccomp") if "seccomp" in setup else (self.name,),
             worker_depth=1,  # its keeper, then the worker
             keeper=True,

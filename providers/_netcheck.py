@@ -1,8 +1,14 @@
-"""Which `[net]` rules a provider enforces below Python; the others refuse the policy at build.
+"""What a provider enforces below Python, section by section; the rest refuses the policy.
 
-Every provider's `build()` calls `refuse_unenforceable(provider, policy)` (through it,
-`Sandbox`, tools, `sandboxed()` and `agent-sandbox policy check`, which all do a dry build,
-refuse too). What each one enforces, by the kind of rule:
+Each provider declares it on its class (`Provider.answers`: for every section of the policy,
+one of the functions here); a section it does not answer is unenforceable, so a new provider
+refuses every policy until it says what it holds, and a test generated from the policy model
+(tests/providers/test_enforceable.py) names the provider and the section. The refusal is
+`refuse_unenforceable(provider, policy)`: called by the builders that take network rules and
+by `_host/boundary.resolve_boundary` for every provider (so `Sandbox`, tools, `sandboxed()`
+and `agent-sandbox policy check`, which all resolve the boundary, refuse too).
+
+The `[net]` section is where providers differ; what each one enforces, by the kind of rule:
 
 | rule                                        | landlock | bwrap / unshare / qemu | firejail  |
 |---------------------------------------------|----------|------------------------|-----------|
@@ -40,15 +46,24 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable
 from typing import Any
 
 from agent_sandbox._errors import ProviderUnavailable
 
 __all__ = [
+    "by_the_chosen_candidate",
+    "by_the_pods_provider",
     "describe_rule",
+    "firejail_net",
+    "held_as_planned",
     "lan_network",
+    "landlock_net",
+    "namespace_net",
+    "opted_out",
     "refuse_unenforceable",
     "rule_location",
+    "standard_answers",
     "unenforceable",
 ]
 
@@ -122,8 +137,8 @@ def rule_location(policy: Any, index: int) -> str:
     return f"{source} {where}"
 
 
-def _landlock(policy: Any) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+def _landlock(policy: Any) -> list[tuple[int | None, str, str]]:
+    out: list[tuple[int | None, str, str]] = []
     rules = list(policy.net.rules)
     for i, rule in enumerate(rules):
         if rule.action == "allow":
@@ -169,8 +184,8 @@ def _landlock(policy: Any) -> list[tuple[int, str, str]]:
     return out
 
 
-def _firejail(policy: Any) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+def _firejail(policy: Any) -> list[tuple[int | None, str, str]]:
+    out: list[tuple[int | None, str, str]] = []
     rules = list(policy.net.rules)
     for i, rule in enumerate(rules):
         if rule.action != "allow":
@@ -262,8 +277,8 @@ def lan_network(host: str) -> Any:
     return None
 
 
-def _namespace(policy: Any) -> list[tuple[int, str, str]]:
-    out: list[tuple[int, str, str]] = []
+def _namespace(policy: Any) -> list[tuple[int | None, str, str]]:
+    out: list[tuple[int | None, str, str]] = []
     for i, rule in enumerate(policy.net.rules):
         if rule.action != "allow" or _is_loopback(rule.host):
             continue
@@ -291,59 +306,88 @@ def _namespace(policy: Any) -> list[tuple[int, str, str]]:
     return out
 
 
-def unenforceable(provider: str, policy: Any) -> list[tuple[int, str, str]]:
-    """(rule index, why `provider` cannot enforce it, which provider can) for each rule."""
-    net = getattr(policy, "net", None)
-    if net is None or not getattr(net, "rules", None):
-        return []
-    check = _CHECKS.get(provider)
-    if check is None:
-        # Fail closed: a provider this table does not know (a new one, a typo) is taken to
-        # enforce no rule below Python, so every rule refuses the policy until it is added.
-        return [
-            (
-                i,
-                f"no statement of which [net] rules {provider!r} enforces below Python "
-                "(providers/_netcheck.py)",
-                _NAMESPACE,
-            )
-            for i in range(len(policy.net.rules))
-        ]
-    return check(policy)
-
-
-def _none(policy: Any) -> list[tuple[int, str, str]]:
+def opted_out(policy: Any) -> list[tuple[int | None, str, str]]:
     """The explicit opt-out (`subprocess` with `no_kernel_boundary = "accepted"`): it
     enforces nothing below Python, and the opt-out says so."""
     return []
 
 
-#: What each provider enforces, by name: every provider is listed, or refuses every rule.
-_CHECKS = {
-    "landlock": _landlock,
-    "firejail": _firejail,
-    "bwrap": _namespace,
-    "unshare": _namespace,
-    "qemu": _namespace,
-    "gvisor": _namespace,
-    "subprocess": _none,
-}
+def held_as_planned(policy: Any) -> list[tuple[int | None, str, str]]:
+    """A section the provider's plan holds as written (files: its view, Landlock or the
+    guest's mounts; limits: rlimits and the cgroups the host makes), or one that is the
+    Python layer's and the host's alike under every provider (imports, env, api, code,
+    tools; remote, read only by the remote provider): nothing refused."""
+    return []
 
 
-def refuse_unenforceable(provider: str, policy: Any) -> None:
-    """Raise ProviderUnavailable naming every `[net]` rule `provider` cannot enforce."""
-    problems = unenforceable(provider, policy)
+def by_the_chosen_candidate(policy: Any) -> list[tuple[int | None, str, str]]:
+    """`auto`: the candidate it chooses answers (its build refuses what it cannot hold, and
+    `auto` takes only a candidate whose build succeeded)."""
+    return []
+
+
+def by_the_pods_provider(policy: Any) -> list[tuple[int | None, str, str]]:
+    """`remote`: the pod's own provider answers, when the pod resolves its boundary."""
+    return []
+
+
+#: The functions by provider, for `[net]` (see the table above).
+landlock_net = _landlock
+firejail_net = _firejail
+namespace_net = _namespace
+
+
+def standard_answers(
+    net: Callable[[Any], list[tuple[int | None, str, str]]],
+    other: Callable[[Any], list[tuple[int | None, str, str]]] = held_as_planned,
+) -> dict[str, Callable[[Any], list[tuple[int | None, str, str]]]]:
+    """A provider's answers: `net` for `[net]`, `other` for every other section. The
+    sections are written out here, not read from the model: a section the model gains is
+    unanswered by every provider until someone decides here what each holds of it."""
+    return {
+        "files": other,
+        "net": net,
+        "imports": other,
+        "env": other,
+        "api": other,
+        "code": other,
+        "limits": other,
+        "tools": other,
+        "remote": other,
+    }
+
+
+def unenforceable(provider: Any, policy: Any) -> list[tuple[int | None, str, str]]:
+    """(rule index, why `provider` cannot enforce it, which provider can) for each `[net]`
+    rule it cannot hold below Python (`Provider.unenforceable` has every section)."""
+    return [
+        (index, why, alternative)
+        for section, index, why, alternative in provider.unenforceable(policy)
+        if section == "net"
+    ]
+
+
+def refuse_unenforceable(provider: Any, policy: Any) -> None:
+    """Raise ProviderUnavailable naming everything of `policy` that `provider` cannot
+    enforce below Python: each `[net]` rule, each unanswered section."""
+    problems = provider.unenforceable(policy)
     if not problems:
         return
     lines = []
-    for index, why, alternative in problems:
-        rule = policy.net.rules[index]
-        lines.append(
-            f"{rule_location(policy, index)} {describe_rule(rule)}: {why}; "
-            f"enforced by: {alternative}"
-        )
+    for section, index, why, alternative in problems:
+        if section == "net" and index is not None:
+            rule = policy.net.rules[index]
+            where = f"{rule_location(policy, index)} {describe_rule(rule)}"
+        else:
+            where = f"[{section}]" if index is None else f"[{section}] rules[{index}]"
+        lines.append(f"{where}: {why}; enforced by: {alternative}")
+    net_only = all(section == "net" for section, *_ in problems)
+    what = (
+        ("this [net] rule" if len(lines) == 1 else "these [net] rules")
+        if net_only
+        else ("this part of the policy" if len(lines) == 1 else "these parts of the policy")
+    )
     raise ProviderUnavailable(
-        provider,
-        f"it cannot enforce {'this [net] rule' if len(lines) == 1 else 'these [net] rules'} "
-        f"below Python, so the policy is refused: {' | '.join(lines)}",
+        provider.name,
+        f"it cannot enforce {what} below Python, so the policy is refused: {' | '.join(lines)}",
     )

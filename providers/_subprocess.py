@@ -12,22 +12,29 @@ provider (`landlock`, `unshare`, `bwrap`, `firejail`) or `auto` for untrusted co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     worker_argv,
 )
+from agent_sandbox.providers._netcheck import opted_out, standard_answers
 
 __all__ = ["SubprocessProvider"]
 
 
 class SubprocessProvider(Provider):
     """Start the worker as an ordinary child process (guards and rlimits only)."""
+
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(opted_out, opted_out)
 
     name: ClassVar[str] = "subprocess"
     strength: ClassVar[int] = 0
@@ -43,7 +50,7 @@ class SubprocessProvider(Provider):
             env=base_env(spec),
             pass_fds=(spec.listen_fd, spec.boot_fd),
             cwd=spec.scratch,
-            worker_setup={},
+            worker_setup=WorkerSetup(),
             stack=(self.name,),
             worker_depth=1,  # its keeper, then the worker
             keeper=True,

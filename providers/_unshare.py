@@ -37,14 +37,17 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     package_folder,
 )
 from agent_sandbox.providers._grants import grant_pins
+from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
     TMPFS_BYTES,
@@ -179,6 +182,9 @@ def _trial(python: str) -> ProbeResult:
 class UnshareProvider(Provider):
     """Start the worker in fresh namespaces with a minimal read-only view of the system."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(namespace_net)
+
     name: ClassVar[str] = "unshare"
     strength: ClassVar[int] = 30
     deepest_stack: ClassVar[int | None] = 3  # the namespaces, Landlock, seccomp
@@ -192,7 +198,7 @@ class UnshareProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
-        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
+        egress, proxy_vars, egress_fds = egress_plan(self, policy, spec)
         host = host_layout_for(policy, spec)
         setup: dict[str, Any] = {"no_new_privs": True, "drop_caps": True}
         layers: tuple[str, ...] = ()
@@ -210,7 +216,7 @@ class UnshareProvider(Provider):
             env=base_env(spec, proxy_vars),
             pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.scratch,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers, *(("egress-proxy",) if egress else ())),
             worker_depth=2,  # the launcher L, then B (PID 1 inside), then the worker C
         )

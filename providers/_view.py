@@ -266,7 +266,7 @@ def network_mode(policy: Any) -> Literal["none", "proxy"]:
 
 
 def egress_plan(
-    provider: str, policy: Any, spec: Any
+    provider: Any, policy: Any, spec: Any
 ) -> tuple[dict[str, Any], dict[str, str], tuple[int, ...]]:
     """What a namespace provider adds for a policy with network rules (pure): the
     `worker_setup` fragment, the proxy variables for the environment and the descriptor

@@ -121,6 +121,55 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         )
 
 
+# -- Sharing the provider matrix between CI's legs ------------------------------------------
+# CI runs the whole suite on the first declared Python (root and normal user), and on each
+# other declared Python everything again except the provider matrix, whose files it deals
+# between those Pythons (.ci/run): AGENT_SANDBOX_TEST_SHARE=i/n keeps, under tests/providers,
+# only the files of share i of n. Unset (a developer's machine) nothing changes.
+
+#: The directory whose files the legs share, as pytest's node ids begin.
+SHARED_DIR = "tests/providers/"
+
+
+def provider_shares(counts: dict[str, int], n: int) -> list[set[str]]:
+    """`counts` (a file -> the tests collected from it) dealt into `n` shares of about the
+    same number of tests: the largest file first, each to the share with the fewest so far
+    (ties to the lower share; files of one size by name), so runs that collect the same files
+    deal them alike, and together the shares hold every file once."""
+    shares: list[set[str]] = [set() for _ in range(n)]
+    sizes = [0] * n
+    for name in sorted(counts, key=lambda f: (-counts[f], f)):
+        low = min(range(n), key=lambda k: (sizes[k], k))
+        shares[low].add(name)
+        sizes[low] += counts[name]
+    return shares
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """AGENT_SANDBOX_TEST_SHARE=i/n: the provider matrix's files of share i only."""
+    share = os.environ.get("AGENT_SANDBOX_TEST_SHARE", "")
+    if not share:
+        return
+    found = re.fullmatch(r"([1-9][0-9]*)/([1-9][0-9]*)", share)
+    if found is None or int(found[1]) > int(found[2]):
+        raise pytest.UsageError(
+            f"AGENT_SANDBOX_TEST_SHARE={share!r}: give i/n with 1 <= i <= n (share i of n)"
+        )
+    counts: dict[str, int] = {}
+    for item in items:
+        name = item.nodeid.split("::", 1)[0]
+        if name.startswith(SHARED_DIR):
+            counts[name] = counts.get(name, 0) + 1
+    mine = provider_shares(counts, int(found[2]))[int(found[1]) - 1]
+    kept, dropped = [], []
+    for item in items:
+        name = item.nodeid.split("::", 1)[0]
+        (kept if not name.startswith(SHARED_DIR) or name in mine else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 # Secrets planted in the test process's environment: a worker must never see them.
 os.environ.setdefault("AGENT_SANDBOX_TEST_CANARY", "canary-7f3a9c1e")
 
@@ -189,3 +238,34 @@ def _probe_cache_switch_restored() -> Iterator[None]:
     before = _probe_cache._afresh
     yield
     _probe_cache._afresh = before
+
+
+class GrowOnRead:
+    """A writer that appends to a host file right after the host's first read of it (through
+    `agent_sandbox._host.files`, which places uploads): a file that changes while it is read.
+    `arm(path)` installs it; `grew` says whether the writer ran (the test's own oracle)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._monkeypatch = monkeypatch
+        self.grew = False
+
+    def arm(self, path: Path) -> None:
+        from agent_sandbox._host import files as host_files
+
+        real_read = os.read
+
+        def read_then_grow(fd: int, n: int) -> bytes:
+            data = real_read(fd, n)
+            if not self.grew:
+                self.grew = True
+                with open(path, "ab") as fh:
+                    fh.write(b"more rows\n")
+            return data
+
+        self._monkeypatch.setattr(host_files.os, "read", read_then_grow)
+
+
+@pytest.fixture
+def grow_on_read(monkeypatch: pytest.MonkeyPatch) -> GrowOnRead:
+    """See `GrowOnRead`; undone with the test's `monkeypatch`."""
+    return GrowOnRead(monkeypatch)

@@ -29,6 +29,7 @@ from agent_sandbox._host.result import NO_BOUNDARY, boundary_name
 from agent_sandbox.policies import Policy
 from agent_sandbox.policies._model import check_boundary_opt_out, check_min_boundary
 from agent_sandbox.providers import AutoProvider, Provider, WorkerSpec, get_provider
+from agent_sandbox.providers._netcheck import refuse_unenforceable
 
 __all__ = ["NO_BOUNDARY", "Boundary", "boundary_name", "resolve_boundary"]
 
@@ -89,6 +90,8 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
     plan = chosen.build(policy, _dry_spec(policy))
     if isinstance(chosen, AutoProvider):
         chosen = chosen.provider_named(plan.provider)
+    # Every provider, whatever its build checks: what it does not answer refuses the policy.
+    refuse_unenforceable(chosen, policy)
     return Boundary(chosen, tuple(plan.stack))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["Hierarchy", "hierarchies", "hierarchy_bases", "unified_controllers"]
+__all__ = ["Hierarchy", "hierarchies", "hierarchy_bases", "read_or_empty", "unified_controllers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +59,8 @@ def hierarchies(mountinfo: str | None = None, cgroup: str | None = None) -> dict
     and `unified`; a pure v2 host gives `unified` only, whose delegated controllers then
     carry the memory and process limits.
     """
-    own = _own_cgroups(_read("/proc/self/cgroup") if cgroup is None else cgroup)
-    mounts = _mounts(_read("/proc/self/mountinfo") if mountinfo is None else mountinfo)
+    own = _own_cgroups(read_or_empty("/proc/self/cgroup") if cgroup is None else cgroup)
+    mounts = _mounts(read_or_empty("/proc/self/mountinfo") if mountinfo is None else mountinfo)
     found: dict[str, Hierarchy] = {}
     for mount, fstype, opts in mounts:
         if fstype == "cgroup" and "memory" in opts and "memory" in own:
@@ -87,7 +87,8 @@ def hierarchy_bases() -> list[str]:
     return sorted({h.base for h in hierarchies().values()})
 
 
-def _read(path: str) -> str:
+def read_or_empty(path: str) -> str:
+    """The text of a control file, or "" where it cannot be read (gone, or never there)."""
     try:
         with open(path) as fh:
             return fh.read()

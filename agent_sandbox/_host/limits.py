@@ -45,7 +45,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from agent_sandbox._host.cgroups import hierarchies, hierarchy_bases, unified_controllers
+from agent_sandbox._host.cgroups import (
+    hierarchies,
+    hierarchy_bases,
+    read_or_empty,
+    unified_controllers,
+)
 
 __all__ = [
     "REPLACING_RULES",
@@ -84,14 +89,6 @@ def _write(path: str, value: str) -> None:
         os.write(fd, value.encode())
     finally:
         os.close(fd)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return ""
 
 
 def _counter_bytes(text: bytes, key: str) -> int:
@@ -246,7 +243,7 @@ class WorkerCgroups:
         moves it made.
         """
         members = {
-            path: set(_read(os.path.join(path, "cgroup.procs")).split())
+            path: set(read_or_empty(os.path.join(path, "cgroup.procs")).split())
             for path in self.dirs.values()
         }
         tree = [(root, 0), *_descendants(root)]
@@ -263,7 +260,7 @@ class WorkerCgroups:
     def pids(self) -> list[int]:
         out: set[int] = set()
         for path in set(self.dirs.values()):
-            for word in _read(os.path.join(path, "cgroup.procs")).split():
+            for word in read_or_empty(os.path.join(path, "cgroup.procs")).split():
                 out.add(int(word))
         return sorted(out)
 
@@ -278,13 +275,13 @@ class WorkerCgroups:
             return dict(self._final)
         out = {"memory": 0, "processes": 0, "cpu_usec": 0}
         if "unified" in self.dirs:
-            text = _read(os.path.join(self.dirs["unified"], "cpu.stat"))
+            text = read_or_empty(os.path.join(self.dirs["unified"], "cpu.stat"))
             out["cpu_usec"] = _counter(text, "usage_usec")
         if "memory-v1" in self.dirs:
-            text = _read(os.path.join(self.dirs["memory-v1"], "memory.oom_control"))
+            text = read_or_empty(os.path.join(self.dirs["memory-v1"], "memory.oom_control"))
             out["memory"] = _counter(text, "oom_kill")
         if "memory-v2" in self.dirs:
-            text = _read(os.path.join(self.dirs["memory-v2"], "memory.events"))
+            text = read_or_empty(os.path.join(self.dirs["memory-v2"], "memory.events"))
             out["memory"] = _counter(text, "oom_kill")
         peak = self._memory_peak()
         if peak is not None:
@@ -292,12 +289,12 @@ class WorkerCgroups:
         for key in ("pids-v1", "pids-v2"):
             if key in self.dirs:
                 out["processes"] = _counter(
-                    _read(os.path.join(self.dirs[key], "pids.events")), "max"
+                    read_or_empty(os.path.join(self.dirs[key], "pids.events")), "max"
                 )
         for key in ("cpu-v1", "cpu-v2"):
             if key in self.dirs:
                 out["cpu_throttled"] = _counter(
-                    _read(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
+                    read_or_empty(os.path.join(self.dirs[key], "cpu.stat")), "nr_throttled"
                 )
         return out
 
@@ -306,7 +303,7 @@ class WorkerCgroups:
         later), v1 `memory.max_usage_in_bytes`; None where neither can be read."""
         for key, file in (("memory-v2", "memory.peak"), ("memory-v1", "memory.max_usage_in_bytes")):
             if key in self.dirs:
-                text = _read(os.path.join(self.dirs[key], file)).strip()
+                text = read_or_empty(os.path.join(self.dirs[key], file)).strip()
                 if text.isdigit():
                     return int(text)
         return None
@@ -454,7 +451,7 @@ def _descendants(pid: int) -> Iterator[tuple[int, int]]:
         except OSError:
             continue
         for tid in tasks:
-            for word in _read(f"/proc/{current}/task/{tid}/children").split():
+            for word in read_or_empty(f"/proc/{current}/task/{tid}/children").split():
                 child = (int(word), level + 1)
                 yield child
                 stack.append(child)
@@ -596,19 +593,24 @@ def _read_report(path: str) -> Any:
 class GuestLimits:
     """The limit counters a VM's guest agent reported (`LaunchPlan.limit_reports`, written
     by the host relay): refused forks of the guest's pids cgroup, memory-limit and OOM-kill
-    counts of its memory cgroup. They come from inside the VM, the worker's side of the
-    boundary, so the host cannot take them as facts: each hit says it was reported by the
-    guest and is unverified. For memory the host adds what it measures itself: how much of
-    the guest's RAM QEMU holds as private (written) pages since the restore, which a real
-    hit of `limits.memory_mb` cannot be below (the worker's charge at the template's save
-    aside); a report the measurement contradicts says so."""
+    counts of its memory cgroup; or a gVisor worker's (`source="gvisor"`): the calls that
+    ended with the sandbox at `limits.processes`. They come from inside the VM or the
+    sandbox, the worker's side of the boundary, so the host cannot take them as facts: each
+    hit says it was reported by that side and is unverified. For a VM's memory the host adds
+    what it measures itself: how much of the guest's RAM QEMU holds as private (written)
+    pages since the restore, which a real hit of `limits.memory_mb` cannot be below (the
+    worker's charge at the template's save aside); a report the measurement contradicts
+    says so."""
 
     #: The worker's memory already in the template when it was saved (not private pages).
     TEMPLATE_SLACK_MB = 64
 
-    def __init__(self, path: str, launcher_pid: int) -> None:
+    def __init__(self, path: str, launcher_pid: int, source: str = "qemu") -> None:
         self.path = path
         self.launcher_pid = launcher_pid
+        #: Who writes the report: "qemu" (the guest agent, through the host relay) or
+        #: "gvisor" (the worker itself, in its socket directory: `_worker/server.py`).
+        self.source = source
         self._seen: dict[str, int] = {}
         self._stamp = 0
 
@@ -631,6 +633,19 @@ class GuestLimits:
         }
         self._seen.update({k: int(v) for k, v in now.items() if isinstance(v, int)})
         hits: list[tuple[str, str]] = []
+        if self.source == "gvisor":
+            if grown.get("pids_at_limit"):
+                hits.append(
+                    (
+                        "limits.processes",
+                        "the worker counted as many processes in the gVisor sandbox as "
+                        f"`processes = {policy.limits.processes}` at the end of the call "
+                        "(gVisor's kernel refuses a fork past it, RLIMIT_NPROC, with EAGAIN); "
+                        "the host cannot see the sandbox's processes, so this is the worker "
+                        "side's word (unverified)",
+                    )
+                )
+            return hits
         if grown.get("pids_max"):
             hits.append(
                 (

@@ -79,6 +79,7 @@ from agent_sandbox._host.limits import (
 )
 from agent_sandbox._host.result import RunError, RunResult
 from agent_sandbox._host.setup_checks import verify_checks
+from agent_sandbox._wire import BootConfig
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
 
@@ -173,6 +174,9 @@ class WorkerProcess:
         self._held: list[tuple[str, Any]] = []
         #: The O_PATH descriptor of a socket the worker bound itself (`_pin_socket`).
         self._socket_pin: int | None = None
+        #: The write end of the worker's life line (`WorkerSpec.life_fd`), closed once the
+        #: worker is reaped; None when its provider does not use one.
+        self._life: int | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -216,6 +220,10 @@ class WorkerProcess:
         sock_path = os.path.join(self.control_dir, "ctl.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         boot_r, boot_w = os.pipe()
+        # The worker's life line (`WorkerSpec.life_fd`): the write end stays here, close-on-
+        # exec and passed to nothing, until the worker is reaped; a worker forked from a
+        # template dies with the template instead.
+        life_r, life_w = os.pipe() if template is None else (-1, -1)
         # The channel that brings the worker's egress-proxy listener to the host (used only
         # when the plan has an egress proxy; see _host/egress/proxy.py).
         egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -225,6 +233,8 @@ class WorkerProcess:
             listener.listen(8)
             listener.set_inheritable(True)
             os.set_inheritable(boot_r, True)
+            if life_r >= 0:
+                os.set_inheritable(life_r, True)
             egress_worker.set_inheritable(True)
             spec = WorkerSpec(
                 python=worker_python(),
@@ -239,6 +249,7 @@ class WorkerProcess:
                 prefix=sys.prefix,
                 base_prefix=sys.base_prefix,
                 egress_fd=egress_worker.fileno(),
+                life_fd=life_r,
             )
             self.plan = provider.build(policy, spec)
             if template is not None:
@@ -276,6 +287,8 @@ class WorkerProcess:
             os.close(boot_r)
             os.close(boot_w)
             egress_worker.close()
+            if life_w >= 0:
+                os.close(life_w)
             self._cleanup_dirs()
             raise
         finally:
@@ -283,24 +296,32 @@ class WorkerProcess:
             egress_worker.close()
             with contextlib.suppress(OSError):
                 os.close(boot_r)
+            if life_r >= 0:
+                os.close(life_r)
+        if life_w >= 0 and life_r in self.plan.pass_fds:
+            self._life = life_w
+        elif life_w >= 0:
+            os.close(life_w)  # the provider has no use for it (a parent-death signal reaches)
         try:
-            boot = {
-                "token": self.token,
-                "worker_id": self.id,
-                "listen_fd": spec.listen_fd,
-                "policy": policy.to_wire(pin="egress" not in self.plan.worker_setup),
-                "sys_path": list(spec.sys_path),
-                "package_dirs": dict(spec.package_dirs),
-                "scratch": self.plan.worker_setup.get("scratch_inside", self.scratch),
-                "worker_setup": dict(self.plan.worker_setup),
-                "host_env_names": sorted(os.environ),
+            boot = BootConfig(
+                token=self.token,
+                worker_id=self.id,
+                listen_fd=spec.listen_fd,
+                policy=policy.to_wire(pin="egress" not in self.plan.worker_setup),
+                sys_path=list(spec.sys_path),
+                package_dirs=dict(spec.package_dirs),
+                scratch=self.scratch,
+                worker_setup=self.plan.worker_setup,
+                host_env_names=sorted(os.environ),
                 # Started from scratch in the launch thread: it dies with that thread.
-                "die_with_parent": template is None,
+                die_with_parent=template is None,
                 # No pid namespace to die with: a keeper ends what the worker detached.
-                "keeper": template is None and self.plan.keeper,
-            }
+                keeper=template is None and self.plan.keeper,
+                # The worker's end of the life line: the same number in it (pass_fds).
+                life_fd=life_r if self._life is not None else None,
+            )
             try:
-                _write_all(boot_w, json.dumps(boot).encode())
+                _write_all(boot_w, json.dumps(boot.to_dict()).encode())
             except OSError as exc:
                 raise self._start_failed(f"could not send the boot configuration ({exc})") from None
             finally:
@@ -358,6 +379,11 @@ class WorkerProcess:
                 )
                 raise WorkerStartError(reason, log_tail=tail) from None
             self._verify_hello()
+            if self.plan.provider == "gvisor" and getattr(self.plan, "pins", None):
+                # The granted paths as runsc's gofer mounted them, before any call.
+                from agent_sandbox.providers._gvisor import check_pins_in_gofer
+
+                check_pins_in_gofer(self.plan, proc.pid)  # type: ignore[arg-type]
             self._hold_scratch()
             self._watch_guards()
             self._watch_kernel_log()
@@ -377,7 +403,9 @@ class WorkerProcess:
             self.kill()
             raise
         if self.plan.limit_reports:
-            self.guest_limits = GuestLimits(self.plan.limit_reports, self.proc.pid)
+            self.guest_limits = GuestLimits(
+                self.plan.limit_reports, self.proc.pid, source=self.plan.provider
+            )
         if self.plan.warm_up:
             self._warm_up(start_timeout - (time.monotonic() - t0))
         self.started_at = time.monotonic()
@@ -488,7 +516,7 @@ class WorkerProcess:
             )
 
         problems = verify_checks(
-            self.plan.worker_setup if self.plan else {}, self.hello.get("checks") or {}
+            self.plan.worker_setup.to_dict() if self.plan else {}, self.hello.get("checks") or {}
         )
         if problems:
             raise self._start_failed(
@@ -589,7 +617,7 @@ class WorkerProcess:
         return os.path.join(self.control_dir, "ctl.sock")
 
     def plan_hides_prefix(self) -> bool:
-        return bool(self.plan and self.plan.worker_setup.get("prefix_differs"))
+        return False  # (no provider's plan runs the worker under another prefix)
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -646,7 +674,7 @@ class WorkerProcess:
         if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
             return
         assert self.plan is not None
-        inside = str(self.plan.worker_setup.get("scratch_inside", self.scratch))
+        inside = self.scratch
         pid = self.worker_pid()
         if pid is None:
             return
@@ -805,7 +833,7 @@ class WorkerProcess:
         the plan's seccomp filter refuses metadata changes and scratch is this host's
         directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
         plan = self.plan
-        if plan is None or not self.scratch or "scratch_inside" in plan.worker_setup:
+        if plan is None or not self.scratch:
             return host_call
         seccomp = plan.worker_setup.get("seccomp")
         if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
@@ -1411,6 +1439,10 @@ class WorkerProcess:
 
     def _cleanup_dirs(self) -> None:
         self._close_stat_fds()
+        if self._life is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._life)  # (the worker, if any of it is left, is SIGKILLed)
+            self._life = None
         if self._socket_pin is not None:
             with contextlib.suppress(OSError):
                 os.close(self._socket_pin)

@@ -431,10 +431,11 @@ class WorkerTemplate:
             return plan  # (the `unshare` worker applies all of its set-up itself anyway)
         if not isinstance(plan, BwrapPlan) or not plan.seccomp_bpf:
             raise WorkerStartError("the worker's plan has no seccomp filter for a forked worker")
-        setup = dict(plan.worker_setup)
-        setup["no_new_privs"] = True
-        setup["drop_caps"] = True
-        setup["seccomp"] = {"bpf": base64.b64encode(plan.seccomp_bpf).decode()}
+        setup = plan.worker_setup.replace(
+            no_new_privs=True,
+            drop_caps=True,
+            seccomp={"bpf": base64.b64encode(plan.seccomp_bpf).decode()},
+        )
         return dataclasses.replace(plan, worker_setup=setup)
 
     def spawn(self, plan: LaunchPlan, log: IO[bytes], *, timeout: float = 10.0) -> TemplateChild:

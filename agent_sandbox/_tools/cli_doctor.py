@@ -121,7 +121,7 @@ def collect(*, live: bool = False) -> dict[str, Any]:
 def _gvisor(providers: list[dict[str, Any]]) -> dict[str, Any]:
     """The gvisor provider's facts: runsc's version and release, the Sentry's platform, and
     the install command when it is missing or too old."""
-    from agent_sandbox.providers._gvisor import INSTALL_HINT, MIN_RELEASE, PLATFORM
+    from agent_sandbox.providers._gvisor import INSTALL_HINT, MIN_RELEASE, PLATFORM, PLATFORM_NOTE
 
     probe = next((p for p in providers if p["name"] == "gvisor"), None)
     if probe is None:
@@ -132,6 +132,7 @@ def _gvisor(providers: list[dict[str, Any]]) -> dict[str, Any]:
         "release": probe["details"].get("release"),
         "min_release": MIN_RELEASE,
         "platform": probe["details"].get("platform", PLATFORM),
+        "platform_note": PLATFORM_NOTE,
         "rootless": True,
     }
     if not probe["available"]:
@@ -222,6 +223,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             f"  gvisor: runsc release {gv['release']}, platform {gv['platform']}, rootless "
             '(a user-space kernel: `min_boundary = "user-space-kernel"`)'
         )
+        if gv["platform"] == "ptrace":
+            print(style.dim(f"    {gv['platform_note']}"))
     else:
         hint = "" if gv["install"] in gv["reason"] else f"; install: {gv['install']}"
         print(f"  gvisor: {style.red('unavailable')} ({gv['reason']}){hint}")

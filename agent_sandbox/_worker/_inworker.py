@@ -280,17 +280,34 @@ def start_egress_relay(relay: Mapping[str, Any]) -> int:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((str(relay["host"]), int(relay["port"])))
     listener.listen(128)
+    routes = [(listener, str(relay["socket"]))]
+    # Allowed loopback services (`_egress.loopback_forwards`): a listener at the same
+    # address on the sandbox's loopback, each relayed to its own socket of the host's,
+    # where the host's proxy judges and forwards what it accepts. An address the Sentry's
+    # network stack cannot bind is left out, as under bwrap.
+    for host, port, path in relay.get("forwards", ()):
+        family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+        forward = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            forward.bind((str(host), int(port)))
+            forward.listen(128)
+        except OSError:
+            forward.close()
+            continue
+        routes.append((forward, str(path)))
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the relay child, inside the sandbox
         try:
-            _relay_loop(listener, str(relay["socket"]))
+            _relay_loop(routes)
         finally:
             os._exit(0)
-    listener.close()
+    for sock, _path in routes:
+        sock.close()
     return int(relay["port"])
 
 
-def _relay_loop(listener: Any, path: str) -> None:  # pragma: no cover - inside the sandbox
+def _relay_loop(routes: list[tuple[Any, str]]) -> None:  # pragma: no cover - inside the sandbox
+    import selectors
     import socket
     import threading
 
@@ -318,16 +335,23 @@ def _relay_loop(listener: Any, path: str) -> None:  # pragma: no cover - inside 
         client.close()
         upstream.close()
 
+    selector = selectors.DefaultSelector()
+    for listener, path in routes:
+        selector.register(listener, selectors.EVENT_READ, path)
     while True:
-        client, _addr = listener.accept()
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            upstream.connect(path)
-        except OSError:
-            client.close()
-            upstream.close()
-            continue
-        threading.Thread(target=carry, args=(client, upstream), daemon=True).start()
+        for key, _events in selector.select():
+            try:
+                client, _addr = key.fileobj.accept()  # type: ignore[union-attr]
+            except OSError:
+                continue
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                upstream.connect(key.data)
+            except OSError:
+                client.close()
+                upstream.close()
+                continue
+            threading.Thread(target=carry, args=(client, upstream), daemon=True).start()
 
 
 def _thread_count() -> int:

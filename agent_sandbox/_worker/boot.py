@@ -93,50 +93,32 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _die_with_agent(fd: int) -> None:
+    """SIGKILL from the kernel when the agent is gone: `fd` is the read end of the life line,
+    a pipe whose only write end the agent holds (`WorkerSpec.life_fd`). Its last writer's
+    close (the agent's end, however it died) sends this process the pipe's I/O signal, set
+    here to SIGKILL: nothing in this process runs for it, so a call that never yields (a C
+    loop holding the interpreter) ends too. For a worker no parent-death signal reaches (a
+    set-user-ID launcher's exec clears it). Exit now if the agent is already gone."""
+    import fcntl
+    import select
+    import signal
+
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGKILL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    watch = select.poll()
+    watch.register(fd, select.POLLIN)
+    if watch.poll(0):  # its writer closed before it was armed (the agent never writes)
+        os._exit(1)
+
+
 _PR_SET_CHILD_SUBREAPER = 36
 #: The keeper's parent-death signal (a real-time signal nothing else sends it; the keeper
 #: acts on it only once its parent has changed).
 _DEATH = 40
 #: Signals the keeper relays to the worker (the host's SIGTERM to the keeper's group).
 _RELAYED = (15, 1, 2, 3)  # SIGTERM, SIGHUP, SIGINT, SIGQUIT
-
-
-def _children() -> list[int]:
-    out: list[int] = []
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as fh:
-                out += [int(w) for w in fh.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def _end_children(bound: float) -> None:
-    """SIGKILL every child until none is left (bounded). The keeper is a subreaper: what a
-    dying descendant leaves is reparented here and ended in the next round. Each pid
-    signalled is an unreaped child of this process, so it cannot have been reused."""
-    import signal
-    import time
-
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        children = _children()
-        while True:  # reap what ended (zombies are listed as children too)
-            try:
-                pid, _status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                break
-            if pid in children:
-                children.remove(pid)
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.001)
 
 
 def _keep(parent: int) -> None:
@@ -153,6 +135,8 @@ def _keep(parent: int) -> None:
     worker's end as from a direct child. The worker starts its own session, as before."""
     import ctypes
     import signal
+
+    from agent_sandbox._worker.reaper import end_children
 
     libc = ctypes.CDLL(None)
     caught = {signal.SIGCHLD, _DEATH, *_RELAYED}
@@ -199,7 +183,7 @@ def _keep(parent: int) -> None:
                 os.kill(worker, info.si_signo)  # an unreaped child: never a reused pid
             except OSError:
                 pass
-    _end_children(5.0)
+    end_children(5.0)
     if os.WIFSIGNALED(status):
         import resource
 
@@ -219,6 +203,8 @@ def _keep(parent: int) -> None:
 def main() -> None:
     parent = os.getppid()
     boot = load(int(sys.argv[1]))
+    if boot.get("life_fd") is not None:
+        _die_with_agent(int(boot["life_fd"]))
     if boot.get("keeper"):
         _keep(parent)  # returns in the worker only
     elif boot.get("die_with_parent"):

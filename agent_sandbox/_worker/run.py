@@ -148,6 +148,30 @@ _INTERRUPTIBLE = [False]
 _compile_builtin = builtins.compile
 _exec_builtin = builtins.exec
 _eval_builtin = builtins.eval
+# The runner's own listing of scratch (`Runner._scan_scratch`), for the same reason: the
+# file guard's wrapper resolves the path again on each call (a `getcwd` and an `lstat`,
+# each a trip through gVisor's Sentry under `gvisor`).
+_scandir = os.scandir
+
+#: This process's pid, kept by a fork hook (`os.fork` and the namespace template's fork run
+#: it), so the per-event checks that a forked child never writes on its parent's connection
+#: cost no system call (under `gvisor` each one is a trip through the Sentry). A fork that
+#: runs no hook (libc's, through ctypes) is still caught where a call ends: the server
+#: compares `os.getpid()` there (`_worker/server.py`).
+_PID = [os.getpid()]
+
+
+def _forked() -> None:
+    _PID[0] = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def current_pid() -> int:
+    """This process's pid as of its last fork hook (see `_PID`)."""
+    return _PID[0]
+
 
 #: The compiled cells kept for reuse (`Runner._compile`): how many, and how long each.
 _REUSE_CELLS = 64
@@ -242,13 +266,13 @@ class Runner:
         sys.stdout, sys.stderr = out, err
         value: Any = None
         failure: BaseException | None = None
-        owner = os.getpid()
+        owner = current_pid()
         try:
             try:
                 value = self._execute(compiled)
             except BaseException as exc:
                 failure = exc
-            if os.getpid() != owner:
+            if current_pid() != owner:
                 # A child the code forked finished the cell: it must never unwind into
                 # the server loop and write on the parent's connection.
                 os._exit(0 if failure is None else 1)
@@ -389,7 +413,7 @@ class Runner:
     def _scan_scratch(self) -> dict[str, tuple[int, int]]:
         seen: dict[str, tuple[int, int]] = {}
         try:
-            for entry in os.scandir(self.scratch):
+            for entry in _scandir(self.scratch):
                 if entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     seen[entry.name] = (st.st_mtime_ns, st.st_size)

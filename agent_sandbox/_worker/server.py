@@ -16,6 +16,10 @@ after the answer). Anything else closes the connection unanswered. It is parsed 
 hand, not with h11: each request's parse is a few splits, which matters where the worker's
 Python runs ~20x slower (a `qemu` guest under TCG); the host still parses every byte the
 worker sends with h11.
+
+It is longer than 600 lines because the parser, the routes and the run loop share one
+selector loop and its state; each module the worker imports adds to every start (the start
+budget in tests/worker/test_worker_startup.py), so the server stays one module.
 """
 
 from __future__ import annotations
@@ -36,11 +40,16 @@ import time
 from _operator import _compare_digest as compare_digest
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._wire import encode_event
+from agent_sandbox._wire import BootConfig, encode_event
 from agent_sandbox._worker import audit
+from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
-from agent_sandbox._worker.run import Runner, on_interrupt
+from agent_sandbox._worker.run import Runner, current_pid, on_interrupt
 from agent_sandbox.guards._files import set_scratch_metadata
+
+#: The worker's own listing of the sandbox's /proc (`_ProcessCount`), bound before the
+#: guards wrap `os.listdir` (it is not user code).
+_listdir = os.listdir
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
@@ -113,6 +122,10 @@ class _Server:
         self.tamper_check: Any = None
         #: This worker's pid (the server is made in the worker's own process).
         self.pid = os.getpid()
+        #: Under gVisor: where to report the calls that ended with the sandbox at
+        #: `limits.processes` (`_ProcessCount`); None elsewhere.
+        report = BootConfig.from_dict(boot).worker_setup.limit_report
+        self.process_count = _ProcessCount(report) if isinstance(report, dict) else None
         self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
     # -- connection handling -------------------------------------------------------------
@@ -308,7 +321,7 @@ class _Server:
         def emit(kind: str, data: Any) -> None:
             """What the cell's run emits with: a forked child never writes on its parent's
             connection."""
-            if os.getpid() == owner:
+            if current_pid() == owner:
                 put(kind, data)
 
         def put(kind: str, data: Any) -> None:
@@ -352,15 +365,23 @@ class _Server:
         # seccomp filter refuses them here): only during the call, on its connection.
         set_scratch_metadata(host_tool.scratch_metadata)
         started = time.perf_counter()
+        after = request.get("backstop")
+        backstop = BACKSTOP if isinstance(after, (int, float)) and after > 0 else None
+        if backstop is not None:
+            backstop.arm(float(after))
         try:
             self.runner.run(code, emit, filename if isinstance(filename, str) else None, last=hold)
         finally:
             set_scratch_metadata(None)
             if os.getpid() != owner:
                 os._exit(1)  # a child the cell forked never goes on with the server's work
+            if backstop is not None:
+                backstop.arm(0.0)
             counted = audit.end_call()
             with lock:
                 final = True
+        if self.process_count is not None:
+            self.process_count.check()
         # From here on in the worker itself (checked above): `put`, without a check per event.
         # First occurrences streamed as they were classified; counts and last ones now.
         counts = [
@@ -394,6 +415,56 @@ class _Server:
             raise _Stop
 
 
+class _ProcessCount:
+    """Under gVisor, the calls that ended with the sandbox at `limits.processes`.
+
+    gVisor's kernel refuses a fork past RLIMIT_NPROC (EAGAIN) and keeps no count of the
+    refusals; the host sees only the Sentry's threads. So where a call ends the worker
+    (the sandbox's pid 1: every orphan becomes its child) asks whether it has any child
+    (one `waitid` that reaps nothing), and only then counts the sandbox's processes in its
+    `/proc`; a call that ends at the limit, after one that did not, adds one to the report
+    the host reads (`agent_sandbox._host.limits.GuestLimits`, which names it the worker
+    side's word).
+    """
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.path = str(report["path"])
+        self.limit = int(report["processes"])
+        self.hits = 0
+        self.at_limit = False
+
+    def check(self) -> None:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            self.at_limit = False  # no child: nothing of the code's runs
+            return
+        except OSError:
+            return
+        try:
+            count = sum(1 for name in _listdir("/proc") if name.isdigit())
+        except OSError:
+            return
+        at_limit = count >= self.limit
+        if at_limit and not self.at_limit:
+            self.hits += 1
+            self._write({"pids_at_limit": self.hits})
+        self.at_limit = at_limit
+
+    def _write(self, report: dict[str, int]) -> None:
+        # Written beside and renamed over: the host never reads half a report.
+        part = self.path + ".part"
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, json.dumps(report).encode())
+            finally:
+                os.close(fd)
+            os.rename(part, self.path)
+        except OSError:
+            pass
+
+
 def _chunk(data: bytes) -> bytes:
     """One chunk of the chunked response body (never empty: an empty chunk ends the body)."""
     return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
@@ -421,10 +492,12 @@ def serve(boot: dict[str, Any]) -> None:
     """Set up the worker from its boot configuration, then serve until shutdown."""
     from agent_sandbox._worker.setup import prepare
 
-    path = (boot.get("worker_setup") or {}).get("listen_path")
+    # Read into its record: an unknown or a missing key ends the start, named in the log.
+    config = BootConfig.from_dict(boot)
+    path = config.worker_setup.listen_path
     # A sandbox that hands the worker no listening socket (gVisor): the worker binds its own
     # (the parent waits for the name, and for it to accept connections).
-    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(boot["listen_fd"]))
+    listener = _bind_listener(str(path)) if path else socket.socket(fileno=int(config.listen_fd))
     runner, checks, hooks = prepare(boot)
     # The host's interrupt: KeyboardInterrupt in the running cell only (see `on_interrupt`).
     _signal.signal(_signal.SIGINT, on_interrupt)
@@ -484,6 +557,7 @@ def _first_call_ahead(runner: Runner) -> None:
     compile, the value's encoding, the events) then runs for the first time here, not in the
     caller's first call, whose time it took (issue 19: about 0.7 ms in the worker: pages
     written for the first time, and, in a worker forked from a template, copied)."""
+    BACKSTOP.prepare()
     try:
         _parse_head(_WARM_HEAD)
         check = runner.code_check

@@ -45,11 +45,11 @@ import os
 import selectors
 import signal
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
 from agent_sandbox._worker import nstemplate
+from agent_sandbox._worker.reaper import end_children
 
 __all__ = ["run_template"]
 
@@ -181,34 +181,6 @@ def _reap(control: socket.socket, spawned: set[int]) -> None:
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _end_descendants() -> None:
-    """SIGKILL every child until none is left: the workers, and (this being a subreaper)
-    whatever they started that outlived its own parent, which is reparented here as they
-    die. Each pid signalled is an unreaped child of this process: it cannot be reused."""
-    deadline = time.monotonic() + 5.0  # reaped, not only signalled, within a bound
-    while time.monotonic() < deadline:
-        children: list[int] = []
-        try:
-            for tid in os.listdir("/proc/self/task"):
-                with open(f"/proc/self/task/{tid}/children") as fh:
-                    children += [int(w) for w in fh.read().split()]
-        except OSError:
-            pass
-        while True:  # reap what ended (zombies are listed as children too)
-            try:
-                pid, _status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                break
-            if pid in children:
-                children.remove(pid)
-        for pid in children:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.001)
-
-
 def run_template(
     control_fd: int, read_boot: Callable[[int], dict[str, Any]], *, namespace: bool = False
 ) -> None:
@@ -255,7 +227,7 @@ def run_template(
             # The parent is gone: its workers die with this process (their parent-death
             # signal); what they detached is ended here first.
             if not namespace:
-                _end_descendants()
+                end_children(5.0)
             os._exit(0)
         fds = list(fds_list)
         buffer += data

@@ -21,6 +21,10 @@ The kernel package is looked for, in order: the path given, `$AGENT_SANDBOX_QEMU
 `<cache>/qemu/debs/` and the system store `/var/cache/agent-sandbox/qemu/` (which
 `scripts/setup.sh` fills as root). When none is found and `download` is allowed and we are
 root, `apt-get download` fetches it into the cache; otherwise the error names the command.
+
+This module is longer than 600 lines because the image is one recipe: what goes into
+the guest and what the image's hash is made of must change together (a file baked in but not
+hashed would let a stale image serve).
 """
 
 from __future__ import annotations

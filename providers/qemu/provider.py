@@ -43,6 +43,10 @@ Acceleration: `/dev/kvm` may exist and still not boot a stock kernel (`kvm_pvm`,
 runs PVM-enabled guests), so KVM is used only after a probe boot of the image reached the
 guest agent within a timeout, remembered per host kernel, kvm modules, QEMU and image
 (`qemu/accel.py`); templates are per accelerator. `probe()` says which one and why.
+
+This module is longer than 600 lines because the plan, the template (boot, snapshot,
+restore) and the probe of one VM share QEMU's command line and the template's state; the
+image, the host relay, the guest and the accelerator are modules of their own beside it.
 """
 
 from __future__ import annotations
@@ -64,18 +68,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
 from agent_sandbox.providers._base import (
+    Answer,
     LaunchPlan,
     ProbeResult,
     Provider,
+    WorkerSetup,
     WorkerSpec,
     base_env,
     package_folder,
 )
+from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._view import egress_plan, policy_paths
 from agent_sandbox.providers.qemu.accel import MACHINE_DEVICES, Verdict
 from agent_sandbox.providers.qemu.image import (
@@ -682,6 +689,9 @@ def _share_plan(policy: Any, spec: WorkerSpec) -> list[str]:
 class QemuProvider(Provider):
     """Run the worker in a micro-VM restored from a snapshot template."""
 
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(namespace_net)
+
     name: ClassVar[str] = "qemu"
     #: Stronger than every namespace sandbox (its own kernel), but `auto` never picks it
     #: (`_auto.py` chooses among the others): guest Python under TCG is ~20x slower.
@@ -698,7 +708,7 @@ class QemuProvider(Provider):
 
     def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
         # [net]: no NIC; the host's egress proxy behind the guest's loopback (see above).
-        egress, proxy_vars, egress_fds = egress_plan(self.name, policy, spec)
+        egress, proxy_vars, egress_fds = egress_plan(self, policy, spec)
         shares = _share_plan(policy, spec)
         from agent_sandbox.providers import _seccomp
 
@@ -741,7 +751,7 @@ class QemuProvider(Provider):
             env=base_env(spec, proxy_vars),
             pass_fds=(spec.listen_fd, spec.boot_fd, *egress_fds),
             cwd=spec.control_dir,
-            worker_setup=setup,
+            worker_setup=WorkerSetup(**setup),
             stack=(self.name, *layers),
             worker_depth=None,
             interrupt_launcher=True,

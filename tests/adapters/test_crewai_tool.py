@@ -358,32 +358,19 @@ def test_offered_file_over_the_transfer_limit_is_refused_with_its_rule(crew, tmp
         t.close()
 
 
-def test_offered_file_that_changes_while_read_is_refused(crew, tmp_path, monkeypatch):
+def test_offered_file_that_changes_while_read_is_refused(crew, tmp_path, monkeypatch, grow_on_read):
     """It denies an offered host file that grows while it is placed (a writer between two
     reads): code `files.transfer`, nothing placed, the code did not run."""
-    from agent_sandbox._host import files as host_files
-
     src = tmp_path / "growing.csv"
     src.write_bytes(b"x" * 1000)
-    real_read = os.read
-    grown: list[bool] = []
-
-    def read_then_grow(fd: int, n: int) -> bytes:
-        data = real_read(fd, n)
-        if not grown:
-            grown.append(True)
-            with open(src, "ab") as fh:  # the writer
-                fh.write(b"more rows\n")
-        return data
-
     t = crew.adapter.SandboxedPythonTool(policy=policy(), warm=0)
     try:
         t.offer_file("growing.csv", src)
         calls = counting(crew, t)
-        monkeypatch.setattr(host_files.os, "read", read_then_grow)
+        grow_on_read.arm(src)
         failure = t.run(code="print('ran')", files=["growing.csv"])
         monkeypatch.undo()
-        assert grown, "the writer never ran"
+        assert grow_on_read.grew, "the writer never ran"
         assert isinstance(failure, crew.ToolFailure) and failure.code == "files.transfer"
         assert "changed while it was read" in failure.message
         assert calls == [] and t.list_files() == []

@@ -608,25 +608,14 @@ def test_offered_file_over_the_transfer_limit_is_refused_with_its_rule(tmp_path)
         t.close()
 
 
-def test_offered_file_that_changes_while_read_is_refused(tmp_path, monkeypatch) -> None:
+def test_offered_file_that_changes_while_read_is_refused(
+    tmp_path, monkeypatch, grow_on_read
+) -> None:
     """It denies placing an offered host file that grows while it is read (a writer between
     two reads): a handled tool error naming `files.transfer`; nothing placed, the code did
     not run. A `files` entry with a NUL is not an offered name."""
-    from agent_sandbox._host import files as host_files
-
     src = tmp_path / "growing.csv"
     src.write_bytes(b"x" * 1000)
-    real_read = os.read
-    grown: list[bool] = []
-
-    def read_then_grow(fd: int, n: int) -> bytes:
-        data = real_read(fd, n)
-        if not grown:
-            grown.append(True)
-            with open(src, "ab") as fh:  # the writer
-                fh.write(b"more rows\n")
-        return data
-
     t = SandboxedPythonTool(policy=small_policy(), warm=0)
     cfg = {"configurable": {"thread_id": "t1"}}
     try:
@@ -636,10 +625,10 @@ def test_offered_file_that_changes_while_read_is_refused(tmp_path, monkeypatch) 
         msg = t.invoke(call, config=cfg)
         assert msg.status == "error" and "not offered" in msg.content
         call["args"]["files"] = ["growing.csv"]
-        monkeypatch.setattr(host_files.os, "read", read_then_grow)
+        grow_on_read.arm(src)
         msg = t.invoke(call, config=cfg)
         monkeypatch.undo()
-        assert grown, "the writer never ran"
+        assert grow_on_read.grew, "the writer never ran"
         assert msg.status == "error" and "[files.transfer]" in msg.content
         assert "changed while it was read" in msg.content
         assert "ran" not in msg.content.split("\n")

@@ -24,6 +24,7 @@ from smolagents.utils import AgentError, AgentExecutionError  # noqa: E402
 from agent_sandbox import Policy, Sandbox  # noqa: E402
 from agent_sandbox.adapters.smolagents import SandboxedExecutor  # noqa: E402
 from agent_sandbox.testing import scripted_smolagents_model  # noqa: E402
+from tests.conftest import GrowOnRead  # noqa: E402
 
 
 def _policy(**tools: Any) -> Policy:
@@ -321,34 +322,20 @@ def test_an_upload_name_outside_scratch_is_refused(tmp_path, name: str) -> None:
 
 
 def test_an_upload_that_changes_while_read_is_refused(
-    executor: SandboxedExecutor, tmp_path, monkeypatch: pytest.MonkeyPatch
+    executor: SandboxedExecutor, tmp_path, monkeypatch: pytest.MonkeyPatch, grow_on_read: GrowOnRead
 ) -> None:
     """It denies a host file that grows while it is uploaded (a writer between two reads):
     `files.transfer`, nothing placed."""
-    import os
-
     from agent_sandbox import FileTransferRefused
-    from agent_sandbox._host import files as host_files
     from agent_sandbox.adapters.smolagents import SandboxFile
 
     src = tmp_path / "growing.csv"
     src.write_bytes(b"x" * 1000)
-    real_read = os.read
-    grown: list[bool] = []
-
-    def read_then_grow(fd: int, n: int) -> bytes:
-        data = real_read(fd, n)
-        if not grown:
-            grown.append(True)
-            with open(src, "ab") as fh:  # the writer
-                fh.write(b"more rows\n")
-        return data
-
-    monkeypatch.setattr(host_files.os, "read", read_then_grow)
+    grow_on_read.arm(src)
     with pytest.raises(FileTransferRefused) as excinfo:
         executor.send_variables({"data": SandboxFile(src)})
     monkeypatch.undo()
-    assert grown, "the writer never ran"
+    assert grow_on_read.grew, "the writer never ran"
     assert excinfo.value.denial.rule == "files.transfer"
     assert "changed while it was read" in str(excinfo.value)
     assert executor.list_files() == []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REQUIREMENTS, missing_required
+from tests.conftest import REQUIREMENTS, SHARED_DIR, missing_required, provider_shares
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_FILES = sorted(p for p in (ROOT / "tests").rglob("*.py") if "__pycache__" not in p.parts)
@@ -118,4 +118,22 @@ def test_declared_pythons_are_what_ci_runs_and_mypy_checks() -> None:
     assert project["requires-python"] == f">={low},<{upper}"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/python-versions.sh" in ci and "scripts/test-python.sh" in ci
+    assert 'AGENT_SANDBOX_TEST_SHARE="$((i + 1))/${#others[@]}"' in ci
     assert "scripts/python-versions.sh" in (ROOT / "scripts" / "check.sh").read_text()
+
+
+def test_the_legs_sharing_the_provider_matrix_run_every_file_once() -> None:
+    """The shares CI's other Pythons take of tests/providers (AGENT_SANDBOX_TEST_SHARE) hold
+    every file exactly once, in about equal numbers of tests, the same on every run."""
+    counts = {
+        f"{SHARED_DIR}{p.name}": len(p.read_text().splitlines())  # any weights will do
+        for p in sorted((ROOT / SHARED_DIR).glob("test_*.py"))
+    }
+    assert len(counts) > 10
+    for n in (1, 2, 3):
+        shares = provider_shares(counts, n)
+        assert len(shares) == n and set().union(*shares) == set(counts)
+        assert sum(len(s) for s in shares) == len(counts)
+        sizes = sorted(sum(counts[f] for f in s) for s in shares)
+        assert sizes[-1] - sizes[0] <= max(counts.values())
+        assert shares == provider_shares(dict(reversed(counts.items())), n)

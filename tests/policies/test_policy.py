@@ -66,6 +66,20 @@ def test_unknown_key_names_file_key_and_line(tmp_path: Path) -> None:
     assert "unknown key" in str(err) and f"{path}:5" in str(err)
 
 
+def test_extends_given_to_the_constructor_names_the_loader() -> None:
+    """`Policy(extends=...)` says the loader reads `extends` and names the call that does
+    (it once answered "unknown key; did you mean `extends`?", naming the key it was given)."""
+    from agent_sandbox.policies import policy_from_dict
+
+    with pytest.raises(PolicyError) as info:
+        Policy(name="x", extends="data-analysis")  # type: ignore[call-arg]
+    assert info.value.key == "extends"
+    assert "did you mean" not in str(info.value)
+    assert "policy_from_dict" in str(info.value)
+    # The call it names does what was asked.
+    assert policy_from_dict({"name": "x", "extends": "data-analysis"}).name == "x"
+
+
 def test_wrong_type_says_what_was_expected(tmp_path: Path) -> None:
     """It names the expected type for a wrong value."""
     path = write(tmp_path, 'name = "x"\n[limits]\nmemory_mb = "lots"\n')

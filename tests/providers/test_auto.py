@@ -61,7 +61,20 @@ def fake(
 
     Fake.name = name
     Fake.strength = strength
+    Fake.answers = _answers_of(name)
     return Fake()
+
+
+def _answers_of(name: str) -> Any:
+    """What the provider called `name` answers; for another name, every section but `[net]`
+    (so a `[net]` rule under it is refused, as under a provider that has not said)."""
+    from agent_sandbox.providers import get_provider
+    from agent_sandbox.providers._netcheck import standard_answers
+
+    try:
+        return type(get_provider(name)).answers
+    except ProviderUnavailable:
+        return {k: v for k, v in standard_answers(lambda policy: []).items() if k != "net"}
 
 
 def test_picks_the_deepest_stack_that_works() -> None:

@@ -419,29 +419,19 @@ def test_a_refusal_reaches_the_result_without_the_workers_help(
 
 
 def test_without_the_guards_no_address_is_reachable_and_udp_fails(
-    request: pytest.FixtureRequest,
     ns_provider: str,
     http_server: _Server,
     tcp_listener: Any,
     tmp_path: Path,
 ) -> None:
     """With network rules, native code reaches directly only what they allow: an allowed
-    loopback service (forwarded by the host, `loopback_forwards`); the host's loopback
+    loopback service (forwarded by the host, `loopback_forwards`; under gvisor through the
+    sandbox's relay and a socket of the host's for it); the host's loopback
     listener on a port no rule names gets no connection, an address off the machine has no
     route (a documentation address: were containment gone, nothing would be sent off the
     machine), UDP sockets are refused."""
     from .conftest import hostile_policy
 
-    if ns_provider == "gvisor":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="the direct forwards of allowed loopback services are not wired into "
-                "gVisor: a client that does not use the proxy meets the Sentry's own "
-                "loopback (ECONNREFUSED); through the proxy the service is served",
-            )
-        )
     sock, port = tcp_listener
     arena = {"ro": tmp_path, "rw": tmp_path}
     policy = hostile_policy(

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable, Sandbox
+from agent_sandbox.policies._model import SECTIONS
+from agent_sandbox.providers import Provider, get_provider
 from agent_sandbox.providers._netcheck import refuse_unenforceable, unenforceable
 
 from .conftest import skip_unless_available
@@ -182,7 +184,7 @@ def test_a_rule_the_provider_cannot_enforce_is_refused_naming_it(
     provider: str, rules: list[dict[str, Any]], text: str
 ) -> None:
     with pytest.raises(ProviderUnavailable) as info:
-        refuse_unenforceable(provider, _policy(rules))
+        refuse_unenforceable(get_provider(provider), _policy(rules))
     message = str(info.value)
     assert f"provider {provider!r}" in message
     assert "it cannot enforce" in message and "below Python" in message
@@ -193,12 +195,13 @@ def test_a_rule_the_provider_cannot_enforce_is_refused_naming_it(
 def test_a_rule_the_provider_enforces_is_accepted(
     provider: str, rules: list[dict[str, Any]]
 ) -> None:
-    assert unenforceable(provider, _policy(rules)) == []
+    assert unenforceable(get_provider(provider), _policy(rules)) == []
 
 
 def test_subprocess_with_the_opt_out_refuses_nothing_more() -> None:
     """No rule holds below Python there; the policy's opt-out says so in words."""
-    assert unenforceable("subprocess", _policy([{"host": "api.example.com", "ports": "443"}])) == []
+    rules = [{"host": "api.example.com", "ports": "443"}]
+    assert unenforceable(get_provider("subprocess"), _policy(rules)) == []
 
 
 def test_sandbox_construction_refuses_a_host_rule_under_landlock() -> None:
@@ -327,22 +330,64 @@ def test_firejail_a_loopback_service_inside_the_sandbox_end_to_end() -> None:
         host_side.close()
 
 
-def test_a_provider_the_table_does_not_know_refuses_every_rule() -> None:
-    """It fails closed: a provider name `_netcheck` has no entry for (a new provider, a typo)
-    enforces no `[net]` rule, so the policy is refused naming each rule, never accepted as if
-    the rules held."""
+class _Unanswered(Provider):
+    """A new provider that has not yet said what it enforces."""
+
+    name = "a-new-provider"
+
+
+def _every_provider_class() -> list[type[Provider]]:
+    from agent_sandbox._host.remote.provider import RemoteBoundary
+    from agent_sandbox.providers import AutoProvider
+    from agent_sandbox.providers._registry import all_providers
+
+    return [*(type(p) for p in all_providers()), AutoProvider, RemoteBoundary]
+
+
+def test_a_provider_that_answers_no_section_refuses_every_rule_and_every_policy() -> None:
+    """It fails closed: a provider whose class answers nothing (a new provider) enforces no
+    `[net]` rule, so the policy is refused naming each rule, and no other section either, so
+    even the default policy is refused naming each section, never accepted as if it held."""
     policy = Policy(
         net={"rules": [{"host": "api.example.com", "ports": "443"}, {"host": "*", "ports": "80"}]}
     )
-    problems = unenforceable("a-new-provider", policy)
+    problems = unenforceable(_Unanswered(), policy)
     assert [index for index, _why, _alternative in problems] == [0, 1]
-    with pytest.raises(ProviderUnavailable, match="no statement of which \\[net\\] rules"):
-        refuse_unenforceable("a-new-provider", policy)
+    with pytest.raises(ProviderUnavailable, match="no statement of what 'a-new-provider'"):
+        refuse_unenforceable(_Unanswered(), policy)
+    with pytest.raises(ProviderUnavailable) as info:
+        refuse_unenforceable(_Unanswered(), Policy())
+    for section in SECTIONS:
+        assert f"[{section}]: no statement" in str(info.value), section
 
 
-def test_every_registered_provider_has_a_net_statement() -> None:
-    """It keeps `_netcheck`'s table in step with the registry: every provider is listed."""
-    from agent_sandbox.providers._netcheck import _CHECKS
-    from agent_sandbox.providers._registry import all_providers
+def test_the_boundary_refuses_a_provider_that_answers_no_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It refuses at `resolve_boundary` (what `Sandbox`, tools and `policy check` do), whatever
+    the provider's own build checks: the build here succeeds and checks nothing."""
+    from agent_sandbox._host import boundary
+    from agent_sandbox.providers import LaunchPlan, ProbeResult
 
-    assert {p.name for p in all_providers()} - {"auto"} <= set(_CHECKS)
+    class Builds(_Unanswered):
+        def probe(self) -> ProbeResult:
+            return ProbeResult(self.name, True)
+
+        def build(self, policy: Any, spec: Any) -> LaunchPlan:
+            return LaunchPlan(self.name, ("true",), {}, (), "/", stack=(self.name,))
+
+    monkeypatch.setattr(boundary, "get_provider", lambda name: Builds())
+    monkeypatch.setattr(boundary, "check_min_boundary", lambda name, minimum: None)
+    monkeypatch.setattr(boundary, "check_boundary_opt_out", lambda name, opt_out: None)
+    with pytest.raises(ProviderUnavailable, match=r"\[files\]: no statement"):
+        boundary.resolve_boundary(Policy(), "a-new-provider")
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+@pytest.mark.parametrize("cls", _every_provider_class(), ids=lambda cls: cls.__name__)
+def test_every_provider_answers_every_section_of_the_policy(
+    cls: type[Provider], section: str
+) -> None:
+    """Generated from the policy model (`SECTIONS`): each provider's class says what it holds
+    of each section; a section the model gains fails here for every provider until answered."""
+    assert section in cls.answers, f"{cls.__name__} does not answer [{section}]"

@@ -7,18 +7,20 @@ private /tmp hides it unless whitelisted), and a real worker whose virtualenv li
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 from agent_sandbox import Policy, ProviderUnavailable
 from agent_sandbox._host.process import WorkerProcess
-from agent_sandbox.providers._base import WorkerSpec
+from agent_sandbox.providers._base import LaunchPlan, WorkerSpec
 from agent_sandbox.providers._firejail import FirejailProvider, firejail_argv
 from agent_sandbox.providers._view import HostLayout
 
@@ -107,6 +109,10 @@ def test_argv_is_exact_for_a_venv_under_tmp() -> None:
         "4",
     ]
     assert firejail_argv(POLICY, SPEC, HOST) == tuple(expected)
+    # The worker's life line (the agent's pipe) is kept with the transport's descriptors.
+    with_life = dataclasses.replace(SPEC, life_fd=7)
+    expected[expected.index("--keep-fd=3,4")] = "--keep-fd=3,4,7"
+    assert firejail_argv(POLICY, with_life, HOST) == tuple(expected)
 
 
 def test_argv_never_relies_on_a_profile() -> None:
@@ -152,6 +158,55 @@ def test_default_stack_runs_with_the_project_venv() -> None:
         assert w.run("2 + 3").value == 5
     finally:
         w.close()
+
+
+class _NoDeathSignal(FirejailProvider):
+    """firejail as a normal user meets it: the exec of the set-user-ID firejail clears the
+    parent-death signal `setpriv` set, so here there is none at all."""
+
+    def build(self, policy: Policy, spec: WorkerSpec) -> LaunchPlan:
+        plan = super().build(policy, spec)
+        assert plan.argv[1:4] == ("--pdeathsig", "KILL", "--"), plan.argv[:4]
+        return dataclasses.replace(plan, argv=plan.argv[4:])
+
+
+def test_a_worker_no_death_signal_reaches_ends_when_the_agents_life_line_closes() -> None:
+    """It ends the firejail sandbox, worker and all, when the agent's end of the worker's
+    life line closes (what the agent's death does, however it died), with no parent-death
+    signal and nothing sent by the host: the kernel SIGKILLs the worker (its code is in a
+    loop that never yields), and firejail's --deterministic-shutdown ends the rest."""
+    _require()
+    w = WorkerProcess.start(Policy(name="t", imports={"allow": ["signal"]}), _NoDeathSignal())
+    try:
+        assert w.plan is not None and w.plan.argv[0].endswith("firejail")
+        assert w.run("2 + 3").value == 5
+        assert w._life is not None and w.proc is not None
+        looping = threading.Event()
+        call = threading.Thread(
+            target=w.run,
+            args=(_NEVER_YIELDS,),
+            kwargs={"timeout": 600, "on_event": lambda *e: "looping" in repr(e) and looping.set()},
+            daemon=True,
+        )
+        call.start()
+        assert looping.wait(60), "the call did not start"
+        assert w.proc.poll() is None
+        os.close(w._life)  # the agent's end: nothing else is sent to the worker
+        w._life = None
+        assert w.proc.wait(timeout=60) is not None
+        call.join(60)
+        assert not call.is_alive()
+    finally:
+        w.close()
+
+
+_NEVER_YIELDS = (
+    "import signal\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
+    "print('looping', flush=True)\n"
+    "while True:\n"
+    "    pass\n"
+)
 
 
 def test_runs_a_worker_whose_venv_lives_under_tmp(tmp_path: Path) -> None:

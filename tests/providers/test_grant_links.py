@@ -172,3 +172,33 @@ def test_a_link_swapped_in_after_the_check_stops_the_start(
             assert SECRET not in _output(result)
     assert SECRET not in str(info.value)
     assert "pinned" in str(info.value), str(info.value)
+
+
+def test_a_link_swapped_in_after_the_hosts_last_check_stops_the_gvisor_start(
+    tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under gvisor the host walks the grants again just before runsc starts, and runsc's
+    gofer opens each bind source by path some tens of milliseconds later: a swap inside that
+    window is caught after the start, before any call, where the host walks each granted
+    path in the gofer's own root (`check_pins_in_gofer`)."""
+    from agent_sandbox.providers import _gvisor
+
+    skip_unless_available("gvisor")
+    tree["data"].mkdir()
+    original = _gvisor.check_pins_on_host
+
+    def then_swap(pins: Any) -> None:
+        original(pins)  # the host's last check passes on the real directory...
+        os.rename(tree["data"], tree["root"] / "data.old")
+        os.symlink("../secret", tree["data"])  # ...and the gofer meets the link
+
+    monkeypatch.setattr(_gvisor, "check_pins_on_host", then_swap)
+    with pytest.raises(SandboxError) as info:
+        with Sandbox(_reader(tree), provider="gvisor", warm=0) as sandbox:
+            result = sandbox.run(_steal(tree))
+            assert SECRET not in _output(result)
+    assert tree["data"].is_symlink()  # the swap was made
+    assert SECRET not in str(info.value)
+    assert "as the sandbox mounted it is not the object the policy check pinned" in str(
+        info.value
+    ), str(info.value)

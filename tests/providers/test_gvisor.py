@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import socket
 import subprocess
 import tempfile
@@ -22,7 +23,7 @@ import pytest
 from agent_sandbox import Policy, ProviderUnavailable, Sandbox
 from agent_sandbox._errors import WorkerStartError
 from agent_sandbox._host.process import WorkerProcess
-from agent_sandbox.providers import _gvisor
+from agent_sandbox.providers import Provider, _gvisor, get_provider
 from agent_sandbox.providers._base import WorkerSpec
 from agent_sandbox.providers._gvisor import (
     INSTALL_HINT,
@@ -159,6 +160,7 @@ def test_runsc_argv_is_exact() -> None:
         "--network=none",
         "--host-uds=create",
         "--platform=ptrace",
+        "--dcache=1000",
         "--root",
         "/c/state",
         "run",
@@ -166,6 +168,29 @@ def test_runsc_argv_is_exact() -> None:
         "/c/bundle",
         "as-1",
     )
+
+
+def test_the_pool_does_not_rely_on_checkpoint_and_restore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool's gVisor worker is a sandbox started ahead (`runsc run`), never a restored
+    image: `runsc checkpoint` of this runsc fails on the worker's host-connected Unix socket
+    (gVisor cannot save a host-backed endpoint) and the worker dies of it."""
+    monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
+    plan = GvisorProvider().build(Policy(name="t"), SPEC)
+    words = {*plan.argv, *plan.interrupt_argv}
+    assert "run" in plan.argv and not words & {"checkpoint", "restore", "--image-path"}
+
+
+def test_the_dentry_cache_fits_the_hosts_descriptor_limit() -> None:
+    """The Sentry's dentry cache is sized to the host's descriptor limit: at a normal user's
+    `ulimit -n 1024` the gofer stays below it while pandas is imported (without the bound it
+    held 2000 descriptors, and the sandbox answered EMFILE: the listing test as uid 65534)."""
+    assert _gvisor.dentry_cache_size(1024) == 64
+    assert _gvisor.dentry_cache_size(4096) == 256
+    assert _gvisor.dentry_cache_size(1 << 20) == _gvisor.DCACHE
+    assert _gvisor.dentry_cache_size(resource.RLIM_INFINITY) == _gvisor.DCACHE
+    assert _gvisor.dentry_cache_size(100) == 64
 
 
 def test_plan_names_gvisor_and_its_socket(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,17 +282,23 @@ def test_net_rules_under_gvisor_are_those_of_bwrap_and_unknown_providers_refuse_
     udp = Policy(
         name="t", net={"rules": [{"host": "198.51.100.7", "ports": 53, "protocol": "udp"}]}
     )
-    assert unenforceable("gvisor", tcp) == []
-    assert [i for i, _why, _alt in unenforceable("gvisor", udp)] == [0]
-    assert unenforceable("gvisor", udp) == unenforceable("bwrap", udp)
-    assert [i for i, _why, _alt in unenforceable("no-such-provider", tcp)] == [0]
-    assert unenforceable("subprocess", tcp) == []
+    gvisor, bwrap = get_provider("gvisor"), get_provider("bwrap")
+    assert unenforceable(gvisor, tcp) == []
+    assert [i for i, _why, _alt in unenforceable(gvisor, udp)] == [0]
+    assert unenforceable(gvisor, udp) == unenforceable(bwrap, udp)
+
+    class Unanswered(Provider):
+        name = "no-such-provider"
+
+    assert [i for i, _why, _alt in unenforceable(Unanswered(), tcp)] == [0]
+    assert unenforceable(get_provider("subprocess"), tcp) == []
 
 
 def test_a_networked_plan_relays_to_the_hosts_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
     spec = dataclasses.replace(SPEC, egress_fd=9)
-    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+    rules = [{"host": "api.example.com", "ports": 443}, {"host": "localhost", "ports": 8765}]
+    policy = Policy(name="t", net={"rules": rules})
     plan = GvisorProvider().build(policy, spec)
     assert plan.stack[-1] == "egress-proxy" and plan.egress_fd == 9
     assert plan.worker_setup["egress"]["fd"] == -1  # nothing to send from inside
@@ -275,9 +306,47 @@ def test_a_networked_plan_relays_to_the_hosts_proxy(monkeypatch: pytest.MonkeyPa
         "host": "127.0.0.1",
         "port": 3128,
         "socket": "/tmp/as-1/uds/egress.sock",
+        # The allowed loopback service: a listener inside, relayed to a socket of its own.
+        "forwards": [["127.0.0.1", 8765, "/tmp/as-1/uds/fwd-127.0.0.1-8765.sock"]],
     }
     assert "--host-uds=all" in plan.argv
     assert "HTTPS_PROXY=http://127.0.0.1:3128" in plan.config["process"]["env"]
+
+
+def test_a_forward_socket_the_host_did_not_list_is_refused(tmp_path: Path) -> None:
+    """The parent takes a Unix forward listener only for a service on its own list, matched
+    by the socket's name; any other is refused and nothing is kept."""
+    import socket
+
+    from agent_sandbox._host.egress.proxy import EgressError, receive_listeners
+
+    def offer(names: list[str]) -> tuple[Any, Any]:
+        socks = []
+        for name in names:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(tmp_path / name))
+            sock.listen(1)
+            socks.append(sock)
+        ours, theirs = socket.socketpair()
+        socket.send_fds(theirs, [b"egress"], [s.fileno() for s in socks])
+        for sock in socks:
+            sock.close()
+        theirs.close()
+        return ours, lambda: [os.unlink(tmp_path / n) for n in names]
+
+    listed = [("127.0.0.1", 8765)]
+    channel, clean = offer(["egress.sock", "fwd-127.0.0.1-8765.sock"])
+    listener, extra = receive_listeners(channel, 1.0, listed)
+    assert list(extra) == listed
+    for sock in (listener, *extra.values(), channel):
+        sock.close()
+    clean()
+    for other in ("fwd-127.0.0.1-22.sock", "fwd-nonsense.sock", "elsewhere.sock"):
+        channel, clean = offer(["egress.sock", other])
+        with pytest.raises(EgressError, match="not forwarded"):
+            receive_listeners(channel, 1.0, listed)
+        channel.close()
+        clean()
 
 
 # -- real runs ---------------------------------------------------------------------------
@@ -454,7 +523,8 @@ def test_an_interrupt_reaches_the_cell_and_keeps_the_session(gvisor: GvisorProvi
 def test_egress_goes_through_the_hosts_proxy(gvisor: GvisorProvider) -> None:
     """It denies a connection the rules do not name (a net.connect denial recorded by the
     host's proxy) and a direct connection past the proxy (no route: only the Sentry's
-    loopback), and serves the one a rule names."""
+    loopback), and serves the one a rule names, through the proxy and directly (the allowed
+    loopback service is forwarded)."""
     import threading
 
     server = socket.socket()
@@ -480,20 +550,22 @@ def test_egress_goes_through_the_hosts_proxy(gvisor: GvisorProvider) -> None:
     )
     fetch = "import urllib.request\nurllib.request.urlopen({!r}, timeout=10).read()"
     direct = textwrap.dedent(
-        f"""
+        """
         import ctypes, struct
         libc = ctypes.CDLL(None, use_errno=True)
         s = libc.socket(2, 1, 0)
-        addr = struct.pack("=H", 2) + struct.pack("!H4s8x", {port}, bytes([127, 0, 0, 1]))
+        addr = struct.pack("=H", 2) + struct.pack("!H4s8x", {}, bytes([127, 0, 0, 1]))
         rc = libc.connect(s, addr, len(addr))
         (rc, ctypes.get_errno())
         """
     )
+    other = 9 if port != 9 else 7  # a loopback port no rule names
     try:
         with Sandbox(policy, warm=0) as sandbox:
             ok = sandbox.run(fetch.format(f"http://127.0.0.1:{port}/"))
             refused = sandbox.run(fetch.format("http://192.0.2.1:80/"))
-            bypass = sandbox.run(direct)
+            bypass = sandbox.run(direct.format(other))
+            forwarded = sandbox.run(direct.format(port))
     finally:
         server.close()
     assert ok.error is None and ok.stack[-1] == "egress-proxy"
@@ -502,6 +574,8 @@ def test_egress_goes_through_the_hosts_proxy(gvisor: GvisorProvider) -> None:
     assert "net.connect" in [d.rule for d in refused.denials]
     assert bypass.error is None, bypass.error
     assert bypass.value[0] == -1 and bypass.value[1] == 111  # ECONNREFUSED: the Sentry's lo
+    # The allowed service, reached without the proxy: the relay's listener inside.
+    assert forwarded.error is None and forwarded.value[0] == 0, forwarded
 
 
 def _runsc_processes(marker: str) -> list[int]:

@@ -12,7 +12,6 @@ may still be listed: see docs/policies.md).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -97,20 +96,7 @@ def _policy(sales: Path, form: str, provider: str) -> Policy:
     )
 
 
-#: Seen once in the non-root run (uid 65534, Debian's Python): under gvisor the code's import
-#: of pandas hit `limits.open_files`; root runs pass. The cause is not found yet.
-_GVISOR_NONROOT = pytest.mark.xfail(
-    os.geteuid() != 0,
-    strict=False,
-    raises=AssertionError,
-    reason="as a normal user, pandas' import under gvisor met limits.open_files once",
-)
-
-
-@pytest.mark.parametrize(
-    "provider",
-    [pytest.param(p, marks=_GVISOR_NONROOT) if p == "gvisor" else p for p in KERNEL_PROVIDERS],
-)
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
 def test_every_grant_form_lists_what_it_grants_and_nothing_else(provider: str, sales: Path) -> None:
     """It lists, under each form, exactly what the form grants (no `.env`, nothing beside a
     pattern), with every listing API agreeing, and no refusal: the code got what it asked."""

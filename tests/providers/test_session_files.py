@@ -19,6 +19,7 @@ import pytest
 
 from agent_sandbox import FileTransferRefused, Policy, Sandbox
 from agent_sandbox._host import files as host_files
+from tests.conftest import GrowOnRead
 from tests.providers.conftest import KERNEL_PROVIDERS, QEMU_MEMORY_MB, skip_unless_available
 
 pytestmark = pytest.mark.filterwarnings("ignore:policy .danger-files-test. grants:UserWarning")
@@ -158,29 +159,18 @@ def test_honours_the_scratch_quota() -> None:
 
 
 def test_refuses_a_host_file_that_changes_while_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grow_on_read: GrowOnRead
 ) -> None:
     """It denies a host file that grows while it is read (a writer between two reads)."""
     source = tmp_path / "growing.csv"
     source.write_bytes(b"x" * 1000)
-    real_read = os.read
-    grown: list[bool] = []
-
-    def read_then_grow(fd: int, n: int) -> bytes:
-        data = real_read(fd, n)
-        if not grown:
-            grown.append(True)
-            with open(source, "ab") as fh:  # the writer
-                fh.write(b"more rows\n")
-        return data
-
-    monkeypatch.setattr(host_files.os, "read", read_then_grow)
+    grow_on_read.arm(source)
     with Sandbox(_policy("subprocess"), provider="subprocess", warm=0) as sb:
         session = sb.session()
         with pytest.raises(FileTransferRefused) as excinfo:
             session.put_file("growing.csv", source=source)
         monkeypatch.undo()
-        assert grown, "the writer never ran"
+        assert grow_on_read.grew, "the writer never ran"
         assert _refusal(excinfo) == "files.transfer"
         assert "changed while it was read" in str(excinfo.value)
         assert session.list_files() == []

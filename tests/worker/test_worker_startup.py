@@ -151,3 +151,102 @@ def test_a_worker_start_and_first_call_import_no_typing_nor_dataclasses(
     loaded = set(result.value)
     assert "agent_sandbox.guards._install" in loaded  # (the list is the worker's own)
     assert not _NOT_AT_START & loaded
+
+
+_LIFE_CHILD = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("worker_boot", sys.argv[1])
+boot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(boot)
+boot._die_with_agent(int(sys.argv[2]))
+signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+os.write(1, b"armed\\n")
+while True:
+    pass
+"""
+
+
+def _on_a_life_line(read_end: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LIFE_CHILD, BOOT_SCRIPT, str(read_end)],
+        pass_fds=(read_end,),
+        stdout=subprocess.PIPE,
+    )
+    os.close(read_end)
+    return proc
+
+
+def test_a_worker_on_a_life_line_ends_when_the_agents_end_closes() -> None:
+    """It SIGKILLs a worker whose code never yields and blocks every signal it may, when
+    the only write end of its life line closes (the agent gone, however it died: the kernel
+    sends the signal, nothing in the worker runs for it); a worker whose agent was gone
+    before it armed the line exits at once."""
+    import signal
+
+    read_end, write_end = os.pipe()
+    proc = _on_a_life_line(read_end)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"armed\n"
+        os.close(write_end)
+        write_end = -1
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if write_end >= 0:
+            os.close(write_end)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    proc = _on_a_life_line(read_end)
+    out, _ = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (1, b"")
+
+
+_NEVER_YIELDS = (
+    "import signal\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
+    "print('looping', flush=True)\n"
+    "while True:\n"
+    "    pass\n"
+)
+
+
+def test_a_call_no_host_ends_is_ended_by_the_workers_backstop() -> None:
+    """It SIGKILLs the worker from inside (a kernel timer armed for the call) once a call
+    outlives the time its request names (`backstop`: the wall limit left plus a grace),
+    with nothing from the host: the host's client waits on, as a host that is gone or stuck
+    would; the code never yields and blocks every signal."""
+    import signal
+    import threading
+    import time
+
+    from agent_sandbox import Policy, TransportError
+    from agent_sandbox._host.process import WorkerProcess
+    from agent_sandbox.providers._subprocess import SubprocessProvider
+
+    w = WorkerProcess.start(Policy(name="t", imports={"allow": ["signal"]}), SubprocessProvider())
+    try:
+        assert w.client is not None and w.proc is not None
+        looping = threading.Event()
+        failures: list[BaseException] = []
+
+        def call() -> None:
+            body = {"code": _NEVER_YIELDS, "backstop": 0.5}
+            deadline = time.monotonic() + 120  # (a hang guard only)
+            try:
+                w.client._exchange(  # type: ignore[union-attr]
+                    "POST", "/run", body, deadline, lambda *e: looping.set()
+                )
+            except (TransportError, OSError) as exc:
+                failures.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        assert looping.wait(60), "the call did not start"
+        assert w.proc.wait(timeout=120) == -signal.SIGKILL
+        caller.join(60)
+        assert failures, "the call ended as if answered"
+    finally:
+        w.kill()

@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import http
 import ipaddress
+import os
 import re
 import socket
 import threading
@@ -789,7 +790,7 @@ def receive_listeners(
         extra: dict[tuple[str, int], socket.socket] = {}
         for sock in socks[1:]:
             bound = sock.getsockname()
-            pair = (str(ipaddress.ip_address(bound[0])), int(bound[1]))
+            pair = _forward_pair(bound)
             if pair not in forwards or pair in extra:
                 raise EgressError(f"the worker sent a listener on {pair}, which is not forwarded")
             extra[pair] = sock
@@ -798,6 +799,23 @@ def receive_listeners(
             sock.close()
         raise
     return socks[0], extra
+
+
+def _forward_pair(bound: Any) -> tuple[str, int] | None:
+    """The loopback service a forward listener stands for: the address it is bound to, or,
+    for a Unix socket (gVisor's: the sandbox's relay connects to it), the address its name
+    says (`_gvisor.forward_socket_name`); None for anything else. The caller checks the
+    pair against the host's own list."""
+    try:
+        if isinstance(bound, str):
+            name = os.path.basename(bound)
+            if not (name.startswith("fwd-") and name.endswith(".sock")):
+                return None
+            host, _, port = name[4 : -len(".sock")].rpartition("-")
+            return (str(ipaddress.ip_address(host)), int(port))
+        return (str(ipaddress.ip_address(bound[0])), int(bound[1]))
+    except (ValueError, TypeError, IndexError):
+        return None
 
 
 # -- the host's proxy --------------------------------------------------------------------

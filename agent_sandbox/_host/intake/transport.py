@@ -279,7 +279,8 @@ class WorkerClient:
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None
     ) -> None:
         """POST the code and deliver each event until the stream ends (or the deadline)."""
-        proto = self._exchange("POST", "/run", _run_body(code, filename), deadline, on_event)
+        body = _run_body(code, filename, deadline - time.monotonic())
+        proto = self._exchange("POST", "/run", body, deadline, on_event)
         if proto.status != 200:
             raise TransportError(f"the worker refused the call (HTTP {proto.status})")
 
@@ -374,7 +375,8 @@ class AsyncWorkerClient:
         remaining = max(0.001, deadline - time.monotonic())
         self._deadline = deadline
         try:
-            await asyncio.wait_for(self._run(_run_body(code, filename), on_event), remaining)
+            body = _run_body(code, filename, remaining)
+            await asyncio.wait_for(self._run(body, on_event), remaining)
         except TimeoutError:
             raise TimeoutError("the call exceeded its deadline") from None
 
@@ -412,11 +414,22 @@ class AsyncWorkerClient:
                 pass
 
 
-def _run_body(code: str, filename: str | None) -> dict[str, Any]:
+#: How long past a call's wall limit the worker's own backstop waits for the host, which
+#: ends the call at the limit itself (an interrupt, then a kill).
+BACKSTOP_GRACE = 10.0
+
+
+def _run_body(code: str, filename: str | None, wall: float) -> dict[str, Any]:
     # `hold_head`: this client has no use for the response's head before the cell's first
     # event (a quiet call is then one write; see `_worker/server.py`). A relay that keeps
-    # an idle stream alive (the remote pod) sends its own body without it.
-    body: dict[str, Any] = {"code": code, "hold_head": True}
+    # an idle stream alive (the remote pod) sends its own body without it. `backstop`: when
+    # the worker ends itself if the call still runs (`_worker/server.py: _WallBackstop`):
+    # what is left of its wall limit (`wall`) and a grace for the host to end it first.
+    body: dict[str, Any] = {
+        "code": code,
+        "hold_head": True,
+        "backstop": round(max(wall, 0.0) + BACKSTOP_GRACE, 3),
+    }
     if filename:
         body["filename"] = filename
     return body

@@ -178,8 +178,12 @@ def _table() -> dict[str, _Entry]:
     # NOTE: Fraction only from two ints: Fraction('1e999999999') would compute 10**999999999.
     add(fractions.Fraction, (REDUCE,), _shape((_INT, _INT)))
     add(uuid.UUID, (NEWOBJ, BUILD), _no_args)
+    # NOTE: keyed by both names a pickler may use: 3.13 defines them in `pathlib._local`
+    # (and pickles them under that name), 3.11 and 3.12 in `pathlib`; a worker on one
+    # version and a host on another still agree.
     for path in (pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
-        add(path, (REDUCE,), _strings)
+        for module in ("pathlib", "pathlib._local"):
+            add(path, (REDUCE,), _strings, name=f"{module}.{path.__qualname__}")
     add(collections.OrderedDict, (REDUCE, SETITEMS, BUILD), _no_args)
     add(collections.defaultdict, (REDUCE, SETITEMS, BUILD), _factory)
     # deque.__reduce_ex__ gives (deque, ((), maxlen), state, iter(items)): items by APPENDS.
@@ -397,11 +401,13 @@ class Allowlist:
             )
         entry = BUILTIN_TYPES.get(name)
         if entry is None:
-            entry = self._policy_entry(name)
+            entry = self._policy_entry(name, _public_name(name))
         self._cache[name] = entry
         return entry
 
-    def _policy_entry(self, name: str) -> _Entry:
+    def _policy_entry(self, name: str, public: str | None) -> _Entry:
+        """`public` is the name a user writes for the global the pickle names `name` from a
+        private module (`_public_name`): a policy may name either, and a refusal names both."""
         module, qualname = _split(name)
         if module is None or qualname is None:
             named = name in self.exact or any(name.startswith(m + ".") for m in self.modules)
@@ -411,8 +417,8 @@ class Allowlist:
                     f"imports; import it in the host before the call",
                     target=name,
                 )
-            raise _not_allowed(name)
-        if name in self.exact:
+            raise _not_allowed(name, public)
+        if name in self.exact or (public in self.exact and not denied_name(str(public))):
             return _Entry(_resolve(module, qualname, name), ALL_USES, None, trusted=True)
         if module in self.modules:
             obj = _resolve(module, qualname, name)
@@ -425,16 +431,48 @@ class Allowlist:
                     target=name,
                 )
             return _Entry(obj, found[0], found[1], own_setstate=_own_setstate(obj))
-        raise _not_allowed(name)
+        raise _not_allowed(name, public)
 
 
-def _not_allowed(name: str) -> UnpickleRefused:
+def _not_allowed(name: str, public: str | None = None) -> UnpickleRefused:
+    """The refusal of a global no table allows; a global defined in a private module is
+    named as users write it, then where it is defined (`pathlib.PosixPath (defined as
+    pathlib._local.PosixPath)` on 3.13), and the hint names the public form."""
+    shown = name if public is None else f"{public} (defined as {name})"
+    named = public or name
     mod = name.rpartition(".")[0] or name
     return UnpickleRefused(
-        f"{name} is not in the objects allowlist",
+        f"{shown} is not in the objects allowlist",
         target=name,
-        hint=f'result_types = ["{name}"]  (or "{mod}.*" for its models and dataclasses)',
+        hint=f'result_types = ["{named}"]  (or "{mod}.*" for its models and dataclasses)',
     )
+
+
+def _public_name(name: str) -> str | None:
+    """The public name of a global a pickle names from a private module: the nearest
+    loaded parent package without a `_` part that holds the same object under the same
+    qualname (`pathlib._local.PosixPath` -> `pathlib.PosixPath`). None when `name` is public,
+    or no such parent holds it. Like `_resolve`, it reads `__dict__`s only."""
+    module, qualname = _split(name)
+    if module is None or qualname is None:
+        return None
+    parts = module.split(".")
+    if not any(part.startswith("_") for part in parts):
+        return None
+    try:
+        obj = _resolve(module, qualname, name)
+    except UnpickleRefused:
+        return None
+    for end in range(len(parts) - 1, 0, -1):
+        parent = parts[:end]
+        if any(part.startswith("_") for part in parent) or ".".join(parent) not in sys.modules:
+            continue
+        try:
+            if _resolve(".".join(parent), qualname, name) is obj:
+                return f"{'.'.join(parent)}.{qualname}"
+        except UnpickleRefused:
+            continue
+    return None
 
 
 def _split(name: str) -> tuple[str | None, str | None]:

@@ -42,10 +42,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from agent_sandbox._errors import CapacityError, SandboxError
-from agent_sandbox.providers._base import LaunchPlan, ProbeResult, Provider
+from agent_sandbox.providers._base import Answer, LaunchPlan, ProbeResult, Provider
+from agent_sandbox.providers._netcheck import by_the_pods_provider, standard_answers
 
 if TYPE_CHECKING:
     from agent_sandbox._host.intake.remote_transport import RemoteTLS
@@ -98,6 +99,11 @@ class RemoteBoundary(Provider):
     (no launch plan), its workers run under the pod's own provider, which each result names
     (`RunResult.stack`). A kernel boundary by construction: the host refuses a pod that
     reports none unless the policy accepts that (`no_kernel_boundary = "accepted"`)."""
+
+    #: What it holds of each section of the policy (`_netcheck.py`).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(
+        by_the_pods_provider, by_the_pods_provider
+    )
 
     name = "remote"
     strength = 0

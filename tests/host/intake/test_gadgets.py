@@ -415,3 +415,58 @@ def test_refuses_more_opcodes_than_the_budget() -> None:
     """It denies a stream with more opcodes than the opcode budget (a slow-prescan flood)."""
     data = stream(b"N" + b"0N" * 200)
     assert "opcodes" in refused(data, budgets=Budgets(max_opcodes=100))
+
+
+# -- names a pickler gives a global defined in a private module ---------------------------------
+
+
+def _with_module(data: bytes, old: str, new: str) -> bytes:
+    """`data` (protocol 4, one frame) with its global's module `old` written as `new`."""
+    before = b"\x8c" + bytes([len(old)]) + old.encode()
+    assert data[2:3] == b"\x95" and data.count(before) == 1
+    body = data[11:].replace(before, b"\x8c" + bytes([len(new)]) + new.encode())
+    return data[:3] + len(body).to_bytes(8, "little") + body
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_a_pure_path_crosses_under_either_name_a_python_pickles_it(module: str) -> None:
+    """It rebuilds a pure path named as 3.11-3.12 pickle it (`pathlib`) and as 3.13 does
+    (`pathlib._local`), whichever the host runs: a worker and a host on different Pythons
+    agree."""
+    from pathlib import PurePosixPath
+
+    data = pickle.dumps(PurePosixPath("/x"), 4)
+    data = _with_module(data, PurePosixPath.__module__, module)
+    assert module.encode() + b"\x94\x8c\rPurePosixPath" in data
+    assert load_restricted(data, Allowlist()) == PurePosixPath("/x")
+
+
+def test_a_global_from_a_private_module_is_refused_and_allowed_by_its_public_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It names a refused global defined in a private module as users write it, then where
+    it is defined (3.13 pickles `pathlib.PosixPath` as `pathlib._local.PosixPath`), hints the
+    public name, and a policy naming the public name admits it; a public name that holds
+    another object is not taken for it."""
+    public, private = types.ModuleType("pubpkg"), types.ModuleType("pubpkg._impl")
+
+    class Thing:
+        pass
+
+    class Other:
+        pass
+
+    for cls in (Thing, Other):
+        cls.__module__, cls.__qualname__ = "pubpkg._impl", cls.__name__
+        setattr(private, cls.__name__, cls)
+    public.Thing, public.Other = Thing, int  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pubpkg", public)
+    monkeypatch.setitem(sys.modules, "pubpkg._impl", private)
+    data = pickle.dumps(Thing(), 4)
+    text = refused(data)
+    assert "pubpkg.Thing (defined as pubpkg._impl.Thing) is not in the objects allowlist" in text
+    assert 'result_types = ["pubpkg.Thing"]' in text
+    assert type(load_restricted(data, Allowlist(["pubpkg.Thing"]))) is Thing
+    assert type(load_restricted(data, Allowlist(["pubpkg._impl.Thing"]))) is Thing
+    text = refused(pickle.dumps(Other(), 4), Allowlist(["pubpkg.Other"]))
+    assert "pubpkg._impl.Other is not in the objects allowlist" in text
