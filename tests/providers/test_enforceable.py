@@ -235,7 +235,7 @@ def test_the_proxy_hint_for_a_lan_address_is_the_loopback_forward() -> None:
     assert usable == [] and denial is not None and denial.rule == "net.connect"
     assert denial.hint.startswith("10.9.8.7 is a LAN address"), denial.hint
     assert 'allow host = "127.0.0.1" with that port' in denial.hint
-    assert unenforceable("bwrap", _policy([{"host": "10.9.8.7", "ports": "5432"}]))
+    assert unenforceable(get_provider("bwrap"), _policy([{"host": "10.9.8.7", "ports": "5432"}]))
 
 
 def test_sandboxed_refuses_a_host_rule_under_landlock() -> None:
