@@ -152,7 +152,12 @@ def describe_policy(
             # What works behind the host's egress proxy, and what does not (issue 31).
             from agent_sandbox._host.egress.proxy import loopback_forwards
 
-            direct = [f"{h}:{p}" for h, p in loopback_forwards(policy)]
+            # The direct forwards are wired by bwrap and unshare (the host listens in the
+            # sandbox's namespace) and gvisor (a relay in the sandbox, a host socket per
+            # service); not in QEMU's guest, whose loopback is its own.
+            forwarded = (boundary or "").split("+")[0] in ("bwrap", "unshare", "gvisor")
+            pairs = loopback_forwards(policy) if forwarded else []
+            direct = [f"{h}:{p}" for h, p in pairs]
             text = (
                 "  Through the proxy in HTTP_PROXY / HTTPS_PROXY / ALL_PROXY (HTTP, HTTPS "
                 "via CONNECT, SOCKS5): requests, urllib, httpx, aiohttp with trust_env=True "
@@ -368,7 +373,8 @@ def _failure_text(result: RunResult, error: RunError) -> str:
             lines.append(clean(error.message, 1000))
         if error.type and not error.type.startswith("agent_sandbox."):
             # A library turned the refusal into its own error: say what the code got.
-            lines.append(f"Your code got {clean(error.type, 120)}: {clean(error.message, 240)}")
+            got = clean(error.code_message, 240)
+            lines.append(f"Your code got {clean(error.type, 120)}: {got}")
         lines.append(_RETRY_NOTE)
         return "\n".join(lines)
     if error.kind == "limit":

@@ -14,6 +14,7 @@ The `[net]` section is where providers differ; what each one enforces, by the ki
 |---------------------------------------------|----------|------------------------|-----------|
 | TCP connect, any host (name, IP, CIDR, `*`) | no (1)   | yes (egress proxy)     | no (2)    |
 | TCP connect, a loopback address             | no (1)   | yes (proxy to host lo) | no (2)    |
+| TCP connect, a LAN address (5)              | no (1)   | no (5)                 | no (2)    |
 | TCP bind, any address (`*`)                 | yes      | no (3)                 | no (2)    |
 | TCP bind, a loopback address                | no (1)   | yes (own loopback)     | yes       |
 | TCP bind, another address                   | no (1)   | no (3)                 | no (2)    |
@@ -31,7 +32,11 @@ a relay).
     no route out and only its own loopback, where the host's services are not. (3) The
     only way out of the namespace is the host's TCP proxy (refused here).
     (4) Landlock does not filter UDP at all; the seccomp filter then allows datagram sockets
-    to every address.
+    to every address. (5) An IP or CIDR inside 10/8, 172.16/12, 192.168/16, 100.64/10,
+    169.254/16, fc00::/7 or fe80::/10: the proxy would serve it to clients reading
+    HTTP_PROXY only, while a direct socket in the namespace reaches nothing (only allowed
+    loopback services are forwarded inside); "allowed" must mean reachable by every client,
+    so the policy is refused, naming the loopback forward that works instead.
 
 `subprocess` (no kernel boundary, taken only with `no_kernel_boundary = "accepted"`)
 enforces no rule below Python; the opt-out says so, so nothing more is refused here.
@@ -52,6 +57,7 @@ __all__ = [
     "describe_rule",
     "firejail_net",
     "held_as_planned",
+    "lan_network",
     "landlock_net",
     "namespace_net",
     "opted_out",
@@ -216,11 +222,70 @@ def _firejail(policy: Any) -> list[tuple[int | None, str, str]]:
     return out
 
 
+#: LAN ranges (RFC 1918 private, RFC 6598 shared, link-local, IPv6 unique-local and
+#: link-local): an allow rule naming an address inside one is refused by the namespace
+#: providers (`lan_network`).
+_LAN_NETS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
+)
+
+_LAN_WHY = (
+    "{net} is a LAN address: the host's egress proxy would reach it only for clients that "
+    "read HTTP_PROXY (requests, urllib, httpx, pip), while a direct socket in the sandbox "
+    "(http.client, database drivers, gRPC) reaches nothing, for the sandbox's network "
+    "namespace has only its own loopback; an allowed service must be reachable by every client"
+)
+_LAN_INSTEAD = (
+    "none in a network namespace: forward the service to a port on the host's loopback "
+    '(ssh -L or socat) and allow host = "127.0.0.1" with that port, which every client reaches'
+)
+
+
+def lan_network(host: str) -> Any:
+    """The network a rule's host names when it lies inside a LAN range (every spelling the
+    proxy reads: CIDR, short or legacy IPv4, IPv6 forms embedding an IPv4 address), else
+    None. One address is judged as the proxy judges it (`_egress.normalise_host`)."""
+    text = host.strip()
+    if _is_any(text) or _is_loopback(text):
+        return None
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        net = None
+    if net is None or net.num_addresses == 1:
+        # Only now: the proxy's module (asyncio) reads the spellings it accepts.
+        from agent_sandbox._host.egress.proxy import normalise_host
+
+        try:
+            spelled = normalise_host(text if net is None else str(net.network_address))
+        except ValueError:
+            return None
+        if spelled.ip is None:
+            return None  # a host name: the proxy judges its addresses when it resolves
+        net = ipaddress.ip_network(spelled.judged)
+    if any(net.version == lan.version and net.subnet_of(lan) for lan in _LAN_NETS):  # type: ignore[arg-type]
+        return net.network_address if net.num_addresses == 1 else net
+    return None
+
+
 def _namespace(policy: Any) -> list[tuple[int | None, str, str]]:
     out: list[tuple[int | None, str, str]] = []
     for i, rule in enumerate(policy.net.rules):
         if rule.action != "allow" or _is_loopback(rule.host):
             continue
+        if _tcp(rule) and "connect" in _dirs(rule):
+            lan = lan_network(rule.host)
+            if lan is not None:
+                out.append((i, _LAN_WHY.format(net=lan), _LAN_INSTEAD))
         if _udp(rule):
             out.append(
                 (

@@ -205,10 +205,14 @@ def entry_name(name: str, key: Mapping[str, Any]) -> str:
 
 
 def _store(path: str, name: str, key: Mapping[str, Any], result: ProbeResult) -> None:
-    """Add one answer to the file: a new file (0600) renamed over the old one."""
+    """Add one answer to the file: a new file (0600, `O_EXCL`, a random name) renamed over
+    the old one, so a link planted at the file's path is replaced, never written through;
+    only in a folder of this user's that no one else can write."""
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not _trusted(os.stat(directory), stat.S_IFDIR):
+            return  # a folder others can write: nothing of ours is written there
         entries = _load(path)
         filed = entry_name(name, key)
         entries.pop(filed, None)  # re-filed last: the newest

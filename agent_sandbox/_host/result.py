@@ -57,6 +57,19 @@ class RunError:
             if f.name not in ("exception", "child_traceback")
         }
 
+    @staticmethod
+    def refusal_first(refusal: str, type_: str, message: str) -> str:
+        """The message of a refusal a library turned into its own error: the host's record
+        of the refusal (rule, target, reason, hint) first, then what the code got."""
+        return f"{refusal}\n(the code's error, {type_}: {message})"
+
+    @property
+    def code_message(self) -> str:
+        """The message of the exception the code itself got (without the refusal put
+        first by `refusal_first`)."""
+        _, sep, rest = self.message.partition(f"\n(the code's error, {self.type}: ")
+        return rest[:-1] if sep and rest.endswith(")") else self.message
+
 
 @dataclasses.dataclass(frozen=True)
 class Image:

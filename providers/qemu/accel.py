@@ -35,6 +35,7 @@ import json
 import os
 import select
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -133,10 +134,12 @@ def _remembered(path: str, key: str) -> Verdict | None:
 
 
 def _remember(path: str, key: str, verdict: Verdict) -> None:
-    from agent_sandbox.providers._probe_cache import _load
+    from agent_sandbox.providers._probe_cache import _load, _trusted
 
     directory = os.path.dirname(path)
     with contextlib.suppress(OSError, TypeError, ValueError):
+        if not _trusted(os.stat(directory), stat.S_IFDIR):
+            return  # a folder others can write: nothing of ours is written there
         entries = _load(path)
         entries.pop(key, None)
         entries[key] = {
@@ -299,9 +302,18 @@ def accel_verdict(
         if found is not None:
             return found
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    lock_fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        # Never through a link planted at the lock's path (O_NOFOLLOW: a dangling one
+        # would otherwise create its target).
+        lock_fd = os.open(
+            path + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except OSError:
+        lock_fd = -1  # probe unlocked and remember nothing
+        remember = False
+    try:
+        if lock_fd >= 0:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if not afresh:
             found = _remembered(path, key)  # another process probed meanwhile
             if found is not None:
@@ -318,7 +330,8 @@ def accel_verdict(
             _remember(path, key, verdict)
         return verdict
     finally:
-        os.close(lock_fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
 
 
 def as_json(verdict: Verdict) -> dict[str, Any]:

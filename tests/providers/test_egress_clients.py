@@ -3,7 +3,9 @@
 For each client (requests, urllib, httpx sync and async, aiohttp, http.client, raw sockets)
 a host the policy does not allow, asked for over plain HTTP and over HTTPS: the code gets
 the client's own connection error whose text names the rule and the hint, the result's
-error is `denied` with that rule, and the refusal is recorded by the host. The servers are
+error is `denied` with that rule and its message starts with the rule, the target and the
+hint (the host's record of the refusal, then what the client made of it), and the refusal
+is recorded by the host. The servers are
 loopback servers started here; names are mapped by the proxy's injected resolver.
 """
 
@@ -111,15 +113,22 @@ def test_every_client_sees_the_refusal_with_its_rule(
     net = [d for d in result.denials if d.rule.startswith("net.") and not d.internal]
     other = [d for d in result.denials if not d.internal and not d.rule.startswith("net.")]
     row = (client, target, error and error.kind, error and error.rule, error and error.type)
-    print("ROW", row, error and error.message[:160])
+    print("ROW", row, error and error.message[:100])
     assert error is not None, row
     assert (error.kind, error.rule) == ("denied", rule), row
-    assert f"[{rule}]" in error.message and where in error.message, row
+    # The message starts with the rule, the target and the hint (the line that allows it),
+    # whatever the client library wrapped around the refusal; the client's text follows.
+    head = error.message.split("\n(the code's error")[0]
+    assert error.message.startswith(f"[{rule}] "), row
+    assert where in head and "To allow it" in head, (row, error.message)
+    assert f"[{rule}]" in error.code_message  # what the code got names it too
     assert any((d.rule, d.target) == (rule, where) for d in net), (row, net)
     assert not other, (row, other)  # no probe by a library is shown as the user's refusal
     told = outcome(result)  # what LangChain's and CrewAI's tools report
     assert (told.is_error, told.kind, told.rule) == (True, "denied", rule), (row, told)
     assert "hide" not in told.text and "files.hidden" not in told.text
+    if not error.type.startswith("agent_sandbox."):  # the library's own words, once
+        assert f"Your code got {error.type}: {error.code_message[:40]}" in told.text, told.text
 
 
 @pytest.mark.parametrize("mode", ["enforce", "learn"])
@@ -224,3 +233,26 @@ def test_an_allowed_loopback_service_is_reached_by_every_client(provider: str) -
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("boundary", "direct"),
+    [
+        ("bwrap+seccomp+egress-proxy", True),
+        ("unshare+seccomp+egress-proxy", True),
+        ("gvisor+seccomp+egress-proxy", True),
+        ("qemu+seccomp+egress-proxy", False),
+    ],
+)
+def test_the_tool_description_promises_direct_access_only_where_it_is_wired(
+    boundary: str, direct: bool
+) -> None:
+    """The description says an allowed loopback service is reached by any client only under
+    the providers that forward it (bwrap, unshare, gvisor: test_egress.py reaches it
+    natively under each); under QEMU it says a direct socket reaches nothing."""
+    from agent_sandbox.adapters._common import describe_policy
+
+    policy = Policy(name="svc", net={"rules": [{"host": "127.0.0.1", "ports": "8765"}]})
+    text = describe_policy(policy, boundary=boundary)
+    assert ("127.0.0.1:8765 also by any client directly" in text) is direct, text
+    assert ("a direct socket (socket.create_connection" in text) is not direct, text

@@ -108,6 +108,25 @@ REFUSED: list[tuple[str, list[dict[str, Any]], str]] = [
         [{"host": "192.168.1.2", "ports": "9000", "direction": "bind"}],
         "a listener in the sandbox's network namespace is reachable from inside it only",
     ),
+    # A LAN service: the proxy would serve only clients reading HTTP_PROXY (issue 31).
+    (
+        "bwrap",
+        [{"host": "10.0.0.5", "ports": "5432"}],
+        'host = "10.0.0.5" ports = "5432": 10.0.0.5 is a LAN address: the host\'s egress '
+        "proxy would reach it only for clients that read HTTP_PROXY (requests, urllib, httpx, "
+        "pip), while a direct socket in the sandbox (http.client, database drivers, gRPC) "
+        "reaches nothing, for the sandbox's network namespace has only its own loopback; an "
+        "allowed service must be reachable by every client; enforced by: none in a network "
+        "namespace: forward the service to a port on the host's loopback (ssh -L or socat) "
+        'and allow host = "127.0.0.1" with that port, which every client reaches',
+    ),
+    ("unshare", [{"host": "192.168.0.0/16", "ports": "80"}], "192.168.0.0/16 is a LAN address"),
+    ("gvisor", [{"host": "fd00::5", "ports": "80"}], "fd00::5 is a LAN address"),
+    ("qemu", [{"host": "169.254.10.1", "ports": "80"}], "169.254.10.1 is a LAN address"),
+    # Other spellings of one LAN address: judged as the proxy reads them.
+    ("bwrap", [{"host": "::ffff:10.0.0.1", "ports": "80"}], "10.0.0.1 is a LAN address"),
+    ("bwrap", [{"host": "64:ff9b::a00:1", "ports": "80"}], "10.0.0.1 is a LAN address"),
+    ("bwrap", [{"host": "172.16.0.1", "ports": "80", "protocol": "any"}], "LAN address"),
 ]
 
 #: (provider, rules) that are enforced below Python as written.
@@ -136,6 +155,10 @@ ALLOWED: list[tuple[str, list[dict[str, Any]]]] = [
             {"host": "127.0.0.1", "ports": "53", "protocol": "udp"},
         ],
     ),
+    # Not LAN: a wide range (the proxy never reaches its LAN part), a deny, a listener.
+    ("bwrap", [{"host": "0.0.0.0/0", "ports": "443"}, {"host": "8.8.8.8", "ports": "53"}]),
+    ("bwrap", [{"host": "10.0.0.0/7", "ports": "443"}]),
+    ("unshare", [{"host": "svc.internal", "ports": "443"}]),
 ]
 
 
@@ -186,6 +209,33 @@ def test_sandbox_construction_refuses_a_host_rule_under_landlock() -> None:
     policy = _policy([{"host": "api.example.com", "ports": "443"}], provider="landlock")
     with pytest.raises(ProviderUnavailable, match="Landlock filters TCP by port only"):
         Sandbox(policy, warm=0)
+
+
+@pytest.mark.parametrize("ns_provider", ["bwrap", "unshare"])
+def test_an_allowed_lan_service_that_direct_sockets_cannot_reach_is_refused_at_construction(
+    ns_provider: str,
+) -> None:
+    """An allowed LAN address is never a service only some clients reach: the namespace
+    providers forward allowed loopback services only, so `Sandbox` refuses the policy,
+    naming the loopback forward that every client reaches instead."""
+    skip_unless_available(ns_provider)
+    policy = _policy([{"host": "192.168.7.7", "ports": "5432"}], provider=ns_provider)
+    with pytest.raises(ProviderUnavailable, match=r"192\.168\.7\.7 is a LAN address") as info:
+        Sandbox(policy, warm=0)
+    assert 'allow host = "127.0.0.1" with that port' in str(info.value)
+
+
+def test_the_proxy_hint_for_a_lan_address_is_the_loopback_forward() -> None:
+    """A name resolving to a LAN address is refused by the proxy with the way that works,
+    not the rule line the providers would refuse."""
+    from agent_sandbox._host.egress.proxy import EgressRules
+
+    rules = EgressRules(_policy([{"host": "db.internal", "ports": "5432"}]))
+    usable, denial = rules.judge("db.internal", 5432, ["10.9.8.7"], by_name=True)
+    assert usable == [] and denial is not None and denial.rule == "net.connect"
+    assert denial.hint.startswith("10.9.8.7 is a LAN address"), denial.hint
+    assert 'allow host = "127.0.0.1" with that port' in denial.hint
+    assert unenforceable(get_provider("bwrap"), _policy([{"host": "10.9.8.7", "ports": "5432"}]))
 
 
 def test_sandboxed_refuses_a_host_rule_under_landlock() -> None:

@@ -237,3 +237,38 @@ def test_a_fresh_process_reads_the_real_probes(cache: Path) -> None:
     ]
     assert runs[0] == runs[1]
     assert any(name.startswith("bwrap:") for name in json.loads(cache.read_text())["entries"])
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "dangling"])
+def test_a_link_planted_at_the_cache_file_is_replaced_not_written_through(
+    cache: Path, tmp_path: Path, dangling: bool
+) -> None:
+    """It denies writing through a link planted at `probes.json` (to a file of the
+    victim's, or dangling, where following it would create the file): the answer is
+    written to a fresh file renamed over the link, the link's target is untouched."""
+    victim = tmp_path / "victim.txt"
+    if not dangling:
+        victim.write_text("the victim's own content\n")
+    cache.parent.mkdir(mode=0o700)
+    cache.symlink_to(victim)
+    trial = Trial(YES)
+    _probe_cache.cached_probe("bwrap", {}, trial)
+    assert trial.runs == 1  # the attack ran: a probe answer was stored at the planted path
+    assert not cache.is_symlink() and stat.S_ISREG(cache.lstat().st_mode)
+    assert json.loads(cache.read_text())["entries"]
+    if dangling:
+        assert not victim.exists()
+    else:
+        assert victim.read_text() == "the victim's own content\n"
+
+
+def test_nothing_is_written_to_a_cache_folder_others_can_write(cache: Path) -> None:
+    """It denies another user a planted answer: a cache folder writable by others is
+    neither read (above) nor written."""
+    cache.parent.mkdir(mode=0o700)
+    cache.parent.chmod(0o777)
+    try:
+        _probe_cache.cached_probe("bwrap", {}, Trial(YES))
+        assert os.listdir(cache.parent) == []
+    finally:
+        cache.parent.chmod(0o700)

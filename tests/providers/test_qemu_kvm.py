@@ -7,6 +7,7 @@ boot runs where QEMU and the session's image exist.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -217,3 +218,26 @@ def test_the_probe_boot_here_gives_the_verdict_doctor_reports(
         env={**os.environ, "XDG_CACHE_HOME": qemu_cache},
     ).stdout
     assert "  qemu: TCG (KVM present but cannot boot stock kernels: kvm_pvm)\n" in out
+
+
+@pytest.mark.parametrize("planted", ["kvm-probe.json", "kvm-probe.json.lock"])
+def test_a_link_planted_at_the_kvm_probe_files_is_not_followed(
+    fake: dict[str, Path], tmp_path: Path, planted: str
+) -> None:
+    """It denies a link planted at the verdict file or its lock (dangling, so following it
+    would create the target): the probe runs, the link's target is never created; a
+    verdict file's link is replaced by the answer, a lock's link makes the probe run
+    unlocked and remember nothing."""
+    folder = fake["cache"] / "qemu"
+    folder.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    (folder / planted).symlink_to(victim)
+    v = verdict(fake)
+    assert v.probed and boots(fake) == 1  # the attack ran against a real probe
+    assert not victim.exists()
+    if planted.endswith(".lock"):
+        assert (folder / planted).is_symlink()  # left alone, not opened
+        assert not (folder / "kvm-probe.json").exists()
+    else:
+        assert not (folder / planted).is_symlink()
+        assert json.loads((folder / planted).read_text())["entries"]

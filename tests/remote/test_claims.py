@@ -3,8 +3,10 @@ bound, an exhausted pool, and nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox._errors import CapacityError
-from agent_sandbox._host.remote.claims import ClaimCapacityError, claim_name
+from agent_sandbox._host.remote.claims import ClaimCapacityError, ClaimError, claim_name
 from agent_sandbox._host.remote.local_claims import LocalClaimBackend
 from agent_sandbox._host.remote.provider import RemoteProvider
 
@@ -191,3 +193,73 @@ def test_prewarm_loads_what_a_bind_needs_and_never_fails() -> None:
     prewarm("no-such-provider")
     prewarm("subprocess")
     assert "agent_sandbox._host.process" in sys.modules
+
+
+def test_a_link_planted_at_a_claim_file_is_never_followed(certs: Certs, tmp_path: Path) -> None:
+    """It denies a planted claim: a link at `<state>/<name>.json` to a file naming the
+    attacker's worker (owned by this process, so it would pass as live) is not followed:
+    the claim is refused naming the path, no worker is started, the file is not read."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    bait = tmp_path / "bait.json"
+    bait.write_text(json.dumps({"url": "https://192.0.2.66:443", "owner": os.getpid()}))
+    name = claim_name("acme", "thread-1", "0123456789abcdef")
+    (state / f"{name}.json").symlink_to(bait)
+    with LocalClaimBackend(
+        certs.files(),
+        bind_secret=BIND_SECRET,
+        warm=0,
+        provider="subprocess",
+        state_dir=str(state),
+    ) as backend:
+        with pytest.raises(ClaimError, match="not followed") as info:
+            backend.claim(name, timeout=1.0)
+        assert info.value.reason == "ClaimFileRefused" and str(state) in str(info.value)
+        assert backend.started == 0
+    assert (state / f"{name}.json").is_symlink()  # left for the operator, named above
+
+
+def test_a_link_planted_at_a_claims_temporary_name_is_not_written_through(
+    certs: Certs, tmp_path: Path
+) -> None:
+    """It denies writing through a link at the name a claim's temporary file used to have
+    (`<name>.json.tmp-<pid>-<thread>`, predictable): the claim is written to a fresh file of
+    a random name, the link's target is never created, and the claim is made."""
+    import threading
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    name = claim_name("acme", "thread-1", "0123456789abcdef")
+    old_tmp = state / f"{name}.json.tmp-{os.getpid()}-{threading.get_ident()}"
+    old_tmp.symlink_to(victim)
+    with LocalClaimBackend(
+        certs.files(),
+        bind_secret=BIND_SECRET,
+        warm=0,
+        provider="subprocess",
+        state_dir=str(state),
+    ) as backend:
+        claim = backend.claim(name, timeout=15.0)
+        assert claim.created and not victim.exists()
+        recorded = state / f"{name}.json"
+        assert stat.S_ISREG(recorded.lstat().st_mode)
+        assert stat.S_IMODE(recorded.stat().st_mode) == 0o600
+        backend.release(claim)
+    assert not victim.exists()
+
+
+def test_a_claim_folder_others_can_write_is_refused(certs: Certs, tmp_path: Path) -> None:
+    """It denies a shared claim folder (anyone could plant a claim there): refused at
+    construction, naming it and the mode to use."""
+    state = tmp_path / "shared"
+    state.mkdir()
+    state.chmod(0o777)
+    with pytest.raises(ValueError, match=r"not this user's alone.*mode 700"):
+        LocalClaimBackend(
+            certs.files(),
+            bind_secret=BIND_SECRET,
+            warm=0,
+            provider="subprocess",
+            state_dir=str(state),
+        )

@@ -70,6 +70,7 @@ import h11
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._hints import grant_hint
+from agent_sandbox.providers._netcheck import lan_network
 
 __all__ = [
     "PROXY_HOST",
@@ -517,6 +518,13 @@ class EgressRules:
         if name_allows and not special:
             return None
         hint = grant_hint({"net.rules": [{"host": str(ip), "ports": str(port)}]})
+        if lan_network(str(ip)) is not None:
+            # A rule naming a LAN address refuses the policy (`_netcheck`): the way that works.
+            hint = (
+                f"{ip} is a LAN address, which a sandbox in a network namespace cannot reach "
+                f"for every client: forward {ip}:{port} to a port on the host's loopback (ssh "
+                'or socat) and allow host = "127.0.0.1" with that port'
+            )
         if special and name_allows:
             return self._denial(
                 "net.connect",
@@ -1241,6 +1249,50 @@ def _end_to_end(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, byt
     return [(name, value) for name, value in headers if name not in drop]
 
 
+def upstream_request(
+    request: Any, path: str, framing: tuple[str, int], host: str, port: int
+) -> Any:
+    """The request sent upstream, rebuilt from what h11 parsed: the target's one Host (the
+    request's absolute URI decides, RFC 9112 3.2.2: the client's Host lines, duplicates and
+    all, are never passed on), the client's end-to-end headers, the framing the proxy read
+    (h11 writes it: no chunk extension or trailer is passed on). _BadMessage when h11 will
+    not write it."""
+    spelled = f"[{host}]" if ":" in host else host
+    authority = spelled if port == 80 else f"{spelled}:{port}"
+    headers = [(b"host", authority.encode("ascii"))]
+    headers += [
+        (name, value)
+        for name, value in _end_to_end(request.headers)
+        if name != b"host" and name not in _FRAMING_HEADERS
+    ]
+    kind, length = framing
+    if kind == "length":
+        headers.append((b"content-length", b"%d" % length))
+    elif kind == "chunked":
+        headers.append((b"transfer-encoding", b"chunked"))
+    try:
+        return h11.Request(method=request.method, target=path.encode("ascii"), headers=headers)
+    except h11.LocalProtocolError as exc:
+        raise _BadMessage(f"the proxy cannot pass on this request ({exc})") from None
+
+
+def client_response(event: Any, method: bytes) -> Any:
+    """The final response head passed to the client, rebuilt from the upstream's parsed
+    one: its end-to-end headers, and `Connection: close` when its body ends with the
+    upstream's connection. _BadMessage for both Content-Length and Transfer-Encoding."""
+    names = {name for name, _ in event.headers}
+    if names >= _FRAMING_HEADERS:
+        raise _BadMessage("both Content-Length and Transfer-Encoding in an answer")
+    headers = _end_to_end(event.headers)
+    if not names & _FRAMING_HEADERS and not (method == b"HEAD" or event.status_code in (204, 304)):
+        # Its body (if any) ends with the upstream's connection: so does the client's.
+        headers.append((b"connection", b"close"))
+    try:
+        return h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
+    except h11.LocalProtocolError as exc:
+        raise _BadMessage(f"the proxy cannot pass on this answer ({exc})") from None
+
+
 class _Peer:
     """One side of a session as h11 reads it: the client (h11's server role) or the
     upstream (its client role). Bytes are read only when h11 needs more to give the next
@@ -1595,28 +1647,8 @@ class _Session:
         (h11 writes it: no chunk extension or trailer is passed on), the bodies as data."""
         up, up_writer = self.up, self.up_writer
         assert up is not None and up_writer is not None
-        # One Host, the target's (the request's absolute URI decides; RFC 9112 3.2.2): the
-        # client's Host lines, duplicates and all, are never passed on.
-        spelled = f"[{host}]" if ":" in host else host
-        authority = spelled if port == 80 else f"{spelled}:{port}"
-        headers = [(b"host", authority.encode("ascii"))]
-        headers += [
-            (name, value)
-            for name, value in _end_to_end(request.headers)
-            if name != b"host" and name not in _FRAMING_HEADERS
-        ]
         kind, length = framing
-        if kind == "length":
-            headers.append((b"content-length", b"%d" % length))
-        elif kind == "chunked":
-            headers.append((b"transfer-encoding", b"chunked"))
-        try:
-            rebuilt = h11.Request(
-                method=request.method, target=path.encode("ascii"), headers=headers
-            )
-        except h11.LocalProtocolError as exc:
-            raise _BadMessage(f"the proxy cannot pass on this request ({exc})") from None
-        head = up.send(rebuilt)
+        head = up.send(upstream_request(request, path, framing, host, port))
         if kind == "none" or (kind == "length" and length == 0):
             # No body (most requests): its end is already parsed; one write up, then the
             # response, in this task.
@@ -1682,20 +1714,7 @@ class _Session:
             if type(event) is not h11.Response:
                 raise ConnectionError("the upstream server closed the connection")
             break
-        names = {name for name, _ in event.headers}
-        if names >= _FRAMING_HEADERS:
-            raise _BadMessage("both Content-Length and Transfer-Encoding in an answer")
-        headers = _end_to_end(event.headers)
-        if not names & _FRAMING_HEADERS and not (
-            method == b"HEAD" or event.status_code in (204, 304)
-        ):
-            # Its body (if any) ends with the upstream's connection: so does the client's.
-            headers.append((b"connection", b"close"))
-        self.writer.write(
-            client.send(
-                h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
-            )
-        )
+        self.writer.write(client.send(client_response(event, method)))
         while True:
             event = await up.event()
             if type(event) is h11.Data:

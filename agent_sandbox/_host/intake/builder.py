@@ -487,18 +487,23 @@ class ResultBuilder:
 
         text = f"{error.message}\n{error.traceback}"
         carried = {(d.rule, d.target) for d in self._error_refusals}
-        first_rule: str | None = None
+        first: Denial | None = None
         for i, d in enumerate(self.denials):
             shown = f"[{d.rule}]" in text and quote(d.target) in text
             if (d.rule, d.target) in carried or (shown and d.target):
                 if d.internal:
                     self.denials[i] = d.replace(internal=False)
-                if not d.learned and first_rule is None:
-                    first_rule = d.rule
-        if error.kind == "exception" and first_rule is not None:
-            limit = first_rule.startswith("limits.")
+                if not d.learned and first is None:
+                    first = d
+        if error.kind == "exception" and first is not None:
+            limit = first.rule.startswith("limits.")
+            message = error.message
+            if not message.startswith(f"[{first.rule}]"):
+                # The refusal first, with its hint, as the host recorded it; then what the
+                # client library made of it (`('Connection aborted.', BadStatusLine(...`).
+                message = RunError.refusal_first(first.message(), error.type, message)
             self.error = dataclasses.replace(
-                error, kind="limit" if limit else "denied", rule=first_rule
+                error, kind="limit" if limit else "denied", rule=first.rule, message=message
             )
 
     def _decode_value(self, data: dict[str, Any]) -> None:

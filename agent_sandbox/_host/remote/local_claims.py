@@ -12,6 +12,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ import time
 from collections import deque
 
 from agent_sandbox._errors import SandboxError
-from agent_sandbox._host.remote.claims import Claim, ClaimCapacityError
+from agent_sandbox._host.remote.claims import Claim, ClaimCapacityError, ClaimError
 
 __all__ = ["LocalClaimBackend", "ServerFiles"]
 
@@ -83,6 +84,14 @@ class LocalClaimBackend:
         self._private_state = state_dir is None
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="agent-sandbox-claims-")
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        st = os.stat(self.state_dir)
+        if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            # Anyone else who can write there could plant a claim naming their own worker.
+            raise ValueError(
+                f"the claim state directory {self.state_dir!r} is not this user's alone "
+                f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): use a directory "
+                "owned by this user and writable by no one else (mode 700)"
+            )
         self._lock = threading.Condition()
         self._ready: deque[_Server] = deque()
         self._claimed: dict[str, _Server] = {}
@@ -226,12 +235,35 @@ class LocalClaimBackend:
         return os.path.join(self.state_dir, name + ".json")
 
     def _read_claim(self, name: str) -> Claim | None:
+        """The claim recorded for `name`, None when there is none (or it is malformed);
+        ClaimError for anything there that is not a claim file of this user's (a link, a
+        FIFO, another user's file): never followed, never read."""
+        path = self._path(name)
         try:
-            with open(self._path(name), encoding="utf-8") as fh:
-                data = json.load(fh)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise ClaimError(
+                f"the claim file {path!r} is not a file of this process's user ({exc}): "
+                "it was not followed; remove it",
+                reason="ClaimFileRefused",
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise ClaimError(
+                    f"the claim file {path!r} is not a regular file of this process's user: "
+                    "it was not read; remove it",
+                    reason="ClaimFileRefused",
+                )
+            with os.fdopen(fd, encoding="utf-8", closefd=False) as fh:
+                data = json.loads(fh.read(1 << 16))
         except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        if not isinstance(data, dict):
             return None
         owner = int(data.get("owner", 0))
         if owner != os.getpid() and not _pid_alive(owner):
@@ -248,8 +280,10 @@ class LocalClaimBackend:
             if existing is not None:
                 return dataclasses.replace(existing, created=False)
             server = self._take(deadline, timeout)
-            tmp = self._path(name) + f".tmp-{os.getpid()}-{threading.get_ident()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
+            # A fresh file of an unpredictable name (O_EXCL | O_NOFOLLOW, mode 0600): a link
+            # planted at any name in the directory is never written through.
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.state_dir)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 json.dump({"url": server.url, "owner": os.getpid(), "pid": server.proc.pid}, fh)
             try:
                 os.link(tmp, self._path(name))  # create-if-absent: one creator wins

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from agent_sandbox._tools.learn.findings import _METADATA_HOSTS, Finding, _ports_text, _rule_text
 from agent_sandbox.policies import NetRule
 from agent_sandbox.policies._paths import risky_name
+from agent_sandbox.providers._netcheck import lan_network
 
 if TYPE_CHECKING:
     from agent_sandbox._tools.learn.findings import Status, _Context
@@ -234,6 +235,22 @@ def _learn_net(
                     f"{direction} {protocol} {host}:{_ports_text(new_ports)}",
                     "flagged",
                     risk[1],
+                    rule_name,
+                )
+            )
+            continue
+        if direction == "connect" and protocol == "tcp" and lan_network(host) is not None:
+            # A rule naming it would refuse the policy under the namespace providers (only
+            # clients reading HTTP_PROXY could reach it): the way every client does.
+            findings.append(
+                Finding(
+                    "net.rules",
+                    f"{direction} {protocol} {host}:{_ports_text(new_ports)}",
+                    "flagged",
+                    "a LAN address, which a rule cannot allow under bwrap, unshare, gVisor "
+                    "or QEMU (a direct socket in the sandbox could not reach it); forward it "
+                    "to a port on the host's loopback (ssh -L or socat) and allow "
+                    '"127.0.0.1" with that port',
                     rule_name,
                 )
             )

@@ -547,3 +547,14 @@ def test_a_host_that_is_not_one_host_is_flagged(policy, learned, home, host) -> 
     proposal = propose(policy, [learned("net.connect", f"{host}:443")], home=str(home))
     assert proposal.proposed.net.rules == ()
     assert [f.status for f in proposal.findings if f.field == "net.rules"] == ["flagged"]
+
+
+def test_a_lan_service_is_flagged_with_the_loopback_forward_not_proposed(learned, home) -> None:
+    """It never proposes a rule the namespace providers refuse: a connection to a LAN
+    address is flagged with the loopback forward that every client reaches."""
+    proposal = propose(
+        Policy(name="tool"), [learned("net.connect", "192.168.1.20:5432")], home=str(home)
+    )
+    assert not proposal.changed
+    (finding,) = proposal.flagged
+    assert "a LAN address" in finding.reason and "127.0.0.1" in finding.reason
