@@ -173,10 +173,12 @@ class _NoDeathSignal(FirejailProvider):
 def test_a_worker_no_death_signal_reaches_ends_when_the_agents_life_line_closes() -> None:
     """It ends the firejail sandbox, worker and all, when the agent's end of the worker's
     life line closes (what the agent's death does, however it died), with no parent-death
-    signal and nothing sent by the host: the kernel SIGKILLs the worker (its code is in a
-    loop that never yields), and firejail's --deterministic-shutdown ends the rest."""
+    signal and nothing sent by the host: the kernel SIGKILLs the worker (its code blocks every
+    signal and never returns), and firejail's --deterministic-shutdown ends the rest."""
     _require()
-    w = WorkerProcess.start(Policy(name="t", imports={"allow": ["signal"]}), _NoDeathSignal())
+    w = WorkerProcess.start(
+        Policy(name="t", imports={"allow": ["signal", "time"]}), _NoDeathSignal()
+    )
     try:
         assert w.plan is not None and w.plan.argv[0].endswith("firejail")
         assert w.run("2 + 3").value == 5
@@ -200,12 +202,13 @@ def test_a_worker_no_death_signal_reaches_ends_when_the_agents_life_line_closes(
         w.close()
 
 
+# A sleep, not a Python loop: the code layer's iteration budget would end a loop within a
+# second on a fast interpreter, and the call must still be running when the line closes.
 _NEVER_YIELDS = (
-    "import signal\n"
+    "import signal, time\n"
     "signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
     "print('looping', flush=True)\n"
-    "while True:\n"
-    "    pass\n"
+    "time.sleep(3600)\n"
 )
 
 

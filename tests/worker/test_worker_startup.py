@@ -204,12 +204,14 @@ def test_a_worker_on_a_life_line_ends_when_the_agents_end_closes() -> None:
     assert (proc.returncode, out) == (1, b"")
 
 
+# Blocks every signal, then never returns: a sleep, not a Python loop, which the code
+# layer's iteration budget (10 M) would end first on a fast interpreter (Debian's 3.11 runs
+# 10 M iterations in about 0.45 s, inside the 0.5 s backstop below).
 _NEVER_YIELDS = (
-    "import signal\n"
+    "import signal, time\n"
     "signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
     "print('looping', flush=True)\n"
-    "while True:\n"
-    "    pass\n"
+    "time.sleep(3600)\n"
 )
 
 
@@ -226,7 +228,9 @@ def test_a_call_no_host_ends_is_ended_by_the_workers_backstop() -> None:
     from agent_sandbox._host.process import WorkerProcess
     from agent_sandbox.providers._subprocess import SubprocessProvider
 
-    w = WorkerProcess.start(Policy(name="t", imports={"allow": ["signal"]}), SubprocessProvider())
+    w = WorkerProcess.start(
+        Policy(name="t", imports={"allow": ["signal", "time"]}), SubprocessProvider()
+    )
     try:
         assert w.client is not None and w.proc is not None
         looping = threading.Event()
