@@ -222,22 +222,6 @@ def _firejail(policy: Any) -> list[tuple[int | None, str, str]]:
     return out
 
 
-#: LAN ranges (RFC 1918 private, RFC 6598 shared, link-local, IPv6 unique-local and
-#: link-local): an allow rule naming an address inside one is refused by the namespace
-#: providers (`lan_network`).
-_LAN_NETS = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "10.0.0.0/8",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-        "100.64.0.0/10",
-        "169.254.0.0/16",
-        "fc00::/7",
-        "fe80::/10",
-    )
-)
-
 _LAN_WHY = (
     "{net} is a LAN address: the host's egress proxy would reach it only for clients that "
     "read HTTP_PROXY (requests, urllib, httpx, pip), while a direct socket in the sandbox "
@@ -272,9 +256,9 @@ def lan_network(host: str) -> Any:
         if spelled.ip is None:
             return None  # a host name: the proxy judges its addresses when it resolves
         net = ipaddress.ip_network(spelled.judged)
-    if any(net.version == lan.version and net.subnet_of(lan) for lan in _LAN_NETS):  # type: ignore[arg-type]
-        return net.network_address if net.num_addresses == 1 else net
-    return None
+    from agent_sandbox._host.egress.proxy import in_lan
+
+    return (net.network_address if net.num_addresses == 1 else net) if in_lan(net) else None
 
 
 def _namespace(policy: Any) -> list[tuple[int | None, str, str]]:

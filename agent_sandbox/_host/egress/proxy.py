@@ -70,9 +70,10 @@ import h11
 
 from agent_sandbox._denial import Denial
 from agent_sandbox._hints import grant_hint
-from agent_sandbox.providers._netcheck import lan_network
 
 __all__ = [
+    "LAN_NETWORKS",
+    "in_lan",
     "PROXY_HOST",
     "PROXY_PORT",
     "EgressError",
@@ -85,6 +86,29 @@ __all__ = [
     "normalise_host",
     "set_resolver",
 ]
+
+
+#: LAN ranges (RFC 1918 private, RFC 6598 shared, link-local, IPv6 unique-local and
+#: link-local): an allow rule naming an address inside one is refused by the namespace
+#: providers (`providers._netcheck.lan_network`), and the proxy's refusal of one says why.
+LAN_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
+)
+
+
+def in_lan(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    """Whether `net` (an address as a /32 or /128, or a range) lies inside a LAN range."""
+    return any(net.version == lan.version and net.subnet_of(lan) for lan in LAN_NETWORKS)  # type: ignore[arg-type]
+
 
 #: Where the worker's listener sits inside its own network namespace.
 PROXY_HOST = "127.0.0.1"
@@ -518,7 +542,7 @@ class EgressRules:
         if name_allows and not special:
             return None
         hint = grant_hint({"net.rules": [{"host": str(ip), "ports": str(port)}]})
-        if lan_network(str(ip)) is not None:
+        if in_lan(ipaddress.ip_network(ip)):
             # A rule naming a LAN address refuses the policy (`_netcheck`): the way that works.
             hint = (
                 f"{ip} is a LAN address, which a sandbox in a network namespace cannot reach "
