@@ -21,7 +21,7 @@ import stat
 import tempfile
 from collections.abc import Iterable
 
-__all__ = ["HostFileRefused", "create_new", "open_append", "worker_writable"]
+__all__ = ["HostFileRefused", "create_new", "open_append", "read_regular", "worker_writable"]
 
 
 class HostFileRefused(OSError):
@@ -130,3 +130,25 @@ def create_new(directory: str, name: str, *, mode: int = 0o600) -> int:
             ) from None
     finally:
         os.close(dfd)
+
+
+def read_regular(path: str, limit: int, *, own: bool = False) -> bytes:
+    """At most `limit` bytes of `path`, a file a worker or another process may have planted
+    something at: opened without following a link and without blocking on a FIFO, read only
+    when it is a regular file (and, with `own`, one of this process's user).
+    FileNotFoundError when there is nothing; HostFileRefused for anything else there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise HostFileRefused(f"{path!r} was not followed ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (own and st.st_uid != os.geteuid()):
+            raise HostFileRefused(
+                f"{path!r} is not a regular file" + (" of this process's user" if own else "")
+            )
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from typing import Any
 
+from agent_sandbox._host.hostfile import read_regular
 from agent_sandbox._host.limits import WorkerCgroups, limit_denial_rule
 
 __all__ = [
@@ -96,19 +96,12 @@ REPORT_BYTES = 4096
 def _read_report(path: str) -> Any:
     """The JSON of a limit report in the VM's run directory, which QEMU (the guest's side)
     can write: opened without following a link and without blocking on a FIFO, read only
-    when it is a regular file, at most REPORT_BYTES; None for anything else."""
+    when it is a regular file, at most REPORT_BYTES (`hostfile.read_regular`); None for
+    anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return json.loads(os.read(fd, REPORT_BYTES))
+        return json.loads(read_regular(path, REPORT_BYTES))
     except (OSError, ValueError):
         return None
-    finally:
-        os.close(fd)
 
 
 class GuestLimits:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 
 from agent_sandbox._errors import SandboxError
+from agent_sandbox._host.hostfile import HostFileRefused, read_regular
 from agent_sandbox._host.remote.claims import Claim, ClaimCapacityError, ClaimError
 
 __all__ = ["LocalClaimBackend", "ServerFiles"]
@@ -240,29 +241,17 @@ class LocalClaimBackend:
         FIFO, another user's file): never followed, never read."""
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            data = json.loads(read_regular(path, 1 << 16, own=True))
         except FileNotFoundError:
             return None
-        except OSError as exc:
+        except HostFileRefused as exc:
             raise ClaimError(
-                f"the claim file {path!r} is not a file of this process's user ({exc}): "
-                "it was not followed; remove it",
+                f"the claim file {path!r} is not a regular file of this process's user "
+                f"({exc}): it was neither followed nor read; remove it",
                 reason="ClaimFileRefused",
             ) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise ClaimError(
-                    f"the claim file {path!r} is not a regular file of this process's user: "
-                    "it was not read; remove it",
-                    reason="ClaimFileRefused",
-                )
-            with os.fdopen(fd, encoding="utf-8", closefd=False) as fh:
-                data = json.loads(fh.read(1 << 16))
         except (OSError, ValueError):
             return None
-        finally:
-            os.close(fd)
         if not isinstance(data, dict):
             return None
         owner = int(data.get("owner", 0))
