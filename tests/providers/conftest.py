@@ -197,7 +197,12 @@ def arena(tmp_path: Path, canary: str) -> dict[str, Path]:
 
 
 def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
-    """A policy that opens the Python layer (ctypes, fork) so only the kernel can refuse."""
+    """A policy that opens the Python layer (ctypes, fork) so only the kernel can refuse.
+
+    Under `provider="landlock"` it says `visible_names = "accepted"` unless the caller sets
+    the key: the provider takes no policy without it (Landlock cannot hide names; what it
+    refuses then is measured in test_operation_matrix.py), and what these tests measure is
+    what it holds of everything else."""
     data: dict[str, Any] = {
         "name": "danger-hostile-test",
         "imports": {"allow": ["*"]},
@@ -222,6 +227,8 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
             data[key] = {**data[key], **value}
         else:
             data[key] = value
+    if data.get("provider") == "landlock":
+        data.setdefault("visible_names", "accepted")
     with warnings.catch_warnings():
         # The warning that native-code opens the Python layer is the point of this policy.
         warnings.simplefilter("ignore", UserWarning)
