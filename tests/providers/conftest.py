@@ -199,10 +199,11 @@ def arena(tmp_path: Path, canary: str) -> dict[str, Path]:
 def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
     """A policy that opens the Python layer (ctypes, fork) so only the kernel can refuse.
 
-    Under `provider="landlock"` it says `visible_names = "accepted"` unless the caller sets
-    the key: the provider takes no policy without it (Landlock cannot hide names; what it
-    refuses then is measured in test_operation_matrix.py), and what these tests measure is
-    what it holds of everything else."""
+    It says `visible_names = "accepted"` unless the caller sets the key (`visible_names=""`):
+    the landlock provider takes no policy without it (Landlock cannot hide names; its
+    refusal, and what hides names elsewhere, are measured in test_operation_matrix.py and
+    `test_hides_the_existence_of_files_outside_the_policy`), what these tests measure under
+    it is what it holds of everything else, and no other provider reads the key."""
     data: dict[str, Any] = {
         "name": "danger-hostile-test",
         "imports": {"allow": ["*"]},
@@ -221,14 +222,13 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
         "code": {"enabled": False},
         "files": {"read": [str(arena["ro"])], "write": [str(arena["rw"])]},
         "limits": {"wall_seconds": 20, "memory_mb": 512, "processes": 16},
+        "visible_names": "accepted",
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}
         else:
             data[key] = value
-    if data.get("provider") == "landlock":
-        data.setdefault("visible_names", "accepted")
     with warnings.catch_warnings():
         # The warning that native-code opens the Python layer is the point of this policy.
         warnings.simplefilter("ignore", UserWarning)

@@ -177,9 +177,9 @@ def _measure(provider: str, kind: str, tmp_path: Path) -> dict[str, str]:
         (tmp_path / d).mkdir(exist_ok=True)
         (tmp_path / d).chmod(0o777)
     arena = {"ro": tmp_path / "ro", "rw": tmp_path / "rw", "root": tmp_path}
-    # The choice `VISIBLE` needs: landlock takes no policy without it (measured below).
-    choice = {"visible_names": "accepted"} if provider == "landlock" else {}
-    policy = hostile_policy(arena, provider=provider, files=files, **choice)
+    # The choice `VISIBLE` needs (landlock takes no policy without it: measured below); no
+    # other provider reads it.
+    policy = hostile_policy(arena, provider=provider, files=files, visible_names="accepted")
     with Sandbox(policy, warm=0) as sandbox:
         result = sandbox.run(
             PROBE.format(target=target, ops=list(OPERATIONS), scratch=target.startswith("$SCRATCH"))
@@ -252,7 +252,7 @@ def test_landlock_refuses_each_kinds_policy_that_does_not_accept_visible_names(
     fixes = r'provider = "auto", "bwrap" or "unshare" .*visible_names = "accepted"'
     with pytest.raises(PolicyError, match=r"Landlock cannot hide that a file exists"):
         hostile_policy(arena, provider="landlock", files=files, visible_names="")
-    policy = hostile_policy(arena, files=files)  # provider = "auto", names not accepted
+    policy = hostile_policy(arena, files=files, visible_names="")  # "auto", not accepted
     with pytest.raises(PolicyError, match=fixes):
         Sandbox(policy, provider="landlock", warm=0)
     with pytest.raises(PolicyError, match="visible_names"):
