@@ -157,7 +157,10 @@ def _live(name: str) -> dict[str, Any]:
 
     started = time.perf_counter()
     try:
-        worker = WorkerProcess.start(Policy(name="doctor"), get_provider(name))
+        # A trial start of the provider, not a user's policy: `visible_names` is read only
+        # under landlock, which starts no worker for a policy without it.
+        policy = Policy(name="doctor", visible_names="accepted")
+        worker = WorkerProcess.start(policy, get_provider(name))
     except SandboxError as exc:
         return {"provider": name, "ok": False, "error": str(exc)}
     try:
