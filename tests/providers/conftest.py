@@ -111,6 +111,17 @@ def require_landlock_and_seccomp() -> None:
         pytest.skip(f"seccomp unavailable here: {why}")
 
 
+def accepted_for(provider: str) -> dict[str, str]:
+    """The words a policy must say for `provider` to take it: the opt-out from a kernel
+    boundary (`subprocess`), the acceptance of visible names (`landlock`, which cannot hide
+    them; its refusal without it is measured in test_operation_matrix.py), nothing else."""
+    if provider == "subprocess":
+        return {"no_kernel_boundary": "accepted"}
+    if provider == "landlock":
+        return {"visible_names": "accepted"}
+    return {}
+
+
 def skip_unless_available(name: str) -> None:
     """Skip the test with the provider's probe reason when it cannot run here."""
     try:

@@ -57,6 +57,7 @@ def _tool(name: str, files: dict[str, list[str]]) -> Policy:
             code={"enabled": False},
             files=files,
             limits={"wall_seconds": 20, "memory_mb": 512, "processes": 16},
+            visible_names="accepted",  # read only under landlock, which takes no other
         )
 
 
