@@ -222,7 +222,7 @@ class InPod:
                 out.append(
                     "names outside the grants: VISIBLE to the code (Landlock cannot hide "
                     'them): only a policy that says visible_names = "accepted" binds here, '
-                    'others are refused; --provider auto takes bwrap or unshare where they work'
+                    "others are refused; --provider auto takes bwrap or unshare where they work"
                 )
             out.append(
                 "pod secrets (TLS key, bind secret file): "

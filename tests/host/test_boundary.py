@@ -114,7 +114,9 @@ def test_landlock_without_accepting_visible_names_is_refused(tmp_path: Path) -> 
     with pytest.raises(PolicyError, match='visible_names = "accepted"'):
         Sandbox(Policy(name="p"), provider="landlock", warm=0)
     accepted = Policy(name="p", provider="landlock", visible_names="accepted")
-    assert Policy(name="p", visible_names="accepted").fingerprint() != Policy(name="p").fingerprint()
+    assert (
+        Policy(name="p", visible_names="accepted").fingerprint() != Policy(name="p").fingerprint()
+    )
     assert "visible_names" not in Policy(name="p").to_wire()
     assert accepted.to_wire()["visible_names"] == "accepted"
 

@@ -200,7 +200,7 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
 def test_provider_build_refuses_a_policy_that_does_not_accept_visible_names() -> None:
     """It builds no plan for a policy without `visible_names = "accepted"` (Landlock cannot
     hide names), whoever calls it (`auto` does, for a policy that named no provider)."""
-    with pytest.raises(ProviderUnavailable, match=r'\[files\]: Landlock cannot hide') as info:
+    with pytest.raises(ProviderUnavailable, match=r"\[files\]: Landlock cannot hide") as info:
         LandlockProvider().build(Policy(name="p"), _spec())
     assert 'visible_names = "accepted"' in str(info.value)
 
