@@ -480,7 +480,7 @@ class GvisorProvider(Provider):
         return _probe(self.runsc)
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
-        from agent_sandbox._host.egress.proxy import loopback_forwards
+        from agent_sandbox._host.egress.handoff import loopback_forwards
         from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
