@@ -637,7 +637,7 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
 
 def forward_socket_name(host: str, port: int) -> str:
     """The name of the host's socket for the forwarded loopback service host:port (the
-    parent matches it against its own list: `_egress.receive_listeners`)."""
+    parent matches it against its own list: `_host/egress/handoff.receive_listeners`)."""
     return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
 
 

@@ -237,7 +237,7 @@ _LAN_INSTEAD = (
 def lan_network(host: str) -> Any:
     """The network a rule's host names when it lies inside a LAN range (every spelling the
     proxy reads: CIDR, short or legacy IPv4, IPv6 forms embedding an IPv4 address), else
-    None. One address is judged as the proxy judges it (`_egress.normalise_host`)."""
+    None. One address is judged as the proxy judges it (`_host/egress/addresses.normalise_host`)."""
     text = host.strip()
     if _is_any(text) or _is_loopback(text):
         return None

@@ -14,8 +14,8 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
 3. The proxy speaks HTTP `CONNECT` (a TLS tunnel: it sees the host name and the port, never
    the contents) and plain HTTP proxying (absolute-form requests; the client and upstream
    connections kept alive; both sides read by h11 and each message rebuilt from what was
-   parsed, see `_Session`). It judges each target against the
-   policy's rules by host name and port (`EgressRules`), resolves names itself on the host
+   parsed, see `session._Session`). It judges each target against the
+   policy's rules by host name and port (`rules.EgressRules`), resolves names itself on the host
    (the worker never resolves), and refuses a name that resolves to a loopback, private, link-local,
    metadata or other non-global address unless a rule names that address. The host's
    own loopback services are reachable only through a rule naming them.
