@@ -177,14 +177,6 @@ def normalise_host(text: str) -> Host:
     return Host(host, name=host)
 
 
-def _address(text: str) -> Any:
-    """The address a client's spelling of an IP names (ValueError for a name)."""
-    spelled = normalise_host(text)
-    if spelled.ip is None:
-        raise ValueError(f"{text!r} is a host name, not an address")
-    return spelled.ip
-
-
 def is_special(ip: Any) -> bool:
     """Whether a name rule must not reach `ip`: loopback, private, link-local, metadata..."""
     return not ip.is_global or ip.is_multicast or any(ip in net for net in _SPECIAL_NETS)

@@ -40,10 +40,6 @@ _LOOPBACK_NAMES = {
 }
 
 
-def _allow_rules(policy: Any) -> list[Any]:
-    return [r for r in policy.net.rules if r.action == "allow"]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Rule:
     action: str
