@@ -9,7 +9,7 @@ uses a small set of host calls). It is the runtime the cluster path's templates 
 How a worker starts (`build` is pure, `launch` writes what it says):
 
 * an OCI bundle in the worker's private control directory (`<control>/gvisor/bundle`): a
-  `config.json` (`bundle_config`, compared exactly by the tests) and an empty root directory
+  `config.json` (`bundle.bundle_config`, compared exactly by the tests) and an empty root directory
   that holds only the merged-/usr symlinks; the root is read-only;
 * the mounts of the namespace providers' view (`_view.mounts_for`): `/usr`, the interpreter
   prefix, the import roots and the `agent_sandbox` packages read-only, the policy's read
@@ -46,8 +46,8 @@ restrictions listens on the proxy address (and each service's) on the Sentry's l
 carries each connection to its socket (`--host-uds=all`).
 
 Grants: walked and pinned at build, walked again on the host just before runsc starts
-(`check_pins_on_host`), and once more after the start in the gofer's own root
-(`check_pins_in_gofer`), which is what the sandbox was given.
+(`pins.check_pins_on_host`), and once more after the start in the gofer's own root
+(`pins.check_pins_in_gofer`), which is what the sandbox was given.
 
 Refused at construction, naming the cause: a grant of a device, a socket or a FIFO (gVisor
 serves regular files and directories through its gofer), a `[net]` rule the proxy cannot
