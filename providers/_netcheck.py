@@ -254,7 +254,7 @@ def lan_network(host: str) -> Any:
     except ValueError:
         net = None
     if net is None or net.num_addresses == 1:
-        # Only now: the proxy's module (asyncio) reads the spellings it accepts.
+        # Only now (a policy without network loads no egress module): the proxy's own reader.
         from agent_sandbox._host.egress.addresses import normalise_host
 
         try:

@@ -377,7 +377,7 @@ class WorkerProcess:
             self._verify_hello()
             if self.plan.provider == "gvisor" and getattr(self.plan, "pins", None):
                 # The granted paths as runsc's gofer mounted them, before any call.
-                from agent_sandbox.providers._gvisor import check_pins_in_gofer
+                from agent_sandbox.providers.gvisor.pins import check_pins_in_gofer
 
                 check_pins_in_gofer(self.plan, proc.pid)  # type: ignore[arg-type]
             self._hold_scratch()

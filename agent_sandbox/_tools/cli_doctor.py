@@ -121,7 +121,12 @@ def collect(*, live: bool = False) -> dict[str, Any]:
 def _gvisor(providers: list[dict[str, Any]]) -> dict[str, Any]:
     """The gvisor provider's facts: runsc's version and release, the Sentry's platform, and
     the install command when it is missing or too old."""
-    from agent_sandbox.providers._gvisor import INSTALL_HINT, MIN_RELEASE, PLATFORM, PLATFORM_NOTE
+    from agent_sandbox.providers.gvisor.provider import (
+        INSTALL_HINT,
+        MIN_RELEASE,
+        PLATFORM,
+        PLATFORM_NOTE,
+    )
 
     probe = next((p for p in providers if p["name"] == "gvisor"), None)
     if probe is None:

@@ -143,8 +143,8 @@ def receive_listeners(
 def _forward_pair(bound: Any) -> tuple[str, int] | None:
     """The loopback service a forward listener stands for: the address it is bound to, or,
     for a Unix socket (gVisor's: the sandbox's relay connects to it), the address its name
-    says (`_gvisor.forward_socket_name`); None for anything else. The caller checks the
-    pair against the host's own list."""
+    says (`providers/gvisor/relay.forward_socket_name`); None for anything else. The caller
+    checks the pair against the host's own list."""
     try:
         if isinstance(bound, str):
             name = os.path.basename(bound)
