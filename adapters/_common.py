@@ -150,7 +150,7 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
         if "egress-proxy" in (boundary or "").split("+"):
             # What works behind the host's egress proxy, and what does not (issue 31).
-            from agent_sandbox._host.egress.proxy import loopback_forwards
+            from agent_sandbox._host.egress.handoff import loopback_forwards
 
             # The direct forwards are wired by bwrap and unshare (the host listens in the
             # sandbox's namespace), gvisor (a relay in the sandbox, a host socket per

@@ -73,7 +73,7 @@ RULES: dict[str, str] = {
     "net.connect": "connecting or sending to an address outside `net.rules`",
     "net.resolve": "resolving a host name that no `net.rules` entry names",
     "remote.busy": "a remote session's worker was already in a call (one at a time); "
-    "nothing was run and the session is kept",
+    "nothing was run and the session is kept (docs/scale-out.md)",
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
     "tools": "a call to a host tool that `tools.allow` does not list",

@@ -480,7 +480,7 @@ class GvisorProvider(Provider):
         return _probe(self.runsc)
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
-        from agent_sandbox._host.egress.proxy import loopback_forwards
+        from agent_sandbox._host.egress.handoff import loopback_forwards
         from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
@@ -637,7 +637,7 @@ def check_pins_on_host(pins: Mapping[str, Any]) -> None:
 
 def forward_socket_name(host: str, port: int) -> str:
     """The name of the host's socket for the forwarded loopback service host:port (the
-    parent matches it against its own list: `_egress.receive_listeners`)."""
+    parent matches it against its own list: `_host/egress/handoff.receive_listeners`)."""
     return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
 
 

@@ -237,7 +237,7 @@ _LAN_INSTEAD = (
 def lan_network(host: str) -> Any:
     """The network a rule's host names when it lies inside a LAN range (every spelling the
     proxy reads: CIDR, short or legacy IPv4, IPv6 forms embedding an IPv4 address), else
-    None. One address is judged as the proxy judges it (`_egress.normalise_host`)."""
+    None. One address is judged as the proxy judges it (`_host/egress/addresses.normalise_host`)."""
     text = host.strip()
     if _is_any(text) or _is_loopback(text):
         return None
@@ -247,7 +247,7 @@ def lan_network(host: str) -> Any:
         net = None
     if net is None or net.num_addresses == 1:
         # Only now: the proxy's module (asyncio) reads the spellings it accepts.
-        from agent_sandbox._host.egress.proxy import normalise_host
+        from agent_sandbox._host.egress.addresses import normalise_host
 
         try:
             spelled = normalise_host(text if net is None else str(net.network_address))
@@ -256,7 +256,7 @@ def lan_network(host: str) -> Any:
         if spelled.ip is None:
             return None  # a host name: the proxy judges its addresses when it resolves
         net = ipaddress.ip_network(spelled.judged)
-    from agent_sandbox._host.egress.proxy import in_lan
+    from agent_sandbox._host.egress.addresses import in_lan
 
     return (net.network_address if net.num_addresses == 1 else net) if in_lan(net) else None
 

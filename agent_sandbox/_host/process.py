@@ -354,7 +354,8 @@ class WorkerProcess:
                 # the worker's own boot hides here (before the launch it added them to every
                 # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
                 # an egress proxy only (it brings asyncio).
-                from agent_sandbox._host.egress.proxy import EgressError, egress_proxy
+                from agent_sandbox._host.egress.handoff import EgressError
+                from agent_sandbox._host.egress.proxy import egress_proxy
 
                 try:
                     egress_proxy().start()
@@ -469,12 +470,12 @@ class WorkerProcess:
         """Take the worker's proxy listener (sent before its handshake) onto the host's
         egress proxy; a worker whose proxy cannot serve is never kept."""
         assert self.policy is not None
-        from agent_sandbox._host.egress.proxy import (
+        from agent_sandbox._host.egress.handoff import (
             EgressError,
-            egress_proxy,
             loopback_forwards,
             receive_listeners,
         )
+        from agent_sandbox._host.egress.proxy import egress_proxy
 
         try:
             listener, forwards = receive_listeners(channel, timeout, loopback_forwards(self.policy))

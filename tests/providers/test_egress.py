@@ -1,7 +1,7 @@
 """The host's egress proxy: host-name rules, host-side resolution and denials, no other way out.
 
 No test reaches the internet: the servers are loopback servers started here, and names are
-mapped to them by a resolver injected into the proxy (`_egress.set_resolver`). End-to-end
+mapped to them by a resolver injected into the proxy (`resolver.set_resolver`). End-to-end
 tests run for each namespace provider (`bwrap`, `unshare`); hostile ones use ctypes, so the
 Python guards are not what refuses them.
 """
@@ -21,8 +21,11 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox, WorkerStartError
-from agent_sandbox._host.egress import proxy as _egress
-from agent_sandbox._host.egress.proxy import EgressError, EgressRules, egress_proxy
+from agent_sandbox._denial import Denial
+from agent_sandbox._host.egress.handoff import PROXY_PORT, EgressError
+from agent_sandbox._host.egress.proxy import MAX_DENIALS, EgressProxy, Route, egress_proxy
+from agent_sandbox._host.egress.resolver import set_resolver
+from agent_sandbox._host.egress.rules import EgressRules
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 
@@ -97,11 +100,11 @@ def names() -> Iterator[dict[str, list[str]]]:
             raise OSError(f"[Errno -2] Name or service not known: {host!r}")
         return list(table[host])
 
-    old = _egress.set_resolver(resolve)
+    old = set_resolver(resolve)
     try:
         yield table
     finally:
-        _egress.set_resolver(old)
+        set_resolver(old)
 
 
 @pytest.fixture(params=NAMESPACE_PROVIDERS)
@@ -194,12 +197,12 @@ def test_an_unnamed_host_is_refused_before_it_is_resolved() -> None:
 
 def test_route_bounds_the_denials_it_keeps() -> None:
     """It keeps at most MAX_DENIALS per drain and says how many more it refused."""
-    route = _egress.Route(egress_proxy(), _rules(), socket.socket())
+    route = Route(egress_proxy(), _rules(), socket.socket())
     try:
-        for i in range(_egress.MAX_DENIALS + 10):
-            route.record(_egress.Denial("net.connect", "connect", f"h:{i}"))
+        for i in range(MAX_DENIALS + 10):
+            route.record(Denial("net.connect", "connect", f"h:{i}"))
         kept = route.drain()
-        assert len(kept) == _egress.MAX_DENIALS + 1
+        assert len(kept) == MAX_DENIALS + 1
         assert kept[-1].target == "10 more connections"
         assert route.drain() == []
     finally:
@@ -471,7 +474,7 @@ def test_a_proxy_that_cannot_start_fails_the_workers_start(
     def broken(self: Any) -> None:
         raise EgressError("no thread for you")
 
-    monkeypatch.setattr(_egress.EgressProxy, "start", broken)
+    monkeypatch.setattr(EgressProxy, "start", broken)
     policy = _policy([{"host": "api.example.com", "ports": "443"}])
     with pytest.raises(WorkerStartError, match="egress proxy could not start: no thread"):
         WorkerProcess.start(policy, get_provider("bwrap"))
@@ -922,12 +925,8 @@ def test_socks5_from_inside_a_worker_allowed_and_refused(
         [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}]
     )
     with Sandbox(policy, provider=ns_provider, warm=0) as sb:
-        ok = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
-        )
-        refused = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
-        )
+        ok = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="allowed.test", port=port))
+        refused = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="other.test", port=port))
     assert ok.error is None, ok
     code, body = ok.value
     assert code == 0 and f"hello from {port} /socks" in body, ok.value
@@ -1186,12 +1185,8 @@ def test_qemu_socks5_from_the_guest_is_judged_on_the_host(
         limits={"wall_seconds": 30, "memory_mb": 512},
     )
     with Sandbox(policy, warm=0) as sb:
-        ok = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
-        )
-        refused = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
-        )
+        ok = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="allowed.test", port=port))
+        refused = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="other.test", port=port))
     assert ok.error is None, ok
     assert ok.value[0] == 0 and f"hello from {port} /socks" in ok.value[1], ok.value
     assert list(refused.value) == [2, ""], refused.value

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress import session
 from agent_sandbox._host.egress.proxy import egress_proxy
 
 
@@ -155,7 +155,7 @@ def test_a_head_trickled_byte_by_byte_meets_an_absolute_deadline(
 ) -> None:
     """It denies a slow-loris head: bytes that keep coming do not extend the head's
     deadline; the connection ends, recorded as `limits.net`."""
-    monkeypatch.setattr(_egress, "HEAD_TIMEOUT", 1.0)
+    monkeypatch.setattr(session, "HEAD_TIMEOUT", 1.0)
     route, port = _route(upstream)
     try:
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.resolver import set_resolver
 from agent_sandbox.adapters._common import outcome
 
 from .conftest import skip_unless_available
@@ -77,7 +77,7 @@ def sandbox() -> Iterator[Any]:
     )
     if provider is None:
         pytest.skip("no namespace provider here")
-    old = _egress.set_resolver(lambda host: ["127.0.0.1"] if host == "allowed.test" else [])
+    old = set_resolver(lambda host: ["127.0.0.1"] if host == "allowed.test" else [])
     policy = Policy(
         name="clients-danger",
         imports={"allow": ["*"]},
@@ -88,7 +88,7 @@ def sandbox() -> Iterator[Any]:
         with Sandbox(policy, provider=provider, warm=0) as sb:
             yield sb.session("clients")
     finally:
-        _egress.set_resolver(old)
+        set_resolver(old)
 
 
 def _available(name: str) -> bool:

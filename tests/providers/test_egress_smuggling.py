@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._host.egress import proxy as _egress
-from agent_sandbox._host.egress.proxy import egress_proxy, read_request
+from agent_sandbox._host.egress.http1 import _BadMessage, read_request
+from agent_sandbox._host.egress.proxy import egress_proxy
 
 #: (form, request head and body, the refusal's reason, who refuses it).
 REFUSED = [
@@ -105,7 +105,7 @@ def test_each_smuggling_form_is_refused_by_the_parser(
     form: str, data: bytes, reason: str, who: str
 ) -> None:
     """It denies each smuggling form at the parse: `read_request` raises with the reason."""
-    with pytest.raises(_egress._BadMessage) as info:
+    with pytest.raises(_BadMessage) as info:
         read_request(data.replace(b"{up}", b"127.0.0.1:9"))
     assert reason.lower() in str(info.value).lower(), (form, who, info.value)
 

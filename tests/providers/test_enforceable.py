@@ -228,7 +228,7 @@ def test_an_allowed_lan_service_that_direct_sockets_cannot_reach_is_refused_at_c
 def test_the_proxy_hint_for_a_lan_address_is_the_loopback_forward() -> None:
     """A name resolving to a LAN address is refused by the proxy with the way that works,
     not the rule line the providers would refuse."""
-    from agent_sandbox._host.egress.proxy import EgressRules
+    from agent_sandbox._host.egress.rules import EgressRules
 
     rules = EgressRules(_policy([{"host": "db.internal", "ports": "5432"}]))
     usable, denial = rules.judge("db.internal", 5432, ["10.9.8.7"], by_name=True)

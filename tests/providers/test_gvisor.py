@@ -318,7 +318,7 @@ def test_a_forward_socket_the_host_did_not_list_is_refused(tmp_path: Path) -> No
     by the socket's name; any other is refused and nothing is kept."""
     import socket
 
-    from agent_sandbox._host.egress.proxy import EgressError, receive_listeners
+    from agent_sandbox._host.egress.handoff import EgressError, receive_listeners
 
     def offer(names: list[str]) -> tuple[Any, Any]:
         socks = []

@@ -305,7 +305,7 @@ def test_the_relay_hands_the_parent_one_listener_per_forwarded_service(tmp_path:
     """What the relay sends over the egress channel is what the parent's proxy takes: the
     proxy's listener and one per forwarded service, each matched by its name against the
     parent's own list; a service the parent does not forward is refused."""
-    from agent_sandbox._host.egress.proxy import EgressError, receive_listeners
+    from agent_sandbox._host.egress.handoff import EgressError, receive_listeners
 
     host = _host_relay()
     forwards = [["127.0.0.1", 8765, str(tmp_path / "fwd-127.0.0.1-8765.sock")]]
