@@ -538,8 +538,8 @@ def _tunnel_wrapper(
 
 
 def install() -> None:
-    for module, name in _CLIENT_ERRORS:
-        _patch.wrap_later(module, name, _refusal_first_str)
+    for home, dotted in _CLIENT_ERRORS:
+        _patch.wrap_later(home, dotted, _refusal_first_str)
     _patch.wrap_later("http.client", "HTTPConnection._tunnel", _tunnel_wrapper)
     for name, wrapper in _METHODS.items():
         _patch.wrap(socket.socket, name, wrapper, label=f"socket.socket.{name}")

@@ -1058,8 +1058,15 @@ _CLIENT_PACKAGES = {
     "requests": ("requests", "urllib3", "idna", "certifi", "charset_normalizer"),
     "httpx": ("httpx", "httpcore", "anyio", "sniffio", "idna", "certifi"),
     "aiohttp": (
-        "aiohttp", "aiohappyeyeballs", "aiosignal", "attr", "frozenlist", "multidict",
-        "propcache", "yarl", "typing_extensions",
+        "aiohttp",
+        "aiohappyeyeballs",
+        "aiosignal",
+        "attr",
+        "frozenlist",
+        "multidict",
+        "propcache",
+        "yarl",
+        "typing_extensions",
     ),
 }
 

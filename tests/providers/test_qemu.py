@@ -276,8 +276,13 @@ def test_a_guest_channel_naming_a_service_not_forwarded_is_refused(tmp_path: Pat
         forwards = [["127.0.0.1", 8765, str(tmp_path / "fwd-127.0.0.1-8765.sock")]]
         net = host._Net(relay_end, str(tmp_path / "egress.sock"), sel, forwards)
         for chan, name in enumerate(
-            [b"127.0.0.1:8766", b"127.0.0.1:3128", str(tmp_path / "egress.sock").encode(),
-             b"127.0.0.1:8765\0", b"localhost:8765"],
+            [
+                b"127.0.0.1:8766",
+                b"127.0.0.1:3128",
+                str(tmp_path / "egress.sock").encode(),
+                b"127.0.0.1:8765\0",
+                b"localhost:8765",
+            ],
             start=1,
         ):
             guest.sendall(_frame(b"O", chan, name))
