@@ -394,6 +394,8 @@ class _Net:
         self.sel = sel
         self.conns: dict[int, socket.socket] = {}
         self.buf = b""
+        #: Channels refused for naming a service not forwarded (the log says the first 10).
+        self.refused = 0
         #: What an `O` frame may name (b"" is the proxy) -> the socket it is joined to.
         self.services: dict[bytes, str] = {b"": path}
         for host, number, where in forwards or ():
@@ -416,11 +418,13 @@ class _Net:
                 target = self.services.get(payload)
                 if target is None:
                     # Not a service of this policy's list (the guest agent only names
-                    # those): refused here, never connected anywhere.
-                    sys.stderr.write(
-                        "agent-sandbox qemu: the guest asked for a service that is not "
-                        f"forwarded ({payload[:80]!r}): refused\n"
-                    )
+                    # those): refused here, never connected anywhere; the first few said.
+                    self.refused += 1
+                    if self.refused <= 10:
+                        sys.stderr.write(
+                            "agent-sandbox qemu: the guest asked for a service that is not "
+                            f"forwarded ({payload[:80]!r}): refused\n"
+                        )
                     _send(self.port, b"C", chan)
                     continue
                 if chan in self.conns or len(self.conns) >= MAX_NET_CHANNELS:

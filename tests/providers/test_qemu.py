@@ -288,7 +288,7 @@ def test_a_guest_channel_naming_a_service_not_forwarded_is_refused(tmp_path: Pat
             guest.sendall(_frame(b"O", chan, name))
             net.from_guest()
             assert _frames(guest) == [(ord("C"), chan, b"")], name
-        assert net.conns == {}
+        assert net.conns == {} and net.refused == 5
         assert not received_connection(proxy) and not received_connection(service)
         guest.sendall(_frame(b"O", 7, b"127.0.0.1:8765") + _frame(b"D", 7, b"ping"))
         net.from_guest()
