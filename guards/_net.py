@@ -20,6 +20,12 @@ What it enforces, while armed:
    (`net.resolve`). A connect to `(name, port)` is sent to the pinned address, so a name
    cannot be rebound between the decision and the connect.
 
+3. Not a judgement, always on: the egress proxy's refusal reaches the code inside a client
+   library's error (a status line, a tunnel's reason phrase, between the markers of
+   `_denial.refusal_line`); `__str__` of requests', urllib's, http.client's, httpx's and
+   aiohttp's error classes, and http.client's tunnel (a bare `OSError`, rewritten in
+   place), put that refusal first, the library's words after (`_CLIENT_ERRORS`).
+
 What it does NOT stop: sockets created before arming or inherited; a descriptor wrapped
 by `socket.socket(fileno=...)` that is already connected; the C methods reached through
 the class hierarchy (`_socket.socket` as a base class is immutable); native code. The OS
