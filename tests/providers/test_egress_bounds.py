@@ -202,13 +202,13 @@ def test_a_head_trickled_byte_by_byte_meets_an_absolute_deadline(
             "a CONNECT to a port no rule lists",
             b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n",
             "net.connect",
-            b"HTTP/1.1 403 [net.connect]",
+            b"HTTP/1.1 403 |agent-sandbox refusal| [net.connect]",
         ),
         (
             "a name of 10,000 characters",
             b"CONNECT " + b"a" * 10_000 + b".test:443 HTTP/1.1\r\nhost: x\r\n\r\n",
             "net.resolve",
-            b"HTTP/1.1 403 [net.resolve]",
+            b"HTTP/1.1 403 |agent-sandbox refusal| [net.resolve]",
         ),
     ],
 )

@@ -160,7 +160,13 @@ def test_names_no_rule_names_never_reach_the_resolver(fake_dns: FakeDNS) -> None
         # the attack ran: every name got an answer from the proxy, each one a refusal
         assert len(answers) == 1000
         assert all(
-            a.startswith((b"HTTP/1.1 403 [net.resolve]", b"[net.resolve]", b"\x05\x02"))
+            a.startswith(
+                (
+                    b"HTTP/1.1 403 |agent-sandbox refusal| [net.resolve]",
+                    b"|agent-sandbox refusal| [net.resolve]",
+                    b"\x05\x02",
+                )
+            )
             for a in answers
         )
         refused = [d for d in denials if d.rule == "net.resolve"]
@@ -315,8 +321,10 @@ def test_a_denied_name_is_refused_by_address_through_the_proxy(fake_dns: FakeDNS
     )
     try:
         answers = asyncio.run(_many(port, ["203.0.113.9", "3405803785", "[::ffff:203.0.113.9]"]))
-        assert answers[0].startswith(b"[net.connect]")  # plain HTTP
-        assert answers[1].startswith(b"HTTP/1.1 403 [net.connect]")  # CONNECT
+        assert answers[0].startswith(b"|agent-sandbox refusal| [net.connect]")  # plain HTTP
+        assert answers[1].startswith(
+            b"HTTP/1.1 403 |agent-sandbox refusal| [net.connect]"
+        )  # CONNECT
         assert answers[2][:2] == b"\x05\x02"  # SOCKS5: not allowed by the ruleset
         denials = route.drain()
         assert len(denials) == 3

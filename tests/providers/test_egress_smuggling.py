@@ -231,7 +231,7 @@ def test_pipelined_requests_are_judged_and_answered_one_at_a_time(recorder: _Rec
     finally:
         route.close()
     assert out.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\nok" in out, out
-    assert out.split(b"\r\n\r\nok", 1)[1].startswith(b"[net.resolve]"), out
+    assert out.split(b"\r\n\r\nok", 1)[1].startswith(b"|agent-sandbox refusal| [net.resolve]"), out
     assert [(d.rule, d.target) for d in denials] == [("net.resolve", "secret.test")]
     assert recorder.received.count(b"GET ") == 1 and b"/two" not in recorder.received
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import Denial, refusal_line
 from agent_sandbox._hints import grant_hint
 from agent_sandbox._host.egress.addresses import normalise_host
 from agent_sandbox._host.egress.http1 import (
@@ -460,9 +460,9 @@ async def _reply(
 
 def _one_line(denial: Denial) -> bytes:
     """The refusal as one line of printable ASCII: the rule, the target, the reason, the
-    hint (what the client's error message shows)."""
-    text = " ".join(denial.message().split())
-    return text.encode("ascii", "backslashreplace")[: MAX_HEAD_BYTES // 2]
+    hint (what the client's error message shows), between the markers the worker's
+    guards find it by to put it first in the client's error (`_denial.refusal_line`)."""
+    return refusal_line(denial.message(), MAX_HEAD_BYTES // 2).encode("ascii")
 
 
 async def _refuse(writer: asyncio.StreamWriter, denial: Denial, *, connect: bool) -> None:
@@ -470,10 +470,12 @@ async def _refuse(writer: asyncio.StreamWriter, denial: Denial, *, connect: bool
     rule and the hint, and none reads a refusal as a response (then end the connection).
 
     `CONNECT`: a 403 whose reason phrase is the refusal (clients raise on a failed tunnel
-    and quote the phrase: `Tunnel connection failed: 403 [net.resolve] ...`). Plain HTTP:
-    the refusal in place of the status line, which no HTTP client takes for a response
-    (http.client's `BadStatusLine`, h11's and aiohttp's protocol errors), so the code's
-    request fails as a connection does instead of returning a body to parse.
+    and quote the phrase: `Tunnel connection failed: 403 |agent-sandbox refusal|
+    [net.resolve] ...`). Plain HTTP: the refusal in place of the status line, which no HTTP
+    client takes for a response (http.client's `BadStatusLine`, h11's and aiohttp's protocol
+    errors), so the code's request fails as a connection does instead of returning a body
+    to parse. The worker's network guard puts the marked refusal first in the text of the
+    error the code catches (`guards/_net.py`).
     """
     line = _one_line(denial)
     if connect:
