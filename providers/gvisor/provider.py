@@ -92,7 +92,7 @@ from agent_sandbox.providers._view import (
 )
 from agent_sandbox.providers.gvisor.bundle import GvisorPlan, _dirs, bundle_config, write_bundle
 from agent_sandbox.providers.gvisor.pins import check_pins_on_host
-from agent_sandbox.providers.gvisor.relay import forward_socket_name, send_egress_listener
+from agent_sandbox.providers.gvisor.relay import send_egress_listener
 
 __all__ = [
     "INSTALL_HINT",
@@ -334,7 +334,7 @@ class GvisorProvider(Provider):
         return _probe(self.runsc)
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
-        from agent_sandbox._host.egress.handoff import loopback_forwards
+        from agent_sandbox._host.egress.handoff import forward_socket_name, loopback_forwards
         from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable

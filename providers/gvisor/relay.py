@@ -5,7 +5,7 @@ loopback service's) on the Sentry's loopback and carries each connection to a Un
 the shared socket directory (`_worker/_inworker.start_egress_relay`); `send_egress_listener`
 binds those sockets on the host and sends them over the egress channel, where the parent
 takes them onto its egress proxy (`_host/egress/handoff.receive_listeners`, which matches each
-forward socket by its name, `forward_socket_name`).
+forward socket by its name, `handoff.forward_socket_name`).
 """
 
 from __future__ import annotations
@@ -14,17 +14,7 @@ import os
 
 from agent_sandbox.providers.gvisor.bundle import GvisorPlan
 
-__all__ = ["forward_socket_name", "send_egress_listener"]
-
-
-#: The host's sockets of the allowed loopback services there: `fwd-<address>-<port>.sock`.
-FORWARD_PREFIX = "fwd-"
-
-
-def forward_socket_name(host: str, port: int) -> str:
-    """The name of the host's socket for the forwarded loopback service host:port (the
-    parent matches it against its own list: `_host/egress/handoff.receive_listeners`)."""
-    return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
+__all__ = ["send_egress_listener"]
 
 
 def send_egress_listener(plan: GvisorPlan) -> None:

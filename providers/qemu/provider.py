@@ -74,6 +74,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox._host.egress.handoff import forward_socket_name
 from agent_sandbox.providers._base import (
     Answer,
     LaunchPlan,
@@ -798,7 +799,6 @@ class QemuProvider(Provider):
             raise ProviderUnavailable(
                 "qemu", "the guest image is gone: run `agent-sandbox qemu build`"
             )
-        from agent_sandbox.providers._gvisor import forward_socket_name
 
         config = json.loads(plan.argv[-1])
         mem_mb = int(config["mem_mb"])

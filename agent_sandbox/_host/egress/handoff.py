@@ -19,6 +19,7 @@ __all__ = [
     "PROXY_HOST",
     "PROXY_PORT",
     "EgressError",
+    "forward_socket_name",
     "loopback_forwards",
     "proxy_env",
     "receive_listener",
@@ -140,17 +141,28 @@ def receive_listeners(
     return socks[0], extra
 
 
+#: A forwarded loopback service's Unix socket is named `fwd-<address>-<port>.sock`.
+FORWARD_PREFIX, FORWARD_SUFFIX = "fwd-", ".sock"
+
+
+def forward_socket_name(host: str, port: int) -> str:
+    """The name of the host's Unix socket for the forwarded loopback service host:port
+    (gVisor's in-sandbox relay and QEMU's host relay bind it; `_forward_pair` reads it back,
+    and the parent matches the pair against its own list)."""
+    return f"{FORWARD_PREFIX}{host}-{int(port)}{FORWARD_SUFFIX}"
+
+
 def _forward_pair(bound: Any) -> tuple[str, int] | None:
     """The loopback service a forward listener stands for: the address it is bound to, or,
-    for a Unix socket (gVisor's: the sandbox's relay connects to it), the address its name
-    says (`providers/gvisor/relay.forward_socket_name`); None for anything else. The caller
-    checks the pair against the host's own list."""
+    for a Unix socket (gVisor's and QEMU's relays), the address its name says
+    (`forward_socket_name`); None for anything else. The caller checks the pair against
+    the host's own list."""
     try:
         if isinstance(bound, str):
             name = os.path.basename(bound)
-            if not (name.startswith("fwd-") and name.endswith(".sock")):
+            if not (name.startswith(FORWARD_PREFIX) and name.endswith(FORWARD_SUFFIX)):
                 return None
-            host, _, port = name[4 : -len(".sock")].rpartition("-")
+            host, _, port = name[len(FORWARD_PREFIX) : -len(FORWARD_SUFFIX)].rpartition("-")
             return (str(ipaddress.ip_address(host)), int(port))
         return (str(ipaddress.ip_address(bound[0])), int(bound[1]))
     except (ValueError, TypeError, IndexError):
