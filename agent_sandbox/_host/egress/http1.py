@@ -4,8 +4,10 @@
 the session, forwarded, answered, or refused (`_refuse`, `_reply`). Under it, the messages:
 `read_request` (h11, then `strict_head` and `request_framing` for the forms h11 reads
 leniently), `upstream_request` and `client_response` (the messages passed on, rebuilt from
-what was parsed), `_Peer` (one side of a session as h11 reads it) and `_parse_target` (host,
-port and path of a proxy request). The fuzz targets and the smuggling table call these.
+what was parsed; an upstream's reason phrase or header value never carries the proxy's
+refusal marker, `_unmarked`), `_Peer` (one side of a session as h11 reads it) and
+`_parse_target` (host, port and path of a proxy request). The fuzz targets and the
+smuggling table call these.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 
-from agent_sandbox._denial import refusal_line
+from agent_sandbox._denial import REFUSAL_START, refusal_line
 from agent_sandbox._host.egress.addresses import normalise_host
 
 if TYPE_CHECKING:
@@ -159,21 +161,52 @@ def upstream_request(
         raise _BadMessage(f"the proxy cannot pass on this request ({exc})") from None
 
 
+#: The words of the proxy's opening refusal marker (`_denial.REFUSAL_START`), lower case.
+_MARKER_WORDS = REFUSAL_START.strip("| ").lower().encode("ascii")
+
+
+def _unmarked(value: bytes) -> bytes:
+    """An upstream's reason phrase or header value, made unable to pass for the proxy's
+    refusal: when it holds the marker's words (`agent-sandbox refusal`, in any case), each
+    `|` in it becomes `!`. The worker's guard finds a refusal only by the exact opening
+    marker `|agent-sandbox refusal| ` (`_denial.refusal_first`), which needs the `|`
+    before and after those words, so what the client quotes of such a value reads
+    `!agent-sandbox refusal! ...` and is never put first. Any other value (a `|` in a
+    link or a cookie included) is passed as it is."""
+    if _MARKER_WORDS in value.lower():
+        return value.replace(b"|", b"!")
+    return value
+
+
+def _answer_head(event: Any) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """An upstream answer's end-to-end headers and reason phrase as passed to the client,
+    no refusal marker in them (`_unmarked`)."""
+    headers = [(name, _unmarked(value)) for name, value in _end_to_end(event.headers)]
+    return headers, _unmarked(bytes(event.reason))
+
+
 def client_response(event: Any, method: bytes) -> Any:
     """The final response head passed to the client, rebuilt from the upstream's parsed
-    one: its end-to-end headers, and `Connection: close` when its body ends with the
-    upstream's connection. _BadMessage for both Content-Length and Transfer-Encoding."""
+    one: its end-to-end headers and reason phrase (no refusal marker kept, `_unmarked`),
+    and `Connection: close` when its body ends with the upstream's connection. _BadMessage
+    for both Content-Length and Transfer-Encoding."""
     names = {name for name, _ in event.headers}
     if names >= _FRAMING_HEADERS:
         raise _BadMessage("both Content-Length and Transfer-Encoding in an answer")
-    headers = _end_to_end(event.headers)
+    headers, reason = _answer_head(event)
     if not names & _FRAMING_HEADERS and not (method == b"HEAD" or event.status_code in (204, 304)):
         # Its body (if any) ends with the upstream's connection: so does the client's.
         headers.append((b"connection", b"close"))
     try:
-        return h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
+        return h11.Response(status_code=event.status_code, headers=headers, reason=reason)
     except h11.LocalProtocolError as exc:
         raise _BadMessage(f"the proxy cannot pass on this answer ({exc})") from None
+
+
+def interim_response(event: Any) -> Any:
+    """An interim (1xx) head passed to the client, rebuilt like `client_response`."""
+    headers, reason = _answer_head(event)
+    return h11.InformationalResponse(status_code=event.status_code, headers=headers, reason=reason)
 
 
 class _Peer:
@@ -410,15 +443,7 @@ class Http1:
             if type(event) is h11.InformationalResponse:
                 if event.status_code == 101:
                     raise _BadMessage("the upstream switched protocols unasked")
-                self.writer.write(
-                    client.send(
-                        h11.InformationalResponse(
-                            status_code=event.status_code,
-                            headers=_end_to_end(event.headers),
-                            reason=event.reason,
-                        )
-                    )
-                )
+                self.writer.write(client.send(interim_response(event)))
                 # Back-pressure: no more is read from the upstream until the client has
                 # taken this head (a flood of 1xx heads to a client that does not read
                 # fills the socket's buffers, never the host's memory).
