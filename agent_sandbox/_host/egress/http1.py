@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Http1",
     "client_response",
+    "interim_response",
     "read_request",
     "request_framing",
     "strict_head",
