@@ -21,8 +21,11 @@ __all__ = [
     "LEARNED",
     "USER",
     "RULES",
+    "find_refusal",
     "fold_detail",
+    "hide_token",
     "is_sensitive",
+    "new_token",
     "refusal_first",
     "refusal_line",
     "rule_doc",
@@ -370,17 +373,31 @@ def fold_detail(rule: str, budget: int, sensitive: bool) -> str:
 # -- the egress proxy's refusal, as a client library carries it to the code ---------------
 
 #: The egress proxy sends its refusal (a status line, a `CONNECT` reason phrase) between
-#: these, and nothing between them holds a `|`, so the worker finds it exactly in whatever
-#: error text a client library builds around it (`refusal_first`).
-REFUSAL_START = "|agent-sandbox refusal| "
+#: `|agent-sandbox refusal <token>| ` and `REFUSAL_END`, and nothing between them holds a
+#: `|`, so the worker finds it exactly in whatever error text a client library builds around
+#: it (`refusal_first`). The token is random, made by the host for one worker and given to
+#: it in its boot configuration (`WorkerSetup.egress["token"]`): no upstream server knows it,
+#: so a server cannot write a refusal the worker takes for the proxy's (docs/providers.md).
+REFUSAL_START = "|agent-sandbox refusal"
 REFUSAL_END = " |end of refusal|"
 #: Characters sent as they are; every other one (and `|`, `%`, the backslash) is percent-encoded.
 _PLAIN = frozenset(chr(c) for c in range(0x20, 0x7F)) - set("|%\\")
+#: A token's characters (`new_token` makes 32 of them); a marker's token is checked by them
+#: first, so a text holding no real token is never searched further.
+_TOKEN_CHARS = frozenset("0123456789abcdef")
 
 
-def refusal_line(message: str, limit: int = 2048) -> str:
+def new_token() -> str:
+    """A fresh refusal token: 128 random bits, lower-case hex."""
+    import os
+
+    return os.urandom(16).hex()
+
+
+def refusal_line(message: str, limit: int = 2048, *, token: str) -> str:
     """A refusal's message as the proxy sends it to a client: one line of printable ASCII
-    between `REFUSAL_START` and `REFUSAL_END`, at most `limit` characters in all.
+    between `|agent-sandbox refusal <token>| ` and `REFUSAL_END`, at most `limit`
+    characters in all.
 
     Inside, whitespace runs are one space and `|`, `%`, the backslash and everything
     outside printable ASCII are percent-encoded (UTF-8). A client that quotes the line with
@@ -388,15 +405,18 @@ def refusal_line(message: str, limit: int = 2048) -> str:
     quote, before a backslash), so removing every backslash between the markers gives the
     line back exactly.
     """
+    if not token or not set(token) <= _TOKEN_CHARS:
+        raise ValueError("a refusal token is lower-case hex (`new_token`)")
+    start = f"{REFUSAL_START} {token}| "
     out: list[str] = []
-    room = max(0, limit - len(REFUSAL_START) - len(REFUSAL_END))
+    room = max(0, limit - len(start) - len(REFUSAL_END))
     for char in " ".join(message.split()):
         piece = char if char in _PLAIN else "".join(f"%{b:02X}" for b in char.encode())
         room -= len(piece)
         if room < 0:
             break
         out.append(piece)
-    return REFUSAL_START + "".join(out) + REFUSAL_END
+    return start + "".join(out) + REFUSAL_END
 
 
 def _unquote(text: str) -> str:
@@ -415,26 +435,58 @@ def _unquote(text: str) -> str:
     return data.decode("utf-8", "replace")
 
 
-def refusal_first(text: str, *, keep_marked: bool = False) -> str | None:
+def find_refusal(text: str, tokens: Any) -> tuple[int, int, str] | None:
+    """Where in `text` the first marked refusal carrying one of `tokens` is: (its start,
+    the end of its end marker, the refusal's message, unquoted); None when there is none.
+    A marker with another token, or none, is words like any other (a server's)."""
+    if not tokens:
+        return None
+    at = text.find(REFUSAL_START)
+    while at >= 0:
+        head = at + len(REFUSAL_START)
+        # The token, after a space (or a quoting backslash a client added), up to `| `.
+        close = text.find("| ", head, head + 80)
+        token = text[head:close].replace("\\", "").strip() if close > 0 else ""
+        if close > 0 and token in tokens and set(token) <= _TOKEN_CHARS:
+            body = close + 2
+            end = text.find(REFUSAL_END, body)
+            if end < 0:
+                return None
+            refusal = _unquote(text[body:end].replace("\\", ""))
+            return at, end + len(REFUSAL_END), refusal
+        at = text.find(REFUSAL_START, head)
+    return None
+
+
+def refusal_first(text: str, tokens: Any, *, keep_marked: str = "") -> str | None:
     """`text` (a client library's error message) with the proxy's refusal it carries put
     first: the refusal (rule, target, reason, hint), then the library's own words with
     `<the refusal above>` where the refusal was (each exact copy of it too); None when it
-    carries none (its markers, `refusal_line`). What is left carries no marker, so a second
-    pass changes nothing.
+    carries none marked with one of `tokens` (`find_refusal`). What is left carries no
+    marker, so a second pass changes nothing.
 
-    `keep_marked` leaves the marked refusal in the library's words: for an exception whose
-    text is rewritten in place (http.client's bare `OSError`), which another library may
-    quote in its own error (urllib's `URLError`), where it is found and put first again.
+    `keep_marked` (a token) leaves the refusal in the library's words, marked with that
+    token instead: for an exception whose text is rewritten in place (http.client's bare
+    `OSError`), which another library may quote in its own error (urllib's `URLError`),
+    where it is found and put first again.
     """
-    start = text.find(REFUSAL_START)
-    if start < 0:
+    found = find_refusal(text, tokens)
+    if found is None:
         return None
-    end = text.find(REFUSAL_END, start + len(REFUSAL_START))
-    if end < 0:
-        return None
-    refusal = _unquote(text[start + len(REFUSAL_START) : end].replace("\\", ""))
+    start, end, refusal = found
     if keep_marked:
-        return f"{refusal}\n(the client's error: {text})"
-    words = text[:start] + "<the refusal above>" + text[end + len(REFUSAL_END) :]
+        kept = refusal_line(refusal, token=keep_marked)
+        return f"{refusal}\n(the client's error: {text[:start]}{kept}{text[end:]})"
+    words = text[:start] + "<the refusal above>" + text[end:]
     words = words.replace(refusal, "<the refusal above>")
     return f"{refusal}\n(the client's error: {words})"
+
+
+def hide_token(text: str, token: str) -> str:
+    """`text` without `token`: its refusal markers read `|agent-sandbox refusal| ` (the
+    shape nothing takes for the proxy's), any other copy `<refusal token>`. The host shows
+    nothing of a worker's token (the error, the output; `intake/builder.py`)."""
+    if not token or token not in text:
+        return text
+    text = text.replace(f"{REFUSAL_START} {token}| ", f"{REFUSAL_START}| ")
+    return text.replace(token, "<refusal token>")

@@ -264,7 +264,8 @@ def install_guards(boot: dict[str, Any], namespace: dict[str, Any] | None = None
     _imports.configure(_imports.ImportRules(policy.get("imports") or {}, name))
     egress = (boot.get("worker_setup") or {}).get("egress") or {}
     proxy = (str(egress["host"]), int(egress["port"])) if egress else None
-    _net.configure(_net.NetRules(policy.get("net") or {}, name, proxy=proxy))
+    token = str(egress.get("token") or "")
+    _net.configure(_net.NetRules(policy.get("net") or {}, name, proxy=proxy, token=token))
     _env.configure(boot.get("host_env_names") or (), name)
     _calls.configure(_calls.ApiRules(policy.get("api") or {}, name), policy.get("code") or {})
     # 2. temporary files go to scratch

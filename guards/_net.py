@@ -22,9 +22,11 @@ What it enforces, while armed:
 
 3. Not a judgement, always on: the egress proxy's refusal reaches the code inside a client
    library's error (a status line, a tunnel's reason phrase, between the markers of
-   `_denial.refusal_line`); `__str__` of requests', urllib's, http.client's, httpx's and
-   aiohttp's error classes, and http.client's tunnel (a bare `OSError`, rewritten in
-   place), put that refusal first, the library's words after (`_CLIENT_ERRORS`).
+   `_denial.refusal_line`, with the token the host made for this worker: `NetRules.token`);
+   `__str__` of requests', urllib's, http.client's, httpx's and aiohttp's error classes,
+   and http.client's tunnel (a bare `OSError`, rewritten in place), put that refusal first,
+   the library's words after (`_CLIENT_ERRORS`); a marker without the token (a server's
+   words) is left as it is. Each refusal found is noted for the host (`proxy_refusals`).
 
 What it does NOT stop: sockets created before arming or inherited; a descriptor wrapped
 by `socket.socket(fileno=...)` that is already connected; the C methods reached through
@@ -39,7 +41,7 @@ import ipaddress
 import socket
 from _thread import get_ident
 
-from agent_sandbox._denial import REFUSAL_START, Denial, refusal_first
+from agent_sandbox._denial import REFUSAL_START, Denial, new_token, refusal_first, refusal_line
 from agent_sandbox._errors import NetworkDenied
 from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _files, _patch
@@ -49,7 +51,7 @@ TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typ
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["NetRules", "configure", "install"]
+__all__ = ["NetRules", "configure", "install", "proxy_refusals"]
 
 _st = state
 _orig_getaddrinfo = _socket.getaddrinfo
@@ -100,12 +102,18 @@ class NetRules:
     """The `[net]` rules with their pinned addresses, compiled for fast decisions."""
 
     def __init__(
-        self, net: dict[str, Any], policy_name: str = "", proxy: tuple[str, int] | None = None
+        self,
+        net: dict[str, Any],
+        policy_name: str = "",
+        proxy: tuple[str, int] | None = None,
+        token: str = "",
     ) -> None:
         self.policy_name = policy_name
         #: The host's egress proxy inside the sandbox (namespace providers): a TCP connect
         #: to it is left to the proxy, which judges the real target and records the denial.
         self.proxy = proxy
+        #: The host's refusal token for this worker (`WorkerSetup.egress["token"]`).
+        self.token = token
         self.rules = [_Rule(r) for r in net.get("rules", ())]
         self.pins: dict[str, list[str]] = {}
         self.reverse: dict[str, str] = {}
@@ -514,16 +522,59 @@ _CLIENT_ERRORS = (
 )
 
 
+_REFUSAL_ATTR = "_agent_sandbox_proxy_refusal"  # (on a client's error: the refusal found)
+#: Tokens of texts this guard rewrote in place (`_tunnel_wrapper`), one per rewrite, the
+#: latest 64: never the host's, which stays out of every text the code is shown.
+_relay_tokens: list[str] = []
+
+
+def _tokens() -> tuple[str, ...]:  # (no token: no proxy, no refusal of its to find)
+    return (_rules.token, *_relay_tokens) if _rules.token else ()
+
+
+def proxy_refusals(chain: Any) -> list[str]:
+    """The proxy's refusals found marked with a genuine token in the texts of `chain`'s
+    exceptions, each as the proxy's line with the host's token, for the worker's error
+    report: the host takes the error for a refusal its proxy recorded only by these."""
+    out: list[str] = []
+    for exc in chain if _rules.token else ():
+        refusal = getattr(exc, "__dict__", {}).get(_REFUSAL_ATTR)
+        line = refusal_line(refusal, token=_rules.token) if isinstance(refusal, str) else ""
+        if line and line not in out:
+            out.append(line)
+    return out
+
+
 def _refusal_first_str(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """A client's error whose text carries the proxy's marked refusal (`REFUSAL_START`)
-    says the refusal first (rule, target, hint), then its own words; any other text, and
-    the exception's type, stay as they are."""
+    """A client's error whose text carries the proxy's refusal, marked with this worker's
+    token, says the refusal first (rule, target, hint), then its own words; any other text
+    (a marker without the token: a server's words), and the exception's type, stay."""
     text = wrapped(*args, **kwargs)
     if isinstance(text, str) and REFUSAL_START in text:
-        return refusal_first(text) or text
+        first = refusal_first(text, _tokens())
+        if first is not None:
+            instance.__dict__[_REFUSAL_ATTR] = first.split("\n", 1)[0]
+            _clean_chain(instance)
+            return first
     return text
+
+
+def _clean_chain(exc: BaseException) -> None:
+    """The client's own exceptions behind `exc` (its causes, contexts and exception
+    arguments: urllib3's, httpcore's), whose classes word no `__str__` of their own, put
+    refusal-first in place too, so that no traceback of them shows the marked line."""
+    todo, seen = [exc.__cause__, exc.__context__, *exc.args], {id(exc)}
+    while todo and len(seen) < 32:
+        item = todo.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        todo += [item.__cause__, item.__context__, *item.args]
+        texts = [a for a in item.args if isinstance(a, str)]
+        if len(texts) == 1 and (first := refusal_first(texts[0], _tokens())) is not None:
+            item.args = tuple(first if a is texts[0] else a for a in item.args)
 
 
 def _tunnel_wrapper(
@@ -531,15 +582,19 @@ def _tunnel_wrapper(
 ) -> Any:
     """http.client's refused `CONNECT` raises a bare `OSError("Tunnel connection failed:
     403 <refusal>")`, whose class cannot be patched: its message is put refusal-first in
-    place (the same exception, type and traceback), the marked refusal kept in the words
-    that follow, for a library that quotes this error in its own (urllib, urllib3)."""
+    place (the same exception, type and traceback), the refusal kept marked (a token of this
+    guard's) in the words that follow, for a library quoting it in its own (urllib3)."""
     try:
         return wrapped(*args, **kwargs)
     except OSError as exc:
         if len(exc.args) == 1 and isinstance(exc.args[0], str):
-            first = refusal_first(exc.args[0], keep_marked=True)
+            relay = new_token()
+            first = refusal_first(exc.args[0], _tokens(), keep_marked=relay)
             if first is not None:
+                _relay_tokens.append(relay)
+                del _relay_tokens[:-64]
                 exc.args = (first,)
+                exc.__dict__[_REFUSAL_ATTR] = first.split("\n", 1)[0]
         raise
 
 
@@ -547,6 +602,7 @@ def install() -> None:
     for home, dotted in _CLIENT_ERRORS:
         _patch.wrap_later(home, dotted, _refusal_first_str)
     _patch.wrap_later("http.client", "HTTPConnection._tunnel", _tunnel_wrapper)
+    _patch.wrap_later("urllib3.connection", "HTTPConnection._tunnel", _tunnel_wrapper)
     for name, wrapper in _METHODS.items():
         _patch.wrap(socket.socket, name, wrapper, label=f"socket.socket.{name}")
         _patch.wrap(_GuardedCSocket, name, wrapper, label=f"_socket.socket.{name}")

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import Denial, new_token
 from agent_sandbox._errors import (
     MessageTooLarge,
     TransportError,
@@ -154,6 +154,7 @@ class WorkerProcess:
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
+        self.egress_token = ""
         #: What a VM's guest reported of its limits (`LaunchPlan.limit_reports`).
         self.guest_limits: GuestLimits | None = None
         self._egress_channel: socket.socket | None = None
@@ -298,6 +299,10 @@ class WorkerProcess:
         elif life_w >= 0:
             os.close(life_w)  # the provider has no use for it (a parent-death signal reaches)
         try:
+            setup = self.plan.worker_setup
+            if "egress" in setup:  # its refusal token, its own (`_denial.new_token`)
+                self.egress_token = new_token()
+                setup = setup.replace(egress={**setup["egress"], "token": self.egress_token})
             boot = BootConfig(
                 token=self.token,
                 worker_id=self.id,
@@ -306,7 +311,7 @@ class WorkerProcess:
                 sys_path=list(spec.sys_path),
                 package_dirs=dict(spec.package_dirs),
                 scratch=self.scratch,
-                worker_setup=self.plan.worker_setup,
+                worker_setup=setup,
                 host_env_names=sorted(os.environ),
                 # Started from scratch in the launch thread: it dies with that thread.
                 die_with_parent=template is None,
@@ -479,7 +484,9 @@ class WorkerProcess:
 
         try:
             listener, forwards = receive_listeners(channel, timeout, loopback_forwards(self.policy))
-            self.egress = egress_proxy().attach(self.policy, listener, forwards=forwards)
+            self.egress = egress_proxy().attach(
+                self.policy, listener, forwards=forwards, token=self.egress_token
+            )
         except EgressError as exc:
             raise self._start_failed(f"the egress proxy could not start: {exc}") from None
 
@@ -953,6 +960,7 @@ class WorkerProcess:
             wall,
             bounds=self.bounds or HostBounds.from_policy(self.policy),
             call=self.calls,
+            proxy_token=self.egress_token,
         )
 
     # -- interrupts ----------------------------------------------------------------------
@@ -1036,7 +1044,7 @@ class WorkerProcess:
         if self.egress is not None:
             # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
             for denial in self.egress.drain():
-                builder.add_denial(denial)
+                builder.add_proxy_denial(denial)
             self.egress.end_call()  # no tunnel of this call outlives it (net.keep_connections)
         if self.kernel_log is not None:
             # Landlock's refusals as the kernel logged them, recorded by the host; the

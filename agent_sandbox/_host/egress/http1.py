@@ -169,11 +169,12 @@ _MARKER_WORDS = REFUSAL_START.strip("| ").lower().encode("ascii")
 def _unmarked(value: bytes) -> bytes:
     """An upstream's reason phrase or header value, made unable to pass for the proxy's
     refusal: when it holds the marker's words (`agent-sandbox refusal`, in any case), each
-    `|` in it becomes `!`. The worker's guard finds a refusal only by the exact opening
-    marker `|agent-sandbox refusal| ` (`_denial.refusal_first`), which needs the `|`
-    before and after those words, so what the client quotes of such a value reads
-    `!agent-sandbox refusal! ...` and is never put first. Any other value (a `|` in a
-    link or a cookie included) is passed as it is."""
+    `|` in it becomes `!`. The worker's guard takes a refusal only by the exact opening
+    marker `|agent-sandbox refusal <token>| ` with the worker's own token, which no upstream
+    knows (`_denial.find_refusal`); breaking the marker too keeps even a token the code
+    gave away from passing here: what the client quotes of such a value reads
+    `!agent-sandbox refusal ...! ...`. Any other value (a `|` in a link or a cookie
+    included) is passed as it is."""
     if _MARKER_WORDS in value.lower():
         return value.replace(b"|", b"!")
     return value
@@ -482,11 +483,12 @@ async def _reply(session: _Session, status: int, text: str) -> None:
     await session.flush()
 
 
-def _one_line(denial: Denial) -> bytes:
+def _one_line(denial: Denial, token: str) -> bytes:
     """The refusal as one line of printable ASCII: the rule, the target, the reason, the
-    hint (what the client's error message shows), between the markers the worker's
-    guards find it by to put it first in the client's error (`_denial.refusal_line`)."""
-    return refusal_line(denial.message(), MAX_HEAD_BYTES // 2).encode("ascii")
+    hint (what the client's error message shows), between the markers, with the worker's
+    token, that the worker's guards find it by to put it first in the client's error
+    (`_denial.refusal_line`; `Route.token`)."""
+    return refusal_line(denial.message(), MAX_HEAD_BYTES // 2, token=token).encode("ascii")
 
 
 async def _refuse(session: _Session, denial: Denial, *, connect: bool) -> None:
@@ -494,14 +496,14 @@ async def _refuse(session: _Session, denial: Denial, *, connect: bool) -> None:
     rule and the hint, and none reads a refusal as a response (then end the connection).
 
     `CONNECT`: a 403 whose reason phrase is the refusal (clients raise on a failed tunnel
-    and quote the phrase: `Tunnel connection failed: 403 |agent-sandbox refusal|
+    and quote the phrase: `Tunnel connection failed: 403 |agent-sandbox refusal <token>|
     [net.resolve] ...`). Plain HTTP: the refusal in place of the status line, which no HTTP
     client takes for a response (http.client's `BadStatusLine`, h11's and aiohttp's protocol
     errors), so the code's request fails as a connection does instead of returning a body
     to parse. The worker's network guard puts the marked refusal first in the text of the
     error the code catches (`guards/_net.py`).
     """
-    line = _one_line(denial)
+    line = _one_line(denial, session.route.token)
     if connect:
         body = line + b"\n"
         session.writer.write(

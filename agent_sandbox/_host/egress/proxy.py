@@ -63,7 +63,7 @@ import socket
 import threading
 from typing import Any
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import Denial, new_token
 from agent_sandbox._hints import grant_hint
 from agent_sandbox._host.egress.handoff import EgressError
 from agent_sandbox._host.egress.http1 import _BadMessage
@@ -83,8 +83,13 @@ MAX_DENIALS = 256
 class Route:
     """One worker's listener on the proxy: its rules, its connections, its denials."""
 
-    def __init__(self, proxy: EgressProxy, rules: EgressRules, listener: socket.socket) -> None:
+    def __init__(
+        self, proxy: EgressProxy, rules: EgressRules, listener: socket.socket, token: str = ""
+    ) -> None:
         self.proxy = proxy
+        #: The refusal token of this route's worker (`_denial.new_token`; the worker has it
+        #: in its boot configuration): its refusal lines carry it, no upstream knows it.
+        self.token = token or new_token()
         self.rules = rules
         self.listener = listener
         self.server: asyncio.AbstractServer | None = None
@@ -238,8 +243,10 @@ class EgressProxy:
         listener: socket.socket,
         timeout: float = 5.0,
         forwards: dict[tuple[str, int], socket.socket] | None = None,
+        token: str = "",
     ) -> Route:
-        """Serve a worker's listener under `policy`'s rules; returns its route.
+        """Serve a worker's listener under `policy`'s rules; returns its route. `token`
+        is the worker's refusal token (`WorkerSetup.egress["token"]`; a new one if empty).
 
         The listener already listens (the worker made it), so connections wait in its
         backlog until the loop serves it; attach does not wait for the loop: a failure to
@@ -253,7 +260,7 @@ class EgressProxy:
             except EgressError:
                 listener.close()
                 raise
-            route = Route(self, rules, listener)
+            route = Route(self, rules, listener, token)
             route.bound(policy)
             route.forwards = dict(forwards or {})
             self._routes.add(route)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from agent_sandbox._denial import Denial, fold_detail, is_sensitive
+from agent_sandbox._denial import Denial, fold_detail, hide_token, is_sensitive
 from agent_sandbox._host.intake.errors import check_error
 from agent_sandbox._host.intake.events import (
     MAX_COUNT,
@@ -66,6 +66,7 @@ class Mark:
     value: Any
     error: RunError | None
     error_refusals: tuple[Denial, ...]
+    error_proxy: tuple[str, ...] = ()
 
 
 class ResultBuilder:
@@ -100,8 +101,11 @@ class ResultBuilder:
         bounds: HostBounds | None = None,
         call: int | None = None,
         deadline: float | None = None,
+        proxy_token: str = "",
     ) -> None:
         self.decoder = decoder
+        #: The worker's refusal token (`WorkerSetup.egress["token"]`), when it has a proxy.
+        self._proxy_token = proxy_token
         if deadline is None and wall is not None:
             deadline = time.monotonic() + wall
         self.deadline = deadline
@@ -140,6 +144,12 @@ class ResultBuilder:
         self._kept = {False: 0, True: 0}  # distinct refusals kept: ordinary, sensitive
         self._wire: list[int] = []  # the worker's n-th denial event -> index in `denials`
         self._error_refusals: list[Denial] = []
+        #: The proxy's refusals the worker's guard found, marked with its token, in the texts
+        #: of the error's exceptions (`guards/_net.proxy_refusals`), and the refusals the
+        #: host's egress proxy recorded in this call, with the worker's token
+        #: (`add_proxy_denial`): see `verdict()`.
+        self._error_proxy: list[str] = []
+        self._proxy_keys: set[tuple[str, str]] = set()
         #: A MemoryError's `peak` and `asked` bytes as the worker reported them (its word).
         self.memory_report: dict[str, int] = {}
         self._wire_policy: dict[str, Any] | None = None
@@ -167,6 +177,7 @@ class ResultBuilder:
             value=self.value,
             error=self.error,
             error_refusals=tuple(self._error_refusals),
+            error_proxy=tuple(self._error_proxy),
         )
 
     def rollback(self, mark: Mark) -> None:
@@ -183,6 +194,7 @@ class ResultBuilder:
         self.value = mark.value
         self.error = mark.error
         self._error_refusals = list(mark.error_refusals)
+        self._error_proxy = list(mark.error_proxy)
         if mark.error is None:
             self.memory_report = {}
 
@@ -252,6 +264,13 @@ class ResultBuilder:
             count=min(old.count + denial.count, MAX_COUNT), last=denial.last or denial
         )
         return pos
+
+    def add_proxy_denial(self, denial: Denial) -> int:
+        """Keep a refusal the host's egress proxy recorded for this call (`add_denial`).
+        The call's error is taken for such a refusal only by the proxy's line with the
+        worker's token (`verdict()`), never by its words alone: a server can write those."""
+        self._proxy_keys.add((denial.rule, denial.target))
+        return self.add_denial(denial)
 
     def add(self, kind: str, data: Any) -> tuple[str, Any] | None:
         """Judge and keep one event; returns it as accepted (None: nothing to forward)."""
@@ -452,11 +471,19 @@ class ResultBuilder:
         self.error = check_error(
             data, self.decoder, self.notices, self.policy, hint=hint, deadline=self.deadline
         )
+        token = self._proxy_token
+        if token:  # a client's text may quote the proxy's line whole (a chained error's)
+            message, tb = hide_token(self.error.message, token), hide_token(self.error.traceback, token)
+            self.error = dataclasses.replace(self.error, message=message, traceback=tb)
+            data = {**data, "message": hide_token(str(data.get("message", "")), token)}
+            data["traceback"] = hide_token(str(data.get("traceback", "")), token)
         # The refusals the error carries (its exception chain's): the user's (`verdict()`).
         self._error_refusals = [self._check(r, nested=False) for r in data.get("refusals", ())]
+        self._error_proxy = list(data.get("proxy_refusals", ()))
         # A MemoryError's figures (checked above): the worker's word, for the hint's number.
         self.memory_report = dict(data.get("memory") or {})
-        return "error", data
+        # The marked lines hold the worker's token: kept here, never passed on.
+        return "error", {k: v for k, v in data.items() if k != "proxy_refusals"}
 
     def _on_done(self, data: Any) -> tuple[str, Any]:
         if (
@@ -477,19 +504,27 @@ class ResultBuilder:
 
         A refusal is the user's when the call's error carries it (the worker names the
         refusals in the error's exception chain) or when its rule and quoted target appear
-        in the error's text: a library turned it into the error the user's code got. An
-        error of kind `exception` that carries a refusal becomes a refusal (`denied`).
+        in the error's text: a library turned it into the error the user's code got. For a
+        refusal the host's egress proxy recorded, the text that counts is only the proxy's
+        own refusal line, marked with this worker's token, as the worker's guard found it in
+        a client's error (`proxy_refusals`): an allowed server's reason phrase can name any
+        rule and target, never that token. An error of kind `exception` that carries a
+        refusal becomes a refusal (`denied`).
         """
         error = self.error
         if error is None:
             return
+        from agent_sandbox._denial import find_refusal
         from agent_sandbox._render import quote
 
         text = f"{error.message}\n{error.traceback}"
+        tokens = (self._proxy_token,) if self._proxy_token else ()
+        genuine = [f[2] for line in self._error_proxy if (f := find_refusal(line, tokens))]
         carried = {(d.rule, d.target) for d in self._error_refusals}
         first: Denial | None = None
         for i, d in enumerate(self.denials):
-            shown = f"[{d.rule}]" in text and quote(d.target) in text
+            said = genuine if (d.rule, d.target) in self._proxy_keys else [text]
+            shown = any(f"[{d.rule}]" in t and quote(d.target) in t for t in said)
             if (d.rule, d.target) in carried or (shown and d.target):
                 if d.internal:
                     self.denials[i] = d.replace(internal=False)
@@ -539,8 +574,8 @@ class ResultBuilder:
     def build(self, **fields: Any) -> RunResult:
         self.verdict()
         return RunResult(
-            stdout=self.stdout,
-            stderr=self.stderr,
+            stdout=hide_token(self.stdout, self._proxy_token),
+            stderr=hide_token(self.stderr, self._proxy_token),
             value=self.value,
             error=self.error,
             denials=tuple(self.denials),

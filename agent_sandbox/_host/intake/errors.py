@@ -40,9 +40,13 @@ _ERROR_KEYS = frozenset(
         "denial",
         "exception",
         "refusals",
+        "proxy_refusals",
         "memory",
     }
 )
+#: The longest proxy refusal line a worker's error may carry (`_denial.refusal_line`'s own
+#: bound is 2,048 characters).
+MAX_MARKED_CHARS = 4096
 #: The most a worker's memory report may name (bytes): beyond it the number is not used.
 MAX_MEMORY_REPORT = 1 << 50
 _TYPE_NAME = re.compile(r"[\w.<>\[\]]{1,200}")  # a dotted class path (`f.<locals>.E`)
@@ -85,6 +89,13 @@ def check_error(
         raise WorkerMisbehaved("the worker's error carries a malformed list of refusals")
     for refusal in refusals:
         check_denial(refusal, policy, nested=False)
+    marked = data.get("proxy_refusals", [])
+    if (
+        not isinstance(marked, list)
+        or len(marked) > MAX_ERROR_REFUSALS
+        or not all(isinstance(m, str) and len(m) <= MAX_MARKED_CHARS for m in marked)
+    ):
+        raise WorkerMisbehaved("the worker's error carries a malformed list of proxy refusals")
     memory = data.get("memory")
     if memory is not None and (
         rule != "limits.memory"
