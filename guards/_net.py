@@ -25,8 +25,8 @@ What it enforces, while armed:
    `_denial.refusal_line`, with the token the host made for this worker: `NetRules.token`);
    `__str__` of requests', urllib's, http.client's, httpx's and aiohttp's error classes,
    and http.client's tunnel (a bare `OSError`, rewritten in place), put that refusal first,
-   the library's words after (`_CLIENT_ERRORS`); a marker without the token (a server's
-   words) is left as it is. Each refusal found is noted for the host (`proxy_refusals`).
+   the library's words after; a marker without the token (a server's words) is left as
+   it is. Each refusal found is noted for the host. All of it is in `_net_refusal.py`.
 
 What it does NOT stop: sockets created before arming or inherited; a descriptor wrapped
 by `socket.socket(fileno=...)` that is already connected; the C methods reached through
@@ -41,17 +41,17 @@ import ipaddress
 import socket
 from _thread import get_ident
 
-from agent_sandbox._denial import REFUSAL_START, Denial, new_token, refusal_first, refusal_line
+from agent_sandbox._denial import Denial
 from agent_sandbox._errors import NetworkDenied
 from agent_sandbox._hints import grant_hint
-from agent_sandbox.guards import _files, _patch
+from agent_sandbox.guards import _files, _net_refusal, _patch
 from agent_sandbox.guards._state import refuse, state
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["NetRules", "configure", "install", "proxy_refusals"]
+__all__ = ["NetRules", "configure", "install"]
 
 _st = state
 _orig_getaddrinfo = _socket.getaddrinfo
@@ -225,6 +225,7 @@ _rules = NetRules({})
 def configure(rules: NetRules) -> None:
     global _rules
     _rules = rules
+    _net_refusal.configure(rules.token)
 
 
 def _active() -> bool:
@@ -507,102 +508,8 @@ def _socket_init_wrapper(
         raise
 
 
-#: The clients' error classes whose text can carry the egress proxy's refusal (each class
-#: that words its own `__str__`, or the base of those that inherit it): their `__str__` puts
-#: the refusal first (`_refusal_first_str`). Missing ones (a client not installed, another
-#: version's names) are skipped.
-_CLIENT_ERRORS = (
-    ("requests.exceptions", "RequestException.__str__"),
-    ("urllib.error", "URLError.__str__"),
-    ("http.client", "HTTPException.__str__"),
-    ("httpx._exceptions", "HTTPError.__str__"),
-    ("aiohttp.client_exceptions", "ClientError.__str__"),
-    ("aiohttp.client_exceptions", "ClientResponseError.__str__"),
-    ("aiohttp.client_exceptions", "ClientConnectorError.__str__"),
-)
-
-
-_REFUSAL_ATTR = "_agent_sandbox_proxy_refusal"  # (on a client's error: the refusal found)
-#: Tokens of texts this guard rewrote in place (`_tunnel_wrapper`), one per rewrite, the
-#: latest 64: never the host's, which stays out of every text the code is shown.
-_relay_tokens: list[str] = []
-
-
-def _tokens() -> tuple[str, ...]:  # (no token: no proxy, no refusal of its to find)
-    return (_rules.token, *_relay_tokens) if _rules.token else ()
-
-
-def proxy_refusals(chain: Any) -> list[str]:
-    """The proxy's refusals found marked with a genuine token in the texts of `chain`'s
-    exceptions, each as the proxy's line with the host's token, for the worker's error
-    report: the host takes the error for a refusal its proxy recorded only by these."""
-    out: list[str] = []
-    for exc in chain if _rules.token else ():
-        refusal = getattr(exc, "__dict__", {}).get(_REFUSAL_ATTR)
-        line = refusal_line(refusal, token=_rules.token) if isinstance(refusal, str) else ""
-        if line and line not in out:
-            out.append(line)
-    return out
-
-
-def _refusal_first_str(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """A client's error whose text carries the proxy's refusal, marked with this worker's
-    token, says the refusal first (rule, target, hint), then its own words; any other text
-    (a marker without the token: a server's words), and the exception's type, stay."""
-    text = wrapped(*args, **kwargs)
-    if isinstance(text, str) and REFUSAL_START in text:
-        first = refusal_first(text, _tokens())
-        if first is not None:
-            instance.__dict__[_REFUSAL_ATTR] = first.split("\n", 1)[0]
-            _clean_chain(instance)
-            return first
-    return text
-
-
-def _clean_chain(exc: BaseException) -> None:
-    """The client's own exceptions behind `exc` (its causes, contexts and exception
-    arguments: urllib3's, httpcore's), whose classes word no `__str__` of their own, put
-    refusal-first in place too, so that no traceback of them shows the marked line."""
-    todo, seen = [exc.__cause__, exc.__context__, *exc.args], {id(exc)}
-    while todo and len(seen) < 32:
-        item = todo.pop()
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        todo += [item.__cause__, item.__context__, *item.args]
-        texts = [a for a in item.args if isinstance(a, str)]
-        if len(texts) == 1 and (first := refusal_first(texts[0], _tokens())) is not None:
-            item.args = tuple(first if a is texts[0] else a for a in item.args)
-
-
-def _tunnel_wrapper(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """http.client's refused `CONNECT` raises a bare `OSError("Tunnel connection failed:
-    403 <refusal>")`, whose class cannot be patched: its message is put refusal-first in
-    place (the same exception, type and traceback), the refusal kept marked (a token of this
-    guard's) in the words that follow, for a library quoting it in its own (urllib3)."""
-    try:
-        return wrapped(*args, **kwargs)
-    except OSError as exc:
-        if len(exc.args) == 1 and isinstance(exc.args[0], str):
-            relay = new_token()
-            first = refusal_first(exc.args[0], _tokens(), keep_marked=relay)
-            if first is not None:
-                _relay_tokens.append(relay)
-                del _relay_tokens[:-64]
-                exc.args = (first,)
-                exc.__dict__[_REFUSAL_ATTR] = first.split("\n", 1)[0]
-        raise
-
-
 def install() -> None:
-    for home, dotted in _CLIENT_ERRORS:
-        _patch.wrap_later(home, dotted, _refusal_first_str)
-    _patch.wrap_later("http.client", "HTTPConnection._tunnel", _tunnel_wrapper)
-    _patch.wrap_later("urllib3.connection", "HTTPConnection._tunnel", _tunnel_wrapper)
+    _net_refusal.install()
     for name, wrapper in _METHODS.items():
         _patch.wrap(socket.socket, name, wrapper, label=f"socket.socket.{name}")
         _patch.wrap(_GuardedCSocket, name, wrapper, label=f"_socket.socket.{name}")

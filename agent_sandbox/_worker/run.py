@@ -555,7 +555,7 @@ def _error_info(exc: BaseException, filename: str) -> dict[str, Any]:
         # The refusals the error carries: its own, or ones a library turned into this error
         # (requests wraps a refused connect in ConnectionError). Those are the user's.
         info["refusals"] = [d.to_dict() for d in refused]
-    from agent_sandbox.guards._net import proxy_refusals
+    from agent_sandbox.guards._net_refusal import proxy_refusals
 
     # After the texts above were made: the proxy's refusals the net guard found genuine in
     # them (marked with this worker's token), for the host's attribution; never shown.

@@ -263,7 +263,7 @@ def test_a_refusal_line_with_a_wrong_or_missing_token_is_not_shown_first_nor_att
     error with the genuine line is both (so the checks can fail)."""
     from agent_sandbox._denial import Denial, refusal_line
     from agent_sandbox._host.intake.builder import ResultBuilder
-    from agent_sandbox.guards import _net
+    from agent_sandbox.guards import _net, _net_refusal
 
     token = "0123456789abcdef" * 2
     old = _net._rules
@@ -274,8 +274,8 @@ def test_a_refusal_line_with_a_wrong_or_missing_token_is_not_shown_first_nor_att
         genuine = refusal_line(recorded.message(), token=token)
         for name, line in (("forged", forged.format(r=recorded.message())), ("genuine", genuine)):
             exc = OSError(f"Tunnel connection failed: 502 {line}")
-            text = _net._refusal_first_str(lambda: str(exc), exc, (), {})
-            marked = _net.proxy_refusals([exc])
+            text = _net_refusal._refusal_first_str(lambda: str(exc), exc, (), {})
+            marked = _net_refusal.proxy_refusals([exc])
             builder = ResultBuilder(policy="p", call=1, proxy_token=token)
             builder.add("start", {"call": 1})
             error = {"type": "OSError", "message": text, "traceback": ""}

@@ -501,7 +501,7 @@ async def _refuse(session: _Session, denial: Denial, *, connect: bool) -> None:
     client takes for a response (http.client's `BadStatusLine`, h11's and aiohttp's protocol
     errors), so the code's request fails as a connection does instead of returning a body
     to parse. The worker's network guard puts the marked refusal first in the text of the
-    error the code catches (`guards/_net.py`).
+    error the code catches (`guards/_net_refusal.py`).
     """
     line = _one_line(denial, session.route.token)
     if connect:

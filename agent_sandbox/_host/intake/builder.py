@@ -145,7 +145,7 @@ class ResultBuilder:
         self._wire: list[int] = []  # the worker's n-th denial event -> index in `denials`
         self._error_refusals: list[Denial] = []
         #: The proxy's refusals the worker's guard found, marked with its token, in the texts
-        #: of the error's exceptions (`guards/_net.proxy_refusals`), and the refusals the
+        #: of the error's exceptions (`guards/_net_refusal.proxy_refusals`), and the refusals the
         #: host's egress proxy recorded in this call, with the worker's token
         #: (`add_proxy_denial`): see `verdict()`.
         self._error_proxy: list[str] = []
