@@ -230,7 +230,9 @@ def test_bad_input_is_refused_with_its_rule_and_others_are_served(
             got += chunk
         sock.close()
         # (the marker carries this worker's token: `_denial.refusal_line`)
-        got = got.replace(b"|agent-sandbox refusal %s| " % route.token.encode(), b"|agent-sandbox refusal| ")
+        got = got.replace(
+            b"|agent-sandbox refusal %s| " % route.token.encode(), b"|agent-sandbox refusal| "
+        )
         assert got.startswith(answer), (name, got[:200])
         denials = route.drain()
         assert [d.rule for d in denials] == [rule], (name, denials)

@@ -274,7 +274,7 @@ def test_a_refusal_line_with_a_wrong_or_missing_token_is_not_shown_first_nor_att
         genuine = refusal_line(recorded.message(), token=token)
         for name, line in (("forged", forged.format(r=recorded.message())), ("genuine", genuine)):
             exc = OSError(f"Tunnel connection failed: 502 {line}")
-            text = _net_refusal._refusal_first_str(lambda: str(exc), exc, (), {})
+            text = _net_refusal._refusal_first_str(OSError.__str__, exc, (exc,), {})
             marked = _net_refusal.proxy_refusals([exc])
             builder = ResultBuilder(policy="p", call=1, proxy_token=token)
             builder.add("start", {"call": 1})

@@ -131,7 +131,9 @@ async def _socks(port: int, name: str) -> bytes:
 def _untokened(answer: bytes, route: Any) -> bytes:
     """`answer` with the route's own refusal marker (it carries the worker's token,
     `_denial.refusal_line`) written without it; another token is left as it is."""
-    return answer.replace(b"|agent-sandbox refusal %s| " % route.token.encode(), b"|agent-sandbox refusal| ")
+    return answer.replace(
+        b"|agent-sandbox refusal %s| " % route.token.encode(), b"|agent-sandbox refusal| "
+    )
 
 
 async def _many(port: int, names: list[str]) -> list[bytes]:

@@ -473,8 +473,12 @@ class ResultBuilder:
         )
         token = self._proxy_token
         if token:  # a client's text may quote the proxy's line whole (a chained error's)
-            message, tb = hide_token(self.error.message, token), hide_token(self.error.traceback, token)
-            self.error = dataclasses.replace(self.error, message=message, traceback=tb)
+            error = self.error
+            self.error = dataclasses.replace(
+                error,
+                message=hide_token(error.message, token),
+                traceback=hide_token(error.traceback, token),
+            )
             data = {**data, "message": hide_token(str(data.get("message", "")), token)}
             data["traceback"] = hide_token(str(data.get("traceback", "")), token)
         # The refusals the error carries (its exception chain's): the user's (`verdict()`).
