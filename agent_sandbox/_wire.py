@@ -182,7 +182,7 @@ class WorkerSetup(_Record):
     - `seccomp`, `seccomp_exec`: BPF programs, base64 (`providers/_seccomp.py`);
     - `scratch_tmpfs`: a private tmpfs over scratch (`{"bytes": n, ...}`);
     - `pins`: granted paths with the device and inode the host saw (`providers/_grants.py`);
-    - `egress`: the egress proxy's address and the worker's end of its channel;
+    - `egress`: the egress proxy's address, the worker's end of its channel, its refusal token;
     - `egress_relay`: gVisor's relay from the sandbox's loopback to the host's route;
     - `listen_path`: a socket path the worker binds itself (gVisor), instead of `listen_fd`;
     - `limit_report`: where and at which count to report calls ended at `limits.processes`.
