@@ -471,16 +471,14 @@ class ResultBuilder:
         self.error = check_error(
             data, self.decoder, self.notices, self.policy, hint=hint, deadline=self.deadline
         )
-        token = self._proxy_token
-        if token:  # a client's text may quote the proxy's line whole (a chained error's)
+        if token := self._proxy_token:  # a client's text may quote a proxy line whole
+            texts = {k: v for k in ("message", "traceback") if isinstance(v := data.get(k), str)}
+            data = {**data, **{k: hide_token(v, token) for k, v in texts.items()}}
             error = self.error
+            tb = hide_token(error.traceback, token)
             self.error = dataclasses.replace(
-                error,
-                message=hide_token(error.message, token),
-                traceback=hide_token(error.traceback, token),
+                error, message=hide_token(error.message, token), traceback=tb
             )
-            data = {**data, "message": hide_token(str(data.get("message", "")), token)}
-            data["traceback"] = hide_token(str(data.get("traceback", "")), token)
         # The refusals the error carries (its exception chain's): the user's (`verdict()`).
         self._error_refusals = [self._check(r, nested=False) for r in data.get("refusals", ())]
         self._error_proxy = list(data.get("proxy_refusals", ()))
