@@ -24,6 +24,8 @@ from agent_sandbox.providers import _landlock, _seccomp
 from agent_sandbox.providers._base import LaunchPlan, ProbeResult, WorkerSpec
 from agent_sandbox.providers._registry import all_providers
 
+from .conftest import accepted_for
+
 SPEC = WorkerSpec(
     python="/opt/venv/bin/python",
     boot_script="/src/agent_sandbox/_worker/boot.py",
@@ -38,9 +40,9 @@ SPEC = WorkerSpec(
     base_prefix="/py",
     egress_fd=7,
 )
-DEFAULT = Policy(name="t")
+DEFAULT: dict[str, Any] = {"name": "t"}
 #: A policy with a remote host: the plans that carry the egress proxy say so.
-NET = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+NET: dict[str, Any] = {"name": "t", "net": {"rules": [{"host": "api.example.com", "ports": 443}]}}
 
 #: Which `WorkerSetup` fields each provider's plan sets, for the default policy and for one
 #: with a `[net]` rule, with Landlock and seccomp working here. A field left out is None on
@@ -82,16 +84,18 @@ def working_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plans(granted: Path) -> dict[str, tuple[LaunchPlan, LaunchPlan | None, LaunchPlan]]:
     """Each provider's plans for the default policy, the `[net]` one (None: refused) and
     one granting an existing folder (`granted`) to read."""
-    grant = Policy(name="t", files={"read": [str(granted)]})
     plans = {}
     for provider in all_providers():
         if provider.name == "auto":
             continue
-        default = provider.build(DEFAULT, SPEC)
+        # landlock takes only a policy that accepts visible names (test_operation_matrix.py).
+        words = accepted_for(provider.name)
+        default = provider.build(Policy(**DEFAULT, **words), SPEC)
         try:
-            net: LaunchPlan | None = provider.build(NET, SPEC)
+            net: LaunchPlan | None = provider.build(Policy(**NET, **words), SPEC)
         except ProviderUnavailable:
             net = None
+        grant = Policy(name="t", files={"read": [str(granted)]}, **words)
         plans[provider.name] = (default, net, provider.build(grant, SPEC))
     return plans
 
