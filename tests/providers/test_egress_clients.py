@@ -669,6 +669,7 @@ def test_the_workers_token_is_in_nothing_the_model_or_the_trace_is_shown(
                             if result.error is not None:
                                 error = result.error
                                 shown += [error.message, error.traceback, error.code_message]
+                                shown.append(repr(error.exception))  # (its rich form)
     finally:
         set_resolver(old)
     shown += [(tmp_path / "refusals.jsonl").read_text(), caplog.text]
