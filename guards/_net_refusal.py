@@ -14,14 +14,20 @@ recorded (docs/denials.md, "What the host checks").
 
 The token never appears in a text rewritten here (`_denial.refusal_first` removes the
 marker); a text rewritten in place keeps the refusal marked with a token of this module's
-own (`_relay_tokens`), for a library that quotes it later.
+own, good for that refusal only (`_relayed`), for a library that quotes it later.
 
 Standard library only: the worker imports this before arming.
 """
 
 from __future__ import annotations
 
-from agent_sandbox._denial import REFUSAL_START, new_token, refusal_first, refusal_line
+from agent_sandbox._denial import (
+    REFUSAL_START,
+    find_refusal,
+    new_token,
+    refusal_first,
+    refusal_line,
+)
 from agent_sandbox.guards import _patch
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
@@ -55,13 +61,22 @@ _CLIENT_ERRORS = (
 
 
 _REFUSAL_ATTR = "_agent_sandbox_proxy_refusal"  # (on a client's error: the refusal found)
-#: Tokens of texts this guard rewrote in place (`_tunnel_wrapper`), one per rewrite, the
-#: latest 64: never the host's, which stays out of every text the code is shown.
-_relay_tokens: list[str] = []
+#: Tokens of texts this guard rewrote in place (`_tunnel_wrapper`), one per rewrite, with
+#: the refusal each was made for, the latest 64: never the host's token, which stays out
+#: of every text the code is shown. A relay token marks only its own refusal, so one the
+#: code shows (http.client's bare `OSError`) lets nobody mark another.
+_relayed: dict[str, str] = {}
 
 
-def _tokens() -> tuple[str, ...]:  # (no token: no proxy, no refusal of its to find)
-    return (_token, *_relay_tokens) if _token else ()
+def _first(text: str, keep_marked: str = "") -> str | None:
+    """`refusal_first` of a refusal marked with the host's token, or with a relay token
+    around the very refusal it was made for; None for any other text."""
+    first = refusal_first(text, (_token,), keep_marked=keep_marked) if _token else None
+    for relay, refusal in reversed(_relayed.items()) if first is None else ():
+        found = find_refusal(text, (relay,))
+        if found is not None and found[2] == refusal:
+            return refusal_first(text, (relay,), keep_marked=keep_marked)
+    return first
 
 
 def proxy_refusals(chain: Any) -> list[str]:
@@ -85,7 +100,7 @@ def _refusal_first_str(
     (a marker without the token: a server's words), and the exception's type, stay."""
     text = wrapped(*args, **kwargs)
     if isinstance(text, str) and REFUSAL_START in text:
-        first = refusal_first(text, _tokens())
+        first = _first(text)
         if first is not None:
             instance.__dict__[_REFUSAL_ATTR] = first.split("\n", 1)[0]
             _clean_chain(instance)
@@ -105,7 +120,7 @@ def _clean_chain(exc: BaseException) -> None:
         seen.add(id(item))
         todo += [item.__cause__, item.__context__, *item.args]
         texts = [a for a in item.args if isinstance(a, str)]
-        if len(texts) == 1 and (first := refusal_first(texts[0], _tokens())) is not None:
+        if len(texts) == 1 and (first := _first(texts[0])) is not None:
             item.args = tuple(first if a is texts[0] else a for a in item.args)
 
 
@@ -121,12 +136,13 @@ def _tunnel_wrapper(
     except OSError as exc:
         if len(exc.args) == 1 and isinstance(exc.args[0], str):
             relay = new_token()
-            first = refusal_first(exc.args[0], _tokens(), keep_marked=relay)
+            first = _first(exc.args[0], keep_marked=relay)
             if first is not None:
-                _relay_tokens.append(relay)
-                del _relay_tokens[:-64]
+                _relayed[relay] = first.split("\n", 1)[0]
+                while len(_relayed) > 64:
+                    del _relayed[next(iter(_relayed))]
                 exc.args = (first,)
-                exc.__dict__[_REFUSAL_ATTR] = first.split("\n", 1)[0]
+                exc.__dict__[_REFUSAL_ATTR] = _relayed[relay]
         raise
 
 

@@ -293,6 +293,44 @@ def test_a_refusal_line_with_a_wrong_or_missing_token_is_not_shown_first_nor_att
     }, outcomes
 
 
+def test_a_relay_token_the_code_is_shown_marks_only_its_own_refusal() -> None:
+    """http.client's refused tunnel raises a bare `OSError`, rewritten in place with the
+    refusal kept marked for urllib by a token of the guard's own, which the code can print.
+    A server that learned that token cannot mark another refusal with it: only the very
+    refusal it was made for is put first (and noted for the host), where a library quoted
+    it; the host's token is in neither text."""
+    import re
+
+    from agent_sandbox._denial import refusal_line
+    from agent_sandbox.guards import _net, _net_refusal
+
+    token = "0123456789abcdef" * 2
+    genuine = '[net.resolve] resolve "refused.test" refused by policy "p"'
+    old = _net._rules
+    _net.configure(_net.NetRules({}, "p", proxy=("127.0.0.1", 3128), token=token))
+
+    def tunnel() -> None:
+        raise OSError(f"Tunnel connection failed: 403 {refusal_line(genuine, token=token)}")
+
+    try:
+        with pytest.raises(OSError) as caught:
+            _net_refusal._tunnel_wrapper(tunnel, None, (), {})
+        shown = str(caught.value)
+        relay = re.findall(r"\|agent-sandbox refusal ([0-9a-f]{32})\| ", shown)
+        assert shown.startswith(genuine) and token not in shown and len(relay) == 1, shown
+        results = {}
+        for name, message in (("own", genuine), ("another", "[net.connect] connect x")):
+            quoted = OSError(f"<urlopen error {refusal_line(message, token=relay[0])}>")
+            text = _net_refusal._refusal_first_str(OSError.__str__, quoted, (quoted,), {})
+            results[name] = (text.startswith(message), _net_refusal.proxy_refusals([quoted]))
+    finally:
+        _net.configure(old)
+    assert results == {
+        "own": (True, [refusal_line(genuine, token=token)]),
+        "another": (False, []),
+    }, results
+
+
 @pytest.mark.parametrize("mode", ["enforce", "learn"])
 def test_a_socket_the_kernel_refuses_names_its_rule_and_learn_proposes_the_line(
     mode: str,
