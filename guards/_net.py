@@ -24,9 +24,9 @@ What it enforces, while armed:
    library's error (a status line, a tunnel's reason phrase, between the markers of
    `_denial.refusal_line`, with the token the host made for this worker: `NetRules.token`);
    `__str__` of requests', urllib's, http.client's, httpx's and aiohttp's error classes,
-   and http.client's tunnel (a bare `OSError`, rewritten in place), put that refusal first,
-   the library's words after; a marker without the token (a server's words) is left as
-   it is. Each refusal found is noted for the host. All of it is in `_net_refusal.py`.
+   and the tunnels of http.client and urllib3 (a bare `OSError`, rewritten in place), put
+   that refusal first, the library's words after; a marker without the token (a server's
+   words) is left as it is. Each refusal found is noted for the host (`_net_refusal.py`).
 
 What it does NOT stop: sockets created before arming or inherited; a descriptor wrapped
 by `socket.socket(fileno=...)` that is already connected; the C methods reached through
