@@ -1,41 +1,27 @@
-"""One worker process, seen from the parent: start, handshake, calls, and a certain end.
+"""One worker process, seen from the parent: calls, interrupts, and a certain end.
 
-Start-up, in order:
-
-1. Create a private 0700 control directory holding the listening socket and the scratch
-   directory (the worker's working directory); the worker log is a bounded memfd
-   (`bounded_log`).
-2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
-   no path to the socket, and the parent connects by path.
-3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
-4. Write the boot configuration (policy, token, import roots) into an inherited pipe.
-5. Handshake (`GET /hello`): the worker must answer in time and run the same interpreter
-   version and base prefix as the parent (this catches a silently swapped libpython).
+Its start (control directory, launch, boot configuration, handshake) is
+`agent_sandbox._host.startup`; the inputs of a start are in `agent_sandbox._host.launch`, and
+the reading of what the worker sends is in `agent_sandbox._host.intake`.
 
 A call has a wall-clock deadline; on expiry the whole process group gets SIGTERM, then
 SIGKILL. A worker that dies is reported with its exit status, never waited on forever.
 
-Why this module is longer than 600 lines: it is one class, `WorkerProcess`, whose start,
-calls, interrupts and end share the same state (the process, its cgroups, its log, its
-guard watch, its egress route); the inputs of a start are in `agent_sandbox._host.launch`
-and the reading of what the worker sends is in `agent_sandbox._host.intake`.
+Why this module is longer than 600 lines: it is one class, `WorkerProcess`, whose calls,
+interrupts and end share the same state (the process, its cgroups, its log, its guard watch,
+its egress route); the call is cut out next (`agent_sandbox._host.call`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
 import json
 import logging
 import os
 import secrets
 import signal
 import socket
-import stat
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +32,6 @@ from agent_sandbox._errors import (
     MessageTooLarge,
     TransportError,
     WorkerError,
-    WorkerStartError,
     describe_exit,
 )
 from agent_sandbox._hints import limit_hint
@@ -62,21 +47,14 @@ from agent_sandbox._host.intake.transport import (
     WorkerClient,
 )
 from agent_sandbox._host.launch import (
-    BOOT_SCRIPT,
     LOG_BYTES,
-    bounded_log,
-    import_roots,
-    package_dirs,
-    worker_env,
-    worker_python,
 )
 from agent_sandbox._host.limit_report import GuestLimits, record_limit_hits
-from agent_sandbox._host.limits import WorkerCgroups, _descendants, start_cgroups
+from agent_sandbox._host.limits import WorkerCgroups, _descendants
 from agent_sandbox._host.result import RunError, RunResult
-from agent_sandbox._host.setup_checks import verify_checks
-from agent_sandbox._wire import BootConfig
+from agent_sandbox._host.startup import start_worker
 from agent_sandbox.policies import Policy
-from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
+from agent_sandbox.providers import LaunchPlan, Provider
 
 if TYPE_CHECKING:
     from agent_sandbox._host.denial_log import Watch
@@ -111,7 +89,6 @@ _PF_EXITING = 0x4
 _STOPPED_REASON = "it was stopped by a signal (SIGSTOP or SIGTSTP) and could not run"
 _TEMPLATE_REASON = "its worker template (the process that forks workers) ended, and it with it"
 _logger = logging.getLogger("agent_sandbox")
-_unwatched_warned = False
 
 
 class WorkerProcess:
@@ -184,380 +161,18 @@ class WorkerProcess:
         start_timeout: float = 15.0,
         template: WorkerTemplate | None = None,
     ) -> WorkerProcess:
-        """Start a worker (see `_start`), inside the exit clean-up's bracket of starts."""
-        with lifecycle.starting():
-            return cls._start(policy, provider, start_timeout=start_timeout, template=template)
-
-    @classmethod
-    def _start(
-        cls,
-        policy: Policy,
-        provider: Provider,
-        *,
-        start_timeout: float = 15.0,
-        template: WorkerTemplate | None = None,
-    ) -> WorkerProcess:
-        """Start a worker for `policy` under `provider` and wait for its handshake.
+        """Start a worker for `policy` under `provider` and wait for its handshake
+        (`agent_sandbox._host.startup.start_worker`), inside the exit clean-up's bracket of
+        starts.
 
         With a `template` (see `_host/templates.py`) the worker is forked from a pre-imported
         template instead of started from scratch; the plan, the boot configuration, the
         limits and every restriction are the same.
         """
-        self = cls()
-        self.policy = policy
-        provider.prepare(policy)  # a first use's one-time build: outside the start timeout
-        t0 = time.monotonic()
-        lifecycle.ensure_guardian()
-        self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
-        os.chmod(self.control_dir, 0o700)
-        self.scratch = os.path.join(self.control_dir, "scratch")
-        os.mkdir(self.scratch, 0o700)
-        sock_path = os.path.join(self.control_dir, "ctl.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        boot_r, boot_w = os.pipe()
-        # The worker's life line (`WorkerSpec.life_fd`): the write end stays here, close-on-
-        # exec and passed to nothing, until the worker is reaped; a worker forked from a
-        # template dies with the template instead.
-        life_r, life_w = os.pipe() if template is None else (-1, -1)
-        # The channel that brings the worker's egress-proxy listener to the host (used only
-        # when the plan has an egress proxy; see _host/egress/proxy.py).
-        egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
-        try:
-            listener.bind(sock_path)
-            listener.listen(8)
-            listener.set_inheritable(True)
-            os.set_inheritable(boot_r, True)
-            if life_r >= 0:
-                os.set_inheritable(life_r, True)
-            egress_worker.set_inheritable(True)
-            spec = WorkerSpec(
-                python=worker_python(),
-                boot_script=BOOT_SCRIPT,
-                scratch=self.scratch,
-                control_dir=self.control_dir,
-                listen_fd=listener.fileno(),
-                boot_fd=boot_r,
-                sys_path=import_roots(),
-                package_dirs=package_dirs(),
-                env=worker_env(policy, os.environ),
-                prefix=sys.prefix,
-                base_prefix=sys.base_prefix,
-                egress_fd=egress_worker.fileno(),
-                life_fd=life_r,
+        with lifecycle.starting():
+            return start_worker(
+                cls, policy, provider, start_timeout=start_timeout, template=template
             )
-            self.plan = provider.build(policy, spec)
-            if template is not None:
-                self.plan = template.adapt(self.plan)  # a namespace template's worker
-            if "landlock" in self.plan.worker_setup:
-                # Subscribed to the kernel's Landlock records before the worker can meet its
-                # first denial, where the audit is on and readable (_host/denial_log.py).
-                from agent_sandbox._host.denial_log import subscribe
-
-                subscribe()
-            depth = self.plan.worker_depth
-            # A namespace template's worker has its init and relay inside its groups (they
-            # count in pids.max, like a launcher that joins the groups itself).
-            inside = template is not None and template.kind == "namespace"
-            self.cgroups = start_cgroups(
-                self.id,
-                policy,
-                None if inside else depth,
-                launcher_tasks=self.plan.launcher_tasks,
-                launcher_mb=self.plan.launcher_mb,
-            )
-            log = bounded_log()
-            self._log = log
-            if template is not None:
-                self.proc = template.spawn(self.plan, log)
-            else:
-                plan = self.plan
-                if self.cgroups is not None and depth is None:
-                    # A launcher of no fixed shape joins the groups itself before it runs.
-                    plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
-                plan = dataclasses.replace(plan, env={**plan.env, **lifecycle.owner_env()})
-                self.proc = lifecycle.launch(provider.launch, plan, log)
-        except BaseException:
-            listener.close()
-            os.close(boot_r)
-            os.close(boot_w)
-            egress_worker.close()
-            if life_w >= 0:
-                os.close(life_w)
-            self._cleanup_dirs()
-            raise
-        finally:
-            listener.close()
-            egress_worker.close()
-            with contextlib.suppress(OSError):
-                os.close(boot_r)
-            if life_r >= 0:
-                os.close(life_r)
-        if life_w >= 0 and life_r in self.plan.pass_fds:
-            self._life = life_w
-        elif life_w >= 0:
-            os.close(life_w)  # the provider has no use for it (a parent-death signal reaches)
-        try:
-            boot = BootConfig(
-                token=self.token,
-                worker_id=self.id,
-                listen_fd=spec.listen_fd,
-                policy=policy.to_wire(pin="egress" not in self.plan.worker_setup),
-                sys_path=list(spec.sys_path),
-                package_dirs=dict(spec.package_dirs),
-                scratch=self.scratch,
-                worker_setup=self.plan.worker_setup,
-                host_env_names=sorted(os.environ),
-                # Started from scratch in the launch thread: it dies with that thread.
-                die_with_parent=template is None,
-                # No pid namespace to die with: a keeper ends what the worker detached.
-                keeper=template is None and self.plan.keeper,
-                # The worker's end of the life line: the same number in it (pass_fds).
-                life_fd=life_r if self._life is not None else None,
-            )
-            try:
-                _write_all(boot_w, json.dumps(boot.to_dict()).encode())
-            except OSError as exc:
-                raise self._start_failed(f"could not send the boot configuration ({exc})") from None
-            finally:
-                os.close(boot_w)
-            cgroups, proc = self.cgroups, self.proc
-            # A namespace template's worker: `proc` is its init, the worker its only child.
-            init = bool(getattr(proc, "init", False))
-            if init:
-                depth = 0
-            if cgroups is not None and depth is not None:
-                # While the worker boots (it has its configuration already). It runs no user code
-                # and forks nothing before its handshake, so joining now covers all it will start.
-                if depth == 0:
-                    self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
-                else:
-                    alive = lambda: proc.poll() is None  # noqa: E731
-                    self._place_in_cgroups(
-                        lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
-                    )
-            # Loaded here, while the worker boots (on a fresh host's idle core), rather than
-            # with this module: the restricted unpickler's tables (about 5 ms of imports).
-            from agent_sandbox._host.intake.unpickle import Decoder
-
-            self.decoder = Decoder.from_policy(policy)
-            self.bounds = HostBounds.from_policy(policy)
-            if self.plan.socket_path:
-                # The worker binds its own socket (gVisor): wait for it, then pin it.
-                sock_path = self._pin_socket(self.plan.socket_path, t0 + start_timeout)
-            self.client = WorkerClient(
-                sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
-            )
-            if "egress" in self.plan.worker_setup:
-                # The proxy's thread starts while the worker boots: a thread's start waits
-                # until the new thread runs, several milliseconds on a loaded machine, which
-                # the worker's own boot hides here (before the launch it added them to every
-                # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
-                # an egress proxy only (it brings asyncio).
-                from agent_sandbox._host.egress.proxy import EgressError, egress_proxy
-
-                try:
-                    egress_proxy().start()
-                except EgressError as exc:
-                    raise self._start_failed(f"the egress proxy could not start: {exc}") from None
-            try:
-                remaining = start_timeout - (time.monotonic() - t0)
-                self.hello = self.client.hello(max(0.05, remaining))
-            except (TimeoutError, TransportError) as exc:
-                status = self.proc.poll()
-                tail = self.log_tail()
-                self.kill()
-                reason = (
-                    f"it exited early ({describe_exit(status)})"
-                    if status is not None
-                    else f"no handshake within {start_timeout:g} s ({exc})"
-                )
-                raise WorkerStartError(reason, log_tail=tail) from None
-            self._verify_hello()
-            if self.plan.provider == "gvisor" and getattr(self.plan, "pins", None):
-                # The granted paths as runsc's gofer mounted them, before any call.
-                from agent_sandbox.providers._gvisor import check_pins_in_gofer
-
-                check_pins_in_gofer(self.plan, proc.pid)  # type: ignore[arg-type]
-            self._hold_scratch()
-            self._watch_guards()
-            self._watch_kernel_log()
-            if "egress" in self.plan.worker_setup:
-                self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
-            self._egress_channel = None
-            egress_host.close()
-            if cgroups is not None and depth:
-                # Whatever the first pass missed at the worker's depth or below (normally
-                # nothing: one read per group); the launcher's own processes stay outside.
-                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
-            elif cgroups is not None and init:
-                # The worker itself, forked by its init maybe before the init was placed.
-                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid))
-        except BaseException:
-            # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
-            self.kill()
-            raise
-        if self.plan.limit_reports:
-            self.guest_limits = GuestLimits(
-                self.plan.limit_reports, self.proc.pid, source=self.plan.provider
-            )
-        if self.plan.warm_up:
-            self._warm_up(start_timeout - (time.monotonic() - t0))
-        self.started_at = time.monotonic()
-        _logger.debug(
-            "worker %s started under %s in %.0f ms",
-            self.id,
-            "+".join(self.plan.stack),
-            (self.started_at - t0) * 1000,
-        )
-        return self
-
-    def _pin_socket(self, path: str, deadline: float) -> str:
-        """Wait until the worker's own socket exists at `path` (in the directory the sandbox
-        shares with the host), then open it with O_PATH | O_NOFOLLOW and return the
-        `/proc/self/fd` name the client connects through: a link the worker planted there
-        is refused, and a later swap of the name does not redirect the host."""
-        assert self.proc is not None
-        delay = 0.001
-        fd = -1
-        while True:
-            if fd < 0:
-                try:
-                    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    raise self._start_failed(
-                        f"the worker's socket cannot be opened ({exc})"
-                    ) from None
-            if fd >= 0:
-                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    os.close(fd)
-                    raise self._start_failed("the worker's socket path is not a socket")
-                if _accepts(f"/proc/self/fd/{fd}"):  # bound, and listening (not only bound)
-                    break
-            status = self.proc.poll()
-            if status is not None:
-                tail = self.log_tail()
-                self.kill()
-                raise WorkerStartError(
-                    f"it exited early ({describe_exit(status)})", log_tail=tail
-                ) from None
-            if time.monotonic() >= deadline:
-                if fd >= 0:
-                    os.close(fd)
-                raise self._start_failed("no socket from the worker within its start timeout")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        self._socket_pin = fd
-        return f"/proc/self/fd/{fd}"
-
-    def _start_failed(self, reason: str) -> WorkerStartError:
-        """A start that cannot be kept: take the worker's log tail, kill it, and return the
-        error to raise, naming `reason`."""
-        tail = self.log_tail()
-        self.kill()
-        return WorkerStartError(reason, log_tail=tail)
-
-    def _warm_up(self, timeout: float) -> None:
-        """One constant call before the worker is handed out (`LaunchPlan.warm_up`)."""
-        result = self.run("None", timeout=max(timeout, 5.0), filename="<warm-up>")
-        if result.error is not None or self.dead:
-            raise self._start_failed(f"the worker's warm-up call failed ({result.error})")
-
-    def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
-        """Take the worker's proxy listener (sent before its handshake) onto the host's
-        egress proxy; a worker whose proxy cannot serve is never kept."""
-        assert self.policy is not None
-        from agent_sandbox._host.egress.proxy import (
-            EgressError,
-            egress_proxy,
-            loopback_forwards,
-            receive_listeners,
-        )
-
-        try:
-            listener, forwards = receive_listeners(channel, timeout, loopback_forwards(self.policy))
-            self.egress = egress_proxy().attach(self.policy, listener, forwards=forwards)
-        except EgressError as exc:
-            raise self._start_failed(f"the egress proxy could not start: {exc}") from None
-
-    def _place_in_cgroups(self, place: Callable[[], object]) -> None:
-        """Run one placement step; a worker alive but outside its groups is never kept."""
-        assert self.proc is not None
-        try:
-            place()
-        except OSError as exc:
-            if self.proc.poll() is None:
-                raise self._start_failed(
-                    f"could not place the worker in its cgroups ({exc})"
-                ) from None
-
-    def _verify_hello(self) -> None:
-        version = tuple(self.hello.get("version", ()))
-        if version != tuple(sys.version_info[:3]):
-            raise self._start_failed(
-                f"the worker runs Python {'.'.join(map(str, version))}, the parent "
-                f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)"
-            )
-        if (
-            os.path.realpath(str(self.hello.get("base_prefix", "")))
-            != os.path.realpath(sys.base_prefix)
-            and not self.plan_hides_prefix()
-        ):
-            raise self._start_failed(
-                f"the worker's interpreter prefix {self.hello.get('base_prefix')!r} is not "
-                f"the parent's {sys.base_prefix!r}"
-            )
-
-        problems = verify_checks(
-            self.plan.worker_setup.to_dict() if self.plan else {}, self.hello.get("checks") or {}
-        )
-        if problems:
-            raise self._start_failed(
-                "the worker's kernel restrictions do not match its plan: " + "; ".join(problems)
-            )
-
-    def _watch_guards(self) -> None:
-        """Open the host's reader of the arming counter the handshake reported."""
-        global _unwatched_warned
-        assert self.proc is not None
-        self.guard_watch = guard_block.GuardWatch.open(self.proc.pid, self.hello)
-        # A worker behind its own kernel (a VM, gVisor's Sentry) has no host process whose
-        # memory the host could read: expected there, not worth a warning.
-        expected = self.plan is not None and self.plan.interrupt_launcher
-        if self.guard_watch is None and not expected and not _unwatched_warned:
-            _unwatched_warned = True
-            checks = self.hello.get("checks")
-            guards = checks.get("guards") if isinstance(checks, dict) else None
-            reported = isinstance(guards, dict) and isinstance(guards.get("block"), dict)
-            why = (
-                "this process may not read the worker's memory"
-                if reported
-                else "the worker reported none: the guards' C extension `_fastimport` is "
-                "not built for its interpreter"
-            )
-            _logger.warning(
-                "agent_sandbox: the host cannot read the worker's guard counter (%s); only "
-                "the worker's own tamper check remains",
-                why,
-            )
-
-    def _watch_kernel_log(self) -> None:
-        """Read the worker's Landlock denials from the kernel's audit log where it is on
-        and readable (nothing is switched on here: see `_host/denial_log.py`)."""
-        assert self.policy is not None
-        landlock = (self.hello.get("checks") or {}).get("landlock")
-        if self.plan is None or "landlock" not in self.plan.worker_setup:
-            return
-        if not isinstance(landlock, dict):
-            return
-        abi = landlock.get("abi")
-        if not isinstance(abi, int) or abi < 7:
-            return
-        from agent_sandbox._host.denial_log import watch_worker
-
-        self.kernel_log = watch_worker(self.worker_pid(), self.policy.name, abi)
 
     def _forwarder(
         self, builder: ResultBuilder, on_event: OnEvent | None
@@ -611,9 +226,6 @@ class WorkerProcess:
             return self.client.path
         return os.path.join(self.control_dir, "ctl.sock")
 
-    def plan_hides_prefix(self) -> bool:
-        return False  # (no provider's plan runs the worker under another prefix)
-
     # -- calls ---------------------------------------------------------------------------
 
     @property
@@ -659,43 +271,6 @@ class WorkerProcess:
                 return _parse_stat(os.pread(fd, 4096, 0))
             except OSError:
                 return "", 0
-
-    def _hold_scratch(self) -> None:
-        """Keep a descriptor on the worker's scratch if it is a tmpfs and a memory cgroup
-        bounds the worker: its files are then memory, and an OOM kill they caused is named
-        as theirs (`scratch_in_memory`). The descriptor keeps the tmpfs until the worker is
-        ended, however it died; checked to be the tmpfs its mount table names."""
-        cgroups = self.cgroups
-        if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
-            return
-        assert self.plan is not None
-        inside = self.scratch
-        pid = self.worker_pid()
-        if pid is None:
-            return
-        try:
-            with open(f"/proc/{pid}/mountinfo") as fh:
-                mountinfo = fh.read()
-        except OSError:
-            return
-        device = None
-        for line in mountinfo.splitlines():
-            left, _, right = line.partition(" - ")
-            fields, rest = left.split(), right.split()
-            if len(fields) >= 5 and rest and fields[4] == inside:
-                device = fields[2] if rest[0] == "tmpfs" else None  # the last mount wins
-        if device is None:
-            return
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(f"/proc/{pid}/root{inside}", flags)
-        except OSError:
-            return
-        st = os.fstat(fd)
-        if f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != device:
-            os.close(fd)
-            return
-        self._scratch_fd = fd
 
     def scratch_in_memory(self) -> int | None:
         """Bytes the worker's files hold in its tmpfs scratch (None: not a tmpfs in memory)."""
@@ -1539,30 +1114,3 @@ def _signal_group(pid: int, sig: int) -> None:
     except PermissionError:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
-
-
-def _accepts(path: str) -> bool:
-    """Whether the Unix socket at `path` takes a connection (closed at once)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            if exc.errno == errno.EAGAIN:
-                time.sleep(0.001)
-                continue
-            raise
-        view = view[n:]
