@@ -289,7 +289,7 @@ class WorkerSetup(_Record):
 
 
 class BootConfig(_Record):
-    """The boot configuration the host writes to a worker's boot pipe (`_host/process.py`).
+    """The boot configuration the host writes to a worker's boot pipe (`_host/startup.py`).
 
     `token` authenticates the host's requests; `worker_id` names the worker in its replies;
     `listen_fd` is the inherited listening socket (a template's or a VM's worker puts its

@@ -36,6 +36,12 @@ from typing import TYPE_CHECKING
 
 from agent_sandbox._errors import TransportError, WorkerStartError, describe_exit
 from agent_sandbox._host import lifecycle
+from agent_sandbox._host.evidence import (
+    EgressEvidence,
+    GuardEvidence,
+    KernelLogEvidence,
+    LimitEvidence,
+)
 from agent_sandbox._host.intake import guard_block
 from agent_sandbox._host.intake.events import HostBounds
 from agent_sandbox._host.intake.transport import WorkerClient
@@ -276,6 +282,15 @@ def start_worker(
         worker.guest_limits = GuestLimits(
             worker.plan.limit_reports, worker.proc.pid, source=worker.plan.provider
         )
+    # The limit report, with what this start set up (the warm-up call below consults it).
+    worker.evidence.register(
+        LimitEvidence(
+            worker.cgroups,
+            scratch=worker.scratch,
+            guest=worker.guest_limits,
+            scratch_in_memory=worker.scratch_in_memory,
+        )
+    )
     if worker.plan.warm_up:
         warm_up(worker, start_timeout - (time.monotonic() - t0))
     worker.started_at = time.monotonic()
@@ -358,6 +373,7 @@ def attach_egress(worker: WorkerProcess, channel: socket.socket, timeout: float)
     try:
         listener, forwards = receive_listeners(channel, timeout, loopback_forwards(worker.policy))
         worker.egress = egress_proxy().attach(worker.policy, listener, forwards=forwards)
+        worker.evidence.register(EgressEvidence(worker.egress))
     except EgressError as exc:
         raise start_failed(worker, f"the egress proxy could not start: {exc}") from None
 
@@ -405,6 +421,8 @@ def watch_guards(worker: WorkerProcess) -> None:
     global _unwatched_warned
     assert worker.proc is not None
     worker.guard_watch = guard_block.GuardWatch.open(worker.proc.pid, worker.hello)
+    if worker.guard_watch is not None:
+        worker.evidence.register(GuardEvidence(worker.guard_watch))
     # A worker behind its own kernel (a VM, gVisor's Sentry) has no host process whose
     # memory the host could read: expected there, not worth a warning.
     expected = worker.plan is not None and worker.plan.interrupt_launcher
@@ -441,6 +459,8 @@ def watch_kernel_log(worker: WorkerProcess) -> None:
     from agent_sandbox._host.denial_log import watch_worker
 
     worker.kernel_log = watch_worker(worker.worker_pid(), worker.policy.name, abi)
+    if worker.kernel_log is not None:
+        worker.evidence.register(KernelLogEvidence(worker.kernel_log))
 
 
 def plan_hides_prefix(worker: WorkerProcess) -> bool:
