@@ -36,7 +36,7 @@ def status_now(worker: WorkerProcess) -> tuple[str, int | None]:
         return "exited", status
     if worker.stopped():
         return "stopped", None
-    inner = worker.worker_pid() if worker.hello else worker.proc.pid
+    inner = worker.worker_pid() if worker.hello is not None else worker.proc.pid
     state, flags = proc_state(inner) if inner is not None else ("", 0)  # None: gone
     template = getattr(worker.proc, "_template", None)
     exiting = (

@@ -48,6 +48,7 @@ from agent_sandbox._host.limit_report import GuestLimits
 from agent_sandbox._host.limits import WorkerCgroups, _descendants
 from agent_sandbox._host.result import RunResult
 from agent_sandbox._host.startup import start_worker
+from agent_sandbox._wire import Hello, HelloError
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan, Provider
 
@@ -94,7 +95,8 @@ class WorkerProcess:
         self.control_dir = ""
         self.scratch = ""
         self.plan: LaunchPlan | None = None
-        self.hello: dict[str, Any] = {}
+        #: The worker's handshake, read by the host (`_host/intake/transport.decode_hello`).
+        self.hello: Hello | None = None
         self.policy: Policy | None = None
         self.decoder: Decoder | None = None
         self.token = secrets.token_urlsafe(32)
@@ -196,7 +198,7 @@ class WorkerProcess:
         if self.proc is None:
             return False
         pids = [self.proc.pid]
-        if self._host_pid is not None or self.hello:
+        if self._host_pid is not None or self.hello is not None:
             inner = self.worker_pid()
             if inner is not None and inner != self.proc.pid:
                 pids.append(inner)
@@ -355,7 +357,7 @@ class WorkerProcess:
         if self.plan is not None and self.plan.interrupt_launcher:
             self._host_pid = self.proc.pid  # it forwards the signal into the VM
             return self._host_pid
-        inner = str(self.hello.get("pid", ""))
+        inner = str(self.hello.pid) if self.hello is not None else ""
         for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:
             try:
                 with open(f"/proc/{pid}/status") as fh:
@@ -417,7 +419,7 @@ class WorkerProcess:
         try:
             probe.hello(timeout)
             return True
-        except (TimeoutError, TransportError, OSError):
+        except (TimeoutError, TransportError, OSError, HelloError):
             return False
         finally:
             probe.close()

@@ -56,7 +56,7 @@ from agent_sandbox._host.launch import (
 from agent_sandbox._host.limit_report import GuestLimits
 from agent_sandbox._host.limits import start_cgroups
 from agent_sandbox._host.setup_checks import verify_checks
-from agent_sandbox._wire import BootConfig
+from agent_sandbox._wire import BootConfig, HelloError
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import Provider, WorkerSpec
 
@@ -244,6 +244,9 @@ def start_worker(
         try:
             remaining = start_timeout - (time.monotonic() - t0)
             worker.hello = worker.client.hello(max(0.05, remaining))
+        except HelloError as exc:
+            # An answer, but not a handshake this host reads (`_wire.Hello`).
+            raise start_failed(worker, f"its handshake was refused: {exc}") from None
         except (TimeoutError, TransportError) as exc:
             status = worker.proc.poll()
             tail = worker.log_tail()
@@ -391,24 +394,26 @@ def place_in_cgroups(worker: WorkerProcess, place: Callable[[], object]) -> None
 
 
 def verify_hello(worker: WorkerProcess) -> None:
-    version = tuple(worker.hello.get("version", ()))
+    hello = worker.hello
+    assert hello is not None
+    version = hello.version
     if version != tuple(sys.version_info[:3]):
         raise start_failed(
             worker,
             f"the worker runs Python {'.'.join(map(str, version))}, the parent "
             f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)",
         )
-    if os.path.realpath(str(worker.hello.get("base_prefix", ""))) != os.path.realpath(
+    if os.path.realpath(hello.base_prefix) != os.path.realpath(
         sys.base_prefix
     ) and not plan_hides_prefix(worker):
         raise start_failed(
             worker,
-            f"the worker's interpreter prefix {worker.hello.get('base_prefix')!r} is not "
+            f"the worker's interpreter prefix {hello.base_prefix!r} is not "
             f"the parent's {sys.base_prefix!r}",
         )
 
     problems = verify_checks(
-        worker.plan.worker_setup.to_dict() if worker.plan else {}, worker.hello.get("checks") or {}
+        worker.plan.worker_setup.to_dict() if worker.plan else {}, hello.checks.to_dict()
     )
     if problems:
         raise start_failed(
@@ -419,7 +424,7 @@ def verify_hello(worker: WorkerProcess) -> None:
 def watch_guards(worker: WorkerProcess) -> None:
     """Open the host's reader of the arming counter the handshake reported."""
     global _unwatched_warned
-    assert worker.proc is not None
+    assert worker.proc is not None and worker.hello is not None
     worker.guard_watch = guard_block.GuardWatch.open(worker.proc.pid, worker.hello)
     if worker.guard_watch is not None:
         worker.evidence.register(GuardEvidence(worker.guard_watch))
@@ -428,8 +433,7 @@ def watch_guards(worker: WorkerProcess) -> None:
     expected = worker.plan is not None and worker.plan.interrupt_launcher
     if worker.guard_watch is None and not expected and not _unwatched_warned:
         _unwatched_warned = True
-        checks = worker.hello.get("checks")
-        guards = checks.get("guards") if isinstance(checks, dict) else None
+        guards = worker.hello.checks.guards
         reported = isinstance(guards, dict) and isinstance(guards.get("block"), dict)
         why = (
             "this process may not read the worker's memory"
@@ -448,7 +452,8 @@ def watch_kernel_log(worker: WorkerProcess) -> None:
     """Read the worker's Landlock denials from the kernel's audit log where it is on
     and readable (nothing is switched on here: see `_host/denial_log.py`)."""
     assert worker.policy is not None
-    landlock = (worker.hello.get("checks") or {}).get("landlock")
+    assert worker.hello is not None
+    landlock = worker.hello.checks.landlock
     if worker.plan is None or "landlock" not in worker.plan.worker_setup:
         return
     if not isinstance(landlock, dict):

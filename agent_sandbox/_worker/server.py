@@ -40,7 +40,7 @@ import time
 from _operator import _compare_digest as compare_digest
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._wire import BootConfig, encode_event
+from agent_sandbox._wire import BootConfig, Hello, SetupChecks, encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
@@ -235,15 +235,18 @@ class _Server:
     # -- routes --------------------------------------------------------------------------
 
     def _hello(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "version": list(sys.version_info[:3]),
-            "prefix": sys.prefix,
-            "base_prefix": sys.base_prefix,
-            "executable": sys.executable,
-            "worker_id": self.boot.get("worker_id", ""),
-            "checks": self.checks,
-        }
+        """The handshake's record (`_wire.Hello`): a check the record does not know fails
+        here, in the worker, before the host would refuse it."""
+        version = sys.version_info
+        return Hello(
+            pid=os.getpid(),
+            version=(version[0], version[1], version[2]),
+            prefix=sys.prefix,
+            base_prefix=sys.base_prefix,
+            executable=sys.executable or "",
+            worker_id=str(self.boot.get("worker_id", "")),
+            checks=SetupChecks(**self.checks),
+        ).to_dict()
 
     def _file_op(self, sock: socket.socket, conn: _Conn, body: bytes) -> None:
         """One operation of the session files API, between calls (`_worker/files.py`)."""

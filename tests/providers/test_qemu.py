@@ -690,11 +690,15 @@ def test_a_worker_behind_its_own_kernel_gets_no_guard_counter_warning(
     import types
 
     from agent_sandbox._host import startup
+    from agent_sandbox._wire import Hello
 
     monkeypatch.setattr(startup, "_unwatched_warned", False)
     worker = object.__new__(WorkerProcess)
     worker.proc = types.SimpleNamespace(pid=os.getpid())  # type: ignore[assignment]
-    worker.hello = {"checks": {"guards": {}}}
+    worker.hello = Hello.from_dict(
+        {"pid": 1, "version": [3, 11, 0], "prefix": "", "base_prefix": "", "executable": "",
+         "worker_id": "w", "checks": {"guards": {}}}
+    )  # fmt: skip
     worker.plan = types.SimpleNamespace(interrupt_launcher=True)  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
         startup.watch_guards(worker)

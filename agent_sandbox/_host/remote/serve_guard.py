@@ -1,7 +1,7 @@
 """The guard check of `agent-sandbox worker serve`: its worker's guard counter, read in the pod.
 
 On a local host the agent's host reads the worker's arming counter from the worker's memory
-before it passes each event on (`_host/intake/guard_block.py`, `_host/evidence.py`'s `GuardEvidence`).
+before it passes each event on (`_host/intake/guard_block.py`, `evidence.GuardEvidence`).
 An agent's host cannot read a remote worker's memory, so the pod's own process, the worker's
 parent and outside its sandbox, does the same reading for every event it relays
 (`_host/remote/serve.py`), and tells the agent's host by a `guard.tampered` denial on a cut

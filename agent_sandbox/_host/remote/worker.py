@@ -37,6 +37,7 @@ from agent_sandbox._host.intake.remote_transport import (
 from agent_sandbox._host.intake.unpickle import Decoder
 from agent_sandbox._host.process import OnEvent, WorkerProcess
 from agent_sandbox._host.result import NO_BOUNDARY, RunError, RunResult, boundary_name
+from agent_sandbox._wire import HelloError
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan
 
@@ -188,7 +189,7 @@ class RemoteWorker(WorkerProcess):
                 while True:
                     remaining = max(0.05, start_timeout - (time.monotonic() - t0))
                     try:
-                        self.hello = client.hello(remaining)
+                        self.hello, remote = client.hello(remaining)
                         break
                     except RemoteNotReady:
                         # Adopted while the other process's bind still starts the worker.
@@ -202,7 +203,11 @@ class RemoteWorker(WorkerProcess):
                         "match this one's)"
                     ) from None
                 raise WorkerStartError(f"the remote worker's handshake failed: {exc}") from None
-            self._verify_remote()
+            self._verify_remote(remote)
+        except HelloError as exc:
+            client.close()
+            self.dead = True
+            raise WorkerStartError(f"the remote worker's handshake was refused: {exc}") from None
         except TimeoutError as exc:
             client.close()
             self.dead = True
@@ -218,9 +223,8 @@ class RemoteWorker(WorkerProcess):
         self.started_at = time.monotonic()
         return self
 
-    def _verify_remote(self) -> None:
+    def _verify_remote(self, remote: Any) -> None:
         assert self.policy is not None
-        remote = self.hello.get("remote")
         if not isinstance(remote, dict):
             raise WorkerStartError("the remote worker's handshake lacks its `remote` section")
         if remote.get("fingerprint") != self.policy.fingerprint():
