@@ -7,7 +7,8 @@ worker writes events with `encode_event`; the host reads them with
 Both apply the same budget of JSON values to an outcome (`value_budget`, `json_values`).
 
 The typed records that cross before a worker serves (`BootConfig`, `WorkerSetup`, `Hello`,
-`SetupChecks`) are in `agent_sandbox._wire_records`, re-exported here.
+`SetupChecks`) are in `agent_sandbox._wire_boot` (host to worker) and
+`agent_sandbox._wire_records` (their base, and worker to host), re-exported here.
 
 Standard library only: the worker imports it before arming.
 """
@@ -17,15 +18,18 @@ from __future__ import annotations
 import json
 import re
 
-from agent_sandbox._wire_records import (
-    HELLO_BYTES,
+from agent_sandbox._wire_boot import (
     BootConfig,
-    BootError,
-    Hello,
-    HelloError,
-    SetupChecks,
+    EgressRelay,
+    EgressSetup,
+    GrantPins,
+    LandlockRuleset,
+    LimitReport,
+    ScratchTmpfs,
+    SeccompProgram,
     WorkerSetup,
 )
+from agent_sandbox._wire_records import HELLO_BYTES, BootError, Hello, HelloError, SetupChecks
 
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
@@ -37,9 +41,16 @@ __all__ = [
     "STAGING_PREFIX",
     "BootConfig",
     "BootError",
+    "EgressRelay",
+    "EgressSetup",
     "Event",
+    "GrantPins",
     "Hello",
     "HelloError",
+    "LandlockRuleset",
+    "LimitReport",
+    "ScratchTmpfs",
+    "SeccompProgram",
     "SetupChecks",
     "encode_event",
     "json_values",

@@ -1,9 +1,12 @@
-"""The typed records that cross the boundary before a worker serves, both ways.
+"""The typed records that cross the boundary before a worker serves: their base and the
+worker's answer.
 
-Host to worker: `BootConfig`, the boot configuration written to the worker's boot pipe, and
-in it `WorkerSetup`, what a provider's plan asks the worker to apply to itself. Worker to
-host: `Hello`, its answer to the handshake, and in it `SetupChecks`, what its set-up read
-back. Re-exported by `agent_sandbox._wire`, the wire module both sides import.
+Every record is immutable over `__slots__` (`_Record`), reads its wire form with one reader
+(`_read_fields`: an unknown or a missing key, or a value of the wrong type, is an error
+naming it) and writes it with `to_dict()`. Worker to host, here: `Hello`, its answer to the
+handshake, and in it `SetupChecks`, what its set-up read back. Host to worker:
+`agent_sandbox._wire_boot` (`BootConfig`, `WorkerSetup` and its fragments). Both are
+re-exported by `agent_sandbox._wire`, the wire module both sides import.
 
 Standard library only, and no `typing` or `dataclasses` at run time: the worker imports it
 before arming, and its start imports neither.
@@ -15,18 +18,10 @@ TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typ
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = [
-    "HELLO_BYTES",
-    "BootConfig",
-    "BootError",
-    "Hello",
-    "HelloError",
-    "SetupChecks",
-    "WorkerSetup",
-]
+__all__ = ["HELLO_BYTES", "BootError", "Hello", "HelloError", "SetupChecks"]
 
 
-# -- What the host tells a worker before it serves -------------------------------------------
+# -- The base of every record -----------------------------------------------------------------
 #
 # Two records, immutable, written over `__slots__` (the worker's start imports neither
 # `dataclasses` nor `typing`): `WorkerSetup`, the kernel steps and services a provider's plan
@@ -56,6 +51,9 @@ class _Record:
     def __eq__(self, other: object) -> bool:
         if type(other) is type(self):
             return self._values() == other._values()  # type: ignore[attr-defined]
+        if isinstance(other, dict) and hasattr(self, "to_dict"):
+            # A record reads as a mapping: equal to the JSON object of its wire form.
+            return bool(self.to_dict() == other)
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # (values hold dicts)
@@ -104,8 +102,8 @@ class _Fields(_Record):
 
 def _wire_value(value: Any) -> Any:
     """A field's JSON form (a nested record's `to_dict()`, a tuple as a list)."""
-    if isinstance(value, _Fields):
-        return value.to_dict()
+    if isinstance(value, _Record):
+        return value.to_dict()  # type: ignore[attr-defined]
     if isinstance(value, tuple):
         return list(value)
     return value
@@ -149,180 +147,6 @@ def _read_fields(
         if wrong:
             raise error(f"{what}'s {name} must be {_type_name(want)}, not {type(value).__name__}")
     return data
-
-
-class WorkerSetup(_Fields):
-    """What a provider's launch plan asks the worker to apply to itself before it serves.
-
-    Each field is None when the plan does not ask for it (the key is then absent from the
-    wire, as it always was); the values are JSON-safe fragments built by `providers/`:
-
-    - `no_new_privs`, `drop_caps`: True to set `PR_SET_NO_NEW_PRIVS` / drop capabilities;
-    - `landlock`: the Landlock ruleset (`providers/_landlock.landlock_setup`);
-    - `seccomp`, `seccomp_exec`: BPF programs, base64 (`providers/_seccomp.py`);
-    - `scratch_tmpfs`: a private tmpfs over scratch (`{"bytes": n, ...}`);
-    - `pins`: granted paths with the device and inode the host saw (`providers/_grants.py`);
-    - `egress`: the egress proxy's address and the worker's end of its channel;
-    - `egress_relay`: gVisor's relay from the sandbox's loopback to the host's route;
-    - `listen_path`: a socket path the worker binds itself (gVisor), instead of `listen_fd`;
-    - `limit_report`: where and at which count to report calls ended at `limits.processes`.
-
-    Read-only mapping access (`"egress" in setup`, `setup.get(...)`, `setup["landlock"]`,
-    `dict(setup)`) sees the fields that are set, under their wire names.
-    """
-
-    __slots__ = (
-        "drop_caps",
-        "egress",
-        "egress_relay",
-        "landlock",
-        "limit_report",
-        "listen_path",
-        "no_new_privs",
-        "pins",
-        "scratch_tmpfs",
-        "seccomp",
-        "seccomp_exec",
-    )
-
-    no_new_privs: bool | None
-    drop_caps: bool | None
-    landlock: dict[str, Any] | None
-    seccomp: dict[str, Any] | None
-    seccomp_exec: dict[str, Any] | None
-    scratch_tmpfs: dict[str, Any] | None
-    pins: dict[str, Any] | None
-    egress: dict[str, Any] | None
-    egress_relay: dict[str, Any] | None
-    listen_path: str | None
-    limit_report: dict[str, Any] | None
-
-    def __init__(
-        self,
-        *,
-        no_new_privs: bool | None = None,
-        drop_caps: bool | None = None,
-        landlock: dict[str, Any] | None = None,
-        seccomp: dict[str, Any] | None = None,
-        seccomp_exec: dict[str, Any] | None = None,
-        scratch_tmpfs: dict[str, Any] | None = None,
-        pins: dict[str, Any] | None = None,
-        egress: dict[str, Any] | None = None,
-        egress_relay: dict[str, Any] | None = None,
-        listen_path: str | None = None,
-        limit_report: dict[str, Any] | None = None,
-    ) -> None:
-        values = locals()
-        for name in self.__slots__:
-            object.__setattr__(self, name, values[name])
-
-    @classmethod
-    def from_dict(cls, data: Any) -> WorkerSetup:
-        """Read the wire form; a key this side does not know is an error naming it."""
-        if data is None:
-            return cls()
-        if not isinstance(data, dict):
-            raise BootError(f"worker_setup must be a JSON object, not {type(data).__name__}")
-        unknown = sorted(set(data) - set(cls.__slots__))
-        if unknown:
-            raise BootError(
-                f"worker_setup has keys this worker does not know: {', '.join(unknown)} "
-                "(the host and the worker come from different versions of agent_sandbox?)"
-            )
-        return cls(**data)
-
-    def replace(self, **changes: Any) -> WorkerSetup:
-        """A copy with `changes` (None unsets a field)."""
-        return type(self)(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
-
-
-class BootConfig(_Record):
-    """The boot configuration the host writes to a worker's boot pipe (`_host/startup.py`).
-
-    `token` authenticates the host's requests; `worker_id` names the worker in its replies;
-    `listen_fd` is the inherited listening socket (a template's or a VM's worker puts its
-    own in its place); `policy` is the policy's wire form; `sys_path` and `package_dirs` are
-    the import roots and package folders; `scratch` is the working directory as the worker
-    sees it; `worker_setup` is the plan's `WorkerSetup`; `host_env_names` are the host's
-    variable names (the environment guard's reference); `die_with_parent` asks the worker to
-    end with the host's launch thread, `keeper` to run under a keeper (`_worker/boot.py`);
-    `life_fd` is the worker's end of the agent's life line (`WorkerSpec.life_fd`), or None.
-    """
-
-    __slots__ = (
-        "die_with_parent",
-        "host_env_names",
-        "keeper",
-        "life_fd",
-        "listen_fd",
-        "package_dirs",
-        "policy",
-        "scratch",
-        "sys_path",
-        "token",
-        "worker_id",
-        "worker_setup",
-    )
-
-    token: str
-    worker_id: str
-    listen_fd: int
-    policy: dict[str, Any]
-    sys_path: list[str]
-    package_dirs: dict[str, str]
-    scratch: str
-    worker_setup: WorkerSetup
-    host_env_names: list[str]
-    die_with_parent: bool
-    keeper: bool
-    life_fd: int | None
-
-    def __init__(
-        self,
-        *,
-        token: str,
-        worker_id: str,
-        listen_fd: int,
-        policy: dict[str, Any],
-        sys_path: list[str],
-        package_dirs: dict[str, str],
-        scratch: str,
-        worker_setup: WorkerSetup,
-        host_env_names: list[str],
-        die_with_parent: bool,
-        keeper: bool,
-        life_fd: int | None = None,
-    ) -> None:
-        values = locals()
-        for name in self.__slots__:
-            object.__setattr__(self, name, values[name])
-
-    @classmethod
-    def from_dict(cls, data: Any) -> BootConfig:
-        """Read the wire form; an unknown or a missing key is an error naming it."""
-        if not isinstance(data, dict):
-            raise BootError(f"the boot configuration must be a JSON object, not {type(data)}")
-        unknown = sorted(set(data) - set(cls.__slots__))
-        missing = [n for n in cls.__slots__ if n not in data]
-        if unknown or missing:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing)}")
-            if unknown:
-                parts.append(f"unknown {', '.join(unknown)}")
-            raise BootError(
-                f"the boot configuration has {'; '.join(parts)} (the host and the worker "
-                "come from different versions of agent_sandbox?)"
-            )
-        fields = dict(data)
-        fields["worker_setup"] = WorkerSetup.from_dict(data["worker_setup"])
-        return cls(**fields)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form (what `json.dumps` writes to the boot pipe)."""
-        out = {n: getattr(self, n) for n in self.__slots__}
-        out["worker_setup"] = self.worker_setup.to_dict()
-        return out
 
 
 # -- What a worker answers to the host's handshake -------------------------------------------

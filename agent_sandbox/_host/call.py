@@ -175,7 +175,7 @@ class Call:
         if plan is None or not worker.scratch:
             return host_call
         seccomp = plan.worker_setup.get("seccomp")
-        if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
+        if seccomp is None or seccomp.get("metadata") is not True:
             return host_call
         from agent_sandbox._host.scratchmeta import metadata_handler
 

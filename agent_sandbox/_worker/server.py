@@ -40,7 +40,7 @@ import time
 from _operator import _compare_digest as compare_digest
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._wire import BootConfig, Hello, SetupChecks, encode_event
+from agent_sandbox._wire import BootConfig, Hello, LimitReport, SetupChecks, encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
@@ -125,7 +125,7 @@ class _Server:
         #: Under gVisor: where to report the calls that ended with the sandbox at
         #: `limits.processes` (`_ProcessCount`); None elsewhere.
         report = BootConfig.from_dict(boot).worker_setup.limit_report
-        self.process_count = _ProcessCount(report) if isinstance(report, dict) else None
+        self.process_count = _ProcessCount(report) if report is not None else None
         self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
     # -- connection handling -------------------------------------------------------------
@@ -430,7 +430,7 @@ class _ProcessCount:
     side's word).
     """
 
-    def __init__(self, report: dict[str, Any]) -> None:
+    def __init__(self, report: LimitReport) -> None:
         self.path = str(report["path"])
         self.limit = int(report["processes"])
         self.hits = 0
