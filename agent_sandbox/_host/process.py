@@ -25,11 +25,7 @@ import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from agent_sandbox._errors import (
-    TransportError,
-    WorkerError,
-    describe_exit,
-)
+from agent_sandbox._errors import TransportError, WorkerError, describe_exit
 from agent_sandbox._host import lifecycle
 from agent_sandbox._host.call import STOPPED_REASON, TEMPLATE_REASON, Call
 from agent_sandbox._host.evidence import EvidenceSet, LimitEvidence
@@ -37,13 +33,8 @@ from agent_sandbox._host.exit_status import parse_stat
 from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.intake import guard_block
 from agent_sandbox._host.intake.events import HostBounds
-from agent_sandbox._host.intake.transport import (
-    HostCall,
-    WorkerClient,
-)
-from agent_sandbox._host.launch import (
-    LOG_BYTES,
-)
+from agent_sandbox._host.intake.transport import HostCall, WorkerClient
+from agent_sandbox._host.launch import LOG_BYTES
 from agent_sandbox._host.limit_report import GuestLimits
 from agent_sandbox._host.limits import WorkerCgroups, _descendants
 from agent_sandbox._host.result import RunResult
@@ -79,7 +70,6 @@ _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
 #: How long an interrupted cell has to stop before its worker is replaced.
 _INTERRUPT_GRACE = 2.0
-#: How long a worker seen exiting (after its connection closed) has to give its status.
 _logger = logging.getLogger("agent_sandbox")
 
 
@@ -141,7 +131,7 @@ class WorkerProcess:
         #: the limit report is always there (it reads the worker's own limit errors too).
         self.evidence = EvidenceSet()
         self.evidence.register(LimitEvidence())
-        #: The O_PATH descriptor of a socket the worker bound itself (`_pin_socket`).
+        #: The O_PATH descriptor of a socket the worker bound itself (`startup.pin_socket`).
         self._socket_pin: int | None = None
         #: The write end of the worker's life line (`WorkerSpec.life_fd`), closed once the
         #: worker is reaped; None when its provider does not use one.
@@ -178,7 +168,7 @@ class WorkerProcess:
             return self.client.path
         return os.path.join(self.control_dir, "ctl.sock")
 
-    # -- calls ---------------------------------------------------------------------------
+    # -- the process, and its calls -------------------------------------------------------
 
     @property
     def pid(self) -> int:
