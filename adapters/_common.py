@@ -150,12 +150,13 @@ def describe_policy(
         lines.append(f"- Network: only {', '.join(targets)}.")
         if "egress-proxy" in (boundary or "").split("+"):
             # What works behind the host's egress proxy, and what does not (issue 31).
-            from agent_sandbox._host.egress.proxy import loopback_forwards
+            from agent_sandbox._host.egress.handoff import loopback_forwards
 
             # The direct forwards are wired by bwrap and unshare (the host listens in the
-            # sandbox's namespace) and gvisor (a relay in the sandbox, a host socket per
-            # service); not in QEMU's guest, whose loopback is its own.
-            forwarded = (boundary or "").split("+")[0] in ("bwrap", "unshare", "gvisor")
+            # sandbox's namespace), gvisor (a relay in the sandbox, a host socket per
+            # service) and qemu (the guest agent listens on the guest's loopback, a channel
+            # per connection to a host socket per service); the host's proxy judges each.
+            forwarded = (boundary or "").split("+")[0] in ("bwrap", "unshare", "gvisor", "qemu")
             pairs = loopback_forwards(policy) if forwarded else []
             direct = [f"{h}:{p}" for h, p in pairs]
             text = (

@@ -23,7 +23,11 @@ __all__ = [
     "RULES",
     "fold_detail",
     "is_sensitive",
+    "refusal_first",
+    "refusal_line",
     "rule_doc",
+    "REFUSAL_END",
+    "REFUSAL_START",
 ]
 
 #: Every rule name a denial can carry, with what it means. Keep sorted.
@@ -69,7 +73,7 @@ RULES: dict[str, str] = {
     "net.connect": "connecting or sending to an address outside `net.rules`",
     "net.resolve": "resolving a host name that no `net.rules` entry names",
     "remote.busy": "a remote session's worker was already in a call (one at a time); "
-    "nothing was run and the session is kept",
+    "nothing was run and the session is kept (docs/scale-out.md)",
     "result.refused": "a value or exception state the host's restricted unpickler refused "
     "(a type outside `result_types`, an opcode outside its families, or a budget)",
     "tools": "a call to a host tool that `tools.allow` does not list",
@@ -361,3 +365,76 @@ def fold_detail(rule: str, budget: int, sensitive: bool) -> str:
         f"past the first {budget} distinct {kind} of this rule in one call, further "
         "refusals are counted here (count: how many; last: the latest, in full)"
     )
+
+
+# -- the egress proxy's refusal, as a client library carries it to the code ---------------
+
+#: The egress proxy sends its refusal (a status line, a `CONNECT` reason phrase) between
+#: these, and nothing between them holds a `|`, so the worker finds it exactly in whatever
+#: error text a client library builds around it (`refusal_first`).
+REFUSAL_START = "|agent-sandbox refusal| "
+REFUSAL_END = " |end of refusal|"
+#: Characters sent as they are; every other one (and `|`, `%`, the backslash) is percent-encoded.
+_PLAIN = frozenset(chr(c) for c in range(0x20, 0x7F)) - set("|%\\")
+
+
+def refusal_line(message: str, limit: int = 2048) -> str:
+    """A refusal's message as the proxy sends it to a client: one line of printable ASCII
+    between `REFUSAL_START` and `REFUSAL_END`, at most `limit` characters in all.
+
+    Inside, whitespace runs are one space and `|`, `%`, the backslash and everything
+    outside printable ASCII are percent-encoded (UTF-8). A client that quotes the line with
+    `repr` (requests, httpx, aiohttp do, even twice) can only add backslashes (before a
+    quote, before a backslash), so removing every backslash between the markers gives the
+    line back exactly.
+    """
+    out: list[str] = []
+    room = max(0, limit - len(REFUSAL_START) - len(REFUSAL_END))
+    for char in " ".join(message.split()):
+        piece = char if char in _PLAIN else "".join(f"%{b:02X}" for b in char.encode())
+        room -= len(piece)
+        if room < 0:
+            break
+        out.append(piece)
+    return REFUSAL_START + "".join(out) + REFUSAL_END
+
+
+def _unquote(text: str) -> str:
+    data = bytearray()
+    i = 0
+    while i < len(text):
+        if text[i] == "%" and i + 3 <= len(text):
+            try:
+                data.append(int(text[i + 1 : i + 3], 16))
+                i += 3
+                continue
+            except ValueError:
+                pass
+        data += text[i].encode("ascii", "replace")
+        i += 1
+    return data.decode("utf-8", "replace")
+
+
+def refusal_first(text: str, *, keep_marked: bool = False) -> str | None:
+    """`text` (a client library's error message) with the proxy's refusal it carries put
+    first: the refusal (rule, target, reason, hint), then the library's own words with
+    `<the refusal above>` where the refusal was (each exact copy of it too); None when it
+    carries none (its markers, `refusal_line`). What is left carries no marker, so a second
+    pass changes nothing.
+
+    `keep_marked` leaves the marked refusal in the library's words: for an exception whose
+    text is rewritten in place (http.client's bare `OSError`), which another library may
+    quote in its own error (urllib's `URLError`), where it is found and put first again.
+    """
+    start = text.find(REFUSAL_START)
+    if start < 0:
+        return None
+    end = text.find(REFUSAL_END, start + len(REFUSAL_START))
+    if end < 0:
+        return None
+    refusal = _unquote(text[start + len(REFUSAL_START) : end].replace("\\", ""))
+    if keep_marked:
+        return f"{refusal}\n(the client's error: {text})"
+    words = text[:start] + "<the refusal above>" + text[end + len(REFUSAL_END) :]
+    words = words.replace(refusal, "<the refusal above>")
+    return f"{refusal}\n(the client's error: {words})"

@@ -59,7 +59,8 @@ def main() -> None:
     parser.add_argument("--cold-rounds", type=int, default=21)
     args = parser.parse_args()
 
-    policy = Policy(name="bench", imports={"allow": ["math"]})
+    # `visible_names` is read only under landlock (its rows), which takes no policy without it.
+    policy = Policy(name="bench", imports={"allow": ["math"]}, visible_names="accepted")
     provider = get_provider("subprocess")
     print(f"python {sys.version.split()[0]} at {sys.executable}; {os.cpu_count()} cores")
     print("-- floors and baselines")

@@ -155,7 +155,8 @@ _FRESH = ("unshare", "bwrap")
 def _policy_for(name: str) -> Policy:
     if name == "subprocess":
         return Policy(name="bench-pools", provider="subprocess", no_kernel_boundary="accepted")
-    return Policy(name="bench-pools", provider=name)
+    # `visible_names` is read only under landlock, which takes no policy without it.
+    return Policy(name="bench-pools", provider=name, visible_names="accepted")
 
 
 def fork_burst(n: int = BURST) -> float:
@@ -430,7 +431,8 @@ def main() -> None:
     if args.pools_only:
         pools(args.repeat, min(args.runs, 11))
         return
-    policy = Policy(name="bench")
+    # `visible_names` is read only under landlock, which takes no policy without it.
+    policy = Policy(name="bench", visible_names="accepted")
     candidates: list[tuple[str, Provider]] = [
         (name, get_provider(name)) for name in ("subprocess", "landlock", "unshare", "bwrap")
     ]

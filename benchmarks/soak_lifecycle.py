@@ -36,12 +36,14 @@ PROVIDERS = ("subprocess", "landlock", "unshare", "bwrap", "firejail")
 
 
 def policy() -> Policy:
-    # The opt-out is read only under provider "subprocess" (that row measures it).
+    # The opt-out is read only under provider "subprocess" (that row measures it), and
+    # `visible_names` only under "landlock" (which takes no policy without it).
     return Policy(
         name="soak",
         imports={"allow": ["math"]},
         limits={"wall_seconds": 30},
         no_kernel_boundary="accepted",
+        visible_names="accepted",
     )
 
 

@@ -20,6 +20,12 @@ What it enforces, while armed:
    (`net.resolve`). A connect to `(name, port)` is sent to the pinned address, so a name
    cannot be rebound between the decision and the connect.
 
+3. Not a judgement, always on: the egress proxy's refusal reaches the code inside a client
+   library's error (a status line, a tunnel's reason phrase, between the markers of
+   `_denial.refusal_line`); `__str__` of requests', urllib's, http.client's, httpx's and
+   aiohttp's error classes, and http.client's tunnel (a bare `OSError`, rewritten in
+   place), put that refusal first, the library's words after (`_CLIENT_ERRORS`).
+
 What it does NOT stop: sockets created before arming or inherited; a descriptor wrapped
 by `socket.socket(fileno=...)` that is already connected; the C methods reached through
 the class hierarchy (`_socket.socket` as a base class is immutable); native code. The OS
@@ -33,7 +39,7 @@ import ipaddress
 import socket
 from _thread import get_ident
 
-from agent_sandbox._denial import Denial
+from agent_sandbox._denial import REFUSAL_START, Denial, refusal_first
 from agent_sandbox._errors import NetworkDenied
 from agent_sandbox._hints import grant_hint
 from agent_sandbox.guards import _files, _patch
@@ -493,7 +499,54 @@ def _socket_init_wrapper(
         raise
 
 
+#: The clients' error classes whose text can carry the egress proxy's refusal (each class
+#: that words its own `__str__`, or the base of those that inherit it): their `__str__` puts
+#: the refusal first (`_refusal_first_str`). Missing ones (a client not installed, another
+#: version's names) are skipped.
+_CLIENT_ERRORS = (
+    ("requests.exceptions", "RequestException.__str__"),
+    ("urllib.error", "URLError.__str__"),
+    ("http.client", "HTTPException.__str__"),
+    ("httpx._exceptions", "HTTPError.__str__"),
+    ("aiohttp.client_exceptions", "ClientError.__str__"),
+    ("aiohttp.client_exceptions", "ClientResponseError.__str__"),
+    ("aiohttp.client_exceptions", "ClientConnectorError.__str__"),
+)
+
+
+def _refusal_first_str(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A client's error whose text carries the proxy's marked refusal (`REFUSAL_START`)
+    says the refusal first (rule, target, hint), then its own words; any other text, and
+    the exception's type, stay as they are."""
+    text = wrapped(*args, **kwargs)
+    if isinstance(text, str) and REFUSAL_START in text:
+        return refusal_first(text) or text
+    return text
+
+
+def _tunnel_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """http.client's refused `CONNECT` raises a bare `OSError("Tunnel connection failed:
+    403 <refusal>")`, whose class cannot be patched: its message is put refusal-first in
+    place (the same exception, type and traceback), the marked refusal kept in the words
+    that follow, for a library that quotes this error in its own (urllib, urllib3)."""
+    try:
+        return wrapped(*args, **kwargs)
+    except OSError as exc:
+        if len(exc.args) == 1 and isinstance(exc.args[0], str):
+            first = refusal_first(exc.args[0], keep_marked=True)
+            if first is not None:
+                exc.args = (first,)
+        raise
+
+
 def install() -> None:
+    for home, dotted in _CLIENT_ERRORS:
+        _patch.wrap_later(home, dotted, _refusal_first_str)
+    _patch.wrap_later("http.client", "HTTPConnection._tunnel", _tunnel_wrapper)
     for name, wrapper in _METHODS.items():
         _patch.wrap(socket.socket, name, wrapper, label=f"socket.socket.{name}")
         _patch.wrap(_GuardedCSocket, name, wrapper, label=f"_socket.socket.{name}")

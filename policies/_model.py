@@ -575,6 +575,32 @@ def check_boundary_opt_out(provider: str, acknowledgement: str) -> None:
         )
 
 
+#: The providers that cannot hide that a file exists: `stat` and listing a directory above a
+#: grant succeed outside the grants (Landlock has no right for either, and no second layer
+#: sees paths), so they take only a policy that accepts that in so many words.
+VISIBLE_NAMES_PROVIDERS = frozenset({"landlock"})
+
+VISIBLE_NAMES_WHY = (
+    "Landlock cannot hide that a file exists: outside the policy's grants (hidden and denied "
+    "names, everything not granted) the code can still list directories and stat files, "
+    "learning names, sizes, owners and times, though never contents"
+)
+VISIBLE_NAMES_FIX = (
+    'provider = "auto", "bwrap" or "unshare" (they build a view holding only what is '
+    "granted; auto takes one where it works here), or accept it in so many words with "
+    'visible_names = "accepted"'
+)
+
+
+def check_visible_names(provider: str, acknowledgement: str) -> None:
+    """Refuse a provider that cannot hide names unless the policy accepts that in words."""
+    if provider in VISIBLE_NAMES_PROVIDERS and acknowledgement != "accepted":
+        raise ValueError(
+            f"provider {provider!r} is refused for this policy: {VISIBLE_NAMES_WHY}; use "
+            f"{VISIBLE_NAMES_FIX}"
+        )
+
+
 def _is_ip_or_cidr(host: str) -> bool:
     if host.strip().lower() in ("*", "any"):
         return True  # every address: nothing to resolve
@@ -615,6 +641,11 @@ class Policy(_Section):
     #: The explicit opt-out from a kernel boundary: `provider = "subprocess"` is refused
     #: unless this says `"accepted"` (the Python guards and rlimits are then all that holds).
     no_kernel_boundary: Literal["", "accepted"] = ""
+    #: The explicit acceptance that the code may learn which files exist outside its grants
+    #: and read their metadata (not their contents): `provider = "landlock"` is refused
+    #: unless this says `"accepted"` (Landlock cannot hide names), and `auto` never takes
+    #: Landlock alone without it.
+    visible_names: Literal["", "accepted"] = ""
     #: The weakest class of boundary the workers may run behind (`BOUNDARY_CLASSES`, weakest
     #: first): `host-kernel` (namespaces, Landlock, seccomp on the host's kernel; any kernel
     #: provider), `user-space-kernel` (gVisor's Sentry, or stronger), `virtual-machine` (a
@@ -683,6 +714,7 @@ class Policy(_Section):
     @model_validator(mode="after")
     def _boundary_opt_out(self) -> Policy:
         check_boundary_opt_out(self.provider, self.no_kernel_boundary)
+        check_visible_names(self.provider, self.visible_names)
         check_min_boundary(self.provider, self.min_boundary)
         return self
 
@@ -710,6 +742,17 @@ class Policy(_Section):
             {"dynamic-code", "native-code"} & set(self.api.allow)
         )
 
+    def _not_hashed(self) -> set[str]:
+        """`remote`, and the keys added later while they hold their defaults (the default
+        boundary class, names not accepted as visible), so adding them changed no
+        fingerprint."""
+        exclude = {"remote"}
+        if self.min_boundary == "host-kernel":
+            exclude.add("min_boundary")
+        if not self.visible_names:
+            exclude.add("visible_names")
+        return exclude
+
     def to_wire(self, *, pin: bool = True) -> dict[str, Any]:
         """The JSON dict the worker receives (no pydantic needed to read it).
 
@@ -720,8 +763,7 @@ class Policy(_Section):
         worker behind the host's egress proxy, which resolves names itself) no name is
         resolved here and no rule carries addresses.
         """
-        # The default boundary class is left out, so adding the key changed no fingerprint.
-        exclude = {"remote"} | ({"min_boundary"} if self.min_boundary == "host-kernel" else set())
+        exclude = self._not_hashed()
         data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         pins = self.pinned_addresses() if pin else {}
         for rule in data.get("net", {}).get("rules", []):
@@ -756,8 +798,7 @@ class Policy(_Section):
         cached = _FINGERPRINTS.get(id(self))
         if cached is not None and cached[0]() is self:
             return cached[1]
-        # The default boundary class is left out, so adding the key changed no fingerprint.
-        exclude = {"remote"} | ({"min_boundary"} if self.min_boundary == "host-kernel" else set())
+        exclude = self._not_hashed()
         data = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
         value = hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -102,7 +102,7 @@ class AutoProvider(Provider):
         if self._stronger is None:
             # Their own modules, not the registry's lookup: the registry imports this module
             # (qemu's brings its image builder, so it is imported only here, when asked for).
-            from agent_sandbox.providers._gvisor import GvisorProvider
+            from agent_sandbox.providers.gvisor.provider import GvisorProvider
             from agent_sandbox.providers.qemu.provider import QemuProvider
 
             classes: dict[str, type[Provider]] = {"gvisor": GvisorProvider, "qemu": QemuProvider}

@@ -23,14 +23,17 @@ What it does NOT enforce (see `docs/providers.md` for what covers each):
 * UDP, raw and netlink sockets: Landlock has no right for them (seccomp denies the
   families the policy does not need).
 * Connecting to a pathname Unix socket outside the policy (seccomp refuses
-  `socket(AF_UNIX)` for that reason), and `stat()`/`access()` of any path: names, sizes
-  and existence of files leak.
+  `socket(AF_UNIX)` for that reason), and `stat()`/`access()` of any path and listing the
+  directories above a grant: names, sizes and existence of files leak. The provider takes
+  only a policy that accepts that in words (`visible_names = "accepted"`, else it refuses
+  the policy: `_netcheck.landlock_files`).
 * Host names: the TCP rules name ports, not hosts (the Python guards name hosts; under a
   namespace provider the host's egress proxy enforces them, `_host/egress/proxy.py`).
 * Memory, CPU and processes (see `_host/limits.py`).
 
 Hidden and denied names (`files.hide`, `files.deny`) and the policy's own files inside a
-granted directory are kept out of reach by narrowing the grants around them (`_narrow`).
+granted directory are kept out of reach by narrowing the grants around them (`_narrow`):
+their contents, not their names (see above).
 
 The module has three parts: the pure builder `landlock_setup()`, the probe
 `probe_landlock()`, and the thin syscall layer (`landlock_abi()`, `restrict_self()`) that
@@ -66,7 +69,7 @@ from agent_sandbox.providers._base import (
     worker_argv,
 )
 from agent_sandbox.providers._masks import Masks, find_masks
-from agent_sandbox.providers._netcheck import landlock_net, standard_answers
+from agent_sandbox.providers._netcheck import landlock_files, landlock_net, standard_answers
 
 __all__ = [
     "ACCESS_SETS",
@@ -495,7 +498,8 @@ class LandlockProvider(Provider):
     """A plain child process that applies Landlock and seccomp to itself before serving."""
 
     #: What it holds of each section of the policy (`_netcheck.py`).
-    answers: ClassVar[Mapping[str, Answer]] = standard_answers(landlock_net)
+    #: `[files]`: refused unless the policy accepts visible names (Landlock cannot hide them).
+    answers: ClassVar[Mapping[str, Answer]] = standard_answers(landlock_net, files=landlock_files)
 
     name: ClassVar[str] = "landlock"
     strength: ClassVar[int] = 20
@@ -537,7 +541,8 @@ class LandlockProvider(Provider):
         from agent_sandbox.providers._netcheck import refuse_unenforceable
         from agent_sandbox.providers._seccomp import seccomp_setup
 
-        refuse_unenforceable(self, policy)  # Landlock alone filters ports only
+        # Landlock alone filters ports only, and cannot hide names (`landlock_files`).
+        refuse_unenforceable(self, policy)
         pins = grant_pins(policy, spec)  # refuses a grant that runs through a link
         setup: dict[str, Any] = {
             "no_new_privs": True,

@@ -5,7 +5,11 @@ One table, `EXPECTED`, of (grant kind) x (operation) -> outcome, for a policy wi
 every kernel provider with the Python layer off (native calls through ctypes), so the
 kernel is what is measured; `docs/policies.md` shows the table `render_markdown()` makes.
 Where a provider does not hold a cell, `GAPS` names it with the reason, and the test is a
-strict expected failure for that cell (so a fix, or a regression, shows).
+strict expected failure for that cell (so a fix, or a regression, shows). Where a provider
+holds a cell only by refusing the policies that do not accept it open, `VISIBLE` names it:
+the `landlock` provider cannot hide names, so it refuses at construction every policy
+without `visible_names = "accepted"`, and under one with it those cells are allowed by the
+policy's own choice (the test measures them allowed, and measures the refusal without it).
 
 Grant kinds, for a target directory `T` holding a file `T/f`:
 
@@ -16,7 +20,16 @@ Grant kinds, for a target directory `T` holding a file `T/f`:
 
 from __future__ import annotations
 
-__all__ = ["EXPECTED", "GAPS", "KINDS", "NARROWED", "OPERATIONS", "GapOpen", "render_markdown"]
+__all__ = [
+    "EXPECTED",
+    "GAPS",
+    "KINDS",
+    "NARROWED",
+    "OPERATIONS",
+    "VISIBLE",
+    "GapOpen",
+    "render_markdown",
+]
 
 KINDS: tuple[str, ...] = ("read", "write", "scratch", "hidden", "deny", "none")
 
@@ -69,16 +82,25 @@ EXPECTED: dict[str, dict[str, bool]] = {
 }
 
 #: (provider, kind, operation) -> why that provider does not hold the cell today. Filled
-#: from the measured matrix; each is a strict xfail in the test (`raises=GapOpen`).
-#: The chmod, chown, utime and xattr cells hold under `landlock` through its second layer:
-#: its seccomp filter refuses every metadata change (`_seccomp.metadata_rules`), inside the
-#: grants too, since Landlock has no right to judge them by.
+#: from the measured matrix; each is a strict xfail in the test (`raises=GapOpen`). None
+#: today. The chmod, chown, utime and xattr cells hold under `landlock` through its second
+#: layer: its seccomp filter refuses every metadata change (`_seccomp.metadata_rules`),
+#: inside the grants too, since Landlock has no right to judge them by.
+GAPS: dict[tuple[str, str, str], str] = {}
+
+#: (provider, kind, operation) -> why a refused cell is open under that provider by the
+#: policy's choice: the provider refuses, at construction, every policy that does not say
+#: `visible_names = "accepted"` (`policies._model.check_visible_names`, and the provider's
+#: `[files]` answer, `_netcheck.landlock_files`, for `auto`), and the test measures the cell
+#: allowed under a policy that does (and the refusal under one that does not).
 _LANDLOCK_NAMES = (
     "Landlock does not restrict stat, and a directory above a masked name is granted for "
-    "listing, which Landlock applies to everything below it: names and metadata are "
-    "visible, contents are not"
+    "listing, which Landlock applies to everything below it; no second layer sees paths. "
+    "So the landlock provider refuses every policy that does not say "
+    '`visible_names = "accepted"`; under one that does, names and metadata are visible by '
+    "that choice, contents are not (the open, write and change cells stay refused)"
 )
-GAPS: dict[tuple[str, str, str], str] = {
+VISIBLE: dict[tuple[str, str, str], str] = {
     **{
         ("landlock", kind, op): _LANDLOCK_NAMES
         for kind in ("hidden", "deny")
@@ -123,7 +145,8 @@ class GapOpen(AssertionError):
 
 def render_markdown() -> str:
     """The matrix as a Markdown table (what docs/policies.md shows); a cell a provider does
-    not hold is marked with that provider's name, and the reasons follow the table."""
+    not hold, narrows or leaves visible by the policy's choice is marked with that
+    provider's name, and the reasons follow the table."""
     head = "| operation | " + " | ".join(KINDS) + " |"
     rule = "|---|" + "---|" * len(KINDS)
     lines = [head, rule]
@@ -136,6 +159,10 @@ def render_markdown() -> str:
                 if (k, o) == (kind, op):
                     n = reasons.setdefault(why, len(reasons) + 1)
                     cell += f" (not under {provider} alone [{n}])"
+            for (provider, k, o), why in VISIBLE.items():
+                if (k, o) == (kind, op):
+                    n = reasons.setdefault(why, len(reasons) + 1)
+                    cell += f" (visible by choice under {provider} [{n}])"
             for (provider, k, o), why in NARROWED.items():
                 if (k, o) == (kind, op):
                     n = reasons.setdefault(why, len(reasons) + 1)

@@ -40,6 +40,13 @@ a relay).
 
 `subprocess` (no kernel boundary, taken only with `no_kernel_boundary = "accepted"`)
 enforces no rule below Python; the opt-out says so, so nothing more is refused here.
+
+The `[files]` section differs in one way: Landlock alone cannot hide that a name exists
+(stat and listing succeed outside the grants; seccomp cannot see paths), so the landlock
+provider answers `[files]` with `landlock_files`, which refuses every policy that does not
+say `visible_names = "accepted"` (the operation matrix's hidden, deny and not-granted
+list/stat cells, `_matrix.VISIBLE`). Under bwrap or unshare Landlock is a second layer
+inside a view that holds only what is granted, and this does not apply.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ __all__ = [
     "firejail_net",
     "held_as_planned",
     "lan_network",
+    "landlock_files",
     "landlock_net",
     "namespace_net",
     "opted_out",
@@ -237,7 +245,7 @@ _LAN_INSTEAD = (
 def lan_network(host: str) -> Any:
     """The network a rule's host names when it lies inside a LAN range (every spelling the
     proxy reads: CIDR, short or legacy IPv4, IPv6 forms embedding an IPv4 address), else
-    None. One address is judged as the proxy judges it (`_egress.normalise_host`)."""
+    None. One address is judged as the proxy judges it (`_host/egress/addresses.normalise_host`)."""
     text = host.strip()
     if _is_any(text) or _is_loopback(text):
         return None
@@ -246,8 +254,8 @@ def lan_network(host: str) -> Any:
     except ValueError:
         net = None
     if net is None or net.num_addresses == 1:
-        # Only now: the proxy's module (asyncio) reads the spellings it accepts.
-        from agent_sandbox._host.egress.proxy import normalise_host
+        # Only now (a policy without network loads no egress module): the proxy's own reader.
+        from agent_sandbox._host.egress.addresses import normalise_host
 
         try:
             spelled = normalise_host(text if net is None else str(net.network_address))
@@ -256,7 +264,7 @@ def lan_network(host: str) -> Any:
         if spelled.ip is None:
             return None  # a host name: the proxy judges its addresses when it resolves
         net = ipaddress.ip_network(spelled.judged)
-    from agent_sandbox._host.egress.proxy import in_lan
+    from agent_sandbox._host.egress.addresses import in_lan
 
     return (net.network_address if net.num_addresses == 1 else net) if in_lan(net) else None
 
@@ -304,6 +312,18 @@ def held_as_planned(policy: Any) -> list[tuple[int | None, str, str]]:
     return []
 
 
+def landlock_files(policy: Any) -> list[tuple[int | None, str, str]]:
+    """`landlock` alone: its rules hold every cell of the operation matrix but the names
+    (stat and listing outside the grants), which only a policy that accepts them as visible
+    may leave open (`visible_names = "accepted"`)."""
+    from agent_sandbox.policies._model import VISIBLE_NAMES_FIX, VISIBLE_NAMES_WHY
+
+    if getattr(policy, "visible_names", "") == "accepted":
+        return []
+    why = f'{VISIBLE_NAMES_WHY}, and the policy does not say visible_names = "accepted"'
+    return [(None, why, VISIBLE_NAMES_FIX)]
+
+
 def by_the_chosen_candidate(policy: Any) -> list[tuple[int | None, str, str]]:
     """`auto`: the candidate it chooses answers (its build refuses what it cannot hold, and
     `auto` takes only a candidate whose build succeeded)."""
@@ -324,12 +344,14 @@ namespace_net = _namespace
 def standard_answers(
     net: Callable[[Any], list[tuple[int | None, str, str]]],
     other: Callable[[Any], list[tuple[int | None, str, str]]] = held_as_planned,
+    files: Callable[[Any], list[tuple[int | None, str, str]]] | None = None,
 ) -> dict[str, Callable[[Any], list[tuple[int | None, str, str]]]]:
-    """A provider's answers: `net` for `[net]`, `other` for every other section. The
-    sections are written out here, not read from the model: a section the model gains is
-    unanswered by every provider until someone decides here what each holds of it."""
+    """A provider's answers: `net` for `[net]`, `files` for `[files]` (default `other`),
+    `other` for every other section. The sections are written out here, not read from the
+    model: a section the model gains is unanswered by every provider until someone decides
+    here what each holds of it."""
     return {
-        "files": other,
+        "files": files or other,
         "net": net,
         "imports": other,
         "env": other,

@@ -12,10 +12,10 @@ from agent_sandbox.providers._auto import AutoProvider
 from agent_sandbox.providers._base import ProbeResult, Provider
 from agent_sandbox.providers._bwrap import BwrapProvider
 from agent_sandbox.providers._firejail import FirejailProvider
-from agent_sandbox.providers._gvisor import GvisorProvider
 from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._subprocess import SubprocessProvider
 from agent_sandbox.providers._unshare import UnshareProvider
+from agent_sandbox.providers.gvisor.provider import GvisorProvider
 
 __all__ = ["all_providers", "get_provider", "probe_all", "select_provider"]
 

@@ -274,8 +274,8 @@ def egress_plan(
     listener), naming it; returns empty parts for a policy without network."""
     if network_mode(policy) != "proxy":
         return {}, {}, ()
-    # Only now: the proxy's module brings asyncio, which a policy without network never needs.
-    from agent_sandbox._host.egress.proxy import (
+    # Only now: a policy without network never needs the proxy's modules.
+    from agent_sandbox._host.egress.handoff import (
         PROXY_HOST,
         PROXY_PORT,
         loopback_forwards,

@@ -3,7 +3,8 @@
 `resolve_boundary(policy, provider)` does everything that can fail about a provider before the
 first call: the name is known, the provider works here (its probe), it can serve this policy
 (a dry `build()` on placeholder paths, which is pure), and a provider without a kernel boundary
-is only taken with the policy's explicit opt-out (`no_kernel_boundary = "accepted"`). For
+is only taken with the policy's explicit opt-out (`no_kernel_boundary = "accepted"`), and
+`landlock`, which cannot hide names, only with `visible_names = "accepted"`. For
 `auto` it returns the concrete provider `auto` chose for this policy, so the pool starts workers
 with it directly (and keeps a template where that provider allows one).
 
@@ -27,7 +28,11 @@ from agent_sandbox._host.launch import (
 )
 from agent_sandbox._host.result import NO_BOUNDARY, boundary_name
 from agent_sandbox.policies import Policy
-from agent_sandbox.policies._model import check_boundary_opt_out, check_min_boundary
+from agent_sandbox.policies._model import (
+    check_boundary_opt_out,
+    check_min_boundary,
+    check_visible_names,
+)
 from agent_sandbox.providers import AutoProvider, Provider, WorkerSpec, get_provider
 from agent_sandbox.providers._netcheck import refuse_unenforceable
 
@@ -74,12 +79,14 @@ def resolve_boundary(policy: Policy, provider: str | None = None) -> Boundary:
     """The provider and stack `policy`'s workers get here; raises what is wrong, with the fix.
 
     `provider` overrides the policy's own. Raises `PolicyError` for a provider without a
-    kernel boundary that the policy does not accept in words, `ProviderUnavailable` for an
+    kernel boundary, or one that cannot hide names (`landlock`), that the policy does not
+    accept in words, `ProviderUnavailable` for an
     unknown provider, one that does not work here, or one that cannot serve this policy.
     """
     name = provider or policy.provider
     try:
         check_boundary_opt_out(name, policy.no_kernel_boundary)
+        check_visible_names(name, policy.visible_names)
         check_min_boundary(name, policy.min_boundary)
     except ValueError as exc:
         raise PolicyError(str(exc), source=policy.source, key="provider") from None

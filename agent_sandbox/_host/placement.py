@@ -129,7 +129,7 @@ def runtime_mismatch(declared: str, place: Place) -> str:
             "--runtime-boundary gvisor is declared, but this kernel is not gVisor's "
             f"(/proc/version: {_read(ROOT, '/proc/version').strip()[:60]!r}): the pod's "
             "runtimeClassName did not apply, so gVisor is no boundary here; fix the runtime "
-            "class, or drop the flag and run a kernel provider (--provider landlock)"
+            "class, or drop the flag and run a kernel provider (--provider auto)"
         )
     return ""
 
@@ -188,6 +188,9 @@ class InPod:
     secrets_masked: bool  # the worker cannot read the pod's secret files (a kernel provider)
     error: str = ""  # why no worker could start here
     mismatch: str = ""
+    #: `--provider landlock`: only a policy with `visible_names = "accepted"` binds (Landlock
+    #: cannot hide names); the report is for such a policy, and says so.
+    names_visible: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -215,6 +218,12 @@ class InPod:
         else:
             out.append(f"in-pod provider ({self.requested}): {self.provider}")
             out.append(f"boundary: {self.boundary} (what every RunResult says)")
+            if self.names_visible:
+                out.append(
+                    "names outside the grants: VISIBLE to the code (Landlock cannot hide "
+                    'them): only a policy that says visible_names = "accepted" binds here, '
+                    "others are refused; --provider auto takes bwrap or unshare where they work"
+                )
             out.append(
                 "pod secrets (TLS key, bind secret file): "
                 + (
@@ -236,6 +245,7 @@ def inpod_report(requested: str = "auto", declared: str = "", place: Place | Non
     from agent_sandbox._host.boundary import resolve_boundary
     from agent_sandbox._host.result import NO_BOUNDARY, boundary_name
     from agent_sandbox.policies import Policy
+    from agent_sandbox.policies._model import VISIBLE_NAMES_PROVIDERS
 
     place = detect_place() if place is None else place
     runtime, source = effective_runtime(declared, place)
@@ -250,8 +260,12 @@ def inpod_report(requested: str = "auto", declared: str = "", place: Place | Non
     )
     outer: tuple[str, ...] = (runtime,) if runtime else ()
     try:
+        # Landlock alone takes only a policy accepting visible names: the report is for one.
         policy = Policy(
-            name="inpod-check", provider=name, no_kernel_boundary="accepted" if accept else ""
+            name="inpod-check",
+            provider=name,
+            no_kernel_boundary="accepted" if accept else "",
+            visible_names="accepted" if name in VISIBLE_NAMES_PROVIDERS else "",
         )
         chosen = resolve_boundary(policy, name)
     except (SandboxError, ValueError) as exc:
@@ -271,4 +285,5 @@ def inpod_report(requested: str = "auto", declared: str = "", place: Place | Non
         stack=stack,
         boundary=name,
         secrets_masked=chosen.is_kernel and name != NO_BOUNDARY,
+        names_visible=chosen.provider.name in VISIBLE_NAMES_PROVIDERS,
     )

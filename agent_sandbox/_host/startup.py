@@ -235,7 +235,8 @@ def start_worker(
             # the worker's own boot hides here (before the launch it added them to every
             # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
             # an egress proxy only (it brings asyncio).
-            from agent_sandbox._host.egress.proxy import EgressError, egress_proxy
+            from agent_sandbox._host.egress.handoff import EgressError
+            from agent_sandbox._host.egress.proxy import egress_proxy
 
             try:
                 egress_proxy().start()
@@ -260,7 +261,7 @@ def start_worker(
         verify_hello(worker)
         if worker.plan.provider == "gvisor" and getattr(worker.plan, "pins", None):
             # The granted paths as runsc's gofer mounted them, before any call.
-            from agent_sandbox.providers._gvisor import check_pins_in_gofer
+            from agent_sandbox.providers.gvisor.pins import check_pins_in_gofer
 
             check_pins_in_gofer(worker.plan, proc.pid)  # type: ignore[arg-type]
         hold_scratch(worker)
@@ -366,12 +367,12 @@ def attach_egress(worker: WorkerProcess, channel: socket.socket, timeout: float)
     """Take the worker's proxy listener (sent before its handshake) onto the host's
     egress proxy; a worker whose proxy cannot serve is never kept."""
     assert worker.policy is not None
-    from agent_sandbox._host.egress.proxy import (
+    from agent_sandbox._host.egress.handoff import (
         EgressError,
-        egress_proxy,
         loopback_forwards,
         receive_listeners,
     )
+    from agent_sandbox._host.egress.proxy import egress_proxy
 
     try:
         listener, forwards = receive_listeners(channel, timeout, loopback_forwards(worker.policy))

@@ -121,7 +121,12 @@ def collect(*, live: bool = False) -> dict[str, Any]:
 def _gvisor(providers: list[dict[str, Any]]) -> dict[str, Any]:
     """The gvisor provider's facts: runsc's version and release, the Sentry's platform, and
     the install command when it is missing or too old."""
-    from agent_sandbox.providers._gvisor import INSTALL_HINT, MIN_RELEASE, PLATFORM, PLATFORM_NOTE
+    from agent_sandbox.providers.gvisor.provider import (
+        INSTALL_HINT,
+        MIN_RELEASE,
+        PLATFORM,
+        PLATFORM_NOTE,
+    )
 
     probe = next((p for p in providers if p["name"] == "gvisor"), None)
     if probe is None:
@@ -157,7 +162,10 @@ def _live(name: str) -> dict[str, Any]:
 
     started = time.perf_counter()
     try:
-        worker = WorkerProcess.start(Policy(name="doctor"), get_provider(name))
+        # A trial start of the provider, not a user's policy: `visible_names` is read only
+        # under landlock, which starts no worker for a policy without it.
+        policy = Policy(name="doctor", visible_names="accepted")
+        worker = WorkerProcess.start(policy, get_provider(name))
     except SandboxError as exc:
         return {"provider": name, "ok": False, "error": str(exc)}
     try:

@@ -113,8 +113,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--provider",
         default="auto",
-        help="the local provider inside (auto: the strongest that works here; landlock under "
-        "runc; subprocess only under a runtime that is a boundary)",
+        help="the local provider inside (auto: the strongest that works here; landlock, "
+        'which cannot hide names, binds only policies with visible_names = "accepted"; '
+        "subprocess only under a runtime that is a boundary)",
     )
     parser.add_argument(
         "--runtime-boundary",

@@ -55,6 +55,8 @@ with warnings.catch_warnings():
         limits={"wall_seconds": 60, "processes": 16},
         # Only read with provider "subprocess": that row runs under the explicit opt-out.
         no_kernel_boundary="accepted",
+        # Only read with provider "landlock", which takes no policy without it.
+        visible_names="accepted",
     )
 FORK = '''
 import ctypes

@@ -245,8 +245,8 @@ def open_egress_listener(setup: Mapping[str, Any]) -> int:
         listeners.append(listener)
         listener.bind((str(setup["host"]), int(setup["port"])))
         listener.listen(128)
-        # Allowed loopback services (`_egress.loopback_forwards`): a listener at the same
-        # address here, handed to the host, which forwards what it accepts. An address
+        # Allowed loopback services (`_host/egress/handoff.loopback_forwards`): a listener
+        # at the same address here, handed to the host, which forwards what it accepts. An address
         # this namespace cannot bind (no IPv6) is left out; the host matches the rest.
         for host, port in setup.get("forwards", ()):
             family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
@@ -281,7 +281,7 @@ def start_egress_relay(relay: Mapping[str, Any]) -> int:
     listener.bind((str(relay["host"]), int(relay["port"])))
     listener.listen(128)
     routes = [(listener, str(relay["socket"]))]
-    # Allowed loopback services (`_egress.loopback_forwards`): a listener at the same
+    # Allowed loopback services (`_host/egress/handoff.loopback_forwards`): a listener at the same
     # address on the sandbox's loopback, each relayed to its own socket of the host's,
     # where the host's proxy judges and forwards what it accepts. An address the Sentry's
     # network stack cannot bind is left out, as under bwrap.

@@ -26,7 +26,12 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
    variables name) before the worker is released; each connection accepted becomes a
    channel over the second port (`net`), which the host relay joins to the host's egress
    proxy (`_host/egress/proxy.py`): `O` opens one (channel numbers chosen here, at most
-   `MAX_NET_CHANNELS` open), `D` carries bytes, `C` closes. The agent judges nothing: every
+   `MAX_NET_CHANNELS` open), `D` carries bytes, `C` closes. The allowed loopback services
+   of the `B` frame (`forwards`: `host = "127.0.0.1" ports = "8765"`) are listened for the
+   same way at their own address on the guest's loopback, also before the worker is
+   released; their `O` frames name the service (`service_key`), and the host relay joins
+   each to that service through the host's proxy, so clients that do not read `HTTP_PROXY`
+   (http.client, sockets, database drivers) reach it too. The agent judges nothing: every
    rule is applied, and every refusal recorded, on the host;
 6. the limit counters: the worker's cgroup has `pids.max` and `memory.max`; when the
    kernel raises `pids.events` or `memory.events` (POLLPRI), the agent sends an `L` frame
@@ -37,6 +42,10 @@ On the host's first two frames (`B` for the agent, `W` for the worker, after a r
 
 Frames: kind (1 byte), channel (4 bytes), length (4 bytes, at most `MAX_FRAME`), payload.
 Only the standard library and the worker's own modules are used.
+
+This module is longer than 600 lines because it is copied into the image as one script
+(`/sb/agent.py`, PID 1 of the guest): the boot, the set-up, the relay, the egress forwarder
+and the limit counters run from it alone, before any of the worker's modules could help.
 """
 
 import json
@@ -48,7 +57,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["MAX_FRAME", "MAX_NET_CHANNELS", "main"]
+__all__ = ["MAX_FRAME", "MAX_NET_CHANNELS", "main", "service_key"]
 
 MAX_FRAME = 1 << 20
 #: Open egress channels at once (the host refuses more, as its proxy bounds each route).
@@ -168,30 +177,59 @@ def _loopback_up() -> str:
     return ""
 
 
+def service_key(host: str, port: int) -> str:
+    """How an `O` frame names a forwarded loopback service (the host relay's own list has
+    the same keys: `qemu/relay.py`)."""
+    return f"{host}:{int(port)}"
+
+
 class Net:
-    """The egress forwarder: the guest loopback's proxy address, relayed over the `net` port."""
+    """The egress forwarder: the guest loopback's proxy address and each forwarded loopback
+    service's address, relayed over the `net` port."""
 
     def __init__(self, port: "Port", listener: socket.socket) -> None:
         self.port = port
-        self.listener = listener
+        #: listening fd -> (socket, what its `O` frames name: b"" for the proxy)
+        self.listeners: dict[int, tuple[socket.socket, bytes]] = {
+            listener.fileno(): (listener, b"")
+        }
         self.conns: dict[int, socket.socket] = {}
         self.by_fd: dict[int, int] = {}
         self.next_chan = 1
 
-    def accept(self, poller: "select.poll") -> None:
+    def listen_for(self, forwards: list) -> None:  # type: ignore[type-arg]
+        """Listen on each allowed loopback address:port of the `B` frame (before the worker
+        is released). One the guest cannot bind (no IPv6) is left out, as under bwrap."""
+        for host, port in forwards:
+            family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((str(host), int(port)))
+                sock.listen(128)
+            except OSError:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            key = service_key(str(host), int(port)).encode("ascii")
+            self.listeners[sock.fileno()] = (sock, key)
+
+    def accept(self, fd: int, poller: "select.poll") -> None:
+        listener, key = self.listeners[fd]
         try:
-            sock, _addr = self.listener.accept()
+            sock, _addr = listener.accept()
         except OSError:
             return
         if len(self.conns) >= MAX_NET_CHANNELS:
             sock.close()
             return
+        sock.setblocking(True)
         chan = self.next_chan
         self.next_chan += 1
         self.conns[chan] = sock
         self.by_fd[sock.fileno()] = chan
         poller.register(sock.fileno(), select.POLLIN)
-        self.port.send(b"O", chan)
+        self.port.send(b"O", chan, key)
 
     def drop(self, chan: int, poller: "select.poll") -> None:
         sock = self.conns.pop(chan, None)
@@ -409,7 +447,8 @@ def _relay(port: Port, child: int, net: "Net | None", limits: "Limits | None") -
     poller.register(port.fd, select.POLLIN)
     if net is not None:
         poller.register(net.port.fd, select.POLLIN)
-        poller.register(net.listener.fileno(), select.POLLIN)
+        for fd in net.listeners:
+            poller.register(fd, select.POLLIN)
     if limits is not None:
         for fd in limits.fds:
             poller.register(fd, select.POLLPRI)
@@ -478,8 +517,8 @@ def _relay(port: Port, child: int, net: "Net | None", limits: "Limits | None") -
             elif net is not None:
                 if fd == net.port.fd:
                     net.from_host(poller)
-                elif fd == net.listener.fileno():
-                    net.accept(poller)
+                elif fd in net.listeners:
+                    net.accept(fd, poller)
                 else:
                     net.from_guest(fd, poller)
         while True:  # PID 1 reaps every orphan; the worker's status ends the session
@@ -553,6 +592,7 @@ def main() -> None:
             net_listener.listen(128)
             net_listener.setblocking(False)
             net = Net(net_port, net_listener)
+            net.listen_for(msg.get("forwards") or [])
         steps.append(("reseeded and mounted", time.monotonic()))
     except Exception as exc:
         port.send(b"E", 0, f"guest set-up failed: {exc}".encode()[:4096])

@@ -10,7 +10,9 @@ other provider) runs inside a QEMU `microvm` guest booted from an image built on
   cannot remount them writable), mounted at their host paths after the restore;
 * with `[net]` allow rules, a second virtio-serial port (`net`) to a Unix socket whose
   listening end the host relay hands the parent's egress proxy (`_host/egress/proxy.py`); the guest
-  agent forwards the proxy address on the guest's loopback over it (`qemu/guest.py`);
+  agent forwards the proxy address on the guest's loopback over it (`qemu/guest.py`), and
+  each allowed loopback service (`loopback_forwards`) at its own address there, which the
+  proxy judges and joins to the host's service (one host socket per service);
 * nothing else: no network device at all (`-nodefaults`, no `-nic`), no other share, no
   disk; the scratch directory and `/tmp` are size-capped tmpfs inside the guest, gone with
   the VM. QEMU runs under its own seccomp filter (`-sandbox on` with spawn, privilege
@@ -72,6 +74,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, ClassVar
 
 from agent_sandbox._errors import ProviderUnavailable
+from agent_sandbox._host.egress.handoff import forward_socket_name
 from agent_sandbox.providers._base import (
     Answer,
     LaunchPlan,
@@ -744,6 +747,9 @@ class QemuProvider(Provider):
             "processes": int(policy.limits.processes),
             "memory_mb": int(policy.limits.memory_mb),
             "egress_fd": spec.egress_fd if egress else None,
+            # Allowed loopback services, listened for at their address in the guest and
+            # joined to the host's proxy (`qemu/guest.py`, `qemu/relay.py`).
+            "forwards": egress["egress"]["forwards"] if egress else [],
         }
         return LaunchPlan(
             provider=self.name,
@@ -793,6 +799,7 @@ class QemuProvider(Provider):
             raise ProviderUnavailable(
                 "qemu", "the guest image is gone: run `agent-sandbox qemu build`"
             )
+
         config = json.loads(plan.argv[-1])
         mem_mb = int(config["mem_mb"])
         accel = accel_for(qemu, image).accel
@@ -824,7 +831,14 @@ class QemuProvider(Provider):
             "port": os.path.join(run_dir, "port.sock"),
             "net_port": os.path.join(run_dir, "net.sock"),
             "net": (
-                {"socket": os.path.join(run_dir, "egress.sock"), "egress_fd": config["egress_fd"]}
+                {
+                    "socket": os.path.join(run_dir, "egress.sock"),
+                    "egress_fd": config["egress_fd"],
+                    "forwards": [
+                        [h, p, os.path.join(run_dir, forward_socket_name(h, p))]
+                        for h, p in config.get("forwards", [])
+                    ],
+                }
                 if config.get("egress_fd") is not None
                 else None
             ),

@@ -24,8 +24,14 @@ the guest worker's), and QEMU is its only child. Standard library only.
    parent over the inherited egress channel (as a namespace worker hands over its loopback
    listener): the parent's egress proxy (`_host/egress/proxy.py`) accepts on it and applies
    the policy. Each channel the guest opens on the second port (`net`, at most
-   `MAX_NET_CHANNELS` at once) becomes one connection to that socket; nothing the guest
-   sends there is interpreted here beyond the frames.
+   `MAX_NET_CHANNELS` at once) becomes one connection to that socket. The policy's allowed
+   loopback services (`forwards`, the parent's `loopback_forwards`) get a listening socket
+   each, named after the service (`fwd-127.0.0.1-8765.sock`), handed over with the first;
+   the parent's proxy judges each connection on them as a `CONNECT` to that service (its
+   rules and bounds, its refusals recorded) before joining it. A guest channel whose `O`
+   frame names one of them (`service_key`) is joined to its socket; one naming anything
+   else is refused (closed, a line in the log). Nothing else the guest sends there is
+   interpreted here beyond the frames.
 7. The guest's limit counters (`L` frames: refused forks, memory-limit and OOM-kill counts
    of the worker's cgroup in the guest) are checked for shape and written, as they are,
    to `guest-limits.json` in the run directory before anything the guest sends after them
@@ -44,7 +50,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["MAX_FRAME", "MAX_NET_CHANNELS", "QMP", "main"]
+__all__ = ["MAX_FRAME", "MAX_NET_CHANNELS", "QMP", "main", "service_key"]
 
 MAX_FRAME = 1 << 20
 MAX_NET_CHANNELS = 64
@@ -131,19 +137,22 @@ def _mask(masks: list, run_dir: str) -> None:  # type: ignore[type-arg]
         check(libc.mount(None, path.encode(), None, flags, None), f"read-only {path}")
 
 
-def _hand_over_egress_listener(path: str, channel_fd: int) -> None:
-    """Listen on `path` and send the listening socket to the parent (its egress proxy
-    accepts on it); keep no copy."""
+def _hand_over_egress_listener(path: str, channel_fd: int, forwards: list) -> None:  # type: ignore[type-arg]
+    """Listen on `path`, and on each forwarded service's path, and send the listening
+    sockets to the parent (its egress proxy accepts on them, matching each forward's by
+    its name against its own list); keep no copy."""
     channel = socket.socket(fileno=channel_fd)
+    listeners: list[socket.socket] = []
     try:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(path)
+        for where in [path, *(str(f[2]) for f in forwards)]:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listeners.append(listener)
+            listener.bind(where)
             listener.listen(128)
-            socket.send_fds(channel, [b"egress"], [listener.fileno()])
-        finally:
-            listener.close()
+        socket.send_fds(channel, [b"egress"], [sock.fileno() for sock in listeners])
     finally:
+        for sock in listeners:
+            sock.close()
         channel.close()
 
 
@@ -271,7 +280,9 @@ def main() -> None:
         pass_fds = (state_fd,)
     net = config.get("net")
     if net:
-        _hand_over_egress_listener(net["socket"], int(net["egress_fd"]))
+        _hand_over_egress_listener(
+            net["socket"], int(net["egress_fd"]), list(net.get("forwards") or [])
+        )
         _trace("egress listener handed over")
     if config.get("masks"):
         _mask(config["masks"], os.path.dirname(config["port"]))
@@ -325,6 +336,8 @@ def main() -> None:
             "processes": config.get("processes", 0),
             "memory_mb": config.get("memory_mb", 0),
             "net": bool(net),
+            # The allowed loopback services the guest listens for (step 6).
+            "forwards": [[f[0], f[1]] for f in (net or {}).get("forwards") or []],
         }
         env = json.dumps(dict(os.environ)).encode()
         _send(port, b"B", 0, json.dumps(setup).encode())
@@ -343,6 +356,7 @@ def main() -> None:
             net_port,
             net["socket"] if net else "",
             os.path.join(os.path.dirname(config["port"]), "guest-limits.json"),
+            list((net or {}).get("forwards") or []),
         )
     except Exception as exc:
         sys.stderr.write(f"agent-sandbox qemu: {exc}\n")
@@ -359,15 +373,33 @@ def main() -> None:
     _exit_with(status)
 
 
-class _Net:
-    """Step 6: the guest's egress channels, each a connection to the egress listener."""
+def service_key(host: str, port: int) -> str:
+    """How the guest's `O` frame names a forwarded service (`qemu/guest.py`'s twin)."""
+    return f"{host}:{int(port)}"
 
-    def __init__(self, port: socket.socket, path: str, sel: selectors.BaseSelector) -> None:
+
+class _Net:
+    """Step 6: the guest's egress channels, each a connection to the egress listener, or,
+    for a channel naming a forwarded loopback service, to that service's listener."""
+
+    def __init__(
+        self,
+        port: socket.socket,
+        path: str,
+        sel: selectors.BaseSelector,
+        forwards: list | None = None,  # type: ignore[type-arg]
+    ) -> None:
         self.port = port
         self.path = path
         self.sel = sel
         self.conns: dict[int, socket.socket] = {}
         self.buf = b""
+        #: Channels refused for naming a service not forwarded (the log says the first 10).
+        self.refused = 0
+        #: What an `O` frame may name (b"" is the proxy) -> the socket it is joined to.
+        self.services: dict[bytes, str] = {b"": path}
+        for host, number, where in forwards or ():
+            self.services[service_key(str(host), int(number)).encode("ascii")] = str(where)
 
     def from_guest(self) -> None:
         data = self.port.recv(262144)
@@ -383,12 +415,24 @@ class _Net:
             payload = self.buf[_HEAD.size : _HEAD.size + size]
             self.buf = self.buf[_HEAD.size + size :]
             if kind == ord("O"):
+                target = self.services.get(payload)
+                if target is None:
+                    # Not a service of this policy's list (the guest agent only names
+                    # those): refused here, never connected anywhere; the first few said.
+                    self.refused += 1
+                    if self.refused <= 10:
+                        sys.stderr.write(
+                            "agent-sandbox qemu: the guest asked for a service that is not "
+                            f"forwarded ({payload[:80]!r}): refused\n"
+                        )
+                    _send(self.port, b"C", chan)
+                    continue
                 if chan in self.conns or len(self.conns) >= MAX_NET_CHANNELS:
                     _send(self.port, b"C", chan)
                     continue
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
-                    conn.connect(self.path)
+                    conn.connect(target)
                 except OSError:
                     conn.close()
                     _send(self.port, b"C", chan)
@@ -433,11 +477,12 @@ def _relay(
     net_port: socket.socket | None = None,
     egress_path: str = "",
     limits_path: str = "",
+    forwards: list | None = None,  # type: ignore[type-arg]
 ) -> int:
     """Steps 4 to 7: returns the guest worker's wait status."""
     sel = selectors.DefaultSelector()
     sel.register(port, selectors.EVENT_READ, "port")
-    net = _Net(net_port, egress_path, sel) if net_port is not None else None
+    net = _Net(net_port, egress_path, sel, forwards) if net_port is not None else None
     if net_port is not None:
         sel.register(net_port, selectors.EVENT_READ, "net")
     sel.register(wake, selectors.EVENT_READ, "signal")

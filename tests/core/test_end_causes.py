@@ -52,6 +52,7 @@ def _policy(**limits: object) -> Policy:
         api={"allow": ["process-control"]},
         code={"enabled": False},
         limits={"wall_seconds": 10, **limits},
+        visible_names="accepted",  # read only under "landlock"
     )
 
 

@@ -53,7 +53,7 @@ def test_a_sandbox_that_never_awaits_loads_no_asyncio_nor_the_qemu_provider() ->
     )
     assert not {"asyncio", "concurrent.futures", "ssl"} & loaded
     assert "agent_sandbox.providers.qemu.provider" not in loaded
-    assert "agent_sandbox._host.egress.proxy" not in loaded
+    assert not {m for m in loaded if m.startswith("agent_sandbox._host.egress.")}
 
 
 def test_the_denial_shapes_compile_on_first_use() -> None:

@@ -6,28 +6,40 @@ from __future__ import annotations
 
 import h11
 
-from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.addresses import normalise_host
+from agent_sandbox._host.egress.http1 import (
+    MAX_HEAD_BYTES,
+    _BadMessage,
+    _end_to_end,
+    _parse_target,
+    client_response,
+    read_request,
+    request_framing,
+    strict_head,
+    upstream_request,
+)
+from agent_sandbox._host.egress.socks import socks5_greeting, socks5_request
 
 #: What a parser may raise for bad input: the proxy turns each into a refusal.
-REFUSALS = (_egress._BadMessage, ValueError, h11.LocalProtocolError)
+REFUSALS = (_BadMessage, ValueError, h11.LocalProtocolError)
 
 
 def head(data: bytes) -> None:
     """A request head as the proxy reads it (h11 and the proxy's checks), then its target
     and host, and the request the proxy would send upstream, rebuilt by h11."""
     try:
-        request, framing = _egress.read_request(data[: _egress.MAX_HEAD_BYTES + 4])
+        request, framing = read_request(data[: MAX_HEAD_BYTES + 4])
         assert framing[0] in ("length", "chunked", "none") and framing[1] >= 0
         method = request.method.decode("ascii")
-        host, port, path = _egress._parse_target(method.upper(), request.target.decode("ascii"))
+        host, port, path = _parse_target(method.upper(), request.target.decode("ascii"))
         assert 0 <= port <= 65535
-        _egress.normalise_host(host)
+        normalise_host(host)
         out = h11.Connection(h11.CLIENT)
         out.send(
             h11.Request(
                 method=request.method,
                 target=path.encode("ascii"),
-                headers=[("host", "example.test"), *_egress._end_to_end(request.headers)],
+                headers=[("host", "example.test"), *_end_to_end(request.headers)],
             )
         )
     except REFUSALS:
@@ -36,19 +48,19 @@ def head(data: bytes) -> None:
 
 def socks(data: bytes) -> None:
     """A SOCKS5 greeting then request, as the proxy reads them."""
-    greeting = _egress.socks5_greeting(data)
+    greeting = socks5_greeting(data)
     if greeting is None:
         return
     answer, used = greeting
     assert answer in (b"\x05\x00", b"\x05\xff") and 2 <= used <= len(data)
-    request = _egress.socks5_request(data[used:])
+    request = socks5_request(data[used:])
     if request is None:
         return
     code, host, port, taken = request
     assert (code in (0, 7, 8) and 0 <= port <= 65535 and taken <= len(data) - used) or code == 8
     if code == 0:
         try:
-            _egress.normalise_host(host)
+            normalise_host(host)
         except ValueError:
             return
 
@@ -57,10 +69,10 @@ def host(data: bytes) -> None:
     """A host as a client spells it: one spelling, stable when read again."""
     text = data.decode("latin-1")
     try:
-        spelled = _egress.normalise_host(text)
+        spelled = normalise_host(text)
     except ValueError:
         return
-    again = _egress.normalise_host(spelled.text)
+    again = normalise_host(spelled.text)
     assert again.text == spelled.text and again.judged == spelled.judged, (text, spelled, again)
 
 
@@ -69,7 +81,7 @@ def _send(conn: h11.Connection, event: object) -> bytes:
     try:
         return bytes(conn.send(event) or b"")
     except h11.LocalProtocolError as exc:
-        raise _egress._BadMessage(str(exc)) from None
+        raise _BadMessage(str(exc)) from None
 
 
 def _events(conn: h11.Connection) -> list[object]:
@@ -96,17 +108,17 @@ def _request_leg(client: h11.Connection) -> tuple[bytes, object, str, bytes] | N
     if event is h11.NEED_DATA or type(event) is h11.ConnectionClosed:
         return None
     assert type(event) is h11.Request, event
-    _egress.strict_head(raw)
-    framing = _egress.request_framing(event)
+    strict_head(raw)
+    framing = request_framing(event)
     method = event.method.decode("ascii").upper()
-    host, port, path = _egress._parse_target(method, event.target.decode("ascii"))
+    host, port, path = _parse_target(method, event.target.decode("ascii"))
     if method == "CONNECT":
         return None
     try:
-        host = _egress.normalise_host(host).text
+        host = normalise_host(host).text
     except ValueError:
         return None  # refused by the judgement
-    rebuilt = _egress.upstream_request(event, path, framing, host, port)
+    rebuilt = upstream_request(event, path, framing, host, port)
     up = h11.Connection(h11.CLIENT)
     out = _send(up, rebuilt)
     body = b""
@@ -135,10 +147,10 @@ def exchange(data: bytes) -> None:
         return
     cut = 2 + int.from_bytes(data[:2], "big") % max(1, len(data) - 1)
     to_proxy, answers = data[2:cut], data[cut:]
-    client = h11.Connection(h11.SERVER, max_incomplete_event_size=_egress.MAX_HEAD_BYTES)
+    client = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     client.receive_data(to_proxy)
     client.receive_data(b"")
-    upstream = h11.Connection(h11.CLIENT, max_incomplete_event_size=_egress.MAX_HEAD_BYTES)
+    upstream = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
     upstream.receive_data(answers)
     upstream.receive_data(b"")
     try:
@@ -148,7 +160,7 @@ def exchange(data: bytes) -> None:
                 return
             out, request, authority, body = leg
             # Upstream sees exactly the parsed request.
-            _egress.strict_head(out)
+            strict_head(out)
             seen = h11.Connection(h11.SERVER)
             seen.receive_data(out)
             events = _events(seen)
@@ -180,13 +192,13 @@ def exchange(data: bytes) -> None:
                         back,
                         h11.InformationalResponse(
                             status_code=event.status_code,
-                            headers=_egress._end_to_end(event.headers),
+                            headers=_end_to_end(event.headers),
                             reason=event.reason,
                         ),
                     )
                 elif type(event) is h11.Response:
                     status = event.status_code
-                    written += _send(back, _egress.client_response(event, method))
+                    written += _send(back, client_response(event, method))
                 elif type(event) is h11.Data:
                     body_in += bytes(event.data)
                     written += _send(back, h11.Data(data=event.data))

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._host.egress import proxy as _egress
-from agent_sandbox._host.egress.proxy import egress_proxy, socks5_greeting, socks5_request
+from agent_sandbox._host.egress import session
+from agent_sandbox._host.egress.proxy import egress_proxy
+from agent_sandbox._host.egress.socks import socks5_greeting, socks5_request
 
 sys.path.insert(0, os.path.dirname(__file__))
 import egress_targets
@@ -75,7 +76,7 @@ def test_the_corpus_replays_through_each_parser(name: str) -> None:
 def test_the_corpus_replays_into_a_live_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every committed input, sent raw to a proxy route and then closed, ends with an
     answer or a close (no hang), and the proxy serves a well-formed request after each."""
-    monkeypatch.setattr(_egress, "HEAD_TIMEOUT", 2.0)
+    monkeypatch.setattr(session, "HEAD_TIMEOUT", 2.0)
     upstream = socket.socket()
     upstream.bind(("127.0.0.1", 0))
     upstream.listen(1024)

@@ -96,6 +96,31 @@ def test_a_subprocess_override_needs_the_policys_acknowledgement() -> None:
         Sandbox(Policy(name="p"), provider="subprocess", warm=0)
 
 
+def test_landlock_without_accepting_visible_names_is_refused(tmp_path: Path) -> None:
+    """It refuses `provider = "landlock"` unless the policy says `visible_names =
+    "accepted"`, in Python, in TOML (naming the file) and as an override of `Sandbox`,
+    naming why and both ways out; accepted, the key is in the fingerprint, and left at its
+    default it changes no fingerprint."""
+    why = "Landlock cannot hide that a file exists"
+    with pytest.raises(PolicyError, match=why):
+        Policy(provider="landlock")
+    path = tmp_path / "p.toml"
+    path.write_text('name = "p"\nprovider = "landlock"\n')
+    with pytest.raises(PolicyError, match=r'provider = "auto", "bwrap" or "unshare"') as info:
+        load_policy(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(PolicyError):
+        Policy(provider="landlock", visible_names="yes")  # type: ignore[arg-type]
+    with pytest.raises(PolicyError, match='visible_names = "accepted"'):
+        Sandbox(Policy(name="p"), provider="landlock", warm=0)
+    accepted = Policy(name="p", provider="landlock", visible_names="accepted")
+    assert (
+        Policy(name="p", visible_names="accepted").fingerprint() != Policy(name="p").fingerprint()
+    )
+    assert "visible_names" not in Policy(name="p").to_wire()
+    assert accepted.to_wire()["visible_names"] == "accepted"
+
+
 def test_auto_with_an_acknowledgement_still_takes_a_kernel_boundary() -> None:
     """It never reads the opt-out as leave to fall back: `auto` still needs a kernel."""
     policy = Policy(name="p", no_kernel_boundary="accepted")
@@ -209,7 +234,7 @@ def test_a_provider_that_cannot_run_here_fails_at_construction(
         lambda self: ProbeResult("landlock", False, reason="no Landlock in this test"),
     )
     with pytest.raises(ProviderUnavailable, match="no Landlock in this test"):
-        Sandbox(Policy(name="p", provider="landlock"), warm=0)
+        Sandbox(Policy(name="p", provider="landlock", visible_names="accepted"), warm=0)
 
 
 def test_policy_check_validates_the_provider(

@@ -179,3 +179,24 @@ def test_worker_check_without_any_boundary_says_the_bind_is_refused(
     monkeypatch.setattr(placement, "ROOT", _root(tmp_path, RUNC))
     assert main(["worker", "check", "--provider", "subprocess"]) == 1
     assert "refused" in capsys.readouterr().out
+
+
+def test_worker_check_under_landlock_says_only_policies_accepting_visible_names_bind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`worker check --provider landlock` reports Landlock's stack for a policy that says
+    `visible_names = "accepted"`, and says in words that names are visible and no other
+    policy binds (never a default policy accepted on its behalf)."""
+    from agent_sandbox.providers import get_provider
+
+    if not get_provider("landlock").probe().available:
+        pytest.skip("landlock unavailable here")
+    monkeypatch.setattr(placement, "ROOT", _root(tmp_path, RUNC))
+    report = inpod_report("landlock", "")
+    assert report.error == "" and report.provider == "landlock", report
+    assert report.names_visible is True
+    text = "\n".join(report.lines())
+    assert "names outside the grants: VISIBLE" in text
+    assert 'only a policy that says visible_names = "accepted" binds here' in text
+    if AutoProvider().probe().available:
+        assert inpod_report("auto", "").names_visible is False

@@ -97,6 +97,7 @@ def test_timeout_kills_the_whole_process_group(sandbox: Sandbox, tmp_path: Path)
     policy = sandbox.policy.merged(
         {
             "provider": "landlock",
+            "visible_names": "accepted",
             "files": {"write": [str(tmp_path)]},
             "api": {"allow": ["process-control"]},
         }
@@ -187,7 +188,8 @@ def test_policy_env_set_and_pass(tmp_path: Path) -> None:
 def test_worker_runs_in_its_own_process_group_and_scratch(policy: Policy) -> None:
     """It starts the worker in its own session, in a private scratch directory, with rlimits."""
     # Host pids and paths are what the test reads: `landlock` (a plain child, no namespace).
-    sandbox = Sandbox(policy, provider="landlock", warm=0)
+    accepted = policy.merged({"visible_names": "accepted"})  # landlock takes no other
+    sandbox = Sandbox(accepted, provider="landlock", warm=0)
     try:
         _check_process_group_and_scratch(sandbox)
     finally:

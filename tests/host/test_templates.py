@@ -18,6 +18,7 @@ from agent_sandbox._host.templates import WorkerTemplate
 POLICY = Policy(
     name="templates",
     provider="landlock",
+    visible_names="accepted",
     imports={"allow": ["os", "random"]},
     limits={"wall_seconds": 10},
 )
@@ -297,6 +298,7 @@ _GUARD_PROBES = {
 _GUARDED = Policy(
     name="templates-guards",
     provider="landlock",
+    visible_names="accepted",
     imports={"allow": ["os", "random"]},
     limits={"wall_seconds": 10},
 )

@@ -111,6 +111,17 @@ def require_landlock_and_seccomp() -> None:
         pytest.skip(f"seccomp unavailable here: {why}")
 
 
+def accepted_for(provider: str) -> dict[str, str]:
+    """The words a policy must say for `provider` to take it: the opt-out from a kernel
+    boundary (`subprocess`), the acceptance of visible names (`landlock`, which cannot hide
+    them; its refusal without it is measured in test_operation_matrix.py), nothing else."""
+    if provider == "subprocess":
+        return {"no_kernel_boundary": "accepted"}
+    if provider == "landlock":
+        return {"visible_names": "accepted"}
+    return {}
+
+
 def skip_unless_available(name: str) -> None:
     """Skip the test with the provider's probe reason when it cannot run here."""
     try:
@@ -197,7 +208,13 @@ def arena(tmp_path: Path, canary: str) -> dict[str, Path]:
 
 
 def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
-    """A policy that opens the Python layer (ctypes, fork) so only the kernel can refuse."""
+    """A policy that opens the Python layer (ctypes, fork) so only the kernel can refuse.
+
+    It says `visible_names = "accepted"` unless the caller sets the key (`visible_names=""`):
+    the landlock provider takes no policy without it (Landlock cannot hide names; its
+    refusal, and what hides names elsewhere, are measured in test_operation_matrix.py and
+    `test_hides_the_existence_of_files_outside_the_policy`), what these tests measure under
+    it is what it holds of everything else, and no other provider reads the key."""
     data: dict[str, Any] = {
         "name": "danger-hostile-test",
         "imports": {"allow": ["*"]},
@@ -216,6 +233,7 @@ def hostile_policy(arena: dict[str, Path], **overrides: Any) -> Policy:
         "code": {"enabled": False},
         "files": {"read": [str(arena["ro"])], "write": [str(arena["rw"])]},
         "limits": {"wall_seconds": 20, "memory_mb": 512, "processes": 16},
+        "visible_names": "accepted",
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):

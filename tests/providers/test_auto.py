@@ -167,13 +167,43 @@ def test_auto_gives_a_networked_policy_to_a_namespace_provider_with_the_proxy() 
 def test_auto_refuses_a_networked_policy_when_only_port_rules_are_left() -> None:
     """It raises, naming what is missing, rather than hand network rules to Landlock alone."""
     auto = AutoProvider((fake("landlock", strength=20, layers=("landlock", "seccomp")),))
-    policy = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
+    rules = [{"host": "api.example.com", "ports": 443}]
+    policy = Policy(name="t", net={"rules": rules}, visible_names="accepted")
     with pytest.raises(
         ProviderUnavailable,
         match=r"namespace provider.*landlock: it cannot enforce this \[net\] rule.*\[net\] rules\[0\] host = \"api\.example\.com\" ports = \"443\": Landlock filters TCP by port only.*enforced by: bwrap or unshare",
     ):
         auto.build(policy, SPEC)
-    assert auto.build(Policy(name="t"), SPEC).provider == "landlock"
+    assert auto.build(Policy(name="t", visible_names="accepted"), SPEC).provider == "landlock"
+
+
+def test_auto_never_takes_landlock_alone_for_a_policy_that_does_not_accept_visible_names() -> None:
+    """It refuses, naming the key and the providers that hide names, where Landlock alone is
+    all that works (a machine without user namespaces: no bwrap, no unshare), and takes it
+    for the same policy with `visible_names = "accepted"`; with bwrap working, Landlock
+    stays its second layer for a policy without the key."""
+    from agent_sandbox.providers._landlock import LandlockProvider
+
+    if not LandlockProvider().probe().available:
+        pytest.skip("landlock unavailable here")
+    no_userns = AutoProvider(
+        (
+            fake("bwrap", strength=40, available=False),
+            fake("unshare", strength=30, available=False),
+            LandlockProvider(),
+        ),
+        stronger=(),
+    )
+    with pytest.raises(ProviderUnavailable) as info:
+        no_userns.build(Policy(name="t"), SPEC)
+    text = str(info.value)
+    assert "landlock: " in text and "Landlock cannot hide that a file exists" in text, text
+    assert 'visible_names = "accepted"' in text and '"bwrap" or "unshare"' in text, text
+    plan = no_userns.build(Policy(name="t", visible_names="accepted"), SPEC)
+    assert plan.stack == ("landlock", "seccomp")
+    if bwrap_module.BwrapProvider().probe().available:
+        plan = AutoProvider(stronger=()).build(Policy(name="t"), SPEC)
+        assert plan.stack[:2] == ("bwrap", "landlock"), plan.stack
 
 
 def test_a_sandbox_on_auto_reports_the_provider_that_ran() -> None:
@@ -221,5 +251,5 @@ def test_no_plan_here_lists_more_than_its_providers_deepest_stack() -> None:
         if not provider.probe().available:
             continue
         assert provider.deepest_stack is not None
-        plan = provider.build(Policy(name="t"), SPEC)
+        plan = provider.build(Policy(name="t", visible_names="accepted"), SPEC)
         assert len(plan.stack) <= provider.deepest_stack, (name, plan.stack)

@@ -84,7 +84,7 @@ PINNING = {"bwrap", "unshare", "firejail"}
 def working_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Landlock, seccomp and runsc as a machine where they all work would answer (the
     plans are pure; nothing here starts a worker)."""
-    from agent_sandbox.providers._gvisor import GvisorProvider
+    from agent_sandbox.providers.gvisor.provider import GvisorProvider
 
     monkeypatch.setattr(_landlock, "probe_landlock", lambda: ProbeResult("landlock", True))
     monkeypatch.setattr(_seccomp, "probe_seccomp", lambda: (True, ""))

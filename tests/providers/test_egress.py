@@ -1,7 +1,7 @@
 """The host's egress proxy: host-name rules, host-side resolution and denials, no other way out.
 
 No test reaches the internet: the servers are loopback servers started here, and names are
-mapped to them by a resolver injected into the proxy (`_egress.set_resolver`). End-to-end
+mapped to them by a resolver injected into the proxy (`resolver.set_resolver`). End-to-end
 tests run for each namespace provider (`bwrap`, `unshare`); hostile ones use ctypes, so the
 Python guards are not what refuses them.
 """
@@ -21,8 +21,11 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox, WorkerStartError
-from agent_sandbox._host.egress import proxy as _egress
-from agent_sandbox._host.egress.proxy import EgressError, EgressRules, egress_proxy
+from agent_sandbox._denial import Denial
+from agent_sandbox._host.egress.handoff import PROXY_PORT, EgressError
+from agent_sandbox._host.egress.proxy import MAX_DENIALS, EgressProxy, Route, egress_proxy
+from agent_sandbox._host.egress.resolver import set_resolver
+from agent_sandbox._host.egress.rules import EgressRules
 from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox.providers import get_provider
 
@@ -97,11 +100,11 @@ def names() -> Iterator[dict[str, list[str]]]:
             raise OSError(f"[Errno -2] Name or service not known: {host!r}")
         return list(table[host])
 
-    old = _egress.set_resolver(resolve)
+    old = set_resolver(resolve)
     try:
         yield table
     finally:
-        _egress.set_resolver(old)
+        set_resolver(old)
 
 
 @pytest.fixture(params=NAMESPACE_PROVIDERS)
@@ -194,12 +197,12 @@ def test_an_unnamed_host_is_refused_before_it_is_resolved() -> None:
 
 def test_route_bounds_the_denials_it_keeps() -> None:
     """It keeps at most MAX_DENIALS per drain and says how many more it refused."""
-    route = _egress.Route(egress_proxy(), _rules(), socket.socket())
+    route = Route(egress_proxy(), _rules(), socket.socket())
     try:
-        for i in range(_egress.MAX_DENIALS + 10):
-            route.record(_egress.Denial("net.connect", "connect", f"h:{i}"))
+        for i in range(MAX_DENIALS + 10):
+            route.record(Denial("net.connect", "connect", f"h:{i}"))
         kept = route.drain()
-        assert len(kept) == _egress.MAX_DENIALS + 1
+        assert len(kept) == MAX_DENIALS + 1
         assert kept[-1].target == "10 more connections"
         assert route.drain() == []
     finally:
@@ -471,7 +474,7 @@ def test_a_proxy_that_cannot_start_fails_the_workers_start(
     def broken(self: Any) -> None:
         raise EgressError("no thread for you")
 
-    monkeypatch.setattr(_egress.EgressProxy, "start", broken)
+    monkeypatch.setattr(EgressProxy, "start", broken)
     policy = _policy([{"host": "api.example.com", "ports": "443"}])
     with pytest.raises(WorkerStartError, match="egress proxy could not start: no thread"):
         WorkerProcess.start(policy, get_provider("bwrap"))
@@ -922,12 +925,8 @@ def test_socks5_from_inside_a_worker_allowed_and_refused(
         [{"host": "allowed.test", "ports": str(port)}, {"host": "127.0.0.1", "ports": str(port)}]
     )
     with Sandbox(policy, provider=ns_provider, warm=0) as sb:
-        ok = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
-        )
-        refused = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
-        )
+        ok = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="allowed.test", port=port))
+        refused = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="other.test", port=port))
     assert ok.error is None, ok
     code, body = ok.value
     assert code == 0 and f"hello from {port} /socks" in body, ok.value
@@ -953,18 +952,27 @@ def fetch(url):
         return ["error", repr(exc)]
     except Exception as exc:  # a refusal: the client's own error, starting with the rule
         return [type(exc).__name__, str(exc).split("]")[0] + "]"]
-def raw(port):  # past the proxy, through libc: the guest's loopback has no such server
+def raw(port, send=b""):  # past the proxy and the guards, through libc
     s = _libc.socket(2, 1, 0)
     addr = struct.pack("<HH4s8x", 2, socket.htons(port), bytes([127, 0, 0, 1]))
-    rc = _libc.connect(s, addr, len(addr))
-    err = ctypes.get_errno() if rc else 0
+    if _libc.connect(s, addr, len(addr)):
+        err = ctypes.get_errno()
+        _libc.close(s)
+        return ["connect", err]
+    _libc.send(s, send, len(send), 0)
+    buf, data = ctypes.create_string_buffer(4096), b""
+    while send and (n := _libc.recv(s, buf, 4096, 0)) > 0:
+        data += buf.raw[:n]
     _libc.close(s)
-    return err
+    return ["connected", data.decode("latin-1")]
+get = b"GET /native HTTP/1.0\\r\\n\\r\\n"
 out = {{
     "proxy": os.environ.get("HTTP_PROXY"),
     "allowed": fetch("http://allowed.test:{port}/vm"),
     "other": fetch("http://other.test:{port}/"),
     "metadata": fetch("http://{metadata}/latest/meta-data/"),
+    "forwarded": raw({port}, get),
+    "denied": raw({denied_port}, get),
     "raw": raw({raw_port}),
 }}
 json.dumps(out)
@@ -985,20 +993,27 @@ def test_qemu_reaches_an_allowed_server_by_name_and_the_host_records_refusals(
     """In the VM (no NIC), `urllib` by name goes through the guest's loopback forwarder and
     the second virtio-serial port to the host's proxy and the host's server; a name outside
     the policy and the metadata address are refused by the host and recorded there, with
-    their rule in the result; a raw connect past the proxy (libc, the Python guards off)
-    reaches nothing of the host."""
+    their rule in the result. Past the proxy (libc, the Python guards off): the allowed
+    loopback service answers at its own address in the guest (forwarded, judged by the
+    host's proxy); one the guest listens for but a deny rule refuses is closed by the host
+    with its `net.connect` refusal recorded, its server never reached; a port no rule
+    names reaches nothing of the host."""
     from .conftest import QEMU_MEMORY_MB, hostile_policy
 
     names["allowed.test"] = ["127.0.0.1"]
     port = http_server.port
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.bind(("127.0.0.1", 0))
-    probe.listen(8)
-    probe.setblocking(False)
-    raw_port = probe.getsockname()[1]
+    probes = []
+    for _ in range(2):
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.bind(("127.0.0.1", 0))
+        probe.listen(8)
+        probe.setblocking(False)
+        probes.append(probe)
+    raw_port, denied_port = (p.getsockname()[1] for p in probes)
     rules = [
         {"host": "allowed.test", "ports": str(port)},
-        {"host": "127.0.0.1", "ports": f"{port},{raw_port}"},
+        {"host": "127.0.0.1", "ports": f"{port},{denied_port}"},
+        {"host": "127.0.0.1", "ports": str(denied_port), "action": "deny"},
     ]
     policy = hostile_policy(
         arena,
@@ -1007,25 +1022,161 @@ def test_qemu_reaches_an_allowed_server_by_name_and_the_host_records_refusals(
         net={"rules": rules},
         limits={"memory_mb": QEMU_MEMORY_MB},
     )
+    code = _QEMU_NET.format(
+        port=port, raw_port=raw_port, denied_port=denied_port, metadata=METADATA_STAND_IN
+    )
     try:
         with Sandbox(policy, warm=0) as sb:
-            result = sb.run(
-                NATIVE + _QEMU_NET.format(port=port, raw_port=raw_port, metadata=METADATA_STAND_IN)
-            )
+            result = sb.run(NATIVE + code)
     finally:
-        got_raw = received_connection(probe)
-        probe.close()
+        got_raw, got_denied = (received_connection(p) for p in probes)
+        for probe in probes:
+            probe.close()
     assert result.error is None, result.error
     out = json.loads(result.value)
     assert out["proxy"] == "http://127.0.0.1:3128"
     assert out["allowed"] == [200, f"hello from {port} /vm"], out
     assert out["other"] == ["BadStatusLine", "[net.resolve]"], out
     assert out["metadata"] == ["BadStatusLine", "[net.connect]"], out
-    assert out["raw"] != 0 and not got_raw, out  # ECONNREFUSED on the guest's own loopback
+    assert out["forwarded"][0] == "connected", out
+    assert out["forwarded"][1].endswith(f"hello from {port} /native"), out
+    assert out["denied"] == ["connected", ""] and not got_denied, out  # closed by the host
+    assert out["raw"][0] == "connect" and not got_raw, out  # the guest's own loopback
     assert result.stack[0] == "qemu" and result.stack[-1] == "egress-proxy"
     denials = {(d.rule, d.target) for d in _net_denials(result)}
-    assert denials == {("net.resolve", "other.test"), ("net.connect", f"{METADATA_STAND_IN}:80")}
+    assert denials == {
+        ("net.resolve", "other.test"),
+        ("net.connect", f"{METADATA_STAND_IN}:80"),
+        ("net.connect", f"127.0.0.1:{denied_port}"),
+    }, denials
     assert all("egress proxy" in d.detail for d in _net_denials(result))
+
+
+#: The clients of the table (and what they import) the guest gets from a read share: the
+#: image holds the standard library and the worker's own packages only.
+_CLIENT_PACKAGES = {
+    "requests": ("requests", "urllib3", "idna", "certifi", "charset_normalizer"),
+    "httpx": ("httpx", "httpcore", "anyio", "sniffio", "idna", "certifi"),
+    "aiohttp": (
+        "aiohttp",
+        "aiohappyeyeballs",
+        "aiosignal",
+        "attr",
+        "frozenlist",
+        "multidict",
+        "propcache",
+        "yarl",
+        "typing_extensions",
+    ),
+}
+
+_QEMU_CLIENTS = """
+import json, socket, http.client, urllib.request
+URL = "http://127.0.0.1:{port}"
+out = {{}}
+def attempt(name, fetch):
+    try:
+        out[name] = fetch(URL + "/" + name)
+    except Exception as exc:
+        out[name] = type(exc).__name__ + ": " + str(exc)
+def requests_get(url, direct=False):
+    import requests
+    session = requests.Session()
+    session.trust_env = not direct  # direct: HTTP_PROXY unread, the forwarded address
+    return session.get(url, timeout=60).text
+def http_client(url):
+    c = http.client.HTTPConnection("127.0.0.1", {port}, timeout=60)
+    c.request("GET", url[len(URL):])
+    return c.getresponse().read().decode()
+def raw_socket(url):
+    s = socket.create_connection(("127.0.0.1", {port}), timeout=60)
+    s.sendall(b"GET " + url[len(URL):].encode() + b" HTTP/1.0\\r\\n\\r\\n")
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    return data.decode().split("\\r\\n\\r\\n", 1)[1]
+def httpx_get(url):
+    import httpx
+    return httpx.Client(trust_env=False, timeout=60).get(url).text
+def aiohttp_get(url):
+    import asyncio, aiohttp
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url) as r:
+                return await r.text()
+    return asyncio.run(main())
+attempt("requests", requests_get)
+attempt("requests-direct", lambda url: requests_get(url, direct=True))
+attempt("urllib", lambda url: urllib.request.urlopen(url, timeout=60).read().decode())
+attempt("http.client", http_client)
+attempt("socket", raw_socket)
+attempt("httpx", httpx_get)
+attempt("aiohttp", aiohttp_get)
+try:
+    socket.create_connection(("127.0.0.1", {unlisted}), timeout=10)
+    out["unlisted"] = "connected"
+except OSError as exc:
+    out["unlisted"] = str(exc)
+json.dumps(out)
+"""
+
+
+def test_qemu_every_client_reaches_an_allowed_loopback_service(
+    qemu_net: str, http_server: _Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`host = "127.0.0.1" ports = "<p>"` under QEMU: every client of the table reaches the
+    host's service from the guest, those that read HTTP_PROXY through the proxy, the others
+    (http.client, a raw socket, requests with `trust_env` off, httpx without it, aiohttp) at
+    the service's own address on the guest's loopback, which the guest agent forwards and
+    the host's proxy judges; a port no rule names is refused with its rule; the tool
+    description says so. httpx cannot be imported in the guest (the image has no `_ssl`)."""
+    import shutil
+    import site
+
+    from agent_sandbox._host.boundary import resolve_boundary
+    from agent_sandbox.adapters._common import describe_policy
+
+    from .conftest import QEMU_MEMORY_MB
+
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    where = next(Path(p) for p in site.getsitepackages() if (Path(p) / "requests").is_dir())
+    installed = [c for c in _CLIENT_PACKAGES if (where / c).is_dir()]
+    for name in sorted({n for c in installed for n in _CLIENT_PACKAGES[c]}):
+        if (where / name).is_dir():
+            shutil.copytree(where / name, packages / name, ignore=shutil.ignore_patterns("tests"))
+        elif (where / f"{name}.py").is_file():
+            shutil.copy2(where / f"{name}.py", packages / f"{name}.py")
+    # An import root of the parent's: on the worker's path, its code a library's.
+    monkeypatch.syspath_prepend(str(packages))
+    port = http_server.port
+    unlisted = port + 1 if port < 65535 else port - 1
+    policy = Policy(
+        name="qemu-clients-danger",
+        provider="qemu",
+        imports={"allow": ["*"]},
+        files={"read": [str(packages)]},
+        env={"pass": ["REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"]},  # what requests reads
+        net={"rules": [{"host": "127.0.0.1", "ports": str(port)}]},
+        limits={"wall_seconds": 240, "memory_mb": QEMU_MEMORY_MB},
+    )
+    text = describe_policy(policy, boundary=resolve_boundary(policy).name)
+    assert f"127.0.0.1:{port} also by any client directly" in text, text
+    with Sandbox(policy, warm=0) as sb:
+        result = sb.run(_QEMU_CLIENTS.format(port=port, unlisted=unlisted))
+    assert result.error is None, result.error
+    out = json.loads(result.value)
+    print("CLIENTS", json.dumps(out, indent=1))
+    for client in ("urllib", "http.client", "socket", *installed, "requests-direct"):
+        if client == "httpx" and out[client] == "ModuleNotFoundError: No module named '_ssl'":
+            continue  # the guest image has no OpenSSL (docs/providers.md)
+        if client.split("-")[0] in _CLIENT_PACKAGES and client.split("-")[0] not in installed:
+            continue
+        assert out[client] == f"hello from {port} /{client}", (client, out)
+    assert out["unlisted"].startswith(f'[net.connect] connect "127.0.0.1:{unlisted}"'), out
+    assert [(d.rule, d.target) for d in _net_denials(result)] == [
+        ("net.connect", f"127.0.0.1:{unlisted}")
+    ]
 
 
 def test_qemu_socks5_from_the_guest_is_judged_on_the_host(
@@ -1041,12 +1192,8 @@ def test_qemu_socks5_from_the_guest_is_judged_on_the_host(
         limits={"wall_seconds": 30, "memory_mb": 512},
     )
     with Sandbox(policy, warm=0) as sb:
-        ok = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="allowed.test", port=port)
-        )
-        refused = sb.run(
-            _SOCKS_IN_WORKER.format(proxy=_egress.PROXY_PORT, host="other.test", port=port)
-        )
+        ok = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="allowed.test", port=port))
+        refused = sb.run(_SOCKS_IN_WORKER.format(proxy=PROXY_PORT, host="other.test", port=port))
     assert ok.error is None, ok
     assert ok.value[0] == 0 and f"hello from {port} /socks" in ok.value[1], ok.value
     assert list(refused.value) == [2, ""], refused.value

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress import session
 from agent_sandbox._host.egress.proxy import egress_proxy
 
 
@@ -155,7 +155,7 @@ def test_a_head_trickled_byte_by_byte_meets_an_absolute_deadline(
 ) -> None:
     """It denies a slow-loris head: bytes that keep coming do not extend the head's
     deadline; the connection ends, recorded as `limits.net`."""
-    monkeypatch.setattr(_egress, "HEAD_TIMEOUT", 1.0)
+    monkeypatch.setattr(session, "HEAD_TIMEOUT", 1.0)
     route, port = _route(upstream)
     try:
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -202,13 +202,13 @@ def test_a_head_trickled_byte_by_byte_meets_an_absolute_deadline(
             "a CONNECT to a port no rule lists",
             b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n",
             "net.connect",
-            b"HTTP/1.1 403 [net.connect]",
+            b"HTTP/1.1 403 |agent-sandbox refusal| [net.connect]",
         ),
         (
             "a name of 10,000 characters",
             b"CONNECT " + b"a" * 10_000 + b".test:443 HTTP/1.1\r\nhost: x\r\n\r\n",
             "net.resolve",
-            b"HTTP/1.1 403 [net.resolve]",
+            b"HTTP/1.1 403 |agent-sandbox refusal| [net.resolve]",
         ),
     ],
 )

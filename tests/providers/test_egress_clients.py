@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._host.egress import proxy as _egress
+from agent_sandbox._host.egress.resolver import set_resolver
 from agent_sandbox.adapters._common import outcome
 
 from .conftest import skip_unless_available
@@ -77,7 +77,7 @@ def sandbox() -> Iterator[Any]:
     )
     if provider is None:
         pytest.skip("no namespace provider here")
-    old = _egress.set_resolver(lambda host: ["127.0.0.1"] if host == "allowed.test" else [])
+    old = set_resolver(lambda host: ["127.0.0.1"] if host == "allowed.test" else [])
     policy = Policy(
         name="clients-danger",
         imports={"allow": ["*"]},
@@ -88,7 +88,7 @@ def sandbox() -> Iterator[Any]:
         with Sandbox(policy, provider=provider, warm=0) as sb:
             yield sb.session("clients")
     finally:
-        _egress.set_resolver(old)
+        set_resolver(old)
 
 
 def _available(name: str) -> bool:
@@ -129,6 +129,114 @@ def test_every_client_sees_the_refusal_with_its_rule(
     assert "hide" not in told.text and "files.hidden" not in told.text
     if not error.type.startswith("agent_sandbox."):  # the library's own words, once
         assert f"Your code got {error.type}: {error.code_message[:40]}" in told.text, told.text
+
+
+#: What the code itself catches, for each client (the client's own class, or its base).
+CAUGHT = {
+    "requests": "requests.ConnectionError",
+    "urllib": "(urllib.error.URLError, http.client.HTTPException)",
+    "httpx": "httpx.TransportError",
+    "httpx-async": "httpx.TransportError",
+    "aiohttp": "aiohttp.ClientError",
+    "http.client": "(http.client.HTTPException, OSError)",
+    "socket": "OSError",
+}
+
+
+def _catching(client: str, url: str) -> str:
+    """The client's code in a `try`, returning the caught exception's class, `str()` and
+    whether the client's own `except` clause takes it."""
+    body = CLIENTS[client].format(url=url).splitlines()
+    body[-1] = "_ = " + body[-1]
+    return (
+        "import http.client, urllib.error\n"
+        + ("import requests\n" if client == "requests" else "")
+        + ("import httpx\n" if client.startswith("httpx") else "")
+        + ("import aiohttp\n" if client == "aiohttp" else "")
+        + "try:\n"
+        + "".join(f"    {line}\n" for line in body)
+        + "    out = None\n"
+        + f"except {CAUGHT[client]} as exc:\n"
+        + "    out = [type(exc).__module__ + '.' + type(exc).__qualname__, str(exc)]\n"
+        + "out"
+    )
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_the_error_the_code_catches_starts_with_the_refusal(
+    sandbox: Any, client: str, target: str
+) -> None:
+    """`str()` of the exception the code catches (by the client's own `except` clause)
+    starts with the proxy's refusal, the rule, the target and the line that allows it; the
+    client's own words follow; the class stays the client's."""
+    pytest.importorskip(client.split("-")[0].split(".")[0])
+    url, rule, where = TARGETS[target]
+    result = sandbox.run(_catching(client, url))
+    assert result.error is None, (client, target, result.error)
+    assert result.value is not None, (client, target, "nothing was raised")
+    kind, text = result.value
+    print("ROW", client, target, kind, text[:80])
+    assert text.startswith(f"[{rule}] "), (client, target, kind, text)
+    first = text.split("\n(the client's error: ")[0]
+    assert where in first and "To allow it" in first, (client, target, text)
+    assert "|agent-sandbox refusal|" not in first
+    if client != "socket":  # the guard's own refusal (it never reaches the proxy)
+        assert not kind.startswith("agent_sandbox."), (client, target, kind)
+        assert "\n(the client's error: " in text, text  # then the library's own words
+
+
+def test_an_unrelated_error_of_the_same_classes_keeps_its_words(sandbox: Any) -> None:
+    """The clients' errors without the proxy's marked refusal read as they always did,
+    even when they mention a rule's name."""
+    pytest.importorskip("requests")
+    code = (
+        "import http.client, urllib.error, requests\n"
+        "errors = [requests.ConnectionError('boom [net.resolve]'),\n"
+        "          urllib.error.URLError('no route'), http.client.BadStatusLine('HTTP/9 x'),\n"
+        "          OSError('Tunnel connection failed: 407 auth')]\n"
+        "try:\n"
+        "    import httpx, aiohttp\n"
+        "    errors += [httpx.ConnectError('refused'), aiohttp.ClientError('gone')]\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "[str(e) for e in errors]"
+    )
+    result = sandbox.run(code)
+    assert result.error is None, result.error
+    expected = ["boom [net.resolve]", "<urlopen error no route>", "HTTP/9 x"]
+    expected += ["Tunnel connection failed: 407 auth", "refused", "gone"]
+    assert result.value == expected[: len(result.value)], result.value
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda t: t,
+        repr,
+        lambda t: repr(repr(t)),
+        lambda t: repr(("Connection aborted.", repr(t.encode()))),
+        lambda t: f"400, message={repr(chr(39) + repr(t.encode()))!r}",
+    ],
+)
+def test_the_marked_refusal_is_found_exactly_through_any_quoting(wrap: Any) -> None:
+    """The proxy's line (`refusal_line`) holds no backslash and no `|` between its markers,
+    so the refusal is taken back exactly however many times a library quoted it; text
+    without both markers is left alone."""
+    from agent_sandbox._denial import REFUSAL_END, REFUSAL_START, refusal_first, refusal_line
+
+    message = '[net.resolve] resolve "a|b\\c" refused (the host\'s proxy, 100% sure) caf\u00e9'
+    line = refusal_line(message)
+    assert line.startswith(REFUSAL_START) and line.endswith(REFUSAL_END)
+    inner = line[len(REFUSAL_START) : -len(REFUSAL_END)]
+    assert "\\" not in inner and "|" not in inner and inner.isascii() and inner.isprintable()
+    text = wrap(line)
+    first = refusal_first(text)
+    assert first is not None and first.startswith(message + "\n(the client's error: "), first
+    assert REFUSAL_START not in first and refusal_first(first) is None  # a second pass: none
+    assert refusal_first(text.replace(REFUSAL_END, "")) is None
+    assert refusal_first("[net.resolve] resolve 'x' refused") is None
+    assert len(refusal_line("x" * 10_000, 300)) <= 300
 
 
 @pytest.mark.parametrize("mode", ["enforce", "learn"])
@@ -241,18 +349,20 @@ def test_an_allowed_loopback_service_is_reached_by_every_client(provider: str) -
         ("bwrap+seccomp+egress-proxy", True),
         ("unshare+seccomp+egress-proxy", True),
         ("gvisor+seccomp+egress-proxy", True),
-        ("qemu+seccomp+egress-proxy", False),
+        ("qemu+guest-seccomp+egress-proxy", True),
+        ("landlock+seccomp", False),
     ],
 )
 def test_the_tool_description_promises_direct_access_only_where_it_is_wired(
     boundary: str, direct: bool
 ) -> None:
     """The description says an allowed loopback service is reached by any client only under
-    the providers that forward it (bwrap, unshare, gvisor: test_egress.py reaches it
-    natively under each); under QEMU it says a direct socket reaches nothing."""
+    the providers that forward it (bwrap, unshare, gvisor, qemu: test_egress.py reaches it
+    natively under each); elsewhere it promises no direct socket."""
     from agent_sandbox.adapters._common import describe_policy
 
     policy = Policy(name="svc", net={"rules": [{"host": "127.0.0.1", "ports": "8765"}]})
     text = describe_policy(policy, boundary=boundary)
     assert ("127.0.0.1:8765 also by any client directly" in text) is direct, text
-    assert ("a direct socket (socket.create_connection" in text) is not direct, text
+    if "egress-proxy" in boundary:
+        assert ("a direct socket (socket.create_connection" in text) is not direct, text

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._host.egress import proxy as _egress
-from agent_sandbox._host.egress.proxy import EgressRules, egress_proxy, normalise_host
+from agent_sandbox._host.egress.addresses import is_special, normalise_host
+from agent_sandbox._host.egress.proxy import MAX_DENIALS, egress_proxy
+from agent_sandbox._host.egress.resolver import _dns_query, dns_resolver, set_resolver
+from agent_sandbox._host.egress.rules import EgressRules
 
 # -- a fake DNS server ------------------------------------------------------------------------
 
@@ -79,11 +81,11 @@ class FakeDNS:
 @pytest.fixture
 def fake_dns() -> Iterator[FakeDNS]:
     server = FakeDNS()
-    old = _egress.set_resolver(_egress.dns_resolver(server.address, timeout=2.0))
+    old = set_resolver(dns_resolver(server.address, timeout=2.0))
     try:
         yield server
     finally:
-        _egress.set_resolver(old)
+        set_resolver(old)
         server.close()
 
 
@@ -158,11 +160,17 @@ def test_names_no_rule_names_never_reach_the_resolver(fake_dns: FakeDNS) -> None
         # the attack ran: every name got an answer from the proxy, each one a refusal
         assert len(answers) == 1000
         assert all(
-            a.startswith((b"HTTP/1.1 403 [net.resolve]", b"[net.resolve]", b"\x05\x02"))
+            a.startswith(
+                (
+                    b"HTTP/1.1 403 |agent-sandbox refusal| [net.resolve]",
+                    b"|agent-sandbox refusal| [net.resolve]",
+                    b"\x05\x02",
+                )
+            )
             for a in answers
         )
         refused = [d for d in denials if d.rule == "net.resolve"]
-        assert len(refused) == _egress.MAX_DENIALS  # the rest are counted, not kept
+        assert len(refused) == MAX_DENIALS  # the rest are counted, not kept
         assert "1000" not in denials[-1].target  # the overflow line
         assert fake_dns.queries == []
         # the counter works: a name a rule names is resolved, once for two connections
@@ -254,7 +262,7 @@ def test_every_spelling_meets_the_same_rules(spelling: str, address: str, form: 
     wide = EgressRules(
         _policy([{"host": "0.0.0.0/0", "ports": "80"}, {"host": "::/0", "ports": "80"}])
     )
-    special = _egress.is_special(ipaddress.ip_address(address)) or form == "teredo"
+    special = is_special(ipaddress.ip_address(address)) or form == "teredo"
     verdict = _judged(wide, spelling, 80)
     assert (verdict is not None) == special
     if verdict is not None:
@@ -313,8 +321,10 @@ def test_a_denied_name_is_refused_by_address_through_the_proxy(fake_dns: FakeDNS
     )
     try:
         answers = asyncio.run(_many(port, ["203.0.113.9", "3405803785", "[::ffff:203.0.113.9]"]))
-        assert answers[0].startswith(b"[net.connect]")  # plain HTTP
-        assert answers[1].startswith(b"HTTP/1.1 403 [net.connect]")  # CONNECT
+        assert answers[0].startswith(b"|agent-sandbox refusal| [net.connect]")  # plain HTTP
+        assert answers[1].startswith(
+            b"HTTP/1.1 403 |agent-sandbox refusal| [net.connect]"
+        )  # CONNECT
         assert answers[2][:2] == b"\x05\x02"  # SOCKS5: not allowed by the ruleset
         denials = route.drain()
         assert len(denials) == 3
@@ -375,7 +385,7 @@ def test_the_workers_own_lookups_never_reach_a_resolver(
     assert udp_errno == 1 and sent == -1, result.value  # EPERM: seccomp, below Python
     assert fake_dns.queries == []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:  # the control case
-        udp.sendto(_egress._dns_query(1, "control.example.com", 1), fake_dns.address)
+        udp.sendto(_dns_query(1, "control.example.com", 1), fake_dns.address)
         udp.settimeout(5)
         udp.recv(512)
     assert fake_dns.queries == ["control.example.com"]

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agent_sandbox import Policy
-from agent_sandbox._host.egress import proxy as _egress
-from agent_sandbox._host.egress.proxy import egress_proxy, read_request
+from agent_sandbox._host.egress.http1 import _BadMessage, read_request
+from agent_sandbox._host.egress.proxy import egress_proxy
 
 #: (form, request head and body, the refusal's reason, who refuses it).
 REFUSED = [
@@ -105,7 +105,7 @@ def test_each_smuggling_form_is_refused_by_the_parser(
     form: str, data: bytes, reason: str, who: str
 ) -> None:
     """It denies each smuggling form at the parse: `read_request` raises with the reason."""
-    with pytest.raises(_egress._BadMessage) as info:
+    with pytest.raises(_BadMessage) as info:
         read_request(data.replace(b"{up}", b"127.0.0.1:9"))
     assert reason.lower() in str(info.value).lower(), (form, who, info.value)
 
@@ -231,7 +231,7 @@ def test_pipelined_requests_are_judged_and_answered_one_at_a_time(recorder: _Rec
     finally:
         route.close()
     assert out.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\nok" in out, out
-    assert out.split(b"\r\n\r\nok", 1)[1].startswith(b"[net.resolve]"), out
+    assert out.split(b"\r\n\r\nok", 1)[1].startswith(b"|agent-sandbox refusal| [net.resolve]"), out
     assert [(d.rule, d.target) for d in denials] == [("net.resolve", "secret.test")]
     assert recorder.received.count(b"GET ") == 1 and b"/two" not in recorder.received
 

@@ -206,7 +206,9 @@ def test_subprocess_with_the_opt_out_refuses_nothing_more() -> None:
 
 def test_sandbox_construction_refuses_a_host_rule_under_landlock() -> None:
     skip_unless_available("landlock")
-    policy = _policy([{"host": "api.example.com", "ports": "443"}], provider="landlock")
+    policy = _policy(
+        [{"host": "api.example.com", "ports": "443"}], provider="landlock", visible_names="accepted"
+    )
     with pytest.raises(ProviderUnavailable, match="Landlock filters TCP by port only"):
         Sandbox(policy, warm=0)
 
@@ -228,7 +230,7 @@ def test_an_allowed_lan_service_that_direct_sockets_cannot_reach_is_refused_at_c
 def test_the_proxy_hint_for_a_lan_address_is_the_loopback_forward() -> None:
     """A name resolving to a LAN address is refused by the proxy with the way that works,
     not the rule line the providers would refuse."""
-    from agent_sandbox._host.egress.proxy import EgressRules
+    from agent_sandbox._host.egress.rules import EgressRules
 
     rules = EgressRules(_policy([{"host": "db.internal", "ports": "5432"}]))
     usable, denial = rules.judge("db.internal", 5432, ["10.9.8.7"], by_name=True)
@@ -242,7 +244,9 @@ def test_sandboxed_refuses_a_host_rule_under_landlock() -> None:
     skip_unless_available("landlock")
     from agent_sandbox.adapters import sandboxed
 
-    policy = _policy([{"host": "api.example.com", "ports": "443"}], provider="landlock")
+    policy = _policy(
+        [{"host": "api.example.com", "ports": "443"}], provider="landlock", visible_names="accepted"
+    )
     with pytest.raises(ProviderUnavailable, match="Landlock filters TCP by port only"):
         sandboxed(_one, policy=policy)
 
@@ -259,14 +263,15 @@ def test_policy_check_names_the_file_line_rule_and_alternative(
 
     path = tmp_path / "p.toml"
     path.write_text(
-        'name = "p"\nprovider = "landlock"\n\n[[net.rules]]\nhost = "127.0.0.1"\nports = "8765"\n'
+        'name = "p"\nprovider = "landlock"\nvisible_names = "accepted"\n\n'
+        '[[net.rules]]\nhost = "127.0.0.1"\nports = "8765"\n'
     )
     status = main(["policy", "check", str(path)])
     out = capsys.readouterr()
     text = out.out + out.err
     assert status != 0
     assert re.search(
-        re.escape(f"{path}:5 [net] rules[0]") + r'.*host = "127\.0\.0\.1" ports = "8765": '
+        re.escape(f"{path}:6 [net] rules[0]") + r'.*host = "127\.0\.0\.1" ports = "8765": '
         r"Landlock filters TCP by port only.*enforced by: bwrap or unshare",
         text.replace("\n", " "),
     ), text
@@ -279,8 +284,25 @@ def test_auto_takes_landlock_for_rules_it_enforces_exactly() -> None:
     from .test_auto import SPEC, fake
 
     auto = AutoProvider((fake("landlock", strength=20, layers=("landlock", "seccomp")),))
-    policy = _policy([{"host": "*", "ports": "9000", "direction": "bind"}])
+    rules = [{"host": "*", "ports": "9000", "direction": "bind"}]
+    policy = _policy(rules, visible_names="accepted")
     assert auto.build(policy, SPEC).provider == "landlock"
+    with pytest.raises(ProviderUnavailable, match=r'landlock: .*visible_names = "accepted"'):
+        auto.build(_policy(rules), SPEC)  # names not accepted: Landlock alone is refused
+
+
+def test_landlock_answers_files_only_for_a_policy_that_accepts_visible_names() -> None:
+    """Its `[files]` answer refuses every policy that does not say `visible_names =
+    "accepted"` (Landlock cannot hide names), naming the key and the providers that hide
+    them; the namespace providers, whose view hides them, answer `[files]` for any policy."""
+    problems = get_provider("landlock").unenforceable(Policy())
+    assert [(section, index) for section, index, _why, _fix in problems] == [("files", None)]
+    _section, _index, why, fix = problems[0]
+    assert "Landlock cannot hide that a file exists" in why and "visible_names" in why
+    assert 'provider = "auto", "bwrap" or "unshare"' in fix
+    assert get_provider("landlock").unenforceable(Policy(visible_names="accepted")) == []
+    for name in ("bwrap", "unshare"):
+        assert get_provider(name).unenforceable(Policy()) == [], name
 
 
 def test_firejail_a_loopback_service_inside_the_sandbox_end_to_end() -> None:

@@ -57,6 +57,7 @@ def _tool(name: str, files: dict[str, list[str]]) -> Policy:
             code={"enabled": False},
             files=files,
             limits={"wall_seconds": 20, "memory_mb": 512, "processes": 16},
+            visible_names="accepted",  # read only under landlock, which takes no other
         )
 
 
@@ -181,18 +182,18 @@ def test_a_link_swapped_in_after_the_hosts_last_check_stops_the_gvisor_start(
     gofer opens each bind source by path some tens of milliseconds later: a swap inside that
     window is caught after the start, before any call, where the host walks each granted
     path in the gofer's own root (`check_pins_in_gofer`)."""
-    from agent_sandbox.providers import _gvisor
+    from agent_sandbox.providers.gvisor import provider as gvisor_provider
 
     skip_unless_available("gvisor")
     tree["data"].mkdir()
-    original = _gvisor.check_pins_on_host
+    original = gvisor_provider.check_pins_on_host
 
     def then_swap(pins: Any) -> None:
         original(pins)  # the host's last check passes on the real directory...
         os.rename(tree["data"], tree["root"] / "data.old")
         os.symlink("../secret", tree["data"])  # ...and the gofer meets the link
 
-    monkeypatch.setattr(_gvisor, "check_pins_on_host", then_swap)
+    monkeypatch.setattr(gvisor_provider, "check_pins_on_host", then_swap)
     with pytest.raises(SandboxError) as info:
         with Sandbox(_reader(tree), provider="gvisor", warm=0) as sandbox:
             result = sandbox.run(_steal(tree))

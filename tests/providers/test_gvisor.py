@@ -23,19 +23,22 @@ import pytest
 from agent_sandbox import Policy, ProviderUnavailable, Sandbox
 from agent_sandbox._errors import WorkerStartError
 from agent_sandbox._host.process import WorkerProcess
-from agent_sandbox.providers import Provider, _gvisor, get_provider
-from agent_sandbox.providers._base import WorkerSpec
-from agent_sandbox.providers._gvisor import (
+from agent_sandbox.providers import Provider, get_provider
+from agent_sandbox.providers._base import LaunchPlan, ProbeResult, WorkerSpec
+from agent_sandbox.providers._netcheck import unenforceable
+from agent_sandbox.providers._view import HostLayout
+from agent_sandbox.providers.gvisor.bundle import GvisorPlan, bundle_config
+from agent_sandbox.providers.gvisor.provider import (
+    DCACHE,
     INSTALL_HINT,
     MIN_RELEASE,
-    GvisorPlan,
     GvisorProvider,
-    bundle_config,
+    _trial,
+    dentry_cache_size,
+    refuse_unservable,
     release_of,
     runsc_argv,
 )
-from agent_sandbox.providers._netcheck import unenforceable
-from agent_sandbox.providers._view import HostLayout
 from tests.providers.conftest import skip_unless_available
 
 HOST = HostLayout(
@@ -176,7 +179,7 @@ def test_the_pool_does_not_rely_on_checkpoint_and_restore(
     """A pool's gVisor worker is a sandbox started ahead (`runsc run`), never a restored
     image: `runsc checkpoint` of this runsc fails on the worker's host-connected Unix socket
     (gVisor cannot save a host-backed endpoint) and the worker dies of it."""
-    monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
+    monkeypatch.setattr(GvisorProvider, "probe", lambda self: ProbeResult("gvisor", True))
     plan = GvisorProvider().build(Policy(name="t"), SPEC)
     words = {*plan.argv, *plan.interrupt_argv}
     assert "run" in plan.argv and not words & {"checkpoint", "restore", "--image-path"}
@@ -186,18 +189,18 @@ def test_the_dentry_cache_fits_the_hosts_descriptor_limit() -> None:
     """The Sentry's dentry cache is sized to the host's descriptor limit: at a normal user's
     `ulimit -n 1024` the gofer stays below it while pandas is imported (without the bound it
     held 2000 descriptors, and the sandbox answered EMFILE: the listing test as uid 65534)."""
-    assert _gvisor.dentry_cache_size(1024) == 64
-    assert _gvisor.dentry_cache_size(4096) == 256
-    assert _gvisor.dentry_cache_size(1 << 20) == _gvisor.DCACHE
-    assert _gvisor.dentry_cache_size(resource.RLIM_INFINITY) == _gvisor.DCACHE
-    assert _gvisor.dentry_cache_size(100) == 64
+    assert dentry_cache_size(1024) == 64
+    assert dentry_cache_size(4096) == 256
+    assert dentry_cache_size(1 << 20) == DCACHE
+    assert dentry_cache_size(resource.RLIM_INFINITY) == DCACHE
+    assert dentry_cache_size(100) == 64
 
 
 def test_plan_names_gvisor_and_its_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan: stack led by gvisor, the worker's own socket in the control directory,
     the boot pipe as standard input, the cgroups' room for runsc, the container named
     after the control directory (runsc's control socket is host-wide)."""
-    monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
+    monkeypatch.setattr(GvisorProvider, "probe", lambda self: ProbeResult("gvisor", True))
     plan = GvisorProvider().build(Policy(name="t"), SPEC)
     assert isinstance(plan, GvisorPlan)
     assert plan.provider == "gvisor" and plan.stack[0] == "gvisor"
@@ -241,7 +244,7 @@ def _fake_runsc(tmp_path: Path, version: str) -> str:
 def test_it_refuses_a_too_old_runsc(tmp_path: Path) -> None:
     """A runsc older than MIN_RELEASE is unavailable, with one line naming the version."""
     provider = GvisorProvider(runsc=_fake_runsc(tmp_path, "release-20200101.0"))
-    result = _gvisor._trial(provider.runsc)
+    result = _trial(provider.runsc)
     assert not result.available
     assert f"runsc 20200101 is older than {MIN_RELEASE}" in result.reason
     assert "\n" not in result.reason
@@ -266,7 +269,7 @@ def test_it_refuses_a_grant_gvisor_cannot_serve(tmp_path: Path, kind: str) -> No
     try:
         policy = Policy(name="t", files={"read": [str(target)]})
         with pytest.raises(ProviderUnavailable) as info:
-            _gvisor.refuse_unservable(policy, SPEC)
+            refuse_unservable(policy, SPEC)
         word = "a socket" if kind == "socket" else "a FIFO"
         assert f"files.read {str(target)!r} is {word}" in str(info.value)
     finally:
@@ -295,7 +298,7 @@ def test_net_rules_under_gvisor_are_those_of_bwrap_and_unknown_providers_refuse_
 
 
 def test_a_networked_plan_relays_to_the_hosts_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(GvisorProvider, "probe", lambda self: _gvisor.ProbeResult("gvisor", True))
+    monkeypatch.setattr(GvisorProvider, "probe", lambda self: ProbeResult("gvisor", True))
     spec = dataclasses.replace(SPEC, egress_fd=9)
     rules = [{"host": "api.example.com", "ports": 443}, {"host": "localhost", "ports": 8765}]
     policy = Policy(name="t", net={"rules": rules})
@@ -318,7 +321,7 @@ def test_a_forward_socket_the_host_did_not_list_is_refused(tmp_path: Path) -> No
     by the socket's name; any other is refused and nothing is kept."""
     import socket
 
-    from agent_sandbox._host.egress.proxy import EgressError, receive_listeners
+    from agent_sandbox._host.egress.handoff import EgressError, receive_listeners
 
     def offer(names: list[str]) -> tuple[Any, Any]:
         socks = []
@@ -688,7 +691,7 @@ def test_min_boundary_default_keeps_fingerprints() -> None:
     )
 
 
-class _Stub(_gvisor.Provider):
+class _Stub(Provider):
     def __init__(self, name: str, available: bool) -> None:
         self.stub_name = name
         self.available = available
@@ -697,13 +700,11 @@ class _Stub(_gvisor.Provider):
     def name(self) -> str:  # type: ignore[override]
         return self.stub_name
 
-    def probe(self) -> _gvisor.ProbeResult:
-        return _gvisor.ProbeResult(
-            self.stub_name, self.available, "" if self.available else "absent"
-        )
+    def probe(self) -> ProbeResult:
+        return ProbeResult(self.stub_name, self.available, "" if self.available else "absent")
 
-    def build(self, policy: Any, spec: WorkerSpec) -> _gvisor.LaunchPlan:
-        return _gvisor.LaunchPlan(self.stub_name, ("x",), {}, (), "/", stack=(self.stub_name,))
+    def build(self, policy: Any, spec: WorkerSpec) -> LaunchPlan:
+        return LaunchPlan(self.stub_name, ("x",), {}, (), "/", stack=(self.stub_name,))
 
 
 def test_auto_takes_the_fastest_provider_meeting_min_boundary() -> None:

@@ -69,6 +69,7 @@ def compromised_policy() -> Policy:
             api={"allow": ["introspection", "native-code"]},
             code={"enabled": False},
             limits={"wall_seconds": 60, "output_bytes": CAP, "memory_mb": 1024},
+            visible_names="accepted",  # read only under landlock, which takes no other
         )
 
 

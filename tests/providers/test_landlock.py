@@ -177,7 +177,7 @@ def test_view_maps_host_paths_to_in_sandbox_paths() -> None:
 
 def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
     """It plans NO_NEW_PRIVS, the capability drop, Landlock and a seccomp program."""
-    plan = LandlockProvider().build(Policy(name="p"), _spec())
+    plan = LandlockProvider().build(Policy(name="p", visible_names="accepted"), _spec())
     assert plan.provider == "landlock" and plan.stack == ("landlock", "seccomp")
     assert plan.argv == (PY, "-I", "-S", "-B", "/src/agent_sandbox/_worker/boot.py", "6")
     assert sorted(plan.worker_setup) == [
@@ -195,6 +195,14 @@ def test_provider_build_carries_landlock_seccomp_and_privilege_drop() -> None:
     }
     assert plan.pass_fds == (5, 6)
     assert plan.worker_setup["seccomp"]["metadata"] is True  # its second layer (_matrix)
+
+
+def test_provider_build_refuses_a_policy_that_does_not_accept_visible_names() -> None:
+    """It builds no plan for a policy without `visible_names = "accepted"` (Landlock cannot
+    hide names), whoever calls it (`auto` does, for a policy that named no provider)."""
+    with pytest.raises(ProviderUnavailable, match=r"\[files\]: Landlock cannot hide") as info:
+        LandlockProvider().build(Policy(name="p"), _spec())
+    assert 'visible_names = "accepted"' in str(info.value)
 
 
 def test_verify_checks_refuses_a_worker_whose_report_lacks_a_restriction() -> None:
@@ -280,7 +288,7 @@ def landlock() -> ProbeResult:
 
 def test_handshake_reports_what_the_kernel_enforces(landlock: ProbeResult) -> None:
     """It reports NoNewPrivs, an empty CapEff, the Landlock ABI and seccomp filter mode."""
-    worker = WorkerProcess.start(Policy(name="p"), LandlockProvider())
+    worker = WorkerProcess.start(Policy(name="p", visible_names="accepted"), LandlockProvider())
     try:
         checks = worker.hello["checks"]
     finally:
@@ -502,6 +510,7 @@ def test_metadata_changes_in_scratch_are_made_by_the_host_and_refused_elsewhere(
     policy = Policy(
         name="p",
         provider="landlock",
+        visible_names="accepted",
         imports={"allow": ["json", "os", "shutil", "stat", "sys", "tarfile", "io"]},
     )
     with Sandbox(policy, warm=0) as sandbox:

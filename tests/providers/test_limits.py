@@ -283,6 +283,7 @@ def test_a_detached_grandchild_does_not_outlive_its_worker() -> None:
     policy = Policy(
         name="danger-p",
         provider="landlock",
+        visible_names="accepted",
         imports={"allow": ["*"]},
         api={"allow": ["process-control"]},
         code={"enabled": False},
@@ -475,6 +476,7 @@ def test_cpu_limit_is_named_under_every_provider(
         code={"enabled": False},
         limits={"cpu_seconds": 1, "wall_seconds": 30},
         no_kernel_boundary="accepted",  # read only under "subprocess"
+        visible_names="accepted",  # read only under "landlock"
     )
     code = "while True:\n    pass"
     if ignore_sigxcpu:
@@ -497,6 +499,7 @@ def test_a_killed_worker_is_reported_with_its_signal_under_every_provider(provid
         api={"allow": ["process-control"]},
         limits={"wall_seconds": 30},
         no_kernel_boundary="accepted",  # read only under "subprocess"
+        visible_names="accepted",  # read only under "landlock"
     )
     with Sandbox(policy, provider=provider, warm=0) as sb:
         result = sb.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")

@@ -19,7 +19,13 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 from agent_sandbox.policies._load import policy_from_dict
-from tests.providers.conftest import KERNEL_PROVIDERS, NATIVE, hostile_policy, skip_unless_available
+from tests.providers.conftest import (
+    KERNEL_PROVIDERS,
+    NATIVE,
+    accepted_for,
+    hostile_policy,
+    skip_unless_available,
+)
 
 FORMS = ("dir", "dir/", "dir/**", "dir/*.csv")
 
@@ -90,6 +96,7 @@ def _policy(sales: Path, form: str, provider: str) -> Policy:
             "name": "listings",
             "extends": "data-analysis",
             "provider": provider,
+            **accepted_for(provider),
             "files": {"read": [_entry(sales, form)]},
             "imports": {"allow": ["os", "glob", "pathlib", "json", "pandas", "numpy"]},
         }

@@ -4,7 +4,10 @@ One worker per provider and grant kind runs every operation natively (ctypes; th
 guards never see the calls), and reports each outcome: `ok` or the errno. A cell the
 matrix allows must be `ok` (a rename across file systems may be `EXDEV`: the bind of a
 grant and the scratch tmpfs are two file systems); a cell it refuses must not be. Where a
-provider does not hold a cell, `_matrix.GAPS` names it and the cell is a strict xfail.
+provider does not hold a cell, `_matrix.GAPS` names it and the cell is a strict xfail. Where
+a provider leaves a cell open only by the policy's choice (`_matrix.VISIBLE`: `landlock`,
+names), the worker runs a policy that makes that choice and the cell must be `ok`, and a
+policy that does not is refused at construction (one test per kind).
 qemu is not run here (one VM boot per grant kind; its file view is the host directory
 shared read-only or not at all: tests/providers/test_qemu.py).
 """
@@ -18,13 +21,17 @@ from typing import Any
 
 import pytest
 
-from agent_sandbox import Sandbox
+from agent_sandbox import PolicyError, ProviderUnavailable, Sandbox
+from agent_sandbox._host.boundary import _dry_spec, resolve_boundary
+from agent_sandbox.providers._auto import AutoProvider
+from agent_sandbox.providers._landlock import LandlockProvider
 from agent_sandbox.providers._matrix import (
     EXPECTED,
     GAPS,
     KINDS,
     NARROWED,
     OPERATIONS,
+    VISIBLE,
     GapOpen,
     render_markdown,
 )
@@ -170,7 +177,9 @@ def _measure(provider: str, kind: str, tmp_path: Path) -> dict[str, str]:
         (tmp_path / d).mkdir(exist_ok=True)
         (tmp_path / d).chmod(0o777)
     arena = {"ro": tmp_path / "ro", "rw": tmp_path / "rw", "root": tmp_path}
-    policy = hostile_policy(arena, provider=provider, files=files)
+    # The choice `VISIBLE` needs (landlock takes no policy without it: measured below); no
+    # other provider reads it.
+    policy = hostile_policy(arena, provider=provider, files=files, visible_names="accepted")
     with Sandbox(policy, warm=0) as sandbox:
         result = sandbox.run(
             PROBE.format(target=target, ops=list(OPERATIONS), scratch=target.startswith("$SCRATCH"))
@@ -211,11 +220,13 @@ def test_each_grant_kind_means_the_same_under_each_provider(
     """It denies native code every operation the grant kind does not allow, and allows the
     ones it does, under each kernel provider (the Python layer is not involved). A cell a
     provider does not hold (`GAPS`) is a strict xfail raising `GapOpen`; a cell a provider
-    refuses on purpose (`NARROWED`) must be refused."""
+    refuses on purpose (`NARROWED`) must be refused; a cell open by the policy's choice
+    (`VISIBLE`, under a policy that makes it) must be allowed."""
     skip_unless_available(provider)
     got = _measured(provider, kind, tmp_path_factory)
     outcome = got[op]
-    allowed = EXPECTED[kind][op] and (provider, kind, op) not in NARROWED
+    cell = (provider, kind, op)
+    allowed = (EXPECTED[kind][op] and cell not in NARROWED) or cell in VISIBLE
     done = outcome == "ok" or (allowed and op in _CROSS_FS_OK and outcome == "EXDEV")
     if allowed != done:
         raise GapOpen(f"{provider} {kind} {op}: {outcome} (all: {got})")
@@ -225,6 +236,33 @@ def test_each_grant_kind_means_the_same_under_each_provider(
         stopped = ("EACCES", "EPERM", "ENOENT", "EXDEV", "EROFS", "ENOTSUP", "socket EPERM")
         stopped += ("empty",)
         assert outcome in stopped, got
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_landlock_refuses_each_kinds_policy_that_does_not_accept_visible_names(
+    kind: str, tmp_path: Path
+) -> None:
+    """It refuses, when the policy or the sandbox is built, a policy of each grant kind that
+    does not say `visible_names = "accepted"` under the landlock provider (named in the
+    policy, named over it, or the only candidate `auto` has), naming the key and the
+    providers that hide names; `auto` takes Landlock alone for the same policy with it."""
+    assert {k for (p, k, _op) in VISIBLE if p == "landlock"} <= set(KINDS)
+    _target, files = _layout(tmp_path, kind)
+    arena = {"ro": tmp_path / "ro", "rw": tmp_path / "rw", "root": tmp_path}
+    fixes = r'provider = "auto", "bwrap" or "unshare" .*visible_names = "accepted"'
+    with pytest.raises(PolicyError, match=r"Landlock cannot hide that a file exists"):
+        hostile_policy(arena, provider="landlock", files=files, visible_names="")
+    policy = hostile_policy(arena, files=files, visible_names="")  # "auto", not accepted
+    with pytest.raises(PolicyError, match=fixes):
+        Sandbox(policy, provider="landlock", warm=0)
+    with pytest.raises(PolicyError, match="visible_names"):
+        resolve_boundary(policy, "landlock")
+    skip_unless_available("landlock")
+    only_landlock = AutoProvider((LandlockProvider(),), stronger=())
+    with pytest.raises(ProviderUnavailable, match=r"landlock: .*visible_names = \"accepted\""):
+        only_landlock.build(policy, _dry_spec(policy))
+    accepted = policy.model_copy(update={"visible_names": "accepted"})
+    assert only_landlock.build(accepted, _dry_spec(accepted)).stack[0] == "landlock"
 
 
 def test_the_docs_show_the_matrix_from_the_code() -> None:

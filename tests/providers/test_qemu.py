@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -208,6 +209,130 @@ def test_the_host_relay_refuses_a_malformed_limit_report(tmp_path: Path, payload
     assert not target.exists()
     host._write_limits(str(target), b'{"pids_max": 2, "memory_oom_kill": 0}')
     assert json.loads(target.read_text()) == {"pids_max": 2, "memory_oom_kill": 0}
+
+
+def _host_relay() -> Any:
+    import importlib.util
+
+    from agent_sandbox.providers.qemu import provider as _qemu
+
+    spec = importlib.util.spec_from_file_location("_sb_qemu_host", _qemu._HOST_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    return host
+
+
+def test_allowed_loopback_services_are_planned_for_the_guest_and_the_relay() -> None:
+    """An allowed loopback service (`host = "127.0.0.1" ports = "8765"`) is in the plan:
+    the guest listens for it, the relay hands the parent a socket for it named after it."""
+    import dataclasses
+
+    policy = Policy(
+        name="t",
+        net={"rules": [{"host": "127.0.0.1", "ports": "8765"}, {"host": "a.test", "ports": "443"}]},
+    )
+    plan = QemuProvider().build(policy, dataclasses.replace(SPEC, egress_fd=7))
+    assert json.loads(plan.argv[-1])["forwards"] == [["127.0.0.1", 8765]]
+    assert plan.worker_setup["egress"]["forwards"] == [["127.0.0.1", 8765]]
+
+
+def _frame(kind: bytes, chan: int, payload: bytes = b"") -> bytes:
+    import struct
+
+    return struct.pack(">BII", kind[0], chan, len(payload)) + payload
+
+
+def _frames(sock: socket.socket) -> list[tuple[int, int, bytes]]:
+    import struct
+
+    sock.settimeout(2.0)
+    data = sock.recv(65536)
+    out = []
+    while data:
+        kind, chan, size = struct.unpack_from(">BII", data)
+        out.append((kind, chan, data[9 : 9 + size]))
+        data = data[9 + size :]
+    return out
+
+
+def test_a_guest_channel_naming_a_service_not_forwarded_is_refused(tmp_path: Path) -> None:
+    """A compromised guest's `O` frame naming a loopback service the policy does not
+    forward (another port, a path, a name padded with a NUL) gets its channel closed and
+    reaches nothing; one naming a forwarded service is joined to that service's socket
+    (the parent's proxy judges it there), an unnamed one to the proxy's."""
+    import selectors
+
+    host = _host_relay()
+    proxy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    service = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    guest, relay_end = socket.socketpair()
+    sel = selectors.DefaultSelector()
+    try:
+        for sock, name in ((proxy, "egress.sock"), (service, "fwd-127.0.0.1-8765.sock")):
+            sock.bind(str(tmp_path / name))
+            sock.listen(8)
+            sock.setblocking(False)
+        forwards = [["127.0.0.1", 8765, str(tmp_path / "fwd-127.0.0.1-8765.sock")]]
+        net = host._Net(relay_end, str(tmp_path / "egress.sock"), sel, forwards)
+        for chan, name in enumerate(
+            [
+                b"127.0.0.1:8766",
+                b"127.0.0.1:3128",
+                str(tmp_path / "egress.sock").encode(),
+                b"127.0.0.1:8765\0",
+                b"localhost:8765",
+            ],
+            start=1,
+        ):
+            guest.sendall(_frame(b"O", chan, name))
+            net.from_guest()
+            assert _frames(guest) == [(ord("C"), chan, b"")], name
+        assert net.conns == {} and net.refused == 5
+        assert not received_connection(proxy) and not received_connection(service)
+        guest.sendall(_frame(b"O", 7, b"127.0.0.1:8765") + _frame(b"D", 7, b"ping"))
+        net.from_guest()
+        conn, _ = service.accept()
+        conn.settimeout(2.0)
+        assert conn.recv(16) == b"ping"
+        conn.close()
+        assert not received_connection(proxy)
+        guest.sendall(_frame(b"O", 8, b""))
+        net.from_guest()
+        assert received_connection(proxy) and sorted(net.conns) == [7, 8]
+    finally:
+        for sock in (proxy, service, guest, relay_end):
+            sock.close()
+        sel.close()
+
+
+def test_the_relay_hands_the_parent_one_listener_per_forwarded_service(tmp_path: Path) -> None:
+    """What the relay sends over the egress channel is what the parent's proxy takes: the
+    proxy's listener and one per forwarded service, each matched by its name against the
+    parent's own list; a service the parent does not forward is refused."""
+    from agent_sandbox._host.egress.handoff import EgressError, receive_listeners
+
+    host = _host_relay()
+    forwards = [["127.0.0.1", 8765, str(tmp_path / "fwd-127.0.0.1-8765.sock")]]
+    for expected, ok in (([("127.0.0.1", 8765)], True), ([("127.0.0.1", 9999)], False)):
+        parent, child = socket.socketpair()
+        for path in tmp_path.glob("*.sock"):
+            path.unlink()
+        try:
+            host._hand_over_egress_listener(
+                str(tmp_path / "egress.sock"), os.dup(child.fileno()), forwards
+            )
+            if ok:
+                listener, extra = receive_listeners(parent, 2.0, expected)
+                assert list(extra) == [("127.0.0.1", 8765)]
+                for sock in (listener, *extra.values()):
+                    sock.close()
+            else:
+                with pytest.raises(EgressError, match="not forwarded"):
+                    receive_listeners(parent, 2.0, expected)
+        finally:
+            parent.close()
+            child.close()
 
 
 def test_a_roomier_template_serves_a_smaller_memory_limit(

@@ -31,6 +31,7 @@ policy = Policy(
     imports={"allow": ["time"]},
     limits={"wall_seconds": 60},
     no_kernel_boundary="accepted",  # read only under "subprocess"
+    visible_names="accepted",  # read only under "landlock"
 )
 sb = Sandbox(policy, provider=provider, warm=2)
 session = sb.session("a")

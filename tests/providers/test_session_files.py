@@ -20,7 +20,12 @@ import pytest
 from agent_sandbox import FileTransferRefused, Policy, Sandbox
 from agent_sandbox._host import files as host_files
 from tests.conftest import GrowOnRead
-from tests.providers.conftest import KERNEL_PROVIDERS, QEMU_MEMORY_MB, skip_unless_available
+from tests.providers.conftest import (
+    KERNEL_PROVIDERS,
+    QEMU_MEMORY_MB,
+    accepted_for,
+    skip_unless_available,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:policy .danger-files-test. grants:UserWarning")
 
@@ -42,8 +47,7 @@ def _policy(provider: str, **limits: Any) -> Policy:
         "api": {"allow": ["native-code", "process-control"]},
         "limits": {"wall_seconds": 20, **limits},
     }
-    if provider == "subprocess":
-        data["no_kernel_boundary"] = "accepted"
+    data.update(accepted_for(provider))
     if provider == "qemu":
         data["limits"]["memory_mb"] = QEMU_MEMORY_MB
     return Policy(**data)

@@ -21,7 +21,13 @@ import pytest
 
 from agent_sandbox import Policy, Sandbox
 
-from .conftest import KERNEL_PROVIDERS, NATIVE, hostile_policy, skip_unless_available
+from .conftest import (
+    KERNEL_PROVIDERS,
+    NATIVE,
+    accepted_for,
+    hostile_policy,
+    skip_unless_available,
+)
 
 _ATTACK = r"""
 _libc.pread.restype = ctypes.c_ssize_t
@@ -80,7 +86,7 @@ def _descendants(root: int) -> list[int]:
 
 
 def _attack(provider: str, arena: dict[str, Path]) -> dict[str, Any]:
-    victim_policy = Policy(name="victim", imports={"allow": ["math"]})
+    victim_policy = Policy(name="victim", imports={"allow": ["math"]}, **accepted_for(provider))
     attacker_policy = hostile_policy(arena)
     if provider == "subprocess":
         victim_policy = victim_policy.model_copy(update={"no_kernel_boundary": "accepted"})

@@ -352,7 +352,7 @@ def test_a_stream_cut_before_done_is_a_crash(certs: Certs) -> None:
 
 def test_a_pod_without_a_kernel_boundary_is_refused(certs: Certs) -> None:
     """A pod that reports no kernel boundary is refused for a policy that did not opt out."""
-    strict = remote_policy(provider="landlock", no_kernel_boundary="")
+    strict = remote_policy(provider="auto", no_kernel_boundary="")
     remote = {"fingerprint": strict.fingerprint(), "stack": ["subprocess"], "provider": "x"}
     with HostilePod(certs.server, remote, stream([])) as pod:
         with pytest.raises(WorkerStartError, match="no kernel boundary"):

@@ -112,3 +112,33 @@ def test_a_declared_gvisor_on_another_kernel_refuses_to_start(
     monkeypatch.setattr(placement, "ROOT", _fake_root(tmp_path, "Linux version 6.1.0 #1 SMP\n"))
     with pytest.raises(ValueError, match="runtimeClassName did not apply"):
         WorkerServer(_config(certs, runtime_boundary="gvisor", provider="subprocess"))
+
+
+def test_a_landlock_pod_refuses_a_policy_that_does_not_accept_visible_names(
+    certs: Certs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`worker serve --provider landlock` (what the manifests give a runc pod for a policy
+    that accepts visible names) refuses the bind of a policy that does not say
+    `visible_names = "accepted"`: the host gets HTTP 422, the pod's log says why; no worker
+    starts. The same pod serves the policy that accepts them."""
+    from agent_sandbox import WorkerStartError
+    from agent_sandbox.providers import get_provider
+
+    if not get_provider("landlock").probe().available:
+        pytest.skip("landlock unavailable here")
+    arena = {"ro": tmp_path, "rw": tmp_path, "root": tmp_path}
+    with serving(_config(certs, provider="landlock")) as server:
+        with caplog.at_level("WARNING", logger="agent_sandbox"):
+            with pytest.raises(WorkerStartError, match=r"refused the bind \(HTTP 422\)"):
+                _connect(server, certs, hostile_policy(arena, visible_names=""))
+        assert server.worker is None
+    refused = [r.getMessage() for r in caplog.records if "refused a bind" in r.getMessage()]
+    assert refused and "Landlock cannot hide that a file exists" in refused[0], refused
+    assert 'visible_names = "accepted"' in refused[0]
+    with serving(_config(certs, provider="landlock")) as server:
+        worker = _connect(server, certs, hostile_policy(arena, visible_names="accepted"))
+        try:
+            assert worker.run("1 + 1").value == 2
+        finally:
+            worker.close()
+        assert server.remote_info["stack"][0] == "landlock"

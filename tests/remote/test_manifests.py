@@ -104,7 +104,7 @@ def test_the_template_and_pool_are_exactly_these() -> None:
                                 "--bind-secret-file",
                                 "/bind/secret",
                                 "--provider",
-                                "landlock",
+                                "auto",
                                 "--idle-exit",
                                 "900",
                             ],
@@ -143,6 +143,20 @@ def test_the_template_and_pool_are_exactly_these() -> None:
             "updateStrategy": {"type": "Recreate"},
         },
     }
+
+
+def test_runc_runs_landlock_only_for_a_policy_that_accepts_visible_names() -> None:
+    """Under runc the in-pod provider is `landlock` only for a policy that says
+    `visible_names = "accepted"` (Landlock cannot hide names, and the manifests never accept
+    that for the policy); any other policy gets `auto`, which takes bwrap or unshare where the
+    pod allows user namespaces and otherwise refuses the bind, naming why."""
+    for accepted, provider in (("accepted", "landlock"), ("", "auto")):
+        template, _ = manifests(_policy(visible_names=accepted), image="i", runtime="runc")
+        spec = template["spec"]["podTemplate"]["spec"]
+        assert "runtimeClassName" not in spec
+        args = spec["containers"][0]["args"]
+        assert args[args.index("--provider") + 1] == provider, accepted
+        assert "--runtime-boundary" not in args
 
 
 def test_gvisor_runs_the_strongest_provider_inside_and_declares_the_runtime() -> None:

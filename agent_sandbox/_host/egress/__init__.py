@@ -1,8 +1,16 @@
 """The host's egress proxy: the only way out of a worker that has a `[net]` rule.
 
-* `proxy`: the proxy itself (the rules it judges by, the HTTP and SOCKS front ends, the
-  hand-off of the worker's listener), one process-wide thread that every worker's
-  connections reach through the provider's plan.
+Cut by concern (the overview is `proxy`'s docstring):
+
+* `proxy`: the server, one process-wide event-loop thread (`egress_proxy()`), and one
+  `Route` per worker: its rules, bounds, connections and recorded refusals.
+* `session`: one client connection: its deadlines, the byte bound, the refusals it sends.
+* `rules`: a policy's `[net]` rules as the proxy judges them, and the decision for one
+  target; `addresses`: a target's one spelling, the special and LAN ranges; `resolver`:
+  the pinned resolver.
+* `http1`: HTTP/1.1 read and written by h11, each message rebuilt; `socks`: SOCKS5.
+* `handoff`: what a sandbox is given (the proxy's address and variables, loopback
+  forwards) and sends back (its listeners, checked here).
 
 This `__init__` imports nothing.
 """

@@ -4,8 +4,11 @@ No cluster, no I/O: the same policy and options always give the same dicts, comp
 in tests and printed by `agent-sandbox k8s manifests POLICY`. What they encode:
 
 * the runtime class (`gvisor`, `kata`, or none for runc) and the in-pod provider that goes
-  with it (`landlock` under runc; `auto` with `--runtime-boundary` under gVisor/Kata: the
-  strongest kernel provider that works in the pod, else `subprocess`, the runtime holding);
+  with it: under runc `landlock` for a policy that says `visible_names = "accepted"` (Landlock
+  cannot hide names; it takes no other policy), else `auto` (bwrap or unshare where the pod
+  allows user namespaces; elsewhere the bind is refused, naming why, never Landlock alone
+  accepted on the policy's behalf); `auto` with `--runtime-boundary` under gVisor/Kata: the
+  strongest kernel provider that works in the pod, else `subprocess`, the runtime holding;
 * resources from the policy's limits (`memory_mb` plus the pod's own overhead, `cpu_cores`),
   and the scratch `emptyDir` sized by `scratch_mb` on a read-only root filesystem;
 * an egress NetworkPolicy from the policy's `[[net.rules]]`: allow-only, addresses only. A
@@ -146,8 +149,12 @@ def sandbox_template(
         # The strongest kernel provider that works inside this runtime (a trial start at
         # the pod's start), `subprocess` only where none does (`_host/placement.py`).
         inner = ["--provider", "auto", "--runtime-boundary", runtime_class]
+    elif policy.visible_names == "accepted":
+        inner = ["--provider", "landlock"]  # the policy accepts what Landlock cannot hide
     else:
-        inner = ["--provider", "landlock"]
+        # Landlock alone would refuse this policy (it cannot hide names): the strongest
+        # provider that works in the pod, a view where user namespaces work, else a refusal.
+        inner = ["--provider", "auto"]
     if hop == "router":
         transport = ["--plaintext", "accepted"]
     else:

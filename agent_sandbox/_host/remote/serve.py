@@ -580,6 +580,8 @@ class WorkerServer:
                 inside, boundary.provider, start_timeout=self.config.start_timeout
             )
         except SandboxError as exc:
+            # The host reports only the status: the pod's operator reads why here.
+            _log.warning("refused a bind for policy %r: %s", policy.name, str(exc)[:1000])
             return 422, {"error": f"the worker could not start for this policy: {exc}"}
         stack = [self.runtime] * bool(self.runtime) + list(worker.plan.stack if worker.plan else ())
         self.remote_info = {

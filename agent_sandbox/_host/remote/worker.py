@@ -243,7 +243,7 @@ class RemoteWorker(WorkerProcess):
                 f"the remote worker runs with no kernel boundary ({'+'.join(stack)}), and "
                 f"policy {self.policy.name!r} does not accept that: run the pod under a "
                 "runtime that is a boundary (--runtime-boundary gvisor) or a kernel provider "
-                '(--provider landlock), or opt out with no_kernel_boundary = "accepted"'
+                '(--provider auto), or opt out with no_kernel_boundary = "accepted"'
             )
         self.remote = dict(remote)
         self.plan = LaunchPlan(

@@ -44,8 +44,11 @@ def test_a_named_kernel_provider_is_kept() -> None:
     """It keeps the provider a policy names (landlock here) instead of choosing another."""
     if not get_provider("landlock").probe().available:
         pytest.skip("landlock is not available here")
-    envelope = learning_envelope(POLICY.model_copy(update={"provider": "landlock"}))
-    assert envelope.provider == "landlock"
+    named = POLICY.model_copy(update={"provider": "landlock", "visible_names": "accepted"})
+    envelope = learning_envelope(named)
+    assert envelope.provider == "landlock" and envelope.visible_names == "accepted"
+    with pytest.raises(PolicyError, match='visible_names = "accepted"'):
+        learning_envelope(POLICY, provider="landlock")  # the key is the policy's, never added
     assert envelope_report(POLICY, envelope)[0] == "provider: landlock (kernel boundary)"
 
 

@@ -9,7 +9,7 @@ uses a small set of host calls). It is the runtime the cluster path's templates 
 How a worker starts (`build` is pure, `launch` writes what it says):
 
 * an OCI bundle in the worker's private control directory (`<control>/gvisor/bundle`): a
-  `config.json` (`bundle_config`, compared exactly by the tests) and an empty root directory
+  `config.json` (`bundle.bundle_config`, compared exactly by the tests) and an empty root directory
   that holds only the merged-/usr symlinks; the root is read-only;
 * the mounts of the namespace providers' view (`_view.mounts_for`): `/usr`, the interpreter
   prefix, the import roots and the `agent_sandbox` packages read-only, the policy's read
@@ -46,23 +46,23 @@ restrictions listens on the proxy address (and each service's) on the Sentry's l
 carries each connection to its socket (`--host-uds=all`).
 
 Grants: walked and pinned at build, walked again on the host just before runsc starts
-(`check_pins_on_host`), and once more after the start in the gofer's own root
-(`check_pins_in_gofer`), which is what the sandbox was given.
+(`pins.check_pins_on_host`), and once more after the start in the gofer's own root
+(`pins.check_pins_in_gofer`), which is what the sandbox was given.
 
 Refused at construction, naming the cause: a grant of a device, a socket or a FIFO (gVisor
 serves regular files and directories through its gofer), a `[net]` rule the proxy cannot
 serve (UDP, a listener for outside peers), a missing runsc, a runsc older than
 `MIN_RELEASE`.
 
-It is longer than 600 lines for now: the bundle, the pins and the launch are one provider's
-plan, and its cut into a `providers/gvisor/` package (as `providers/qemu/`) is still to do.
+This module is the provider (the plan builder, the probe, the launch); the rest of the
+package: `bundle` (the OCI bundle: `GvisorPlan`, `bundle_config`, `write_bundle`), `pins`
+(the grants walked again on the host and in the gofer's root), `relay` (the host's side of
+the in-sandbox egress relay: the sockets it binds and sends to the parent's proxy).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import os
 import re
 import resource
@@ -81,30 +81,28 @@ from agent_sandbox.providers._base import (
     Provider,
     WorkerSetup,
     WorkerSpec,
-    base_env,
 )
 from agent_sandbox.providers._netcheck import namespace_net, standard_answers
 from agent_sandbox.providers._probe_cache import cached_probe, file_key
 from agent_sandbox.providers._view import (
-    TMPFS_BYTES,
-    HostLayout,
-    Mount,
     egress_plan,
     host_layout_for,
     mounts_for,
     policy_paths,
 )
+from agent_sandbox.providers.gvisor.bundle import GvisorPlan, _dirs, bundle_config, write_bundle
+from agent_sandbox.providers.gvisor.pins import check_pins_on_host
+from agent_sandbox.providers.gvisor.relay import send_egress_listener
 
 __all__ = [
     "INSTALL_HINT",
     "MIN_RELEASE",
-    "GvisorPlan",
     "GvisorProvider",
-    "bundle_config",
     "refuse_unservable",
     "release_of",
     "runsc_argv",
 ]
+
 
 #: The oldest runsc release this provider trusts (the Debian 12 package's): earlier ones
 #: lack the rootless `run` with `--host-uds=create` it relies on.
@@ -128,8 +126,6 @@ SOCKET_NAME = "ctl.sock"
 EGRESS_SOCKET = "egress.sock"
 #: The worker's limit report, in the same directory (`LaunchPlan.limit_reports`).
 LIMIT_REPORT = "limits.json"
-#: The host's sockets of the allowed loopback services there: `fwd-<address>-<port>.sock`.
-FORWARD_PREFIX = "fwd-"
 #: Room in the host's cgroups for runsc, its gofer and the Sentry beside the worker: about
 #: 40 host threads at rest (more under load: Go starts threads for blocked calls); the
 #: worker's own processes are held inside by RLIMIT_NPROC, which gVisor enforces. Memory:
@@ -146,26 +142,6 @@ LAUNCHER_MB = 64
 #: sandbox answered EMFILE (`limits.open_files`, seen in the non-root run). One cache for
 #: all mounts, sized to the host's descriptor limit (`dentry_cache_size`), this at most.
 DCACHE = 1000
-_MASK_BYTES = 4096
-_MB = 1024 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class GvisorPlan(LaunchPlan):
-    """A launch plan plus the bundle `launch()` writes: the OCI config, the symlinks of the
-    root directory, and the descriptor that becomes the worker's standard input."""
-
-    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    bundle_dir: str = ""
-    state_dir: str = ""
-    #: The granted paths' pins (`_grants.py`), checked again on the host just before runsc
-    #: starts: the Sentry's inode numbers are its own, so the worker cannot check them.
-    pins: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    root_links: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    stdin_fd: int = -1
-    #: The worker's end of the egress channel (`WorkerSpec.egress_fd`): `launch` binds the
-    #: host's end of the proxy route in the socket directory and sends it there; -1: none.
-    egress_fd: int = -1
 
 
 def release_of(version_text: str) -> int | None:
@@ -173,128 +149,6 @@ def release_of(version_text: str) -> int | None:
     first = version_text.strip().splitlines()[0] if version_text.strip() else ""
     match = re.search(r"(20\d{6})", first)
     return int(match.group(1)) if match else None
-
-
-def _dirs(spec: WorkerSpec) -> tuple[str, str, str]:
-    """(bundle, runsc state root, socket directory), all inside the control directory."""
-    base = os.path.join(spec.control_dir, "gvisor")
-    return (
-        os.path.join(base, "bundle"),
-        os.path.join(base, "state"),
-        os.path.join(spec.control_dir, "uds"),
-    )
-
-
-def _oci_mount(mount: Mount, empty_file: str) -> dict[str, Any] | None:
-    kind, dst, src = mount.kind, mount.dst, mount.src
-    if kind in ("ro", "ro-try"):
-        return {"destination": dst, "type": "bind", "source": src, "options": ["rbind", "ro"]}
-    if kind in ("rw", "rw-try"):
-        return {"destination": dst, "type": "bind", "source": src, "options": ["rbind", "rw"]}
-    if kind == "dev":
-        return {"destination": dst, "type": "tmpfs", "source": "tmpfs", "options": ["mode=0755"]}
-    if kind == "proc":
-        return {"destination": dst, "type": "proc", "source": "proc"}
-    if kind == "tmpfs":
-        return {
-            "destination": dst,
-            "type": "tmpfs",
-            "source": "tmpfs",
-            "options": [f"size={TMPFS_BYTES}", "mode=1777"],
-        }
-    if kind == "scratch":
-        return {
-            "destination": dst,
-            "type": "tmpfs",
-            "source": "tmpfs",
-            "options": [f"size={src}", "mode=0700"],
-        }
-    if kind == "mask-dir":
-        return {
-            "destination": dst,
-            "type": "tmpfs",
-            "source": "tmpfs",
-            "options": [f"size={_MASK_BYTES}", "mode=0000", "ro"],
-        }
-    if kind == "mask-file":
-        # An empty file of mode 0000 the bundle holds (gVisor's gofer serves no device, so
-        # the host's /dev/null cannot stand over a file as under bwrap).
-        return {"destination": dst, "type": "bind", "source": empty_file, "options": ["ro"]}
-    if kind == "symlink":
-        return None  # made in the root directory (`GvisorPlan.root_links`)
-    raise ValueError(f"unknown mount kind {kind!r}")
-
-
-def _rlimits(policy: Any) -> list[dict[str, Any]]:
-    limits = policy.limits
-    cpu = int(limits.cpu_seconds)
-
-    def rl(kind: str, value: int, hard: int | None = None) -> dict[str, Any]:
-        return {"type": kind, "soft": value, "hard": value if hard is None else hard}
-
-    return [
-        rl("RLIMIT_AS", int(limits.memory_mb) * _MB),
-        rl("RLIMIT_CORE", 0),
-        rl("RLIMIT_CPU", cpu, cpu + 1),
-        rl("RLIMIT_FSIZE", int(limits.file_size_mb) * _MB),
-        rl("RLIMIT_NOFILE", int(limits.open_files)),
-        rl("RLIMIT_NPROC", int(limits.processes)),
-    ]
-
-
-def bundle_config(
-    policy: Any,
-    spec: WorkerSpec,
-    host: HostLayout,
-    present: frozenset[str],
-    proxy_env: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """The OCI `config.json` of one worker (pure: unit tests compare it exactly).
-
-    `present` holds the optional sources (`-try` mounts) that exist on the host; the others
-    are left out, as bwrap's `--ro-bind-try` skips them.
-    """
-    bundle, _state, uds = _dirs(spec)
-    empty_file = os.path.join(bundle, "empty")
-    mounts: list[dict[str, Any]] = []
-    for mount in mounts_for(policy, spec, host):
-        if mount.kind in ("ro-try", "rw-try") and mount.src not in present:
-            continue
-        entry = _oci_mount(mount, empty_file)
-        if entry is not None:
-            mounts.append(entry)
-    mounts.append({"destination": uds, "type": "bind", "source": uds, "options": ["rbind", "rw"]})
-    env = base_env(spec, proxy_env)
-    return {
-        "ociVersion": "1.0.0",
-        "process": {
-            "user": {"uid": 0, "gid": 0},
-            "args": [spec.python, "-I", "-S", "-B", spec.boot_script, "0"],
-            "env": [f"{k}={v}" for k, v in sorted(env.items())],
-            "cwd": spec.scratch,
-            "capabilities": {
-                "bounding": [],
-                "effective": [],
-                "inheritable": [],
-                "permitted": [],
-                "ambient": [],
-            },
-            "noNewPrivileges": True,
-            "rlimits": _rlimits(policy),
-        },
-        "root": {"path": "rootfs", "readonly": True},
-        "hostname": "sandbox",
-        "mounts": mounts,
-        "linux": {
-            "namespaces": [
-                {"type": "pid"},
-                {"type": "network"},
-                {"type": "ipc"},
-                {"type": "uts"},
-                {"type": "mount"},
-            ]
-        },
-    }
 
 
 def dentry_cache_size(nofile: int) -> int:
@@ -480,7 +334,7 @@ class GvisorProvider(Provider):
         return _probe(self.runsc)
 
     def build(self, policy: Any, spec: WorkerSpec) -> GvisorPlan:
-        from agent_sandbox._host.egress.proxy import loopback_forwards
+        from agent_sandbox._host.egress.handoff import forward_socket_name, loopback_forwards
         from agent_sandbox.providers import _seccomp
         from agent_sandbox.providers._grants import grant_pins
         from agent_sandbox.providers._netcheck import refuse_unenforceable
@@ -612,158 +466,6 @@ def _death_signal() -> Any:
     return die_with_parent
 
 
-def check_pins_on_host(pins: Mapping[str, Any]) -> None:
-    """Each granted path, walked again without following links, must still be the object
-    the build pinned; raises WorkerStartError naming the path otherwise.
-
-    runsc's gofer opens each bind source by path a few tens of milliseconds later; a swap
-    inside that window is caught after the start by `check_pins_in_gofer`.
-    """
-    from agent_sandbox._errors import PolicyError, WorkerStartError
-    from agent_sandbox.providers._grants import _walk
-
-    for path, pin in pins.items():
-        try:
-            now: Any = _walk(path, "files", path, None)
-        except PolicyError:
-            now = "a link"
-        if now != (list(pin) if pin is not None else None):
-            raise WorkerStartError(
-                f"the granted path {path} is not the object the policy check pinned (a link "
-                "planted or a directory swapped between the check and the start); start the "
-                "worker again, and see which tool can write there"
-            )
-
-
-def forward_socket_name(host: str, port: int) -> str:
-    """The name of the host's socket for the forwarded loopback service host:port (the
-    parent matches it against its own list: `_egress.receive_listeners`)."""
-    return f"{FORWARD_PREFIX}{host}-{int(port)}.sock"
-
-
-def check_pins_in_gofer(plan: GvisorPlan, runsc_pid: int) -> None:
-    """After the start, before any call: each granted path as runsc's gofer mounted it (in
-    the gofer's own root, `/proc/<gofer>/root`, walked without following a link) must be
-    the object the build pinned; raises WorkerStartError naming the path otherwise.
-
-    This closes the window `check_pins_on_host` leaves: the gofer opens each bind source by
-    path some tens of milliseconds after that check, and a swap inside that window mounts
-    what the swapped-in link points to, which this walk sees (another device or inode).
-    """
-    from agent_sandbox._errors import WorkerStartError
-
-    gofer = _gofer_pid(runsc_pid)
-    if gofer is None:
-        raise WorkerStartError(
-            "runsc's gofer was not found, so the granted paths it mounted "
-            "could not be checked; start the worker again"
-        )
-    masked = {
-        m["destination"]
-        for m in plan.config.get("mounts", ())
-        if m.get("type") == "tmpfs" or m.get("source") == os.path.join(plan.bundle_dir, "empty")
-    }
-    try:
-        root = os.open(f"/proc/{gofer}/root", os.O_PATH | os.O_CLOEXEC)
-    except OSError as exc:
-        raise WorkerStartError(
-            f"cannot read the root of runsc's gofer ({exc}), so the granted paths it mounted "
-            "could not be checked"
-        ) from None
-    try:
-        for path, pin in plan.pins.items():
-            if pin is None or path in masked or path.startswith(("/proc/", "/dev/")):
-                continue
-            if _walk_in(root, path) != list(pin):
-                raise WorkerStartError(
-                    f"the granted path {path} as the sandbox mounted it is not the object the "
-                    "policy check pinned (a link planted or a directory swapped between the "
-                    "check and the mount); start the worker again, and see which tool can "
-                    "write there"
-                )
-    finally:
-        os.close(root)
-
-
-def _gofer_pid(runsc_pid: int) -> int | None:
-    """The pid of runsc's gofer: a descendant of the runsc process (a child as root; as a
-    normal user runsc first runs itself again in a user namespace) whose command line starts
-    with `runsc-gofer`."""
-    from agent_sandbox._host.limits import _descendants
-
-    for pid, _level in _descendants(runsc_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if fh.read().split(b"\0", 1)[0] == b"runsc-gofer":
-                    return pid
-        except OSError:
-            continue
-    return None
-
-
-def _walk_in(root: int, path: str) -> list[int] | None:
-    """[st_dev, st_ino] of `path` below the directory `root`, every component opened without
-    following a link; None where a component is missing or a link."""
-    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.dup(root)
-    try:
-        for part in (p for p in path.split("/") if p):
-            try:
-                child = os.open(part, flags, dir_fd=fd)
-            except OSError:
-                return None
-            os.close(fd)
-            fd = child
-            if stat.S_ISLNK(os.fstat(fd).st_mode):
-                return None
-        info = os.fstat(fd)
-        return [info.st_dev, info.st_ino]
-    finally:
-        os.close(fd)
-
-
-def send_egress_listener(plan: GvisorPlan) -> None:
-    """Bind the host's end of the proxy route in the socket directory, and one socket for
-    each allowed loopback service, and send them over the egress channel, where the parent
-    takes them onto its egress proxy (as it takes a worker's listeners under bwrap, or the
-    QEMU relay's)."""
-    import socket
-
-    relay = plan.worker_setup.get("egress_relay") or {}
-    paths = [str(relay["socket"]), *(str(path) for _h, _p, path in relay.get("forwards", ()))]
-    listeners: list[socket.socket] = []
-    try:
-        for path in paths:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listeners.append(listener)
-            listener.bind(path)
-            listener.listen(128)
-        channel = socket.socket(fileno=os.dup(plan.egress_fd))
-        try:
-            socket.send_fds(channel, [b"egress"], [sock.fileno() for sock in listeners])
-        finally:
-            channel.close()
-    finally:
-        for sock in listeners:
-            sock.close()
-
-
 def _runsc_env() -> dict[str, str]:
     """runsc's own environment: only PATH (the worker's is in the bundle)."""
     return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-
-
-def write_bundle(plan: GvisorPlan) -> None:
-    """Create the bundle a plan describes (in the worker's control directory)."""
-    bundle = plan.bundle_dir
-    root = os.path.join(bundle, "rootfs")
-    os.makedirs(root, mode=0o700)
-    os.chmod(root, 0o755)  # the sandbox's `/`: read-only to it (`root.readonly`)
-    for path, target in plan.root_links.items():
-        os.symlink(target, os.path.join(root, path.lstrip("/")))
-    fd = os.open(os.path.join(bundle, "empty"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0)
-    os.close(fd)
-    os.mkdir(os.path.dirname(plan.socket_path), 0o700)
-    os.mkdir(plan.state_dir, 0o700)
-    with open(os.path.join(bundle, "config.json"), "x", encoding="utf-8") as fh:
-        json.dump(plan.config, fh)
