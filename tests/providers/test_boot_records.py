@@ -35,6 +35,7 @@ from agent_sandbox._wire import (
 from agent_sandbox.providers import _landlock, _seccomp
 from agent_sandbox.providers._base import LaunchPlan, ProbeResult, WorkerSpec
 from agent_sandbox.providers._registry import all_providers
+from tests.providers.conftest import accepted_for
 
 SPEC = WorkerSpec(
     python="/opt/venv/bin/python",
@@ -94,14 +95,16 @@ def working_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 def _plans(granted: Path) -> dict[str, tuple[LaunchPlan, LaunchPlan | None, LaunchPlan]]:
     """Each provider's plans for the default policy, the `[net]` one (None: refused) and
     one granting an existing folder (`granted`) to read."""
-    grant = Policy(name="t", files={"read": [str(granted)]})
     plans = {}
     for provider in all_providers():
         if provider.name == "auto":
             continue
-        default = provider.build(DEFAULT, SPEC)
+        # The words each provider needs said to take a policy (landlock: visible names).
+        words = accepted_for(provider.name)
+        grant = Policy(name="t", files={"read": [str(granted)]}, **words)
+        default = provider.build(DEFAULT.model_copy(update=words), SPEC)
         try:
-            net: LaunchPlan | None = provider.build(NET, SPEC)
+            net: LaunchPlan | None = provider.build(NET.model_copy(update=words), SPEC)
         except ProviderUnavailable:
             net = None
         plans[provider.name] = (default, net, provider.build(grant, SPEC))

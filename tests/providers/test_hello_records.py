@@ -31,6 +31,7 @@ from agent_sandbox._host.process import WorkerProcess
 from agent_sandbox._wire import HELLO_BYTES, Hello, HelloError, SetupChecks
 from agent_sandbox.providers import LaunchPlan, WorkerSpec, get_provider
 from agent_sandbox.providers._subprocess import SubprocessProvider
+from tests.providers.conftest import accepted_for
 
 GOOD: dict[str, Any] = {
     "pid": 7,
@@ -242,7 +243,7 @@ def test_a_real_worker_sets_every_field_and_the_checks_its_plan_asks_for(name: s
     provider = get_provider(name)
     if not provider.probe().available:
         pytest.skip(f"{name} is not available here")
-    policy = Policy(name="t").model_copy(update={"no_kernel_boundary": "accepted"})
+    policy = Policy(name="t", **accepted_for(name))
     worker = WorkerProcess.start(policy, provider)
     try:
         hello = worker.hello
