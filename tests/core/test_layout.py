@@ -73,8 +73,6 @@ DECODER_EXCEPTIONS = {
     # to judge its target against the policy, rebuilding each message from what was parsed;
     # nothing it reads reaches the agent as data (its findings are denials it makes itself).
     "agent_sandbox._host.egress.http1": {"h11"},
-    # The same proxy's sessions, which drive those h11 connections (one per side).
-    "agent_sandbox._host.egress.session": {"h11"},
 }
 #: The longest a module may be without a reason at its top.
 MAX_LINES = 600

@@ -1,14 +1,20 @@
-"""HTTP/1.1 as the proxy reads and writes it: h11 on both sides, each message rebuilt.
+"""HTTP/1.1 as the proxy serves it: h11 on both sides, each message rebuilt.
 
+`Http1` serves the HTTP requests of one session (`CONNECT` and plain HTTP): each judged by
+the session, forwarded, answered, or refused (`_refuse`, `_reply`). Under it, the messages:
 `read_request` (h11, then `strict_head` and `request_framing` for the forms h11 reads
 leniently), `upstream_request` and `client_response` (the messages passed on, rebuilt from
-what was parsed), `_Peer` (one side of a session as h11 reads it) and `_parse_target` (host,
-port and path of a proxy request). The fuzz targets and the smuggling table call these.
+what was parsed; an upstream's reason phrase or header value never carries the proxy's
+refusal marker, `_unmarked`), `_Peer` (one side of a session as h11 reads it) and
+`_parse_target` (host, port and path of a proxy request). The fuzz targets and the
+smuggling table call these.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http
 import re
 import urllib.parse
 from collections.abc import Iterable
@@ -16,10 +22,22 @@ from typing import TYPE_CHECKING, Any
 
 import h11
 
+from agent_sandbox._denial import REFUSAL_START, refusal_line
+from agent_sandbox._host.egress.addresses import normalise_host
+
 if TYPE_CHECKING:
+    from agent_sandbox._denial import Denial
     from agent_sandbox._host.egress.session import _Session
 
-__all__ = ["client_response", "read_request", "request_framing", "strict_head", "upstream_request"]
+__all__ = [
+    "Http1",
+    "client_response",
+    "interim_response",
+    "read_request",
+    "request_framing",
+    "strict_head",
+    "upstream_request",
+]
 
 
 MAX_HEAD_BYTES = 16 * 1024
@@ -144,21 +162,52 @@ def upstream_request(
         raise _BadMessage(f"the proxy cannot pass on this request ({exc})") from None
 
 
+#: The words of the proxy's opening refusal marker (`_denial.REFUSAL_START`), lower case.
+_MARKER_WORDS = REFUSAL_START.strip("| ").lower().encode("ascii")
+
+
+def _unmarked(value: bytes) -> bytes:
+    """An upstream's reason phrase or header value, made unable to pass for the proxy's
+    refusal: when it holds the marker's words (`agent-sandbox refusal`, in any case), each
+    `|` in it becomes `!`. The worker's guard finds a refusal only by the exact opening
+    marker `|agent-sandbox refusal| ` (`_denial.refusal_first`), which needs the `|`
+    before and after those words, so what the client quotes of such a value reads
+    `!agent-sandbox refusal! ...` and is never put first. Any other value (a `|` in a
+    link or a cookie included) is passed as it is."""
+    if _MARKER_WORDS in value.lower():
+        return value.replace(b"|", b"!")
+    return value
+
+
+def _answer_head(event: Any) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """An upstream answer's end-to-end headers and reason phrase as passed to the client,
+    no refusal marker in them (`_unmarked`)."""
+    headers = [(name, _unmarked(value)) for name, value in _end_to_end(event.headers)]
+    return headers, _unmarked(bytes(event.reason))
+
+
 def client_response(event: Any, method: bytes) -> Any:
     """The final response head passed to the client, rebuilt from the upstream's parsed
-    one: its end-to-end headers, and `Connection: close` when its body ends with the
-    upstream's connection. _BadMessage for both Content-Length and Transfer-Encoding."""
+    one: its end-to-end headers and reason phrase (no refusal marker kept, `_unmarked`),
+    and `Connection: close` when its body ends with the upstream's connection. _BadMessage
+    for both Content-Length and Transfer-Encoding."""
     names = {name for name, _ in event.headers}
     if names >= _FRAMING_HEADERS:
         raise _BadMessage("both Content-Length and Transfer-Encoding in an answer")
-    headers = _end_to_end(event.headers)
+    headers, reason = _answer_head(event)
     if not names & _FRAMING_HEADERS and not (method == b"HEAD" or event.status_code in (204, 304)):
         # Its body (if any) ends with the upstream's connection: so does the client's.
         headers.append((b"connection", b"close"))
     try:
-        return h11.Response(status_code=event.status_code, headers=headers, reason=event.reason)
+        return h11.Response(status_code=event.status_code, headers=headers, reason=reason)
     except h11.LocalProtocolError as exc:
         raise _BadMessage(f"the proxy cannot pass on this answer ({exc})") from None
+
+
+def interim_response(event: Any) -> Any:
+    """An interim (1xx) head passed to the client, rebuilt like `client_response`."""
+    headers, reason = _answer_head(event)
+    return h11.InformationalResponse(status_code=event.status_code, headers=headers, reason=reason)
 
 
 class _Peer:
@@ -243,3 +292,224 @@ def _parse_target(method: str, target: str) -> tuple[str, int, str]:
             raise ValueError(f"CONNECT needs host:port, got {target!r}")
         port = 80
     return host, port, path
+
+
+class Http1:
+    """The HTTP requests of one session, in order, each judged, forwarded and answered.
+
+    Plain HTTP requests keep the client connection alive and reuse the upstream connection
+    while the target stays the same; `CONNECT` turns the connection into a tunnel (the
+    session's). Both sides are read by h11 (`_Peer`), with `strict_head` and
+    `request_framing` on top for the forms h11 reads leniently; what goes out is rebuilt
+    from what was parsed and written by h11 (one Host, the proxy's own framing, no chunk
+    extension or trailer). The session keeps the deadlines, the byte bound, the upstream
+    socket and the refusal records; this keeps the protocol.
+    """
+
+    def __init__(self, session: _Session) -> None:
+        self.session = session
+        self.writer = session.writer
+        self.client = _Peer(session, session.reader, h11.SERVER, strict=True)
+        session.unparsed = self.client.pending
+        #: The upstream as h11 reads it, and its target: kept while the target stays.
+        self.up: _Peer | None = None
+        self.up_key: tuple[str, int] | None = None
+
+    async def serve(self, first: bytes) -> None:
+        """Serve requests until the connection ends (`first`: what the session read)."""
+        session = self.session
+        self.client.feed(first)
+        while True:
+            session.start_head()  # the next request on a kept-alive connection
+            try:
+                request = await self.client.event()
+                if type(request) is h11.ConnectionClosed:
+                    return
+                framing = request_framing(request)
+            except _BadMessage as exc:
+                session.refused_head(str(exc))
+                await _reply(session, 400, f"the proxy could not parse the request ({exc})")
+                return
+            session.head_in()
+            target = request.target.decode("ascii", "backslashreplace")
+            session.target = target[:200]
+            if not await self._one(request, target, framing):
+                return
+            conn = self.client.conn
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return  # h11 says the connection must close (HTTP/1.0, `Connection: close`)
+            conn.start_next_cycle()
+
+    def _close_upstream(self) -> None:
+        self.session.close_upstream()
+        self.up_key = self.up = None
+
+    async def _one(self, request: Any, target: str, framing: tuple[str, int]) -> bool:
+        """Serve one request; False when the connection must end after it."""
+        session = self.session
+        method = request.method.decode("ascii")
+        connect = method.upper() == "CONNECT"
+        try:
+            host, port, path = _parse_target(method.upper(), target)
+        except ValueError as exc:
+            await _reply(session, 400, str(exc))
+            return False
+        if connect and framing != ("none", 0):
+            session.refused_head("a CONNECT request with a body")
+            await _reply(
+                session,
+                400,
+                "the proxy could not parse the request (a CONNECT request with a body)",
+            )
+            return False
+        with contextlib.suppress(ValueError):  # a bad host is refused by the judgement
+            host = normalise_host(host).text
+        if connect or self.up_key != (host, port) or self.up is None:
+            self._close_upstream()
+            addresses, denial = await session.judge(host, port)  # a denial: recorded
+            if denial is not None:
+                await _refuse(session, denial, connect=connect)
+                return False
+            error = await session.connect(addresses, port)
+            if error:
+                why = f"the proxy could not reach {host}:{port} ({error})"
+                await _reply(session, 502, why)
+                return False
+            assert session.up_reader is not None
+            self.up = _Peer(session, session.up_reader, h11.CLIENT)
+            self.up_key = (host, port)
+        if connect:
+            await self.client.event()  # its EndOfMessage: a CONNECT has no body
+            leftover = self.client.pending()  # what the client sent after the head
+            self.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await session.tunnel(leftover)
+            return False
+        return await self._forward(request, path, framing, host, port)
+
+    async def _forward(
+        self, request: Any, path: str, framing: tuple[str, int], host: str, port: int
+    ) -> bool:
+        """One plain-HTTP exchange in origin form, rebuilt from what h11 parsed: the
+        target's one Host, the client's end-to-end headers, the framing the proxy read
+        (h11 writes it: no chunk extension or trailer is passed on), the bodies as data."""
+        up, up_writer = self.up, self.session.up_writer
+        assert up is not None and up_writer is not None
+        kind, length = framing
+        head = up.send(upstream_request(request, path, framing, host, port))
+        if kind == "none" or (kind == "length" and length == 0):
+            # No body (most requests): its end is already parsed; one write up, then the
+            # response, in this task.
+            await self.client.event()
+            _send_all(up_writer, head, up.send(h11.EndOfMessage()))
+            await self._relay_response(request.method.upper())
+        else:
+            up_writer.write(head)
+            back = asyncio.ensure_future(self._relay_response(request.method.upper()))
+            try:
+                await self._relay_body()
+                await up_writer.drain()
+                await back
+            finally:
+                back.cancel()
+        upc = up.conn
+        if upc.our_state is h11.DONE and upc.their_state is h11.DONE and not up.pending():
+            upc.start_next_cycle()  # the upstream connection is reused for the same target
+        else:
+            self._close_upstream()
+        return True
+
+    async def _relay_body(self) -> None:
+        """The client's request body to the upstream, as data (back-pressure by drain);
+        its trailers are read and dropped."""
+        up, up_writer = self.up, self.session.up_writer
+        assert up is not None and up_writer is not None
+        while True:
+            event = await self.client.event()
+            if type(event) is h11.Data:
+                up_writer.write(up.send(h11.Data(data=event.data)))
+                await up_writer.drain()
+            elif type(event) is h11.EndOfMessage:
+                up_writer.write(up.send(h11.EndOfMessage()))
+                return
+            else:
+                raise ConnectionError("the client went away mid-body")
+
+    async def _relay_response(self, method: bytes) -> None:
+        """Relay the upstream's answer (interim 1xx heads, then the final one and its
+        body), rebuilt from what h11 parsed and written by the client's h11 connection."""
+        up, client = self.up, self.client
+        assert up is not None
+        while True:
+            event = await up.event()
+            if type(event) is h11.InformationalResponse:
+                if event.status_code == 101:
+                    raise _BadMessage("the upstream switched protocols unasked")
+                self.writer.write(client.send(interim_response(event)))
+                # Back-pressure: no more is read from the upstream until the client has
+                # taken this head (a flood of 1xx heads to a client that does not read
+                # fills the socket's buffers, never the host's memory).
+                await self.writer.drain()
+                continue
+            if type(event) is not h11.Response:
+                raise ConnectionError("the upstream server closed the connection")
+            break
+        self.writer.write(client.send(client_response(event, method)))
+        while True:
+            event = await up.event()
+            if type(event) is h11.Data:
+                self.writer.write(client.send(h11.Data(data=event.data)))
+                await self.writer.drain()
+            elif type(event) is h11.EndOfMessage:
+                self.writer.write(client.send(h11.EndOfMessage()))  # trailers dropped
+                break
+            else:
+                raise ConnectionError("the upstream server closed the connection mid-body")
+        await self.writer.drain()
+
+
+async def _reply(session: _Session, status: int, text: str) -> None:
+    """Answer the request just read (or that failed to parse) with a short text body; the
+    connection ends after it."""
+    body = (text + "\n").encode("utf-8", "replace")
+    head = [
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n",
+        "content-type: text/plain; charset=utf-8\r\n",
+        f"content-length: {len(body)}\r\n",
+        "connection: close\r\n",
+        "\r\n",
+    ]
+    session.writer.write("".join(head).encode("latin-1", "replace") + body)
+    await session.flush()
+
+
+def _one_line(denial: Denial) -> bytes:
+    """The refusal as one line of printable ASCII: the rule, the target, the reason, the
+    hint (what the client's error message shows), between the markers the worker's
+    guards find it by to put it first in the client's error (`_denial.refusal_line`)."""
+    return refusal_line(denial.message(), MAX_HEAD_BYTES // 2).encode("ascii")
+
+
+async def _refuse(session: _Session, denial: Denial, *, connect: bool) -> None:
+    """Refuse a request so that every client raises its own connection error naming the
+    rule and the hint, and none reads a refusal as a response (then end the connection).
+
+    `CONNECT`: a 403 whose reason phrase is the refusal (clients raise on a failed tunnel
+    and quote the phrase: `Tunnel connection failed: 403 |agent-sandbox refusal|
+    [net.resolve] ...`). Plain HTTP: the refusal in place of the status line, which no HTTP
+    client takes for a response (http.client's `BadStatusLine`, h11's and aiohttp's protocol
+    errors), so the code's request fails as a connection does instead of returning a body
+    to parse. The worker's network guard puts the marked refusal first in the text of the
+    error the code catches (`guards/_net.py`).
+    """
+    line = _one_line(denial)
+    if connect:
+        body = line + b"\n"
+        session.writer.write(
+            b"HTTP/1.1 403 " + line + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\nx-agent-sandbox-denial: %s\r\n\r\n"
+            % (len(body), denial.rule.encode("ascii", "replace"))
+            + body
+        )
+    else:
+        session.writer.write(line + b"\r\n\r\n")
+    await session.flush()

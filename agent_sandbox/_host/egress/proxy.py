@@ -14,7 +14,7 @@ How it is wired (`bwrap` and `unshare`, for a policy with `[net]` allow rules):
 3. The proxy speaks HTTP `CONNECT` (a TLS tunnel: it sees the host name and the port, never
    the contents) and plain HTTP proxying (absolute-form requests; the client and upstream
    connections kept alive; both sides read by h11 and each message rebuilt from what was
-   parsed, see `session._Session`). It judges each target against the
+   parsed, see `http1.Http1`). It judges each target against the
    policy's rules by host name and port (`rules.EgressRules`), resolves names itself on the host
    (the worker never resolves), and refuses a name that resolves to a loopback, private, link-local,
    metadata or other non-global address unless a rule names that address. The host's
@@ -49,9 +49,10 @@ This module is the server: one event-loop thread (`EgressProxy`, `egress_proxy()
 route per worker (`Route`: its rules, bounds, connections and recorded refusals). The rest of
 the proxy, by concern: `addresses` (a target's one spelling, LAN and special ranges), `rules`
 (the judgement and the decision for one target), `resolver` (the pinned resolver), `session`
-(one connection: deadlines, byte bound, refusals), `http1` (h11 parsing, rebuilt messages),
-`socks` (SOCKS5 parsing), `handoff` (the proxy's address and environment, the listeners a
-sandbox sends, loopback forwards).
+(one connection's life: deadlines, byte bound, upstream, tunnel, refusals recorded), `http1`
+(HTTP/1.1 served on a session: h11 parsing, rebuilt messages, the HTTP refusals), `socks`
+(SOCKS5 served on a session), `handoff` (the proxy's address and environment, the listeners
+a sandbox sends, loopback forwards).
 """
 
 from __future__ import annotations

@@ -1,15 +1,70 @@
-"""SOCKS5 as the proxy reads it (RFC 1928: no authentication, `CONNECT` only).
+"""SOCKS5 as the proxy serves it (RFC 1928: no authentication, `CONNECT` only).
 
-A connection whose first byte is 5 is a SOCKS5 client (`socks5h://127.0.0.1:3128`); the
-session (`session._Session._socks`) answers with what these parsers return, and judges the
-target like a `CONNECT`. A refusal is reply code 2 and the same recorded denial.
+A connection whose first byte is 5 is a SOCKS5 client (`socks5h://127.0.0.1:3128`).
+`serve` answers it with what the parsers (`socks5_greeting`, `socks5_request`) return and
+has the session judge the target like a `CONNECT`; a refusal is reply code 2 and the same
+denial, recorded by the session before the reply. The session keeps the deadlines, the
+byte bound and the tunnel.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["socks5_greeting", "socks5_request"]
+if TYPE_CHECKING:
+    from agent_sandbox._host.egress.session import _Session
+
+__all__ = ["serve", "socks5_greeting", "socks5_request"]
+
+#: The longest head: a greeting is at most 257 bytes and a request 262, and the parsers
+#: answer as soon as they hold one; a client still short of an answer past this is refused.
+LONGEST_HEAD = 2 + 255 + 4 + 1 + 255 + 2
+
+
+async def serve(session: _Session, data: bytes) -> None:
+    """A SOCKS5 client (RFC 1928): no authentication, `CONNECT` only, judged like a
+    `CONNECT` request (a name is resolved and judged on the host: `socks5h://`); `data` is
+    what the session read first."""
+
+    async def need(parse: Callable[[bytes], Any]) -> Any:
+        nonlocal data
+        while (out := parse(data)) is None:
+            if len(data) > LONGEST_HEAD:
+                raise ConnectionError("SOCKS5 head too long")
+            more = await session.read(session.reader)
+            if not more:
+                raise ConnectionError("SOCKS5 client went away")
+            data += more
+        return out
+
+    def reply(code: int) -> None:
+        session.writer.write(bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0]))
+
+    answer, used = await need(socks5_greeting)
+    session.writer.write(answer)
+    data = data[used:]
+    if answer != b"\x05\x00":
+        session.refused_head("a SOCKS5 greeting offering no method without authentication")
+        return
+    code, host, port, used = await need(socks5_request)
+    leftover = data[used:]
+    if code:
+        session.refused_head(f"a SOCKS5 request the proxy does not serve (reply {code})")
+        reply(code)
+        return
+    session.head_in()
+    session.target = f"{host[:200]}:{port}"
+    addresses, denial = await session.judge(host, port)  # a denial: recorded by the session
+    if denial is not None:
+        reply(2)  # connection not allowed by ruleset
+        return
+    if await session.connect(addresses, port):
+        reply(5)  # connection refused
+        return
+    reply(0)
+    await session.tunnel(leftover)
 
 
 def socks5_greeting(data: bytes) -> tuple[bytes, int] | None:
