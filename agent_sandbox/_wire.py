@@ -6,6 +6,10 @@ worker writes events with `encode_event`; the host reads them with
 `agent_sandbox._host.intake.framing` and judges them with `agent_sandbox._host.intake.events`.
 Both apply the same budget of JSON values to an outcome (`value_budget`, `json_values`).
 
+The typed records that cross before a worker serves (`BootConfig`, `WorkerSetup`, `Hello`,
+`SetupChecks`) are in `agent_sandbox._wire_boot` (host to worker) and
+`agent_sandbox._wire_records` (their base, and worker to host), re-exported here.
+
 Standard library only: the worker imports it before arming.
 """
 
@@ -14,16 +18,40 @@ from __future__ import annotations
 import json
 import re
 
+from agent_sandbox._wire_boot import (
+    BootConfig,
+    EgressRelay,
+    EgressSetup,
+    GrantPins,
+    LandlockRuleset,
+    LimitReport,
+    ScratchTmpfs,
+    SeccompProgram,
+    WorkerSetup,
+)
+from agent_sandbox._wire_records import HELLO_BYTES, BootError, Hello, HelloError, SetupChecks
+
 TYPE_CHECKING = False  # (not `typing`'s: the worker's start does not import typing)
 if TYPE_CHECKING:
     from typing import Any
 
 __all__ = [
     "EVENT_KINDS",
+    "HELLO_BYTES",
     "STAGING_PREFIX",
     "BootConfig",
     "BootError",
+    "EgressRelay",
+    "EgressSetup",
     "Event",
+    "GrantPins",
+    "Hello",
+    "HelloError",
+    "LandlockRuleset",
+    "LimitReport",
+    "ScratchTmpfs",
+    "SeccompProgram",
+    "SetupChecks",
     "encode_event",
     "json_values",
     "name_problem",
@@ -130,248 +158,3 @@ def name_problem(name: object) -> str:
     if len(encoded) > _NAME_BYTES:
         return f"a file name is at most {_NAME_BYTES} bytes"
     return ""
-
-
-# -- What the host tells a worker before it serves -------------------------------------------
-#
-# Two records, immutable, written over `__slots__` (the worker's start imports neither
-# `dataclasses` nor `typing`): `WorkerSetup`, the kernel steps and services a provider's plan
-# asks the worker to apply to itself, and `BootConfig`, the whole boot configuration the host
-# writes to the worker's boot pipe. `to_dict()` is exactly the JSON that crosses; `from_dict()`
-# is the worker's reading of it, refusing a key it does not know or one that is missing.
-
-
-class BootError(ValueError):
-    """A boot configuration (or its `worker_setup`) the worker cannot read: names what."""
-
-
-class _Record:
-    """A frozen record over `__slots__`: equality by value, no attribute set after init."""
-
-    __slots__: tuple[str, ...] = ()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable (use .replace(...))")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable")
-
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is type(self):
-            return self._values() == other._values()  # type: ignore[attr-defined]
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # (values hold dicts)
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
-        return f"{type(self).__name__}({fields})"
-
-
-class WorkerSetup(_Record):
-    """What a provider's launch plan asks the worker to apply to itself before it serves.
-
-    Each field is None when the plan does not ask for it (the key is then absent from the
-    wire, as it always was); the values are JSON-safe fragments built by `providers/`:
-
-    - `no_new_privs`, `drop_caps`: True to set `PR_SET_NO_NEW_PRIVS` / drop capabilities;
-    - `landlock`: the Landlock ruleset (`providers/_landlock.landlock_setup`);
-    - `seccomp`, `seccomp_exec`: BPF programs, base64 (`providers/_seccomp.py`);
-    - `scratch_tmpfs`: a private tmpfs over scratch (`{"bytes": n, ...}`);
-    - `pins`: granted paths with the device and inode the host saw (`providers/_grants.py`);
-    - `egress`: the egress proxy's address, the worker's end of its channel, its refusal token;
-    - `egress_relay`: gVisor's relay from the sandbox's loopback to the host's route;
-    - `listen_path`: a socket path the worker binds itself (gVisor), instead of `listen_fd`;
-    - `limit_report`: where and at which count to report calls ended at `limits.processes`.
-
-    Read-only mapping access (`"egress" in setup`, `setup.get(...)`, `setup["landlock"]`,
-    `dict(setup)`) sees the fields that are set, under their wire names.
-    """
-
-    __slots__ = (
-        "drop_caps",
-        "egress",
-        "egress_relay",
-        "landlock",
-        "limit_report",
-        "listen_path",
-        "no_new_privs",
-        "pins",
-        "scratch_tmpfs",
-        "seccomp",
-        "seccomp_exec",
-    )
-
-    no_new_privs: bool | None
-    drop_caps: bool | None
-    landlock: dict[str, Any] | None
-    seccomp: dict[str, Any] | None
-    seccomp_exec: dict[str, Any] | None
-    scratch_tmpfs: dict[str, Any] | None
-    pins: dict[str, Any] | None
-    egress: dict[str, Any] | None
-    egress_relay: dict[str, Any] | None
-    listen_path: str | None
-    limit_report: dict[str, Any] | None
-
-    def __init__(
-        self,
-        *,
-        no_new_privs: bool | None = None,
-        drop_caps: bool | None = None,
-        landlock: dict[str, Any] | None = None,
-        seccomp: dict[str, Any] | None = None,
-        seccomp_exec: dict[str, Any] | None = None,
-        scratch_tmpfs: dict[str, Any] | None = None,
-        pins: dict[str, Any] | None = None,
-        egress: dict[str, Any] | None = None,
-        egress_relay: dict[str, Any] | None = None,
-        listen_path: str | None = None,
-        limit_report: dict[str, Any] | None = None,
-    ) -> None:
-        values = locals()
-        for name in self.__slots__:
-            object.__setattr__(self, name, values[name])
-
-    @classmethod
-    def from_dict(cls, data: Any) -> WorkerSetup:
-        """Read the wire form; a key this side does not know is an error naming it."""
-        if data is None:
-            return cls()
-        if not isinstance(data, dict):
-            raise BootError(f"worker_setup must be a JSON object, not {type(data).__name__}")
-        unknown = sorted(set(data) - set(cls.__slots__))
-        if unknown:
-            raise BootError(
-                f"worker_setup has keys this worker does not know: {', '.join(unknown)} "
-                "(the host and the worker come from different versions of agent_sandbox?)"
-            )
-        return cls(**data)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form: the fields that are set, by name."""
-        return {n: v for n in self.__slots__ if (v := getattr(self, n)) is not None}
-
-    def replace(self, **changes: Any) -> WorkerSetup:
-        """A copy with `changes` (None unsets a field)."""
-        return type(self)(**{**{n: getattr(self, n) for n in self.__slots__}, **changes})
-
-    # -- read-only mapping access, over the fields that are set -------------------------------
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.__slots__ and getattr(self, key) is not None  # type: ignore[arg-type]
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self else default
-
-    def keys(self) -> list[str]:
-        return [n for n in self.__slots__ if getattr(self, n) is not None]
-
-    def items(self) -> list[tuple[str, Any]]:
-        return list(self.to_dict().items())
-
-    def __iter__(self) -> Any:
-        return iter(self.keys())
-
-    def __len__(self) -> int:
-        return len(self.keys())
-
-    def __bool__(self) -> bool:
-        return bool(self.keys())
-
-
-class BootConfig(_Record):
-    """The boot configuration the host writes to a worker's boot pipe (`_host/process.py`).
-
-    `token` authenticates the host's requests; `worker_id` names the worker in its replies;
-    `listen_fd` is the inherited listening socket (a template's or a VM's worker puts its
-    own in its place); `policy` is the policy's wire form; `sys_path` and `package_dirs` are
-    the import roots and package folders; `scratch` is the working directory as the worker
-    sees it; `worker_setup` is the plan's `WorkerSetup`; `host_env_names` are the host's
-    variable names (the environment guard's reference); `die_with_parent` asks the worker to
-    end with the host's launch thread, `keeper` to run under a keeper (`_worker/boot.py`);
-    `life_fd` is the worker's end of the agent's life line (`WorkerSpec.life_fd`), or None.
-    """
-
-    __slots__ = (
-        "die_with_parent",
-        "host_env_names",
-        "keeper",
-        "life_fd",
-        "listen_fd",
-        "package_dirs",
-        "policy",
-        "scratch",
-        "sys_path",
-        "token",
-        "worker_id",
-        "worker_setup",
-    )
-
-    token: str
-    worker_id: str
-    listen_fd: int
-    policy: dict[str, Any]
-    sys_path: list[str]
-    package_dirs: dict[str, str]
-    scratch: str
-    worker_setup: WorkerSetup
-    host_env_names: list[str]
-    die_with_parent: bool
-    keeper: bool
-    life_fd: int | None
-
-    def __init__(
-        self,
-        *,
-        token: str,
-        worker_id: str,
-        listen_fd: int,
-        policy: dict[str, Any],
-        sys_path: list[str],
-        package_dirs: dict[str, str],
-        scratch: str,
-        worker_setup: WorkerSetup,
-        host_env_names: list[str],
-        die_with_parent: bool,
-        keeper: bool,
-        life_fd: int | None = None,
-    ) -> None:
-        values = locals()
-        for name in self.__slots__:
-            object.__setattr__(self, name, values[name])
-
-    @classmethod
-    def from_dict(cls, data: Any) -> BootConfig:
-        """Read the wire form; an unknown or a missing key is an error naming it."""
-        if not isinstance(data, dict):
-            raise BootError(f"the boot configuration must be a JSON object, not {type(data)}")
-        unknown = sorted(set(data) - set(cls.__slots__))
-        missing = [n for n in cls.__slots__ if n not in data]
-        if unknown or missing:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing)}")
-            if unknown:
-                parts.append(f"unknown {', '.join(unknown)}")
-            raise BootError(
-                f"the boot configuration has {'; '.join(parts)} (the host and the worker "
-                "come from different versions of agent_sandbox?)"
-            )
-        fields = dict(data)
-        fields["worker_setup"] = WorkerSetup.from_dict(data["worker_setup"])
-        return cls(**fields)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The wire form (what `json.dumps` writes to the boot pipe)."""
-        out = {n: getattr(self, n) for n in self.__slots__}
-        out["worker_setup"] = self.worker_setup.to_dict()
-        return out

@@ -1,6 +1,6 @@
 """What a worker starts from, as the host prepares it: interpreter, import roots, folders, log.
 
-Shared by a direct start (`agent_sandbox._host.process`), a worker template
+Shared by a direct start (`agent_sandbox._host.startup`), a worker template
 (`agent_sandbox._host.templates`) and the boundary's dry build of a launch plan
 (`agent_sandbox._host.boundary`):
 

@@ -1,82 +1,47 @@
-"""One worker process, seen from the parent: start, handshake, calls, and a certain end.
+"""One worker process, seen from the parent: its start, handshake, signals and end.
 
-Start-up, in order:
-
-1. Create a private 0700 control directory holding the listening socket and the scratch
-   directory (the worker's working directory); the worker log is a bounded memfd
-   (`bounded_log`).
-2. Listen on a Unix socket there; the worker inherits the listening descriptor, so it needs
-   no path to the socket, and the parent connects by path.
-3. Let the provider build the launch plan (pure) and launch it (thin) in a new session.
-4. Write the boot configuration (policy, token, import roots) into an inherited pipe.
-5. Handshake (`GET /hello`): the worker must answer in time and run the same interpreter
-   version and base prefix as the parent (this catches a silently swapped libpython).
+`WorkerProcess` keeps the process: its start (control directory, launch, boot
+configuration, handshake) is `agent_sandbox._host.startup`; each call on it is a
+`agent_sandbox._host.call.Call`, which consults the host's evidence sources the start
+registered (`agent_sandbox._host.evidence`); how a process ended is read by
+`agent_sandbox._host.exit_status`. The inputs of a start are in `agent_sandbox._host.launch`,
+the reading of what the worker sends in `agent_sandbox._host.intake`.
 
 A call has a wall-clock deadline; on expiry the whole process group gets SIGTERM, then
 SIGKILL. A worker that dies is reported with its exit status, never waited on forever.
-
-Why this module is longer than 600 lines: it is one class, `WorkerProcess`, whose start,
-calls, interrupts and end share the same state (the process, its cgroups, its log, its
-guard watch, its egress route); the inputs of a start are in `agent_sandbox._host.launch`
-and the reading of what the worker sends is in `agent_sandbox._host.intake`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
-import json
 import logging
 import os
 import secrets
 import signal
 import socket
-import stat
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from agent_sandbox._denial import Denial, new_token
-from agent_sandbox._errors import (
-    MessageTooLarge,
-    TransportError,
-    WorkerError,
-    WorkerStartError,
-    describe_exit,
-)
-from agent_sandbox._hints import limit_hint
+from agent_sandbox._errors import TransportError, WorkerError, describe_exit
 from agent_sandbox._host import lifecycle
+from agent_sandbox._host.call import STOPPED_REASON, TEMPLATE_REASON, Call
+from agent_sandbox._host.evidence import EvidenceSet, LimitEvidence
+from agent_sandbox._host.exit_status import parse_stat
 from agent_sandbox._host.guardian import remove_tree
 from agent_sandbox._host.intake import guard_block
-from agent_sandbox._host.intake.builder import Mark, ResultBuilder
 from agent_sandbox._host.intake.events import HostBounds
-from agent_sandbox._host.intake.transport import (
-    AsyncWorkerClient,
-    ConnectionLost,
-    HostCall,
-    WorkerClient,
-)
-from agent_sandbox._host.launch import (
-    BOOT_SCRIPT,
-    LOG_BYTES,
-    bounded_log,
-    import_roots,
-    package_dirs,
-    worker_env,
-    worker_python,
-)
-from agent_sandbox._host.limit_report import GuestLimits, record_limit_hits
-from agent_sandbox._host.limits import WorkerCgroups, _descendants, start_cgroups
-from agent_sandbox._host.result import RunError, RunResult
-from agent_sandbox._host.setup_checks import verify_checks
-from agent_sandbox._wire import BootConfig
+from agent_sandbox._host.intake.transport import HostCall, WorkerClient
+from agent_sandbox._host.launch import LOG_BYTES
+from agent_sandbox._host.limit_report import GuestLimits
+from agent_sandbox._host.limits import WorkerCgroups, _descendants
+from agent_sandbox._host.result import RunResult
+from agent_sandbox._host.startup import start_worker
+from agent_sandbox._wire import Hello, HelloError
 from agent_sandbox.policies import Policy
-from agent_sandbox.providers import LaunchPlan, Provider, WorkerSpec
+from agent_sandbox.providers import LaunchPlan, Provider
 
 if TYPE_CHECKING:
     from agent_sandbox._host.denial_log import Watch
@@ -105,17 +70,14 @@ _TERM_GRACE = 0.5
 _DISCARD_WAIT = 2.0
 #: How long an interrupted cell has to stop before its worker is replaced.
 _INTERRUPT_GRACE = 2.0
-#: How long a worker seen exiting (after its connection closed) has to give its status.
-_EXITING_WAIT = 2.0
-_PF_EXITING = 0x4
-_STOPPED_REASON = "it was stopped by a signal (SIGSTOP or SIGTSTP) and could not run"
-_TEMPLATE_REASON = "its worker template (the process that forks workers) ended, and it with it"
 _logger = logging.getLogger("agent_sandbox")
-_unwatched_warned = False
 
 
 class WorkerProcess:
     """A started, handshaken worker; use `start()` to make one."""
+
+    #: What runs one call on it (a remote worker's differs: `_host/remote/worker.py`).
+    call_class: type[Call] = Call
 
     def __init__(self) -> None:
         self.id = "w-" + secrets.token_hex(4)
@@ -123,7 +85,8 @@ class WorkerProcess:
         self.control_dir = ""
         self.scratch = ""
         self.plan: LaunchPlan | None = None
-        self.hello: dict[str, Any] = {}
+        #: The worker's handshake, read by the host (`_host/intake/transport.decode_hello`).
+        self.hello: Hello | None = None
         self.policy: Policy | None = None
         self.decoder: Decoder | None = None
         self.token = secrets.token_urlsafe(32)
@@ -154,6 +117,8 @@ class WorkerProcess:
         self._interrupt_expired: float | None = None
         #: The worker's route on the host's egress proxy (namespace providers with [net]).
         self.egress: Route | None = None
+        #: The refusal token of its route (`_denial.new_token`): in its boot configuration
+        #: only, never in the plan; "" without a route.
         self.egress_token = ""
         #: What a VM's guest reported of its limits (`LaunchPlan.limit_reports`).
         self.guest_limits: GuestLimits | None = None
@@ -161,14 +126,15 @@ class WorkerProcess:
         #: The host's reader of the worker's Landlock denials in the kernel's audit log,
         #: where the kernel writes them (`_host/denial_log.py`).
         self.kernel_log: Watch | None = None
-        #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`), and
-        #: the
-        self._held_mark: Mark | None = None
-        self.bounds: HostBounds | None = None
-        #: events of the current call it holds back until the call's end is verified.
+        #: The host's own reader of the worker's arming counter (`_host/intake/guard_block.py`).
         self.guard_watch: guard_block.GuardWatch | None = None
-        self._held: list[tuple[str, Any]] = []
-        #: The O_PATH descriptor of a socket the worker bound itself (`_pin_socket`).
+        self.bounds: HostBounds | None = None
+        #: The host's sources of evidence about each call, as `agent_sandbox._host.call`
+        #: consults them: the start registers each source it opens (`_host/startup.py`);
+        #: the limit report is always there (it reads the worker's own limit errors too).
+        self.evidence = EvidenceSet()
+        self.evidence.register(LimitEvidence())
+        #: The O_PATH descriptor of a socket the worker bound itself (`startup.pin_socket`).
         self._socket_pin: int | None = None
         #: The write end of the worker's life line (`WorkerSpec.life_fd`), closed once the
         #: worker is reaped; None when its provider does not use one.
@@ -185,432 +151,18 @@ class WorkerProcess:
         start_timeout: float = 15.0,
         template: WorkerTemplate | None = None,
     ) -> WorkerProcess:
-        """Start a worker (see `_start`), inside the exit clean-up's bracket of starts."""
-        with lifecycle.starting():
-            return cls._start(policy, provider, start_timeout=start_timeout, template=template)
-
-    @classmethod
-    def _start(
-        cls,
-        policy: Policy,
-        provider: Provider,
-        *,
-        start_timeout: float = 15.0,
-        template: WorkerTemplate | None = None,
-    ) -> WorkerProcess:
-        """Start a worker for `policy` under `provider` and wait for its handshake.
+        """Start a worker for `policy` under `provider` and wait for its handshake
+        (`agent_sandbox._host.startup.start_worker`), inside the exit clean-up's bracket of
+        starts.
 
         With a `template` (see `_host/templates.py`) the worker is forked from a pre-imported
         template instead of started from scratch; the plan, the boot configuration, the
         limits and every restriction are the same.
         """
-        self = cls()
-        self.policy = policy
-        provider.prepare(policy)  # a first use's one-time build: outside the start timeout
-        t0 = time.monotonic()
-        lifecycle.ensure_guardian()
-        self.control_dir = tempfile.mkdtemp(prefix=lifecycle.control_dir_prefix())
-        os.chmod(self.control_dir, 0o700)
-        self.scratch = os.path.join(self.control_dir, "scratch")
-        os.mkdir(self.scratch, 0o700)
-        sock_path = os.path.join(self.control_dir, "ctl.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        boot_r, boot_w = os.pipe()
-        # The worker's life line (`WorkerSpec.life_fd`): the write end stays here, close-on-
-        # exec and passed to nothing, until the worker is reaped; a worker forked from a
-        # template dies with the template instead.
-        life_r, life_w = os.pipe() if template is None else (-1, -1)
-        # The channel that brings the worker's egress-proxy listener to the host (used only
-        # when the plan has an egress proxy; see _host/egress/proxy.py).
-        egress_host, egress_worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._egress_channel = egress_host  # closed by _cleanup_dirs on any failure
-        try:
-            listener.bind(sock_path)
-            listener.listen(8)
-            listener.set_inheritable(True)
-            os.set_inheritable(boot_r, True)
-            if life_r >= 0:
-                os.set_inheritable(life_r, True)
-            egress_worker.set_inheritable(True)
-            spec = WorkerSpec(
-                python=worker_python(),
-                boot_script=BOOT_SCRIPT,
-                scratch=self.scratch,
-                control_dir=self.control_dir,
-                listen_fd=listener.fileno(),
-                boot_fd=boot_r,
-                sys_path=import_roots(),
-                package_dirs=package_dirs(),
-                env=worker_env(policy, os.environ),
-                prefix=sys.prefix,
-                base_prefix=sys.base_prefix,
-                egress_fd=egress_worker.fileno(),
-                life_fd=life_r,
+        with lifecycle.starting():
+            return start_worker(
+                cls, policy, provider, start_timeout=start_timeout, template=template
             )
-            self.plan = provider.build(policy, spec)
-            if template is not None:
-                self.plan = template.adapt(self.plan)  # a namespace template's worker
-            if "landlock" in self.plan.worker_setup:
-                # Subscribed to the kernel's Landlock records before the worker can meet its
-                # first denial, where the audit is on and readable (_host/denial_log.py).
-                from agent_sandbox._host.denial_log import subscribe
-
-                subscribe()
-            depth = self.plan.worker_depth
-            # A namespace template's worker has its init and relay inside its groups (they
-            # count in pids.max, like a launcher that joins the groups itself).
-            inside = template is not None and template.kind == "namespace"
-            self.cgroups = start_cgroups(
-                self.id,
-                policy,
-                None if inside else depth,
-                launcher_tasks=self.plan.launcher_tasks,
-                launcher_mb=self.plan.launcher_mb,
-            )
-            log = bounded_log()
-            self._log = log
-            if template is not None:
-                self.proc = template.spawn(self.plan, log)
-            else:
-                plan = self.plan
-                if self.cgroups is not None and depth is None:
-                    # A launcher of no fixed shape joins the groups itself before it runs.
-                    plan = dataclasses.replace(plan, argv=self.cgroups.joining_argv(plan.argv))
-                plan = dataclasses.replace(plan, env={**plan.env, **lifecycle.owner_env()})
-                self.proc = lifecycle.launch(provider.launch, plan, log)
-        except BaseException:
-            listener.close()
-            os.close(boot_r)
-            os.close(boot_w)
-            egress_worker.close()
-            if life_w >= 0:
-                os.close(life_w)
-            self._cleanup_dirs()
-            raise
-        finally:
-            listener.close()
-            egress_worker.close()
-            with contextlib.suppress(OSError):
-                os.close(boot_r)
-            if life_r >= 0:
-                os.close(life_r)
-        if life_w >= 0 and life_r in self.plan.pass_fds:
-            self._life = life_w
-        elif life_w >= 0:
-            os.close(life_w)  # the provider has no use for it (a parent-death signal reaches)
-        try:
-            setup = self.plan.worker_setup
-            if "egress" in setup:  # its refusal token, its own (`_denial.new_token`)
-                self.egress_token = new_token()
-                setup = setup.replace(egress={**setup["egress"], "token": self.egress_token})
-            boot = BootConfig(
-                token=self.token,
-                worker_id=self.id,
-                listen_fd=spec.listen_fd,
-                policy=policy.to_wire(pin="egress" not in self.plan.worker_setup),
-                sys_path=list(spec.sys_path),
-                package_dirs=dict(spec.package_dirs),
-                scratch=self.scratch,
-                worker_setup=setup,
-                host_env_names=sorted(os.environ),
-                # Started from scratch in the launch thread: it dies with that thread.
-                die_with_parent=template is None,
-                # No pid namespace to die with: a keeper ends what the worker detached.
-                keeper=template is None and self.plan.keeper,
-                # The worker's end of the life line: the same number in it (pass_fds).
-                life_fd=life_r if self._life is not None else None,
-            )
-            try:
-                _write_all(boot_w, json.dumps(boot.to_dict()).encode())
-            except OSError as exc:
-                raise self._start_failed(f"could not send the boot configuration ({exc})") from None
-            finally:
-                os.close(boot_w)
-            cgroups, proc = self.cgroups, self.proc
-            # A namespace template's worker: `proc` is its init, the worker its only child.
-            init = bool(getattr(proc, "init", False))
-            if init:
-                depth = 0
-            if cgroups is not None and depth is not None:
-                # While the worker boots (it has its configuration already). It runs no user code
-                # and forks nothing before its handshake, so joining now covers all it will start.
-                if depth == 0:
-                    self._place_in_cgroups(lambda: cgroups.attach(proc.pid))
-                else:
-                    alive = lambda: proc.poll() is None  # noqa: E731
-                    self._place_in_cgroups(
-                        lambda: cgroups.attach_at_depth(proc.pid, depth, start_timeout, alive)
-                    )
-            # Loaded here, while the worker boots (on a fresh host's idle core), rather than
-            # with this module: the restricted unpickler's tables (about 5 ms of imports).
-            from agent_sandbox._host.intake.unpickle import Decoder
-
-            self.decoder = Decoder.from_policy(policy)
-            self.bounds = HostBounds.from_policy(policy)
-            if self.plan.socket_path:
-                # The worker binds its own socket (gVisor): wait for it, then pin it.
-                sock_path = self._pin_socket(self.plan.socket_path, t0 + start_timeout)
-            self.client = WorkerClient(
-                sock_path, self.token, self.bounds.max_event_bytes(), self.bounds.kind_caps()
-            )
-            if "egress" in self.plan.worker_setup:
-                # The proxy's thread starts while the worker boots: a thread's start waits
-                # until the new thread runs, several milliseconds on a loaded machine, which
-                # the worker's own boot hides here (before the launch it added them to every
-                # start with the proxy: benchmarks/bench_egress.py). Loaded for plans with
-                # an egress proxy only (it brings asyncio).
-                from agent_sandbox._host.egress.handoff import EgressError
-                from agent_sandbox._host.egress.proxy import egress_proxy
-
-                try:
-                    egress_proxy().start()
-                except EgressError as exc:
-                    raise self._start_failed(f"the egress proxy could not start: {exc}") from None
-            try:
-                remaining = start_timeout - (time.monotonic() - t0)
-                self.hello = self.client.hello(max(0.05, remaining))
-            except (TimeoutError, TransportError) as exc:
-                status = self.proc.poll()
-                tail = self.log_tail()
-                self.kill()
-                reason = (
-                    f"it exited early ({describe_exit(status)})"
-                    if status is not None
-                    else f"no handshake within {start_timeout:g} s ({exc})"
-                )
-                raise WorkerStartError(reason, log_tail=tail) from None
-            self._verify_hello()
-            if self.plan.provider == "gvisor" and getattr(self.plan, "pins", None):
-                # The granted paths as runsc's gofer mounted them, before any call.
-                from agent_sandbox.providers.gvisor.pins import check_pins_in_gofer
-
-                check_pins_in_gofer(self.plan, proc.pid)  # type: ignore[arg-type]
-            self._hold_scratch()
-            self._watch_guards()
-            self._watch_kernel_log()
-            if "egress" in self.plan.worker_setup:
-                self._attach_egress(egress_host, start_timeout - (time.monotonic() - t0))
-            self._egress_channel = None
-            egress_host.close()
-            if cgroups is not None and depth:
-                # Whatever the first pass missed at the worker's depth or below (normally
-                # nothing: one read per group); the launcher's own processes stay outside.
-                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid, min_depth=depth))
-            elif cgroups is not None and init:
-                # The worker itself, forked by its init maybe before the init was placed.
-                self._place_in_cgroups(lambda: cgroups.attach_tree(proc.pid))
-        except BaseException:
-            # An interrupted or failed start (Ctrl-C, a start error): nothing of it stays.
-            self.kill()
-            raise
-        if self.plan.limit_reports:
-            self.guest_limits = GuestLimits(
-                self.plan.limit_reports, self.proc.pid, source=self.plan.provider
-            )
-        if self.plan.warm_up:
-            self._warm_up(start_timeout - (time.monotonic() - t0))
-        self.started_at = time.monotonic()
-        _logger.debug(
-            "worker %s started under %s in %.0f ms",
-            self.id,
-            "+".join(self.plan.stack),
-            (self.started_at - t0) * 1000,
-        )
-        return self
-
-    def _pin_socket(self, path: str, deadline: float) -> str:
-        """Wait until the worker's own socket exists at `path` (in the directory the sandbox
-        shares with the host), then open it with O_PATH | O_NOFOLLOW and return the
-        `/proc/self/fd` name the client connects through: a link the worker planted there
-        is refused, and a later swap of the name does not redirect the host."""
-        assert self.proc is not None
-        delay = 0.001
-        fd = -1
-        while True:
-            if fd < 0:
-                try:
-                    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    raise self._start_failed(
-                        f"the worker's socket cannot be opened ({exc})"
-                    ) from None
-            if fd >= 0:
-                if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    os.close(fd)
-                    raise self._start_failed("the worker's socket path is not a socket")
-                if _accepts(f"/proc/self/fd/{fd}"):  # bound, and listening (not only bound)
-                    break
-            status = self.proc.poll()
-            if status is not None:
-                tail = self.log_tail()
-                self.kill()
-                raise WorkerStartError(
-                    f"it exited early ({describe_exit(status)})", log_tail=tail
-                ) from None
-            if time.monotonic() >= deadline:
-                if fd >= 0:
-                    os.close(fd)
-                raise self._start_failed("no socket from the worker within its start timeout")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        self._socket_pin = fd
-        return f"/proc/self/fd/{fd}"
-
-    def _start_failed(self, reason: str) -> WorkerStartError:
-        """A start that cannot be kept: take the worker's log tail, kill it, and return the
-        error to raise, naming `reason`."""
-        tail = self.log_tail()
-        self.kill()
-        return WorkerStartError(reason, log_tail=tail)
-
-    def _warm_up(self, timeout: float) -> None:
-        """One constant call before the worker is handed out (`LaunchPlan.warm_up`)."""
-        result = self.run("None", timeout=max(timeout, 5.0), filename="<warm-up>")
-        if result.error is not None or self.dead:
-            raise self._start_failed(f"the worker's warm-up call failed ({result.error})")
-
-    def _attach_egress(self, channel: socket.socket, timeout: float) -> None:
-        """Take the worker's proxy listener (sent before its handshake) onto the host's
-        egress proxy; a worker whose proxy cannot serve is never kept."""
-        assert self.policy is not None
-        from agent_sandbox._host.egress.handoff import (
-            EgressError,
-            loopback_forwards,
-            receive_listeners,
-        )
-        from agent_sandbox._host.egress.proxy import egress_proxy
-
-        try:
-            listener, forwards = receive_listeners(channel, timeout, loopback_forwards(self.policy))
-            self.egress = egress_proxy().attach(
-                self.policy, listener, forwards=forwards, token=self.egress_token
-            )
-        except EgressError as exc:
-            raise self._start_failed(f"the egress proxy could not start: {exc}") from None
-
-    def _place_in_cgroups(self, place: Callable[[], object]) -> None:
-        """Run one placement step; a worker alive but outside its groups is never kept."""
-        assert self.proc is not None
-        try:
-            place()
-        except OSError as exc:
-            if self.proc.poll() is None:
-                raise self._start_failed(
-                    f"could not place the worker in its cgroups ({exc})"
-                ) from None
-
-    def _verify_hello(self) -> None:
-        version = tuple(self.hello.get("version", ()))
-        if version != tuple(sys.version_info[:3]):
-            raise self._start_failed(
-                f"the worker runs Python {'.'.join(map(str, version))}, the parent "
-                f"{'.'.join(map(str, sys.version_info[:3]))} (a swapped libpython?)"
-            )
-        if (
-            os.path.realpath(str(self.hello.get("base_prefix", "")))
-            != os.path.realpath(sys.base_prefix)
-            and not self.plan_hides_prefix()
-        ):
-            raise self._start_failed(
-                f"the worker's interpreter prefix {self.hello.get('base_prefix')!r} is not "
-                f"the parent's {sys.base_prefix!r}"
-            )
-
-        problems = verify_checks(
-            self.plan.worker_setup.to_dict() if self.plan else {}, self.hello.get("checks") or {}
-        )
-        if problems:
-            raise self._start_failed(
-                "the worker's kernel restrictions do not match its plan: " + "; ".join(problems)
-            )
-
-    def _watch_guards(self) -> None:
-        """Open the host's reader of the arming counter the handshake reported."""
-        global _unwatched_warned
-        assert self.proc is not None
-        self.guard_watch = guard_block.GuardWatch.open(self.proc.pid, self.hello)
-        # A worker behind its own kernel (a VM, gVisor's Sentry) has no host process whose
-        # memory the host could read: expected there, not worth a warning.
-        expected = self.plan is not None and self.plan.interrupt_launcher
-        if self.guard_watch is None and not expected and not _unwatched_warned:
-            _unwatched_warned = True
-            checks = self.hello.get("checks")
-            guards = checks.get("guards") if isinstance(checks, dict) else None
-            reported = isinstance(guards, dict) and isinstance(guards.get("block"), dict)
-            why = (
-                "this process may not read the worker's memory"
-                if reported
-                else "the worker reported none: the guards' C extension `_fastimport` is "
-                "not built for its interpreter"
-            )
-            _logger.warning(
-                "agent_sandbox: the host cannot read the worker's guard counter (%s); only "
-                "the worker's own tamper check remains",
-                why,
-            )
-
-    def _watch_kernel_log(self) -> None:
-        """Read the worker's Landlock denials from the kernel's audit log where it is on
-        and readable (nothing is switched on here: see `_host/denial_log.py`)."""
-        assert self.policy is not None
-        landlock = (self.hello.get("checks") or {}).get("landlock")
-        if self.plan is None or "landlock" not in self.plan.worker_setup:
-            return
-        if not isinstance(landlock, dict):
-            return
-        abi = landlock.get("abi")
-        if not isinstance(abi, int) or abi < 7:
-            return
-        from agent_sandbox._host.denial_log import watch_worker
-
-        self.kernel_log = watch_worker(self.worker_pid(), self.policy.name, abi)
-
-    def _forwarder(
-        self, builder: ResultBuilder, on_event: OnEvent | None
-    ) -> Callable[[tuple[str, Any]], None]:
-        """What the transport calls with each event: the host's judge, then its guard check.
-
-        Every event is judged as it arrives (`agent_sandbox._host.intake.events`: order, shape, the
-        host's bounds and wording), held or not, so nothing the worker sends escapes the
-        bounds. Then the guard check: events read while the guards are armed are passed on;
-        events after the disarming are held (and marked in the builder, so they can be
-        withdrawn) until the end of the call is verified; after tampering nothing is passed on.
-        """
-        watch = self.guard_watch
-        held = self._held = []
-        self._held_mark = None
-        if watch is not None:
-            watch.begin_call()
-
-        def live(event: tuple[str, Any] | None) -> None:
-            if event is not None and on_event is not None:
-                on_event(*event)
-
-        def forward(event: tuple[str, Any]) -> None:
-            accepted = builder.add(*event)
-            if event[0] == "start":
-                # Framing, sent before the call arms and never passed on: the guard check
-                # (which expects a call under way) starts with the first event of the call.
-                return
-            if watch is not None:
-                verdict = watch.judge(event[0])
-                if verdict == guard_block.HOLD:
-                    if self._held_mark is None:
-                        self._held_mark = builder.mark()
-                    if accepted is not None:
-                        held.append(accepted)
-                    return
-                if verdict == guard_block.TAMPERED:
-                    held.clear()
-                    return
-                self._held_mark = None
-                while held:
-                    live(held.pop(0))
-            live(accepted)
-
-        return forward
 
     def socket_address(self) -> str:
         """Where the worker's server listens, as the host connects to it: the socket in the
@@ -619,10 +171,7 @@ class WorkerProcess:
             return self.client.path
         return os.path.join(self.control_dir, "ctl.sock")
 
-    def plan_hides_prefix(self) -> bool:
-        return False  # (no provider's plan runs the worker under another prefix)
-
-    # -- calls ---------------------------------------------------------------------------
+    # -- the process, and its calls -------------------------------------------------------
 
     @property
     def pid(self) -> int:
@@ -633,7 +182,7 @@ class WorkerProcess:
         if self.dead or self.proc is None or self.proc.poll() is not None:
             return False
         if self.stopped():
-            self.death_reason = self.death_reason or _STOPPED_REASON
+            self.death_reason = self.death_reason or STOPPED_REASON
             return False
         return True
 
@@ -642,16 +191,16 @@ class WorkerProcess:
         if self.proc is None:
             return False
         pids = [self.proc.pid]
-        if self._host_pid is not None or self.hello:
+        if self._host_pid is not None or self.hello is not None:
             inner = self.worker_pid()
             if inner is not None and inner != self.proc.pid:
                 pids.append(inner)
         return any(self._stat(pid)[0] in ("T", "t") for pid in pids)
 
     def _stat(self, pid: int) -> tuple[str, int]:
-        """`_proc_state` of one of this worker's processes through a descriptor opened once
-        (a `pread` at offset 0 renders the file afresh): checked twice per call. The open
-        descriptor stays with the process it was opened for, never a later holder of its
+        """`exit_status.proc_state` of one of this worker's processes through a descriptor
+        opened once (a `pread` at offset 0 renders the file afresh): checked twice per call.
+        The open descriptor stays with the process it was opened for, never a later holder of its
         number (reads fail once it is gone: ("", 0))."""
         with self._stat_lock:  # never a read of a descriptor closed meanwhile
             fd = self._stat_fds.get(pid)
@@ -664,46 +213,9 @@ class WorkerProcess:
                     return "", 0
                 self._stat_fds[pid] = fd
             try:
-                return _parse_stat(os.pread(fd, 4096, 0))
+                return parse_stat(os.pread(fd, 4096, 0))
             except OSError:
                 return "", 0
-
-    def _hold_scratch(self) -> None:
-        """Keep a descriptor on the worker's scratch if it is a tmpfs and a memory cgroup
-        bounds the worker: its files are then memory, and an OOM kill they caused is named
-        as theirs (`scratch_in_memory`). The descriptor keeps the tmpfs until the worker is
-        ended, however it died; checked to be the tmpfs its mount table names."""
-        cgroups = self.cgroups
-        if cgroups is None or not any(k.startswith("memory") for k in cgroups.dirs):
-            return
-        assert self.plan is not None
-        inside = self.scratch
-        pid = self.worker_pid()
-        if pid is None:
-            return
-        try:
-            with open(f"/proc/{pid}/mountinfo") as fh:
-                mountinfo = fh.read()
-        except OSError:
-            return
-        device = None
-        for line in mountinfo.splitlines():
-            left, _, right = line.partition(" - ")
-            fields, rest = left.split(), right.split()
-            if len(fields) >= 5 and rest and fields[4] == inside:
-                device = fields[2] if rest[0] == "tmpfs" else None  # the last mount wins
-        if device is None:
-            return
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(f"/proc/{pid}/root{inside}", flags)
-        except OSError:
-            return
-        st = os.fstat(fd)
-        if f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}" != device:
-            os.close(fd)
-            return
-        self._scratch_fd = fd
 
     def scratch_in_memory(self) -> int | None:
         """Bytes the worker's files hold in its tmpfs scratch (None: not a tmpfs in memory)."""
@@ -716,23 +228,6 @@ class WorkerProcess:
         except OSError:
             return None
         return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-    def _vm_end(self) -> str | None:
-        """How the worker's VM ended, when its launcher saw QEMU end before the guest said
-        the worker ended (`qemu-ended.json`, written by the launcher in a directory the
-        guest cannot write); None otherwise."""
-        if self.plan is None or not self.plan.interrupt_launcher or not self.control_dir:
-            return None
-        path = os.path.join(self.control_dir, "vm", "qemu-ended.json")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as fh:
-                code = json.loads(fh.read(256)).get("returncode")
-        except (OSError, ValueError, AttributeError):
-            return None
-        if not isinstance(code, int):
-            return None
-        return describe_exit(code)
 
     def _release_scratch(self) -> None:
         if self._scratch_fd >= 0:
@@ -754,37 +249,9 @@ class WorkerProcess:
             return self.death_reason
         template = getattr(self.proc, "_template", None)
         if template is not None and not template.alive():
-            return _TEMPLATE_REASON
+            return TEMPLATE_REASON
         status = self.proc.poll() if self.proc is not None else None
-        return f"it ended ({describe_exit(self._worker_status(status))})"
-
-    def _status_now(self) -> tuple[str, int | None]:
-        """After the transport was lost: ("exited", status), ("stopped", None) or
-        ("running", None), decided now; the only wait is for a worker already exiting
-        (its connection closes before its exit status exists), and it ends as soon as the
-        status does."""
-        assert self.proc is not None
-        status = self.proc.poll()
-        if status is not None:
-            return "exited", status
-        if self.stopped():
-            return "stopped", None
-        inner = self.worker_pid() if self.hello else self.proc.pid
-        state, flags = _proc_state(inner) if inner is not None else ("", 0)  # None: gone
-        template = getattr(self.proc, "_template", None)
-        exiting = (
-            state in ("", "Z", "X")
-            or bool(flags & _PF_EXITING)
-            or (template is not None and not template.alive())
-        )
-        vm = self.plan is not None and self.plan.interrupt_launcher
-        if not exiting and vm and not _live_children(self.proc.pid):
-            # A VM: the launcher outlives its QEMU, its only child, by a moment. No live
-            # child left means the VM itself ended: wait for the launcher's exit.
-            return "exited", self.wait_exit(_EXITING_WAIT)
-        if not exiting:
-            return "running", None
-        return "exited", self.wait_exit(_EXITING_WAIT)
+        return f"it ended ({describe_exit(self.worker_status(status))})"
 
     def run(
         self,
@@ -797,79 +264,23 @@ class WorkerProcess:
         filename: str | None = None,
         host_call: HostCall | None = None,
     ) -> RunResult:
-        """Run one call; never raises for the code's own failures (they are in the result).
+        """Run one call (`agent_sandbox._host.call.Call`); never raises for the code's own
+        failures (they are in the result).
 
         `timeout_source` says who set `timeout` (the tool's option, the CLI's flag), for the
         refusal's hint; `filename` is the name the code's frames carry (default `<cell-N>`).
         `host_call` answers the code's host-tool requests during this call (None refuses
         them; see `agent_sandbox._host.hosttools`).
         """
-        assert self.client is not None and self.policy is not None
-        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = self._builder(wall)
-        t0 = time.monotonic()
-        forward = self._forwarder(builder, on_event)
-        self._in_call = True
-        self.client.host_call = self._with_scratch_metadata(host_call)
-        try:
-            try:
-                self.client.run(code, t0 + wall, forward, filename)
-            except KeyboardInterrupt:
-                # Ctrl-C in the caller: the cell in the worker is interrupted too (its
-                # variables stay), and the caller gets its KeyboardInterrupt.
-                self.client.close()
-                self._in_call = False
-                self.interrupt()
-                raise
-            except (TimeoutError, TransportError) as exc:
-                self._on_call_failure(builder, exc, wall, timeout, timeout_source)
-            finally:
-                self._in_call = False
-                if self.client is not None:
-                    self.client.host_call = None
-            return self._finish(builder, t0, session)
-        finally:
-            self._call_ended()
-
-    def _with_scratch_metadata(self, host_call: HostCall | None) -> HostCall | None:
-        """`host_call`, serving the worker's chmod and utime requests in scratch too where
-        the plan's seccomp filter refuses metadata changes and scratch is this host's
-        directory (the landlock provider; `agent_sandbox._host.scratchmeta`)."""
-        plan = self.plan
-        if plan is None or not self.scratch:
-            return host_call
-        seccomp = plan.worker_setup.get("seccomp")
-        if not (isinstance(seccomp, dict) and seccomp.get("metadata") is True):
-            return host_call
-        from agent_sandbox._host.scratchmeta import metadata_handler
-
-        root = "/"
-        if plan.worker_setup.get("scratch_tmpfs"):
-            # The worker's scratch is a tmpfs in its own mount namespace, over this path:
-            # reached through the worker's root, as the host reads its memory.
-            pid = self.worker_pid()
-            if pid is None:
-                return host_call
-            root = f"/proc/{pid}/root"
-        return metadata_handler(self.scratch, host_call, root=root)  # type: ignore[no-any-return]
-
-    def _on_call_failure(
-        self,
-        builder: ResultBuilder,
-        exc: TimeoutError | TransportError,
-        wall: float,
-        timeout: float | None,
-        timeout_source: str | None,
-    ) -> None:
-        """How a call that ended in the transport is told (shared by `run` and `arun`)."""
-        if isinstance(exc, TimeoutError):
-            self._on_timeout(builder, wall, timeout, timeout_source)
-        elif isinstance(exc, ConnectionLost):
-            self._on_lost(builder)
-        elif isinstance(exc, MessageTooLarge):
-            self._on_too_large(builder, exc)
-        else:
-            self._on_transport_error(builder, exc)
+        call = self.call_class(
+            self,
+            timeout=timeout,
+            on_event=on_event,
+            session=session,
+            timeout_source=timeout_source,
+            host_call=host_call,
+        )
+        return call.run(code, filename)
 
     async def arun(
         self,
@@ -883,33 +294,15 @@ class WorkerProcess:
         host_call: HostCall | None = None,
     ) -> RunResult:
         """The async twin of `run()` (an asyncio connection; no thread)."""
-        import asyncio  # loaded already: this runs in its loop
-
-        assert self.client is not None and self.policy is not None
-        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = self._builder(wall)
-        t0 = time.monotonic()
-        client = AsyncWorkerClient(
-            self.client.path, self.token, self.client.max_event_bytes, self.client.kind_caps
+        call = self.call_class(
+            self,
+            timeout=timeout,
+            on_event=on_event,
+            session=session,
+            timeout_source=timeout_source,
+            host_call=host_call,
         )
-        client.host_call = self._with_scratch_metadata(host_call)
-        forward = self._forwarder(builder, on_event)
-        self._in_call = True
-        try:
-            try:
-                await client.run(code, t0 + wall, forward, filename)
-            except asyncio.CancelledError:
-                # A cancelled call: the cell in the worker is interrupted too (state kept).
-                self._in_call = False
-                self.interrupt()
-                raise
-            except (TimeoutError, TransportError) as exc:
-                self._on_call_failure(builder, exc, wall, timeout, timeout_source)
-            finally:
-                self._in_call = False
-            return self._finish(builder, t0, session)
-        finally:
-            self._call_ended()
+        return await call.arun(code, filename)
 
     def file_request(self, payload: dict[str, Any], timeout: float) -> Any:
         """One request of the session files API (`_host/files.py`), between calls.
@@ -948,21 +341,6 @@ class WorkerProcess:
             with contextlib.suppress(Exception):
                 hook()
 
-    def _builder(self, wall: float) -> ResultBuilder:
-        """The judge and accumulator of the next call's events
-        (`agent_sandbox._host.intake.events`):
-        it has the host's policy, to make the hints it shows itself (`_hints.host_hint`)."""
-        assert self.policy is not None
-        self.calls += 1
-        return ResultBuilder(
-            self.decoder,
-            self.policy,
-            wall,
-            bounds=self.bounds or HostBounds.from_policy(self.policy),
-            call=self.calls,
-            proxy_token=self.egress_token,
-        )
-
     # -- interrupts ----------------------------------------------------------------------
 
     def worker_pid(self) -> int | None:
@@ -972,7 +350,7 @@ class WorkerProcess:
         if self.plan is not None and self.plan.interrupt_launcher:
             self._host_pid = self.proc.pid  # it forwards the signal into the VM
             return self._host_pid
-        inner = str(self.hello.get("pid", ""))
+        inner = str(self.hello.pid) if self.hello is not None else ""
         for pid, _level in [(self.proc.pid, 0), *_descendants(self.proc.pid)]:
             try:
                 with open(f"/proc/{pid}/status") as fh:
@@ -1034,267 +412,12 @@ class WorkerProcess:
         try:
             probe.hello(timeout)
             return True
-        except (TimeoutError, TransportError, OSError):
+        except (TimeoutError, TransportError, OSError, HelloError):
             return False
         finally:
             probe.close()
 
-    def _finish(self, builder: ResultBuilder, t0: float, session: str | None) -> RunResult:
-        assert self.policy is not None
-        if self.egress is not None:
-            # The proxy's refusals, recorded on the host: the worker cannot drop or forge them.
-            for denial in self.egress.drain():
-                builder.add_proxy_denial(denial)
-            self.egress.end_call()  # no tunnel of this call outlives it (net.keep_connections)
-        if self.kernel_log is not None:
-            # Landlock's refusals as the kernel logged them, recorded by the host; the
-            # ones the Python guards already reported for the same target are not repeated.
-            from agent_sandbox._host.denial_log import merge_into
-
-            merge_into(builder.add_denial, builder.denials, self.kernel_log.drain())
-        if self.egress is not None and self.egress.failure is not None and not self.dead:
-            # The proxy never served this worker (see EgressProxy.attach): not kept.
-            self.death_reason = self.egress.failure
-            builder.notices.append(f"the egress proxy failed: {self.egress.failure}")
-            self.discard()
-        watch = self.guard_watch
-        if watch is not None and watch.reason:
-            self._on_tampered(builder, watch.reason)
-        elif watch is not None and watch.lost:
-            self._on_unverified(builder)
-        self.rewind_log()
-        if (
-            record_limit_hits(
-                builder,
-                self.cgroups,
-                self.policy,
-                scratch=self.scratch,
-                guest=self.guest_limits,
-                scratch_in_memory=self.scratch_in_memory(),
-            )
-            and not self.dead
-        ):
-            self.death_reason = "it hit a resource limit"
-            self.discard()
-        for denial in builder.denials:
-            if denial.rule.startswith("limits."):
-                _logger.info("worker %s: %s hit (%s)", self.id, denial.rule, denial.target)
-        if builder.discard:
-            self.death_reason = "a guard was tampered with"
-            self.discard()
-        if not builder.done and not self.dead:
-            # The stream ended without `done`: the worker is in an unknown state.
-            self.death_reason = "the call ended without completing its stream"
-            self.discard()
-        return builder.build(
-            duration=time.monotonic() - t0,
-            worker_id=self.id,
-            session=session,
-            policy=self.policy.name,
-            fingerprint=self.policy.fingerprint(),
-            provider=self.plan.provider if self.plan else "",
-            stack=tuple(self.plan.stack) if self.plan else (),
-        )
-
-    def _limit(
-        self,
-        builder: ResultBuilder,
-        rule: str,
-        target: str,
-        detail: str,
-        hint: str,
-        error_type: str,
-    ) -> None:
-        assert self.policy is not None
-        denial = Denial(
-            rule=rule,
-            action="run",
-            target=target,
-            policy=self.policy.name,
-            detail=detail,
-            hint=hint,
-        )
-        builder.add_denial(denial)
-        builder.error = RunError(kind="limit", type=error_type, message=denial.message(), rule=rule)
-
-    def _on_tampered(self, builder: ResultBuilder, reason: str) -> None:
-        """The host saw the guards switched off: withhold the call's output, end the worker."""
-        assert self.policy is not None
-        self.death_reason = "its guards were switched off during a call"
-        self.discard()
-        builder.withhold()
-        denial = Denial(
-            rule="guard.tampered",
-            action="tamper",
-            target="the guards' arming state",
-            policy=self.policy.name,
-            detail=f"the host read the worker's guard counter: {reason}; the call's output "
-            "was withheld and the worker discarded (the next call starts a fresh interpreter)",
-        )
-        builder.add_denial(denial)
-        builder.error = RunError(
-            kind="denied",
-            type="GuardTampered",
-            message=denial.message(),
-            rule="guard.tampered",
-        )
-
-    def _on_unverified(self, builder: ResultBuilder) -> None:
-        """The worker ended before the host could verify the call: what it held stays
-        withheld. A tampering the worker reported itself is believed (it only discards)."""
-        reported = [
-            str(data.get("target", ""))
-            for kind, data in self._held
-            if kind == "denial" and isinstance(data, dict) and data.get("rule") == "guard.tampered"
-        ]
-        self._held = []
-        if self._held_mark is not None:
-            builder.rollback(self._held_mark)
-            self._held_mark = None
-        if reported:
-            self._on_tampered(builder, "the worker reported: " + "; ".join(reported)[:500])
-            return
-        if builder.error is None:
-            self.death_reason = "it ended before its call could be verified"
-            self.discard()
-            builder.error = RunError(
-                kind="crashed",
-                type="WorkerCrashed",
-                message="the sandbox worker ended before the host could verify its guards for "
-                "this call; the rest of the call's output was withheld and the next call "
-                "starts a fresh interpreter",
-                rule="worker.crashed",
-            )
-
-    def _on_timeout(
-        self, builder: ResultBuilder, wall: float, timeout: float | None, source: str | None
-    ) -> None:
-        assert self.policy is not None
-        if self.stopped():
-            self._on_stopped(builder)
-            return
-        self.death_reason = f"it ran past the wall-clock limit of {wall:g} s"
-        self.kill()
-        policy_wall = self.policy.limits.wall_seconds
-        if timeout is None:
-            origin = f"the policy's limits.wall_seconds = {policy_wall:g}"
-            hint = limit_hint("limits.timeout", {"limits": {"wall_seconds": policy_wall}})
-        else:
-            who = source or "the caller's timeout argument"
-            origin = f"{who} = {timeout:g} (the policy's own limit is {policy_wall:g} s)"
-            hint = f"raise {who} (now {timeout:g} s); the policy is not what stopped it"
-        self._limit(
-            builder,
-            "limits.timeout",
-            "the call",
-            f"it ran longer than {wall:g} s, the limit set by {origin}; its process group was "
-            "killed and the session's variables are lost",
-            hint,
-            "TimeoutError",
-        )
-
-    def _on_lost(self, builder: ResultBuilder) -> None:
-        assert self.policy is not None
-        if self._interrupt_expired is not None:
-            self.dead = True
-            self.kill()
-            builder.error = RunError(
-                kind="crashed",
-                type="Interrupted",
-                message=f"the call was interrupted and did not stop within "
-                f"{self._interrupt_expired:g} s, so its worker was replaced; the session's "
-                "variables are lost and the next call starts a fresh interpreter",
-                rule="worker.crashed",
-            )
-            return
-        how, raw = self._status_now()
-        if how == "running" and self.plan is not None and self.plan.interrupt_launcher:
-            # A worker behind its own kernel (gVisor, a VM) has no host process: its
-            # connection closes when it dies, and its launcher exits a moment later.
-            assert self.proc is not None
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(_LAUNCHER_EXIT_GRACE)
-            how, raw = self._status_now()
-        status = self._worker_status(raw)
-        vm = self._vm_end()  # read before the kill removes the control directory
-        self.dead = True
-        self.kill()
-        if how == "stopped":
-            self._on_stopped(builder)
-            return
-        if how == "running":
-            self.death_reason = "it closed its connection to the host during a call"
-            builder.error = RunError(
-                kind="crashed",
-                type="TransportLost",
-                message="the sandbox worker closed its connection to the host during the "
-                "call while it was still running; it was killed, the session's variables "
-                "are lost and the next call starts a fresh interpreter",
-                traceback=self.log_tail(),
-                rule="worker.crashed",
-            )
-            return
-        if status == -signal.SIGXCPU or (status not in (None, 0) and self._cpu_exhausted()):
-            cpu = self.policy.limits.cpu_seconds
-            self.death_reason = "it used up its CPU time"
-            self._limit(
-                builder,
-                "limits.cpu",
-                "the call",
-                f"it used more than {cpu} s of CPU time and was killed",
-                limit_hint("limits.cpu", {"limits": {"cpu_seconds": cpu}}),
-                "LimitExceeded",
-            )
-            return
-        template = getattr(self.proc, "_template", None)
-        if template is not None and not template.alive():
-            self.death_reason = _TEMPLATE_REASON
-            builder.error = RunError(
-                kind="crashed",
-                type="TemplateEnded",
-                message="the sandbox worker ended during the call because its worker "
-                "template (the process that forks workers) ended; the session's variables "
-                "are lost and the next call starts a fresh interpreter",
-                traceback=self.log_tail(),
-                rule="worker.crashed",
-            )
-            return
-        if vm is not None:
-            self.death_reason = f"its virtual machine (QEMU) ended ({vm})"
-            builder.error = RunError(
-                kind="crashed",
-                type="WorkerCrashed",
-                message="the sandbox worker's virtual machine (the QEMU process) ended during "
-                f"the call ({vm}); the session's variables are lost and "
-                "the next call starts a fresh virtual machine",
-                traceback=self.log_tail(),
-                rule="worker.crashed",
-            )
-            return
-        self.death_reason = f"it crashed ({describe_exit(status)})"
-        builder.error = RunError(
-            kind="crashed",
-            type="WorkerCrashed",
-            message=f"the sandbox worker died during the call ({describe_exit(status)}); "
-            "the session's variables are lost and the next call starts a fresh interpreter",
-            traceback=self.log_tail(),
-            rule="worker.crashed",
-        )
-
-    def _on_stopped(self, builder: ResultBuilder) -> None:
-        """The worker was stopped by a signal (SIGSTOP): it cannot run; it was killed."""
-        self.death_reason = _STOPPED_REASON
-        self.kill()
-        builder.error = RunError(
-            kind="crashed",
-            type="WorkerStopped",
-            message="the sandbox worker was stopped by a signal (SIGSTOP or SIGTSTP) and "
-            "could not finish the call; it was killed, the session's variables are lost and "
-            "the next call starts a fresh interpreter",
-            rule="worker.crashed",
-        )
-
-    def _worker_status(self, status: int | None) -> int | None:
+    def worker_status(self, status: int | None) -> int | None:
         """The worker's own status: a launcher (bwrap, unshare) relays a worker killed by
         signal N as exit status 128 + N, read back here as -N."""
         if status is None or status <= 128 or self.plan is None or self.plan.worker_depth == 0:
@@ -1303,56 +426,6 @@ class WorkerProcess:
             return -signal.Signals(status - 128)
         except ValueError:
             return status
-
-    def _cpu_exhausted(self) -> bool:
-        # A death after the worker's group used up its CPU time: the hard RLIMIT_CPU's
-        # SIGKILL (user code ignored SIGXCPU), however a launcher relays it.
-        assert self.policy is not None
-        used = self.cgroups.cpu_seconds() if self.cgroups is not None else 0.0
-        return used >= self.policy.limits.cpu_seconds
-
-    def _on_too_large(self, builder: ResultBuilder, exc: MessageTooLarge) -> None:
-        """A host bound was crossed: the host stopped reading; the worker is killed, and the
-        call keeps what fit (the output up to the cap, the denials so far)."""
-        assert self.policy is not None
-        self.death_reason = "it sent more than the host accepts from one call"
-        self.kill()
-        builder.value = None
-        output = {"limits": {"output_bytes": self.policy.limits.output_bytes}}
-        if exc.setting == "limits.output_bytes":
-            self._limit(
-                builder,
-                "limits.output",
-                "the worker's output",
-                f"{exc}; the host stopped reading, the worker was killed and its variables "
-                "are lost",
-                limit_hint("limits.output", output),
-                "MessageTooLarge",
-            )
-        else:
-            self._limit(
-                builder,
-                "limits.result",
-                "the result",
-                f"{exc}; the host stopped reading and the worker was killed",
-                limit_hint("limits.result", {"limits": {"result_bytes": exc.cap}}),
-                "MessageTooLarge",
-            )
-
-    def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
-        """The worker broke the protocol (malformed, out of order or contradictory): nothing
-        more it says in this call is believed; it is killed and the call says so."""
-        self.death_reason = "it broke the protocol"
-        self.kill()
-        builder.value = None
-        builder.error = RunError(
-            kind="crashed",
-            type="WorkerMisbehaved",
-            message=f"the sandbox worker broke the protocol and was discarded ({exc}); "
-            "its result is not trusted, the session's variables are lost and the next call "
-            "starts a fresh interpreter",
-            rule="worker.protocol",
-        )
 
     # -- end -----------------------------------------------------------------------------
 
@@ -1368,8 +441,7 @@ class WorkerProcess:
         """TERM the whole process group, then KILL it; reap and remove the directories."""
         with self._lock:
             self.dead = True
-            if self.guard_watch is not None:
-                self.guard_watch.close()
+            self.evidence.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -1402,17 +474,12 @@ class WorkerProcess:
             with contextlib.suppress(Exception):
                 hook()
         self._call_ended()  # handed out and discarded without a call
-        if self.egress is not None:
-            self.egress.close()  # no connection of a discarded worker outlives this call
-        if self.kernel_log is not None:
-            self.kernel_log.close()
+        self.evidence.close()  # no connection of a discarded worker outlives this call
         if not self.dead:
             level = logging.INFO if self.death_reason else logging.DEBUG
             _logger.log(level, "worker %s ended: %s", self.id, self.death_reason or "discarded")
         with self._lock:
             self.dead = True
-            if self.guard_watch is not None:
-                self.guard_watch.close()
             if self.client is not None:
                 self.client.close()
             proc = self.proc
@@ -1454,10 +521,7 @@ class WorkerProcess:
         self._release_scratch()
         if self._egress_channel is not None:
             self._egress_channel.close()
-        if self.egress is not None:
-            self.egress.close()
-        if self.kernel_log is not None:
-            self.kernel_log.close()
+        self.evidence.close()
         if self.cgroups is not None:
             self.cgroups.kill()
             self.cgroups.remove()
@@ -1500,46 +564,6 @@ class WorkerProcess:
                 os.lseek(fd, 0, os.SEEK_SET)
 
 
-#: How long the host waits for the launcher of a worker without a host process to exit
-#: once the worker's connection closed during a call (runsc took a few ms here).
-_LAUNCHER_EXIT_GRACE = 2.0
-
-
-def _live_children(pid: int) -> list[int]:
-    """The children of `pid` that have not ended (zombies excluded)."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                words = fh.read().split()
-        except OSError:
-            continue
-        out += [int(w) for w in words if _proc_state(int(w))[0] not in ("", "Z", "X")]
-    return out
-
-
-def _proc_state(pid: int) -> tuple[str, int]:
-    """A process's state letter and flags from /proc (("", 0) when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return "", 0
-    return _parse_stat(raw)
-
-
-def _parse_stat(stat: bytes) -> tuple[str, int]:
-    fields = stat[stat.rfind(b")") + 2 :].split(None, 7)  # the state and the flags are enough
-    try:
-        return fields[0].decode(), int(fields[6])
-    except (IndexError, ValueError):
-        return "", 0
-
-
 def _signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
@@ -1548,30 +572,3 @@ def _signal_group(pid: int, sig: int) -> None:
     except PermissionError:
         with contextlib.suppress(OSError):
             os.kill(pid, sig)
-
-
-def _accepts(path: str) -> bool:
-    """Whether the Unix socket at `path` takes a connection (closed at once)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except InterruptedError:
-            continue
-        except OSError as exc:
-            if exc.errno == errno.EAGAIN:
-                time.sleep(0.001)
-                continue
-            raise
-        view = view[n:]

@@ -170,7 +170,7 @@ def _live(name: str) -> dict[str, Any]:
         return {"provider": name, "ok": False, "error": str(exc)}
     try:
         ready_ms = (time.perf_counter() - started) * 1000
-        checks = dict(worker.hello.get("checks") or {})
+        checks = worker.hello.checks.to_dict() if worker.hello is not None else {}
         checks.pop("rlimits", None)
         return {"provider": name, "ok": True, "ready_ms": round(ready_ms, 1), "checks": checks}
     finally:

@@ -40,7 +40,7 @@ import time
 from _operator import _compare_digest as compare_digest
 
 from agent_sandbox._denial import Denial
-from agent_sandbox._wire import BootConfig, encode_event
+from agent_sandbox._wire import BootConfig, Hello, LimitReport, SetupChecks, encode_event
 from agent_sandbox._worker import audit
 from agent_sandbox._worker.backstop import BACKSTOP
 from agent_sandbox._worker.hostcall import host_tool_caller
@@ -125,7 +125,7 @@ class _Server:
         #: Under gVisor: where to report the calls that ended with the sandbox at
         #: `limits.processes` (`_ProcessCount`); None elsewhere.
         report = BootConfig.from_dict(boot).worker_setup.limit_report
-        self.process_count = _ProcessCount(report) if isinstance(report, dict) else None
+        self.process_count = _ProcessCount(report) if report is not None else None
         self._files: Any = None  # the session files API (`_worker/files.py`), on first use
 
     # -- connection handling -------------------------------------------------------------
@@ -235,15 +235,18 @@ class _Server:
     # -- routes --------------------------------------------------------------------------
 
     def _hello(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "version": list(sys.version_info[:3]),
-            "prefix": sys.prefix,
-            "base_prefix": sys.base_prefix,
-            "executable": sys.executable,
-            "worker_id": self.boot.get("worker_id", ""),
-            "checks": self.checks,
-        }
+        """The handshake's record (`_wire.Hello`): a check the record does not know fails
+        here, in the worker, before the host would refuse it."""
+        version = sys.version_info
+        return Hello(
+            pid=os.getpid(),
+            version=(version[0], version[1], version[2]),
+            prefix=sys.prefix,
+            base_prefix=sys.base_prefix,
+            executable=sys.executable or "",
+            worker_id=str(self.boot.get("worker_id", "")),
+            checks=SetupChecks(**self.checks),
+        ).to_dict()
 
     def _file_op(self, sock: socket.socket, conn: _Conn, body: bytes) -> None:
         """One operation of the session files API, between calls (`_worker/files.py`)."""
@@ -427,7 +430,7 @@ class _ProcessCount:
     side's word).
     """
 
-    def __init__(self, report: dict[str, Any]) -> None:
+    def __init__(self, report: LimitReport) -> None:
         self.path = str(report["path"])
         self.limit = int(report["processes"])
         self.hits = 0

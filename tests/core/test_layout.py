@@ -30,6 +30,8 @@ FOLDERS = {
 SHARED = frozenset(
     {
         "agent_sandbox._wire",
+        "agent_sandbox._wire_boot",
+        "agent_sandbox._wire_records",
         "agent_sandbox._denial",
         "agent_sandbox._errors",
         "agent_sandbox._render",

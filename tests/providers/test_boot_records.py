@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,22 @@ import pytest
 
 from agent_sandbox import Policy
 from agent_sandbox._errors import ProviderUnavailable
-from agent_sandbox._wire import BootConfig, BootError, WorkerSetup
+from agent_sandbox._wire import (
+    BootConfig,
+    BootError,
+    EgressRelay,
+    EgressSetup,
+    GrantPins,
+    LandlockRuleset,
+    LimitReport,
+    ScratchTmpfs,
+    SeccompProgram,
+    WorkerSetup,
+)
 from agent_sandbox.providers import _landlock, _seccomp
 from agent_sandbox.providers._base import LaunchPlan, ProbeResult, WorkerSpec
 from agent_sandbox.providers._registry import all_providers
-
-from .conftest import accepted_for
+from tests.providers.conftest import accepted_for
 
 SPEC = WorkerSpec(
     python="/opt/venv/bin/python",
@@ -40,9 +51,9 @@ SPEC = WorkerSpec(
     base_prefix="/py",
     egress_fd=7,
 )
-DEFAULT: dict[str, Any] = {"name": "t"}
+DEFAULT = Policy(name="t")
 #: A policy with a remote host: the plans that carry the egress proxy say so.
-NET: dict[str, Any] = {"name": "t", "net": {"rules": [{"host": "api.example.com", "ports": 443}]}}
+NET = Policy(name="t", net={"rules": [{"host": "api.example.com", "ports": 443}]})
 
 #: Which `WorkerSetup` fields each provider's plan sets, for the default policy and for one
 #: with a `[net]` rule, with Landlock and seccomp working here. A field left out is None on
@@ -88,14 +99,14 @@ def _plans(granted: Path) -> dict[str, tuple[LaunchPlan, LaunchPlan | None, Laun
     for provider in all_providers():
         if provider.name == "auto":
             continue
-        # landlock takes only a policy that accepts visible names (test_operation_matrix.py).
+        # The words each provider needs said to take a policy (landlock: visible names).
         words = accepted_for(provider.name)
-        default = provider.build(Policy(**DEFAULT, **words), SPEC)
+        grant = Policy(name="t", files={"read": [str(granted)]}, **words)
+        default = provider.build(DEFAULT.model_copy(update=words), SPEC)
         try:
-            net: LaunchPlan | None = provider.build(Policy(**NET, **words), SPEC)
+            net: LaunchPlan | None = provider.build(NET.model_copy(update=words), SPEC)
         except ProviderUnavailable:
             net = None
-        grant = Policy(name="t", files={"read": [str(granted)]}, **words)
         plans[provider.name] = (default, net, provider.build(grant, SPEC))
     return plans
 
@@ -190,3 +201,76 @@ def test_the_records_are_immutable() -> None:
     changed = setup.replace(drop_caps=True, no_new_privs=None)
     assert dict(changed) == {"drop_caps": True} and dict(setup) == {"no_new_privs": True}
     assert dataclasses.is_dataclass(setup) is False  # (the worker's start imports no dataclasses)
+
+
+# -- the nested fragments ------------------------------------------------------------------
+
+#: The record of each fragment field of `WorkerSetup`.
+FRAGMENTS = {
+    "landlock": LandlockRuleset,
+    "seccomp": SeccompProgram,
+    "seccomp_exec": SeccompProgram,
+    "scratch_tmpfs": ScratchTmpfs,
+    "pins": GrantPins,
+    "egress": EgressSetup,
+    "egress_relay": EgressRelay,
+    "limit_report": LimitReport,
+}
+
+
+def test_every_fragment_of_every_plan_is_its_typed_record(
+    working_kernel: None, tmp_path: Path
+) -> None:
+    """Each fragment a plan sets is its immutable record (never a dict), holds every field
+    its record requires, and the fields the plans set cover each record's fields (none is
+    dead); the worker reads the whole boot configuration back field for field."""
+    used: dict[type, set[str]] = {}
+    for name, plans in _plans(tmp_path).items():
+        for plan in filter(None, plans):
+            setup = plan.worker_setup
+            for field, record in FRAGMENTS.items():
+                value = getattr(setup, field)
+                if value is None:
+                    continue
+                assert type(value) is record, (name, field, type(value))
+                with pytest.raises(AttributeError, match="immutable"):
+                    value.entries = {}  # type: ignore[union-attr]
+                if record is not GrantPins:
+                    assert set(record._REQUIRED) <= set(value), (name, field)
+                    used.setdefault(record, set()).update(value)
+            wire = json.loads(json.dumps(_boot(worker_setup=setup).to_dict()))
+            assert BootConfig.from_dict(wire).worker_setup == setup, name
+    for record in set(FRAGMENTS.values()) - {GrantPins}:
+        want = set(record.__slots__)
+        if os.geteuid() == 0:
+            want -= {"user_ns"}  # (a tmpfs in a user namespace of its own: non-root only)
+        if record is EgressSetup:
+            want -= {"token"}  # the host's, set at each start (`_host/startup.py`), no plan's
+        assert used.get(record) == want, record.__name__
+
+
+@pytest.mark.parametrize(
+    ("field", "fragment", "words"),
+    [
+        ("seccomp", {"bpf": "AAAA", "rulez": 1}, r"seccomp program has unknown rulez"),
+        ("seccomp_exec", {"rules": 2}, r"seccomp program has missing bpf"),
+        ("scratch_tmpfs", {"path": "/s", "bytes": "512"}, r"bytes must be an integer, not str"),
+        ("landlock", {"min_abi": 1, "paths": {}}, r"paths must be a JSON array, not dict"),
+        ("egress", {"fd": 3, "host": "127.0.0.1"}, r"egress has missing port"),
+        ("egress_relay", [], r"egress_relay must be a JSON object, not list"),
+        ("limit_report", {"path": "/r", "processes": True}, r"must be an integer, not bool"),
+        ("pins", {"/etc": [1]}, r"pins map a path to \[st_dev, st_ino\] or null"),
+        ("no_new_privs", 1, r"no_new_privs must be true or false"),
+    ],
+)
+def test_a_malformed_fragment_is_refused_where_built_and_where_read(
+    field: str, fragment: Any, words: str
+) -> None:
+    """A provider building a wrong fragment fails where it builds it; a boot configuration
+    carrying one is refused by the worker's reading; both name what is wrong."""
+    with pytest.raises(BootError, match=words):
+        WorkerSetup(**{field: fragment})
+    wire = _boot().to_dict()
+    wire["worker_setup"] = {field: fragment}
+    with pytest.raises(BootError, match=words):
+        BootConfig.from_dict(wire)

@@ -658,19 +658,19 @@ def test_the_workers_token_is_in_nothing_the_model_or_the_trace_is_shown(
     log records, for every client, refused over plain HTTP and HTTPS."""
     import logging
 
-    from agent_sandbox._host import oplog, process
+    from agent_sandbox._host import oplog, startup
 
     provider = next((p for p in ("bwrap", "unshare") if _available(p)), None)
     if provider is None:
         pytest.skip("no namespace provider here")
     tokens: list[str] = []
-    real = process.new_token
+    real = startup.new_token
 
     def recorded() -> str:
         tokens.append(real())
         return tokens[-1]
 
-    monkeypatch.setattr(process, "new_token", recorded)
+    monkeypatch.setattr(startup, "new_token", recorded)
     monkeypatch.setattr(oplog, "_target", str(tmp_path / "refusals.jsonl"))
     monkeypatch.setattr(oplog, "_from_env", True)
     caplog.set_level(logging.DEBUG)

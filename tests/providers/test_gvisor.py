@@ -640,12 +640,14 @@ def test_the_socket_pin_refuses_a_planted_link(tmp_path: Path) -> None:
         def poll(self) -> None:
             return None
 
+    from agent_sandbox._host.startup import pin_socket
+
     worker = WorkerProcess()
     worker.proc = Alive()  # type: ignore[assignment]
     worker._reaped = True  # nothing to signal: only the pin is under test
     try:
         with pytest.raises(WorkerStartError) as info:
-            worker._pin_socket(str(link), deadline=0.0)
+            pin_socket(worker, str(link), deadline=0.0)
         assert "the worker's socket path is not a socket" in str(info.value)
         with pytest.raises(BlockingIOError):
             server.accept()  # no connection reached the host socket

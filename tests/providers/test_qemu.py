@@ -814,18 +814,22 @@ def test_a_worker_behind_its_own_kernel_gets_no_guard_counter_warning(
     import logging
     import types
 
-    from agent_sandbox._host import process
+    from agent_sandbox._host import startup
+    from agent_sandbox._wire import Hello
 
-    monkeypatch.setattr(process, "_unwatched_warned", False)
+    monkeypatch.setattr(startup, "_unwatched_warned", False)
     worker = object.__new__(WorkerProcess)
     worker.proc = types.SimpleNamespace(pid=os.getpid())  # type: ignore[assignment]
-    worker.hello = {"checks": {"guards": {}}}
+    worker.hello = Hello.from_dict(
+        {"pid": 1, "version": [3, 11, 0], "prefix": "", "base_prefix": "", "executable": "",
+         "worker_id": "w", "checks": {"guards": {}}}
+    )  # fmt: skip
     worker.plan = types.SimpleNamespace(interrupt_launcher=True)  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, logger="agent_sandbox"):
-        worker._watch_guards()
+        startup.watch_guards(worker)
         assert worker.guard_watch is None and caplog.records == []
         worker.plan = types.SimpleNamespace(interrupt_launcher=False)  # type: ignore[assignment]
-        worker._watch_guards()
+        startup.watch_guards(worker)
     [record] = caplog.records
     assert "`_fastimport` is not built" in record.getMessage()
     assert "may not read the worker's memory" not in record.getMessage()

@@ -19,6 +19,17 @@ import h11
 
 from agent_sandbox._host.remote.serve import ServeConfig, WorkerServer
 
+#: A worker's handshake as a pod relays it (`_wire.Hello`), its `remote` section aside.
+HELLO = {
+    "pid": 1,
+    "version": [3, 11, 0],
+    "prefix": "/usr",
+    "base_prefix": "/usr",
+    "executable": "/usr/bin/python3",
+    "worker_id": "w-fake",
+    "checks": {},
+}
+
 
 @contextlib.contextmanager
 def serving(config: ServeConfig) -> Iterator[WorkerServer]:
@@ -99,7 +110,7 @@ class HostilePod:
                     return
                 body = {"bound": True} if request.target == b"/v1/bind" else {}
                 if request.target == b"/hello":
-                    body = {"pid": 1, "version": [3, 11, 0], "checks": {}, "remote": self.remote}
+                    body = {**HELLO, "remote": self.remote}
                 data = json.dumps(body).encode()
                 sock.sendall(
                     conn.send(

@@ -165,7 +165,12 @@ def test_the_token_and_bind_secret_never_reach_logs_or_replies(
     worker = _connect(server, certs, token)
     result = worker.run("print('hi')\n1")
     assert result.value == 1
-    texts = [caplog.text, json.dumps(worker.hello), repr(result), json.dumps(result.to_dict())]
+    texts = [
+        caplog.text,
+        json.dumps(worker.hello.to_dict()),
+        repr(result),
+        json.dumps(result.to_dict()),
+    ]
     worker.close()
     for text in texts:
         assert token not in text

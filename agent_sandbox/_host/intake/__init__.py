@@ -21,7 +21,7 @@ reads it only through this package, in this order:
 
 No other host-side module imports `pickle`, `marshal`, `h11`, `httpx` or `tblib`
 (`tests/core/test_layout.py`). Outside this package the host compares the handshake's
-fields with its own (`_host/process.py`) and reads the JSON lines of a worker template,
+fields with its own (`_host/startup.py`) and reads the JSON lines of a worker template,
 which never runs user code (`_host/templates.py`).
 """
 

@@ -38,7 +38,10 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent_sandbox._wire import Hello
 
 __all__ = ["GuardWatch", "HOLD", "PASS", "TAMPERED"]
 
@@ -69,16 +72,15 @@ class GuardWatch:
     # -- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, launcher_pid: int, hello: dict[str, Any]) -> GuardWatch | None:
+    def open(cls, launcher_pid: int, hello: Hello) -> GuardWatch | None:
         """Find the worker under `launcher_pid` and read its block once; None when the
         worker reported no block or the host cannot read it (see the module docstring)."""
-        checks = hello.get("checks") or {}
-        info = (checks.get("guards") or {}).get("block") if isinstance(checks, dict) else None
+        info = (hello.checks.guards or {}).get("block")
         if not isinstance(info, dict):
             return None
+        inner_pid = hello.pid
         try:
             address, head, tail = int(info["address"]), int(info["head"]), int(info["tail"])
-            inner_pid = int(hello.get("pid", -1))
         except (KeyError, TypeError, ValueError):
             return None
         if int(info.get("size", 0)) != _LAYOUT.size:

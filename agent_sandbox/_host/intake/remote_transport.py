@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agent_sandbox._errors import DIST_NAME, TransportError, install_hint
 from agent_sandbox._host.intake.framing import KindCaps, SSEParser
-from agent_sandbox._host.intake.transport import ConnectionLost, _Protocol
-from agent_sandbox._wire import Event, value_budget
+from agent_sandbox._host.intake.transport import ConnectionLost, _Protocol, decode_hello
+from agent_sandbox._wire import Event, Hello, value_budget
 
 if TYPE_CHECKING:
     import httpx
@@ -318,7 +318,10 @@ class RemoteWorkerClient:
         )
         return status
 
-    def hello(self, timeout: float) -> dict[str, Any]:
+    def hello(self, timeout: float) -> tuple[Hello, Any]:
+        """The pod's handshake: its worker's (read by `transport.decode_hello`, which
+        raises HelloError naming what it refuses) and the pod's own `remote` section (the
+        policy and stack it serves, checked by `RemoteWorker`)."""
         status, data = self._retrying("GET", "/hello", None, time.monotonic() + timeout)
         if status == 503:
             raise RemoteNotReady("the remote worker is being bound by this session's other process")
@@ -326,7 +329,8 @@ class RemoteWorkerClient:
             raise TransportError(f"the remote worker refused the handshake (HTTP {status})")
         if not isinstance(data, dict):
             raise TransportError("the remote worker's handshake is not a JSON object")
-        return data
+        remote = data.pop("remote", None)
+        return decode_hello(data), remote
 
     def run(
         self,

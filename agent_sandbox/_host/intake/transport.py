@@ -26,12 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 from agent_sandbox._errors import TransportError
 from agent_sandbox._host.intake.framing import KindCaps, SSEParser
-from agent_sandbox._wire import Event, value_budget
+from agent_sandbox._wire import HELLO_BYTES, Event, Hello, HelloError, value_budget
 
 if TYPE_CHECKING:
     import h11
 
-__all__ = ["AsyncWorkerClient", "ConnectionLost", "WorkerClient"]
+__all__ = [
+    "AsyncWorkerClient",
+    "ConnectionLost",
+    "ReplyTooLarge",
+    "WorkerClient",
+    "decode_hello",
+]
 
 OnEvent = Callable[[Event], None]
 #: Serves one host-tool request (the event's data, the seconds left before the call's
@@ -41,6 +47,17 @@ HostCall = Callable[[Any, float], dict[str, Any]]
 
 class ConnectionLost(TransportError):
     """The worker closed the connection before the response ended (it probably died)."""
+
+
+class ReplyTooLarge(TransportError):
+    """A simple (not streamed) reply of the worker passed the cap the host reads."""
+
+
+def decode_hello(data: Any) -> Hello:
+    """The host's one reading of a worker's handshake (a local worker's, and a remote
+    one's without its pod's `remote` section): `Hello.from_dict`, which refuses an
+    unknown or a missing key and a value of the wrong type with a `HelloError` naming it."""
+    return Hello.from_dict(data)
 
 
 #: How many request heads a connection keeps (one per body length seen last).
@@ -87,11 +104,15 @@ class _Protocol:
         self.streaming = False
         self.parser = SSEParser(max_event_bytes, kind_caps, self.max_values)
         self.body = bytearray()
+        #: The most of a simple reply read (`max_event_bytes` unless a request says less).
+        self.body_cap = max_event_bytes
         self.done = False
         #: The request heads made so far, by (method, target, body length, has a body).
         self._heads: dict[tuple[str, str, int, bool], h11.Request] = {}
 
-    def request(self, method: str, target: str, payload: Any | None = None) -> bytes:
+    def request(
+        self, method: str, target: str, payload: Any | None = None, body_cap: int | None = None
+    ) -> bytes:
         if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
             self.conn.start_next_cycle()
         body = b"" if payload is None else json.dumps(payload).encode()
@@ -111,6 +132,7 @@ class _Protocol:
         self.streaming = False
         self.parser.reset()
         self.body = bytearray()
+        self.body_cap = self.max_event_bytes if body_cap is None else body_cap
         self.done = False
         out = self.conn.send(head) or b""
         if body:
@@ -152,8 +174,10 @@ class _Protocol:
                     events.extend(self.parser.feed(event.data))
                 else:
                     self.body += event.data
-                    if len(self.body) > self.max_event_bytes:
-                        raise TransportError("the worker's reply exceeds the size cap")
+                    if len(self.body) > self.body_cap:
+                        raise ReplyTooLarge(
+                            f"the worker's reply exceeds the size cap ({self.body_cap} bytes)"
+                        )
             elif isinstance(event, h11.EndOfMessage):
                 self.done = True
                 return events
@@ -221,7 +245,13 @@ class WorkerClient:
         return sock, self._proto, poll
 
     def _exchange(
-        self, method: str, target: str, payload: Any, deadline: float, on_event: OnEvent | None
+        self,
+        method: str,
+        target: str,
+        payload: Any,
+        deadline: float,
+        on_event: OnEvent | None,
+        body_cap: int | None = None,
     ) -> _Protocol:
         sock, proto, poll = self._connect(deadline)
         fd = sock.fileno()
@@ -230,7 +260,7 @@ class WorkerClient:
         buffer = self._buffer
         received = memoryview(buffer)
         try:
-            view = memoryview(proto.request(method, target, payload))
+            view = memoryview(proto.request(method, target, payload, body_cap))
             while view:
                 try:
                     view = view[sock.send(view) :]
@@ -265,15 +295,22 @@ class WorkerClient:
             raise
         return proto
 
-    def hello(self, timeout: float) -> dict[str, Any]:
-        """The handshake; raises TimeoutError when the worker does not answer in time."""
-        proto = self._exchange("GET", "/hello", None, time.monotonic() + timeout, None)
+    def hello(self, timeout: float) -> Hello:
+        """The handshake, read by `decode_hello`; raises TimeoutError when the worker does
+        not answer in time, HelloError when its answer is not a handshake the host reads
+        (more than `HELLO_BYTES`, not JSON, or not a `Hello`)."""
+        deadline = time.monotonic() + timeout
+        try:
+            proto = self._exchange("GET", "/hello", None, deadline, None, HELLO_BYTES)
+        except ReplyTooLarge:
+            raise HelloError(f"the handshake is more than {HELLO_BYTES} bytes") from None
         if proto.status != 200:
             raise TransportError(f"the worker refused the handshake (HTTP {proto.status})")
-        data = proto.json_body()
-        if not isinstance(data, dict):
-            raise TransportError("the worker's handshake is not a JSON object")
-        return data
+        try:
+            data = json.loads(proto.body)
+        except (ValueError, RecursionError):
+            raise HelloError("the handshake is not JSON (or nested too deep)") from None
+        return decode_hello(data)
 
     def run(
         self, code: str, deadline: float, on_event: OnEvent, filename: str | None = None

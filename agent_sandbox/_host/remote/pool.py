@@ -36,7 +36,12 @@ from agent_sandbox._host.intake.remote_transport import RemoteTLS
 from agent_sandbox._host.remote.claims import Claim, ClaimBackend, ClaimCapacityError, claim_name
 from agent_sandbox._host.remote.local_claims import LocalClaimBackend, ServerFiles
 from agent_sandbox._host.remote.provider import RemoteProvider
-from agent_sandbox._host.remote.worker import RemoteWorker, SessionConflict, session_token
+from agent_sandbox._host.remote.worker import (
+    RemoteCall,
+    RemoteWorker,
+    SessionConflict,
+    session_token,
+)
 from agent_sandbox.policies import Policy, RemotePolicy
 
 __all__ = ["RemotePool", "claim_worker", "provider_for"]
@@ -48,10 +53,33 @@ BIND_SECRET_ENV = "AGENT_SANDBOX_BIND_SECRET"
 ROUTER_TOKEN_ENV = "AGENT_SANDBOX_ROUTER_TOKEN"
 
 
+class ClaimedCall(RemoteCall):
+    """A call on a claimed worker: as a remote one's, but a server the claim backend sees
+    stopped (`ClaimedWorker.stopped`) is named as such."""
+
+    def _on_stopped(self) -> None:
+        """Its server was stopped by a signal: named as such, not as the code's timeout."""
+        from agent_sandbox._host.result import RunError
+
+        worker = self.worker
+        worker.death_reason = "its server was stopped by a signal (SIGSTOP or SIGTSTP)"
+        worker.dead = True
+        self.builder.error = RunError(
+            kind="crashed",
+            type="WorkerStopped",
+            message="the remote sandbox worker's server was stopped by a signal (SIGSTOP or "
+            "SIGTSTP) and could not finish the call; it was ended, the session's variables "
+            "are lost and the next call starts a fresh worker",
+            rule="worker.crashed",
+        )
+
+
 class ClaimedWorker(RemoteWorker):
     """A remote worker that holds a claim and one of its provider's claim slots; discarding
     it gives both back (the claim is deleted unless another process bound its worker and
     that worker still runs: then this host only leaves)."""
+
+    call_class = ClaimedCall
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,21 +97,6 @@ class ClaimedWorker(RemoteWorker):
         provider, claim = self.provider, self.claim
         check = getattr(provider.backend, "stopped", None) if provider is not None else None
         return bool(claim is not None and check is not None and check(claim))
-
-    def _on_stopped(self, builder: Any) -> None:
-        """Its server was stopped by a signal: named as such, not as the code's timeout."""
-        from agent_sandbox._host.result import RunError
-
-        self.death_reason = "its server was stopped by a signal (SIGSTOP or SIGTSTP)"
-        self.dead = True
-        builder.error = RunError(
-            kind="crashed",
-            type="WorkerStopped",
-            message="the remote sandbox worker's server was stopped by a signal (SIGSTOP or "
-            "SIGTSTP) and could not finish the call; it was ended, the session's variables "
-            "are lost and the next call starts a fresh worker",
-            rule="worker.crashed",
-        )
 
     def discard(self) -> None:
         if self._busy:

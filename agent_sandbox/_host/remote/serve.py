@@ -492,7 +492,9 @@ class WorkerServer:
             return False
         self._last_activity = time.monotonic()
         if target == b"/hello":
-            self._reply(sock, conn, 200, {**self.worker.hello, "remote": self.remote_info})
+            hello = self.worker.hello
+            assert hello is not None  # (a started worker)
+            self._reply(sock, conn, 200, {**hello.to_dict(), "remote": self.remote_info})
             return True
         if target == b"/run":
             return self._run(sock, conn, body)

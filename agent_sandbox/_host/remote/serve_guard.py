@@ -1,11 +1,11 @@
 """The guard check of `agent-sandbox worker serve`: its worker's guard counter, read in the pod.
 
 On a local host the agent's host reads the worker's arming counter from the worker's memory
-before it passes each event on (`_host/intake/guard_block.py`, `WorkerProcess._forwarder`).
+before it passes each event on (`_host/intake/guard_block.py`, `evidence.GuardEvidence`).
 An agent's host cannot read a remote worker's memory, so the pod's own process, the worker's
 parent and outside its sandbox, does the same reading for every event it relays
 (`_host/remote/serve.py`), and tells the agent's host by a `guard.tampered` denial on a cut
-stream (`RemoteWorker._on_lost` withholds the call's output).
+stream (`RemoteCall._on_lost` withholds the call's output).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class CallGuard:
 
     def tamper_event(self, policy: str) -> bytes:
         """What the host gets instead of the rest of the call (it then finds the stream cut
-        and withholds the call's output, `RemoteWorker._on_lost`)."""
+        and withholds the call's output, `RemoteCall._on_lost`)."""
         from agent_sandbox._denial import Denial
         from agent_sandbox._wire import encode_event
 

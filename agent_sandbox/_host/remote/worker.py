@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_sandbox._errors import TransportError, WorkerStartError
-from agent_sandbox._host.intake.builder import ResultBuilder
+from agent_sandbox._host.call import Call
 from agent_sandbox._host.intake.events import HostBounds
 from agent_sandbox._host.intake.remote_transport import (
     RemoteBusy,
@@ -37,6 +37,7 @@ from agent_sandbox._host.intake.remote_transport import (
 from agent_sandbox._host.intake.unpickle import Decoder
 from agent_sandbox._host.process import OnEvent, WorkerProcess
 from agent_sandbox._host.result import NO_BOUNDARY, RunError, RunResult, boundary_name
+from agent_sandbox._wire import HelloError
 from agent_sandbox.policies import Policy
 from agent_sandbox.providers import LaunchPlan
 
@@ -57,8 +58,79 @@ def session_token(key: bytes, claim_name: str) -> str:
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
+class RemoteCall(Call):
+    """One call on a remote worker: the local call, judged the same way, but the worker's
+    call number is not checked against this host's count (another agent process serving
+    the same thread makes calls on the same worker too), a busy pod leaves the session as
+    it was, and a lost stream is told as the pod's."""
+
+    worker: RemoteWorker
+
+    def __init__(self, worker: WorkerProcess, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.builder.call = None
+
+    async def arun_remote(
+        self, client: RemoteWorkerClient, code: str, filename: str | None
+    ) -> RunResult:
+        """The call over the pod's own asyncio TLS connection (`RemoteWorker.arun`)."""
+        worker = self.worker
+        t0 = time.monotonic()
+        forward = self._forwarder()
+        worker._in_call = True
+        try:
+            await client.arun(code, t0 + self.wall, forward, filename)
+        except (TimeoutError, TransportError) as exc:
+            self._on_failure(exc)
+        finally:
+            worker._in_call = False
+        return self._finish(t0)
+
+    def _on_transport_error(self, exc: TransportError) -> None:
+        if isinstance(exc, RemoteBusy):
+            self.worker._busy = True
+            self.builder.error = RunError(
+                kind="limit",
+                type="SessionBusy",
+                message="this thread's remote worker is already running a call (one call at a "
+                "time per session); wait for it to finish, then call again",
+                rule="remote.busy",
+            )
+            return
+        super()._on_transport_error(exc)
+
+    def _on_lost(self) -> None:
+        worker, builder = self.worker, self.builder
+        tampered = [d for d in builder.denials if d.rule == "guard.tampered"]
+        if tampered:
+            # The pod read its worker's guard counter, found it tampered with and cut the
+            # stream: as on a local host, the call's output is withheld and the worker gone.
+            worker.death_reason = "its guards were switched off during a call"
+            worker.kill()
+            builder.withhold()
+            builder.error = RunError(
+                kind="denied",
+                type="GuardTampered",
+                message=tampered[-1].message(),
+                rule="guard.tampered",
+            )
+            return
+        worker.death_reason = "the connection to it was lost"
+        worker.kill()
+        builder.error = RunError(
+            kind="crashed",
+            type="WorkerCrashed",
+            message="the remote sandbox worker's connection was lost during the call (the "
+            "worker died, or its pod or the network went away); the session's variables "
+            "are lost and the next call starts a fresh worker",
+            rule="worker.crashed",
+        )
+
+
 class RemoteWorker(WorkerProcess):
     """A handshaken remote worker; use `connect()` to bind (or adopt) one."""
+
+    call_class = RemoteCall
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,7 +189,7 @@ class RemoteWorker(WorkerProcess):
                 while True:
                     remaining = max(0.05, start_timeout - (time.monotonic() - t0))
                     try:
-                        self.hello = client.hello(remaining)
+                        self.hello, remote = client.hello(remaining)
                         break
                     except RemoteNotReady:
                         # Adopted while the other process's bind still starts the worker.
@@ -131,7 +203,11 @@ class RemoteWorker(WorkerProcess):
                         "match this one's)"
                     ) from None
                 raise WorkerStartError(f"the remote worker's handshake failed: {exc}") from None
-            self._verify_remote()
+            self._verify_remote(remote)
+        except HelloError as exc:
+            client.close()
+            self.dead = True
+            raise WorkerStartError(f"the remote worker's handshake was refused: {exc}") from None
         except TimeoutError as exc:
             client.close()
             self.dead = True
@@ -147,9 +223,8 @@ class RemoteWorker(WorkerProcess):
         self.started_at = time.monotonic()
         return self
 
-    def _verify_remote(self) -> None:
+    def _verify_remote(self, remote: Any) -> None:
         assert self.policy is not None
-        remote = self.hello.get("remote")
         if not isinstance(remote, dict):
             raise WorkerStartError("the remote worker's handshake lacks its `remote` section")
         if remote.get("fingerprint") != self.policy.fingerprint():
@@ -284,66 +359,15 @@ class RemoteWorker(WorkerProcess):
         timeout_source: str | None,
         filename: str | None,
     ) -> RunResult:
-        assert self.policy is not None
-        wall = timeout if timeout is not None else self.policy.limits.wall_seconds
-        builder = self._builder(wall)
-        t0 = time.monotonic()
-        forward = self._forwarder(builder, on_event)
+        call = RemoteCall(
+            self,
+            timeout=timeout,
+            on_event=on_event,
+            session=session,
+            timeout_source=timeout_source,
+        )
         self._busy = False
-        self._in_call = True
         try:
-            try:
-                await client.arun(code, t0 + wall, forward, filename)
-            except (TimeoutError, TransportError) as exc:
-                self._on_call_failure(builder, exc, wall, timeout, timeout_source)
-            finally:
-                self._in_call = False
-            return self._finish(builder, t0, session)
+            return await call.arun_remote(client, code, filename)
         finally:
             self._busy = False
-
-    def _builder(self, wall: float) -> ResultBuilder:
-        # The worker's call number is not checked against this host's count: another agent
-        # process serving the same thread makes calls on the same worker too.
-        builder = super()._builder(wall)
-        builder.call = None
-        return builder
-
-    def _on_transport_error(self, builder: ResultBuilder, exc: TransportError) -> None:
-        if isinstance(exc, RemoteBusy):
-            self._busy = True
-            builder.error = RunError(
-                kind="limit",
-                type="SessionBusy",
-                message="this thread's remote worker is already running a call (one call at a "
-                "time per session); wait for it to finish, then call again",
-                rule="remote.busy",
-            )
-            return
-        super()._on_transport_error(builder, exc)
-
-    def _on_lost(self, builder: ResultBuilder) -> None:
-        tampered = [d for d in builder.denials if d.rule == "guard.tampered"]
-        if tampered:
-            # The pod read its worker's guard counter, found it tampered with and cut the
-            # stream: as on a local host, the call's output is withheld and the worker gone.
-            self.death_reason = "its guards were switched off during a call"
-            self.kill()
-            builder.withhold()
-            builder.error = RunError(
-                kind="denied",
-                type="GuardTampered",
-                message=tampered[-1].message(),
-                rule="guard.tampered",
-            )
-            return
-        self.death_reason = "the connection to it was lost"
-        self.kill()
-        builder.error = RunError(
-            kind="crashed",
-            type="WorkerCrashed",
-            message="the remote sandbox worker's connection was lost during the call (the "
-            "worker died, or its pod or the network went away); the session's variables "
-            "are lost and the next call starts a fresh worker",
-            rule="worker.crashed",
-        )

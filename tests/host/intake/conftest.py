@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent_sandbox import Policy, Sandbox
-from agent_sandbox._host import process
+from agent_sandbox._host import startup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -86,11 +86,11 @@ def objects_policy() -> Policy:
 
 @pytest.fixture(scope="module")
 def objects_sandbox(objects_policy: Policy) -> Iterator[Sandbox]:
-    original = process.import_roots
-    process.import_roots = lambda: (*original(), HERE)  # type: ignore[assignment]
+    original = startup.import_roots
+    startup.import_roots = lambda: (*original(), HERE)  # type: ignore[assignment]
     sb = Sandbox(objects_policy, warm=0)
     try:
         yield sb
     finally:
         sb.close()
-        process.import_roots = original  # type: ignore[assignment]
+        startup.import_roots = original  # type: ignore[assignment]
