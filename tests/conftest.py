@@ -213,6 +213,17 @@ def sandbox(policy: Policy) -> Iterator[Sandbox]:
         sb.close()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Give the run Python's own SIGINT handler when it inherited SIGINT ignored (a shell
+    without job control starts its background commands so, and Python then installs no
+    handler). The Ctrl-C tests (test_lifecycle, test_ns_templates) send SIGINT and expect
+    KeyboardInterrupt, as an interactive caller would get it; the worker sets its own."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_crewai_lock_files_left() -> Iterator[None]:
     """CrewAI leaves a `crewai:<md5>.lock` file in the temp dir for every lock it takes; the
