@@ -18,7 +18,15 @@ from agent_sandbox._errors import describe_exit
 if TYPE_CHECKING:
     from agent_sandbox._host.process import WorkerProcess
 
-__all__ = ["cpu_exhausted", "live_children", "parse_stat", "proc_state", "status_now", "vm_end"]
+__all__ = [
+    "cpu_exhausted",
+    "live_children",
+    "parse_stat",
+    "proc_children",
+    "proc_state",
+    "status_now",
+    "vm_end",
+]
 
 #: How long a worker seen exiting (after its connection closed) has to give its status.
 _EXITING_WAIT = 2.0
@@ -82,6 +90,12 @@ def cpu_exhausted(worker: WorkerProcess) -> bool:
 
 def live_children(pid: int) -> list[int]:
     """The children of `pid` that have not ended (zombies excluded)."""
+    return [child for child in proc_children(pid) if proc_state(child)[0] not in ("", "Z", "X")]
+
+
+def proc_children(pid: int) -> list[int]:
+    """The children of `pid` as /proc lists them, thread by thread (ended ones included;
+    [] when it is gone)."""
     out: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -89,11 +103,10 @@ def live_children(pid: int) -> list[int]:
         return out
     for tid in tasks:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                words = fh.read().split()
-        except OSError:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
+                out.extend(int(p) for p in fh.read().split())
+        except (OSError, ValueError):
             continue
-        out += [int(w) for w in words if proc_state(int(w))[0] not in ("", "Z", "X")]
     return out
 
 

@@ -40,6 +40,8 @@ import os
 import struct
 from typing import TYPE_CHECKING
 
+from agent_sandbox._host.exit_status import proc_children
+
 if TYPE_CHECKING:
     from agent_sandbox._wire import Hello
 
@@ -203,7 +205,7 @@ def _candidates(launcher_pid: int, inner_pid: int) -> list[int]:
         seen.add(pid)
         if _innermost_pid(pid) == inner_pid:
             found.append(pid)
-        todo.extend(_children(pid))
+        todo.extend(proc_children(pid))
     return found
 
 
@@ -216,18 +218,3 @@ def _innermost_pid(pid: int) -> int:
     except (OSError, ValueError):
         pass
     return -1
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
-                out.extend(int(p) for p in fh.read().split())
-        except (OSError, ValueError):
-            continue
-    return out
