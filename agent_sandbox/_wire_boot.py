@@ -369,22 +369,10 @@ class BootConfig(_Record):
 
     @classmethod
     def from_dict(cls, data: Any) -> BootConfig:
-        """Read the wire form; an unknown or a missing key is an error naming it."""
-        if not isinstance(data, dict):
-            raise BootError(f"the boot configuration must be a JSON object, not {type(data)}")
-        unknown = sorted(set(data) - set(cls.__slots__))
-        missing = [n for n in cls.__slots__ if n not in data]
-        if unknown or missing:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing)}")
-            if unknown:
-                parts.append(f"unknown {', '.join(unknown)}")
-            raise BootError(
-                f"the boot configuration has {'; '.join(parts)} (the host and the worker "
-                "come from different versions of agent_sandbox?)"
-            )
-        fields = dict(data)
+        """Read the wire form; an unknown or a missing key is an error naming it (each
+        value is read by the worker step that uses it; `worker_setup` by its record)."""
+        every = dict.fromkeys(cls.__slots__, object)
+        fields = dict(_read_fields("the boot configuration", data, every, cls.__slots__, BootError))
         fields["worker_setup"] = WorkerSetup.from_dict(data["worker_setup"])
         return cls(**fields)
 
