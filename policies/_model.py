@@ -588,7 +588,8 @@ VISIBLE_NAMES_WHY = (
 VISIBLE_NAMES_FIX = (
     'provider = "auto", "bwrap" or "unshare" (they build a view holding only what is '
     "granted; auto takes one where it works here), or accept it in so many words with "
-    'visible_names = "accepted"'
+    'visible_names = "accepted" (for a shipped preset: in a policy file that says '
+    'extends = "<preset>" and that line)'
 )
 
 
