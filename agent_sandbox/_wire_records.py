@@ -23,11 +23,10 @@ __all__ = ["HELLO_BYTES", "BootError", "Hello", "HelloError", "SetupChecks"]
 
 # -- The base of every record -----------------------------------------------------------------
 #
-# Two records, immutable, written over `__slots__` (the worker's start imports neither
-# `dataclasses` nor `typing`): `WorkerSetup`, the kernel steps and services a provider's plan
-# asks the worker to apply to itself, and `BootConfig`, the whole boot configuration the host
-# writes to the worker's boot pipe. `to_dict()` is exactly the JSON that crosses; `from_dict()`
-# is the worker's reading of it, refusing a key it does not know or one that is missing.
+# Immutable, written over `__slots__` (the worker's start imports neither `dataclasses` nor
+# `typing`). `to_dict()` is exactly the JSON that crosses; `from_dict()` is the receiving
+# side's reading of it, refusing a key it does not know, one that is missing, or a value of
+# the wrong type (`_read_fields`).
 
 
 class BootError(ValueError):

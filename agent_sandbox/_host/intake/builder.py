@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from agent_sandbox._denial import Denial, fold_detail, hide_token, is_sensitive
+from agent_sandbox._denial import Denial, find_refusal, fold_detail, hide_token, is_sensitive
 from agent_sandbox._host.intake.errors import check_error
 from agent_sandbox._host.intake.events import (
     MAX_COUNT,
@@ -516,7 +516,6 @@ class ResultBuilder:
         error = self.error
         if error is None:
             return
-        from agent_sandbox._denial import find_refusal
         from agent_sandbox._render import quote
 
         text = f"{error.message}\n{error.traceback}"
